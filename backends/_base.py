@@ -1,0 +1,64 @@
+"""The interface every place that runs a graph implements."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PLATFORMS = ("cpu", "cuda", "rocm", "metal")
+
+
+class BackendUnavailable(RuntimeError):
+    """The asked-for backend cannot run here; the message says what to install."""
+
+
+class GraphError(RuntimeError):
+    """A serialized graph could not be loaded or does not fit this backend."""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    platform: str  # cpu | cuda | rocm | metal
+    device_kind: str  # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
+    device_count: int
+    memory_bytes: int
+    jax_version: str
+
+    def describe(self) -> str:
+        if self.platform == "cpu":
+            return "cpu"
+        count = f" x{self.device_count}" if self.device_count > 1 else ""
+        return f"{self.platform} {self.device_kind}{count}"
+
+
+@dataclass
+class LoadedGraph:
+    """A compiled-on-first-call graph and what it expects."""
+
+    name: str
+    platforms: tuple[str, ...]
+    in_avals: tuple[Any, ...]
+    out_avals: tuple[Any, ...]
+    call: Callable[..., Any]
+
+
+class Backend(abc.ABC):
+    """Loads serialized graphs and moves arrays between host and device."""
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> BackendInfo: ...
+
+    @abc.abstractmethod
+    def load(self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()) -> LoadedGraph:
+        """Deserialize a graph; raises GraphError if it was not lowered for this platform."""
+
+    @abc.abstractmethod
+    def to_device(self, arrays: Sequence[np.ndarray]) -> list[Any]: ...
+
+    @abc.abstractmethod
+    def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]: ...

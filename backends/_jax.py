@@ -1,0 +1,127 @@
+"""JAX backend: runs `jax.export` artifacts on CPU, CUDA, ROCm or Metal."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._base import Backend, BackendInfo, BackendUnavailable, GraphError, LoadedGraph
+
+# What `jax.devices(x)` calls each platform, and what a user installs to get it.
+_JAX_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "METAL"}
+_INSTALL_HINT = {
+    "cpu": "pip install jax jaxlib",
+    "cuda": "pip install 'jax[cuda12]' (or jax[cuda13]) on a machine with an NVIDIA GPU and driver",
+    "rocm": "pip install jax-rocm7-plugin jax-rocm7-pjrt (see JAX's ROCm install notes) on an AMD GPU",
+    "metal": "pip install jax-metal on an Apple-silicon Mac",
+}
+# The name jax.export uses for a platform when lowering.
+_EXPORT_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "metal"}
+
+
+def enable_compilation_cache(path: str | os.PathLike) -> None:
+    """Keep compiled executables on disk so a restart does not recompile the same graph."""
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.fspath(path))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class JaxBackend(Backend):
+    """One JAX platform; uses its first device."""
+
+    def __init__(self, platform: str):
+        import jax
+
+        if platform not in _JAX_PLATFORM:
+            raise BackendUnavailable(f"unknown backend {platform!r}; choose one of {sorted(_JAX_PLATFORM)}")
+        try:
+            devices = jax.devices(_JAX_PLATFORM[platform])
+        except RuntimeError as exc:
+            raise BackendUnavailable(
+                f"backend {platform!r} is not available here ({exc}). To use it: {_INSTALL_HINT[platform]}"
+            ) from None
+        self._jax = jax
+        self._platform = platform
+        self._device = devices[0]
+        self._info = BackendInfo(
+            platform=platform,
+            device_kind=str(self._device.device_kind),
+            device_count=len(devices),
+            memory_bytes=_device_memory(self._device),
+            jax_version=jax.__version__,
+        )
+
+    @property
+    def info(self) -> BackendInfo:
+        return self._info
+
+    @property
+    def device(self) -> Any:
+        return self._device
+
+    def load(self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()) -> LoadedGraph:
+        """Deserialize and compile ahead of time, so the first call runs at full speed."""
+        from jax import export
+
+        try:
+            exported = export.deserialize(bytearray(serialized))
+        except Exception as exc:  # flatbuffers/MLIR raise many types on bad bytes
+            raise GraphError(f"graph {name!r} is not a valid jax.export artifact: {exc}") from exc
+        wanted = _EXPORT_PLATFORM[self._platform]
+        if wanted not in exported.platforms:
+            raise GraphError(
+                f"graph {name!r} was lowered for {', '.join(exported.platforms)}, not {wanted}; "
+                f"the shepherd must export for this worker's platform"
+            )
+        jitted = self._jax.jit(exported.call, donate_argnums=tuple(donate_argnums))
+        specs = [self._jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
+        args, kwargs = self._jax.tree.unflatten(exported.in_tree, specs)
+        try:
+            with self._jax.default_device(self._device):
+                compiled = jitted.lower(*args, **kwargs).compile()
+        except Exception as exc:  # XLA reports unsupported ops etc. with many types
+            raise GraphError(f"graph {name!r} does not compile on {self._platform}: {exc}") from exc
+        return LoadedGraph(
+            name=name,
+            platforms=tuple(exported.platforms),
+            in_avals=tuple(exported.in_avals),
+            out_avals=tuple(exported.out_avals),
+            call=compiled,
+        )
+
+    def to_device(self, arrays: Sequence[np.ndarray]) -> list[Any]:
+        return list(self._jax.device_put(list(arrays), self._device))
+
+    def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        return [np.asarray(a) for a in self._jax.device_get(list(arrays))]
+
+
+def _device_memory(device: Any) -> int:
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # CPU and some plugins do not implement memory_stats
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def select_backend(name: str = "auto") -> JaxBackend:
+    """Pick a backend: `auto` prefers cuda, rocm, metal, then cpu."""
+    if name != "auto":
+        return JaxBackend(name)
+    for platform in ("cuda", "rocm", "metal"):
+        try:
+            return JaxBackend(platform)
+        except BackendUnavailable:
+            continue
+    return JaxBackend("cpu")

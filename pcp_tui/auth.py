@@ -1,0 +1,31 @@
+"""Join tokens: a worker proves it knows the token without sending it."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+NONCE_BYTES = 32
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(18)
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def proof(token: str, nonce: bytes, worker_id: str) -> bytes:
+    """HMAC-SHA256 over the shepherd's fresh nonce and the worker's id.
+
+    A captured proof is useless on another connection (new nonce) and the
+    token itself never crosses the wire.
+    """
+    message = nonce + b"\x00" + worker_id.encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+
+
+def verify(token: str, nonce: bytes, worker_id: str, claimed: bytes) -> bool:
+    return hmac.compare_digest(proof(token, nonce, worker_id), bytes(claimed))

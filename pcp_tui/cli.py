@@ -1,0 +1,117 @@
+"""`pcp-tui`: shepherd, worker and demo commands."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .config import ConfigError, RunConfig
+
+# Help for the run options; every RunConfig field becomes a --flag.
+_HELP = {
+    "model": "model preset: tiny (CPU demo), small, gpt2 (124M)",
+    "data": "text file, folder of text, or nanoGPT .bin tokens (default: the embedded Python-stdlib corpus)",
+    "data_max_bytes": "bytes of the embedded/text corpus to use",
+    "seq_len": "tokens per training sequence",
+    "batch_size": "sequences per inner step, per worker",
+    "compute_dtype": "float32 | bfloat16 (mixed precision: float32 params, bf16 matmuls)",
+    "attention": "xla | cudnn (GPU workers only)",
+    "rounds": "outer rounds (DiLoCo syncs) to run",
+    "inner_steps": "H: inner optimizer steps per worker per round",
+    "chunk_steps": "inner steps per compiled call (progress granularity)",
+    "inner_optimizer": "adamw | sgd",
+    "inner_lr": "inner learning rate (peak, after warm-up)",
+    "warmup_steps": "inner learning-rate warm-up steps",
+    "weight_decay": "inner AdamW weight decay (matrices only)",
+    "grad_clip": "inner gradient clipping by global norm (0: off)",
+    "outer_optimizer": "nesterov | sgd",
+    "outer_lr": "outer learning rate (DiLoCo: 0.7)",
+    "outer_momentum": "outer Nesterov momentum (DiLoCo: 0.9)",
+    "compression": "pseudo-gradient encoding: none | bfloat16 | int8Block",
+    "seed": "seed for initialisation and data order",
+    "eval_every": "evaluate on the held-out split every N rounds",
+    "eval_batches": "held-out batches per evaluation",
+    "workers": "workers to wait for before round 1",
+    "host": "address to listen on",
+    "port": "TCP port to listen on (0: any free port)",
+    "heartbeat_seconds": "heartbeat interval",
+    "heartbeat_timeout": "seconds of silence before a worker counts as lost",
+    "round_timeout": "close a round after this many seconds with the results it has (0: wait for all)",
+    "min_workers": "fewest results a round needs before --round-timeout may close it",
+    "token": "join token workers must prove (default: $PCP_TOKEN or a random one)",
+    "metrics": "append JSON Lines metrics to this file",
+}
+_SKIP = {"platforms"}
+
+
+def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    group = parser.add_argument_group("run options")
+    for field in dataclasses.fields(RunConfig):
+        if field.name in _SKIP:
+            continue
+        default = getattr(defaults, field.name)
+        kind = type(default) if default is not None else str
+        group.add_argument(
+            f"--{field.name.replace('_', '-')}", dest=field.name, type=kind, default=default,
+            help=f"{_HELP.get(field.name, '')} (default: {default})",
+        )
+
+
+def _config_from(args: argparse.Namespace) -> RunConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name not in _SKIP}
+    if not values.get("token"):
+        values["token"] = os.environ.get("PCP_TOKEN") or None
+    return RunConfig(**values).validate()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pcp-tui", description="Train across loosely connected machines (DiLoCo).")
+    parser.add_argument("--version", action="version", version=f"pcp-tui {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    shepherd = commands.add_parser("shepherd", help="coordinate a run: workers connect to it")
+    shepherd.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
+    _add_run_options(shepherd, RunConfig())
+
+    demo = commands.add_parser("demo", help="shepherd plus local worker processes on the embedded corpus")
+    demo.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
+    demo.add_argument("--backend", default="cpu", help="backend of the local workers (default: cpu)")
+    _add_run_options(demo, RunConfig(rounds=12, inner_steps=25, port=0, host="127.0.0.1", warmup_steps=25, inner_lr=2e-3))
+
+    worker = commands.add_parser("worker", help="join a shepherd and train")
+    worker.add_argument("--connect", required=True, metavar="HOST:PORT", help="the shepherd's address")
+    worker.add_argument("--token", default=None, help="join token the shepherd printed (default: $PCP_TOKEN)")
+    worker.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm", "metal"])
+    worker.add_argument("--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)")
+    worker.add_argument("--no-reconnect", action="store_true", help="exit instead of reconnecting when the link breaks")
+    worker.add_argument("--quiet", action="store_true", help="print only errors")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "worker":
+            from .run import run_worker
+
+            return run_worker(args)
+        config = _config_from(args)
+        from .run import run_demo, run_shepherd
+
+        if args.command == "demo":
+            return run_demo(config, headless=args.headless, backend=args.backend)
+        return run_shepherd(config, headless=args.headless)
+    except ConfigError as exc:
+        print(f"pcp-tui: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pcp-tui: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

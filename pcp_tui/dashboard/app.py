@@ -1,0 +1,282 @@
+"""The Textual dashboard: hosts the trio shepherd in guest mode, shows its state, sends it commands.
+
+The shepherd is the same object headless mode runs under `trio.run`; here
+`trio.lowlevel.start_guest_run` drives it on Textual's asyncio loop. The app
+reads `shepherd.state` on a timer (never per message, so 64 chatty workers do
+not cost a redraw each) and calls the shepherd's commands inside trio through
+the guest run's token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import outcome
+import trio
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Footer, Markdown
+
+from ..state import Event, RunState
+from .widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
+
+SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
+
+REFRESH_SECONDS = 0.4
+_FINISHED = ("done", "failed", "stopped")
+
+HELP = """\
+# PCP-TUI dashboard
+
+| key | what it does |
+| --- | --- |
+| `q` | end the run cleanly: finish the current round, tell the workers goodbye, exit. Press again to stop at once. |
+| `p` | pause after the current round / resume |
+| `l` | loss chart: log or linear y axis |
+| `z` | loss chart: show all steps, the latest half, the latest quarter |
+| `c` | copy the join command to the clipboard |
+| `?` | this help (escape closes it) |
+
+**Loss**: training loss per inner step (mean over workers) and held-out loss per round.
+**Round time**: the last round and the mean, split into compute (slowest worker),
+communication (parameters out, results back) and waiting for stragglers.
+**Workers**: lost and refused workers stay listed with the reason.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "dismiss", "close help")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help"):
+            yield Markdown(HELP)
+
+
+class DashboardApp(App[int]):
+    """Shows a RunState; with a shepherd, also runs it (guest mode) and sends it commands."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "PCP-TUI"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("p", "pause", "pause"),
+        Binding("l", "log_scale", "log y"),
+        Binding("z", "zoom", "zoom"),
+        Binding("c", "copy_join", "copy join"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
+    ]
+
+    def __init__(
+        self,
+        state: RunState,
+        shepherd: Any = None,
+        spawn_workers: SpawnWorkers | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        super().__init__()
+        self.state = state
+        self.shepherd = shepherd
+        self._spawn_workers = spawn_workers
+        self._clock = clock
+        self._pending_events: list[Event] = list(state.events)
+        self._refused: dict[str, str] = {}
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._cancel_scope: trio.CancelScope | None = None
+        self.processes: list[trio.Process] = []
+        self.guest_running = False
+        self.failure: str | None = None
+        self._quitting = False
+        self._pause_wanted = False
+        self._loss_key: tuple = ()
+        state.subscribe(self._pending_events.append)
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader(id="header")
+        with Horizontal(id="charts"):
+            yield LossChart(id="loss")
+            yield RoundTiming(id="timing")
+        yield WorkerTable(id="workers")
+        yield EventLog(id="events")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for widget_id, title in (("loss", "Loss"), ("timing", "Round time"), ("workers", "Workers"), ("events", "Events")):
+            self.query_one(f"#{widget_id}").border_title = title
+        self.refresh_from_state()
+        self.set_interval(REFRESH_SECONDS, self.refresh_from_state)
+        if self.shepherd is not None:
+            self.guest_running = True
+            trio.lowlevel.start_guest_run(
+                self._trio_main,
+                run_sync_soon_threadsafe=asyncio.get_running_loop().call_soon_threadsafe,
+                done_callback=self._guest_done,
+                host_uses_signal_set_wakeup_fd=True,
+            )
+
+    # -- the trio side ----------------------------------------------------------
+
+    async def _trio_main(self) -> None:
+        self._trio_token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self._cancel_scope = nursery.cancel_scope
+            port = await nursery.start(self.shepherd.run)
+            if self._spawn_workers is not None:
+                self.processes = await self._spawn_workers(nursery, port)
+
+    def _guest_done(self, result: outcome.Outcome) -> None:
+        self.guest_running = False
+        if isinstance(result, outcome.Error):
+            self.failure = _failure_reason(result.error)
+            self.state.status = "failed"
+        self.refresh_from_state()
+        if self.failure:
+            self.notify(self.failure, title="run failed", severity="error", timeout=30)
+        if self._quitting:
+            self.exit(self.exit_code)
+
+    def _in_trio(self, command: Callable[[], None]) -> bool:
+        """Run a shepherd command inside the guest run (its trio.Events need trio context)."""
+        if self._trio_token is None or not self.guest_running:
+            return False
+        self._trio_token.run_sync_soon(command)
+        return True
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failure or self.state.status == "failed" else 0
+
+    # -- keys -------------------------------------------------------------------
+
+    async def action_quit(self) -> None:
+        if not self.guest_running:
+            self.exit(self.exit_code)
+            return
+        if not self._quitting:
+            self._quitting = True
+            self._in_trio(lambda: self.shepherd.request_stop("quit from the dashboard"))
+            self.notify("finishing the current round and saying goodbye to the workers; q again stops at once")
+        elif self._cancel_scope is not None:
+            self._in_trio(self._cancel_scope.cancel)
+        self.refresh_from_state()
+
+    def action_pause(self) -> None:
+        if self.shepherd is None or self.state.status in _FINISHED:
+            return
+        self._pause_wanted = not self._pause_wanted
+        self._in_trio(self.shepherd.pause if self._pause_wanted else self.shepherd.resume)
+        self.refresh_from_state()
+
+    def action_log_scale(self) -> None:
+        self.query_one(LossChart).toggle_log()
+
+    def action_zoom(self) -> None:
+        self.query_one(LossChart).cycle_window()
+
+    def action_copy_join(self) -> None:
+        if self.state.join_command:
+            self.copy_to_clipboard(self.state.join_command)
+            self.notify("join command copied (terminals with OSC 52 clipboard support)")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    # -- state -> widgets (the one adapter) -------------------------------------
+
+    def refresh_from_state(self) -> None:
+        state = self.state
+        now = self._clock()
+        if state.finished_at is not None:
+            now = state.finished_at
+        events, self._pending_events[:] = list(self._pending_events), []
+        for event in events:
+            if event.kind == "refused":
+                peer = str(event.data.get("peer", "?"))
+                self._refused[peer.rpartition(":")[0] or peer] = event.message.partition(peer)[2].lstrip(": ")
+        self.query_one(RunHeader).show(state, now=now, status=self._status_text(), note=self._note())
+        if self._loss_changed():
+            inner_steps = int(state.settings.get("inner_steps", 1) or 1)
+            self.query_one(LossChart).set_data(
+                list(state.step_losses),
+                [(r.round * inner_steps, r.eval_loss) for r in state.history if r.eval_loss is not None],
+            )
+        self.query_one(RoundTiming).show(state.history)
+        self.query_one(WorkerTable).show(list(state.workers.values()), sorted(self._refused.items()), now=now)
+        self.query_one(EventLog).add_events(events)
+
+    def _loss_changed(self) -> bool:
+        key = (len(self.state.step_losses), self.state.step_losses[-1] if self.state.step_losses else None,
+               len(self.state.history))
+        changed = key != self._loss_key
+        self._loss_key = key
+        return changed
+
+    def _status_text(self) -> str:
+        status = self.state.status
+        if self.failure and status != "failed":
+            return "failed"
+        if self._quitting and status not in _FINISHED:
+            return "stopping"
+        return status
+
+    def _note(self) -> str:
+        if self.failure:
+            return f"failed: {self.failure} (q to exit)"
+        if self.state.status in _FINISHED:
+            return "run over: q to exit"
+        if self._pause_wanted and self.state.status == "training":
+            return "pausing after this round"
+        if self.state.status == "paused":
+            return "paused: p resumes"
+        return ""
+
+
+def _failure_reason(error: BaseException) -> str:
+    """The RunFailed message out of a (possibly nested) exception group, else the error itself."""
+    from ..shepherd import RunFailed
+
+    if isinstance(error, BaseExceptionGroup):
+        matched, _ = error.split(RunFailed)
+        if matched is not None:
+            while isinstance(matched, BaseExceptionGroup):
+                matched = matched.exceptions[0]
+            return str(matched)
+        return "; ".join(_failure_reason(e) for e in error.exceptions)
+    if isinstance(error, RunFailed):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def run_dashboard(shepherd: Any, spawn_workers: SpawnWorkers | None = None) -> int:
+    """Run the shepherd inside the dashboard until the person quits; print a summary; 0 or 1."""
+    app = DashboardApp(shepherd.state, shepherd, spawn_workers)
+    app.run()
+    for process in app.processes:  # only when the app died with the run still going
+        if process.returncode is None:
+            process.kill()
+    state = shepherd.state
+    print(summary(state))
+    if app.exit_code:
+        print(f"pcp-tui: run failed: {app.failure or 'see the events above'}", flush=True)
+    return app.exit_code
+
+
+def summary(state: RunState) -> str:
+    from ..headless import human_bytes
+    from .widgets import duration, loss_text
+
+    last = state.history[-1] if state.history else None
+    evals = [r.eval_loss for r in state.history if r.eval_loss is not None]
+    return (
+        f"run {state.run_id} {state.status}: {len(state.history)}/{state.rounds_total} rounds in "
+        f"{duration(state.elapsed())}; final train loss {loss_text(last.train_loss if last else None)}, "
+        f"eval loss {loss_text(evals[-1] if evals else None)}; "
+        f"sent {human_bytes(state.bytes_sent)}, received {human_bytes(state.bytes_received)}"
+    )

@@ -1,0 +1,195 @@
+"""Corpora, shards and batches: numpy only, so workers need no model code.
+
+A corpus is a 1-D array of tokens with a held-out split. Text is byte level
+(vocab 256); nanoGPT `.bin` files are uint16 GPT-2 tokens. The shepherd cuts the
+training split into one contiguous shard per worker slot; a worker samples its
+batches from its shard with a seed and a stream (slot, round, chunk), so the
+same run draws the same batches again after a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TEXT_SUFFIXES = (".txt", ".md", ".py")
+# Test suites and vendored tools in the stdlib: big, repetitive, and not what we want to model.
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo",
+                "__pycache__", "ensurepip", "venv"}
+_WHAT_TO_DO = "point --data at a text file, a folder of .txt/.md/.py files, or nanoGPT .bin files"
+_BIN_VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64
+
+
+class DataError(ValueError):
+    """The data cannot feed this run; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str  # "python-stdlib (4.0 MiB)" or the path
+    train: np.ndarray  # 1-D tokens: uint8 (byte level) or uint16 (.bin)
+    val: np.ndarray  # held-out split, same dtype, never seen in training
+    vocab_size: int
+    fingerprint: str  # sha256 over dtype + train + val
+
+
+def load_corpus(
+    path: str | os.PathLike | None = None, *, max_bytes: int = 4 * 2**20, val_fraction: float = 0.05
+) -> Corpus:
+    """Load the embedded stdlib corpus (path None), a text file, a folder of text, or `.bin` tokens.
+
+    Text is capped at `max_bytes` (read in order until full, so loading stays
+    fast); `.bin` files are memory-mapped whole. The held-out split is the last
+    `val_fraction` of the text, cut at a file boundary when there are several
+    files, so no validation file is also trained on.
+    """
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    if max_bytes < 1:
+        raise DataError(f"max_bytes must be positive, got {max_bytes}")
+    if path is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        documents = _read_documents(_text_files(root, (".py",), _STDLIB_SKIP), root, max_bytes)
+        total = sum(len(d) for d in documents)
+        return _text_corpus(f"python-stdlib ({total / 2**20:.1f} MiB)", documents, val_fraction)
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data path {str(path)!r} does not exist; {_WHAT_TO_DO}")
+    if path.is_dir() and (path / "train.bin").is_file():
+        return _bin_corpus(path / "train.bin", val_fraction)
+    if path.suffix == ".bin":
+        return _bin_corpus(path, val_fraction)
+    if path.is_dir():
+        files = _text_files(path, TEXT_SUFFIXES, set())
+        documents = _read_documents(files, path, max_bytes)
+    else:
+        documents = [path.read_bytes()[:max_bytes]]
+    return _text_corpus(str(path), documents, val_fraction)
+
+
+def _text_files(root: Path, suffixes: tuple[str, ...], skip: set[str]) -> Iterator[Path]:
+    """Files under root in a deterministic order: a folder's files (sorted), then its sub-folders."""
+    for folder, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.endswith(suffixes) and not name.startswith("."):
+                yield Path(folder) / name
+
+
+def _read_documents(files: Iterator[Path], root: Path, max_bytes: int) -> list[bytes]:
+    """Each file behind a `# ---- relative/path ----` header, until max_bytes (the last one cut)."""
+    documents, total = [], 0
+    for file in files:
+        if total >= max_bytes:
+            break
+        header = f"\n# ---- {file.relative_to(root).as_posix()} ----\n".encode()
+        document = (header + file.read_bytes())[: max_bytes - total]
+        documents.append(document)
+        total += len(document)
+    return documents
+
+
+def _text_corpus(name: str, documents: list[bytes], val_fraction: float) -> Corpus:
+    if sum(len(d) for d in documents) < 2:
+        raise DataError(f"no text found in {name}; {_WHAT_TO_DO}")
+    if len(documents) == 1:
+        text = documents[0]
+        cut = int(len(text) * (1 - val_fraction))
+        line_end = text.rfind(b"\n", 0, cut)
+        cut = line_end + 1 if line_end > len(text) // 2 else max(cut, 1)
+        train, val = text[:cut], text[cut:]
+    else:  # whole files: the file boundary nearest to the requested fraction, >= 1 file each side
+        ends = np.cumsum([len(d) for d in documents])
+        k = 1 + int(np.argmin(np.abs(ends[:-1] - ends[-1] * (1 - val_fraction))))
+        train, val = b"".join(documents[:k]), b"".join(documents[k:])
+    train_tokens = np.frombuffer(train, np.uint8)
+    val_tokens = np.frombuffer(val, np.uint8)
+    return Corpus(name, train_tokens, val_tokens, 256, fingerprint(train_tokens, val_tokens))
+
+
+def _bin_corpus(train_path: Path, val_fraction: float) -> Corpus:
+    """nanoGPT-style uint16 tokens; the held-out split is a sibling val.bin, else the tail."""
+    if train_path.stat().st_size < 4:
+        raise DataError(f"{train_path} holds fewer than 2 tokens; {_WHAT_TO_DO}")
+    tokens = np.memmap(train_path, dtype=np.uint16, mode="r")
+    val_path = train_path.with_name("val.bin")
+    if train_path.name == "train.bin" and val_path.is_file() and val_path.stat().st_size >= 2:
+        train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
+    else:
+        cut = min(max(int(len(tokens) * (1 - val_fraction)), 1), len(tokens) - 1)
+        train, val = tokens[:cut], tokens[cut:]
+    largest = max(int(train.max()), int(val.max()))
+    vocab = max(_BIN_VOCAB, -(-(largest + 1) // 64) * 64)
+    return Corpus(str(train_path), train, val, vocab, fingerprint(train, val))
+
+
+def fingerprint(*arrays: np.ndarray) -> str:
+    """sha256 hex over each array's dtype, length and bytes: equal only for equal token streams."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}:{array.size};".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
+
+
+def split_shards(tokens: np.ndarray, n: int) -> list[np.ndarray]:
+    """n contiguous, disjoint, near-equal shards covering `tokens` (views, no copies)."""
+    if n < 1:
+        raise DataError(f"need at least one shard, got {n}")
+    if len(tokens) < n:
+        raise DataError(f"{len(tokens)} tokens cannot make {n} shards; use fewer workers or more data")
+    return np.array_split(tokens, n)
+
+
+def sample_batches(
+    tokens: np.ndarray, *, steps: int, batch_size: int, seq_len: int, seed: int, stream: tuple[int, ...]
+) -> np.ndarray:
+    """int32[steps, batch_size, seq_len + 1]: random contiguous windows of `tokens`.
+
+    The same (seed, stream) always gives the same batches; different streams
+    give independent ones.
+    """
+    window = seq_len + 1
+    if len(tokens) < window + 1:
+        raise DataError(
+            f"the data shard has {len(tokens)} tokens, too few for windows of {window}; "
+            "use fewer workers, a shorter --seq-len or more data"
+        )
+    rng = np.random.default_rng([seed, *stream])
+    starts = rng.integers(0, len(tokens) - window + 1, size=(steps, batch_size))
+    return np.asarray(tokens[starts[..., None] + np.arange(window)], np.int32)
+
+
+def eval_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, max_batches: int) -> np.ndarray:
+    """int32[n, batch_size, seq_len + 1], n <= max_batches: evenly spaced,
+    non-overlapping windows across the whole held-out split, the same every time."""
+    window = seq_len + 1
+    n = min(max_batches, len(tokens) // (batch_size * window))
+    if n < 1:
+        raise DataError(
+            f"the held-out split has {len(tokens)} tokens, fewer than one eval batch of "
+            f"{batch_size} x {window}; use more data, a smaller --batch-size or a shorter --seq-len"
+        )
+    count = n * batch_size
+    starts = np.arange(count) * (len(tokens) - window) // max(count - 1, 1)
+    windows = np.asarray(tokens[starts[:, None] + np.arange(window)], np.int32)
+    return windows.reshape(n, batch_size, window)
+
+
+def encode_text(text: str) -> np.ndarray:
+    """Byte-level tokens (uint8) of the UTF-8 text."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).copy()
+
+
+def decode_tokens(tokens) -> str:
+    """Text of byte-level tokens; invalid UTF-8 and ids outside 0..255 become U+FFFD."""
+    ids = np.asarray(tokens).reshape(-1).astype(np.int64)
+    ids = np.where((ids >= 0) & (ids < 256), ids, 0xFF)
+    return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")

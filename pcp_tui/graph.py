@@ -1,0 +1,139 @@
+"""Turn a model's loss into the graphs a worker runs, exported with `jax.export`.
+
+The worker never sees Python model code: it gets serialized StableHLO for
+
+- ``init_opt_state(params) -> opt_state``
+- ``train_chunk(params, opt_state, batches[K, ...]) -> (params, opt_state, losses[K])``
+  (K inner optimizer steps in one ``lax.scan``)
+- ``eval_loss(params, batches[N, ...]) -> mean loss``
+
+Parameters and optimizer state cross the graph boundary as flat tuples of arrays
+(parameters in ``param_names`` order), so no custom pytree has to be serialized
+and a worker only ever handles lists of tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import export
+
+LossFn = Callable[[dict[str, jax.Array], jax.Array], jax.Array]
+
+
+@dataclass(frozen=True)
+class InnerOptimizer:
+    """The optimizer each worker runs for its H inner steps."""
+
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    decay_steps: int = 0  # cosine decay to lr/10 over this many steps; 0 keeps lr constant
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+
+    def build(self) -> optax.GradientTransformation:
+        schedule: Any = self.lr
+        if self.decay_steps > self.warmup_steps:
+            schedule = optax.warmup_cosine_decay_schedule(
+                0.0, self.lr, max(self.warmup_steps, 1), self.decay_steps, self.lr / 10
+            )
+        elif self.warmup_steps > 0:
+            schedule = optax.linear_schedule(0.0, self.lr, self.warmup_steps)
+        if self.name == "adamw":
+            # Decay matrices only, as GPT-2/nanoGPT do: not biases or layer-norm scales.
+            decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+            step = optax.adamw(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay, mask=decay_mask)
+        elif self.name == "sgd":
+            step = optax.sgd(schedule)
+        else:
+            raise ValueError(f"unknown inner optimizer {self.name!r} (adamw | sgd)")
+        if self.grad_clip > 0:
+            return optax.chain(optax.clip_by_global_norm(self.grad_clip), step)
+        return step
+
+
+@dataclass(frozen=True)
+class TrainingGraphs:
+    """Serialized graphs plus what both sides need to call them."""
+
+    param_names: tuple[str, ...]
+    train_chunk: bytes
+    init_opt_state: bytes
+    eval_loss: bytes
+    platforms: tuple[str, ...]
+    chunk_steps: int
+    export_seconds: float
+
+    def as_dict(self) -> dict[str, bytes]:
+        return {"train_chunk": self.train_chunk, "init_opt_state": self.init_opt_state, "eval_loss": self.eval_loss}
+
+
+def build_graphs(
+    loss_fn: LossFn,
+    params: Mapping[str, Any],
+    batch_spec: jax.ShapeDtypeStruct,
+    *,
+    inner: InnerOptimizer,
+    chunk_steps: int,
+    eval_batches: int,
+    platforms: tuple[str, ...] = ("cpu", "cuda", "rocm"),
+) -> TrainingGraphs:
+    """Export the worker's graphs for `platforms`.
+
+    `batch_spec` is the shape of one inner step's batch (for a language model,
+    int32[B, T+1]); `train_chunk` takes `chunk_steps` of them stacked.
+    """
+    started = time.perf_counter()
+    names = tuple(sorted(params))
+    param_specs = tuple(jax.ShapeDtypeStruct(np.shape(params[n]), jnp.float32) for n in names)
+    optimizer = inner.build()
+    opt_specs = jax.eval_shape(optimizer.init, dict(zip(names, param_specs, strict=True)))
+    opt_leaves_spec, opt_tree = jax.tree.flatten(opt_specs)
+
+    def as_dict(flat: tuple) -> dict[str, jax.Array]:
+        return dict(zip(names, flat, strict=True))
+
+    def init_opt_state(flat_params: tuple) -> tuple:
+        return tuple(jax.tree.leaves(optimizer.init(as_dict(flat_params))))
+
+    def train_chunk(flat_params: tuple, opt_leaves: tuple, batches: jax.Array):
+        def one_step(carry, batch):
+            p, s = carry
+            value, grads = jax.value_and_grad(loss_fn)(p, batch)
+            updates, s = optimizer.update(grads, s, p)
+            return (optax.apply_updates(p, updates), s), value
+
+        carry = (as_dict(flat_params), jax.tree.unflatten(opt_tree, opt_leaves))
+        (p, s), losses = jax.lax.scan(one_step, carry, batches)
+        return tuple(p[n] for n in names), tuple(jax.tree.leaves(s)), losses
+
+    def eval_loss(flat_params: tuple, batches: jax.Array) -> jax.Array:
+        p = as_dict(flat_params)
+        return jnp.mean(jax.lax.map(lambda b: loss_fn(p, b), batches))
+
+    def stacked(n: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((n, *batch_spec.shape), batch_spec.dtype)
+
+    def exported(fn, *specs) -> bytes:
+        return export.export(jax.jit(fn), platforms=platforms)(*specs).serialize()
+
+    opt_leaf_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in opt_leaves_spec)
+    return TrainingGraphs(
+        param_names=names,
+        train_chunk=exported(train_chunk, param_specs, opt_leaf_specs, stacked(chunk_steps)),
+        init_opt_state=exported(init_opt_state, param_specs),
+        eval_loss=exported(eval_loss, param_specs, stacked(eval_batches)),
+        platforms=platforms,
+        chunk_steps=chunk_steps,
+        export_seconds=time.perf_counter() - started,
+    )

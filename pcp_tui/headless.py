@@ -1,0 +1,98 @@
+"""Headless views of a run: one line per round on the terminal, JSON Lines metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import IO, Any
+
+from .state import Event, RunState
+
+# Events worth a line of their own in headless mode (rounds get the table row).
+_SHOWN = {
+    "listening", "waiting", "joined", "rejoined", "compiled", "lost", "refused", "round_repeated",
+    "late_result", "bad_result", "stragglers", "paused", "resumed", "failed", "checkpoint", "resumed_from",
+}
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(count) < 1000 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} GB"
+
+
+def format_round(record: Any, rounds_total: int) -> str:
+    eval_text = f"{record.eval_loss:.4f}" if record.eval_loss is not None else "   -  "
+    return (
+        f"round {record.round:>4}/{rounds_total:<4} train {record.train_loss:7.4f}  eval {eval_text}  "
+        f"{record.round_seconds:6.2f} s  {record.tokens_per_second:9,.0f} tok/s  "
+        f"sent {human_bytes(record.bytes_sent):>9}  recv {human_bytes(record.bytes_received):>9}  "
+        f"workers {record.workers}"
+    )
+
+
+class HeadlessPrinter:
+    """Prints what happens to a run, for terminals, CI logs and servers."""
+
+    def __init__(self, state: RunState, out: IO[str] = sys.stdout):
+        self._state = state
+        self._out = out
+
+    def __call__(self, event: Event) -> None:
+        if event.kind == "round":
+            line = format_round(event.data["record"], self._state.rounds_total)
+        elif event.kind == "done":
+            line = f"{event.message}; final eval loss {_fmt(event.data.get('final_eval_loss'))}"
+        elif event.kind in _SHOWN:
+            line = event.message
+        else:
+            return
+        print(line, file=self._out, flush=True)
+
+
+class MetricsWriter:
+    """JSON Lines: one object per round and event, flushed as it happens."""
+
+    def __init__(self, path: str, state: RunState):
+        self._state = state
+        try:
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+        except OSError as exc:
+            raise OSError(f"cannot write metrics to {path}: {exc.strerror}") from None
+
+    def __call__(self, event: Event) -> None:
+        if event.kind == "round":
+            row = event.data["record"].as_json()
+        else:
+            row = {"event": event.kind, "message": event.message, **_plain(event.data)}
+        if event.kind == "done":
+            row.update(
+                run_id=self._state.run_id,
+                model=self._state.model_name,
+                param_count=self._state.param_count,
+                bytes_sent=self._state.bytes_sent,
+                bytes_received=self._state.bytes_received,
+            )
+        row["time"] = round(event.at, 3)
+        self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _plain(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if isinstance(v, str | int | float | bool | list | type(None))}
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

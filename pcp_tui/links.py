@@ -1,0 +1,127 @@
+"""The shepherd's side of one worker connection: handshake, sends, liveness."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import trio
+
+import protocol
+
+from . import __version__, auth
+from .state import RunState, WorkerView
+
+HANDSHAKE_SECONDS = 10.0
+
+
+class Refused(Exception):
+    """A peer was turned away for good (bad token, wrong version, bad hello)."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class WorkerLost(Exception):
+    """A connected worker went away or broke the protocol."""
+
+
+@dataclass
+class Hello:
+    worker_id: str
+    hostname: str
+    backend: str
+    platform: str
+
+
+class WorkerLink:
+    """One admitted worker: its stream, its view in RunState, a send lock."""
+
+    def __init__(self, stream: protocol.MessageStream, view: WorkerView, state: RunState, platform: str):
+        self.stream = stream
+        self.view = view
+        self.platform = platform
+        self._state = state
+        self._send_lock = trio.Lock()
+        self.ready = trio.Event()
+        self.closed = False
+        self.lost_reason = ""
+
+    @property
+    def worker_id(self) -> str:
+        return self.view.worker_id
+
+    async def send(self, kind: str, body: dict | None = None, tensors=None, **options) -> int:
+        async with self._send_lock:
+            sent = await self.stream.send(kind, body, tensors, **options)
+        self.view.bytes_out += sent
+        self._state.bytes_sent += sent
+        return sent
+
+    async def receive(self) -> protocol.Message:
+        message = await self.stream.receive()
+        self.view.bytes_in += message.wire_bytes
+        self._state.bytes_received += message.wire_bytes
+        self.view.last_heard = time.monotonic()
+        return message
+
+    async def close(self, reason: str) -> None:
+        """Say goodbye (best effort, bounded in time) and close."""
+        if self.closed:
+            return
+        self.closed = True
+        with trio.move_on_after(2):
+            try:
+                await self.send("goodbye", {"reason": reason})
+            except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        await self.stream.aclose()
+
+
+async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) -> Hello:
+    """Challenge the peer: it must answer with HMAC(token, nonce, id).
+
+    Raises Refused with an error already sent to the peer when it fails.
+    """
+    nonce = auth.new_nonce()
+    await stream.send(
+        "hello",
+        {
+            "supportedVersions": list(protocol.SUPPORTED_VERSIONS),
+            "nonce": nonce,
+            "runId": run_id,
+            "software": f"pcp-tui {__version__}",
+        },
+    )
+    try:
+        message = await stream.receive()
+    except protocol.VersionMismatch as exc:
+        await stream.send_error("versionMismatch", str(exc))
+        raise Refused("versionMismatch", str(exc)) from None
+    if message.kind != "workerHello":
+        reason = f"expected workerHello, got {message.kind}"
+        await stream.send_error("malformed", reason)
+        raise Refused("malformed", reason)
+    body = message.body
+    worker_id = str(body.get("workerId", ""))[:128]
+    if not worker_id:
+        await stream.send_error("malformed", "workerHello has no workerId")
+        raise Refused("malformed", "workerHello has no workerId")
+    if not auth.verify(token, nonce, worker_id, body.get("proof", b"")):
+        reason = "wrong or missing join token"
+        await stream.send_error(
+            "authFailed", f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)"
+        )
+        raise Refused("authFailed", reason)
+    backend = body.get("backend", {})
+    platform = str(backend.get("platform", "cpu"))
+    kind = str(backend.get("deviceKind", ""))
+    described = platform if platform == "cpu" else f"{platform} {kind}".strip()
+    return Hello(
+        worker_id=worker_id,
+        hostname=str(body.get("hostname", ""))[:128],
+        backend=described,
+        platform=platform,
+    )

@@ -1,0 +1,179 @@
+"""GPT-2 in plain JAX: a config, `init`, `apply`, `loss`, read top to bottom.
+
+Parameters are one flat dict of float32 arrays with dotted names
+("wte", "h.0.attn.c_attn.w", ..., "ln_f.scale"), so they travel over the wire
+and into checkpoints as named tensors with no tree machinery. The language-model
+head is tied to the token embedding (logits = x @ wte.T), as in GPT-2.
+
+With compute_dtype="bfloat16" the parameters stay float32 (the optimizer and
+the DiLoCo outer step see full precision) and are cast to bfloat16 inside
+`apply`; layer norms, the softmax inside attention and the loss run in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = dict[str, jax.Array]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128  # longest context; sizes the position embedding
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    compute_dtype: str = "float32"  # float32 | bfloat16 (params stay float32)
+    attention: str = "xla"  # xla | cudnn: the jax.nn.dot_product_attention implementation
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128),
+    "small": GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=8, n_embd=256),
+    "gpt2": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+}
+
+
+def init(config: GPTConfig, key: jax.Array) -> Params:
+    """GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by
+    1/sqrt(2 * n_layer) so the residual stream's variance does not grow with
+    depth, zero biases, unit layer-norm scales."""
+    c, layers = config.n_embd, config.n_layer
+    if c % config.n_head:
+        raise ValueError(f"n_embd ({c}) must be a multiple of n_head ({config.n_head})")
+    keys = iter(jax.random.split(key, 2 + 4 * layers))
+    residual_std = 0.02 / math.sqrt(2 * layers)
+
+    def normal(shape: tuple[int, ...], std: float = 0.02) -> jax.Array:
+        return std * jax.random.normal(next(keys), shape, jnp.float32)
+
+    params: Params = {
+        "wte": normal((config.vocab_size, c)),
+        "wpe": normal((config.block_size, c)),
+    }
+    for i in range(layers):
+        p = f"h.{i}."
+        params |= {
+            p + "ln_1.scale": jnp.ones((c,)), p + "ln_1.bias": jnp.zeros((c,)),
+            p + "attn.c_attn.w": normal((c, 3 * c)), p + "attn.c_attn.b": jnp.zeros((3 * c,)),
+            p + "attn.c_proj.w": normal((c, c), residual_std), p + "attn.c_proj.b": jnp.zeros((c,)),
+            p + "ln_2.scale": jnp.ones((c,)), p + "ln_2.bias": jnp.zeros((c,)),
+            p + "mlp.c_fc.w": normal((c, 4 * c)), p + "mlp.c_fc.b": jnp.zeros((4 * c,)),
+            p + "mlp.c_proj.w": normal((4 * c, c), residual_std), p + "mlp.c_proj.b": jnp.zeros((c,)),
+        }
+    params |= {"ln_f.scale": jnp.ones((c,)), "ln_f.bias": jnp.zeros((c,))}
+    return params
+
+
+def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias).astype(x.dtype)
+
+
+def _attention(config: GPTConfig, p: Params, prefix: str, x: jax.Array) -> jax.Array:
+    b, t, c = x.shape
+    qkv = x @ p[prefix + "c_attn.w"] + p[prefix + "c_attn.b"]
+    q, k, v = jnp.split(qkv.reshape(b, t, 3, config.n_head, c // config.n_head), 3, axis=2)
+    implementation = None if config.attention == "xla" else config.attention
+    y = jax.nn.dot_product_attention(
+        q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True, implementation=implementation
+    )
+    return y.reshape(b, t, c) @ p[prefix + "c_proj.w"] + p[prefix + "c_proj.b"]
+
+
+def _mlp(p: Params, prefix: str, x: jax.Array) -> jax.Array:
+    h = jax.nn.gelu(x @ p[prefix + "c_fc.w"] + p[prefix + "c_fc.b"], approximate=True)
+    return h @ p[prefix + "c_proj.w"] + p[prefix + "c_proj.b"]
+
+
+def apply(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Logits float32[B, T, vocab] for int32 tokens[B, T], T <= block_size."""
+    t = tokens.shape[1]
+    if t > config.block_size:
+        raise ValueError(f"sequence length {t} is longer than block_size {config.block_size}")
+    dtype = jnp.dtype(config.compute_dtype)
+    p = {name: value.astype(dtype) for name, value in params.items()}
+    x = p["wte"][tokens] + p["wpe"][:t]
+    for i in range(config.n_layer):
+        h = f"h.{i}."
+        x = x + _attention(config, p, h + "attn.", _layer_norm(x, p[h + "ln_1.scale"], p[h + "ln_1.bias"]))
+        x = x + _mlp(p, h + "mlp.", _layer_norm(x, p[h + "ln_2.scale"], p[h + "ln_2.bias"]))
+    x = _layer_norm(x, p["ln_f.scale"], p["ln_f.bias"])
+    return (x @ p["wte"].T).astype(jnp.float32)
+
+
+def loss(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (float32) of int32 tokens[B, T+1]:
+    inputs tokens[:, :-1], targets tokens[:, 1:]."""
+    logits = apply(config, params, tokens[:, :-1])
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)
+    return -target.mean()
+
+
+def param_count(params: Params) -> int:
+    return int(sum(np.prod(value.shape) for value in params.values()))
+
+
+def flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM-style: 6N + 12·L·d·T.
+
+    N counts every parameter except the position embedding `wpe` (a lookup, no
+    matmul); the tied token embedding stays in N because it is also the
+    language-model head, a real [d, vocab] matmul. 12·L·d·T is the attention
+    score and value matmuls at sequence length T (T = seq_len, not block_size).
+    """
+    c, layers = config.n_embd, config.n_layer
+    per_layer = 12 * c * c + 13 * c  # c_attn, c_proj, c_fc, c_proj weights + biases + 2 layer norms
+    n = layers * per_layer + config.vocab_size * c + 2 * c
+    return float(6 * n + 12 * layers * c * seq_len)
+
+
+@partial(jax.jit, static_argnums=(0, 5))
+def _next_token(config, params, window, position, key, top_k, temperature):
+    logits = apply(config, params, window)[:, position]
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits / temperature, axis=-1)
+
+
+def generate(
+    config: GPTConfig,
+    params: Params,
+    prompt_tokens: np.ndarray,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    key: jax.Array,
+) -> np.ndarray:
+    """Sample `max_new_tokens` after the prompt; returns prompt + new tokens.
+
+    `prompt_tokens` is int[T] or int[B, T]; the result has the same rank. The
+    forward pass always sees a window of exactly block_size tokens (right-padded,
+    or the last block_size tokens once the text is longer), so it compiles once.
+    """
+    tokens = np.atleast_2d(np.asarray(prompt_tokens, np.int32))
+    if tokens.shape[1] == 0:
+        raise ValueError("generate needs a prompt of at least one token")
+    top_k = min(top_k, config.vocab_size) if top_k else 0
+    window_size = config.block_size
+    for _ in range(max_new_tokens):
+        context = tokens[:, -window_size:]
+        window = np.zeros((tokens.shape[0], window_size), np.int32)
+        window[:, : context.shape[1]] = context
+        key, sample_key = jax.random.split(key)
+        position = jnp.int32(context.shape[1] - 1)
+        new = _next_token(config, params, window, position, sample_key, top_k, max(temperature, 1e-6))
+        tokens = np.concatenate([tokens, np.asarray(new, np.int32)[:, None]], axis=1)
+    return tokens if np.ndim(prompt_tokens) == 2 else tokens[0]

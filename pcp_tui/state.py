@@ -1,0 +1,115 @@
+"""The one object that holds a run's state: the shepherd writes, views read.
+
+The dashboard and the headless printer never reach into sockets or the
+training loop; they read `RunState` and subscribe to its events.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Worker states, in the order a worker normally passes through them.
+WORKER_STATES = ("connecting", "compiling", "idle", "training", "syncing", "lost", "refused", "left")
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    index: int
+    host: str
+    backend: str = ""
+    state: str = "connecting"
+    round: int = 0
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    tokens_per_second: float = 0.0
+    last_heard: float = field(default_factory=time.monotonic)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    rounds_contributed: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round: int
+    train_loss: float
+    eval_loss: float | None
+    round_seconds: float
+    compute_seconds: float  # slowest contributor's compute time
+    communication_seconds: float  # parameter send + result receive, beyond compute
+    straggler_seconds: float  # waiting for the slowest after the median had returned
+    tokens: int
+    tokens_per_second: float
+    bytes_sent: int
+    bytes_received: int
+    workers: int
+    worker_ids: tuple[str, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["worker_ids"] = list(self.worker_ids)
+        return {"event": "round", **data}
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # joined | refused | lost | compiled | round | round_repeated | late_result | ...
+    message: str
+    data: dict[str, Any]
+    at: float = field(default_factory=time.time)
+
+
+Listener = Callable[[Event], None]
+
+
+class RunState:
+    """Everything a view may show about a run."""
+
+    def __init__(self, *, run_id: str, rounds_total: int, settings: dict[str, Any]):
+        self.run_id = run_id
+        self.rounds_total = rounds_total
+        self.settings = settings  # model, algorithm and its hyper-parameters, for display
+        self.model_name = ""
+        self.param_count = 0
+        self.address = ""
+        self.join_command = ""
+        self.status = "starting"  # starting | waiting | training | paused | done | failed | stopped
+        self.round = 0
+        self.started_at = time.monotonic()
+        self.finished_at: float | None = None
+        self.workers: dict[str, WorkerView] = {}
+        self.history: list[RoundRecord] = []
+        self.step_losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=20_000)
+        self.events: collections.deque[Event] = collections.deque(maxlen=2_000)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._listeners: list[Listener] = []
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def emit(self, kind: str, message: str, **data: Any) -> Event:
+        event = Event(kind, message, data)
+        self.events.append(event)
+        for listener in self._listeners:
+            listener(event)
+        return event
+
+    def elapsed(self) -> float:
+        end = self.finished_at if self.finished_at is not None else time.monotonic()
+        return end - self.started_at
+
+    def eta_seconds(self) -> float | None:
+        if not self.history:
+            return None
+        mean = sum(r.round_seconds for r in self.history) / len(self.history)
+        return mean * max(self.rounds_total - len(self.history), 0)
+
+    def active_workers(self) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.state not in ("lost", "refused", "left")]

@@ -1,0 +1,71 @@
+"""What a run trains: initial parameters, a loss, batches and data shards.
+
+This is the only place the shepherd touches model code. Workers get the
+exported graphs and their shard; they never import this module's model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import RunConfig
+from .data import Corpus, eval_batches, load_corpus, split_shards
+from .models import gpt2
+
+
+@dataclass
+class Task:
+    name: str
+    params: dict[str, np.ndarray]
+    loss_fn: Callable[[dict[str, jax.Array], jax.Array], jax.Array]
+    batch_spec: jax.ShapeDtypeStruct  # one inner step's batch
+    corpus: Corpus
+    shards: list[np.ndarray]
+    eval_tokens: np.ndarray  # [N, B, T+1]
+    tokens_per_step: int
+    flops_per_token: float
+
+    @property
+    def param_count(self) -> int:
+        return int(sum(p.size for p in self.params.values()))
+
+
+def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
+    if config.model not in gpt2.PRESETS:
+        raise ValueError(f"unknown model {config.model!r}; presets: {', '.join(gpt2.PRESETS)}")
+    preset = gpt2.PRESETS[config.model]
+    return dataclasses.replace(
+        preset,
+        vocab_size=max(vocab_size, preset.vocab_size) if vocab_size > 256 else vocab_size,
+        block_size=max(preset.block_size, config.seq_len),
+        compute_dtype=config.compute_dtype,
+        attention=config.attention,
+    )
+
+
+def build_task(config: RunConfig, shards: int) -> Task:
+    """Load the corpus, cut `shards` disjoint training shards, initialise the model."""
+    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    gpt = model_config(config, corpus.vocab_size)
+    params = jax.jit(gpt2.init, static_argnums=0)(gpt, jax.random.PRNGKey(config.seed))
+    host_params = {name: np.asarray(value, np.float32) for name, value in params.items()}
+    evals = eval_batches(
+        corpus.val, batch_size=config.batch_size, seq_len=config.seq_len, max_batches=config.eval_batches
+    )
+    return Task(
+        name=f"gpt2-{config.model}",
+        params=host_params,
+        loss_fn=lambda p, tokens: gpt2.loss(gpt, p, tokens),
+        batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),
+        corpus=corpus,
+        shards=split_shards(corpus.train, shards),
+        eval_tokens=evals,
+        tokens_per_step=config.batch_size * config.seq_len,
+        flops_per_token=gpt2.flops_per_token(gpt, config.seq_len),
+    )

@@ -1,0 +1,325 @@
+"""The worker: joins a shepherd, compiles the shipped graphs, trains its shard.
+
+It runs no model code and unpickles nothing: everything it executes is a
+`jax.export` artifact from the plan. Compute runs in a thread
+(`trio.to_thread`) so heartbeats and progress keep flowing while a chunk runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform as host_platform
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+import protocol
+from backends import Backend, GraphError, select_backend
+
+from . import __version__, auth, data
+
+PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
+_LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+class Refused(Exception):
+    """The shepherd turned this worker away for good: do not retry."""
+
+
+class RunOver(Exception):
+    """The shepherd said goodbye: the run is finished."""
+
+
+@dataclass
+class WorkerStatus:
+    """What the worker's own status line shows."""
+
+    state: str = "connecting"
+    shepherd: str = ""
+    worker_index: int | None = None
+    round: int = 0
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    tokens_per_second: float = 0.0
+    message: str = ""
+    listeners: list[Callable[[WorkerStatus], None]] = field(default_factory=list, repr=False)
+
+    def update(self, **changes) -> None:
+        for key, value in changes.items():
+            setattr(self, key, value)
+        for listener in self.listeners:
+            listener(self)
+
+
+@dataclass
+class Plan:
+    names: tuple[str, ...]
+    inner_steps: int
+    chunk_steps: int
+    batch_size: int
+    seq_len: int
+    seed: int
+    slot: int
+    shard: np.ndarray
+    compression: str
+    train_chunk: Callable
+    init_opt_state: Callable
+
+
+class Worker:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str,
+        backend: str | Backend = "auto",
+        worker_id: str | None = None,
+        reconnect: bool = True,
+        max_backoff: float = 30.0,
+    ):
+        self.host, self.port, self.token = host, port, token
+        self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        self.worker_id = worker_id or f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.reconnect = reconnect
+        self.max_backoff = max_backoff
+        self.status = WorkerStatus(shepherd=f"{host}:{port}")
+        self.heartbeat_timeout = 30.0
+        self._plan: Plan | None = None
+        self._opt_state = None
+        self._compiled: dict[bytes, tuple[Callable, Callable]] = {}
+
+    async def run(self) -> None:
+        """Train until the shepherd says goodbye. Raises Refused on a final refusal."""
+        attempt = 0
+        while True:
+            try:
+                stream = await trio.open_tcp_stream(self.host, self.port)
+            except OSError as exc:
+                attempt += 1
+                await self._backoff(attempt, f"cannot reach {self.host}:{self.port} ({exc.strerror or exc})")
+                continue
+            attempt = 0
+            try:
+                await self._session(protocol.MessageStream(stream))
+            except RunOver:
+                self.status.update(state="done", message="the shepherd ended the run")
+                return
+            except protocol.VersionMismatch as exc:
+                raise Refused(str(exc)) from None
+            except (ConnectionLost, *_LINK_ERRORS) as exc:
+                attempt += 1
+                await self._backoff(attempt, f"connection lost ({exc})")
+            finally:
+                with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                    await stream.aclose()
+
+    async def _backoff(self, attempt: int, reason: str) -> None:
+        if not self.reconnect:
+            raise ConnectionLost(reason)
+        delay = min(self.max_backoff, 0.5 * 2 ** min(attempt, 8)) * random.uniform(0.5, 1.0)
+        self.status.update(state="connecting", message=f"{reason}; retrying in {delay:.1f} s")
+        await trio.sleep(delay)
+
+    async def _session(self, stream: protocol.MessageStream) -> None:
+        """One connection, from handshake to goodbye; always ends by raising why."""
+        await self._handshake(stream)
+        plan_message = await _expect(stream, "plan")
+        self.status.update(state="compiling", message="compiling the training graph")
+        sender = _Sender(stream)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats, sender)
+            try:
+                await self._compile(sender, plan_message)
+                rounds_out, rounds_in = trio.open_memory_channel(1)
+                nursery.start_soon(self._train_rounds, sender, rounds_in)
+                await self._receive_loop(stream, rounds_out)
+            except (RunOver, Refused, ConnectionLost, *_LINK_ERRORS) as exc:
+                ended = exc  # re-raised below, outside the nursery, so it is not wrapped in a group
+            nursery.cancel_scope.cancel()
+        raise ended
+
+    async def _compile(self, sender: _Sender, plan_message: protocol.Message) -> None:
+        started = time.perf_counter()
+        self._plan = await trio.to_thread.run_sync(self._load_plan, plan_message)
+        seconds = time.perf_counter() - started
+        await sender.send("ready", {"compileSeconds": seconds, "platform": self.backend.info.platform})
+        self.status.update(state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round")
+
+    async def _handshake(self, stream: protocol.MessageStream) -> None:
+        self.status.update(state="connecting", message="handshake")
+        hello = await _expect(stream, "hello")
+        info = self.backend.info
+        await stream.send(
+            "workerHello",
+            {
+                "supportedVersions": list(protocol.SUPPORTED_VERSIONS),
+                "workerId": self.worker_id,
+                "hostname": host_platform.node(),
+                "backend": {
+                    "platform": info.platform,
+                    "deviceKind": info.device_kind,
+                    "deviceCount": info.device_count,
+                    "memoryBytes": info.memory_bytes,
+                    "jaxVersion": info.jax_version,
+                },
+                "proof": auth.proof(self.token, hello.body["nonce"], self.worker_id),
+                "software": f"pcp-tui {__version__}",
+            },
+        )
+        welcome = await _expect(stream, "welcome")
+        self.heartbeat_timeout = max(10.0, 10 * float(welcome.body.get("heartbeatSeconds", 2.0)))
+        self.status.update(worker_index=int(welcome.body["workerIndex"]), message="admitted")
+
+    def _load_plan(self, message: protocol.Message) -> Plan:
+        body, tensors = message.body, message.tensors
+        shard = tensors[body["shardTensor"]]
+        if data.fingerprint(shard) != body["shardFingerprint"]:
+            raise protocol.MalformedMessage("the data shard does not match its fingerprint")
+        graphs = {g["name"]: tensors[g["tensor"]].tobytes() for g in body["graphs"]}
+        key = graphs["train_chunk"] + graphs["init_opt_state"]
+        if key not in self._compiled:  # a reconnect to the same run reuses compiled graphs
+            try:
+                train = self.backend.load("train_chunk", graphs["train_chunk"], donate_argnums=(0, 1))
+                init = self.backend.load("init_opt_state", graphs["init_opt_state"])
+            except GraphError as exc:
+                raise protocol.MalformedMessage(str(exc)) from None
+            self._compiled = {key: (train.call, init.call)}
+            self._opt_state = None
+        train_chunk, init_opt_state = self._compiled[key]
+        plan = Plan(
+            names=tuple(body["paramNames"]),
+            inner_steps=int(body["innerSteps"]),
+            chunk_steps=int(body["chunkSteps"]),
+            batch_size=int(body["batchSize"]),
+            seq_len=int(body["seqLen"]),
+            seed=int(body["seed"]),
+            slot=int(body["workerSlot"]),
+            shard=shard,
+            compression=str(body.get("compression", "none")),
+            train_chunk=train_chunk,
+            init_opt_state=init_opt_state,
+        )
+        return plan
+
+    async def _receive_loop(self, stream: protocol.MessageStream, rounds: trio.MemorySendChannel) -> None:
+        while True:
+            with trio.move_on_after(self.heartbeat_timeout) as scope:
+                message = await stream.receive()
+            if scope.cancelled_caught:
+                raise ConnectionLost(f"the shepherd was silent for {self.heartbeat_timeout:.0f} s")
+            if message.kind == "roundStart":
+                await rounds.send(message)
+            elif message.kind == "goodbye":
+                raise RunOver(message.body.get("reason", ""))
+            elif message.kind == "error":
+                code, text = message.body.get("code"), message.body.get("message")
+                if code == "badResult":
+                    self.status.update(message=f"shepherd refused a result: {text}")
+                    continue
+                raise Refused(f"the shepherd refused this worker ({code}): {text}")
+            elif message.kind != "heartbeat":
+                raise protocol.MalformedMessage(f"unexpected {message.kind} from the shepherd")
+
+    async def _heartbeats(self, sender: _Sender) -> None:
+        with contextlib.suppress(*_LINK_ERRORS):
+            while True:
+                await sender.send("heartbeat", {"sentAt": time.time()})
+                await trio.sleep(2.0)
+
+    async def _train_rounds(self, sender: _Sender, rounds: trio.MemoryReceiveChannel) -> None:
+        with contextlib.suppress(*_LINK_ERRORS):  # the receive loop reports a broken link
+            async for message in rounds:
+                await self._train_round(sender, message)
+
+    async def _train_round(self, sender: _Sender, message: protocol.Message) -> None:
+        plan = self._plan
+        number = int(message.body["round"])
+        steps = int(message.body.get("innerSteps") or plan.inner_steps)
+        global_params = [np.asarray(message.tensors[n], np.float32) for n in plan.names]
+        started = time.perf_counter()
+        params = self.backend.to_device(global_params)
+        if self._opt_state is None:
+            self._opt_state = await trio.to_thread.run_sync(lambda: plan.init_opt_state(tuple(params)))
+        opt_state = self._opt_state
+        self.status.update(state="training", round=number, step=0, total_steps=steps)
+        losses: list[float] = []
+        last_progress = 0.0
+        chunks = max(steps // plan.chunk_steps, 1)
+        for chunk in range(chunks):
+            batches = data.sample_batches(
+                plan.shard,
+                steps=plan.chunk_steps,
+                batch_size=plan.batch_size,
+                seq_len=plan.seq_len,
+                seed=plan.seed,
+                stream=(plan.slot, number, chunk),
+            )
+            params, opt_state, chunk_losses = await trio.to_thread.run_sync(
+                _run_chunk, plan.train_chunk, params, opt_state, batches
+            )
+            losses.extend(float(x) for x in chunk_losses)
+            elapsed = time.perf_counter() - started
+            tps = len(losses) * plan.batch_size * plan.seq_len / elapsed
+            self.status.update(step=len(losses), loss=losses[-1], tokens_per_second=tps)
+            now = time.monotonic()
+            if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks - 1:
+                last_progress = now
+                await sender.send(
+                    "progress",
+                    {"round": number, "step": len(losses), "totalSteps": steps, "loss": losses[-1],
+                     "tokensPerSecond": tps, "phase": "training"},
+                )
+        self._opt_state = opt_state
+        compute = time.perf_counter() - started
+        self.status.update(state="syncing")
+        local = self.backend.to_host(params)
+        pseudo_gradient = {n: g - l for n, g, l in zip(plan.names, global_params, local, strict=True)}
+        await sender.send(
+            "roundResult",
+            {"round": number, "tokens": len(losses) * plan.batch_size * plan.seq_len, "losses": losses,
+             "computeSeconds": compute, "innerSteps": len(losses)},
+            pseudo_gradient,
+            quantization=plan.compression,
+        )
+        self.status.update(state="idle")
+
+
+class ConnectionLost(Exception):
+    """The link to the shepherd broke; the worker reconnects."""
+
+
+class _Sender:
+    """Serialises sends from the heartbeat, progress and result tasks."""
+
+    def __init__(self, stream: protocol.MessageStream):
+        self._stream = stream
+        self._lock = trio.Lock()
+
+    async def send(self, kind: str, body: dict, tensors=None, **options) -> int:
+        async with self._lock:
+            return await self._stream.send(kind, body, tensors, **options)
+
+
+def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray):
+    params, opt_state, losses = train_chunk(tuple(params), tuple(opt_state), batches)
+    return list(params), list(opt_state), np.asarray(losses)  # np.asarray waits for the device
+
+
+async def _expect(stream: protocol.MessageStream, kind: str) -> protocol.Message:
+    message = await stream.receive()
+    if message.kind == kind:
+        return message
+    if message.kind == "error":
+        code, text = message.body.get("code"), message.body.get("message")
+        if code in ("authFailed", "versionMismatch", "unsupportedBackend"):
+            raise Refused(f"the shepherd refused this worker ({code}): {text}")
+        raise ConnectionLost(f"the shepherd reported an error ({code}): {text}")
+    raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")

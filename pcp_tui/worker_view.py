@@ -1,0 +1,119 @@
+"""What a person running `pcp-tui worker` sees: a live status line on a terminal, log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+# Seconds between redraws of the live line while only step, loss or tokens/s change.
+REDRAW_SECONDS = 0.1
+
+_STATE_STYLES = {
+    "connecting": "yellow", "compiling": "yellow", "idle": "dim", "training": "bold green",
+    "syncing": "cyan", "done": "bold blue",
+}
+
+
+class PlainStatusLog:
+    """One log line whenever the worker's state, round or message changes (logs, CI, pipes)."""
+
+    def __init__(self, out: IO[str] | None = None) -> None:
+        self._out = out
+        self._last: tuple = ()
+
+    def __enter__(self) -> PlainStatusLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def __call__(self, status: Any) -> None:
+        key = (status.state, status.round, status.message)
+        if key == self._last:
+            return
+        self._last = key
+        loss = f" loss {status.loss:.4f}" if status.loss is not None else ""
+        print(f"{time.strftime('%H:%M:%S')} {status.state:<10} round {status.round}{loss} {status.message}",
+              file=self._out or sys.stdout, flush=True)
+
+
+def status_line(status: Any) -> Text:
+    """`● training  worker 0 · round 3 · step 12/50 · loss 3.2140 · 1.2k tok/s · message`."""
+    style = _STATE_STYLES.get(status.state, "bold")
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append("● ", style)
+    line.append(f"{status.state:<10}", style)
+    who = f"worker {status.worker_index}" if status.worker_index is not None else "worker"
+    line.append(f" {who} → {status.shepherd}", "dim")
+    if status.round:
+        line.append(f" · round {status.round}")
+        if status.total_steps:
+            line.append(f" · step {status.step}/{status.total_steps}")
+    if status.loss is not None:
+        line.append(f" · loss {status.loss:.4f}")
+    if status.tokens_per_second:
+        line.append(f" · {status.tokens_per_second:,.0f} tok/s")
+    if status.message:
+        line.append(f" · {status.message}", "dim")
+    return line
+
+
+class LiveStatusLine:
+    """A rich live line that redraws at most every REDRAW_SECONDS; state changes also leave a log line above it."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self._live = Live(console=console, auto_refresh=False, transient=True)  # no refresh thread
+        self._last_key: tuple = ()
+        self._last_draw = 0.0
+        self._last_status: Any = None
+
+    def __enter__(self) -> LiveStatusLine:
+        self._live.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._live.stop()
+        if self._last_status is not None:
+            self._console.print(status_line(self._last_status))
+
+    def __call__(self, status: Any) -> None:
+        self._last_status = status
+        key = (status.state, status.round, status.message)
+        now = time.monotonic()
+        if key != self._last_key:
+            if self._last_key:
+                self._live.console.print(Text(time.strftime("%H:%M:%S "), "dim") + status_line(status))
+            self._last_key = key
+        elif now - self._last_draw < REDRAW_SECONDS:
+            return
+        self._last_draw = now
+        self._live.update(status_line(status), refresh=True)
+
+
+class WorkerStatusView:
+    """Attach the right view to a worker's status for as long as the `with` block runs.
+
+    On a terminal: a live status line (rich). Otherwise (pipes, logs, CI): plain lines.
+    """
+
+    def __init__(self, status: Any, out: IO[str] | None = None, *, live: bool | None = None) -> None:
+        self._status = status
+        out = out or sys.stdout
+        if live is None:
+            live = out.isatty()
+        self._view: LiveStatusLine | PlainStatusLog = LiveStatusLine(Console(file=out)) if live else PlainStatusLog(out)
+
+    def __enter__(self) -> WorkerStatusView:
+        self._view.__enter__()
+        self._status.listeners.append(self._view)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._status.listeners.remove(self._view)
+        self._view.__exit__(*exc_info)

@@ -1,0 +1,167 @@
+@0xb5f3c0a1d2e4f607;
+# The PCP wire contract. One Envelope per frame, in standard Cap'n Proto stream
+# framing (segment table + segments). The raw bytes of every tensor named in
+# `Envelope.tensors` follow the message on the stream, in list order, each
+# exactly `payloadBytes` long: big tensors never pass through a Cap'n Proto Data
+# field (too slow to build and copy for hundreds of MB).
+
+struct Envelope {
+  version @0 :UInt16;
+  tensors @1 :List(TensorHeader);
+  union {
+    hello @2 :Hello;
+    workerHello @3 :WorkerHello;
+    welcome @4 :Welcome;
+    plan @5 :Plan;
+    ready @6 :Ready;
+    roundStart @7 :RoundStart;
+    progress @8 :Progress;
+    roundResult @9 :RoundResult;
+    heartbeat @10 :Heartbeat;
+    error @11 :Error;
+    goodbye @12 :Goodbye;
+  }
+}
+
+enum DType {
+  float32 @0;
+  float16 @1;
+  bfloat16 @2;
+  float64 @3;
+  int8 @4;
+  int16 @5;
+  int32 @6;
+  int64 @7;
+  uint8 @8;
+  uint16 @9;
+  uint32 @10;
+  uint64 @11;
+  bool @12;
+}
+
+enum Quantization {
+  none @0;       # payload is the array itself, little-endian, C order
+  bfloat16 @1;   # float32 sent as bfloat16 (round to nearest even)
+  int8Block @2;  # int8 values, then one float32 scale per `blockSize` elements
+}
+
+struct TensorHeader {
+  name @0 :Text;
+  dtype @1 :DType;             # dtype of the array after decoding
+  shape @2 :List(UInt64);
+  quantization @3 :Quantization;
+  payloadBytes @4 :UInt64;     # raw bytes following the message for this tensor
+  blockSize @5 :UInt32;        # int8Block only
+}
+
+struct BackendInfo {
+  platform @0 :Text;           # cpu | cuda | rocm | metal
+  deviceKind @1 :Text;         # e.g. "NVIDIA H100 80GB HBM3", "cpu"
+  deviceCount @2 :UInt32;
+  memoryBytes @3 :UInt64;
+  jaxVersion @4 :Text;
+}
+
+# shepherd -> worker, the first message on a connection.
+struct Hello {
+  supportedVersions @0 :List(UInt16);
+  nonce @1 :Data;              # fresh random challenge for the join token
+  runId @2 :Text;
+  software @3 :Text;           # e.g. "pcp-tui 0.1.0"
+}
+
+# worker -> shepherd, answers Hello.
+struct WorkerHello {
+  supportedVersions @0 :List(UInt16);
+  workerId @1 :Text;           # stable id chosen by the worker (survives reconnects)
+  hostname @2 :Text;
+  backend @3 :BackendInfo;
+  proof @4 :Data;              # HMAC-SHA256(token, nonce || workerId); never the token
+  software @5 :Text;
+}
+
+struct Welcome {
+  workerIndex @0 :UInt32;
+  runId @1 :Text;
+  heartbeatSeconds @2 :Float32;
+}
+
+struct GraphInfo {
+  name @0 :Text;               # train_chunk | init_opt_state
+  platforms @1 :List(Text);    # platforms the serialized jax.export artifact was lowered for
+  tensor @2 :Text;             # name of the uint8 tensor that carries the serialized bytes
+}
+
+# shepherd -> worker: everything a worker needs to train, no model code.
+struct Plan {
+  runId @0 :Text;
+  modelName @1 :Text;
+  paramCount @2 :UInt64;
+  graphs @3 :List(GraphInfo);
+  paramNames @4 :List(Text);   # order of the parameter tensors in the graphs
+  innerSteps @5 :UInt32;       # H
+  chunkSteps @6 :UInt32;       # K: inner steps per compiled call
+  batchSize @7 :UInt32;
+  seqLen @8 :UInt32;
+  seed @9 :UInt64;
+  shardTensor @10 :Text;       # name of the tensor holding this worker's token shard
+  shardFingerprint @11 :Text;  # sha256 of the shard bytes
+  workerSlot @12 :UInt32;      # which shard / data stream this worker owns
+  compression @13 :Quantization;   # how to send pseudo-gradients back
+}
+
+struct Ready {
+  compileSeconds @0 :Float64;
+  platform @1 :Text;
+}
+
+# shepherd -> worker; the global parameters ride as tensors.
+struct RoundStart {
+  round @0 :UInt32;
+  innerSteps @1 :UInt32;
+}
+
+struct Progress {
+  round @0 :UInt32;
+  step @1 :UInt32;
+  totalSteps @2 :UInt32;
+  loss @3 :Float32;
+  tokensPerSecond @4 :Float32;
+  phase @5 :Text;              # compiling | training | syncing | idle
+}
+
+# worker -> shepherd; the pseudo-gradient (global - local) rides as tensors.
+struct RoundResult {
+  round @0 :UInt32;
+  tokens @1 :UInt64;
+  losses @2 :List(Float32);    # one per inner step
+  computeSeconds @3 :Float64;
+  innerSteps @4 :UInt32;
+}
+
+struct Heartbeat {
+  sentAt @0 :Float64;
+}
+
+enum ErrorCode {
+  unknown @0;
+  versionMismatch @1;
+  authFailed @2;
+  malformed @3;
+  tooLarge @4;
+  badResult @5;
+  internal @6;
+  shuttingDown @7;
+  timeout @8;
+  busy @9;
+  unsupportedBackend @10;
+}
+
+struct Error {
+  code @0 :ErrorCode;
+  message @1 :Text;
+}
+
+struct Goodbye {
+  reason @0 :Text;
+}

@@ -1,0 +1,103 @@
+"""End to end: the real CLI, a shepherd process, worker processes, 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import worker_env
+
+pytestmark = pytest.mark.e2e
+
+SMALL_FLAGS = ["--seq-len", "32", "--batch-size", "8", "--data-max-bytes", "400000", "--eval-batches", "4",
+               "--heartbeat-seconds", "0.5"]
+
+
+def _read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_demo_trains_and_writes_complete_metrics(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "pcp_tui", "demo", "--workers", "2", "--headless", "--rounds", "4",
+         "--inner-steps", "20", "--inner-lr", "3e-3", "--warmup-steps", "5", *SMALL_FLAGS, "--metrics", str(metrics)],
+        capture_output=True, text=True, timeout=600, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _read_metrics(metrics)
+    rounds = [r for r in rows if r["event"] == "round"]
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    for row in rounds:
+        for key in ("train_loss", "eval_loss", "round_seconds", "tokens", "bytes_sent", "bytes_received", "workers"):
+            assert key in row, key
+        assert row["workers"] == 2 and row["tokens"] == 2 * 20 * 8 * 32
+        assert row["bytes_sent"] > 0 and row["bytes_received"] > 0
+    assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"] - 0.3
+    assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]
+    done = [r for r in rows if r["event"] == "done"]
+    assert len(done) == 1 and done[0]["rounds"] == 4
+    assert re.search(r"round +4/4 +train", result.stdout)
+
+
+def test_shepherd_and_two_worker_processes(tmp_path, spawn_worker):
+    metrics = tmp_path / "m.jsonl"
+    shepherd = subprocess.Popen(
+        [sys.executable, "-m", "pcp_tui", "shepherd", "--headless", "--workers", "2", "--port", "0",
+         "--host", "127.0.0.1", "--rounds", "2", "--inner-steps", "5", "--token", "s3cret", *SMALL_FLAGS,
+         "--metrics", str(metrics)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
+    )
+    try:
+        port = None
+        lines = []
+        for line in shepherd.stdout:
+            lines.append(line)
+            found = re.search(r"listening on 127\.0\.0\.1:(\d+); join with: (.*)", line)
+            if found:
+                port = int(found.group(1))
+                assert "--token s3cret" in found.group(2)
+                break
+        assert port, "".join(lines)
+        workers = [spawn_worker(port, token="s3cret") for _ in range(2)]
+        out, _ = shepherd.communicate(timeout=300)
+        assert shepherd.returncode == 0, "".join(lines) + out
+        for worker in workers:
+            assert worker.wait(timeout=30) == 0, worker.stdout.read()
+    finally:
+        if shepherd.poll() is None:
+            shepherd.kill()
+    rows = _read_metrics(metrics)
+    assert [r["workers"] for r in rows if r["event"] == "round"] == [2, 2]
+    assert sum(r["event"] == "joined" for r in rows) == 2
+
+
+def test_wrong_token_is_refused_and_worker_exits_nonzero(spawn_worker):
+    shepherd = subprocess.Popen(
+        [sys.executable, "-m", "pcp_tui", "shepherd", "--headless", "--workers", "1", "--port", "0",
+         "--host", "127.0.0.1", "--rounds", "1", "--inner-steps", "2", "--token", "right", *SMALL_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
+    )
+    try:
+        port = None
+        for line in shepherd.stdout:
+            found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+            if found:
+                port = int(found.group(1))
+                break
+        intruder = spawn_worker(port, token="wrong")
+        assert intruder.wait(timeout=60) != 0
+        message = intruder.stdout.read()
+        assert "wrong or missing join token" in message and "not retrying" in message
+        honest = spawn_worker(port, token="right")
+        out, _ = shepherd.communicate(timeout=300)
+        assert shepherd.returncode == 0, out
+        assert "refused" in out
+        assert honest.wait(timeout=30) == 0
+    finally:
+        if shepherd.poll() is None:
+            shepherd.kill()
