@@ -44,6 +44,9 @@ _HELP = {
     "min_workers": "fewest results a round needs before --round-timeout may close it",
     "token": "join token workers must prove (default: $PCP_TOKEN or a random one)",
     "metrics": "append JSON Lines metrics to this file",
+    "checkpoint_dir": "write checkpoints (safetensors + JSON) into this directory",
+    "checkpoint_every": "checkpoint every N rounds (and when the run stops)",
+    "resume": "continue the run from the latest checkpoint in this directory",
 }
 _SKIP = {"platforms"}
 
@@ -89,12 +92,30 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)")
     worker.add_argument("--no-reconnect", action="store_true", help="exit instead of reconnecting when the link breaks")
     worker.add_argument("--quiet", action="store_true", help="print only errors")
+    sample = commands.add_parser("sample", help="generate text from a checkpoint")
+    sample.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory of a run")
+    sample.add_argument("--prompt", default="", help="text to continue")
+    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sample.add_argument("--temperature", type=float, default=0.8)
+    sample.add_argument("--top-k", type=int, default=40)
+    sample.add_argument("--seed", type=int, default=0)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "sample":
+            from .checkpoint import CheckpointError
+            from .sample import sample_text
+
+            try:
+                print(sample_text(args.checkpoint, args.prompt, tokens=args.tokens, temperature=args.temperature,
+                                  top_k=args.top_k, seed=args.seed))
+            except CheckpointError as exc:
+                print(f"pcp-tui: error: {exc}", file=sys.stderr)
+                return 1
+            return 0
         if args.command == "worker":
             from .run import run_worker
 

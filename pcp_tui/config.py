@@ -49,6 +49,9 @@ class RunConfig:
     min_workers: int = 1  # fewest results a round needs once started
     token: str | None = None
     metrics: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 5  # rounds; a checkpoint is also written when the run stops
+    resume: str | None = None  # checkpoint directory to continue from
     platforms: tuple[str, ...] = field(default=("cpu", "cuda", "rocm"))
 
     def replace(self, **changes) -> RunConfig:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +19,18 @@ import numpy as np
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 # Test suites and vendored tools in the stdlib: big, repetitive, and not what we want to model.
-_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo",
-                "__pycache__", "ensurepip", "venv"}
+_STDLIB_SKIP = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "turtledemo",
+    "__pycache__",
+    "ensurepip",
+    "venv",
+}
 _WHAT_TO_DO = "point --data at a text file, a folder of .txt/.md/.py files, or nanoGPT .bin files"
 _BIN_VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64
 
@@ -73,16 +82,18 @@ def load_corpus(
     return _text_corpus(str(path), documents, val_fraction)
 
 
-def _text_files(root: Path, suffixes: tuple[str, ...], skip: set[str]) -> Iterator[Path]:
-    """Files under root in a deterministic order: a folder's files (sorted), then its sub-folders."""
+def _text_files(root: Path, suffixes: tuple[str, ...], skip: set[str]) -> list[Path]:
+    """Files under root sorted by relative path, skipping hidden folders and `skip`."""
+    found = []
     for folder, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
-        for name in sorted(filenames):
-            if name.endswith(suffixes) and not name.startswith("."):
-                yield Path(folder) / name
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")]
+        found += [
+            Path(folder) / n for n in filenames if n.endswith(suffixes) and not n.startswith(".")
+        ]
+    return sorted(found, key=lambda file: file.relative_to(root).as_posix())
 
 
-def _read_documents(files: Iterator[Path], root: Path, max_bytes: int) -> list[bytes]:
+def _read_documents(files: list[Path], root: Path, max_bytes: int) -> list[bytes]:
     """Each file behind a `# ---- relative/path ----` header, until max_bytes (the last one cut)."""
     documents, total = [], 0
     for file in files:
@@ -96,18 +107,25 @@ def _read_documents(files: Iterator[Path], root: Path, max_bytes: int) -> list[b
 
 
 def _text_corpus(name: str, documents: list[bytes], val_fraction: float) -> Corpus:
-    if sum(len(d) for d in documents) < 2:
+    """Split into train and val. Val takes whole files, from the end, while they fit in
+    val_fraction (the first file always trains), so no val file is seen in training."""
+    total = sum(len(d) for d in documents)
+    if total < 2:
         raise DataError(f"no text found in {name}; {_WHAT_TO_DO}")
-    if len(documents) == 1:
-        text = documents[0]
-        cut = int(len(text) * (1 - val_fraction))
+    budget, val_size, val_ids = total * val_fraction, 0, set()
+    for i in reversed(range(1, len(documents))):
+        if val_size + len(documents[i]) <= budget:
+            val_ids.add(i)
+            val_size += len(documents[i])
+    if val_size >= budget / 2:
+        train = b"".join(d for i, d in enumerate(documents) if i not in val_ids)
+        val = b"".join(d for i, d in enumerate(documents) if i in val_ids)
+    else:  # one file, or files too big for that: cut at the last line break before the split
+        text = b"".join(documents)
+        cut = int(total * (1 - val_fraction))
         line_end = text.rfind(b"\n", 0, cut)
-        cut = line_end + 1 if line_end > len(text) // 2 else max(cut, 1)
+        cut = line_end + 1 if line_end > total // 2 else min(max(cut, 1), total - 1)
         train, val = text[:cut], text[cut:]
-    else:  # whole files: the file boundary nearest to the requested fraction, >= 1 file each side
-        ends = np.cumsum([len(d) for d in documents])
-        k = 1 + int(np.argmin(np.abs(ends[:-1] - ends[-1] * (1 - val_fraction))))
-        train, val = b"".join(documents[:k]), b"".join(documents[k:])
     train_tokens = np.frombuffer(train, np.uint8)
     val_tokens = np.frombuffer(val, np.uint8)
     return Corpus(name, train_tokens, val_tokens, 256, fingerprint(train_tokens, val_tokens))
@@ -144,12 +162,20 @@ def split_shards(tokens: np.ndarray, n: int) -> list[np.ndarray]:
     if n < 1:
         raise DataError(f"need at least one shard, got {n}")
     if len(tokens) < n:
-        raise DataError(f"{len(tokens)} tokens cannot make {n} shards; use fewer workers or more data")
+        raise DataError(
+            f"{len(tokens)} tokens cannot make {n} shards; use fewer workers or more data"
+        )
     return np.array_split(tokens, n)
 
 
 def sample_batches(
-    tokens: np.ndarray, *, steps: int, batch_size: int, seq_len: int, seed: int, stream: tuple[int, ...]
+    tokens: np.ndarray,
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    stream: tuple[int, ...],
 ) -> np.ndarray:
     """int32[steps, batch_size, seq_len + 1]: random contiguous windows of `tokens`.
 
@@ -167,7 +193,9 @@ def sample_batches(
     return np.asarray(tokens[starts[..., None] + np.arange(window)], np.int32)
 
 
-def eval_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, max_batches: int) -> np.ndarray:
+def eval_batches(
+    tokens: np.ndarray, *, batch_size: int, seq_len: int, max_batches: int
+) -> np.ndarray:
     """int32[n, batch_size, seq_len + 1], n <= max_batches: evenly spaced,
     non-overlapping windows across the whole held-out split, the same every time."""
     window = seq_len + 1

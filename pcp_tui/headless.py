@@ -12,7 +12,8 @@ from .state import Event, RunState
 # Events worth a line of their own in headless mode (rounds get the table row).
 _SHOWN = {
     "listening", "waiting", "joined", "rejoined", "compiled", "lost", "refused", "round_repeated",
-    "late_result", "bad_result", "stragglers", "paused", "resumed", "failed", "checkpoint", "resumed_from",
+    "late_result", "bad_result", "stragglers", "paused", "resumed", "failed", "checkpoint", "checkpoint_failed",
+    "resumed_from",
 }
 
 

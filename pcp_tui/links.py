@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -73,10 +74,8 @@ class WorkerLink:
             return
         self.closed = True
         with trio.move_on_after(2):
-            try:
+            with contextlib.suppress(protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.send("goodbye", {"reason": reason})
-            except (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
         await self.stream.aclose()
 
 

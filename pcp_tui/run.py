@@ -12,6 +12,7 @@ import trio
 from backends import BackendUnavailable
 
 from .auth import new_token
+from .checkpoint import CheckpointError
 from .config import RunConfig
 from .data import DataError
 from .headless import HeadlessPrinter, MetricsWriter
@@ -46,7 +47,7 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
 def run_shepherd(config: RunConfig, *, headless: bool) -> int:
     try:
         shepherd, metrics = prepare(config, shards=config.workers)
-    except (DataError, OSError, ValueError) as exc:
+    except (DataError, CheckpointError, OSError, ValueError) as exc:
         return _fail(str(exc))
     if not headless:
         launched = _launch_dashboard(shepherd)
@@ -77,7 +78,7 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
     """A shepherd and `config.workers` local worker processes on this machine."""
     try:
         shepherd, metrics = prepare(config, shards=config.workers)
-    except (DataError, OSError, ValueError) as exc:
+    except (DataError, CheckpointError, OSError, ValueError) as exc:
         return _fail(str(exc))
 
     async def spawn(nursery: trio.Nursery, port: int) -> list[trio.Process]:

@@ -19,7 +19,7 @@ import trio
 import protocol
 from backends import select_backend
 
-from . import data
+from . import checkpoint, data
 from .config import RunConfig
 from .diloco import OuterOptimizer
 from .graph import InnerOptimizer, TrainingGraphs, build_graphs
@@ -27,7 +27,6 @@ from .links import HANDSHAKE_SECONDS, Refused, WorkerLink, WorkerLost, handshake
 from .rounds import BadResult, Round, check_pseudo_gradient
 from .state import RoundRecord, RunState, WorkerView
 from .task import Task
-
 
 _CONNECTION_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -61,6 +60,22 @@ class Shepherd:
         self._eval = None
         self._next_index = 0
         self.start_round = 1
+        if config.resume:
+            self._resume(config.resume)
+
+    def _resume(self, directory: str) -> None:
+        saved = checkpoint.load_latest(directory)
+        if saved.meta.get("data_fingerprint") != self.task.corpus.fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{saved.path} was trained on other data; resume with the same --data and --data-max-bytes"
+            )
+        shapes = {n: tuple(p.shape) for n, p in saved.params.items()}
+        if shapes != self._shapes:
+            raise checkpoint.CheckpointError(f"{saved.path} holds another model; resume with the same --model")
+        self.params = {n: np.asarray(p, np.float32) for n, p in saved.params.items()}
+        self.outer.load_state_arrays(self.params, saved.outer_state)
+        self.start_round = saved.round + 1
+        self.state.emit("resumed_from", f"resumed from {saved.path} (round {saved.round})", round=saved.round)
 
     # -- commands (safe to call from the dashboard) -------------------------
 
@@ -166,7 +181,11 @@ class Shepherd:
             if record is None:
                 self.state.emit("round_repeated", f"round {number} got no result; repeating it", round=number)
                 continue
+            if cfg.checkpoint_dir and number % cfg.checkpoint_every == 0:
+                await self._checkpoint(number)
             number += 1
+        if cfg.checkpoint_dir and self.state.history and self.state.history[-1].round % cfg.checkpoint_every:
+            await self._checkpoint(self.state.history[-1].round)
         if self._failure:
             raise RunFailed(self._failure)
         self.state.status = "stopped" if self._stop_reason else "done"
@@ -177,6 +196,26 @@ class Shepherd:
             final_eval_loss=_last_eval(self.state),
             seconds=self.state.elapsed(),
         )
+
+    async def _checkpoint(self, number: int) -> None:
+        """Save the run after round `number`; a failed write is reported, the run goes on."""
+        meta = {
+            "run_id": self.run_id,
+            "model": self.task.name,
+            "data_fingerprint": self.task.corpus.fingerprint,
+            "config": {k: v for k, v in vars(self.config).items() if k != "token"},
+            "data_positions": {"seed": self.config.seed, "next_round": number + 1},
+            "eval_loss": _last_eval(self.state),
+        }
+        try:
+            path = await trio.to_thread.run_sync(
+                lambda: checkpoint.save(self.config.checkpoint_dir, round=number, params=self.params,
+                                        outer_state=self.outer.state_arrays(), meta=meta)
+            )
+        except checkpoint.CheckpointError as exc:
+            self.state.emit("checkpoint_failed", str(exc), round=number)
+            return
+        self.state.emit("checkpoint", f"checkpoint of round {number} saved to {path}", round=number, path=str(path))
 
     async def _wait_for_workers(self, count: int, message: str) -> None:
         announced = False

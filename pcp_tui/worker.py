@@ -260,7 +260,7 @@ class Worker:
                 batch_size=plan.batch_size,
                 seq_len=plan.seq_len,
                 seed=plan.seed,
-                stream=(plan.slot, number, chunk),
+                stream=(self.status.worker_index, number, chunk),  # unique per worker, even on a shared shard
             )
             params, opt_state, chunk_losses = await trio.to_thread.run_sync(
                 _run_chunk, plan.train_chunk, params, opt_state, batches
@@ -281,7 +281,7 @@ class Worker:
         compute = time.perf_counter() - started
         self.status.update(state="syncing")
         local = self.backend.to_host(params)
-        pseudo_gradient = {n: g - l for n, g, l in zip(plan.names, global_params, local, strict=True)}
+        pseudo_gradient = {n: old - new for n, old, new in zip(plan.names, global_params, local, strict=True)}
         await sender.send(
             "roundResult",
             {"round": number, "tokens": len(losses) * plan.batch_size * plan.seq_len, "losses": losses,

@@ -14,8 +14,12 @@ from rich.text import Text
 REDRAW_SECONDS = 0.1
 
 _STATE_STYLES = {
-    "connecting": "yellow", "compiling": "yellow", "idle": "dim", "training": "bold green",
-    "syncing": "cyan", "done": "bold blue",
+    "connecting": "yellow",
+    "compiling": "yellow",
+    "idle": "dim",
+    "training": "bold green",
+    "syncing": "cyan",
+    "done": "bold blue",
 }
 
 
@@ -38,8 +42,11 @@ class PlainStatusLog:
             return
         self._last = key
         loss = f" loss {status.loss:.4f}" if status.loss is not None else ""
-        print(f"{time.strftime('%H:%M:%S')} {status.state:<10} round {status.round}{loss} {status.message}",
-              file=self._out or sys.stdout, flush=True)
+        print(
+            f"{time.strftime('%H:%M:%S')} {status.state:<10} round {status.round}{loss} {status.message}",
+            file=self._out or sys.stdout,
+            flush=True,
+        )
 
 
 def status_line(status: Any) -> Text:
@@ -72,6 +79,7 @@ class LiveStatusLine:
         self._last_key: tuple = ()
         self._last_draw = 0.0
         self._last_status: Any = None
+        self._last_logged = False
 
     def __enter__(self) -> LiveStatusLine:
         self._live.start()
@@ -79,21 +87,33 @@ class LiveStatusLine:
 
     def __exit__(self, *exc_info: object) -> None:
         self._live.stop()
-        if self._last_status is not None:
-            self._console.print(status_line(self._last_status))
+        if self._last_status is not None and not self._last_logged:
+            self._console.print(
+                Text(time.strftime("%H:%M:%S "), "dim") + status_line(self._last_status)
+            )
 
     def __call__(self, status: Any) -> None:
         self._last_status = status
         key = (status.state, status.round, status.message)
         now = time.monotonic()
         if key != self._last_key:
-            if self._last_key:
-                self._live.console.print(Text(time.strftime("%H:%M:%S "), "dim") + status_line(status))
+            self._last_logged = _worth_a_line(status, self._last_key)
+            if self._last_logged:
+                self._live.console.print(
+                    Text(time.strftime("%H:%M:%S "), "dim") + status_line(status)
+                )
             self._last_key = key
         elif now - self._last_draw < REDRAW_SECONDS:
             return
         self._last_draw = now
         self._live.update(status_line(status), refresh=True)
+
+
+def _worth_a_line(status: Any, last_key: tuple) -> bool:
+    """Keep a line for what changed, but only one per round of the training/syncing/idle cycle."""
+    message_changed = not last_key or status.message != last_key[2]
+    in_cycle = status.round > 0 and status.state in ("training", "idle")
+    return message_changed or not in_cycle
 
 
 class WorkerStatusView:
@@ -102,12 +122,16 @@ class WorkerStatusView:
     On a terminal: a live status line (rich). Otherwise (pipes, logs, CI): plain lines.
     """
 
-    def __init__(self, status: Any, out: IO[str] | None = None, *, live: bool | None = None) -> None:
+    def __init__(
+        self, status: Any, out: IO[str] | None = None, *, live: bool | None = None
+    ) -> None:
         self._status = status
         out = out or sys.stdout
         if live is None:
             live = out.isatty()
-        self._view: LiveStatusLine | PlainStatusLog = LiveStatusLine(Console(file=out)) if live else PlainStatusLog(out)
+        self._view: LiveStatusLine | PlainStatusLog = (
+            LiveStatusLine(Console(file=out)) if live else PlainStatusLog(out)
+        )
 
     def __enter__(self) -> WorkerStatusView:
         self._view.__enter__()

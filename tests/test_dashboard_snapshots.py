@@ -25,8 +25,14 @@ def fake_state(*, status: str = "training") -> RunState:
         run_id="3f2a91bc",
         rounds_total=6,
         settings={
-            "algorithm": "DiLoCo", "inner_steps": H, "inner_optimizer": "adamw", "inner_lr": 0.001,
-            "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "int8Block",
+            "algorithm": "DiLoCo",
+            "inner_steps": H,
+            "inner_optimizer": "adamw",
+            "inner_lr": 0.001,
+            "outer_optimizer": "nesterov",
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+            "compression": "int8Block",
         },
     )
     state.model_name, state.param_count = "tiny", 1_234_567
@@ -34,27 +40,97 @@ def fake_state(*, status: str = "training") -> RunState:
     state.join_command = "pcp-tui worker --connect 127.0.0.1:8080 --token Zk3xQ9wLm2Tr7bYp8vNc4d"
     state.status, state.round, state.started_at = status, 4, STARTED
     workers = [
-        WorkerView("gpu-a-1", 0, "gpu-a", "cuda NVIDIA H100", "training", 4, 6, H, 2.4121, 51_234.0, NOW - 0.2,
-                   1_800_000, 1_700_000, 3),
-        WorkerView("laptop-7", 1, "laptop", "cpu", "syncing", 4, H, H, 2.5310, 2_345.0, NOW - 1.4, 1_750_000,
-                   1_690_000, 3),
-        WorkerView("mac-2", 2, "studio.local", "metal Apple M2", "lost", 3, 3, H, 2.9012, 980.0, NOW - 40,
-                   900_000, 500_000, 1, "silent for 31 s (heartbeat timeout 30 s)"),
-        WorkerView("late-3", 3, "gpu-b", "cuda NVIDIA A100", "compiling", 0, 0, 0, None, 0.0, NOW - 3.0, 600_000, 0),
+        WorkerView(
+            "gpu-a-1",
+            0,
+            "gpu-a",
+            "cuda NVIDIA H100",
+            "training",
+            4,
+            6,
+            H,
+            2.4121,
+            51_234.0,
+            NOW - 0.2,
+            1_800_000,
+            1_700_000,
+            3,
+        ),
+        WorkerView(
+            "laptop-7",
+            1,
+            "laptop",
+            "cpu",
+            "syncing",
+            4,
+            H,
+            H,
+            2.5310,
+            2_345.0,
+            NOW - 1.4,
+            1_750_000,
+            1_690_000,
+            3,
+        ),
+        WorkerView(
+            "mac-2",
+            2,
+            "studio.local",
+            "metal Apple M2",
+            "lost",
+            3,
+            3,
+            H,
+            2.9012,
+            980.0,
+            NOW - 40,
+            900_000,
+            500_000,
+            1,
+            "silent for 31 s (heartbeat timeout 30 s)",
+        ),
+        WorkerView(
+            "late-3",
+            3,
+            "gpu-b",
+            "cuda NVIDIA A100",
+            "compiling",
+            0,
+            0,
+            0,
+            None,
+            0.0,
+            NOW - 3.0,
+            600_000,
+            0,
+        ),
     ]
     state.workers = {w.worker_id: w for w in workers}
     for number in range(1, 4):
         for step in range(1, H + 1):
             global_step = (number - 1) * H + step
             for worker in range(2):
-                loss = 2.2 + 3.3 * math.exp(-global_step / 6) + 0.05 * math.sin(global_step + worker)
+                loss = (
+                    2.2 + 3.3 * math.exp(-global_step / 6) + 0.05 * math.sin(global_step + worker)
+                )
                 state.step_losses.append((global_step, loss, worker))
-        state.history.append(RoundRecord(
-            round=number, train_loss=2.3 + 3.0 * math.exp(-number * H / 6), eval_loss=2.4 + 2.8 * math.exp(-number * H / 6),
-            round_seconds=4.0 + number * 0.25, compute_seconds=3.1, communication_seconds=0.6 + 0.1 * number,
-            straggler_seconds=0.3 + 0.15 * number, tokens=2 * H * 8 * 32, tokens_per_second=1_200.0 - number * 20,
-            bytes_sent=1_200_000, bytes_received=1_150_000, workers=2, worker_ids=("gpu-a-1", "laptop-7"),
-        ))
+        state.history.append(
+            RoundRecord(
+                round=number,
+                train_loss=2.3 + 3.0 * math.exp(-number * H / 6),
+                eval_loss=2.4 + 2.8 * math.exp(-number * H / 6),
+                round_seconds=4.0 + number * 0.25,
+                compute_seconds=3.1,
+                communication_seconds=0.6 + 0.1 * number,
+                straggler_seconds=0.3 + 0.15 * number,
+                tokens=2 * H * 8 * 32,
+                tokens_per_second=1_200.0 - number * 20,
+                bytes_sent=1_200_000,
+                bytes_received=1_150_000,
+                workers=2,
+                worker_ids=("gpu-a-1", "laptop-7"),
+            )
+        )
     state.bytes_sent, state.bytes_received = 5_050_000, 3_890_000
     events = [
         ("listening", "listening on 127.0.0.1:8080; join with: " + state.join_command, {}),

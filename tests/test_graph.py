@@ -21,7 +21,8 @@ def task():
     return build_task(small_config(), shards=2)
 
 
-def _graphs(task, inner=InnerOptimizer(name="adamw", lr=1e-3), chunk=3):
+def _graphs(task, inner: InnerOptimizer | None = None, chunk=3):
+    inner = inner or InnerOptimizer(name="adamw", lr=1e-3)
     return build_graphs(task.loss_fn, task.params, task.batch_spec, inner=inner, chunk_steps=chunk,
                         eval_batches=len(task.eval_tokens), platforms=("cpu",))
 

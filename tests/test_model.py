@@ -11,11 +11,16 @@ import numpy as np
 import optax
 import pytest
 
-from pcp_tui.models import PRESETS, GPTConfig, apply, flops_per_token, generate, init, loss, param_count
+from pcp_tui.models import PRESETS, GPTConfig, flops_per_token, generate, init, param_count
+from pcp_tui.models import apply as eager_apply
+from pcp_tui.models import loss as eager_loss
 
 TINY = PRESETS["tiny"]
 # Even smaller than tiny, for tests that only check behaviour.
 MICRO = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+# Compiled once per (config, shape): eager op-by-op execution is what makes model tests slow on CPU.
+apply = jax.jit(eager_apply, static_argnums=0)
+loss = jax.jit(eager_loss, static_argnums=0)
 
 
 def random_tokens(config: GPTConfig, shape: tuple[int, ...], seed: int = 0) -> jnp.ndarray:
@@ -33,7 +38,10 @@ def test_init_is_flat_float32_with_gpt2_scales():
     params = init(TINY, jax.random.PRNGKey(0))
     assert all(value.dtype == jnp.float32 for value in params.values())
     assert {"wte", "wpe", "h.0.ln_1.scale", "h.1.mlp.c_proj.w", "ln_f.bias"} <= set(params)
-    assert float(params["h.0.ln_1.scale"].min()) == 1.0 and float(jnp.abs(params["h.0.attn.c_attn.b"]).max()) == 0
+    assert (
+        float(params["h.0.ln_1.scale"].min()) == 1.0
+        and float(jnp.abs(params["h.0.attn.c_attn.b"]).max()) == 0
+    )
     assert float(params["wte"].std()) == pytest.approx(0.02, rel=0.05)
     residual = 0.02 / math.sqrt(2 * TINY.n_layer)
     assert float(params["h.0.mlp.c_proj.w"].std()) == pytest.approx(residual, rel=0.05)
@@ -52,7 +60,14 @@ def test_tiny_forward_shapes_and_initial_loss():
 def test_apply_rejects_sequences_longer_than_block_size():
     params = init(MICRO, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="block_size"):
-        apply(MICRO, params, random_tokens(MICRO, (1, MICRO.block_size + 1)))
+        eager_apply(MICRO, params, random_tokens(MICRO, (1, MICRO.block_size + 1)))
+
+
+def test_cudnn_attention_needs_bfloat16():
+    config = dataclasses.replace(MICRO, attention="cudnn")
+    params = init(MICRO, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="bfloat16"):
+        eager_apply(config, params, random_tokens(MICRO, (1, 4)))
 
 
 def test_adamw_overfits_a_repeated_batch():
@@ -63,7 +78,7 @@ def test_adamw_overfits_a_repeated_batch():
 
     @jax.jit
     def step(params, state):
-        value, grads = jax.value_and_grad(lambda p: loss(MICRO, p, batch))(params)
+        value, grads = jax.value_and_grad(lambda p: eager_loss(MICRO, p, batch))(params)
         updates, state = optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state, value
 
@@ -91,7 +106,8 @@ def test_bfloat16_compute_is_close_to_float32():
     full, half = loss(TINY, params, tokens), loss(bf16, params, tokens)
     assert half.dtype == jnp.float32 and apply(bf16, params, tokens[:, :-1]).dtype == jnp.float32
     assert abs(float(full) - float(half)) < 2e-2
-    grads = jax.grad(lambda p: loss(bf16, p, tokens))(params)
+    grads = jax.eval_shape(jax.grad(lambda p: eager_loss(bf16, p, tokens)), params)
+    # params and their gradients stay float32
     assert all(g.dtype == jnp.float32 for g in grads.values())
 
 
@@ -102,18 +118,17 @@ def test_generate_length_and_valid_ids():
     assert out.shape == (43,)
     np.testing.assert_array_equal(out[:3], prompt)
     assert out.min() >= 0 and out.max() < MICRO.vocab_size
-    batch = generate(MICRO, params, np.ones((2, 5), np.int32), 4, top_k=None, key=jax.random.PRNGKey(1))
-    assert batch.shape == (2, 9)
 
 
-def test_generate_top_k_one_is_greedy():
+def test_generate_top_k_one_is_greedy_and_batched():
     params = init(MICRO, jax.random.PRNGKey(5))
-    prompt = np.array([5, 6], np.int32)
+    prompt = np.array([[5, 6], [7, 8]], np.int32)
     a = generate(MICRO, params, prompt, 5, top_k=1, key=jax.random.PRNGKey(0))
     b = generate(MICRO, params, prompt, 5, top_k=1, key=jax.random.PRNGKey(9))
+    assert a.shape == (2, 7)
     np.testing.assert_array_equal(a, b)
-    logits = apply(MICRO, params, jnp.asarray(prompt[None]))
-    assert a[2] == int(jnp.argmax(logits[0, -1]))
+    logits = apply(MICRO, params, jnp.asarray(prompt))
+    np.testing.assert_array_equal(a[:, 2], np.argmax(logits[:, -1], axis=-1))
 
 
 def test_flops_per_token_is_palm_style():

@@ -52,6 +52,9 @@ class BrailleCanvas:
     def rows(self) -> list[list[tuple[str, int]]]:
         """Each cell as (character, series index or -1 when empty)."""
         return [
-            [(chr(0x2800 + bits) if bits else " ", series) for bits, series in zip(dots, owners, strict=True)]
+            [
+                (chr(0x2800 + bits) if bits else " ", series)
+                for bits, series in zip(dots, owners, strict=True)
+            ]
             for dots, owners in zip(self._dots, self._series, strict=True)
         ]

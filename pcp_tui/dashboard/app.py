@@ -16,11 +16,12 @@ from typing import Any
 
 import outcome
 import trio
+from rich.table import Table
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Markdown
+from textual.widgets import Footer, Static
 
 from ..state import Event, RunState
 from .widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
@@ -30,39 +31,48 @@ SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
 REFRESH_SECONDS = 0.4
 _FINISHED = ("done", "failed", "stopped")
 
-HELP = """\
-# PCP-TUI dashboard
-
-| key | what it does |
-| --- | --- |
-| `q` | end the run cleanly: finish the current round, tell the workers goodbye, exit. Press again to stop at once. |
-| `p` | pause after the current round / resume |
-| `l` | loss chart: log or linear y axis |
-| `z` | loss chart: show all steps, the latest half, the latest quarter |
-| `c` | copy the join command to the clipboard |
-| `?` | this help (escape closes it) |
-
-**Loss**: training loss per inner step (mean over workers) and held-out loss per round.
-**Round time**: the last round and the mean, split into compute (slowest worker),
-communication (parameters out, results back) and waiting for stragglers.
-**Workers**: lost and refused workers stay listed with the reason.
-"""
+HELP_KEYS = (
+    (
+        "q",
+        "end the run cleanly: finish the round, say goodbye to the workers, exit (again: stop at once)",
+    ),
+    ("p", "pause after the current round / resume"),
+    ("l", "loss chart: log or linear y axis"),
+    ("z", "loss chart: all steps, the latest half, the latest quarter"),
+    ("c", "copy the join command to the clipboard (OSC 52)"),
+    ("?", "this help; escape closes it"),
+)
+HELP_PANELS = (
+    ("Loss", "training loss per inner step (mean over workers) and held-out loss per round"),
+    (
+        "Round time",
+        "last round and mean: compute (slowest worker), communication, waiting for stragglers",
+    ),
+    ("Workers", "every worker seen; lost and refused ones stay listed with the reason"),
+)
 
 
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,question_mark,q", "dismiss", "close help")]
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll(id="help"):
-            yield Markdown(HELP)
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold", no_wrap=True)
+        grid.add_column()
+        for key, what in (*HELP_KEYS, ("", ""), *HELP_PANELS):
+            grid.add_row(key, what)
+        with VerticalScroll(id="help") as scroll:
+            scroll.border_title = "PCP-TUI keys"
+            yield Static(grid)
 
 
-class DashboardApp(App[int]):
+class DashboardApp(App[None]):
     """Shows a RunState; with a shepherd, also runs it (guest mode) and sends it commands."""
 
     CSS_PATH = "app.tcss"
     TITLE = "PCP-TUI"
     ENABLE_COMMAND_PALETTE = False
+    AUTO_FOCUS = None
     BINDINGS = [
         Binding("q", "quit", "quit"),
         Binding("p", "pause", "pause"),
@@ -108,7 +118,12 @@ class DashboardApp(App[int]):
         yield Footer()
 
     def on_mount(self) -> None:
-        for widget_id, title in (("loss", "Loss"), ("timing", "Round time"), ("workers", "Workers"), ("events", "Events")):
+        for widget_id, title in (
+            ("loss", "Loss"),
+            ("timing", "Round time"),
+            ("workers", "Workers"),
+            ("events", "Events"),
+        ):
             self.query_one(f"#{widget_id}").border_title = title
         self.refresh_from_state()
         self.set_interval(REFRESH_SECONDS, self.refresh_from_state)
@@ -136,11 +151,13 @@ class DashboardApp(App[int]):
         if isinstance(result, outcome.Error):
             self.failure = _failure_reason(result.error)
             self.state.status = "failed"
+        elif self.state.status not in _FINISHED:  # cancelled by a second q
+            self.state.status = "stopped"
         self.refresh_from_state()
         if self.failure:
             self.notify(self.failure, title="run failed", severity="error", timeout=30)
         if self._quitting:
-            self.exit(self.exit_code)
+            self.exit(return_code=self.exit_code)
 
     def _in_trio(self, command: Callable[[], None]) -> bool:
         """Run a shepherd command inside the guest run (its trio.Events need trio context)."""
@@ -157,12 +174,14 @@ class DashboardApp(App[int]):
 
     async def action_quit(self) -> None:
         if not self.guest_running:
-            self.exit(self.exit_code)
+            self.exit(return_code=self.exit_code)
             return
         if not self._quitting:
             self._quitting = True
             self._in_trio(lambda: self.shepherd.request_stop("quit from the dashboard"))
-            self.notify("finishing the current round and saying goodbye to the workers; q again stops at once")
+            self.notify(
+                "finishing the current round and saying goodbye to the workers; q again stops at once"
+            )
         elif self._cancel_scope is not None:
             self._in_trio(self._cancel_scope.cancel)
         self.refresh_from_state()
@@ -199,21 +218,34 @@ class DashboardApp(App[int]):
         for event in events:
             if event.kind == "refused":
                 peer = str(event.data.get("peer", "?"))
-                self._refused[peer.rpartition(":")[0] or peer] = event.message.partition(peer)[2].lstrip(": ")
-        self.query_one(RunHeader).show(state, now=now, status=self._status_text(), note=self._note())
+                self._refused[peer.rpartition(":")[0] or peer] = event.message.partition(peer)[
+                    2
+                ].lstrip(": ")
+        self.query_one(RunHeader).show(
+            state, now=now, status=self._status_text(), note=self._note()
+        )
         if self._loss_changed():
             inner_steps = int(state.settings.get("inner_steps", 1) or 1)
             self.query_one(LossChart).set_data(
                 list(state.step_losses),
-                [(r.round * inner_steps, r.eval_loss) for r in state.history if r.eval_loss is not None],
+                [
+                    (r.round * inner_steps, r.eval_loss)
+                    for r in state.history
+                    if r.eval_loss is not None
+                ],
             )
         self.query_one(RoundTiming).show(state.history)
-        self.query_one(WorkerTable).show(list(state.workers.values()), sorted(self._refused.items()), now=now)
+        self.query_one(WorkerTable).show(
+            list(state.workers.values()), sorted(self._refused.items()), now=now
+        )
         self.query_one(EventLog).add_events(events)
 
     def _loss_changed(self) -> bool:
-        key = (len(self.state.step_losses), self.state.step_losses[-1] if self.state.step_losses else None,
-               len(self.state.history))
+        key = (
+            len(self.state.step_losses),
+            self.state.step_losses[-1] if self.state.step_losses else None,
+            len(self.state.history),
+        )
         changed = key != self._loss_key
         self._loss_key = key
         return changed

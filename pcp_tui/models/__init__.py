@@ -2,4 +2,13 @@
 
 from .gpt2 import PRESETS, GPTConfig, apply, flops_per_token, generate, init, loss, param_count
 
-__all__ = ["GPTConfig", "PRESETS", "init", "apply", "loss", "param_count", "flops_per_token", "generate"]
+__all__ = [
+    "GPTConfig",
+    "PRESETS",
+    "init",
+    "apply",
+    "loss",
+    "param_count",
+    "flops_per_token",
+    "generate",
+]

@@ -41,6 +41,7 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+@partial(jax.jit, static_argnames="config")
 def init(config: GPTConfig, key: jax.Array) -> Params:
     """GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by
     1/sqrt(2 * n_layer) so the residual stream's variance does not grow with
@@ -48,11 +49,24 @@ def init(config: GPTConfig, key: jax.Array) -> Params:
     c, layers = config.n_embd, config.n_layer
     if c % config.n_head:
         raise ValueError(f"n_embd ({c}) must be a multiple of n_head ({config.n_head})")
-    keys = iter(jax.random.split(key, 2 + 4 * layers))
+    # One draw for every normal weight, then slices: a draw per tensor would
+    # compile a sampler per shape, which makes initialisation slow on CPU.
+    n_normal = (config.vocab_size + config.block_size) * c + layers * 12 * c * c
+    noise = jax.random.normal(key, (n_normal,), jnp.float32)
+    offset = 0
     residual_std = 0.02 / math.sqrt(2 * layers)
 
     def normal(shape: tuple[int, ...], std: float = 0.02) -> jax.Array:
-        return std * jax.random.normal(next(keys), shape, jnp.float32)
+        nonlocal offset
+        size = math.prod(shape)
+        offset += size
+        return std * noise[offset - size : offset].reshape(shape)
+
+    def ones(size: int) -> jax.Array:
+        return jnp.ones((size,), jnp.float32)
+
+    def zeros(size: int) -> jax.Array:
+        return jnp.zeros((size,), jnp.float32)
 
     params: Params = {
         "wte": normal((config.vocab_size, c)),
@@ -61,14 +75,20 @@ def init(config: GPTConfig, key: jax.Array) -> Params:
     for i in range(layers):
         p = f"h.{i}."
         params |= {
-            p + "ln_1.scale": jnp.ones((c,)), p + "ln_1.bias": jnp.zeros((c,)),
-            p + "attn.c_attn.w": normal((c, 3 * c)), p + "attn.c_attn.b": jnp.zeros((3 * c,)),
-            p + "attn.c_proj.w": normal((c, c), residual_std), p + "attn.c_proj.b": jnp.zeros((c,)),
-            p + "ln_2.scale": jnp.ones((c,)), p + "ln_2.bias": jnp.zeros((c,)),
-            p + "mlp.c_fc.w": normal((c, 4 * c)), p + "mlp.c_fc.b": jnp.zeros((4 * c,)),
-            p + "mlp.c_proj.w": normal((4 * c, c), residual_std), p + "mlp.c_proj.b": jnp.zeros((c,)),
+            p + "ln_1.scale": ones(c),
+            p + "ln_1.bias": zeros(c),
+            p + "attn.c_attn.w": normal((c, 3 * c)),
+            p + "attn.c_attn.b": zeros(3 * c),
+            p + "attn.c_proj.w": normal((c, c), residual_std),
+            p + "attn.c_proj.b": zeros(c),
+            p + "ln_2.scale": ones(c),
+            p + "ln_2.bias": zeros(c),
+            p + "mlp.c_fc.w": normal((c, 4 * c)),
+            p + "mlp.c_fc.b": zeros(4 * c),
+            p + "mlp.c_proj.w": normal((4 * c, c), residual_std),
+            p + "mlp.c_proj.b": zeros(c),
         }
-    params |= {"ln_f.scale": jnp.ones((c,)), "ln_f.bias": jnp.zeros((c,))}
+    params |= {"ln_f.scale": ones(c), "ln_f.bias": zeros(c)}
     return params
 
 
@@ -82,11 +102,9 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
 def _attention(config: GPTConfig, p: Params, prefix: str, x: jax.Array) -> jax.Array:
     b, t, c = x.shape
     qkv = x @ p[prefix + "c_attn.w"] + p[prefix + "c_attn.b"]
-    q, k, v = jnp.split(qkv.reshape(b, t, 3, config.n_head, c // config.n_head), 3, axis=2)
+    q, k, v = (qkv.reshape(b, t, 3, config.n_head, c // config.n_head)[:, :, i] for i in range(3))
     implementation = None if config.attention == "xla" else config.attention
-    y = jax.nn.dot_product_attention(
-        q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True, implementation=implementation
-    )
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return y.reshape(b, t, c) @ p[prefix + "c_proj.w"] + p[prefix + "c_proj.b"]
 
 
@@ -100,12 +118,20 @@ def apply(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
     t = tokens.shape[1]
     if t > config.block_size:
         raise ValueError(f"sequence length {t} is longer than block_size {config.block_size}")
+    if config.attention not in ("xla", "cudnn"):
+        raise ValueError(f"attention must be 'xla' or 'cudnn', got {config.attention!r}")
+    if config.attention == "cudnn" and config.compute_dtype == "float32":
+        raise ValueError(
+            "cuDNN attention needs compute_dtype='bfloat16' (it has no float32 kernel)"
+        )
     dtype = jnp.dtype(config.compute_dtype)
     p = {name: value.astype(dtype) for name, value in params.items()}
     x = p["wte"][tokens] + p["wpe"][:t]
     for i in range(config.n_layer):
         h = f"h.{i}."
-        x = x + _attention(config, p, h + "attn.", _layer_norm(x, p[h + "ln_1.scale"], p[h + "ln_1.bias"]))
+        x = x + _attention(
+            config, p, h + "attn.", _layer_norm(x, p[h + "ln_1.scale"], p[h + "ln_1.bias"])
+        )
         x = x + _mlp(p, h + "mlp.", _layer_norm(x, p[h + "ln_2.scale"], p[h + "ln_2.bias"]))
     x = _layer_norm(x, p["ln_f.scale"], p["ln_f.bias"])
     return (x @ p["wte"].T).astype(jnp.float32)
@@ -174,6 +200,8 @@ def generate(
         window[:, : context.shape[1]] = context
         key, sample_key = jax.random.split(key)
         position = jnp.int32(context.shape[1] - 1)
-        new = _next_token(config, params, window, position, sample_key, top_k, max(temperature, 1e-6))
+        new = _next_token(
+            config, params, window, position, sample_key, top_k, max(temperature, 1e-6)
+        )
         tokens = np.concatenate([tokens, np.asarray(new, np.int32)[:, None]], axis=1)
     return tokens if np.ndim(prompt_tokens) == 2 else tokens[0]

@@ -1,0 +1,243 @@
+"""Tensors on the wire: dtype mapping, payload sizes, header checks and quantization.
+
+A tensor travels as a `TensorHeader` inside the Cap'n Proto message plus a raw
+payload that follows the message on the stream. Unquantized payloads are the
+array's bytes (little-endian, C order), so sending them needs no copy at all.
+Quantized payloads trade precision for bytes:
+
+- ``bfloat16``: float32/float64 rounded to bfloat16 (nearest even), 2 bytes per value.
+- ``int8Block``: per block of `block_size` values, ``scale = max|x| / 127`` (float32)
+  and ``round(x / scale)`` as int8; the payload is all int8 values, then all scales.
+  The error of each value is at most ``scale / 2``, i.e. 1/254 of its block's max.
+
+Everything here is vectorised numpy: no Python loop runs per element or per block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ._errors import FrameTooLarge, MalformedMessage
+from ._schema import DTYPE_VALUES, QUANTIZATION_VALUES
+
+QUANTIZATIONS: tuple[str, ...] = ("none", "bfloat16", "int8Block")
+MAX_NAME_CHARS = 256
+MAX_NDIM = 32
+
+#: Wire dtype name -> numpy dtype of the decoded array (explicitly little-endian).
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float64": np.dtype("<f8"),
+    "int8": np.dtype("i1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "uint8": np.dtype("u1"),
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+    "uint64": np.dtype("<u8"),
+    "bool": np.dtype("?"),
+}
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
+_DTYPE_NAMES = {value: name for name, value in DTYPE_VALUES.items()}
+_QUANTIZATION_NAMES = {value: name for name, value in QUANTIZATION_VALUES.items()}
+# Elements per vectorised step of int8Block: large enough that numpy dominates,
+# small enough that the float32 temporaries stay in cache-sized chunks.
+_CHUNK_ELEMENTS = 1 << 20
+
+assert set(DTYPES) == set(DTYPE_VALUES), "pcp.capnp DType and DTYPES disagree"
+assert set(QUANTIZATIONS) == set(QUANTIZATION_VALUES), "pcp.capnp Quantization and QUANTIZATIONS disagree"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checked tensor header: everything needed to read and decode its payload."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    quantization: str
+    payload_bytes: int
+    block_size: int
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+    def to_wire(self) -> dict:
+        return {
+            "name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+            "quantization": self.quantization, "payloadBytes": self.payload_bytes,
+            "blockSize": self.block_size,
+        }
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The wire name of a numpy dtype; ValueError for dtypes the protocol cannot carry."""
+    dtype = np.dtype(dtype)
+    if dtype == DTYPES["bfloat16"]:
+        return "bfloat16"
+    for name, wire in DTYPES.items():
+        if dtype.kind == wire.kind and dtype.itemsize == wire.itemsize and dtype.kind != "V":
+            return name
+    raise ValueError(f"dtype {dtype} cannot be sent; supported: {', '.join(DTYPES)}")
+
+
+def payload_size(dtype: str, count: int, quantization: str, block_size: int) -> int:
+    """Bytes of the payload for `count` values of `dtype` under `quantization`."""
+    if quantization == "bfloat16":
+        return 2 * count
+    if quantization == "int8Block":
+        return count + 4 * -(-count // block_size)
+    return count * DTYPES[dtype].itemsize
+
+
+def effective_quantization(dtype: str, quantization: str) -> str:
+    """The quantization actually applied: only floating tensors are quantized, and
+    bfloat16 only where it saves bytes (float32/float64)."""
+    if dtype not in FLOATING:
+        return "none"
+    if quantization == "bfloat16" and dtype in ("float16", "bfloat16"):
+        return "none"
+    return quantization
+
+
+def prepare(name: str, array: np.ndarray, quantization: str, block_size: int):
+    """Header and payload buffer for one tensor.
+
+    The unquantized payload is a zero-copy memoryview of the (C-contiguous,
+    little-endian) array; quantized payloads are fresh uint8 arrays.
+    """
+    array = np.asarray(array)
+    wire = dtype_name(array.dtype)
+    array = np.asarray(array, dtype=DTYPES[wire], order="C")  # keeps 0-d (ascontiguousarray would not)
+    applied = effective_quantization(wire, quantization)
+    if applied == "bfloat16":
+        payload = array.astype(ml_dtypes.bfloat16).reshape(-1).view(np.uint8)
+    elif applied == "int8Block":
+        payload = quantize_int8_block(array, block_size)
+    else:
+        payload = array.reshape(-1).view(np.uint8)
+    spec = TensorSpec(name, wire, tuple(array.shape), applied, payload.nbytes,
+                      block_size if applied == "int8Block" else 0)
+    return spec, memoryview(payload)
+
+
+def quantize_int8_block(array: np.ndarray, block_size: int) -> np.ndarray:
+    """int8Block payload (int8 values, then float32 scales) for a floating array.
+
+    ValueError for non-finite values (int8 cannot carry NaN or inf) and for a
+    block size outside 1..2**31.
+    """
+    if not 1 <= block_size < 2**31:
+        raise ValueError(f"block_size must be in 1..2**31-1, got {block_size}")
+    flat = array.reshape(-1)
+    count = flat.size
+    blocks = -(-count // block_size)
+    payload = np.empty(count + 4 * blocks, np.uint8)
+    values = payload[:count].view(np.int8)
+    scales = np.empty(blocks, np.float32)
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // block_size)
+    for first in range(0, blocks, rows_per_chunk):
+        last = min(first + rows_per_chunk, blocks)
+        start, stop = first * block_size, min(last * block_size, count)
+        _quantize_span(flat[start:stop], block_size, values[start:stop], scales[first:last])
+    payload[count:] = scales.view(np.uint8)
+    return payload
+
+
+def _quantize_span(flat: np.ndarray, block_size: int, out: np.ndarray, scales: np.ndarray) -> None:
+    """Quantize whole blocks of `flat` (the last one may be short) into `out` and `scales`."""
+    full = flat.size // block_size * block_size
+    parts = [(flat[:full].reshape(-1, block_size), out[:full].reshape(-1, block_size))]
+    if full < flat.size:
+        parts.append((flat[full:].reshape(1, -1), out[full:].reshape(1, -1)))
+    row = 0
+    for rows, dest in parts:
+        rows32 = rows.astype(np.float32, copy=False)
+        peak = np.maximum(rows32.max(axis=1), -rows32.min(axis=1))
+        if not np.isfinite(peak).all():
+            raise ValueError("int8Block cannot quantize non-finite values (NaN or inf)")
+        scale = peak / np.float32(127)
+        inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
+        scaled = rows32 * inverse[:, None]
+        np.rint(scaled, out=scaled)
+        np.clip(scaled, -127, 127, out=scaled)
+        dest[...] = scaled
+        scales[row:row + len(scale)] = scale
+        row += len(scale)
+
+
+def dequantize(payload: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """The decoded array for a checked `spec` and its uint8 `payload` (size already verified)."""
+    dtype = DTYPES[spec.dtype]
+    if spec.quantization == "bfloat16":
+        flat = payload.view(ml_dtypes.bfloat16).astype(dtype)
+    elif spec.quantization == "int8Block":
+        flat = _dequantize_int8_block(payload, spec.count, spec.block_size).astype(dtype, copy=False)
+    else:
+        flat = payload.view(dtype)
+    return flat.reshape(spec.shape)
+
+
+def _dequantize_int8_block(payload: np.ndarray, count: int, block_size: int) -> np.ndarray:
+    values = payload[:count].view(np.int8)
+    scales = np.frombuffer(payload[count:].tobytes(), "<f4")
+    out = np.empty(count, np.float32)
+    full = count // block_size * block_size
+    np.multiply(values[:full].reshape(-1, block_size), scales[: full // block_size, None],
+                out=out[:full].reshape(-1, block_size))
+    if full < count:
+        np.multiply(values[full:], scales[-1], out=out[full:])
+    return out
+
+
+def check_header(raw: dict, limits) -> TensorSpec:
+    """Validate one header read off the wire (enums still as raw ints) against the contract and `limits`.
+
+    FrameTooLarge for sizes beyond the limits, MalformedMessage for everything
+    else that is wrong; nothing is allocated here.
+    """
+    name = raw["name"]
+    if not name or len(name) > MAX_NAME_CHARS:
+        raise MalformedMessage(f"tensor name must be 1..{MAX_NAME_CHARS} characters, got {len(name)}")
+    dtype = _DTYPE_NAMES.get(raw["dtype"])
+    if dtype is None:
+        raise MalformedMessage(f"tensor {name!r} has unknown dtype value {raw['dtype']}")
+    quantization = _QUANTIZATION_NAMES.get(raw["quantization"])
+    if quantization is None:
+        raise MalformedMessage(f"tensor {name!r} has unknown quantization value {raw['quantization']}")
+    shape = tuple(raw["shape"])
+    count = _checked_count(name, shape)
+    block_size = raw["blockSize"]
+    if quantization != "none" and dtype not in FLOATING:
+        raise MalformedMessage(f"tensor {name!r} is {dtype} but quantized as {quantization}")
+    if quantization == "int8Block" and block_size == 0:
+        raise MalformedMessage(f"tensor {name!r} is int8Block with blockSize 0")
+    payload_bytes = raw["payloadBytes"]
+    if payload_bytes > limits.max_tensor_bytes:
+        raise FrameTooLarge(f"tensor {name!r} payload is {payload_bytes} bytes; the limit is {limits.max_tensor_bytes}")
+    expected = payload_size(dtype, count, quantization, block_size or 1)
+    if payload_bytes != expected:
+        raise MalformedMessage(
+            f"tensor {name!r} ({dtype}{list(shape)}, {quantization}) needs {expected} payload bytes, "
+            f"header says {payload_bytes}"
+        )
+    return TensorSpec(name, dtype, shape, quantization, payload_bytes, block_size)
+
+
+def _checked_count(name: str, shape: tuple[int, ...]) -> int:
+    if len(shape) > MAX_NDIM:
+        raise MalformedMessage(f"tensor {name!r} has {len(shape)} dimensions; at most {MAX_NDIM}")
+    if any(dim >= 2**63 for dim in shape):
+        raise MalformedMessage(f"tensor {name!r} has a dimension beyond int64: {list(shape)}")
+    count = math.prod(shape)
+    if count >= 2**63:
+        raise MalformedMessage(f"tensor {name!r} shape {list(shape)} overflows int64 elements")
+    return count

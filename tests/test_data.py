@@ -1,0 +1,188 @@
+"""Corpora, shards and batches: determinism, disjointness, the file formats, helpful errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pcp_tui.data import (
+    DataError,
+    decode_tokens,
+    encode_text,
+    eval_batches,
+    fingerprint,
+    load_corpus,
+    sample_batches,
+    split_shards,
+)
+
+SMALL = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def stdlib():
+    return load_corpus(max_bytes=SMALL)
+
+
+def test_embedded_corpus_is_deterministic(stdlib):
+    again = load_corpus(max_bytes=SMALL)
+    assert again.fingerprint == stdlib.fingerprint
+    assert stdlib.fingerprint == fingerprint(stdlib.train, stdlib.val)
+    assert (
+        stdlib.vocab_size == 256 and stdlib.train.dtype == np.uint8 and stdlib.val.dtype == np.uint8
+    )
+    assert len(stdlib.train) + len(stdlib.val) == SMALL
+    assert 0.02 < len(stdlib.val) / SMALL < 0.2
+    assert stdlib.name.startswith("python-stdlib")
+
+
+def test_embedded_val_is_whole_unseen_files(stdlib):
+    val_text, train_text = decode_tokens(stdlib.val), decode_tokens(stdlib.train)
+    assert val_text.startswith("\n# ---- ")  # val is made of whole files
+    val_files = [line for line in val_text.splitlines() if line.startswith("# ---- ")]
+    assert val_files and not any(name in train_text for name in val_files)
+    assert "def " in train_text and "import " in train_text  # it really is Python source
+
+
+def test_max_bytes_and_val_fraction_are_respected():
+    corpus = load_corpus(max_bytes=64 * 1024, val_fraction=0.25)
+    assert len(corpus.train) + len(corpus.val) == 64 * 1024
+    assert 0.1 < len(corpus.val) / (64 * 1024) < 0.4
+
+
+def test_shards_are_disjoint_and_cover_the_train_split(stdlib):
+    shards = split_shards(stdlib.train, 3)
+    assert len(shards) == 3
+    np.testing.assert_array_equal(np.concatenate(shards), stdlib.train)
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert all(np.shares_memory(s, stdlib.train) for s in shards)  # views, not copies
+    assert len({fingerprint(s) for s in shards}) == 3
+
+
+def test_sample_batches_are_deterministic_per_stream_and_contiguous():
+    shard = np.arange(10_000, dtype=np.uint16)  # token value == its position
+    kwargs = dict(steps=3, batch_size=5, seq_len=16, seed=7)
+    a = sample_batches(shard, stream=(0, 1, 2), **kwargs)
+    assert a.shape == (3, 5, 17) and a.dtype == np.int32
+    np.testing.assert_array_equal(a, sample_batches(shard, stream=(0, 1, 2), **kwargs))
+    assert not np.array_equal(a, sample_batches(shard, stream=(1, 1, 2), **kwargs))
+    assert not np.array_equal(a, sample_batches(shard, stream=(0, 1, 2), **{**kwargs, "seed": 8}))
+    np.testing.assert_array_equal(np.diff(a, axis=-1), 1)  # every row is a contiguous slice
+    assert a.min() >= 0 and a.max() < len(shard)
+
+
+def test_sample_batches_reach_both_ends_of_a_small_shard():
+    shard = np.arange(18, dtype=np.uint8)  # seq_len + 2: exactly two possible windows
+    batches = sample_batches(shard, steps=20, batch_size=4, seq_len=16, seed=0, stream=(0,))
+    assert set(batches[..., 0].ravel()) == {0, 1}
+
+
+def test_sample_batches_refuses_a_tiny_shard():
+    with pytest.raises(DataError, match="fewer workers"):
+        sample_batches(
+            np.arange(17, dtype=np.uint8), steps=1, batch_size=1, seq_len=16, seed=0, stream=()
+        )
+
+
+def test_eval_batches_are_evenly_spaced_and_disjoint(stdlib):
+    batches = eval_batches(stdlib.val, batch_size=4, seq_len=32, max_batches=3)
+    assert batches.shape == (3, 4, 33) and batches.dtype == np.int32
+    np.testing.assert_array_equal(
+        batches, eval_batches(stdlib.val, batch_size=4, seq_len=32, max_batches=3)
+    )
+    positions = np.arange(50_000, dtype=np.uint16)
+    windows = eval_batches(positions, batch_size=4, seq_len=32, max_batches=3).reshape(-1, 33)
+    starts = windows[:, 0]
+    assert starts[0] == 0 and starts[-1] == len(positions) - 33  # spread over the whole split
+    assert np.all(np.diff(starts) >= 33)  # non-overlapping
+    few = eval_batches(positions[:300], batch_size=4, seq_len=32, max_batches=8)
+    assert few.shape == (2, 4, 33)  # as many as fit
+    with pytest.raises(DataError, match="held-out"):
+        eval_batches(positions[:100], batch_size=4, seq_len=32, max_batches=8)
+
+
+def test_text_file_loads_byte_level(tmp_path):
+    text = "".join(f"line {i}: héllo wörld\n" for i in range(400))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    corpus = load_corpus(path)
+    assert corpus.vocab_size == 256 and corpus.name == str(path)
+    assert decode_tokens(np.concatenate([corpus.train, corpus.val])) == text
+    assert decode_tokens(corpus.val).startswith("line ")  # cut at a line boundary
+    assert load_corpus(str(path)).fingerprint == corpus.fingerprint
+
+
+def test_folder_loads_text_files_in_sorted_order(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / ".git").mkdir()
+    for name, body in [
+        ("a.md", "alpha " * 200),
+        ("b/c.py", "print('c')\n" * 100),
+        ("z.txt", "zulu " * 50),
+        ("skip.bin.json", "{}"),
+        (".git/HEAD", "ref"),
+    ]:
+        (tmp_path / name).write_text(body)
+    corpus = load_corpus(tmp_path, val_fraction=0.15)
+    train, val = decode_tokens(corpus.train), decode_tokens(corpus.val)
+    assert train.index("# ---- a.md ----") < train.index("# ---- b/c.py ----")  # sorted by path
+    # the last file is held out whole
+    assert val.startswith("\n# ---- z.txt ----\n") and "zulu" not in train
+    assert "{}" not in train + val and "ref" not in train + val
+
+
+def test_bin_file_and_train_val_folder(tmp_path):
+    tokens = (np.arange(5000) * 37 % 50257).astype(np.uint16)
+    tokens.tofile(tmp_path / "tokens.bin")
+    corpus = load_corpus(tmp_path / "tokens.bin", val_fraction=0.1)
+    assert corpus.train.dtype == np.uint16 and corpus.vocab_size == 50304
+    np.testing.assert_array_equal(np.concatenate([corpus.train, corpus.val]), tokens)
+    assert len(corpus.val) == 500
+
+    folder = tmp_path / "owt"
+    folder.mkdir()
+    tokens[:4000].tofile(folder / "train.bin")
+    np.array([1, 2, 3, 60000], np.uint16).tofile(folder / "val.bin")
+    split = load_corpus(folder)
+    assert len(split.train) == 4000 and list(split.val) == [1, 2, 3, 60000]
+    assert split.vocab_size == 60032 and split.vocab_size % 64 == 0  # the largest id fits
+
+
+@pytest.mark.parametrize(
+    ("setup", "match"),
+    [
+        (lambda p: p / "missing.txt", "does not exist"),
+        (lambda p: p, "no text found"),  # an empty folder
+        (lambda p: (p / "empty.txt").write_bytes(b"") or p / "empty.txt", "no text found"),
+        (
+            lambda p: (p / "one.bin").write_bytes(b"\x01\x00") and p / "one.bin",
+            "fewer than 2 tokens",
+        ),
+    ],
+)
+def test_bad_data_raises_data_error_saying_what_to_do(tmp_path, setup, match):
+    with pytest.raises(DataError, match=match) as info:
+        load_corpus(setup(tmp_path))
+    assert "--data" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_split_shards_refuses_more_shards_than_tokens():
+    with pytest.raises(DataError, match="fewer workers"):
+        split_shards(np.arange(3, dtype=np.uint8), 4)
+
+
+def test_encode_decode_round_trip():
+    text = "def f(x):\n    return 'ünïcode' + x  # ✓\n"
+    tokens = encode_text(text)
+    assert tokens.dtype == np.uint8 and len(tokens) == len(text.encode())
+    assert decode_tokens(tokens) == text
+    assert decode_tokens([104, 105, 300, -1]) == "hi\ufffd\ufffd"
+
+
+def test_fingerprint_depends_on_dtype_and_split_point():
+    a = np.arange(10, dtype=np.uint8)
+    assert fingerprint(a) == fingerprint(a.copy())
+    assert fingerprint(a) != fingerprint(a.astype(np.uint16))
+    assert fingerprint(a[:4], a[4:]) != fingerprint(a[:5], a[5:])
