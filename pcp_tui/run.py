@@ -65,7 +65,10 @@ def run_shepherd(config: RunConfig, *, headless: bool) -> int:
 
 
 def _launch_dashboard(shepherd: Shepherd, spawn_workers=None) -> int | None:
-    """Run inside the Textual dashboard; None when it is not available (headless fallback)."""
+    """Run inside the Textual dashboard; None to fall back to headless (no terminal)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("not a terminal: running headless (pass --headless to say so)", flush=True)
+        return None
     try:
         from .dashboard import run_dashboard
     except ImportError:

@@ -371,6 +371,8 @@ class Shepherd:
         return link
 
     def _mark_gone(self, link: WorkerLink, state: str, reason: str) -> None:
+        if self.state.status in ("done", "stopped", "failed") or self._stop_reason is not None:
+            state = "left"  # the run is ending: a closing connection is expected, not a loss
         if self._links.get(link.worker_id) is link:
             del self._links[link.worker_id]
             link.view.state, link.view.reason = state, reason
@@ -504,6 +506,7 @@ class Shepherd:
     async def _goodbye_all(self, reason: str) -> None:
         async with trio.open_nursery() as nursery:
             for link in list(self._links.values()):
+                link.view.state, link.view.reason = "left", reason
                 nursery.start_soon(link.close, reason)
 
 

@@ -65,7 +65,7 @@ def status_line(status: Any) -> Text:
         line.append(f" · loss {status.loss:.4f}")
     if status.tokens_per_second:
         line.append(f" · {status.tokens_per_second:,.0f} tok/s")
-    if status.message:
+    if status.message and status.state not in ("training", "syncing"):  # older news by then
         line.append(f" · {status.message}", "dim")
     return line
 

@@ -15,6 +15,8 @@ allocated, and every failure caused by the peer's bytes is a `ProtocolError`.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +25,13 @@ import capnp
 import numpy as np
 import trio
 
-from ._errors import ConnectionClosed, FrameTooLarge, MalformedMessage, ProtocolError, VersionMismatch
+from ._errors import (
+    ConnectionClosed,
+    FrameTooLarge,
+    MalformedMessage,
+    ProtocolError,
+    VersionMismatch,
+)
 from ._schema import KINDS, Envelope
 from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
@@ -33,6 +41,7 @@ _SMALL_BUFFER = 64 * 1024      # buffers below this are joined into one send_all
 _OFFLOAD_BYTES = 8 * 2**20     # (de)quantization above this runs in a worker thread
 _RECEIVE_CHUNK = 64 * 1024     # read-ahead for segment tables and small frames
 _RECEIVE_BULK = 4 * 2**20      # largest receive_some when filling a payload
+_YIELD_EVERY = 16 * 2**20      # a long payload read lets other tasks run this often
 _PEER_CAPNP_ERRORS = (capnp.KjException, RuntimeError, ValueError, TypeError, OverflowError)
 
 
@@ -166,9 +175,7 @@ def _parse_frame(frame: bytearray, limits: Limits) -> tuple[str, dict, int, list
     """Kind, body dict, version and checked tensor specs of a framed envelope."""
     try:
         with Envelope.from_bytes(
-            bytes(frame),
-            traversal_limit_in_words=limits.traversal_limit_words,
-            nesting_limit=limits.nesting_limit,
+            frame, traversal_limit_in_words=limits.traversal_limit_words, nesting_limit=limits.nesting_limit
         ) as envelope:
             version = envelope.version
             kind = _kind(envelope)
@@ -185,9 +192,7 @@ def _kind(envelope) -> str:
     try:
         return envelope.which()
     except capnp.KjException:
-        raise MalformedMessage(
-            "unknown message kind (a union member this version does not know)"
-        ) from None
+        raise MalformedMessage("unknown message kind (a union member this version does not know)") from None
 
 
 def _peer_versions(envelope, kind: str, version: int) -> tuple[int, ...]:
@@ -226,9 +231,7 @@ def _check_headers(raw_headers: list[dict], limits: Limits) -> list[TensorSpec]:
         names.add(spec.name)
         total += spec.payload_bytes
         if total > limits.max_total_tensor_bytes:
-            raise FrameTooLarge(
-                f"tensor payloads exceed {limits.max_total_tensor_bytes} bytes in one message"
-            )
+            raise FrameTooLarge(f"tensor payloads exceed {limits.max_total_tensor_bytes} bytes in one message")
         specs.append(spec)
     return specs
 
@@ -268,12 +271,11 @@ class MessageStream:
         trio.BrokenResourceError / ClosedResourceError pass through if the
         connection is gone; ValueError for a body or tensor that cannot be encoded.
         """
-        args = (kind, body, tensors)
-        options = dict(quantization=quantization, block_size=block_size)
-        if quantization != "none" and _tensor_bytes(tensors) > _OFFLOAD_BYTES:
-            buffers = await trio.to_thread.run_sync(lambda: encode(*args, **options))
-        else:
-            buffers = encode(*args, **options)
+        def build():
+            return encode(kind, body, tensors, quantization=quantization, block_size=block_size)
+
+        big = quantization != "none" and _tensor_bytes(tensors) > _OFFLOAD_BYTES
+        buffers = await trio.to_thread.run_sync(build) if big else build()
         total = sum(memoryview(buffer).nbytes for buffer in buffers)
         async with self._send_lock:
             for chunk in _coalesce(buffers):
@@ -303,10 +305,8 @@ class MessageStream:
 
     async def send_error(self, code: str, message: str) -> None:
         """Best effort: tell the peer why we are about to close; silent if it is already gone."""
-        try:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self.send("error", {"code": code, "message": message[:4096]})
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
 
     async def aclose(self) -> None:
         await self.stream.aclose()
@@ -374,7 +374,8 @@ class _StreamReader:
 
     def __init__(self, stream: trio.abc.Stream):
         self._stream = stream
-        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+        direct = isinstance(stream, trio.SocketStream) and hasattr(os, "readv")
+        self._socket = stream.socket if direct else None
         self._pending = bytearray()
         self.frame_consumed = 0
 
@@ -400,12 +401,17 @@ class _StreamReader:
         out[:filled] = self._pending[:filled]
         del self._pending[:filled]
         self.frame_consumed += filled
+        since_yield = 0
         while filled < out.nbytes:
             got = await self._receive_into(out[filled:])
             if not got:
                 self._closed(out.nbytes - filled)
             filled += got
             self.frame_consumed += got
+            since_yield += got
+            if since_yield >= _YIELD_EVERY:
+                since_yield = 0
+                await trio.lowlevel.checkpoint()
 
     async def _receive_some(self, max_bytes: int) -> bytes:
         try:
@@ -414,14 +420,27 @@ class _StreamReader:
             raise ConnectionClosed(f"connection lost: {exc.__cause__ or exc}") from exc
 
     async def _receive_into(self, out: memoryview) -> int:
+        """Receive up to `out.nbytes` into `out`; 0 at end of stream.
+
+        On a socket this reads the non-blocking fd directly (os.readv) and only
+        waits through trio when the kernel buffer is empty: trio's own
+        `recv_into` reschedules after every call, which is costly on fast links.
+        Other streams pay one extra copy from `receive_some`.
+        """
         if self._socket is None:
             chunk = await self._receive_some(min(out.nbytes, _RECEIVE_BULK))
             out[: len(chunk)] = chunk
             return len(chunk)
-        try:
-            return await self._socket.recv_into(out)
-        except OSError as exc:
-            raise ConnectionClosed(f"connection lost: {exc}") from exc
+        while True:
+            fd = self._socket.fileno()
+            if fd < 0:
+                raise trio.ClosedResourceError("this MessageStream's socket was closed")
+            try:
+                return os.readv(fd, [out])
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self._socket)
+            except OSError as exc:
+                raise ConnectionClosed(f"connection lost: {exc}") from exc
 
     def _closed(self, missing: int) -> None:
         if self.frame_consumed == 0 and not self._pending:

@@ -153,7 +153,7 @@ class LossChart(Widget):
         )
         if self._evals:
             latest += f" [$accent]━[/] eval {self._evals[-1][1]:.4f}"
-        scope = "" if self.window == 0 else f" · last {self.WINDOWS[self.window]:.0%}"
+        scope = "" if self.window == 0 else f" · {self.WINDOWS[self.window]:.0%}"
         self.border_subtitle = f"{latest} · {'log' if self.log_scale else 'lin'}{scope}"
 
     def render(self) -> Text:
