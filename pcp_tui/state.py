@@ -85,7 +85,8 @@ class RunState:
         self.finished_at: float | None = None
         self.workers: dict[str, WorkerView] = {}
         self.history: list[RoundRecord] = []
-        self.step_losses: collections.deque[tuple[int, float, int]]  # (global step, loss, worker index) = collections.deque(maxlen=20_000)
+        # (global step, loss, worker index), one per progress message
+        self.step_losses: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=20_000)
         self.events: collections.deque[Event] = collections.deque(maxlen=2_000)
         self.bytes_sent = 0
         self.bytes_received = 0
