@@ -10,10 +10,11 @@ from collections.abc import Sequence
 
 from . import __version__
 from .config import ConfigError, RunConfig
+from .config_file import load_config_file
 
 # Help for the run options; every RunConfig field becomes a --flag.
 _HELP = {
-    "model": "model preset: tiny (CPU demo), small, gpt2 (124M)",
+    "model": "model preset: tiny (CPU demo), small, gpt2 (124M); or a model file path/to/model.py:build",
     "data": "text file, folder of text, or nanoGPT .bin tokens (default: the embedded Python-stdlib corpus)",
     "data_max_bytes": "bytes of the embedded/text corpus to use",
     "seq_len": "tokens per training sequence",
@@ -47,25 +48,37 @@ _HELP = {
     "checkpoint_dir": "write checkpoints (safetensors + JSON) into this directory",
     "checkpoint_every": "checkpoint every N rounds (and when the run stops)",
     "resume": "continue the run from the latest checkpoint in this directory",
+    "tls_cert": "PEM certificate: workers connect over TLS (the join command then pins its fingerprint)",
+    "tls_key": "PEM private key of --tls-cert",
+    "handshake_timeout": "seconds a new connection has to prove the token before it is dropped",
+    "max_handshakes_per_host": "unfinished handshakes one address may hold; more are closed at once",
+    "max_handshakes": "unfinished handshakes in all; more are closed at once",
 }
 _SKIP = {"platforms"}
 
 
 def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     group = parser.add_argument_group("run options")
+    group.add_argument("--config", metavar="FILE.toml", help="read run options from a TOML file; flags given here win")
+    parser.set_defaults(run_defaults=defaults)  # flags are SUPPRESSed: only those passed reach _config_from
     for field in dataclasses.fields(RunConfig):
         if field.name in _SKIP:
             continue
         default = getattr(defaults, field.name)
         kind = type(default) if default is not None else str
         group.add_argument(
-            f"--{field.name.replace('_', '-')}", dest=field.name, type=kind, default=default,
+            f"--{field.name.replace('_', '-')}", dest=field.name, type=kind, default=argparse.SUPPRESS,
             help=f"{_HELP.get(field.name, '')} (default: {default})",
         )
 
 
 def _config_from(args: argparse.Namespace) -> RunConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if f.name not in _SKIP}
+    """Command defaults, then the --config file, then the flags actually passed."""
+    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    values = {name: getattr(args.run_defaults, name) for name in fields}
+    if args.config:
+        values.update(load_config_file(args.config))
+    values.update({name: getattr(args, name) for name in fields if name not in _SKIP and hasattr(args, name)})
     if not values.get("token"):
         values["token"] = os.environ.get("PCP_TOKEN") or None
     return RunConfig(**values).validate()
@@ -91,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm", "metal"])
     worker.add_argument("--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)")
     worker.add_argument("--no-reconnect", action="store_true", help="exit instead of reconnecting when the link breaks")
+    worker.add_argument("--tls-ca", default=None, metavar="FILE", help="connect over TLS, trusting the shepherd's certificate if this CA signed it")
+    worker.add_argument("--tls-fingerprint", default=None, metavar="SHA256",
+                        help="connect over TLS, trusting only the shepherd certificate with this SHA-256 (printed in its join command)")
     worker.add_argument("--quiet", action="store_true", help="print only errors")
     sample = commands.add_parser("sample", help="generate text from a checkpoint")
     sample.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory of a run")

@@ -52,6 +52,12 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 5  # rounds; a checkpoint is also written when the run stops
     resume: str | None = None  # checkpoint directory to continue from
+    # admission and transport security (see pcp_tui/admission.py, pcp_tui/tls.py)
+    tls_cert: str | None = None  # PEM certificate: workers then connect over TLS
+    tls_key: str | None = None  # PEM private key of tls_cert
+    handshake_timeout: float = 10.0  # seconds a new connection has to finish its handshake
+    max_handshakes_per_host: int = 8  # unfinished handshakes one address may hold at once
+    max_handshakes: int = 64  # unfinished handshakes in all
     platforms: tuple[str, ...] = field(default=("cpu", "cuda", "rocm"))
 
     def replace(self, **changes) -> RunConfig:
@@ -75,6 +81,10 @@ class RunConfig:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.inner_lr <= 0 or self.outer_lr <= 0:
             raise ConfigError("learning rates must be positive")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
+        if self.handshake_timeout <= 0 or self.max_handshakes_per_host < 1 or self.max_handshakes < 1:
+            raise ConfigError("--handshake-timeout, --max-handshakes-per-host and --max-handshakes must be positive")
         return self
 
     @property

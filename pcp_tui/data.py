@@ -5,6 +5,10 @@ A corpus is a 1-D array of tokens with a held-out split. Text is byte level
 training split into one contiguous shard per worker slot; a worker samples its
 batches from its shard with a seed and a stream (slot, round, chunk), so the
 same run draws the same batches again after a restart.
+
+A custom model's data is a dict of row-indexed arrays instead (`RowData`):
+each worker gets a disjoint block of rows and samples random rows with the
+same seed and stream.
 """
 
 from __future__ import annotations
@@ -221,3 +225,125 @@ def decode_tokens(tokens) -> str:
     ids = np.asarray(tokens).reshape(-1).astype(np.int64)
     ids = np.where((ids >= 0) & (ids < 256), ids, 0xFF)
     return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+# -- row datasets: arrays indexed by example (x[N, ...], y[N]) for any JAX model ------------
+
+MAX_DATA_TENSORS = 64
+_ROW_DTYPES = {"float64": np.float32, "int64": np.int32, "uint64": np.uint32}  # JAX runs without x64
+
+
+@dataclass(frozen=True)
+class RowData:
+    """A dataset of row-indexed arrays (the same leading N), with a held-out split."""
+
+    name: str
+    train: dict[str, np.ndarray]
+    val: dict[str, np.ndarray]
+    fingerprint: str
+
+    @property
+    def summary(self) -> str:
+        return f"dataset {self.name}: {row_count(self.train):,} train / {row_count(self.val):,} held-out rows"
+
+
+def row_arrays(arrays, what: str) -> dict[str, np.ndarray]:
+    """Check a mapping of row-indexed arrays; float64/int64 become float32/int32 (JAX's defaults)."""
+    if not isinstance(arrays, dict) or not arrays:
+        raise DataError(f"{what} must be a non-empty dict of arrays, e.g. {{'x': x[N, ...], 'y': y[N]}}")
+    if len(arrays) > MAX_DATA_TENSORS:
+        raise DataError(f"{what} has {len(arrays)} arrays; at most {MAX_DATA_TENSORS}")
+    checked = {}
+    for key in sorted(arrays):
+        array = np.asarray(arrays[key])
+        if not isinstance(key, str) or not key.isidentifier():
+            raise DataError(f"{what}: array names must be identifiers, got {key!r}")
+        if array.ndim < 1 or array.dtype.kind not in "biuf":
+            raise DataError(f"{what}[{key!r}] must be a numeric array with a leading row axis, got {array.dtype} {array.shape}")
+        checked[key] = np.ascontiguousarray(array.astype(_ROW_DTYPES.get(array.dtype.name, array.dtype), copy=False))
+    lengths = {key: len(array) for key, array in checked.items()}
+    if len(set(lengths.values())) != 1:
+        raise DataError(f"{what}: every array needs the same number of rows, got {lengths}")
+    return checked
+
+
+def row_count(arrays: dict[str, np.ndarray]) -> int:
+    return len(next(iter(arrays.values())))
+
+
+def split_rows(arrays: dict[str, np.ndarray], n: int) -> list[dict[str, np.ndarray]]:
+    """n disjoint, contiguous, near-equal row shards (views, no copies)."""
+    rows = row_count(arrays)
+    if n < 1 or rows < n:
+        raise DataError(f"{rows} rows cannot make {n} shards; use fewer workers or more data")
+    bounds = np.linspace(0, rows, n + 1).astype(int)
+    return [{k: a[lo:hi] for k, a in arrays.items()} for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def sample_rows(
+    arrays: tuple[np.ndarray, ...], *, steps: int, batch_size: int, seed: int, stream: tuple[int, ...]
+) -> tuple[np.ndarray, ...]:
+    """One array [steps, batch_size, ...] per input: random rows, the same for the same (seed, stream)."""
+    rows = len(arrays[0])
+    if rows < 1:
+        raise DataError("the data shard has no rows; use fewer workers or more data")
+    rng = np.random.default_rng([seed, *stream])
+    index = rng.integers(0, rows, size=(steps, batch_size))
+    return tuple(np.ascontiguousarray(array[index]) for array in arrays)
+
+
+def eval_rows(arrays: dict[str, np.ndarray], *, batch_size: int, max_batches: int) -> tuple[np.ndarray, ...]:
+    """The first n * batch_size held-out rows as [n, batch_size, ...] per array, n <= max_batches."""
+    n = min(max_batches, row_count(arrays) // batch_size)
+    if n < 1:
+        raise DataError(
+            f"the held-out split has {row_count(arrays)} rows, fewer than one eval batch of "
+            f"{batch_size}; add held-out rows or use a smaller --batch-size"
+        )
+    return tuple(a[: n * batch_size].reshape(n, batch_size, *a.shape[1:]) for a in arrays.values())
+
+
+def shard_plan(shard: np.ndarray | dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+    """Plan fields and tensors that ship one worker's shard.
+
+    A 1-D token array is batched as LM windows ("windows"); a dict of
+    row-indexed arrays as random rows ("rows"), where a row counts as one token.
+    """
+    if isinstance(shard, np.ndarray):
+        return ({"batchKind": "windows", "shardTensor": "shard", "shardFingerprint": fingerprint(shard)},
+                {"shard": shard})
+    tensors = {f"data/{key}": array for key, array in shard.items()}
+    fields = {"batchKind": "rows", "dataTensors": list(tensors), "shardFingerprint": fingerprint(*tensors.values()),
+              "seqLen": 1}
+    return fields, tensors
+
+
+def shard_from_plan(body: dict, tensors: dict) -> tuple[str, np.ndarray | tuple[np.ndarray, ...]]:
+    """(batch kind, shard) from a plan; DataError when the shard is missing or does not match."""
+    kind = body.get("batchKind") or "windows"
+    if kind == "windows":
+        names = [body.get("shardTensor", "")]
+    elif kind == "rows":
+        names = list(body.get("dataTensors") or [])
+        if not 1 <= len(names) <= MAX_DATA_TENSORS:
+            raise DataError(f"a rows plan needs 1..{MAX_DATA_TENSORS} data tensors, got {len(names)}")
+    else:
+        raise DataError(f"unknown batch kind {kind!r} (windows | rows); upgrade pcp-tui")
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise DataError(f"the plan lacks its data tensors {missing}")
+    arrays = tuple(tensors[name] for name in names)
+    if fingerprint(*arrays) != body.get("shardFingerprint"):
+        raise DataError("the data shard does not match its fingerprint")
+    if kind == "windows":
+        return kind, arrays[0]
+    if any(a.ndim < 1 or len(a) != len(arrays[0]) for a in arrays):
+        raise DataError("the rows of the data tensors do not line up")
+    return kind, arrays
+
+
+def sample_shard(kind: str, shard, *, steps: int, batch_size: int, seq_len: int, seed: int, stream: tuple[int, ...]):
+    """One chunk of batches for the plan's batch kind (see `shard_plan`)."""
+    if kind == "rows":
+        return sample_rows(shard, steps=steps, batch_size=batch_size, seed=seed, stream=stream)
+    return sample_batches(shard, steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed, stream=stream)

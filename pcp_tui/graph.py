@@ -81,7 +81,7 @@ class TrainingGraphs:
 def build_graphs(
     loss_fn: LossFn,
     params: Mapping[str, Any],
-    batch_spec: jax.ShapeDtypeStruct,
+    batch_spec: Any,
     *,
     inner: InnerOptimizer,
     chunk_steps: int,
@@ -91,7 +91,8 @@ def build_graphs(
     """Export the worker's graphs for `platforms`.
 
     `batch_spec` is the shape of one inner step's batch (for a language model,
-    int32[B, T+1]); `train_chunk` takes `chunk_steps` of them stacked.
+    int32[B, T+1]; for a row dataset a tuple of [B, ...] specs); `train_chunk`
+    takes `chunk_steps` of them stacked on a new leading axis.
     """
     started = time.perf_counter()
     names = tuple(sorted(params))
@@ -121,8 +122,8 @@ def build_graphs(
         p = as_dict(flat_params)
         return jnp.mean(jax.lax.map(lambda b: loss_fn(p, b), batches))
 
-    def stacked(n: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((n, *batch_spec.shape), batch_spec.dtype)
+    def stacked(n: int) -> Any:
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), batch_spec)
 
     def exported(fn, *specs) -> bytes:
         return export.export(jax.jit(fn), platforms=platforms)(*specs).serialize()

@@ -97,7 +97,7 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
     try:
         message = await stream.receive()
     except protocol.VersionMismatch as exc:
-        await stream.send_error("versionMismatch", str(exc))
+        await stream.send_error("versionMismatch", _version_advice(exc))
         raise Refused("versionMismatch", str(exc)) from None
     if message.kind != "workerHello":
         reason = f"expected workerHello, got {message.kind}"
@@ -123,4 +123,15 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
         hostname=str(body.get("hostname", ""))[:128],
         backend=described,
         platform=platform,
+    )
+
+
+def _version_advice(exc: protocol.VersionMismatch) -> str:
+    """The mismatch told from the worker's side: both versions, and which side to upgrade."""
+    ours = ", ".join(map(str, exc.supported))
+    theirs = ", ".join(map(str, exc.peer_versions)) or "none"
+    older = "this shepherd" if exc.peer_versions and min(exc.peer_versions) > max(exc.supported) else "this worker"
+    return (
+        f"protocol version mismatch: the shepherd (pcp-tui {__version__}) speaks protocol version {ours}, "
+        f"this worker speaks {theirs}; upgrade pcp-tui on {older} (pip install -U pcp-tui)"
     )

@@ -33,7 +33,7 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
     print(f"loading data and model ({config.model})...", flush=True)
     task = build_task(config, shards=shards)
     print(
-        f"corpus {task.corpus.name}: {len(task.corpus.train):,} train / {len(task.corpus.val):,} held-out tokens; "
+        f"{task.data_summary}; "
         f"model {task.name}: {task.param_count:,} parameters",
         flush=True,
     )
@@ -113,6 +113,7 @@ async def _worker_process(shepherd: Shepherd, port: int, backend: str, index: in
     command = [
         sys.executable, "-m", "pcp_tui", "worker", "--connect", f"127.0.0.1:{port}",
         "--backend", backend, "--id", f"local-{index}", "--quiet",
+        *(shepherd.tls.worker_flags() if shepherd.tls else []),
     ]
     env = dict(os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.workers))
     async with trio.open_nursery() as nursery:
@@ -130,6 +131,7 @@ def _cpu_threads_env(workers: int) -> dict[str, str]:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    from .tls import ClientTLS
     from .worker import ConnectionLost, Refused, Worker
     from .worker_view import WorkerStatusView
 
@@ -140,9 +142,10 @@ def run_worker(args: argparse.Namespace) -> int:
     if not host or not port_text.isdigit():
         return _fail(f"--connect wants HOST:PORT, got {args.connect!r}")
     try:
+        tls = ClientTLS.from_options(args.tls_ca, args.tls_fingerprint)
         worker = Worker(host, int(port_text), token=token, backend=args.backend,
-                        worker_id=args.worker_id, reconnect=not args.no_reconnect)
-    except BackendUnavailable as exc:
+                        worker_id=args.worker_id, reconnect=not args.no_reconnect, tls=tls)
+    except (BackendUnavailable, ValueError) as exc:
         return _fail(str(exc))
     view = contextlib.nullcontext() if args.quiet else WorkerStatusView(worker.status)
     try:

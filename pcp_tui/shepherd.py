@@ -19,12 +19,14 @@ import trio
 import protocol
 from backends import select_backend
 
-from . import checkpoint, data
+from . import checkpoint, data, tls
+from .admission import Admission
 from .config import RunConfig
 from .diloco import OuterOptimizer
 from .graph import InnerOptimizer, TrainingGraphs, build_graphs
-from .links import HANDSHAKE_SECONDS, Refused, WorkerLink, WorkerLost, handshake
+from .links import WorkerLink, WorkerLost
 from .rounds import BadResult, Round, check_pseudo_gradient
+from .screening import NormGuard
 from .state import RoundRecord, RunState, WorkerView
 from .task import Task
 
@@ -60,6 +62,12 @@ class Shepherd:
         self._eval = None
         self._next_index = 0
         self.start_round = 1
+        self.tls = tls.ServerTLS.from_files(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self._admission = Admission(
+            self.state, token=self.token, run_id=self.run_id, tls=self.tls, timeout=config.handshake_timeout,
+            max_per_host=config.max_handshakes_per_host, max_pending=config.max_handshakes,
+        )
+        self._norms = NormGuard()
         if config.resume:
             self._resume(config.resume)
 
@@ -117,11 +125,14 @@ class Shepherd:
         port = listeners[0].socket.getsockname()[1]
         shown_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         self.state.address = f"{shown_host}:{port}"
-        self.state.join_command = f"pcp-tui worker --connect {self.state.address} --token {self.token}"
+        self.state.join_command = " ".join(
+            ["pcp-tui", "worker", "--connect", self.state.address, "--token", self.token, *(self.tls.worker_flags() if self.tls else [])]
+        )
         failure: RunFailed | None = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(trio.serve_listeners, self._serve_connection, listeners)
+                nursery.start_soon(self._admission.refusals.run)
                 task_status.started(port)
                 self.state.emit("listening", f"listening on {self.state.address}; join with: {self.state.join_command}")
                 try:
@@ -156,7 +167,7 @@ class Shepherd:
             self.task.batch_spec,
             inner=inner,
             chunk_steps=cfg.chunk,
-            eval_batches=len(self.task.eval_tokens),
+            eval_batches=self.task.eval_batch_count,
             platforms=cfg.platforms,
         )
         backend = select_backend("auto")
@@ -324,20 +335,10 @@ class Shepherd:
     # -- connections ----------------------------------------------------------
 
     async def _serve_connection(self, raw: trio.SocketStream) -> None:
-        stream = protocol.MessageStream(raw)
-        peer = _peer_name(raw)
-        try:
-            with trio.fail_after(HANDSHAKE_SECONDS):
-                hello = await handshake(stream, token=self.token, run_id=self.run_id)
-        except Refused as exc:
-            self.state.emit("refused", f"refused {peer}: {exc.reason}", peer=peer, code=exc.code)
-            await stream.aclose()
+        admitted = await self._admission.admit(raw)  # TLS, token, limits; logs and closes refusals
+        if admitted is None:
             return
-        except (trio.TooSlowError, protocol.ProtocolError, trio.BrokenResourceError) as exc:
-            reason = "said nothing in time" if isinstance(exc, trio.TooSlowError) else str(exc)
-            self.state.emit("refused", f"dropped {peer} during handshake: {reason}", peer=peer)
-            await stream.aclose()
-            return
+        stream, hello, peer = admitted.stream, admitted.hello, admitted.peer
         link = self._admit(stream, hello, peer)
         try:
             await self._serve_worker(link)
@@ -402,12 +403,13 @@ class Shepherd:
         if link.lost_reason:
             raise WorkerLost(link.lost_reason)
 
-    def _plan(self, slot: int, shard: np.ndarray, platform: str) -> tuple[dict, dict[str, np.ndarray]]:
+    def _plan(self, slot: int, shard: np.ndarray | dict[str, np.ndarray], platform: str) -> tuple[dict, dict[str, np.ndarray]]:
         cfg, graphs = self.config, self.graphs
         if platform not in graphs.platforms:
             raise WorkerLost(f"platform {platform} is not among the exported ones ({', '.join(graphs.platforms)})")
         tensors = {f"graph/{name}": np.frombuffer(blob, np.uint8) for name, blob in graphs.as_dict().items() if name != "eval_loss"}
-        tensors["shard"] = shard
+        data_fields, data_tensors = data.shard_plan(shard)  # LM windows or rows of a custom dataset
+        tensors.update(data_tensors)
         plan = {
             "runId": self.run_id,
             "modelName": self.task.name,
@@ -422,10 +424,9 @@ class Shepherd:
             "batchSize": cfg.batch_size,
             "seqLen": cfg.seq_len,
             "seed": cfg.seed,
-            "shardTensor": "shard",
-            "shardFingerprint": data.fingerprint(shard),
             "workerSlot": slot,
             "compression": cfg.compression,
+            **data_fields,
         }
         return plan, tensors
 
@@ -474,7 +475,9 @@ class Shepherd:
             return
         try:
             check_pseudo_gradient(message.tensors, self._shapes)
+            norm = self._norms.check(message.tensors)
             await current.add(link.worker_id, message)
+            self._norms.accept(norm)
         except BadResult as exc:
             current.finish(link.worker_id)
             view.reason = f"result refused: {exc}"

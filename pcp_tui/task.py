@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .config import RunConfig
-from .data import Corpus, eval_batches, load_corpus, split_shards
+from .data import Corpus, RowData, eval_batches, load_corpus, split_shards
 from .models import gpt2
 
 
@@ -24,10 +25,10 @@ class Task:
     name: str
     params: dict[str, np.ndarray]
     loss_fn: Callable[[dict[str, jax.Array], jax.Array], jax.Array]
-    batch_spec: jax.ShapeDtypeStruct  # one inner step's batch
-    corpus: Corpus
-    shards: list[np.ndarray]
-    eval_tokens: np.ndarray  # [N, B, T+1]
+    batch_spec: Any  # one inner step's batch: int32[B, T+1], or a tuple of [B, ...] for rows
+    corpus: Corpus | RowData
+    shards: list[np.ndarray] | list[dict[str, np.ndarray]]
+    eval_tokens: Any  # [N, B, T+1], or a tuple of [N, B, ...] for rows
     tokens_per_step: int
     flops_per_token: float
 
@@ -35,10 +36,21 @@ class Task:
     def param_count(self) -> int:
         return int(sum(p.size for p in self.params.values()))
 
+    @property
+    def eval_batch_count(self) -> int:
+        return len(jax.tree.leaves(self.eval_tokens)[0])
+
+    @property
+    def data_summary(self) -> str:
+        corpus = self.corpus
+        if isinstance(corpus, RowData):
+            return corpus.summary
+        return f"corpus {corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} held-out tokens"
+
 
 def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
     if config.model not in gpt2.PRESETS:
-        raise ValueError(f"unknown model {config.model!r}; presets: {', '.join(gpt2.PRESETS)}")
+        raise ValueError(f"unknown model {config.model!r}; presets: {', '.join(gpt2.PRESETS)}, or a model file path.py:build")
     preset = gpt2.PRESETS[config.model]
     return dataclasses.replace(
         preset,
@@ -50,7 +62,14 @@ def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
 
 
 def build_task(config: RunConfig, shards: int) -> Task:
-    """Load the corpus, cut `shards` disjoint training shards, initialise the model."""
+    """Load the corpus, cut `shards` disjoint training shards, initialise the model.
+
+    `config.model` is a GPT-2 preset or a model file (``path.py:build``, see `custom`).
+    """
+    from .custom import build_custom_task, is_model_file
+
+    if is_model_file(config.model):
+        return build_custom_task(config, shards)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     gpt = model_config(config, corpus.vocab_size)
     params = jax.jit(gpt2.init, static_argnums=0)(gpt, jax.random.PRNGKey(config.seed))

@@ -23,6 +23,8 @@ import protocol
 from backends import Backend, GraphError, select_backend
 
 from . import __version__, auth, data
+from .screening import expected_shapes, round_start_problem
+from .tls import ClientTLS, TLSRefused
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 _LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -67,10 +69,11 @@ class Plan:
     seq_len: int
     seed: int
     slot: int
-    shard: np.ndarray
+    shard: np.ndarray | tuple[np.ndarray, ...]  # token windows, or row-indexed arrays
     compression: str
     train_chunk: Callable
     init_opt_state: Callable
+    batch_kind: str = "windows"  # windows | rows: see data.shard_plan
 
 
 class Worker:
@@ -84,8 +87,10 @@ class Worker:
         worker_id: str | None = None,
         reconnect: bool = True,
         max_backoff: float = 30.0,
+        tls: ClientTLS | None = None,
     ):
         self.host, self.port, self.token = host, port, token
+        self.tls = tls  # None: plain TCP
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
         self.worker_id = worker_id or f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         self.reconnect = reconnect
@@ -102,6 +107,10 @@ class Worker:
         while True:
             try:
                 stream = await trio.open_tcp_stream(self.host, self.port)
+                if self.tls is not None:
+                    stream = await self.tls.connect(stream, self.host)
+            except TLSRefused as exc:
+                raise Refused(str(exc)) from None
             except OSError as exc:
                 attempt += 1
                 await self._backoff(attempt, f"cannot reach {self.host}:{self.port} ({exc.strerror or exc})")
@@ -180,9 +189,10 @@ class Worker:
 
     def _load_plan(self, message: protocol.Message) -> Plan:
         body, tensors = message.body, message.tensors
-        shard = tensors[body["shardTensor"]]
-        if data.fingerprint(shard) != body["shardFingerprint"]:
-            raise protocol.MalformedMessage("the data shard does not match its fingerprint")
+        try:
+            batch_kind, shard = data.shard_from_plan(body, tensors)
+        except data.DataError as exc:
+            raise protocol.MalformedMessage(str(exc)) from None
         graphs = {g["name"]: tensors[g["tensor"]].tobytes() for g in body["graphs"]}
         key = graphs["train_chunk"] + graphs["init_opt_state"]
         if key not in self._compiled:  # a reconnect to the same run reuses compiled graphs
@@ -203,6 +213,7 @@ class Worker:
             seed=int(body["seed"]),
             slot=int(body["workerSlot"]),
             shard=shard,
+            batch_kind=batch_kind,
             compression=str(body.get("compression", "none")),
             train_chunk=train_chunk,
             init_opt_state=init_opt_state,
@@ -241,6 +252,12 @@ class Worker:
 
     async def _train_round(self, sender: _Sender, message: protocol.Message) -> None:
         plan = self._plan
+        problem = round_start_problem(message.tensors, plan.names, expected_shapes(plan.init_opt_state, plan.names))
+        if problem is not None:  # a broken or tampered shepherd: say why and hang up (the receive loop sees it)
+            self.status.update(message=f"refused a roundStart: {problem}")
+            await sender.send("error", {"code": "malformed", "message": f"roundStart refused: {problem}"})
+            await sender._stream.aclose()
+            return
         number = int(message.body["round"])
         steps = int(message.body.get("innerSteps") or plan.inner_steps)
         global_params = [np.asarray(message.tensors[n], np.float32) for n in plan.names]
@@ -254,7 +271,8 @@ class Worker:
         last_progress = 0.0
         chunks = max(steps // plan.chunk_steps, 1)
         for chunk in range(chunks):
-            batches = data.sample_batches(
+            batches = data.sample_shard(
+                plan.batch_kind,
                 plan.shard,
                 steps=plan.chunk_steps,
                 batch_size=plan.batch_size,

@@ -178,9 +178,9 @@ def _parse_frame(frame: bytearray, limits: Limits) -> tuple[str, dict, int, list
             frame, traversal_limit_in_words=limits.traversal_limit_words, nesting_limit=limits.nesting_limit
         ) as envelope:
             version = envelope.version
+            if version not in SUPPORTED_VERSIONS:  # before anything else: newer peers may add kinds
+                raise VersionMismatch(_peer_versions(envelope, version), SUPPORTED_VERSIONS)
             kind = _kind(envelope)
-            if version not in SUPPORTED_VERSIONS:
-                raise VersionMismatch(_peer_versions(envelope, kind, version), SUPPORTED_VERSIONS)
             body = getattr(envelope, kind).to_dict(verbose=True)
             raw_headers = _raw_headers(envelope, limits)
     except _PEER_CAPNP_ERRORS as exc:
@@ -195,15 +195,14 @@ def _kind(envelope) -> str:
         raise MalformedMessage("unknown message kind (a union member this version does not know)") from None
 
 
-def _peer_versions(envelope, kind: str, version: int) -> tuple[int, ...]:
+def _peer_versions(envelope, version: int) -> tuple[int, ...]:
     """What the peer says it speaks: hello/workerHello list it, other messages only carry theirs."""
-    if kind in ("hello", "workerHello"):
-        try:
-            listed = tuple(getattr(envelope, kind).supportedVersions)
-        except _PEER_CAPNP_ERRORS:
-            listed = ()
-        if listed:
-            return listed
+    try:
+        kind = envelope.which()
+        if kind in ("hello", "workerHello"):
+            return tuple(getattr(envelope, kind).supportedVersions) or (version,)
+    except _PEER_CAPNP_ERRORS:
+        pass
     return (version,)
 
 
@@ -366,9 +365,8 @@ class _BufferReader:
 class _StreamReader:
     """Reads frames off a trio stream, keeping bytes that arrived ahead of the current read.
 
-    On a trio.SocketStream, payloads are received straight into their final
-    buffer with `recv_into` (one copy, kernel to array); other streams go
-    through `receive_some`. `frame_consumed` counts bytes taken for the
+    On a trio.SocketStream, payloads are read straight into their final buffer
+    (one copy, kernel to array); other streams go through `receive_some`. `frame_consumed` counts bytes taken for the
     current frame, which tells a clean close between frames from a truncation.
     """
 

@@ -132,8 +132,10 @@ def prepare(name: str, array: np.ndarray, quantization: str, block_size: int):
 def quantize_int8_block(array: np.ndarray, block_size: int) -> np.ndarray:
     """int8Block payload (int8 values, then float32 scales) for a floating array.
 
+    Works through cache-sized chunks of whole blocks with one scratch buffer, so
+    300 MB of float32 cost a few passes over memory and no big temporaries.
     ValueError for non-finite values (int8 cannot carry NaN or inf) and for a
-    block size outside 1..2**31.
+    block size outside 1..2**31-1.
     """
     if not 1 <= block_size < 2**31:
         raise ValueError(f"block_size must be in 1..2**31-1, got {block_size}")
@@ -143,35 +145,39 @@ def quantize_int8_block(array: np.ndarray, block_size: int) -> np.ndarray:
     payload = np.empty(count + 4 * blocks, np.uint8)
     values = payload[:count].view(np.int8)
     scales = np.empty(blocks, np.float32)
-    rows_per_chunk = max(1, _CHUNK_ELEMENTS // block_size)
-    for first in range(0, blocks, rows_per_chunk):
-        last = min(first + rows_per_chunk, blocks)
-        start, stop = first * block_size, min(last * block_size, count)
-        _quantize_span(flat[start:stop], block_size, values[start:stop], scales[first:last])
+    scratch = np.empty(min(count, max(block_size, _CHUNK_ELEMENTS)), np.float32)
+    for first, last, start, stop in _block_spans(count, block_size):
+        rows = flat[start:stop].reshape(last - first, -1)
+        work = scratch[: stop - start].reshape(rows.shape)
+        scales[first:last] = _quantize_rows(rows, work)
+        values[start:stop] = work.reshape(-1)
     payload[count:] = scales.view(np.uint8)
     return payload
 
 
-def _quantize_span(flat: np.ndarray, block_size: int, out: np.ndarray, scales: np.ndarray) -> None:
-    """Quantize whole blocks of `flat` (the last one may be short) into `out` and `scales`."""
-    full = flat.size // block_size * block_size
-    parts = [(flat[:full].reshape(-1, block_size), out[:full].reshape(-1, block_size))]
-    if full < flat.size:
-        parts.append((flat[full:].reshape(1, -1), out[full:].reshape(1, -1)))
-    row = 0
-    for rows, dest in parts:
-        rows32 = rows.astype(np.float32, copy=False)
-        peak = np.maximum(rows32.max(axis=1), -rows32.min(axis=1))
-        if not np.isfinite(peak).all():
-            raise ValueError("int8Block cannot quantize non-finite values (NaN or inf)")
-        scale = peak / np.float32(127)
-        inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
-        scaled = rows32 * inverse[:, None]
-        np.rint(scaled, out=scaled)
-        np.clip(scaled, -127, 127, out=scaled)
-        dest[...] = scaled
-        scales[row:row + len(scale)] = scale
-        row += len(scale)
+def _quantize_rows(rows: np.ndarray, work: np.ndarray) -> np.ndarray:
+    """Scale each row (block) into `work` as rounded values in -127..127; returns the scales."""
+    rows = rows.astype(np.float32, copy=False)
+    peak = np.maximum(rows.max(axis=1), -rows.min(axis=1))
+    if not np.isfinite(peak).all():
+        raise ValueError("int8Block cannot quantize non-finite values (NaN or inf)")
+    scale = peak / np.float32(127)
+    inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
+    np.multiply(rows, inverse[:, None], out=work)
+    np.rint(work, out=work)
+    np.clip(work, -127, 127, out=work)
+    return scale
+
+
+def _block_spans(count: int, block_size: int):
+    """(first_block, last_block, start, stop): chunks of whole blocks, then the short last block."""
+    full = count // block_size
+    step = max(1, _CHUNK_ELEMENTS // block_size)
+    for first in range(0, full, step):
+        last = min(first + step, full)
+        yield first, last, first * block_size, last * block_size
+    if full * block_size < count:
+        yield full, full + 1, full * block_size, count
 
 
 def dequantize(payload: np.ndarray, spec: TensorSpec) -> np.ndarray:
@@ -190,11 +196,10 @@ def _dequantize_int8_block(payload: np.ndarray, count: int, block_size: int) -> 
     values = payload[:count].view(np.int8)
     scales = np.frombuffer(payload[count:].tobytes(), "<f4")
     out = np.empty(count, np.float32)
-    full = count // block_size * block_size
-    np.multiply(values[:full].reshape(-1, block_size), scales[: full // block_size, None],
-                out=out[:full].reshape(-1, block_size))
-    if full < count:
-        np.multiply(values[full:], scales[-1], out=out[full:])
+    for first, last, start, stop in _block_spans(count, block_size):
+        chunk = out[start:stop].reshape(last - first, -1)
+        chunk[...] = values[start:stop].reshape(chunk.shape)
+        chunk *= scales[first:last, None]
     return out
 
 

@@ -108,6 +108,8 @@ struct Plan {
   shardFingerprint @11 :Text;  # sha256 of the shard bytes
   workerSlot @12 :UInt32;      # which shard / data stream this worker owns
   compression @13 :Quantization;   # how to send pseudo-gradients back
+  batchKind @14 :Text;         # "windows" (or empty): LM windows of shardTensor; "rows": random rows
+  dataTensors @15 :List(Text); # rows only: tensors [N, ...] sampled by row, in the graph's batch order
 }
 
 struct Ready {

@@ -573,3 +573,26 @@ def test_errors_form_one_hierarchy_with_schema_codes():
                   protocol.MalformedMessage("x"), protocol.ConnectionClosed("x")):
         assert isinstance(error, protocol.ProtocolError)
         assert error.code in protocol.ERROR_CODES
+
+
+def test_wrong_version_wins_over_an_unknown_kind():
+    """A newer peer may add message kinds: it must hear 'version mismatch', not 'malformed'."""
+    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=2))
+    frame[18] = 200
+    with pytest.raises(protocol.VersionMismatch) as caught:
+        protocol.decode(bytes(frame))
+    assert caught.value.peer_versions == (2,)
+
+
+def test_concurrent_receives_are_refused():
+    async def main():
+        _, right = trio.testing.memory_stream_pair()
+        receiver = protocol.MessageStream(right)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receiver.receive)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(trio.BusyResourceError):
+                await receiver.receive()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

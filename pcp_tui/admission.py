@@ -1,0 +1,170 @@
+"""The shepherd's front door: everything that happens before a peer is admitted.
+
+An unauthenticated peer gets little: a bounded number of connections per
+address and in total, a deadline for the whole handshake (TLS included, so a
+peer that trickles bytes is dropped as surely as one that says nothing), and
+tight message limits so it cannot make the shepherd allocate big buffers.
+Refusals are logged, but at most a few per address per minute: a flood of bad
+handshakes becomes one summary line, not a flooded terminal.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+import protocol
+
+from .links import Hello, Refused, handshake
+from .state import RunState
+from .tls import ServerTLS
+
+# Before the token is proven: a hello is a few hundred bytes and carries no tensor.
+PRE_AUTH_LIMITS = protocol.Limits(
+    max_message_bytes=64 * 1024, max_segments=4, max_tensors=0, max_tensor_bytes=0,
+    max_total_tensor_bytes=0, traversal_limit_words=8 * 1024, nesting_limit=16,
+)
+# After it: the codec's defaults, sized for graphs, shards and parameters.
+ADMITTED_LIMITS = protocol.Limits()
+
+
+class RefusalLog:
+    """Emits "refused" events, at most `per_host` per address (and `total` overall) per window.
+
+    Beyond that, refusals are counted and summarised once per window, e.g.
+    "refused 1.2.3.4: … and 120 more in the last 60 s (last: bad token)".
+    Memory is bounded too: past `max_hosts` addresses, the rest share one tally.
+    """
+
+    def __init__(self, state: RunState, *, per_host: int = 5, total: int = 50, window: float = 60.0,
+                 max_hosts: int = 1024, clock: Callable[[], float] = time.monotonic):
+        self._state = state
+        self._per_host, self._total, self._window, self._max_hosts = per_host, total, window, max_hosts
+        self._clock = clock
+        self._window_start = clock()
+        self._shown: collections.Counter[str] = collections.Counter()
+        self._suppressed: dict[str, list] = {}  # host -> [count, last reason]
+
+    def refused(self, host: str, peer: str, reason: str, *, verb: str = "refused", **data) -> None:
+        self._roll()
+        if self._shown[host] < self._per_host and sum(self._shown.values()) < self._total:
+            self._shown[host] += 1
+            self._state.emit("refused", f"{verb} {peer}: {reason}", peer=peer, **data)
+            return
+        if host not in self._suppressed and len(self._suppressed) >= self._max_hosts:
+            host = "other addresses"
+        tally = self._suppressed.setdefault(host, [0, ""])
+        tally[0] += 1
+        tally[1] = reason
+
+    def flush(self) -> None:
+        """Emit one summary per address whose refusals were not shown one by one."""
+        for host, (count, reason) in self._suppressed.items():
+            self._state.emit(
+                "refused",
+                f"refused {host}: … and {count} more in the last {self._window:.0f} s (last: {reason})",
+                peer=host, suppressed=count,
+            )
+        self._suppressed.clear()
+        self._shown.clear()
+        self._window_start = self._clock()
+
+    def _roll(self) -> None:
+        if self._clock() - self._window_start >= self._window:
+            self.flush()
+
+    async def run(self) -> None:
+        """Flush once per window until cancelled, and a last time at the end of the run."""
+        try:
+            while True:
+                await trio.sleep(self._window)
+                self._roll()
+        finally:
+            self.flush()
+
+
+@dataclass
+class Admitted:
+    stream: protocol.MessageStream
+    hello: Hello
+    peer: str
+
+
+class Admission:
+    """Runs the pre-authentication part of every connection for the shepherd."""
+
+    def __init__(self, state: RunState, *, token: str, run_id: str, tls: ServerTLS | None = None,
+                 timeout: float = 10.0, max_per_host: int = 8, max_pending: int = 64,
+                 refusals: RefusalLog | None = None):
+        self._token, self._run_id, self._tls = token, run_id, tls
+        self.timeout, self.max_per_host, self.max_pending = timeout, max_per_host, max_pending
+        self.refusals = refusals or RefusalLog(state)
+        self._pending: collections.Counter[str] = collections.Counter()
+
+    @property
+    def pending(self) -> int:
+        return sum(self._pending.values())
+
+    async def admit(self, raw: trio.abc.Stream) -> Admitted | None:
+        """Handshake with a fresh connection; None (connection closed, refusal logged) if it fails."""
+        peer = peer_name(raw)
+        host = peer.rpartition(":")[0] or peer
+        if self._pending[host] >= self.max_per_host or self.pending >= self.max_pending:
+            busy = f"{self._pending[host]} from this address" if self._pending[host] >= self.max_per_host else f"{self.pending} in all"
+            self.refusals.refused(host, peer, f"too many unfinished handshakes ({busy})", verb="closed", code="busy")
+            await trio.aclose_forcefully(raw)
+            return None
+        self._pending[host] += 1
+        transport: trio.abc.Stream = raw
+        try:
+            with trio.fail_after(self.timeout):
+                if self._tls is not None:
+                    transport = await self._tls.accept(raw)
+                stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
+                hello = await handshake(stream, token=self._token, run_id=self._run_id)
+        except Refused as exc:
+            self.refusals.refused(host, peer, exc.reason, code=exc.code)
+            await _close(transport)
+            return None
+        except (trio.TooSlowError, protocol.ProtocolError, trio.BrokenResourceError,
+                trio.ClosedResourceError) as exc:
+            self.refusals.refused(host, peer, _drop_reason(exc, self.timeout, transport is not raw or self._tls is None),
+                                  verb="dropped")
+            if isinstance(exc, protocol.ProtocolError) and not isinstance(exc, protocol.ConnectionClosed):
+                with trio.move_on_after(1):  # say why, if the peer still listens
+                    await stream.send_error(exc.code, str(exc))
+            await _close(transport)
+            return None
+        finally:
+            self._pending[host] -= 1
+            if not self._pending[host]:
+                del self._pending[host]
+        stream.limits = ADMITTED_LIMITS
+        return Admitted(stream, hello, peer)
+
+
+def _drop_reason(exc: BaseException, timeout: float, past_tls: bool) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return f"handshake not finished within {timeout:g} s"
+    if not past_tls:
+        return f"TLS handshake failed ({exc.__cause__ or exc})"
+    return f"during handshake: {exc}"
+
+
+async def _close(stream: trio.abc.Stream) -> None:
+    """Close without waiting on the peer (a TLS close_notify to a full buffer would)."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await trio.aclose_forcefully(stream)
+
+
+def peer_name(stream: trio.abc.Stream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except (AttributeError, OSError):
+        return "unknown peer"
+    return f"{host}:{port}"

@@ -1,0 +1,142 @@
+"""Train any JAX model: load a user's model file on the shepherd and turn it into a Task.
+
+`pcp-tui shepherd --model path/to/model.py:build` imports that file (the user's
+own code, on the user's own machine: only the shepherd ever runs it), calls
+``build(config)`` and gets a `ModelSpec`. The shepherd exports the training
+graphs from it; workers receive StableHLO and row shards, never this file.
+
+The contract, in full:
+
+- ``init(key) -> {name: float array}``: a flat dict of the initial parameters.
+- ``loss(params, batch) -> scalar``: ``batch`` is a dict of the dataset's
+  arrays with a leading batch axis ``[B, ...]`` (or, with ``data=None``, an
+  int32 ``[B, seq_len + 1]`` array of token windows of the ``--data`` corpus).
+- ``data``: a `Dataset` of row-indexed numpy arrays (every array has the same
+  leading N), or a function ``() -> Dataset``, or None for token windows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import data
+from .config import ConfigError, RunConfig
+from .task import Task
+
+HOLD_OUT = 0.05  # share of rows held out when a Dataset has no val split
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Row-indexed arrays: ``train={"x": x[N, ...], "y": y[N]}``; ``val`` alike (optional)."""
+
+    train: Mapping[str, Any]
+    val: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model file's ``build(config)`` returns."""
+
+    name: str
+    init: Callable[[jax.Array], Mapping[str, Any]]
+    loss: Callable[[dict[str, jax.Array], Any], jax.Array]
+    data: Dataset | Callable[[], Dataset] | None = None
+
+
+def is_model_file(model: str) -> bool:
+    """True for ``path/to/file.py:function`` (or ``path/to/file.py``, meaning ``:build``)."""
+    return model.partition(":")[0].endswith(".py")
+
+
+def load_spec(model: str, config: RunConfig) -> ModelSpec:
+    """Import ``file.py``, call its builder with `config`; ConfigError says what is wrong."""
+    path_text, _, function = model.partition(":")
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"--model {model!r}: no file {path}")
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(f"pcp_tui_model_{digest}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # dataclasses and pickling-free tracing look modules up
+    module_spec.loader.exec_module(module)
+    builder = getattr(module, function or "build", None)
+    if not callable(builder):
+        raise ConfigError(f"--model {model!r}: {path.name} has no function {function or 'build'!r}")
+    spec = builder(config)
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError(f"--model {model!r}: {function or 'build'}(config) must return pcp_tui.ModelSpec, got {type(spec).__name__}")
+    return spec
+
+
+def build_custom_task(config: RunConfig, shards: int) -> Task:
+    """The Task of a model file: parameters, wrapped loss, row (or window) shards, eval batches."""
+    spec = load_spec(config.model, config)
+    params = spec.init(jax.random.PRNGKey(config.seed))
+    if not isinstance(params, Mapping) or not params:
+        raise ConfigError(f"{spec.name}: init(key) must return a non-empty flat dict of arrays")
+    host_params = {}
+    for name, value in params.items():
+        array = np.asarray(value)
+        if not isinstance(name, str) or array.dtype.kind != "f":
+            raise ConfigError(f"{spec.name}: parameter {name!r} must be a float array under a str name, got {array.dtype}")
+        host_params[name] = array.astype(np.float32)
+    source = spec.data() if callable(spec.data) else spec.data
+    if source is None:
+        return _window_task(config, spec, host_params, shards)
+    if not isinstance(source, Dataset):
+        raise ConfigError(f"{spec.name}: data must be a pcp_tui.Dataset, a function returning one, or None")
+    rows = row_data(spec.name, source)
+    keys = tuple(rows.train)
+    first = {k: a[: config.batch_size] for k, a in rows.train.items()}
+    return Task(
+        name=spec.name,
+        params=host_params,
+        loss_fn=lambda p, batch: spec.loss(p, dict(zip(keys, batch, strict=True))),
+        batch_spec=tuple(jax.ShapeDtypeStruct((config.batch_size, *a.shape[1:]), a.dtype) for a in first.values()),
+        corpus=rows,
+        shards=data.split_rows(rows.train, shards),
+        eval_tokens=data.eval_rows(rows.val, batch_size=config.batch_size, max_batches=config.eval_batches),
+        tokens_per_step=config.batch_size,  # a row counts as one token
+        flops_per_token=6.0 * sum(p.size for p in host_params.values()),
+    )
+
+
+def row_data(name: str, source: Dataset) -> data.RowData:
+    """Checked train/val arrays; without val the last 5% of rows are held out."""
+    train = data.row_arrays(dict(source.train), f"{name}: data.train")
+    if source.val is not None:
+        val = data.row_arrays(dict(source.val), f"{name}: data.val")
+        if set(val) != set(train):
+            raise data.DataError(f"{name}: data.val has arrays {sorted(val)}, data.train has {sorted(train)}")
+    else:
+        cut = data.row_count(train) - max(1, int(data.row_count(train) * HOLD_OUT))
+        train, val = {k: a[:cut] for k, a in train.items()}, {k: a[cut:] for k, a in train.items()}
+    fingerprint = data.fingerprint(*train.values(), *val.values())
+    return data.RowData(name, train, val, fingerprint)
+
+
+def _window_task(config: RunConfig, spec: ModelSpec, params: dict[str, np.ndarray], shards: int) -> Task:
+    corpus = data.load_corpus(config.data, max_bytes=config.data_max_bytes)
+    return Task(
+        name=spec.name,
+        params=params,
+        loss_fn=spec.loss,
+        batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),
+        corpus=corpus,
+        shards=data.split_shards(corpus.train, shards),
+        eval_tokens=data.eval_batches(corpus.val, batch_size=config.batch_size, seq_len=config.seq_len,
+                                      max_batches=config.eval_batches),
+        tokens_per_step=config.batch_size * config.seq_len,
+        flops_per_token=6.0 * sum(p.size for p in params.values()),
+    )

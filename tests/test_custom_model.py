@@ -1,0 +1,141 @@
+"""Any JAX model: a model file on the shepherd, workers that have only pcp-tui.
+
+The end-to-end test starts real worker processes in an empty temporary
+directory whose `sys.path` holds pcp-tui's own packages and nothing else (no
+repository root, no examples/): they train the example MLP from the exported
+graph and their rows of its data set alone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from pcp_tui import data
+from pcp_tui.config import ConfigError
+from pcp_tui.custom import Dataset, ModelSpec, build_custom_task, load_spec
+from pcp_tui.shepherd import Shepherd
+from pcp_tui.task import build_task
+
+from .conftest import small_config, worker_command, worker_env
+
+REPO = Path(__file__).resolve().parents[1]
+MLP = f"{REPO / 'examples' / 'mlp_model.py'}:build"
+
+
+def _isolated_env(home: Path) -> dict[str, str]:
+    """Environment whose sys.path sees only pcp_tui, protocol and backends (linked, not copied)."""
+    site = home / "site"
+    site.mkdir(exist_ok=True)
+    for package in ("pcp_tui", "protocol", "backends"):
+        if not (site / package).exists():
+            (site / package).symlink_to(REPO / package)
+    return {**worker_env(), "PYTHONPATH": str(site), "PYTHONSAFEPATH": "1"}
+
+
+def _isolated_worker(port: int, home: Path) -> subprocess.Popen:
+    return subprocess.Popen(worker_command(port), cwd=home, env=_isolated_env(home), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.e2e
+def test_isolated_workers_train_the_example_model(tmp_path):
+    config = small_config(model=MLP, batch_size=32, rounds=3, inner_steps=10, chunk_steps=5, workers=2,
+                          inner_lr=3e-3, warmup_steps=2, eval_batches=4)
+    task = build_task(config, shards=2)
+    assert task.name == "mlp-16x64x4" and isinstance(task.shards[0], dict)
+    shepherd = Shepherd(config, task)
+    workers = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            workers.extend(_isolated_worker(port, tmp_path) for _ in range(2))
+
+    try:
+        trio.run(main)
+        for worker in workers:
+            assert worker.wait(timeout=60) == 0, worker.stdout.read()
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+            worker.stdout.close()
+    history = shepherd.state.history
+    assert [r.workers for r in history] == [2, 2, 2]
+    assert history[0].tokens == 2 * 10 * 32  # a row counts as one token
+    initial = shepherd.evaluate(task.params)
+    assert history[-1].eval_loss < 0.9 * initial
+
+
+def test_rows_are_sharded_disjointly_and_sampled_reproducibly():
+    arrays = data.row_arrays({"y": np.arange(10), "x": np.arange(20.0).reshape(10, 2)}, "test")
+    assert list(arrays) == ["x", "y"] and arrays["x"].dtype == np.float32 and arrays["y"].dtype == np.int32
+    shards = data.split_rows(arrays, 3)
+    assert sorted(np.concatenate([s["y"] for s in shards]).tolist()) == list(range(10))
+    shard = (shards[1]["x"], shards[1]["y"])
+    x, y = data.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 0))
+    assert x.shape == (4, 5, 2) and y.shape == (4, 5)
+    np.testing.assert_array_equal(x[..., 0], 2 * y)  # rows stay aligned across arrays
+    assert set(y.ravel()) <= set(shards[1]["y"].tolist())
+    again = data.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 0))
+    np.testing.assert_array_equal(again[1], y)
+    other = data.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 1))
+    assert not np.array_equal(other[1], y)
+
+
+def test_plan_fields_round_trip_and_reject_a_tampered_shard():
+    shard = {"x": np.ones((6, 3), np.float32), "y": np.arange(6, dtype=np.int32)}
+    fields, tensors = data.shard_plan(shard)
+    assert fields["batchKind"] == "rows" and fields["dataTensors"] == ["data/x", "data/y"]
+    kind, arrays = data.shard_from_plan(fields, tensors)
+    assert kind == "rows" and [a.shape for a in arrays] == [(6, 3), (6,)]
+    tensors["data/y"] = tensors["data/y"] + 1
+    with pytest.raises(data.DataError, match="fingerprint"):
+        data.shard_from_plan(fields, tensors)
+    with pytest.raises(data.DataError, match="batch kind"):
+        data.shard_from_plan({**fields, "batchKind": "images"}, tensors)
+    tokens = np.arange(100, dtype=np.uint8)
+    fields, tensors = data.shard_plan(tokens)
+    assert data.shard_from_plan(fields, tensors)[0] == "windows"
+    assert data.shard_from_plan({**fields, "batchKind": ""}, tensors)[0] == "windows"  # an older shepherd
+
+
+def test_model_file_errors_say_what_to_fix(tmp_path):
+    with pytest.raises(ConfigError, match="no file"):
+        load_spec(f"{tmp_path / 'missing.py'}:build", small_config())
+    model = tmp_path / "model.py"
+    model.write_text("def build(config):\n    return 42\n")
+    with pytest.raises(ConfigError, match="has no function 'make'"):
+        load_spec(f"{model}:make", small_config())
+    with pytest.raises(ConfigError, match="must return pcp_tui.ModelSpec"):
+        load_spec(f"{model}:build", small_config())
+    with pytest.raises(data.DataError, match="same number of rows"):
+        data.row_arrays({"x": np.zeros((3, 2)), "y": np.zeros(4)}, "data.train")
+
+
+def test_a_dataset_without_val_holds_out_rows(tmp_path, monkeypatch):
+    spec = ModelSpec(
+        name="linear", init=lambda key: {"w": np.zeros(2, np.float32)},
+        loss=lambda p, batch: ((batch["x"] @ p["w"] - batch["y"]) ** 2).mean(),
+        data=lambda: Dataset(train={"x": np.ones((200, 2)), "y": np.ones(200)}),
+    )
+    monkeypatch.setattr("pcp_tui.custom.load_spec", lambda model, config: spec)
+    task = build_custom_task(small_config(model="linear.py", batch_size=4), shards=2)
+    assert task.corpus.summary == "dataset linear: 190 train / 10 held-out rows"
+    assert [len(s["x"]) for s in task.shards] == [95, 95]
+    assert task.eval_batch_count == 2 and task.batch_spec[0].shape == (4, 2)
+
+
+def test_the_isolated_worker_cannot_import_the_model_file(tmp_path):
+    probe = "import importlib.util as u, pcp_tui; print(u.find_spec('examples'), u.find_spec('mlp_model'))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_isolated_env(tmp_path),
+                            capture_output=True, text=True)
+    assert result.stdout.split() == ["None", "None"], result.stderr
+    assert os.listdir(tmp_path) == ["site"]

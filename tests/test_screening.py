@@ -1,0 +1,70 @@
+"""What each side checks before using the other side's tensors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pcp_tui.rounds import BadResult
+from pcp_tui.screening import NormGuard, expected_shapes, global_norm, round_start_problem
+
+SHAPES = {"w": (3, 4), "b": (4,)}
+
+
+def update(scale: float, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: (scale * rng.standard_normal(shape)).astype(np.float32) for name, shape in SHAPES.items()}
+
+
+def test_global_norm_is_the_l2_norm_of_everything():
+    tensors = {"a": np.array([3.0], np.float32), "b": np.array([[4.0]], np.float32)}
+    assert global_norm(tensors) == pytest.approx(5.0)
+
+
+def test_norm_check_needs_a_baseline_then_refuses_outliers():
+    guard = NormGuard(factor=10, baseline=2)
+    guard.accept(guard.check(update(1.0, seed=1)))  # no baseline yet: anything finite passes
+    guard.check(update(1000.0))  # still only one accepted value
+    guard.accept(guard.check(update(1.2, seed=2)))
+    guard.accept(guard.check(update(3.0, seed=3)))  # drift well within 10x is fine
+    with pytest.raises(BadResult, match=r"over 10x the median"):
+        guard.check(update(50.0, seed=4))
+    guard.check(update(0.0))  # a tiny update cannot blow the model up: not refused
+
+
+def test_norm_baseline_follows_a_drift_over_rounds():
+    guard = NormGuard(factor=10, baseline=2, window=4)
+    scale = 1.0
+    for round_number in range(20):  # warm-up: every round's updates are 3x the last one's
+        for worker in range(2):
+            guard.accept(guard.check(update(scale, seed=10 * round_number + worker)))
+        scale *= 3
+    assert scale > 1e9
+
+
+def test_an_overflowing_norm_is_refused_even_without_a_baseline():
+    with pytest.raises(BadResult, match="overflows"):
+        NormGuard().check({"w": np.full((4,), 3e38, np.float32)})
+
+
+def test_round_start_must_match_the_plan_and_be_finite():
+    names = ("w", "b")
+    good = update(1.0)
+    assert round_start_problem(good, names, SHAPES) is None
+    assert round_start_problem(good, names, None) is None
+    assert "missing ['b']" in round_start_problem({"w": good["w"]}, names, SHAPES)
+    assert "unexpected ['x']" in round_start_problem({**good, "x": good["b"]}, names, SHAPES)
+    assert "shape (4, 3)" in round_start_problem({**good, "w": good["w"].T}, names, SHAPES)
+    assert "dtype int32" in round_start_problem({**good, "b": np.zeros(4, np.int32)}, names, SHAPES)
+    poisoned = {**good, "b": np.array([0, np.nan, 0, 0], np.float32)}
+    assert round_start_problem(poisoned, names, SHAPES) == "b holds NaN or Inf"
+
+
+def test_expected_shapes_come_from_the_compiled_graph():
+    params = (jnp.zeros((3, 4)), jnp.zeros(4))
+    compiled = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p)).lower(params).compile()
+    assert expected_shapes(compiled, ("w", "b")) == SHAPES
+    assert expected_shapes(compiled, ("w",)) is None  # does not fit the plan: names-only checks
+    assert expected_shapes(len, ("w", "b")) is None

@@ -1,0 +1,305 @@
+"""Attacks on a live shepherd process over 127.0.0.1: who gets in, what it survives.
+
+Real processes and sockets. The hostile peers are trio tasks in this test
+process speaking raw TCP; the poisoning worker is tests/evil_worker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+import protocol
+from pcp_tui import auth
+from pcp_tui.tls import normalize_fingerprint
+
+from .conftest import worker_command, worker_env
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL_FLAGS = ["--seq-len", "32", "--batch-size", "4", "--data-max-bytes", "262144", "--eval-batches", "2",
+               "--heartbeat-seconds", "0.5", "--host", "127.0.0.1", "--port", "0", "--headless"]
+HANG_GUARD = 120  # seconds; only so that a broken shepherd fails the test instead of hanging it
+
+
+class Shepherd:
+    """A `pcp-tui shepherd` process whose output is collected line by line."""
+
+    def __init__(self, *flags: str, token: str = "s3cret"):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pcp_tui", "shepherd", *SMALL_FLAGS, "--token", token, *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO,
+        )
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        found = self.wait_for(r"listening on 127\.0\.0\.1:(\d+); join with: (.*)")
+        self.port, self.join_command = int(found.group(1)), found.group(2)
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, count: int = 1) -> re.Match:
+        with self._changed:
+            ok = self._changed.wait_for(
+                lambda: len(self.matches(pattern)) >= count or self.process.poll() is not None, timeout=HANG_GUARD
+            )
+            found = self.matches(pattern)
+        assert ok and len(found) >= count, self.output
+        return found[count - 1]
+
+    def matches(self, pattern: str) -> list[re.Match]:
+        return [m for m in (re.search(pattern, line) for line in self.lines) if m]
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def rss_kib(self) -> int:
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
+
+    def finish(self) -> int:
+        code = self.process.wait(timeout=HANG_GUARD * 3)
+        self._reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def shepherds():
+    started: list[Shepherd] = []
+
+    def start(*flags: str, **options) -> Shepherd:
+        shepherd = Shepherd(*flags, **options)
+        started.append(shepherd)
+        return shepherd
+
+    yield start
+    for shepherd in started:
+        shepherd.kill()
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def round_workers(path: Path) -> list[int]:
+    return [row["workers"] for row in metrics(path) if row["event"] == "round"]
+
+
+# --------------------------------------------------------------------------- raw peers
+
+
+def worker_hello(nonce: bytes, proof_token: str | None, *, worker_id: str = "raw-peer", version: int = 1) -> bytes:
+    proof = auth.proof(proof_token, nonce, worker_id) if proof_token is not None else b""
+    body = {"supportedVersions": [version], "workerId": worker_id, "proof": proof, "backend": {"platform": "cpu"}}
+    return b"".join(bytes(b) for b in protocol.encode("workerHello", body, version=version))
+
+
+async def handshake_answer(port: int, hello_for) -> tuple[protocol.Message, bytes]:
+    """Connect, read the shepherd's hello, send hello_for(nonce); return its answer and what we sent."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        messages = protocol.MessageStream(stream)
+        hello = await messages.receive()
+        sent = hello_for(hello.body["nonce"])
+        await stream.send_all(sent)
+        return await messages.receive(), sent
+
+
+def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path):
+    shepherd = shepherds("--workers", "1", "--rounds", "2", "--inner-steps", "2", "--metrics", str(tmp_path / "m"))
+
+    async def attacks():
+        answers = {}
+        with trio.fail_after(HANG_GUARD):
+            answers["wrong"], _ = await handshake_answer(shepherd.port, lambda n: worker_hello(n, "guess"))
+            answers["none"], _ = await handshake_answer(shepherd.port, lambda n: worker_hello(n, None))
+            # an honest handshake, captured on the wire, then replayed byte for byte on a new connection
+            answers["right"], captured = await handshake_answer(shepherd.port, lambda n: worker_hello(n, "s3cret"))
+            answers["replay"], _ = await handshake_answer(shepherd.port, lambda n: captured)
+            answers["v2"], _ = await handshake_answer(
+                shepherd.port, lambda n: worker_hello(n, "s3cret", worker_id="from-the-future", version=2)
+            )
+        return answers
+
+    answers = trio.run(attacks)
+    for attempt in ("wrong", "none", "replay"):
+        assert answers[attempt].kind == "error" and answers[attempt].body["code"] == "authFailed", attempt
+        assert "--token" in answers[attempt].body["message"]
+    assert answers["right"].kind == "welcome"
+    mismatch = answers["v2"].body
+    assert mismatch["code"] == "versionMismatch"
+    assert "speaks protocol version 1, this worker speaks 2; upgrade pcp-tui on this shepherd" in mismatch["message"]
+
+    honest = spawn_worker(shepherd.port, token="s3cret")
+    assert shepherd.finish() == 0, shepherd.output
+    assert honest.wait(timeout=HANG_GUARD) == 0
+    refused = [row for row in metrics(tmp_path / "m") if row["event"] == "refused"]
+    assert [row.get("code") for row in refused] == ["authFailed", "authFailed", "authFailed", "versionMismatch"]
+    assert round_workers(tmp_path / "m") == [1, 1]
+
+
+# --------------------------------------------------------------------------- flood
+
+
+async def hostile_peer(port: int, kind: str, closed: list[str]) -> None:
+    """One unauthenticated connection; records `kind` once the shepherd has hung up on it."""
+    try:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+    except OSError:
+        closed.append(kind)  # refused at connect: the run may already be over
+        return
+    async with stream:
+        try:
+            if kind == "garbage":
+                await stream.send_all(secrets.token_bytes(2048))
+            elif kind == "huge":
+                await stream.send_all(struct.pack("<II", 0, 2**31 - 1) + b"\0" * 512)
+            elif kind == "trickle":
+                for _ in range(10_000):
+                    await stream.send_all(b"\0")
+                    await trio.sleep(0.2)
+            while await stream.receive_some(65536):  # "nothing": just wait to be dropped
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        closed.append(kind)
+
+
+async def flood(port: int, connections: int) -> list[str]:
+    closed: list[str] = []
+    kinds = ("garbage", "huge", "nothing", "trickle")
+    with trio.move_on_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            for index in range(connections):
+                nursery.start_soon(hostile_peer, port, kinds[index % len(kinds)], closed)
+                await trio.sleep(0)
+    return closed
+
+
+def test_a_flood_of_hostile_connections_neither_stops_training_nor_grows_memory(shepherds, spawn_worker, tmp_path):
+    shepherd = shepherds(
+        "--workers", "2", "--rounds", "3", "--inner-steps", "5", "--handshake-timeout", "2",
+        "--metrics", str(tmp_path / "m"),
+    )
+    rss_before = shepherd.rss_kib()
+    closed = trio.run(flood, shepherd.port, 200)  # while the shepherd waits for its workers
+    assert len(closed) == 200
+    rss_after = shepherd.rss_kib()
+    assert rss_after - rss_before < 64 * 1024, (rss_before, rss_after)
+
+    workers = [spawn_worker(shepherd.port, token="s3cret") for _ in range(2)]
+    shepherd.wait_for(r"joined from", count=2)
+    closed = trio.run(flood, shepherd.port, 200)  # while they compile and train
+    assert len(closed) == 200
+
+    assert shepherd.finish() == 0, shepherd.output
+    for worker in workers:
+        assert worker.wait(timeout=HANG_GUARD) == 0
+    assert round_workers(tmp_path / "m") == [2, 2, 2]
+    rows = metrics(tmp_path / "m")
+    shown = [row for row in rows if row["event"] == "refused" and "suppressed" not in row]
+    summaries = [row for row in rows if row["event"] == "refused" and "suppressed" in row]
+    assert 200 <= len(shown) + sum(row["suppressed"] for row in summaries) <= 400
+    assert summaries and len(shown) <= 5 * 10  # rate-limited: 5 per address per minute
+    assert "more in the last 60 s" in shepherd.output
+
+
+# --------------------------------------------------------------------------- poisoned results
+
+
+def test_a_worker_sending_nan_is_refused_and_the_model_stays_finite(shepherds, spawn_worker, tmp_path):
+    shepherd = shepherds("--workers", "3", "--rounds", "2", "--inner-steps", "3", "--metrics", str(tmp_path / "m"))
+    honest = [spawn_worker(shepherd.port, token="s3cret") for _ in range(2)]
+    evil = subprocess.Popen(
+        [sys.executable, "-m", "tests.evil_worker", "nan", *worker_command(shepherd.port, "--quiet", token="s3cret")[4:]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO,
+    )
+    try:
+        assert shepherd.finish() == 0, shepherd.output
+        for worker in honest:
+            assert worker.wait(timeout=HANG_GUARD) == 0
+    finally:
+        if evil.poll() is None:
+            evil.kill()
+        evil.communicate(timeout=30)
+    rows = metrics(tmp_path / "m")
+    assert round_workers(tmp_path / "m") == [2, 2]
+    bad = [row for row in rows if row["event"] == "bad_result"]
+    assert len(bad) == 2 and all("NaN or Inf" in row["message"] for row in bad)
+    assert all(math.isfinite(row["eval_loss"]) for row in rows if row["event"] == "round")
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+def self_signed(directory: Path, name: str = "") -> tuple[Path, Path]:
+    """The README's one-line recipe."""
+    cert, key = directory / f"{name}cert.pem", directory / f"{name}key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "365", "-subj", "/CN=pcp-shepherd",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.mark.skipif(not any(os.access(os.path.join(p, "openssl"), os.X_OK) for p in os.get_exec_path()),
+                    reason="needs the openssl command")
+def test_tls_run_and_workers_that_do_not_trust_the_shepherd(shepherds, spawn_worker, tmp_path):
+    cert, key = self_signed(tmp_path)
+    other_cert, _ = self_signed(tmp_path, "other-")
+    shepherd = shepherds("--workers", "2", "--rounds", "2", "--inner-steps", "3", "--tls-cert", str(cert),
+                         "--tls-key", str(key), "--metrics", str(tmp_path / "m"))
+    printed = shepherd.join_command.split("--tls-fingerprint ")[1].split()[0]
+    openssl = subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-fingerprint", "-sha256"],
+                             check=True, capture_output=True, text=True).stdout
+    assert printed == normalize_fingerprint(openssl)
+
+    wrong_pin = spawn_worker(shepherd.port, "--tls-fingerprint", "ab" * 32, token="s3cret")
+    wrong_ca = spawn_worker(shepherd.port, "--tls-ca", str(other_cert), token="s3cret")
+    for worker, reason in ((wrong_pin, "not the pinned"), (wrong_ca, "certificate is not trusted")):
+        assert worker.wait(timeout=HANG_GUARD) != 0
+        output = worker.stdout.read()
+        assert reason in output and "not retrying" in output, output
+
+    async def plain_peer():
+        with trio.fail_after(HANG_GUARD):
+            stream = await trio.open_tcp_stream("127.0.0.1", shepherd.port)
+            async with stream:
+                await stream.send_all(worker_hello(b"", "s3cret"))  # Cap'n Proto where a TLS ClientHello belongs
+                while await stream.receive_some(4096):
+                    pass
+
+    trio.run(plain_peer)
+    pinned = spawn_worker(shepherd.port, "--tls-fingerprint", printed, token="s3cret")
+    with_ca = spawn_worker(shepherd.port, "--tls-ca", str(cert), token="s3cret")
+    assert shepherd.finish() == 0, shepherd.output
+    assert pinned.wait(timeout=HANG_GUARD) == 0 and with_ca.wait(timeout=HANG_GUARD) == 0
+    assert round_workers(tmp_path / "m") == [2, 2]
+    assert "TLS handshake failed" in shepherd.output
