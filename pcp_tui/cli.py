@@ -84,6 +84,11 @@ def _config_from(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**values).validate()
 
 
+def _default_cache() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("PCP_COMPILE_CACHE", os.path.join(base, "pcp-tui", "xla"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pcp-tui", description="Train across loosely connected machines (DiLoCo).")
     parser.add_argument("--version", action="version", version=f"pcp-tui {__version__}")
@@ -108,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--tls-fingerprint", default=None, metavar="SHA256",
                         help="connect over TLS, trusting only the shepherd certificate with this SHA-256 (printed in its join command)")
     worker.add_argument("--quiet", action="store_true", help="print only errors")
+    worker.add_argument("--compile-cache", default=_default_cache(), metavar="DIR",
+                        help="keep compiled graphs here so a restart does not recompile ('' to disable)")
     sample = commands.add_parser("sample", help="generate text from a checkpoint")
     sample.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory of a run")
     sample.add_argument("--prompt", default="", help="text to continue")
