@@ -141,6 +141,13 @@ def run_worker(args: argparse.Namespace) -> int:
     host, _, port_text = args.connect.rpartition(":")
     if not host or not port_text.isdigit():
         return _fail(f"--connect wants HOST:PORT, got {args.connect!r}")
+    if args.compile_cache:
+        from backends import enable_compilation_cache
+
+        try:
+            enable_compilation_cache(args.compile_cache)
+        except OSError as exc:
+            print(f"pcp-tui: warning: no compile cache at {args.compile_cache} ({exc.strerror})", file=sys.stderr)
     try:
         tls = ClientTLS.from_options(args.tls_ca, args.tls_fingerprint)
         worker = Worker(host, int(port_text), token=token, backend=args.backend,
