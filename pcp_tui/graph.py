@@ -27,6 +27,9 @@ from jax import export
 
 LossFn = Callable[[dict[str, jax.Array], jax.Array], jax.Array]
 
+# cuDNN fused attention lowers to these custom calls (forward and backward).
+CUDNN_ATTENTION_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+
 
 @dataclass(frozen=True)
 class InnerOptimizer:
@@ -87,12 +90,16 @@ def build_graphs(
     chunk_steps: int,
     eval_batches: int,
     platforms: tuple[str, ...] = ("cpu", "cuda", "rocm"),
+    custom_calls: tuple[str, ...] = (),
 ) -> TrainingGraphs:
     """Export the worker's graphs for `platforms`.
 
     `batch_spec` is the shape of one inner step's batch (for a language model,
     int32[B, T+1]; for a row dataset a tuple of [B, ...] specs); `train_chunk`
     takes `chunk_steps` of them stacked on a new leading axis.
+    `custom_calls` names custom-call targets (e.g. cuDNN fused attention) that
+    jax.export would otherwise refuse because their ABI is not guaranteed
+    stable: such graphs run only on workers whose jaxlib has the same kernels.
     """
     started = time.perf_counter()
     names = tuple(sorted(params))
@@ -125,8 +132,10 @@ def build_graphs(
     def stacked(n: int) -> Any:
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), batch_spec)
 
+    allowed = [export.DisabledSafetyCheck.custom_call(target) for target in custom_calls]
+
     def exported(fn, *specs) -> bytes:
-        return export.export(jax.jit(fn), platforms=platforms)(*specs).serialize()
+        return export.export(jax.jit(fn), platforms=platforms, disabled_checks=allowed)(*specs).serialize()
 
     opt_leaf_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in opt_leaves_spec)
     return TrainingGraphs(

@@ -23,10 +23,10 @@ from . import checkpoint, data, tls
 from .admission import Admission
 from .config import RunConfig
 from .diloco import OuterOptimizer
-from .graph import InnerOptimizer, TrainingGraphs, build_graphs
+from .graph import CUDNN_ATTENTION_CALLS, InnerOptimizer, TrainingGraphs, build_graphs
 from .links import WorkerLink, WorkerLost
 from .rounds import BadResult, Round, check_pseudo_gradient
-from .screening import NormGuard
+from .screening import NormGuard, check_token_count
 from .state import RoundRecord, RunState, WorkerView
 from .task import Task
 
@@ -168,7 +168,9 @@ class Shepherd:
             inner=inner,
             chunk_steps=cfg.chunk,
             eval_batches=self.task.eval_batch_count,
-            platforms=cfg.platforms,
+            # cuDNN attention exists only on CUDA, and its kernels are custom calls
+            platforms=("cuda",) if cfg.attention == "cudnn" else cfg.platforms,
+            custom_calls=CUDNN_ATTENTION_CALLS if cfg.attention == "cudnn" else (),
         )
         backend = select_backend("auto")
         self._eval = backend.load("eval_loss", graphs.eval_loss)
@@ -475,6 +477,7 @@ class Shepherd:
             return
         try:
             check_pseudo_gradient(message.tensors, self._shapes)
+            check_token_count(message.body.get("tokens", 0), self.config.inner_steps * self.config.batch_size * self.config.seq_len)
             norm = self._norms.check(message.tensors)
             await current.add(link.worker_id, message)
             self._norms.accept(norm)
