@@ -64,6 +64,16 @@ class NormGuard:
         self._recent.append(norm)
 
 
+def check_token_count(reported: object, most: int) -> None:
+    """BadResult unless 0 < tokens <= `most`: the count weighs a result in the mean, so it is capped."""
+    try:
+        tokens = int(reported)
+    except (TypeError, ValueError):
+        raise BadResult(f"the token count {reported!r} is not a number") from None
+    if not 0 < tokens <= most:
+        raise BadResult(f"it claims {tokens} tokens; a round has 1..{most} per worker")
+
+
 def expected_shapes(graph: Callable, names: Sequence[str]) -> dict[str, tuple[int, ...]] | None:
     """The parameter shapes a compiled graph taking `(params,)` expects; None if it does not say."""
     try:

@@ -61,6 +61,7 @@ class Shepherd:
         self._resumed = trio.Event()
         self._eval = None
         self._next_index = 0
+        self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
         self.start_round = 1
         self.tls = tls.ServerTLS.from_files(config.tls_cert, config.tls_key) if config.tls_cert else None
         self._admission = Admission(
@@ -83,6 +84,8 @@ class Shepherd:
         self.params = {n: np.asarray(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
         self.start_round = saved.round + 1
+        self._known_indices = {str(k): int(v) for k, v in saved.meta.get("workers", {}).items()}
+        self._next_index = max(self._known_indices.values(), default=-1) + 1
         self.state.emit("resumed_from", f"resumed from {saved.path} (round {saved.round})", round=saved.round)
 
     # -- commands (safe to call from the dashboard) -------------------------
@@ -218,6 +221,7 @@ class Shepherd:
             "data_fingerprint": self.task.corpus.fingerprint,
             "config": {k: v for k, v in vars(self.config).items() if k != "token"},
             "data_positions": {"seed": self.config.seed, "next_round": number + 1},
+            "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
             "eval_loss": _last_eval(self.state),
         }
         try:
@@ -359,8 +363,12 @@ class Shepherd:
 
     def _admit(self, stream: protocol.MessageStream, hello, peer: str) -> WorkerLink:
         old = self.state.workers.get(hello.worker_id)
-        index = old.index if old is not None else self._next_index
-        if old is None:
+        if old is not None:
+            index = old.index
+        elif hello.worker_id in self._known_indices:  # same shard as before the restart
+            index = self._known_indices[hello.worker_id]
+        else:
+            index = self._next_index
             self._next_index += 1
         view = WorkerView(worker_id=hello.worker_id, index=index, host=hello.hostname or peer, backend=hello.backend)
         self.state.workers[hello.worker_id] = view

@@ -155,3 +155,10 @@ def test_any_tensors_round_trip_through_a_fragmenting_stream(tensors, sizes):
             assert streamed.tensors[name].tobytes() == message.tensors[name].tobytes()
 
     trio.run(main)
+
+
+def test_nesting_deeper_than_the_limit_is_refused():
+    """Envelope -> workerHello -> backend is 3 structs deep: a limit of 2 must refuse it, not crash."""
+    data = wire(protocol.encode("workerHello", {"workerId": "w", "backend": {"platform": "cpu"}}))
+    assert decodes_or_refuses(data, protocol.Limits(nesting_limit=2)) is None
+    assert decodes_or_refuses(data, protocol.Limits(nesting_limit=3)).body["backend"]["platform"] == "cpu"

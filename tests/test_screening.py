@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from pcp_tui.rounds import BadResult
-from pcp_tui.screening import NormGuard, expected_shapes, global_norm, round_start_problem
+from pcp_tui.screening import (
+    NormGuard,
+    check_token_count,
+    expected_shapes,
+    global_norm,
+    round_start_problem,
+)
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 
@@ -68,3 +74,10 @@ def test_expected_shapes_come_from_the_compiled_graph():
     assert expected_shapes(compiled, ("w", "b")) == SHAPES
     assert expected_shapes(compiled, ("w",)) is None  # does not fit the plan: names-only checks
     assert expected_shapes(len, ("w", "b")) is None
+
+
+def test_a_result_cannot_claim_more_tokens_than_a_round_has():
+    check_token_count(640, most=640)  # the weight of a result in the mean is its token count
+    for claimed in (641, 10**12, 0, -5, "many"):
+        with pytest.raises(BadResult):
+            check_token_count(claimed, most=640)

@@ -1,0 +1,178 @@
+"""Workers die, join late, straggle; the shepherd restarts. Real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import trio
+
+from pcp_tui.shepherd import Shepherd
+from pcp_tui.task import build_task
+
+from .conftest import small_config, worker_command, worker_env
+
+pytestmark = pytest.mark.e2e
+
+
+async def _until(predicate, *, polls: int = 6000) -> None:
+    """Poll shepherd state (bounded in count, not a time assertion)."""
+    for _ in range(polls):
+        if predicate():
+            return
+        await trio.sleep(0.05)
+    raise AssertionError("condition never became true")
+
+
+def _run(shepherd: Shepherd, scenario) -> None:
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            await scenario(port)
+
+    trio.run(main)
+
+
+def _kinds(shepherd: Shepherd, kind: str) -> list:
+    return [e for e in shepherd.state.events if e.kind == kind]
+
+
+def test_kill_one_of_three_workers_mid_round(spawn_worker):
+    config = small_config(workers=3, rounds=4, inner_steps=60, chunk_steps=10)
+    shepherd = Shepherd(config, build_task(config, shards=3))
+    killed_at: list[float] = []
+
+    async def scenario(port):
+        spawn_worker(port)
+        spawn_worker(port)
+        victim = spawn_worker(port, "--id", "victim")
+        workers = shepherd.state.workers
+        await _until(lambda: "victim" in workers and workers["victim"].round == 2 and workers["victim"].step > 0)
+        victim.send_signal(signal.SIGKILL)
+        killed_at.append(time.time())
+
+    _run(shepherd, scenario)
+    history = shepherd.state.history
+    assert [r.round for r in history] == [1, 2, 3, 4]  # none lost, none counted twice
+    assert [r.workers for r in history] == [3, 2, 2, 2]
+    assert "victim" not in history[1].worker_ids
+    lost = _kinds(shepherd, "lost")
+    assert len(lost) == 1 and lost[0].data["worker"] == "victim"
+    print(f"kill -9 noticed after {lost[0].at - killed_at[0]:.3f} s")
+    assert all(np.isfinite(p).all() for p in shepherd.params.values())
+
+
+def test_late_worker_joins_at_the_next_round_boundary(spawn_worker):
+    config = small_config(workers=1, rounds=5, inner_steps=10)
+    shepherd = Shepherd(config, build_task(config, shards=2))
+
+    async def scenario(port):
+        spawn_worker(port, "--id", "early")
+        await _until(lambda: len(shepherd.state.history) >= 2)
+        shepherd.pause()  # hold the run at a round boundary until the newcomer has compiled
+        spawn_worker(port, "--id", "late")
+        workers = shepherd.state.workers
+        await _until(lambda: "late" in workers and workers["late"].state == "idle")
+        shepherd.resume()
+
+    _run(shepherd, scenario)
+    history = shepherd.state.history
+    assert [r.round for r in history] == [1, 2, 3, 4, 5]
+    assert all(r.worker_ids == ("early",) for r in history[:2])
+    assert all(set(r.worker_ids) == {"early", "late"} for r in history[-2:])
+    assert shepherd.state.workers["late"].rounds_contributed >= 2
+
+
+def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
+    config = small_config(workers=2, rounds=6, inner_steps=10, round_timeout=2.0, min_workers=1)
+    shepherd = Shepherd(config, build_task(config, shards=2))
+
+    async def scenario(port):
+        spawn_worker(port, "--id", "steady")
+        command = [sys.executable, "-m", "tests.slow_worker", "2", "5", "--",
+                   *worker_command(port, "--id", "slow")[3:]]
+        slow = subprocess.Popen(command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            await _until(lambda: any(e.kind == "done" for e in shepherd.state.events))
+        finally:
+            await trio.to_thread.run_sync(slow.wait)
+
+    _run(shepherd, scenario)
+    history = shepherd.state.history
+    assert [r.round for r in history] == [1, 2, 3, 4, 5, 6]
+    assert history[0].workers == 2
+    assert history[1].worker_ids == ("steady",)  # the stalled round closed without the straggler
+    late = _kinds(shepherd, "late_result")
+    assert late and late[0].data["worker"] == "slow" and late[0].data["round"] == 2
+    assert shepherd.state.workers["slow"].state != "lost"  # slow is not dead
+    assert history[-1].workers == 2  # and it caught up
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shepherd_command(port: int, checkpoints, metrics, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pcp_tui", "shepherd", "--headless", "--workers", "2", "--port", str(port),
+            "--host", "127.0.0.1", "--rounds", "5", "--inner-steps", "10", "--token", "test-token",
+            "--seq-len", "32", "--batch-size", "4", "--data-max-bytes", str(256 * 1024), "--eval-batches", "2",
+            "--heartbeat-seconds", "0.5", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1",
+            "--metrics", str(metrics), *extra]
+
+
+def _final_eval(metrics) -> float:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in rows if r["event"] == "round"][-1]["eval_loss"]
+
+
+def test_shepherd_killed_and_resumed_workers_come_back(tmp_path, spawn_worker):
+    port = _free_port()
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    first = subprocess.Popen(_shepherd_command(port, checkpoints, metrics), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=worker_env())
+    workers = []
+    try:
+        for line in first.stdout:
+            if "listening on" in line and not workers:
+                workers = [spawn_worker(port, "--id", f"w{i}") for i in range(2)]
+            if re.search(r"checkpoint of round 2 saved", line):
+                break
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = subprocess.run(_shepherd_command(port, checkpoints, metrics, "--resume", str(checkpoints)),
+                                capture_output=True, text=True, timeout=600, env=worker_env())
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "resumed from" in second.stdout
+        for worker in workers:
+            assert worker.wait(timeout=60) == 0  # they reconnected on their own and finished
+    finally:
+        if first.poll() is None:
+            first.kill()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    resumed = [r for r in rows if r["event"] == "resumed_from"]
+    assert len(resumed) == 1 and resumed[0]["round"] >= 2
+    after = [r["round"] for r in rows[rows.index(resumed[0]):] if r["event"] == "round"]
+    assert after == list(range(resumed[0]["round"] + 1, 6))  # continues where the checkpoint left off
+    assert all(r["workers"] == 2 for r in rows if r["event"] == "round")
+
+    reference_metrics = tmp_path / "reference.jsonl"
+    reference = subprocess.Popen(_shepherd_command(port, tmp_path / "ref-ckpt", reference_metrics),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=worker_env())
+    time.sleep(0.5)  # not an assertion: give the listener a moment before workers dial
+    reference_workers = [spawn_worker(port, "--id", f"w{i}") for i in range(2)]
+    assert reference.wait(timeout=600) == 0
+    for worker in reference_workers:
+        worker.wait(timeout=60)
+    resumed_loss, reference_loss = _final_eval(metrics), _final_eval(reference_metrics)
+    print(f"final eval loss: resumed {resumed_loss:.4f}, uninterrupted {reference_loss:.4f}")
+    assert math.isclose(resumed_loss, reference_loss, abs_tol=0.1)

@@ -1,0 +1,83 @@
+"""The examples cannot rot: every file in examples/ is loaded, parsed or run here."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from pathlib import Path
+
+import jax
+import pytest
+
+from pcp_tui.cli import _config_from, build_parser
+from pcp_tui.config import RunConfig
+from pcp_tui.config_file import load_config_file
+from pcp_tui.custom import load_spec
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _uncommented(text: str) -> str:
+    """run.toml with every `# key = value` line switched on."""
+    return "\n".join(re.sub(r"^# (\w+ = .*)$", r"\1", line) for line in text.splitlines())
+
+
+def test_run_toml_loads_and_lists_every_option(tmp_path):
+    assert load_config_file(EXAMPLES / "run.toml") == {}  # all commented: the defaults
+    switched = tmp_path / "all.toml"
+    switched.write_text(_uncommented((EXAMPLES / "run.toml").read_text()))
+    values = load_config_file(switched)
+    assert set(values) == {f.name for f in dataclasses.fields(RunConfig)}, "run.toml must list every option"
+    defaults = RunConfig()
+    RunConfig(**values).validate()
+    shown = {name: value for name, value in values.items() if getattr(defaults, name) is not None}
+    assert shown == {name: getattr(defaults, name) for name in shown}, "run.toml must show the defaults"
+
+
+def test_mlp_model_builds_and_its_loss_falls_with_plain_sgd():
+    spec = load_spec(f"{EXAMPLES / 'mlp_model.py'}:build", RunConfig())
+    data = spec.data
+    params = spec.init(jax.random.PRNGKey(0))
+    batch = {key: array[:256] for key, array in data.train.items()}
+    grad = jax.jit(jax.value_and_grad(spec.loss))
+    first, _ = grad(params, batch)
+    for _ in range(30):
+        value, g = grad(params, batch)
+        params = jax.tree.map(lambda p, d: p - 0.5 * d, params, g)
+    assert value < first * 0.8
+
+
+def _commands(markdown: Path) -> list[list[str]]:
+    blocks = re.findall(r"```bash\n(.*?)```", markdown.read_text(), re.S)
+    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    return [shlex.split(line)[1:] for line in lines if line.startswith("pcp-tui ")]
+
+
+@pytest.mark.parametrize("argv", _commands(EXAMPLES / "multi_host.md"), ids=lambda argv: " ".join(argv[:3]))
+def test_multi_host_commands_parse_with_the_real_cli(argv, monkeypatch):
+    monkeypatch.chdir(EXAMPLES.parent)
+    args = build_parser().parse_args(argv)
+    if args.command in ("shepherd", "demo"):
+        config = _config_from(args)
+        assert config.workers == 2
+    else:
+        host, _, port = args.connect.rpartition(":")
+        assert host == "10.0.0.5" and port.isdigit()
+
+
+def test_multi_host_recipe_covers_workers_tls_and_custom_models():
+    argvs = [" ".join(argv) for argv in _commands(EXAMPLES / "multi_host.md")]
+    for flag in ("--tls-cert", "--tls-key", "--tls-fingerprint", "--tls-ca", "--config", "--model"):
+        assert any(flag in argv for argv in argvs), flag
+
+
+def test_the_readme_model_file_works(tmp_path):
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme[readme.index("## Train your own JAX model"):]
+    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "model.py").write_text(source)
+    spec = load_spec(str(tmp_path / "model.py"), RunConfig())
+    batch = {key: array[:64] for key, array in spec.data.train.items()}
+    value = spec.loss(spec.init(jax.random.PRNGKey(0)), batch)
+    assert value.shape == () and 0.5 < float(value) < 5
