@@ -62,6 +62,7 @@ class Shepherd:
         self._eval = None
         self._next_index = 0
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
+        self._resumed_from: tuple[str, int] | None = None
         self.start_round = 1
         self.tls = tls.ServerTLS.from_files(config.tls_cert, config.tls_key) if config.tls_cert else None
         self._admission = Admission(
@@ -86,7 +87,7 @@ class Shepherd:
         self.start_round = saved.round + 1
         self._known_indices = {str(k): int(v) for k, v in saved.meta.get("workers", {}).items()}
         self._next_index = max(self._known_indices.values(), default=-1) + 1
-        self.state.emit("resumed_from", f"resumed from {saved.path} (round {saved.round})", round=saved.round)
+        self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
 
     # -- commands (safe to call from the dashboard) -------------------------
 
@@ -116,6 +117,9 @@ class Shepherd:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
         """Listen, train for `config.rounds` rounds, say goodbye. Raises RunFailed."""
         cfg = self.config
+        if self._resumed_from:
+            path, number = self._resumed_from
+            self.state.emit("resumed_from", f"resumed from {path} (round {number})", round=number)
         self.state.emit("exporting", f"exporting training graphs for {', '.join(cfg.platforms)}")
         self.graphs = await trio.to_thread.run_sync(self._export)
         self.state.emit(

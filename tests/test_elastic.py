@@ -98,7 +98,7 @@ def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
     async def scenario(port):
         spawn_worker(port, "--id", "steady")
         command = [sys.executable, "-m", "tests.slow_worker", "2", "5", "--",
-                   *worker_command(port, "--id", "slow")[3:]]
+                   *worker_command(port, "--id", "slow")[4:]]
         slow = subprocess.Popen(command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
             await _until(lambda: any(e.kind == "done" for e in shepherd.state.events))
