@@ -1,0 +1,120 @@
+"""Shepherd scale: what a round costs the shepherd with 1, 8, 64, 256 workers.
+
+The workers here are lightweight and protocol-level: N trio tasks in one other
+process that do the real handshake (HMAC), receive the real plan and global
+parameters, and answer every round at once with a (small, finite) pseudo-
+gradient of the plan's shapes. No compute, so the round time *is* the
+shepherd's overhead: sending N copies of the parameters, receiving N results,
+the streaming token-weighted mean and the outer step.
+
+    python benchmarks/bench_shepherd_scale.py [--workers 1 8 64 256] [--rounds 4] [--model tiny]
+
+Prints per N: median round seconds, MB moved, seconds per GB moved (flat means
+linear in bytes), and the overhead as a fraction of a reference round, a real
+1-worker round of H inner steps measured on this machine by
+bench_worker_overhead (pass --reference-round-seconds; default: H=50 tiny on a
+2-core CPU, ~6 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import trio
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import protocol  # noqa: E402
+from pcp_tui import auth  # noqa: E402
+from pcp_tui.config import RunConfig  # noqa: E402
+
+
+async def fake_worker(port: int, index: int) -> None:
+    raw = await trio.open_tcp_stream("127.0.0.1", port)
+    stream = protocol.MessageStream(raw)
+    hello = await stream.receive()
+    worker_id = f"fake-{index}"
+    await stream.send("workerHello", {
+        "supportedVersions": list(protocol.SUPPORTED_VERSIONS), "workerId": worker_id, "hostname": "bench",
+        "backend": {"platform": "cpu", "deviceKind": "cpu", "deviceCount": 1},
+        "proof": auth.proof("bench", hello.body["nonce"], worker_id), "software": "bench",
+    })
+    await stream.receive()  # welcome
+    plan = await stream.receive()
+    body = plan.body
+    tokens = body["innerSteps"] * body["batchSize"] * body["seqLen"]
+    await stream.send("ready", {"compileSeconds": 0.0, "platform": "cpu"})
+    pseudo_gradient = None
+    while True:
+        message = await stream.receive()
+        if message.kind == "goodbye":
+            return
+        if message.kind != "roundStart":
+            continue
+        if pseudo_gradient is None:
+            rng = np.random.default_rng(index)
+            pseudo_gradient = {n: (rng.standard_normal(t.shape) * 1e-4).astype(np.float32)
+                               for n, t in message.tensors.items()}
+        await stream.send("roundResult", {"round": message.body["round"], "tokens": tokens,
+                                          "losses": [1.0] * body["innerSteps"], "computeSeconds": 0.0,
+                                          "innerSteps": body["innerSteps"]}, pseudo_gradient)
+
+
+async def fake_workers(port: int, count: int) -> None:
+    async with trio.open_nursery() as nursery:
+        for i in range(count):
+            nursery.start_soon(fake_worker, port, i)
+
+
+async def one_size(count: int, args: argparse.Namespace) -> dict:
+    from pcp_tui.shepherd import Shepherd
+    from pcp_tui.task import build_task
+
+    config = RunConfig(model=args.model, workers=count, rounds=args.rounds, inner_steps=50, chunk_steps=50,
+                       seq_len=64, batch_size=8, host="127.0.0.1", port=0, token="bench", platforms=("cpu",),
+                       eval_every=10**6, eval_batches=1, data_max_bytes=2**20,
+                       max_handshakes_per_host=max(count, 8), max_handshakes=max(count, 64))
+    shepherd = Shepherd(config, build_task(config, shards=count))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        command = [sys.executable, __file__, "--fake", str(port), str(count)]
+        nursery.start_soon(lambda: trio.run_process(command))
+    history = shepherd.state.history[1:]  # round 1 also compiles the outer step
+    seconds = float(np.median([r.round_seconds for r in history]))
+    moved = float(np.median([r.bytes_sent + r.bytes_received for r in history]))
+    return {"workers": count, "round_seconds": seconds, "mb_moved": moved / 1e6,
+            "seconds_per_gb": seconds / (moved / 1e9), "params": shepherd.task.param_count}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--reference-round-seconds", type=float, default=6.0)
+    parser.add_argument("--fake", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fake:
+        trio.run(fake_workers, *args.fake)
+        return
+    rows = []
+    for count in args.workers:
+        started = time.perf_counter()
+        rows.append(trio.run(one_size, count, args))
+        print(f"  {count} workers measured in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    print(f"\nshepherd scale  model={args.model} ({rows[0]['params']:,} params), protocol-level workers, 127.0.0.1")
+    print(f"{'workers':>8}{'round s':>10}{'MB moved':>11}{'s per GB':>10}{'of a ' + str(args.reference_round_seconds) + ' s round':>20}")
+    for r in rows:
+        print(f"{r['workers']:>8}{r['round_seconds']:>10.3f}{r['mb_moved']:>11.1f}{r['seconds_per_gb']:>10.3f}"
+              f"{r['round_seconds'] / args.reference_round_seconds:>20.1%}")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
