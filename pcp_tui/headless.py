@@ -32,6 +32,7 @@ def format_round(record: Any, rounds_total: int) -> str:
         f"{record.round_seconds:6.2f} s  {record.tokens_per_second:9,.0f} tok/s  "
         f"sent {human_bytes(record.bytes_sent):>9}  recv {human_bytes(record.bytes_received):>9}  "
         f"workers {record.workers}"
+        + (f"  saved {human_bytes(record.bytes_saved)}" if record.bytes_saved else "")
     )
 
 

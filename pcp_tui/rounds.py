@@ -48,6 +48,7 @@ class Round:
         self.started = time.monotonic()
         self.losses: list[float] = []
         self.tokens = 0
+        self.bytes_saved = 0  # float32 bytes the results would have taken, minus their wire bytes
         self.compute_seconds: dict[str, float] = {}
         self.arrivals: dict[str, float] = {}
         self.contributors: list[str] = []
@@ -70,6 +71,7 @@ class Round:
         async with self._lock:
             await trio.to_thread.run_sync(self.mean.add, message.tensors, float(tokens))
         self.tokens += tokens
+        self.bytes_saved += max(sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0)
         self.losses.extend(losses)
         self.compute_seconds[worker_id] = float(body.get("computeSeconds", 0.0))
         self.arrivals[worker_id] = time.monotonic() - self.started

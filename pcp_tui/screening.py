@@ -52,7 +52,7 @@ class NormGuard:
             raise BadResult("its global L2 norm overflows float32")
         if len(self._recent) >= self.baseline:
             typical = statistics.median(self._recent)
-            if norm > self.factor * typical:
+            if typical > 0 and norm > self.factor * typical:  # a zero median (lr 0 at warm-up start) says nothing
                 raise BadResult(
                     f"its global L2 norm {norm:.4g} is over {self.factor:g}x the median "
                     f"{typical:.4g} of recently accepted results"

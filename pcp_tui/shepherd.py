@@ -327,6 +327,7 @@ class Shepherd:
             tokens_per_second=current.tokens / seconds if seconds > 0 else 0.0,
             bytes_sent=self.state.bytes_sent - sent0,
             bytes_received=self.state.bytes_received - received0,
+            bytes_saved=current.bytes_saved,
             workers=len(current.contributors),
             worker_ids=tuple(current.contributors),
         )

@@ -50,6 +50,7 @@ class RoundRecord:
     bytes_received: int
     workers: int
     worker_ids: tuple[str, ...]
+    bytes_saved: int = 0  # by pseudo-gradient compression, this round
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)

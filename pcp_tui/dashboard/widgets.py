@@ -326,6 +326,8 @@ class RoundTiming(Static):
             human_bytes(last.bytes_sent + last.bytes_received),
             human_bytes(mean("bytes_sent") + mean("bytes_received")),
         )
+        if last.bytes_saved:
+            grid.add_row("saved", human_bytes(last.bytes_saved), human_bytes(mean("bytes_saved")))
         spark = _sparkline([r.round_seconds for r in history[-(self.size.width or 30) :]])
         self.update(
             Group(
