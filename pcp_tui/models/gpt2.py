@@ -113,8 +113,8 @@ def _mlp(p: Params, prefix: str, x: jax.Array) -> jax.Array:
     return h @ p[prefix + "c_proj.w"] + p[prefix + "c_proj.b"]
 
 
-def apply(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
-    """Logits float32[B, T, vocab] for int32 tokens[B, T], T <= block_size."""
+def _logits(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Logits [B, T, vocab] in the compute dtype for int32 tokens[B, T], T <= block_size."""
     t = tokens.shape[1]
     if t > config.block_size:
         raise ValueError(f"sequence length {t} is longer than block_size {config.block_size}")
@@ -134,16 +134,27 @@ def apply(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
         )
         x = x + _mlp(p, h + "mlp.", _layer_norm(x, p[h + "ln_2.scale"], p[h + "ln_2.bias"]))
     x = _layer_norm(x, p["ln_f.scale"], p["ln_f.bias"])
-    return (x @ p["wte"].T).astype(jnp.float32)
+    return x @ p["wte"].T
+
+
+def apply(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Logits float32[B, T, vocab] for int32 tokens[B, T], T <= block_size."""
+    return _logits(config, params, tokens).astype(jnp.float32)
 
 
 def loss(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy (float32) of int32 tokens[B, T+1]:
-    inputs tokens[:, :-1], targets tokens[:, 1:]."""
-    logits = apply(config, params, tokens[:, :-1])
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    target = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)
-    return -target.mean()
+    inputs tokens[:, :-1], targets tokens[:, 1:].
+
+    Written as logsumexp(logits) - logit[target] on logits in the compute
+    dtype: the float32 upcast fuses into the reduction, so no float32
+    [B, T, vocab] array (3.3 GB per step for GPT-2 at 16 x 1024) is written
+    and read back, forward or backward.
+    """
+    logits = _logits(config, params, tokens[:, :-1])
+    normalizer = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    target = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0].astype(jnp.float32)
+    return jnp.mean(normalizer - target)
 
 
 def param_count(params: Params) -> int:
