@@ -54,7 +54,9 @@ class Backend(abc.ABC):
     def info(self) -> BackendInfo: ...
 
     @abc.abstractmethod
-    def load(self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()) -> LoadedGraph:
+    def load(
+        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
+    ) -> LoadedGraph:
         """Deserialize a graph; raises GraphError if it was not lowered for this platform."""
 
     @abc.abstractmethod

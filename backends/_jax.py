@@ -39,7 +39,9 @@ class JaxBackend(Backend):
         import jax
 
         if platform not in _JAX_PLATFORM:
-            raise BackendUnavailable(f"unknown backend {platform!r}; choose one of {sorted(_JAX_PLATFORM)}")
+            raise BackendUnavailable(
+                f"unknown backend {platform!r}; choose one of {sorted(_JAX_PLATFORM)}"
+            )
         try:
             devices = jax.devices(_JAX_PLATFORM[platform])
         except RuntimeError as exc:
@@ -65,7 +67,9 @@ class JaxBackend(Backend):
     def device(self) -> Any:
         return self._device
 
-    def load(self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()) -> LoadedGraph:
+    def load(
+        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
+    ) -> LoadedGraph:
         """Deserialize and compile ahead of time, so the first call runs at full speed."""
         from jax import export
 

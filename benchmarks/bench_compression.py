@@ -25,20 +25,52 @@ async def one_run(compression: str, args: argparse.Namespace) -> dict:
     from pcp_tui.shepherd import Shepherd
     from pcp_tui.task import build_task
 
-    config = RunConfig(workers=2, rounds=args.rounds, inner_steps=args.inner_steps, seq_len=64, batch_size=8,
-                       compression=compression, host="127.0.0.1", port=0, token="bench", platforms=("cpu",),
-                       eval_batches=8, data_max_bytes=2**20, warmup_steps=10, inner_lr=2e-3)
+    config = RunConfig(
+        workers=2,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        seq_len=64,
+        batch_size=8,
+        compression=compression,
+        host="127.0.0.1",
+        port=0,
+        token="bench",
+        platforms=("cpu",),
+        eval_batches=8,
+        data_max_bytes=2**20,
+        warmup_steps=10,
+        inner_lr=2e-3,
+    )
     shepherd = Shepherd(config, build_task(config, shards=2))
-    env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
         for i in range(2):
-            command = [sys.executable, "-m", "pcp_tui", "worker", "--connect", f"127.0.0.1:{port}",
-                       "--token", "bench", "--backend", "cpu", "--quiet", "--id", f"w{i}"]
+            command = [
+                sys.executable,
+                "-m",
+                "pcp_tui",
+                "worker",
+                "--connect",
+                f"127.0.0.1:{port}",
+                "--token",
+                "bench",
+                "--backend",
+                "cpu",
+                "--quiet",
+                "--id",
+                f"w{i}",
+            ]
             nursery.start_soon(lambda c=command: trio.run_process(c, env=env))
     history = shepherd.state.history
-    return {"compression": compression, "received": sum(r.bytes_received for r in history),
-            "eval": history[-1].eval_loss, "curve": [r.eval_loss for r in history]}
+    return {
+        "compression": compression,
+        "received": sum(r.bytes_received for r in history),
+        "eval": history[-1].eval_loss,
+        "curve": [r.eval_loss for r in history],
+    }
 
 
 def main() -> None:
@@ -48,11 +80,15 @@ def main() -> None:
     args = parser.parse_args()
     rows = [trio.run(one_run, c, args) for c in ("none", "bfloat16", "int8Block")]
     base = rows[0]
-    print(f"\npseudo-gradient compression  tiny GPT-2, 2 workers, {args.rounds} rounds x H={args.inner_steps}, seed 0")
+    print(
+        f"\npseudo-gradient compression  tiny GPT-2, 2 workers, {args.rounds} rounds x H={args.inner_steps}, seed 0"
+    )
     print(f"{'encoding':<12}{'MB received':>13}{'vs float32':>12}{'final eval':>12}{'delta':>10}")
     for r in rows:
-        print(f"{r['compression']:<12}{r['received'] / 1e6:>13.2f}{r['received'] / base['received']:>12.3f}"
-              f"{r['eval']:>12.4f}{r['eval'] - base['eval']:>+10.4f}")
+        print(
+            f"{r['compression']:<12}{r['received'] / 1e6:>13.2f}{r['received'] / base['received']:>12.3f}"
+            f"{r['eval']:>12.4f}{r['eval'] - base['eval']:>+10.4f}"
+        )
     for r in rows:
         print(r["compression"], " ".join(f"{x:.3f}" for x in r["curve"]))
 

@@ -60,16 +60,33 @@ def run(label: str, config: RunConfig) -> Result:
     """One run through shepherd + worker processes; returns what the table and plot need."""
     task = build_task(config, shards=config.workers)
     shepherd = Shepherd(config, task)
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        PYTHONUNBUFFERED="1",
+        XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+    )
     workers: list[subprocess.Popen] = []
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(shepherd.run)
             for i in range(config.workers):
-                command = [sys.executable, "-m", "pcp_tui", "worker", "--connect", f"127.0.0.1:{port}",
-                           "--token", config.token, "--backend", "cpu", "--id", f"bench-{i}", "--quiet"]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "pcp_tui",
+                    "worker",
+                    "--connect",
+                    f"127.0.0.1:{port}",
+                    "--token",
+                    config.token,
+                    "--backend",
+                    "cpu",
+                    "--id",
+                    f"bench-{i}",
+                    "--quiet",
+                ]
                 workers.append(subprocess.Popen(command, env=env))
 
     started = time.perf_counter()
@@ -90,47 +107,115 @@ def run(label: str, config: RunConfig) -> Result:
         if record.eval_loss is not None:
             curve.append((tokens, record.eval_loss))
     result = Result(
-        label=label, workers=config.workers, inner_steps=config.inner_steps, rounds=len(history), tokens=tokens,
-        final_eval_loss=curve[-1][1], bytes_communicated=sum(r.bytes_sent + r.bytes_received for r in history),
-        train_seconds=sum(r.round_seconds for r in history), curve=curve,
+        label=label,
+        workers=config.workers,
+        inner_steps=config.inner_steps,
+        rounds=len(history),
+        tokens=tokens,
+        final_eval_loss=curve[-1][1],
+        bytes_communicated=sum(r.bytes_sent + r.bytes_received for r in history),
+        train_seconds=sum(r.round_seconds for r in history),
+        curve=curve,
     )
-    print(f"{label:28s} eval {result.final_eval_loss:.4f}  {result.bytes_communicated / 1e6:9.1f} MB  "
-          f"{result.train_seconds:7.1f} s  (all in {time.perf_counter() - started:.0f} s)", flush=True)
+    print(
+        f"{label:28s} eval {result.final_eval_loss:.4f}  {result.bytes_communicated / 1e6:9.1f} MB  "
+        f"{result.train_seconds:7.1f} s  (all in {time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
     return result
 
 
 def plans(args: argparse.Namespace) -> list[tuple[str, RunConfig]]:
     base = RunConfig(
-        model="tiny", seq_len=64, batch_size=8, data_max_bytes=2_000_000, eval_batches=16, chunk_steps=10,
-        inner_lr=args.inner_lr, warmup_steps=args.warmup, host="127.0.0.1", port=0, token="bench",
-        platforms=("cpu",), heartbeat_seconds=1.0, heartbeat_timeout=120.0, seed=args.seed,
+        model="tiny",
+        seq_len=64,
+        batch_size=8,
+        data_max_bytes=2_000_000,
+        eval_batches=16,
+        chunk_steps=10,
+        inner_lr=args.inner_lr,
+        warmup_steps=args.warmup,
+        host="127.0.0.1",
+        port=0,
+        token="bench",
+        platforms=("cpu",),
+        heartbeat_seconds=1.0,
+        heartbeat_timeout=120.0,
+        seed=args.seed,
     )
     steps, k = args.steps, 4
     every = max(1, steps // 20)
     runs = [
-        ("sync DP (k=4, H=1)", base.replace(workers=k, inner_steps=1, chunk_steps=1, rounds=steps,
-                                            outer_optimizer="sgd", outer_lr=1.0, eval_every=every)),
-        ("large batch (k=1, 4B)", base.replace(workers=1, batch_size=k * base.batch_size, inner_steps=every,
-                                               rounds=steps // every, outer_optimizer="sgd", outer_lr=1.0)),
+        (
+            "sync DP (k=4, H=1)",
+            base.replace(
+                workers=k,
+                inner_steps=1,
+                chunk_steps=1,
+                rounds=steps,
+                outer_optimizer="sgd",
+                outer_lr=1.0,
+                eval_every=every,
+            ),
+        ),
+        (
+            "large batch (k=1, 4B)",
+            base.replace(
+                workers=1,
+                batch_size=k * base.batch_size,
+                inner_steps=every,
+                rounds=steps // every,
+                outer_optimizer="sgd",
+                outer_lr=1.0,
+            ),
+        ),
     ]
     for h in args.h:
-        runs.append((f"DiLoCo (k=4, H={h})", base.replace(
-            workers=k, inner_steps=h, rounds=steps // h, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-            eval_every=max(1, (steps // h) // 20))))
-    runs.append(("single worker (k=1)", base.replace(workers=1, inner_steps=k * every, rounds=steps // every,
-                                                     outer_optimizer="sgd", outer_lr=1.0)))
-    return [(label, config) for label, config in runs if not args.only or any(o in label for o in args.only)]
+        runs.append(
+            (
+                f"DiLoCo (k=4, H={h})",
+                base.replace(
+                    workers=k,
+                    inner_steps=h,
+                    rounds=steps // h,
+                    outer_lr=args.outer_lr,
+                    outer_momentum=args.outer_momentum,
+                    eval_every=max(1, (steps // h) // 20),
+                ),
+            )
+        )
+    runs.append(
+        (
+            "single worker (k=1)",
+            base.replace(
+                workers=1,
+                inner_steps=k * every,
+                rounds=steps // every,
+                outer_optimizer="sgd",
+                outer_lr=1.0,
+            ),
+        )
+    )
+    return [
+        (label, config)
+        for label, config in runs
+        if not args.only or any(o in label for o in args.only)
+    ]
 
 
 def table(results: list[Result]) -> str:
     sync = next((r for r in results if r.label.startswith("sync")), None)
-    lines = ["| run | rounds | tokens | final eval loss | vs sync | bytes communicated | fewer bytes than sync | train wall time |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| run | rounds | tokens | final eval loss | vs sync | bytes communicated | fewer bytes than sync | train wall time |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         versus = f"{100 * (r.final_eval_loss / sync.final_eval_loss - 1):+.1f}%" if sync else "-"
         fewer = f"{sync.bytes_communicated / r.bytes_communicated:.0f}x" if sync else "-"
-        lines.append(f"| {r.label} | {r.rounds} | {r.tokens:,} | {r.final_eval_loss:.4f} | {versus} | "
-                     f"{r.bytes_communicated / 1e6:,.1f} MB | {fewer} | {r.train_seconds:.0f} s |")
+        lines.append(
+            f"| {r.label} | {r.rounds} | {r.tokens:,} | {r.final_eval_loss:.4f} | {versus} | "
+            f"{r.bytes_communicated / 1e6:,.1f} MB | {fewer} | {r.train_seconds:.0f} s |"
+        )
     return "\n".join(lines)
 
 
@@ -147,7 +232,11 @@ def plot(results: list[Result], path: Path) -> bool:
     for r in results:
         tokens, losses = zip(*r.curve, strict=True)
         axes.plot([t / 1e6 for t in tokens], losses, marker=".", label=r.label)
-    axes.set(xlabel="tokens (millions)", ylabel="held-out loss", title="DiLoCo vs synchronous DP, same tokens")
+    axes.set(
+        xlabel="tokens (millions)",
+        ylabel="held-out loss",
+        title="DiLoCo vs synchronous DP, same tokens",
+    )
     axes.set_ylim(top=min(4.0, axes.get_ylim()[1]))
     axes.grid(alpha=0.3)
     axes.legend()
@@ -158,14 +247,18 @@ def plot(results: list[Result], path: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400, help="inner steps per worker of the k=4 runs")
+    parser.add_argument(
+        "--steps", type=int, default=400, help="inner steps per worker of the k=4 runs"
+    )
     parser.add_argument("--h", type=int, nargs="+", default=[10, 50, 200])
     parser.add_argument("--inner-lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="*", help="run only the labels containing one of these strings")
+    parser.add_argument(
+        "--only", nargs="*", help="run only the labels containing one of these strings"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -40,11 +39,17 @@ async def fake_worker(port: int, index: int) -> None:
     stream = protocol.MessageStream(raw)
     hello = await stream.receive()
     worker_id = f"fake-{index}"
-    await stream.send("workerHello", {
-        "supportedVersions": list(protocol.SUPPORTED_VERSIONS), "workerId": worker_id, "hostname": "bench",
-        "backend": {"platform": "cpu", "deviceKind": "cpu", "deviceCount": 1},
-        "proof": auth.proof("bench", hello.body["nonce"], worker_id), "software": "bench",
-    })
+    await stream.send(
+        "workerHello",
+        {
+            "supportedVersions": list(protocol.SUPPORTED_VERSIONS),
+            "workerId": worker_id,
+            "hostname": "bench",
+            "backend": {"platform": "cpu", "deviceKind": "cpu", "deviceCount": 1},
+            "proof": auth.proof("bench", hello.body["nonce"], worker_id),
+            "software": "bench",
+        },
+    )
     await stream.receive()  # welcome
     plan = await stream.receive()
     body = plan.body
@@ -59,11 +64,21 @@ async def fake_worker(port: int, index: int) -> None:
             continue
         if pseudo_gradient is None:
             rng = np.random.default_rng(index)
-            pseudo_gradient = {n: (rng.standard_normal(t.shape) * 1e-4).astype(np.float32)
-                               for n, t in message.tensors.items()}
-        await stream.send("roundResult", {"round": message.body["round"], "tokens": tokens,
-                                          "losses": [1.0] * body["innerSteps"], "computeSeconds": 0.0,
-                                          "innerSteps": body["innerSteps"]}, pseudo_gradient)
+            pseudo_gradient = {
+                n: (rng.standard_normal(t.shape) * 1e-4).astype(np.float32)
+                for n, t in message.tensors.items()
+            }
+        await stream.send(
+            "roundResult",
+            {
+                "round": message.body["round"],
+                "tokens": tokens,
+                "losses": [1.0] * body["innerSteps"],
+                "computeSeconds": 0.0,
+                "innerSteps": body["innerSteps"],
+            },
+            pseudo_gradient,
+        )
 
 
 async def fake_workers(port: int, count: int) -> None:
@@ -76,10 +91,24 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
     from pcp_tui.shepherd import Shepherd
     from pcp_tui.task import build_task
 
-    config = RunConfig(model=args.model, workers=count, rounds=args.rounds, inner_steps=50, chunk_steps=50,
-                       seq_len=64, batch_size=8, host="127.0.0.1", port=0, token="bench", platforms=("cpu",),
-                       eval_every=10**6, eval_batches=1, data_max_bytes=2**20,
-                       max_handshakes_per_host=max(count, 8), max_handshakes=max(count, 64))
+    config = RunConfig(
+        model=args.model,
+        workers=count,
+        rounds=args.rounds,
+        inner_steps=50,
+        chunk_steps=50,
+        seq_len=64,
+        batch_size=8,
+        host="127.0.0.1",
+        port=0,
+        token="bench",
+        platforms=("cpu",),
+        eval_every=10**6,
+        eval_batches=1,
+        data_max_bytes=2**20,
+        max_handshakes_per_host=max(count, 8),
+        max_handshakes=max(count, 64),
+    )
     shepherd = Shepherd(config, build_task(config, shards=count))
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
@@ -88,8 +117,13 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
     history = shepherd.state.history[1:]  # round 1 also compiles the outer step
     seconds = float(np.median([r.round_seconds for r in history]))
     moved = float(np.median([r.bytes_sent + r.bytes_received for r in history]))
-    return {"workers": count, "round_seconds": seconds, "mb_moved": moved / 1e6,
-            "seconds_per_gb": seconds / (moved / 1e9), "params": shepherd.task.param_count}
+    return {
+        "workers": count,
+        "round_seconds": seconds,
+        "mb_moved": moved / 1e6,
+        "seconds_per_gb": seconds / (moved / 1e9),
+        "params": shepherd.task.param_count,
+    }
 
 
 def main() -> None:
@@ -107,12 +141,22 @@ def main() -> None:
     for count in args.workers:
         started = time.perf_counter()
         rows.append(trio.run(one_size, count, args))
-        print(f"  {count} workers measured in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    print(f"\nshepherd scale  model={args.model} ({rows[0]['params']:,} params), protocol-level workers, 127.0.0.1")
-    print(f"{'workers':>8}{'round s':>10}{'MB moved':>11}{'s per GB':>10}{'of a ' + str(args.reference_round_seconds) + ' s round':>20}")
+        print(
+            f"  {count} workers measured in {time.perf_counter() - started:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        f"\nshepherd scale  model={args.model} ({rows[0]['params']:,} params), protocol-level workers, 127.0.0.1"
+    )
+    print(
+        f"{'workers':>8}{'round s':>10}{'MB moved':>11}{'s per GB':>10}{'of a ' + str(args.reference_round_seconds) + ' s round':>20}"
+    )
     for r in rows:
-        print(f"{r['workers']:>8}{r['round_seconds']:>10.3f}{r['mb_moved']:>11.1f}{r['seconds_per_gb']:>10.3f}"
-              f"{r['round_seconds'] / args.reference_round_seconds:>20.1%}")
+        print(
+            f"{r['workers']:>8}{r['round_seconds']:>10.3f}{r['mb_moved']:>11.1f}{r['seconds_per_gb']:>10.3f}"
+            f"{r['round_seconds'] / args.reference_round_seconds:>20.1%}"
+        )
     print(json.dumps(rows))
 
 

@@ -37,8 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import protocol  # noqa: E402
 
-METHODS = {1: ("raw socket", None), 2: ("MessageStream none", "none"),
-           3: ("MessageStream bfloat16", "bfloat16"), 4: ("MessageStream int8Block", "int8Block")}
+METHODS = {
+    1: ("raw socket", None),
+    2: ("MessageStream none", "none"),
+    3: ("MessageStream bfloat16", "bfloat16"),
+    4: ("MessageStream int8Block", "int8Block"),
+}
 QUIT = 0
 COMMAND = struct.Struct("<QQ")  # method, payload bytes
 
@@ -161,8 +165,12 @@ async def _send_message(connection: socket.socket, params, quantization: str) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=float, default=300.0, help="float32 megabytes to move per transfer")
-    parser.add_argument("--repeats", type=int, default=3, help="transfers per method (median reported)")
+    parser.add_argument(
+        "--mb", type=float, default=300.0, help="float32 megabytes to move per transfer"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="transfers per method (median reported)"
+    )
     parser.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.receiver:
@@ -170,9 +178,14 @@ def main() -> None:
         return
     params = make_params(args.mb)
     megabytes = sum(array.nbytes for array in params.values()) / 1e6
-    print(f"{len(params)} GPT-2-shaped float32 tensors, {megabytes:.1f} MB, over TCP 127.0.0.1 "
-          f"to a separate receiver process, {args.repeats} repeats", flush=True)
-    receiver = subprocess.Popen([sys.executable, __file__, "--receiver"], stdout=subprocess.PIPE, text=True)
+    print(
+        f"{len(params)} GPT-2-shaped float32 tensors, {megabytes:.1f} MB, over TCP 127.0.0.1 "
+        f"to a separate receiver process, {args.repeats} repeats",
+        flush=True,
+    )
+    receiver = subprocess.Popen(
+        [sys.executable, __file__, "--receiver"], stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(receiver.stdout.readline())
         times: dict[int, list[float]] = {method: [] for method in METHODS}
@@ -193,12 +206,16 @@ def main() -> None:
 
 def print_table(times: dict[int, list[float]], wire: dict[int, int], megabytes: float) -> None:
     raw = statistics.median(times[1])
-    print(f"\n{'method':<26}{'MB':>8}{'wire MB':>9}{'median s':>10}{'best s':>8}{'GB/s':>7}{'vs raw':>8}")
+    print(
+        f"\n{'method':<26}{'MB':>8}{'wire MB':>9}{'median s':>10}{'best s':>8}{'GB/s':>7}{'vs raw':>8}"
+    )
     for method, samples in times.items():
         name = METHODS[method][0]
         seconds = statistics.median(samples)
-        print(f"{name:<26}{megabytes:>8.1f}{wire[method] / 1e6:>9.1f}{seconds:>10.3f}{min(samples):>8.3f}"
-              f"{megabytes / 1e3 / seconds:>7.2f}{raw / seconds:>8.2f}")
+        print(
+            f"{name:<26}{megabytes:>8.1f}{wire[method] / 1e6:>9.1f}{seconds:>10.3f}{min(samples):>8.3f}"
+            f"{megabytes / 1e3 / seconds:>7.2f}{raw / seconds:>8.2f}"
+        )
     print("(GB/s counts float32 bytes represented; 'vs raw' = raw socket time / method time)")
     print(f"ratio_vs_raw_socket={raw / statistics.median(times[2]):.3f}")
 

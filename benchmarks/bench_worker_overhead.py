@@ -37,10 +37,22 @@ from pcp_tui.config import RunConfig  # noqa: E402
 
 def _config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
-        model=args.model, seq_len=args.seq_len, batch_size=args.batch_size, rounds=args.rounds,
-        inner_steps=args.inner_steps, chunk_steps=args.chunk_steps, workers=1, host="127.0.0.1", port=0,
-        platforms=(args.backend,), token="bench", eval_every=10**6, eval_batches=1,
-        compute_dtype=args.compute_dtype, attention=args.attention, data=args.data,
+        model=args.model,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        chunk_steps=args.chunk_steps,
+        workers=1,
+        host="127.0.0.1",
+        port=0,
+        platforms=(args.backend,),
+        token="bench",
+        eval_every=10**6,
+        eval_batches=1,
+        compute_dtype=args.compute_dtype,
+        attention=args.attention,
+        data=args.data,
     )
 
 
@@ -60,8 +72,17 @@ def bare_loop(args: argparse.Namespace) -> None:
     params = tuple(backend.to_device([task.params[n] for n in graphs.param_names]))
     opt_state = init.call(params)
     chunks = config.inner_steps // graphs.chunk_steps
-    batches = [sample_batches(task.shards[0], steps=graphs.chunk_steps, batch_size=config.batch_size,
-                              seq_len=config.seq_len, seed=0, stream=(0, 0, c)) for c in range(chunks)]
+    batches = [
+        sample_batches(
+            task.shards[0],
+            steps=graphs.chunk_steps,
+            batch_size=config.batch_size,
+            seq_len=config.seq_len,
+            seed=0,
+            stream=(0, 0, c),
+        )
+        for c in range(chunks)
+    ]
     params, opt_state, losses = train.call(params, opt_state, batches[0])  # warm-up
     np.asarray(losses)
     print("ready", flush=True)
@@ -74,13 +95,20 @@ def bare_loop(args: argparse.Namespace) -> None:
         print(json.dumps({"tokens_per_second": rate}), flush=True)
 
 
-async def interleaved(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[float], list[float]]:
+async def interleaved(
+    args: argparse.Namespace, env: dict[str, str]
+) -> tuple[list[float], list[float]]:
     """Real rounds and bare rounds alternate, so both see the same machine load."""
     from pcp_tui.shepherd import Shepherd
     from pcp_tui.task import build_task
 
-    bare = subprocess.Popen([sys.executable, __file__, "--bare-loop", *sys.argv[1:]], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    bare = subprocess.Popen(
+        [sys.executable, __file__, "--bare-loop", *sys.argv[1:]],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     if bare.stdout.readline().strip() != "ready":
         raise SystemExit("the bare loop did not start")
 
@@ -102,8 +130,19 @@ async def interleaved(args: argparse.Namespace, env: dict[str, str]) -> tuple[li
     bare_rates: list[float] = []
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
-        command = [sys.executable, "-m", "pcp_tui", "worker", "--connect", f"127.0.0.1:{port}", "--token", "bench",
-                   "--backend", args.backend, "--quiet"]
+        command = [
+            sys.executable,
+            "-m",
+            "pcp_tui",
+            "worker",
+            "--connect",
+            f"127.0.0.1:{port}",
+            "--token",
+            "bench",
+            "--backend",
+            args.backend,
+            "--quiet",
+        ]
         nursery.start_soon(lambda: trio.run_process(command, env=env))
         for _ in range(config.rounds - 1):
             await round_done.wait()
@@ -113,10 +152,17 @@ async def interleaved(args: argparse.Namespace, env: dict[str, str]) -> tuple[li
     bare.stdin.close()
     bare.wait()
     for r in shepherd.state.history:
-        print(f"  round {r.round}: {r.round_seconds:.2f} s (worker compute {r.compute_seconds:.2f} s, "
-              f"communication {r.communication_seconds:.2f} s)", flush=True)
+        print(
+            f"  round {r.round}: {r.round_seconds:.2f} s (worker compute {r.compute_seconds:.2f} s, "
+            f"communication {r.communication_seconds:.2f} s)",
+            flush=True,
+        )
     history = shepherd.state.history
-    return bare_rates, [r.tokens_per_second for r in history], [r.tokens / r.compute_seconds for r in history]
+    return (
+        bare_rates,
+        [r.tokens_per_second for r in history],
+        [r.tokens / r.compute_seconds for r in history],
+    )
 
 
 def main() -> None:
@@ -131,8 +177,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--compute-dtype", default="float32")
     parser.add_argument("--attention", default="xla")
-    parser.add_argument("--peak-flops", dest="flops_per_token_peak", type=float, default=0.0,
-                        help="device peak FLOP/s for an MFU line (H100 dense bf16: 989e12)")
+    parser.add_argument(
+        "--peak-flops",
+        dest="flops_per_token_peak",
+        type=float,
+        default=0.0,
+        help="device peak FLOP/s for an MFU line (H100 dense bf16: 989e12)",
+    )
     parser.add_argument("--bare-loop", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_loop:
@@ -145,21 +196,35 @@ def main() -> None:
     steady = run_rates[1:] or run_rates  # round 1 also pays the shepherd's first outer-step compile
     compute_median = float(np.median(compute_rates[1:] or compute_rates))
     bare_median, run_median = float(np.median(bare_rates)), float(np.median(steady))
-    print(f"\nworker overhead  model={args.model} backend={args.backend} H={args.inner_steps} "
-          f"batch={args.batch_size}x{args.seq_len}")
+    print(
+        f"\nworker overhead  model={args.model} backend={args.backend} H={args.inner_steps} "
+        f"batch={args.batch_size}x{args.seq_len}"
+    )
     print(f"{'method':<34}{'tokens/s (median)':>20}{'samples':>10}{'ratio':>8}")
-    print(f"{'bare JAX loop (exported graph)':<34}{bare_median:>20,.0f}{len(bare_rates):>10}{1.0:>8.3f}")
-    print(f"{'worker training phase (real run)':<34}{compute_median:>20,.0f}{len(steady):>10}"
-          f"{compute_median / bare_median:>8.3f}")
-    print(f"{'whole round (send+train+return+outer)':<34}{run_median:>20,.0f}{len(steady):>10}"
-          f"{run_median / bare_median:>8.3f}")
+    print(
+        f"{'bare JAX loop (exported graph)':<34}{bare_median:>20,.0f}{len(bare_rates):>10}{1.0:>8.3f}"
+    )
+    print(
+        f"{'worker training phase (real run)':<34}{compute_median:>20,.0f}{len(steady):>10}"
+        f"{compute_median / bare_median:>8.3f}"
+    )
+    print(
+        f"{'whole round (send+train+return+outer)':<34}{run_median:>20,.0f}{len(steady):>10}"
+        f"{run_median / bare_median:>8.3f}"
+    )
     if args.flops_per_token_peak:
         from pcp_tui.task import build_task
 
         task = build_task(_config(args), shards=1)
-        for label, rate in (("bare", bare_median), ("worker", compute_median), ("round", run_median)):
-            print(f"MFU {label}: {rate * task.flops_per_token / args.flops_per_token_peak:.1%} "
-                  f"({task.flops_per_token / 1e9:.3f} GFLOP/token, peak {args.flops_per_token_peak / 1e12:.0f} TFLOP/s)")
+        for label, rate in (
+            ("bare", bare_median),
+            ("worker", compute_median),
+            ("round", run_median),
+        ):
+            print(
+                f"MFU {label}: {rate * task.flops_per_token / args.flops_per_token_peak:.1%} "
+                f"({task.flops_per_token / 1e9:.3f} GFLOP/token, peak {args.flops_per_token_peak / 1e12:.0f} TFLOP/s)"
+            )
     print(f"ratio_worker_vs_bare={compute_median / bare_median:.3f}")
     print(f"ratio_round_vs_bare={run_median / bare_median:.3f}")
 

@@ -26,8 +26,13 @@ from .tls import ServerTLS
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
 PRE_AUTH_LIMITS = protocol.Limits(
-    max_message_bytes=64 * 1024, max_segments=4, max_tensors=0, max_tensor_bytes=0,
-    max_total_tensor_bytes=0, traversal_limit_words=8 * 1024, nesting_limit=16,
+    max_message_bytes=64 * 1024,
+    max_segments=4,
+    max_tensors=0,
+    max_tensor_bytes=0,
+    max_total_tensor_bytes=0,
+    traversal_limit_words=8 * 1024,
+    nesting_limit=16,
 )
 # After it: the codec's defaults, sized for graphs, shards and parameters.
 ADMITTED_LIMITS = protocol.Limits()
@@ -41,10 +46,23 @@ class RefusalLog:
     Memory is bounded too: past `max_hosts` addresses, the rest share one tally.
     """
 
-    def __init__(self, state: RunState, *, per_host: int = 5, total: int = 50, window: float = 60.0,
-                 max_hosts: int = 1024, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        state: RunState,
+        *,
+        per_host: int = 5,
+        total: int = 50,
+        window: float = 60.0,
+        max_hosts: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._state = state
-        self._per_host, self._total, self._window, self._max_hosts = per_host, total, window, max_hosts
+        self._per_host, self._total, self._window, self._max_hosts = (
+            per_host,
+            total,
+            window,
+            max_hosts,
+        )
         self._clock = clock
         self._window_start = clock()
         self._shown: collections.Counter[str] = collections.Counter()
@@ -68,7 +86,8 @@ class RefusalLog:
             self._state.emit(
                 "refused",
                 f"refused {host}: … and {count} more in the last {self._window:.0f} s (last: {reason})",
-                peer=host, suppressed=count,
+                peer=host,
+                suppressed=count,
             )
         self._suppressed.clear()
         self._shown.clear()
@@ -98,9 +117,18 @@ class Admitted:
 class Admission:
     """Runs the pre-authentication part of every connection for the shepherd."""
 
-    def __init__(self, state: RunState, *, token: str, run_id: str, tls: ServerTLS | None = None,
-                 timeout: float = 10.0, max_per_host: int = 8, max_pending: int = 64,
-                 refusals: RefusalLog | None = None):
+    def __init__(
+        self,
+        state: RunState,
+        *,
+        token: str,
+        run_id: str,
+        tls: ServerTLS | None = None,
+        timeout: float = 10.0,
+        max_per_host: int = 8,
+        max_pending: int = 64,
+        refusals: RefusalLog | None = None,
+    ):
         self._token, self._run_id, self._tls = token, run_id, tls
         self.timeout, self.max_per_host, self.max_pending = timeout, max_per_host, max_pending
         self.refusals = refusals or RefusalLog(state)
@@ -115,8 +143,14 @@ class Admission:
         peer = peer_name(raw)
         host = peer.rpartition(":")[0] or peer
         if self._pending[host] >= self.max_per_host or self.pending >= self.max_pending:
-            busy = f"{self._pending[host]} from this address" if self._pending[host] >= self.max_per_host else f"{self.pending} in all"
-            self.refusals.refused(host, peer, f"too many unfinished handshakes ({busy})", verb="closed", code="busy")
+            busy = (
+                f"{self._pending[host]} from this address"
+                if self._pending[host] >= self.max_per_host
+                else f"{self.pending} in all"
+            )
+            self.refusals.refused(
+                host, peer, f"too many unfinished handshakes ({busy})", verb="closed", code="busy"
+            )
             await trio.aclose_forcefully(raw)
             return None
         self._pending[host] += 1
@@ -131,11 +165,21 @@ class Admission:
             self.refusals.refused(host, peer, exc.reason, code=exc.code)
             await _close(transport)
             return None
-        except (trio.TooSlowError, protocol.ProtocolError, trio.BrokenResourceError,
-                trio.ClosedResourceError) as exc:
-            self.refusals.refused(host, peer, _drop_reason(exc, self.timeout, transport is not raw or self._tls is None),
-                                  verb="dropped")
-            if isinstance(exc, protocol.ProtocolError) and not isinstance(exc, protocol.ConnectionClosed):
+        except (
+            trio.TooSlowError,
+            protocol.ProtocolError,
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+        ) as exc:
+            self.refusals.refused(
+                host,
+                peer,
+                _drop_reason(exc, self.timeout, transport is not raw or self._tls is None),
+                verb="dropped",
+            )
+            if isinstance(exc, protocol.ProtocolError) and not isinstance(
+                exc, protocol.ConnectionClosed
+            ):
                 with trio.move_on_after(1):  # say why, if the peer still listens
                     await stream.send_error(exc.code, str(exc))
             await _close(transport)

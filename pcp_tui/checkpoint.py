@@ -41,8 +41,15 @@ class Checkpoint:
     meta: dict[str, Any]
 
 
-def save(directory: str | os.PathLike, *, round: int, params: dict[str, np.ndarray],
-         outer_state: dict[str, np.ndarray], meta: dict[str, Any], keep: int = 3) -> Path:
+def save(
+    directory: str | os.PathLike,
+    *,
+    round: int,
+    params: dict[str, np.ndarray],
+    outer_state: dict[str, np.ndarray],
+    meta: dict[str, Any],
+    keep: int = 3,
+) -> Path:
     """Write round `round` atomically and point `latest` at it; keep the newest `keep`."""
     root = Path(directory)
     name = f"round-{round:06d}"
@@ -50,9 +57,15 @@ def save(directory: str | os.PathLike, *, round: int, params: dict[str, np.ndarr
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
-            save_file({k: np.ascontiguousarray(v) for k, v in params.items()}, staging / "params.safetensors",
-                      metadata={"format": FORMAT, "round": str(round)})
-            save_file({k: np.ascontiguousarray(v) for k, v in outer_state.items()}, staging / "outer.safetensors")
+            save_file(
+                {k: np.ascontiguousarray(v) for k, v in params.items()},
+                staging / "params.safetensors",
+                metadata={"format": FORMAT, "round": str(round)},
+            )
+            save_file(
+                {k: np.ascontiguousarray(v) for k, v in outer_state.items()},
+                staging / "outer.safetensors",
+            )
             _write_json(staging / "meta.json", {"format": FORMAT, "round": round, **meta})
             _fsync_dir(staging)
             final = root / name
@@ -79,7 +92,9 @@ def load_latest(directory: str | os.PathLike) -> Checkpoint:
     try:
         name = (root / "latest").read_text().strip()
     except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint in {root} (no 'latest' file); start without --resume") from None
+        raise CheckpointError(
+            f"no checkpoint in {root} (no 'latest' file); start without --resume"
+        ) from None
     path = root / name
     try:
         meta = json.loads((path / "meta.json").read_text())
@@ -89,7 +104,9 @@ def load_latest(directory: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
-    return Checkpoint(path=path, round=int(meta["round"]), params=params, outer_state=outer, meta=meta)
+    return Checkpoint(
+        path=path, round=int(meta["round"]), params=params, outer_state=outer, meta=meta
+    )
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -59,15 +59,24 @@ _SKIP = {"platforms"}
 
 def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     group = parser.add_argument_group("run options")
-    group.add_argument("--config", metavar="FILE.toml", help="read run options from a TOML file; flags given here win")
-    parser.set_defaults(run_defaults=defaults)  # flags are SUPPRESSed: only those passed reach _config_from
+    group.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="read run options from a TOML file; flags given here win",
+    )
+    parser.set_defaults(
+        run_defaults=defaults
+    )  # flags are SUPPRESSed: only those passed reach _config_from
     for field in dataclasses.fields(RunConfig):
         if field.name in _SKIP:
             continue
         default = getattr(defaults, field.name)
         kind = type(default) if default is not None else str
         group.add_argument(
-            f"--{field.name.replace('_', '-')}", dest=field.name, type=kind, default=argparse.SUPPRESS,
+            f"--{field.name.replace('_', '-')}",
+            dest=field.name,
+            type=kind,
+            default=argparse.SUPPRESS,
             help=f"{_HELP.get(field.name, '')} (default: {default})",
         )
 
@@ -78,7 +87,9 @@ def _config_from(args: argparse.Namespace) -> RunConfig:
     values = {name: getattr(args.run_defaults, name) for name in fields}
     if args.config:
         values.update(load_config_file(args.config))
-    values.update({name: getattr(args, name) for name in fields if name not in _SKIP and hasattr(args, name)})
+    values.update(
+        {name: getattr(args, name) for name in fields if name not in _SKIP and hasattr(args, name)}
+    )
     if not values.get("token"):
         values["token"] = os.environ.get("PCP_TOKEN") or None
     return RunConfig(**values).validate()
@@ -90,33 +101,73 @@ def _default_cache() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pcp-tui", description="Train across loosely connected machines (DiLoCo).")
+    parser = argparse.ArgumentParser(
+        prog="pcp-tui", description="Train across loosely connected machines (DiLoCo)."
+    )
     parser.add_argument("--version", action="version", version=f"pcp-tui {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     shepherd = commands.add_parser("shepherd", help="coordinate a run: workers connect to it")
-    shepherd.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
+    shepherd.add_argument(
+        "--headless", action="store_true", help="no dashboard: one line per round"
+    )
     _add_run_options(shepherd, RunConfig())
 
-    demo = commands.add_parser("demo", help="shepherd plus local worker processes on the embedded corpus")
+    demo = commands.add_parser(
+        "demo", help="shepherd plus local worker processes on the embedded corpus"
+    )
     demo.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
-    demo.add_argument("--backend", default="cpu", help="backend of the local workers (default: cpu)")
-    _add_run_options(demo, RunConfig(rounds=12, inner_steps=25, port=0, host="127.0.0.1", warmup_steps=25, inner_lr=2e-3))
+    demo.add_argument(
+        "--backend", default="cpu", help="backend of the local workers (default: cpu)"
+    )
+    _add_run_options(
+        demo,
+        RunConfig(
+            rounds=12, inner_steps=25, port=0, host="127.0.0.1", warmup_steps=25, inner_lr=2e-3
+        ),
+    )
 
     worker = commands.add_parser("worker", help="join a shepherd and train")
-    worker.add_argument("--connect", required=True, metavar="HOST:PORT", help="the shepherd's address")
-    worker.add_argument("--token", default=None, help="join token the shepherd printed (default: $PCP_TOKEN)")
-    worker.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm", "metal"])
-    worker.add_argument("--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)")
-    worker.add_argument("--no-reconnect", action="store_true", help="exit instead of reconnecting when the link breaks")
-    worker.add_argument("--tls-ca", default=None, metavar="FILE", help="connect over TLS, trusting the shepherd's certificate if this CA signed it")
-    worker.add_argument("--tls-fingerprint", default=None, metavar="SHA256",
-                        help="connect over TLS, trusting only the shepherd certificate with this SHA-256 (printed in its join command)")
+    worker.add_argument(
+        "--connect", required=True, metavar="HOST:PORT", help="the shepherd's address"
+    )
+    worker.add_argument(
+        "--token", default=None, help="join token the shepherd printed (default: $PCP_TOKEN)"
+    )
+    worker.add_argument(
+        "--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm", "metal"]
+    )
+    worker.add_argument(
+        "--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)"
+    )
+    worker.add_argument(
+        "--no-reconnect",
+        action="store_true",
+        help="exit instead of reconnecting when the link breaks",
+    )
+    worker.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="connect over TLS, trusting the shepherd's certificate if this CA signed it",
+    )
+    worker.add_argument(
+        "--tls-fingerprint",
+        default=None,
+        metavar="SHA256",
+        help="connect over TLS, trusting only the shepherd certificate with this SHA-256 (printed in its join command)",
+    )
     worker.add_argument("--quiet", action="store_true", help="print only errors")
-    worker.add_argument("--compile-cache", default=_default_cache(), metavar="DIR",
-                        help="keep compiled graphs here so a restart does not recompile ('' to disable)")
+    worker.add_argument(
+        "--compile-cache",
+        default=_default_cache(),
+        metavar="DIR",
+        help="keep compiled graphs here so a restart does not recompile ('' to disable)",
+    )
     sample = commands.add_parser("sample", help="generate text from a checkpoint")
-    sample.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory of a run")
+    sample.add_argument(
+        "--checkpoint", required=True, metavar="DIR", help="checkpoint directory of a run"
+    )
     sample.add_argument("--prompt", default="", help="text to continue")
     sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
     sample.add_argument("--temperature", type=float, default=0.8)
@@ -133,8 +184,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .sample import sample_text
 
             try:
-                print(sample_text(args.checkpoint, args.prompt, tokens=args.tokens, temperature=args.temperature,
-                                  top_k=args.top_k, seed=args.seed))
+                print(
+                    sample_text(
+                        args.checkpoint,
+                        args.prompt,
+                        tokens=args.tokens,
+                        temperature=args.temperature,
+                        top_k=args.top_k,
+                        seed=args.seed,
+                    )
+                )
             except CheckpointError as exc:
                 print(f"pcp-tui: error: {exc}", file=sys.stderr)
                 return 1

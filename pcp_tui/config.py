@@ -65,14 +65,28 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """Raise ConfigError for values that cannot work."""
-        positive = ("rounds", "inner_steps", "chunk_steps", "batch_size", "seq_len", "workers", "eval_every")
+        positive = (
+            "rounds",
+            "inner_steps",
+            "chunk_steps",
+            "batch_size",
+            "seq_len",
+            "workers",
+            "eval_every",
+        )
         for name in positive:
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
+                )
         if self.inner_optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"--inner-optimizer must be adamw or sgd, got {self.inner_optimizer!r}")
+            raise ConfigError(
+                f"--inner-optimizer must be adamw or sgd, got {self.inner_optimizer!r}"
+            )
         if self.outer_optimizer not in ("nesterov", "sgd"):
-            raise ConfigError(f"--outer-optimizer must be nesterov or sgd, got {self.outer_optimizer!r}")
+            raise ConfigError(
+                f"--outer-optimizer must be nesterov or sgd, got {self.outer_optimizer!r}"
+            )
         if self.compression not in QUANTIZATIONS:
             raise ConfigError(f"--compression must be one of {', '.join(QUANTIZATIONS)}")
         if self.compute_dtype not in ("float32", "bfloat16"):
@@ -83,8 +97,14 @@ class RunConfig:
             raise ConfigError("learning rates must be positive")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
-        if self.handshake_timeout <= 0 or self.max_handshakes_per_host < 1 or self.max_handshakes < 1:
-            raise ConfigError("--handshake-timeout, --max-handshakes-per-host and --max-handshakes must be positive")
+        if (
+            self.handshake_timeout <= 0
+            or self.max_handshakes_per_host < 1
+            or self.max_handshakes < 1
+        ):
+            raise ConfigError(
+                "--handshake-timeout, --max-handshakes-per-host and --max-handshakes must be positive"
+            )
         return self
 
     @property

@@ -32,7 +32,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     for key, value in table.items():
         name = key.replace("-", "_")
         if name not in fields:
-            raise ConfigError(f"unknown option {key!r} in {path}; valid options: {', '.join(sorted(fields))}")
+            raise ConfigError(
+                f"unknown option {key!r} in {path}; valid options: {', '.join(sorted(fields))}"
+            )
         values[name] = _checked(name, value, path)
     return values
 

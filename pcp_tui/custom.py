@@ -75,7 +75,9 @@ def load_spec(model: str, config: RunConfig) -> ModelSpec:
         raise ConfigError(f"--model {model!r}: {path.name} has no function {function or 'build'!r}")
     spec = builder(config)
     if not isinstance(spec, ModelSpec):
-        raise ConfigError(f"--model {model!r}: {function or 'build'}(config) must return pcp_tui.ModelSpec, got {type(spec).__name__}")
+        raise ConfigError(
+            f"--model {model!r}: {function or 'build'}(config) must return pcp_tui.ModelSpec, got {type(spec).__name__}"
+        )
     return spec
 
 
@@ -89,13 +91,17 @@ def build_custom_task(config: RunConfig, shards: int) -> Task:
     for name, value in params.items():
         array = np.asarray(value)
         if not isinstance(name, str) or array.dtype.kind != "f":
-            raise ConfigError(f"{spec.name}: parameter {name!r} must be a float array under a str name, got {array.dtype}")
+            raise ConfigError(
+                f"{spec.name}: parameter {name!r} must be a float array under a str name, got {array.dtype}"
+            )
         host_params[name] = array.astype(np.float32)
     source = spec.data() if callable(spec.data) else spec.data
     if source is None:
         return _window_task(config, spec, host_params, shards)
     if not isinstance(source, Dataset):
-        raise ConfigError(f"{spec.name}: data must be a pcp_tui.Dataset, a function returning one, or None")
+        raise ConfigError(
+            f"{spec.name}: data must be a pcp_tui.Dataset, a function returning one, or None"
+        )
     rows = row_data(spec.name, source)
     keys = tuple(rows.train)
     first = {k: a[: config.batch_size] for k, a in rows.train.items()}
@@ -103,10 +109,14 @@ def build_custom_task(config: RunConfig, shards: int) -> Task:
         name=spec.name,
         params=host_params,
         loss_fn=lambda p, batch: spec.loss(p, dict(zip(keys, batch, strict=True))),
-        batch_spec=tuple(jax.ShapeDtypeStruct((config.batch_size, *a.shape[1:]), a.dtype) for a in first.values()),
+        batch_spec=tuple(
+            jax.ShapeDtypeStruct((config.batch_size, *a.shape[1:]), a.dtype) for a in first.values()
+        ),
         corpus=rows,
         shards=data.split_rows(rows.train, shards),
-        eval_tokens=data.eval_rows(rows.val, batch_size=config.batch_size, max_batches=config.eval_batches),
+        eval_tokens=data.eval_rows(
+            rows.val, batch_size=config.batch_size, max_batches=config.eval_batches
+        ),
         tokens_per_step=config.batch_size,  # a row counts as one token
         flops_per_token=6.0 * sum(p.size for p in host_params.values()),
     )
@@ -118,7 +128,9 @@ def row_data(name: str, source: Dataset) -> data.RowData:
     if source.val is not None:
         val = data.row_arrays(dict(source.val), f"{name}: data.val")
         if set(val) != set(train):
-            raise data.DataError(f"{name}: data.val has arrays {sorted(val)}, data.train has {sorted(train)}")
+            raise data.DataError(
+                f"{name}: data.val has arrays {sorted(val)}, data.train has {sorted(train)}"
+            )
     else:
         cut = data.row_count(train) - max(1, int(data.row_count(train) * HOLD_OUT))
         train, val = {k: a[:cut] for k, a in train.items()}, {k: a[cut:] for k, a in train.items()}
@@ -126,7 +138,9 @@ def row_data(name: str, source: Dataset) -> data.RowData:
     return data.RowData(name, train, val, fingerprint)
 
 
-def _window_task(config: RunConfig, spec: ModelSpec, params: dict[str, np.ndarray], shards: int) -> Task:
+def _window_task(
+    config: RunConfig, spec: ModelSpec, params: dict[str, np.ndarray], shards: int
+) -> Task:
     corpus = data.load_corpus(config.data, max_bytes=config.data_max_bytes)
     return Task(
         name=spec.name,
@@ -135,8 +149,12 @@ def _window_task(config: RunConfig, spec: ModelSpec, params: dict[str, np.ndarra
         batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),
         corpus=corpus,
         shards=data.split_shards(corpus.train, shards),
-        eval_tokens=data.eval_batches(corpus.val, batch_size=config.batch_size, seq_len=config.seq_len,
-                                      max_batches=config.eval_batches),
+        eval_tokens=data.eval_batches(
+            corpus.val,
+            batch_size=config.batch_size,
+            seq_len=config.seq_len,
+            max_batches=config.eval_batches,
+        ),
         tokens_per_step=config.batch_size * config.seq_len,
         flops_per_token=6.0 * sum(p.size for p in params.values()),
     )

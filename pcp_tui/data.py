@@ -230,7 +230,11 @@ def decode_tokens(tokens) -> str:
 # -- row datasets: arrays indexed by example (x[N, ...], y[N]) for any JAX model ------------
 
 MAX_DATA_TENSORS = 64
-_ROW_DTYPES = {"float64": np.float32, "int64": np.int32, "uint64": np.uint32}  # JAX runs without x64
+_ROW_DTYPES = {
+    "float64": np.float32,
+    "int64": np.int32,
+    "uint64": np.uint32,
+}  # JAX runs without x64
 
 
 @dataclass(frozen=True)
@@ -250,7 +254,9 @@ class RowData:
 def row_arrays(arrays, what: str) -> dict[str, np.ndarray]:
     """Check a mapping of row-indexed arrays; float64/int64 become float32/int32 (JAX's defaults)."""
     if not isinstance(arrays, dict) or not arrays:
-        raise DataError(f"{what} must be a non-empty dict of arrays, e.g. {{'x': x[N, ...], 'y': y[N]}}")
+        raise DataError(
+            f"{what} must be a non-empty dict of arrays, e.g. {{'x': x[N, ...], 'y': y[N]}}"
+        )
     if len(arrays) > MAX_DATA_TENSORS:
         raise DataError(f"{what} has {len(arrays)} arrays; at most {MAX_DATA_TENSORS}")
     checked = {}
@@ -259,8 +265,12 @@ def row_arrays(arrays, what: str) -> dict[str, np.ndarray]:
         if not isinstance(key, str) or not key.isidentifier():
             raise DataError(f"{what}: array names must be identifiers, got {key!r}")
         if array.ndim < 1 or array.dtype.kind not in "biuf":
-            raise DataError(f"{what}[{key!r}] must be a numeric array with a leading row axis, got {array.dtype} {array.shape}")
-        checked[key] = np.ascontiguousarray(array.astype(_ROW_DTYPES.get(array.dtype.name, array.dtype), copy=False))
+            raise DataError(
+                f"{what}[{key!r}] must be a numeric array with a leading row axis, got {array.dtype} {array.shape}"
+            )
+        checked[key] = np.ascontiguousarray(
+            array.astype(_ROW_DTYPES.get(array.dtype.name, array.dtype), copy=False)
+        )
     lengths = {key: len(array) for key, array in checked.items()}
     if len(set(lengths.values())) != 1:
         raise DataError(f"{what}: every array needs the same number of rows, got {lengths}")
@@ -277,11 +287,19 @@ def split_rows(arrays: dict[str, np.ndarray], n: int) -> list[dict[str, np.ndarr
     if n < 1 or rows < n:
         raise DataError(f"{rows} rows cannot make {n} shards; use fewer workers or more data")
     bounds = np.linspace(0, rows, n + 1).astype(int)
-    return [{k: a[lo:hi] for k, a in arrays.items()} for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [
+        {k: a[lo:hi] for k, a in arrays.items()}
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
 
 
 def sample_rows(
-    arrays: tuple[np.ndarray, ...], *, steps: int, batch_size: int, seed: int, stream: tuple[int, ...]
+    arrays: tuple[np.ndarray, ...],
+    *,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    stream: tuple[int, ...],
 ) -> tuple[np.ndarray, ...]:
     """One array [steps, batch_size, ...] per input: random rows, the same for the same (seed, stream)."""
     rows = len(arrays[0])
@@ -292,7 +310,9 @@ def sample_rows(
     return tuple(np.ascontiguousarray(array[index]) for array in arrays)
 
 
-def eval_rows(arrays: dict[str, np.ndarray], *, batch_size: int, max_batches: int) -> tuple[np.ndarray, ...]:
+def eval_rows(
+    arrays: dict[str, np.ndarray], *, batch_size: int, max_batches: int
+) -> tuple[np.ndarray, ...]:
     """The first n * batch_size held-out rows as [n, batch_size, ...] per array, n <= max_batches."""
     n = min(max_batches, row_count(arrays) // batch_size)
     if n < 1:
@@ -310,11 +330,21 @@ def shard_plan(shard: np.ndarray | dict[str, np.ndarray]) -> tuple[dict, dict[st
     row-indexed arrays as random rows ("rows"), where a row counts as one token.
     """
     if isinstance(shard, np.ndarray):
-        return ({"batchKind": "windows", "shardTensor": "shard", "shardFingerprint": fingerprint(shard)},
-                {"shard": shard})
+        return (
+            {
+                "batchKind": "windows",
+                "shardTensor": "shard",
+                "shardFingerprint": fingerprint(shard),
+            },
+            {"shard": shard},
+        )
     tensors = {f"data/{key}": array for key, array in shard.items()}
-    fields = {"batchKind": "rows", "dataTensors": list(tensors), "shardFingerprint": fingerprint(*tensors.values()),
-              "seqLen": 1}
+    fields = {
+        "batchKind": "rows",
+        "dataTensors": list(tensors),
+        "shardFingerprint": fingerprint(*tensors.values()),
+        "seqLen": 1,
+    }
     return fields, tensors
 
 
@@ -326,7 +356,9 @@ def shard_from_plan(body: dict, tensors: dict) -> tuple[str, np.ndarray | tuple[
     elif kind == "rows":
         names = list(body.get("dataTensors") or [])
         if not 1 <= len(names) <= MAX_DATA_TENSORS:
-            raise DataError(f"a rows plan needs 1..{MAX_DATA_TENSORS} data tensors, got {len(names)}")
+            raise DataError(
+                f"a rows plan needs 1..{MAX_DATA_TENSORS} data tensors, got {len(names)}"
+            )
     else:
         raise DataError(f"unknown batch kind {kind!r} (windows | rows); upgrade pcp-tui")
     missing = [name for name in names if name not in tensors]
@@ -342,8 +374,19 @@ def shard_from_plan(body: dict, tensors: dict) -> tuple[str, np.ndarray | tuple[
     return kind, arrays
 
 
-def sample_shard(kind: str, shard, *, steps: int, batch_size: int, seq_len: int, seed: int, stream: tuple[int, ...]):
+def sample_shard(
+    kind: str,
+    shard,
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    stream: tuple[int, ...],
+):
     """One chunk of batches for the plan's batch kind (see `shard_plan`)."""
     if kind == "rows":
         return sample_rows(shard, steps=steps, batch_size=batch_size, seed=seed, stream=stream)
-    return sample_batches(shard, steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed, stream=stream)
+    return sample_batches(
+        shard, steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed, stream=stream
+    )

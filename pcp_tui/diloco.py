@@ -29,7 +29,10 @@ class PseudoGradientMean:
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         if self._sum is None:
-            self._sum = {n: np.asarray(pseudo_gradient[n], np.float32) * np.float32(weight) for n in self._names}
+            self._sum = {
+                n: np.asarray(pseudo_gradient[n], np.float32) * np.float32(weight)
+                for n in self._names
+            }
         else:
             for n in self._names:
                 # in place: no second model-sized buffer per worker
@@ -61,7 +64,9 @@ class OuterOptimizer:
         updates, state = self._tx.update(pseudo_gradient, state, params)
         return optax.apply_updates(params, updates), state
 
-    def step(self, params: Mapping[str, np.ndarray], pseudo_gradient: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def step(
+        self, params: Mapping[str, np.ndarray], pseudo_gradient: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         params = dict(params)
         if self.state is None:
             self.state = self._tx.init(params)
@@ -75,10 +80,16 @@ class OuterOptimizer:
         leaves = jax.tree_util.tree_flatten_with_path(self.state)[0]
         return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
-    def load_state_arrays(self, params: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> None:
+    def load_state_arrays(
+        self, params: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray]
+    ) -> None:
         template = self._tx.init(dict(params))
         paths, tree = jax.tree_util.tree_flatten_with_path(template)
-        missing = [jax.tree_util.keystr(p) for p, _ in paths if jax.tree_util.keystr(p) not in arrays]
+        missing = [
+            jax.tree_util.keystr(p) for p, _ in paths if jax.tree_util.keystr(p) not in arrays
+        ]
         if missing:
             raise ValueError(f"checkpoint lacks outer optimizer state {missing[:3]}")
-        self.state = jax.tree_util.tree_unflatten(tree, [arrays[jax.tree_util.keystr(p)] for p, _ in paths])
+        self.state = jax.tree_util.tree_unflatten(
+            tree, [arrays[jax.tree_util.keystr(p)] for p, _ in paths]
+        )

@@ -55,7 +55,9 @@ class InnerOptimizer:
         if self.name == "adamw":
             # Decay matrices only, as GPT-2/nanoGPT do: not biases or layer-norm scales.
             decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-            step = optax.adamw(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay, mask=decay_mask)
+            step = optax.adamw(
+                schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay, mask=decay_mask
+            )
         elif self.name == "sgd":
             step = optax.sgd(schedule)
         else:
@@ -78,7 +80,11 @@ class TrainingGraphs:
     export_seconds: float
 
     def as_dict(self) -> dict[str, bytes]:
-        return {"train_chunk": self.train_chunk, "init_opt_state": self.init_opt_state, "eval_loss": self.eval_loss}
+        return {
+            "train_chunk": self.train_chunk,
+            "init_opt_state": self.init_opt_state,
+            "eval_loss": self.eval_loss,
+        }
 
 
 def build_graphs(
@@ -135,7 +141,9 @@ def build_graphs(
     allowed = [export.DisabledSafetyCheck.custom_call(target) for target in custom_calls]
 
     def exported(fn, *specs) -> bytes:
-        return export.export(jax.jit(fn), platforms=platforms, disabled_checks=allowed)(*specs).serialize()
+        return export.export(jax.jit(fn), platforms=platforms, disabled_checks=allowed)(
+            *specs
+        ).serialize()
 
     opt_leaf_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in opt_leaves_spec)
     return TrainingGraphs(

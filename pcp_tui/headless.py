@@ -11,8 +11,22 @@ from .state import Event, RunState
 
 # Events worth a line of their own in headless mode (rounds get the table row).
 _SHOWN = {
-    "listening", "waiting", "joined", "rejoined", "compiled", "lost", "refused", "round_repeated",
-    "late_result", "bad_result", "stragglers", "paused", "resumed", "failed", "checkpoint", "checkpoint_failed",
+    "listening",
+    "waiting",
+    "joined",
+    "rejoined",
+    "compiled",
+    "lost",
+    "refused",
+    "round_repeated",
+    "late_result",
+    "bad_result",
+    "stragglers",
+    "paused",
+    "resumed",
+    "failed",
+    "checkpoint",
+    "checkpoint_failed",
     "resumed_from",
 }
 
@@ -87,7 +101,9 @@ class MetricsWriter:
 
 
 def _plain(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in data.items() if isinstance(v, str | int | float | bool | list | type(None))}
+    return {
+        k: v for k, v in data.items() if isinstance(v, str | int | float | bool | list | type(None))
+    }
 
 
 def _default(value: Any) -> Any:

@@ -40,7 +40,9 @@ class Hello:
 class WorkerLink:
     """One admitted worker: its stream, its view in RunState, a send lock."""
 
-    def __init__(self, stream: protocol.MessageStream, view: WorkerView, state: RunState, platform: str):
+    def __init__(
+        self, stream: protocol.MessageStream, view: WorkerView, state: RunState, platform: str
+    ):
         self.stream = stream
         self.view = view
         self.platform = platform
@@ -74,7 +76,9 @@ class WorkerLink:
             return
         self.closed = True
         with trio.move_on_after(2):
-            with contextlib.suppress(protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            with contextlib.suppress(
+                protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError
+            ):
                 await self.send("goodbye", {"reason": reason})
         await self.stream.aclose()
 
@@ -111,7 +115,8 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
     if not auth.verify(token, nonce, worker_id, body.get("proof", b"")):
         reason = "wrong or missing join token"
         await stream.send_error(
-            "authFailed", f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)"
+            "authFailed",
+            f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
         raise Refused("authFailed", reason)
     backend = body.get("backend", {})
@@ -130,7 +135,11 @@ def _version_advice(exc: protocol.VersionMismatch) -> str:
     """The mismatch told from the worker's side: both versions, and which side to upgrade."""
     ours = ", ".join(map(str, exc.supported))
     theirs = ", ".join(map(str, exc.peer_versions)) or "none"
-    older = "this shepherd" if exc.peer_versions and min(exc.peer_versions) > max(exc.supported) else "this worker"
+    older = (
+        "this shepherd"
+        if exc.peer_versions and min(exc.peer_versions) > max(exc.supported)
+        else "this worker"
+    )
     return (
         f"protocol version mismatch: the shepherd (pcp-tui {__version__}) speaks protocol version {ours}, "
         f"this worker speaks {theirs}; upgrade pcp-tui on {older} (pip install -U pcp-tui)"

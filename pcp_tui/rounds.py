@@ -26,11 +26,15 @@ def check_pseudo_gradient(
     if set(tensors) != set(shapes):
         missing = sorted(set(shapes) - set(tensors))[:3]
         extra = sorted(set(tensors) - set(shapes))[:3]
-        raise BadResult(f"tensor names do not match the plan (missing {missing}, unexpected {extra})")
+        raise BadResult(
+            f"tensor names do not match the plan (missing {missing}, unexpected {extra})"
+        )
     for name, expected in shapes.items():
         array = tensors[name]
         if tuple(array.shape) != tuple(expected):
-            raise BadResult(f"{name} has shape {tuple(array.shape)}, the plan says {tuple(expected)}")
+            raise BadResult(
+                f"{name} has shape {tuple(array.shape)}, the plan says {tuple(expected)}"
+            )
         if array.dtype.kind != "f":
             raise BadResult(f"{name} has dtype {array.dtype}, expected floating point")
         if not np.isfinite(array).all():
@@ -71,7 +75,9 @@ class Round:
         async with self._lock:
             await trio.to_thread.run_sync(self.mean.add, message.tensors, float(tokens))
         self.tokens += tokens
-        self.bytes_saved += max(sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0)
+        self.bytes_saved += max(
+            sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0
+        )
         self.losses.extend(losses)
         self.compute_seconds[worker_id] = float(body.get("computeSeconds", 0.0))
         self.arrivals[worker_id] = time.monotonic() - self.started

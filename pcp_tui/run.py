@@ -33,8 +33,7 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
     print(f"loading data and model ({config.model})...", flush=True)
     task = build_task(config, shards=shards)
     print(
-        f"{task.data_summary}; "
-        f"model {task.name}: {task.param_count:,} parameters",
+        f"{task.data_summary}; model {task.name}: {task.param_count:,} parameters",
         flush=True,
     )
     shepherd = Shepherd(config, task)
@@ -85,7 +84,10 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
         return _fail(str(exc))
 
     async def spawn(nursery: trio.Nursery, port: int) -> list[trio.Process]:
-        return [await nursery.start(_worker_process, shepherd, port, backend, i) for i in range(config.workers)]
+        return [
+            await nursery.start(_worker_process, shepherd, port, backend, i)
+            for i in range(config.workers)
+        ]
 
     if not headless:
         launched = _launch_dashboard(shepherd, spawn_workers=spawn)
@@ -108,16 +110,29 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
     return 0
 
 
-async def _worker_process(shepherd: Shepherd, port: int, backend: str, index: int, *, task_status) -> None:
+async def _worker_process(
+    shepherd: Shepherd, port: int, backend: str, index: int, *, task_status
+) -> None:
     """One local worker process; if it dies before the run ends, the run fails."""
     command = [
-        sys.executable, "-m", "pcp_tui", "worker", "--connect", f"127.0.0.1:{port}",
-        "--backend", backend, "--id", f"local-{index}", "--quiet",
+        sys.executable,
+        "-m",
+        "pcp_tui",
+        "worker",
+        "--connect",
+        f"127.0.0.1:{port}",
+        "--backend",
+        backend,
+        "--id",
+        f"local-{index}",
+        "--quiet",
         *(shepherd.tls.worker_flags() if shepherd.tls else []),
     ]
     env = dict(os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.workers))
     async with trio.open_nursery() as nursery:
-        process = await nursery.start(lambda **kw: trio.run_process(command, env=env, check=False, **kw))
+        process = await nursery.start(
+            lambda **kw: trio.run_process(command, env=env, check=False, **kw)
+        )
         task_status.started(process)
     if process.returncode != 0 and shepherd.state.status not in ("done", "stopped", "failed"):
         shepherd.abort(f"local worker {index} exited with code {process.returncode}")
@@ -126,8 +141,14 @@ async def _worker_process(shepherd: Shepherd, port: int, backend: str, index: in
 def _cpu_threads_env(workers: int) -> dict[str, str]:
     """Give each local CPU worker its share of the cores instead of all of them."""
     share = max(1, (os.cpu_count() or 1) // max(workers, 1))
-    return {"XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if share > 1 else 'false'} "
-            f"intra_op_parallelism_threads={share}"} if "XLA_FLAGS" not in os.environ else {}
+    return (
+        {
+            "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if share > 1 else 'false'} "
+            f"intra_op_parallelism_threads={share}"
+        }
+        if "XLA_FLAGS" not in os.environ
+        else {}
+    )
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -137,7 +158,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
     token = args.token or os.environ.get("PCP_TOKEN")
     if not token:
-        return _fail("no join token: pass --token (the shepherd prints it in its join command) or set PCP_TOKEN")
+        return _fail(
+            "no join token: pass --token (the shepherd prints it in its join command) or set PCP_TOKEN"
+        )
     host, _, port_text = args.connect.rpartition(":")
     if not host or not port_text.isdigit():
         return _fail(f"--connect wants HOST:PORT, got {args.connect!r}")
@@ -147,11 +170,21 @@ def run_worker(args: argparse.Namespace) -> int:
         try:
             enable_compilation_cache(args.compile_cache)
         except OSError as exc:
-            print(f"pcp-tui: warning: no compile cache at {args.compile_cache} ({exc.strerror})", file=sys.stderr)
+            print(
+                f"pcp-tui: warning: no compile cache at {args.compile_cache} ({exc.strerror})",
+                file=sys.stderr,
+            )
     try:
         tls = ClientTLS.from_options(args.tls_ca, args.tls_fingerprint)
-        worker = Worker(host, int(port_text), token=token, backend=args.backend,
-                        worker_id=args.worker_id, reconnect=not args.no_reconnect, tls=tls)
+        worker = Worker(
+            host,
+            int(port_text),
+            token=token,
+            backend=args.backend,
+            worker_id=args.worker_id,
+            reconnect=not args.no_reconnect,
+            tls=tls,
+        )
     except (BackendUnavailable, ValueError) as exc:
         return _fail(str(exc))
     view = contextlib.nullcontext() if args.quiet else WorkerStatusView(worker.status)
@@ -163,4 +196,3 @@ def run_worker(args: argparse.Namespace) -> int:
     except ConnectionLost as exc:
         return _fail(str(exc))
     return 0
-

@@ -11,14 +11,23 @@ from .data import decode_tokens, encode_text
 from .task import model_config
 
 
-def sample_text(directory: str, prompt: str, *, tokens: int = 200, temperature: float = 0.8,
-                top_k: int = 40, seed: int = 0) -> str:
+def sample_text(
+    directory: str,
+    prompt: str,
+    *,
+    tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+) -> str:
     """Continue `prompt` with the latest checkpoint in `directory` (byte-level models)."""
     from .models import gpt2
 
     saved = checkpoint.load_latest(directory)
     options = saved.meta.get("config", {})
-    known = {k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__ and k != "platforms"}
+    known = {
+        k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__ and k != "platforms"
+    }
     config = RunConfig(**known)
     vocab = int(saved.params["wte"].shape[0])
     if vocab != 256:
@@ -28,6 +37,13 @@ def sample_text(directory: str, prompt: str, *, tokens: int = 200, temperature: 
     gpt = model_config(config.replace(attention="xla"), vocab)
     params = {n: jax.numpy.asarray(v) for n, v in saved.params.items()}
     prompt_tokens = encode_text(prompt) if prompt else np.array([10], np.uint8)
-    out = gpt2.generate(gpt, params, prompt_tokens.astype(np.int32), tokens, temperature=temperature,
-                        top_k=top_k, key=jax.random.PRNGKey(seed))
+    out = gpt2.generate(
+        gpt,
+        params,
+        prompt_tokens.astype(np.int32),
+        tokens,
+        temperature=temperature,
+        top_k=top_k,
+        key=jax.random.PRNGKey(seed),
+    )
     return decode_tokens(out)

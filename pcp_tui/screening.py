@@ -41,7 +41,9 @@ class NormGuard:
     while a single update ten times larger than its peers is still caught.
     """
 
-    def __init__(self, factor: float = NORM_FACTOR, baseline: int = NORM_BASELINE, window: int = NORM_WINDOW):
+    def __init__(
+        self, factor: float = NORM_FACTOR, baseline: int = NORM_BASELINE, window: int = NORM_WINDOW
+    ):
         self.factor, self.baseline = factor, baseline
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
 
@@ -52,7 +54,9 @@ class NormGuard:
             raise BadResult("its global L2 norm overflows float32")
         if len(self._recent) >= self.baseline:
             typical = statistics.median(self._recent)
-            if typical > 0 and norm > self.factor * typical:  # a zero median (lr 0 at warm-up start) says nothing
+            if (
+                typical > 0 and norm > self.factor * typical
+            ):  # a zero median (lr 0 at warm-up start) says nothing
                 raise BadResult(
                     f"its global L2 norm {norm:.4g} is over {self.factor:g}x the median "
                     f"{typical:.4g} of recently accepted results"
@@ -88,7 +92,9 @@ def expected_shapes(graph: Callable, names: Sequence[str]) -> dict[str, tuple[in
 
 
 def round_start_problem(
-    tensors: Mapping[str, np.ndarray], names: Sequence[str], shapes: Mapping[str, tuple[int, ...]] | None
+    tensors: Mapping[str, np.ndarray],
+    names: Sequence[str],
+    shapes: Mapping[str, tuple[int, ...]] | None,
 ) -> str | None:
     """Why the parameters of a roundStart cannot be trained on, or None when they can."""
     if set(tensors) != set(names):

@@ -45,7 +45,9 @@ class Shepherd:
         if not self.token:
             raise ValueError("the shepherd needs a join token (RunConfig.token)")
         self.run_id = secrets.token_hex(4)
-        self.state = state or RunState(run_id=self.run_id, rounds_total=config.rounds, settings=_settings(config))
+        self.state = state or RunState(
+            run_id=self.run_id, rounds_total=config.rounds, settings=_settings(config)
+        )
         self.state.model_name = task.name
         self.state.param_count = task.param_count
         self.params: dict[str, np.ndarray] = dict(task.params)
@@ -64,10 +66,17 @@ class Shepherd:
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
         self._resumed_from: tuple[str, int] | None = None
         self.start_round = 1
-        self.tls = tls.ServerTLS.from_files(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self.tls = (
+            tls.ServerTLS.from_files(config.tls_cert, config.tls_key) if config.tls_cert else None
+        )
         self._admission = Admission(
-            self.state, token=self.token, run_id=self.run_id, tls=self.tls, timeout=config.handshake_timeout,
-            max_per_host=config.max_handshakes_per_host, max_pending=config.max_handshakes,
+            self.state,
+            token=self.token,
+            run_id=self.run_id,
+            tls=self.tls,
+            timeout=config.handshake_timeout,
+            max_per_host=config.max_handshakes_per_host,
+            max_pending=config.max_handshakes,
         )
         self._norms = NormGuard()
         if config.resume:
@@ -81,7 +90,9 @@ class Shepherd:
             )
         shapes = {n: tuple(p.shape) for n, p in saved.params.items()}
         if shapes != self._shapes:
-            raise checkpoint.CheckpointError(f"{saved.path} holds another model; resume with the same --model")
+            raise checkpoint.CheckpointError(
+                f"{saved.path} holds another model; resume with the same --model"
+            )
         self.params = {n: np.asarray(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
         self.start_round = saved.round + 1
@@ -123,17 +134,29 @@ class Shepherd:
         self.state.emit("exporting", f"exporting training graphs for {', '.join(cfg.platforms)}")
         self.graphs = await trio.to_thread.run_sync(self._export)
         self.state.emit(
-            "exported", f"graphs exported in {self.graphs.export_seconds:.1f} s", seconds=self.graphs.export_seconds
+            "exported",
+            f"graphs exported in {self.graphs.export_seconds:.1f} s",
+            seconds=self.graphs.export_seconds,
         )
         try:
             listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         except OSError as exc:
-            raise RunFailed(f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror}); pick another --port") from None
+            raise RunFailed(
+                f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror}); pick another --port"
+            ) from None
         port = listeners[0].socket.getsockname()[1]
         shown_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         self.state.address = f"{shown_host}:{port}"
         self.state.join_command = " ".join(
-            ["pcp-tui", "worker", "--connect", self.state.address, "--token", self.token, *(self.tls.worker_flags() if self.tls else [])]
+            [
+                "pcp-tui",
+                "worker",
+                "--connect",
+                self.state.address,
+                "--token",
+                self.token,
+                *(self.tls.worker_flags() if self.tls else []),
+            ]
         )
         failure: RunFailed | None = None
         try:
@@ -141,7 +164,10 @@ class Shepherd:
                 nursery.start_soon(trio.serve_listeners, self._serve_connection, listeners)
                 nursery.start_soon(self._admission.refusals.run)
                 task_status.started(port)
-                self.state.emit("listening", f"listening on {self.state.address}; join with: {self.state.join_command}")
+                self.state.emit(
+                    "listening",
+                    f"listening on {self.state.address}; join with: {self.state.join_command}",
+                )
                 try:
                     await self._train()
                 except RunFailed as exc:  # raised out of the nursery below, not as a group
@@ -199,12 +225,18 @@ class Shepherd:
             self.state.status = "training"
             record = await self._run_round(number)
             if record is None:
-                self.state.emit("round_repeated", f"round {number} got no result; repeating it", round=number)
+                self.state.emit(
+                    "round_repeated", f"round {number} got no result; repeating it", round=number
+                )
                 continue
             if cfg.checkpoint_dir and number % cfg.checkpoint_every == 0:
                 await self._checkpoint(number)
             number += 1
-        if cfg.checkpoint_dir and self.state.history and self.state.history[-1].round % cfg.checkpoint_every:
+        if (
+            cfg.checkpoint_dir
+            and self.state.history
+            and self.state.history[-1].round % cfg.checkpoint_every
+        ):
             await self._checkpoint(self.state.history[-1].round)
         if self._failure:
             raise RunFailed(self._failure)
@@ -230,13 +262,23 @@ class Shepherd:
         }
         try:
             path = await trio.to_thread.run_sync(
-                lambda: checkpoint.save(self.config.checkpoint_dir, round=number, params=self.params,
-                                        outer_state=self.outer.state_arrays(), meta=meta)
+                lambda: checkpoint.save(
+                    self.config.checkpoint_dir,
+                    round=number,
+                    params=self.params,
+                    outer_state=self.outer.state_arrays(),
+                    meta=meta,
+                )
             )
         except checkpoint.CheckpointError as exc:
             self.state.emit("checkpoint_failed", str(exc), round=number)
             return
-        self.state.emit("checkpoint", f"checkpoint of round {number} saved to {path}", round=number, path=str(path))
+        self.state.emit(
+            "checkpoint",
+            f"checkpoint of round {number} saved to {path}",
+            round=number,
+            path=str(path),
+        )
 
     async def _wait_for_workers(self, count: int, message: str) -> None:
         announced = False
@@ -279,7 +321,9 @@ class Shepherd:
             eval_loss = await trio.to_thread.run_sync(self.evaluate)
         return self._record(current, eval_loss)
 
-    async def _send_round_start(self, link: WorkerLink, body: dict, tensors: dict, current: Round) -> None:
+    async def _send_round_start(
+        self, link: WorkerLink, body: dict, tensors: dict, current: Round
+    ) -> None:
         try:
             await link.send("roundStart", body, tensors)
         except _CONNECTION_ERRORS:
@@ -308,7 +352,9 @@ class Shepherd:
             current.finish(worker_id)
         if late:
             self.state.emit(
-                "stragglers", f"round {current.number} closed without {', '.join(late)}", workers=late
+                "stragglers",
+                f"round {current.number} closed without {', '.join(late)}",
+                workers=late,
             )
 
     def _record(self, current: Round, eval_loss: float | None) -> RoundRecord:
@@ -375,7 +421,12 @@ class Shepherd:
         else:
             index = self._next_index
             self._next_index += 1
-        view = WorkerView(worker_id=hello.worker_id, index=index, host=hello.hostname or peer, backend=hello.backend)
+        view = WorkerView(
+            worker_id=hello.worker_id,
+            index=index,
+            host=hello.hostname or peer,
+            backend=hello.backend,
+        )
         self.state.workers[hello.worker_id] = view
         link = WorkerLink(stream, view, self.state, hello.platform)
         previous = self._links.get(hello.worker_id)
@@ -383,7 +434,11 @@ class Shepherd:
             previous.closed = True
         self._links[hello.worker_id] = link
         verb = "rejoined" if old is not None else "joined"
-        self.state.emit(verb, f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}", worker=hello.worker_id)
+        self.state.emit(
+            verb,
+            f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
+            worker=hello.worker_id,
+        )
         return link
 
     def _mark_gone(self, link: WorkerLink, state: str, reason: str) -> None:
@@ -393,7 +448,9 @@ class Shepherd:
             del self._links[link.worker_id]
             link.view.state, link.view.reason = state, reason
             if state == "lost" and self._stop_reason is None:
-                self.state.emit("lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id)
+                self.state.emit(
+                    "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
+                )
         link.closed = True
         if self._round is not None:
             self._round.finish(link.worker_id)
@@ -403,7 +460,14 @@ class Shepherd:
         cfg = self.config
         slot = link.view.index % len(self.task.shards)
         shard = self.task.shards[slot]
-        await link.send("welcome", {"workerIndex": link.view.index, "runId": self.run_id, "heartbeatSeconds": cfg.heartbeat_seconds})
+        await link.send(
+            "welcome",
+            {
+                "workerIndex": link.view.index,
+                "runId": self.run_id,
+                "heartbeatSeconds": cfg.heartbeat_seconds,
+            },
+        )
         link.view.state = "compiling"
         plan, tensors = self._plan(slot, shard, link.platform)
         await link.send("plan", plan, tensors)
@@ -418,11 +482,19 @@ class Shepherd:
         if link.lost_reason:
             raise WorkerLost(link.lost_reason)
 
-    def _plan(self, slot: int, shard: np.ndarray | dict[str, np.ndarray], platform: str) -> tuple[dict, dict[str, np.ndarray]]:
+    def _plan(
+        self, slot: int, shard: np.ndarray | dict[str, np.ndarray], platform: str
+    ) -> tuple[dict, dict[str, np.ndarray]]:
         cfg, graphs = self.config, self.graphs
         if platform not in graphs.platforms:
-            raise WorkerLost(f"platform {platform} is not among the exported ones ({', '.join(graphs.platforms)})")
-        tensors = {f"graph/{name}": np.frombuffer(blob, np.uint8) for name, blob in graphs.as_dict().items() if name != "eval_loss"}
+            raise WorkerLost(
+                f"platform {platform} is not among the exported ones ({', '.join(graphs.platforms)})"
+            )
+        tensors = {
+            f"graph/{name}": np.frombuffer(blob, np.uint8)
+            for name, blob in graphs.as_dict().items()
+            if name != "eval_loss"
+        }
         data_fields, data_tensors = data.shard_plan(shard)  # LM windows or rows of a custom dataset
         tensors.update(data_tensors)
         plan = {
@@ -454,7 +526,9 @@ class Shepherd:
                 view.state = "idle"
                 link.ready.set()
                 self.state.emit(
-                    "compiled", f"worker {view.index} compiled in {body.get('compileSeconds', 0):.1f} s", worker=view.worker_id
+                    "compiled",
+                    f"worker {view.index} compiled in {body.get('compileSeconds', 0):.1f} s",
+                    worker=view.worker_id,
                 )
                 self._wake()
             elif message.kind == "progress":
@@ -486,18 +560,30 @@ class Shepherd:
         view, current = link.view, self._round
         number = int(message.body.get("round", -1))
         if current is None or not current.accepts(link.worker_id, number):
-            self.state.emit("late_result", f"dropped a late result for round {number} from worker {view.index}", worker=link.worker_id, round=number)
+            self.state.emit(
+                "late_result",
+                f"dropped a late result for round {number} from worker {view.index}",
+                worker=link.worker_id,
+                round=number,
+            )
             return
         try:
             check_pseudo_gradient(message.tensors, self._shapes)
-            check_token_count(message.body.get("tokens", 0), self.config.inner_steps * self.config.batch_size * self.config.seq_len)
+            check_token_count(
+                message.body.get("tokens", 0),
+                self.config.inner_steps * self.config.batch_size * self.config.seq_len,
+            )
             norm = self._norms.check(message.tensors)
             await current.add(link.worker_id, message)
             self._norms.accept(norm)
         except BadResult as exc:
             current.finish(link.worker_id)
             view.reason = f"result refused: {exc}"
-            self.state.emit("bad_result", f"refused worker {view.index}'s round {number} result: {exc}", worker=link.worker_id)
+            self.state.emit(
+                "bad_result",
+                f"refused worker {view.index}'s round {number} result: {exc}",
+                worker=link.worker_id,
+            )
             with contextlib.suppress(*_CONNECTION_ERRORS):
                 await link.send("error", {"code": "badResult", "message": f"result refused: {exc}"})
             return

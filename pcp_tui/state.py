@@ -13,7 +13,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Worker states, in the order a worker normally passes through them.
-WORKER_STATES = ("connecting", "compiling", "idle", "training", "syncing", "lost", "refused", "left")
+WORKER_STATES = (
+    "connecting",
+    "compiling",
+    "idle",
+    "training",
+    "syncing",
+    "lost",
+    "refused",
+    "left",
+)
 
 
 @dataclass
@@ -87,7 +96,9 @@ class RunState:
         self.workers: dict[str, WorkerView] = {}
         self.history: list[RoundRecord] = []
         # (global step, loss, worker index), one per progress message
-        self.step_losses: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=20_000)
+        self.step_losses: collections.deque[tuple[int, float, int]] = collections.deque(
+            maxlen=20_000
+        )
         self.events: collections.deque[Event] = collections.deque(maxlen=2_000)
         self.bytes_sent = 0
         self.bytes_received = 0

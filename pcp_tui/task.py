@@ -50,7 +50,9 @@ class Task:
 
 def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
     if config.model not in gpt2.PRESETS:
-        raise ValueError(f"unknown model {config.model!r}; presets: {', '.join(gpt2.PRESETS)}, or a model file path.py:build")
+        raise ValueError(
+            f"unknown model {config.model!r}; presets: {', '.join(gpt2.PRESETS)}, or a model file path.py:build"
+        )
     preset = gpt2.PRESETS[config.model]
     return dataclasses.replace(
         preset,
@@ -75,7 +77,10 @@ def build_task(config: RunConfig, shards: int) -> Task:
     params = jax.jit(gpt2.init, static_argnums=0)(gpt, jax.random.PRNGKey(config.seed))
     host_params = {name: np.asarray(value, np.float32) for name, value in params.items()}
     evals = eval_batches(
-        corpus.val, batch_size=config.batch_size, seq_len=config.seq_len, max_batches=config.eval_batches
+        corpus.val,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        max_batches=config.eval_batches,
     )
     return Task(
         name=f"gpt2-{config.model}",

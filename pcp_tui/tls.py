@@ -86,7 +86,9 @@ class ClientTLS:
     pinned: str | None = None
 
     @classmethod
-    def from_options(cls, ca_path: str | None = None, pinned: str | None = None) -> ClientTLS | None:
+    def from_options(
+        cls, ca_path: str | None = None, pinned: str | None = None
+    ) -> ClientTLS | None:
         """None when neither is given (plain TCP). ValueError for a bad file or fingerprint."""
         if not ca_path and not pinned:
             return None
@@ -139,7 +141,9 @@ def _classify(cause: BaseException | None) -> Exception:
             f"the shepherd's certificate is not trusted ({cause.verify_message}): pass the CA that "
             "signed it with --tls-ca, or pin it with the --tls-fingerprint of its join command"
         )
-    if isinstance(cause, ssl.SSLError) and not isinstance(cause, ssl.SSLEOFError | ssl.SSLZeroReturnError):
+    if isinstance(cause, ssl.SSLError) and not isinstance(
+        cause, ssl.SSLEOFError | ssl.SSLZeroReturnError
+    ):
         return TLSRefused(
             f"TLS handshake with the shepherd failed ({cause.reason or cause}): "
             "is the shepherd started with --tls-cert/--tls-key?"

@@ -92,7 +92,9 @@ class Worker:
         self.host, self.port, self.token = host, port, token
         self.tls = tls  # None: plain TCP
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
-        self.worker_id = worker_id or f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.worker_id = (
+            worker_id or f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
+        )
         self.reconnect = reconnect
         self.max_backoff = max_backoff
         self.status = WorkerStatus(shepherd=f"{host}:{port}")
@@ -113,7 +115,9 @@ class Worker:
                 raise Refused(str(exc)) from None
             except OSError as exc:
                 attempt += 1
-                await self._backoff(attempt, f"cannot reach {self.host}:{self.port} ({exc.strerror or exc})")
+                await self._backoff(
+                    attempt, f"cannot reach {self.host}:{self.port} ({exc.strerror or exc})"
+                )
                 continue
             attempt = 0
             try:
@@ -159,8 +163,12 @@ class Worker:
         started = time.perf_counter()
         self._plan = await trio.to_thread.run_sync(self._load_plan, plan_message)
         seconds = time.perf_counter() - started
-        await sender.send("ready", {"compileSeconds": seconds, "platform": self.backend.info.platform})
-        self.status.update(state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round")
+        await sender.send(
+            "ready", {"compileSeconds": seconds, "platform": self.backend.info.platform}
+        )
+        self.status.update(
+            state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round"
+        )
 
     async def _handshake(self, stream: protocol.MessageStream) -> None:
         self.status.update(state="connecting", message="handshake")
@@ -197,7 +205,9 @@ class Worker:
         key = graphs["train_chunk"] + graphs["init_opt_state"]
         if key not in self._compiled:  # a reconnect to the same run reuses compiled graphs
             try:
-                train = self.backend.load("train_chunk", graphs["train_chunk"], donate_argnums=(0, 1))
+                train = self.backend.load(
+                    "train_chunk", graphs["train_chunk"], donate_argnums=(0, 1)
+                )
                 init = self.backend.load("init_opt_state", graphs["init_opt_state"])
             except GraphError as exc:
                 raise protocol.MalformedMessage(str(exc)) from None
@@ -220,7 +230,9 @@ class Worker:
         )
         return plan
 
-    async def _receive_loop(self, stream: protocol.MessageStream, rounds: trio.MemorySendChannel) -> None:
+    async def _receive_loop(
+        self, stream: protocol.MessageStream, rounds: trio.MemorySendChannel
+    ) -> None:
         while True:
             with trio.move_on_after(self.heartbeat_timeout) as scope:
                 message = await stream.receive()
@@ -252,10 +264,16 @@ class Worker:
 
     async def _train_round(self, sender: _Sender, message: protocol.Message) -> None:
         plan = self._plan
-        problem = round_start_problem(message.tensors, plan.names, expected_shapes(plan.init_opt_state, plan.names))
-        if problem is not None:  # a broken or tampered shepherd: say why and hang up (the receive loop sees it)
+        problem = round_start_problem(
+            message.tensors, plan.names, expected_shapes(plan.init_opt_state, plan.names)
+        )
+        if (
+            problem is not None
+        ):  # a broken or tampered shepherd: say why and hang up (the receive loop sees it)
             self.status.update(message=f"refused a roundStart: {problem}")
-            await sender.send("error", {"code": "malformed", "message": f"roundStart refused: {problem}"})
+            await sender.send(
+                "error", {"code": "malformed", "message": f"roundStart refused: {problem}"}
+            )
             await sender._stream.aclose()
             return
         number = int(message.body["round"])
@@ -264,7 +282,9 @@ class Worker:
         started = time.perf_counter()
         params = self.backend.to_device(global_params)
         if self._opt_state is None:
-            self._opt_state = await trio.to_thread.run_sync(lambda: plan.init_opt_state(tuple(params)))
+            self._opt_state = await trio.to_thread.run_sync(
+                lambda: plan.init_opt_state(tuple(params))
+            )
         opt_state = self._opt_state
         self.status.update(state="training", round=number, step=0, total_steps=steps)
         losses: list[float] = []
@@ -278,7 +298,11 @@ class Worker:
                 batch_size=plan.batch_size,
                 seq_len=plan.seq_len,
                 seed=plan.seed,
-                stream=(self.status.worker_index, number, chunk),  # unique per worker, even on a shared shard
+                stream=(
+                    self.status.worker_index,
+                    number,
+                    chunk,
+                ),  # unique per worker, even on a shared shard
             )
             params, opt_state, chunk_losses = await trio.to_thread.run_sync(
                 _run_chunk, plan.train_chunk, params, opt_state, batches
@@ -292,18 +316,31 @@ class Worker:
                 last_progress = now
                 await sender.send(
                     "progress",
-                    {"round": number, "step": len(losses), "totalSteps": steps, "loss": losses[-1],
-                     "tokensPerSecond": tps, "phase": "training"},
+                    {
+                        "round": number,
+                        "step": len(losses),
+                        "totalSteps": steps,
+                        "loss": losses[-1],
+                        "tokensPerSecond": tps,
+                        "phase": "training",
+                    },
                 )
         self._opt_state = opt_state
         compute = time.perf_counter() - started
         self.status.update(state="syncing")
         local = self.backend.to_host(params)
-        pseudo_gradient = {n: old - new for n, old, new in zip(plan.names, global_params, local, strict=True)}
+        pseudo_gradient = {
+            n: old - new for n, old, new in zip(plan.names, global_params, local, strict=True)
+        }
         await sender.send(
             "roundResult",
-            {"round": number, "tokens": len(losses) * plan.batch_size * plan.seq_len, "losses": losses,
-             "computeSeconds": compute, "innerSteps": len(losses)},
+            {
+                "round": number,
+                "tokens": len(losses) * plan.batch_size * plan.seq_len,
+                "losses": losses,
+                "computeSeconds": compute,
+                "innerSteps": len(losses),
+            },
             pseudo_gradient,
             quantization=plan.compression,
         )

@@ -37,11 +37,11 @@ from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepa
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
-_SMALL_BUFFER = 64 * 1024      # buffers below this are joined into one send_all
-_OFFLOAD_BYTES = 8 * 2**20     # (de)quantization above this runs in a worker thread
-_RECEIVE_CHUNK = 64 * 1024     # read-ahead for segment tables and small frames
-_RECEIVE_BULK = 4 * 2**20      # largest receive_some when filling a payload
-_YIELD_EVERY = 16 * 2**20      # a long payload read lets other tasks run this often
+_SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
+_OFFLOAD_BYTES = 8 * 2**20  # (de)quantization above this runs in a worker thread
+_RECEIVE_CHUNK = 64 * 1024  # read-ahead for segment tables and small frames
+_RECEIVE_BULK = 4 * 2**20  # largest receive_some when filling a payload
+_YIELD_EVERY = 16 * 2**20  # a long payload read lets other tasks run this often
 _PEER_CAPNP_ERRORS = (capnp.KjException, RuntimeError, ValueError, TypeError, OverflowError)
 
 
@@ -49,11 +49,11 @@ _PEER_CAPNP_ERRORS = (capnp.KjException, RuntimeError, ValueError, TypeError, Ov
 class Limits:
     """What a receiver accepts; all lengths are checked before allocating."""
 
-    max_message_bytes: int = 64 * 2**20      # the Cap'n Proto part (segment table + segments)
+    max_message_bytes: int = 64 * 2**20  # the Cap'n Proto part (segment table + segments)
     max_segments: int = 64
     max_tensors: int = 4096
-    max_tensor_bytes: int = 2**33            # one payload
-    max_total_tensor_bytes: int = 2**34      # all payloads of one message
+    max_tensor_bytes: int = 2**33  # one payload
+    max_total_tensor_bytes: int = 2**34  # all payloads of one message
     traversal_limit_words: int = 8 * 2**20
     nesting_limit: int = 32
 
@@ -175,7 +175,9 @@ def _parse_frame(frame: bytearray, limits: Limits) -> tuple[str, dict, int, list
     """Kind, body dict, version and checked tensor specs of a framed envelope."""
     try:
         with Envelope.from_bytes(
-            frame, traversal_limit_in_words=limits.traversal_limit_words, nesting_limit=limits.nesting_limit
+            frame,
+            traversal_limit_in_words=limits.traversal_limit_words,
+            nesting_limit=limits.nesting_limit,
         ) as envelope:
             version = envelope.version
             if version not in SUPPORTED_VERSIONS:  # before anything else: newer peers may add kinds
@@ -192,7 +194,9 @@ def _kind(envelope) -> str:
     try:
         return envelope.which()
     except capnp.KjException:
-        raise MalformedMessage("unknown message kind (a union member this version does not know)") from None
+        raise MalformedMessage(
+            "unknown message kind (a union member this version does not know)"
+        ) from None
 
 
 def _peer_versions(envelope, version: int) -> tuple[int, ...]:
@@ -210,11 +214,16 @@ def _raw_headers(envelope, limits: Limits) -> list[dict]:
     """Tensor headers as plain values, enums left as raw ints so unknown ones can be named."""
     headers = envelope.tensors
     if len(headers) > limits.max_tensors:
-        raise FrameTooLarge(f"message carries {len(headers)} tensors; the limit is {limits.max_tensors}")
+        raise FrameTooLarge(
+            f"message carries {len(headers)} tensors; the limit is {limits.max_tensors}"
+        )
     return [
         {
-            "name": header.name, "dtype": header.dtype.raw, "shape": list(header.shape),
-            "quantization": header.quantization.raw, "payloadBytes": header.payloadBytes,
+            "name": header.name,
+            "dtype": header.dtype.raw,
+            "shape": list(header.shape),
+            "quantization": header.quantization.raw,
+            "payloadBytes": header.payloadBytes,
             "blockSize": header.blockSize,
         }
         for header in headers
@@ -230,7 +239,9 @@ def _check_headers(raw_headers: list[dict], limits: Limits) -> list[TensorSpec]:
         names.add(spec.name)
         total += spec.payload_bytes
         if total > limits.max_total_tensor_bytes:
-            raise FrameTooLarge(f"tensor payloads exceed {limits.max_total_tensor_bytes} bytes in one message")
+            raise FrameTooLarge(
+                f"tensor payloads exceed {limits.max_total_tensor_bytes} bytes in one message"
+            )
         specs.append(spec)
     return specs
 
@@ -263,13 +274,21 @@ class MessageStream:
         self._receiving = False
         self._broken: str | None = None
 
-    async def send(self, kind: str, body: dict | None = None, tensors=None, *,
-                   quantization: str = "none", block_size: int = 256) -> int:
+    async def send(
+        self,
+        kind: str,
+        body: dict | None = None,
+        tensors=None,
+        *,
+        quantization: str = "none",
+        block_size: int = 256,
+    ) -> int:
         """Encode and write one message; returns the bytes written.
 
         trio.BrokenResourceError / ClosedResourceError pass through if the
         connection is gone; ValueError for a body or tensor that cannot be encoded.
         """
+
         def build():
             return encode(kind, body, tensors, quantization=quantization, block_size=block_size)
 
@@ -349,7 +368,9 @@ class _BufferReader:
 
     def expect(self, nbytes: int) -> None:
         if nbytes > self.remaining:
-            raise MalformedMessage(f"message truncated: {nbytes} more bytes needed, {self.remaining} left")
+            raise MalformedMessage(
+                f"message truncated: {nbytes} more bytes needed, {self.remaining} left"
+            )
 
     async def read_exact(self, nbytes: int) -> bytes:
         self.expect(nbytes)

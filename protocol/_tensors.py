@@ -52,7 +52,9 @@ _QUANTIZATION_NAMES = {value: name for name, value in QUANTIZATION_VALUES.items(
 _CHUNK_ELEMENTS = 1 << 20
 
 assert set(DTYPES) == set(DTYPE_VALUES), "pcp.capnp DType and DTYPES disagree"
-assert set(QUANTIZATIONS) == set(QUANTIZATION_VALUES), "pcp.capnp Quantization and QUANTIZATIONS disagree"
+assert set(QUANTIZATIONS) == set(QUANTIZATION_VALUES), (
+    "pcp.capnp Quantization and QUANTIZATIONS disagree"
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,11 @@ class TensorSpec:
 
     def to_wire(self) -> dict:
         return {
-            "name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-            "quantization": self.quantization, "payloadBytes": self.payload_bytes,
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "quantization": self.quantization,
+            "payloadBytes": self.payload_bytes,
             "blockSize": self.block_size,
         }
 
@@ -116,7 +121,9 @@ def prepare(name: str, array: np.ndarray, quantization: str, block_size: int):
     """
     array = np.asarray(array)
     wire = dtype_name(array.dtype)
-    array = np.asarray(array, dtype=DTYPES[wire], order="C")  # keeps 0-d (ascontiguousarray would not)
+    array = np.asarray(
+        array, dtype=DTYPES[wire], order="C"
+    )  # keeps 0-d (ascontiguousarray would not)
     applied = effective_quantization(wire, quantization)
     if applied == "bfloat16":
         payload = array.astype(ml_dtypes.bfloat16).reshape(-1).view(np.uint8)
@@ -124,8 +131,14 @@ def prepare(name: str, array: np.ndarray, quantization: str, block_size: int):
         payload = quantize_int8_block(array, block_size)
     else:
         payload = array.reshape(-1).view(np.uint8)
-    spec = TensorSpec(name, wire, tuple(array.shape), applied, payload.nbytes,
-                      block_size if applied == "int8Block" else 0)
+    spec = TensorSpec(
+        name,
+        wire,
+        tuple(array.shape),
+        applied,
+        payload.nbytes,
+        block_size if applied == "int8Block" else 0,
+    )
     return spec, memoryview(payload)
 
 
@@ -186,7 +199,9 @@ def dequantize(payload: np.ndarray, spec: TensorSpec) -> np.ndarray:
     if spec.quantization == "bfloat16":
         flat = payload.view(ml_dtypes.bfloat16).astype(dtype)
     elif spec.quantization == "int8Block":
-        flat = _dequantize_int8_block(payload, spec.count, spec.block_size).astype(dtype, copy=False)
+        flat = _dequantize_int8_block(payload, spec.count, spec.block_size).astype(
+            dtype, copy=False
+        )
     else:
         flat = payload.view(dtype)
     return flat.reshape(spec.shape)
@@ -211,13 +226,17 @@ def check_header(raw: dict, limits) -> TensorSpec:
     """
     name = raw["name"]
     if not name or len(name) > MAX_NAME_CHARS:
-        raise MalformedMessage(f"tensor name must be 1..{MAX_NAME_CHARS} characters, got {len(name)}")
+        raise MalformedMessage(
+            f"tensor name must be 1..{MAX_NAME_CHARS} characters, got {len(name)}"
+        )
     dtype = _DTYPE_NAMES.get(raw["dtype"])
     if dtype is None:
         raise MalformedMessage(f"tensor {name!r} has unknown dtype value {raw['dtype']}")
     quantization = _QUANTIZATION_NAMES.get(raw["quantization"])
     if quantization is None:
-        raise MalformedMessage(f"tensor {name!r} has unknown quantization value {raw['quantization']}")
+        raise MalformedMessage(
+            f"tensor {name!r} has unknown quantization value {raw['quantization']}"
+        )
     shape = tuple(raw["shape"])
     count = _checked_count(name, shape)
     block_size = raw["blockSize"]
@@ -227,7 +246,9 @@ def check_header(raw: dict, limits) -> TensorSpec:
         raise MalformedMessage(f"tensor {name!r} is int8Block with blockSize 0")
     payload_bytes = raw["payloadBytes"]
     if payload_bytes > limits.max_tensor_bytes:
-        raise FrameTooLarge(f"tensor {name!r} payload is {payload_bytes} bytes; the limit is {limits.max_tensor_bytes}")
+        raise FrameTooLarge(
+            f"tensor {name!r} payload is {payload_bytes} bytes; the limit is {limits.max_tensor_bytes}"
+        )
     expected = payload_size(dtype, count, quantization, block_size or 1)
     if payload_bytes != expected:
         raise MalformedMessage(

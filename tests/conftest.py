@@ -37,8 +37,19 @@ def worker_env() -> dict[str, str]:
 
 
 def worker_command(port: int, *extra: str, token: str = "test-token") -> list[str]:
-    return [sys.executable, "-m", "pcp_tui", "worker", "--connect", f"127.0.0.1:{port}", "--token", token,
-            "--backend", "cpu", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "pcp_tui",
+        "worker",
+        "--connect",
+        f"127.0.0.1:{port}",
+        "--token",
+        token,
+        "--backend",
+        "cpu",
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -48,8 +59,11 @@ def spawn_worker():
 
     def spawn(port: int, *extra: str, token: str = "test-token") -> subprocess.Popen:
         process = subprocess.Popen(
-            worker_command(port, *extra, token=token), env=worker_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            worker_command(port, *extra, token=token),
+            env=worker_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         processes.append(process)
         return process

@@ -25,12 +25,24 @@ def refusals(state: RunState) -> list[str]:
     return [event.message for event in state.events if event.kind == "refused"]
 
 
-def hello_bytes(nonce: bytes, *, token: str | None = TOKEN, worker_id: str = "w1", version: int = 1,
-                tensors=None) -> bytes:
+def hello_bytes(
+    nonce: bytes,
+    *,
+    token: str | None = TOKEN,
+    worker_id: str = "w1",
+    version: int = 1,
+    tensors=None,
+) -> bytes:
     proof = auth.proof(token, nonce, worker_id) if token is not None else b""
-    body = {"supportedVersions": [version], "workerId": worker_id, "proof": proof,
-            "backend": {"platform": "cpu"}}
-    return b"".join(bytes(b) for b in protocol.encode("workerHello", body, tensors, version=version))
+    body = {
+        "supportedVersions": [version],
+        "workerId": worker_id,
+        "proof": proof,
+        "backend": {"platform": "cpu"},
+    }
+    return b"".join(
+        bytes(b) for b in protocol.encode("workerHello", body, tensors, version=version)
+    )
 
 
 async def run_admission(admission: Admission, client):
@@ -77,7 +89,9 @@ def test_right_token_is_admitted_and_limits_open_up():
 
         admitted, _ = await run_admission(admission, client)
         assert admitted is not None and admitted.hello.worker_id == "w1"
-        assert admitted.stream.limits == protocol.Limits()  # pre-auth limits only last the handshake
+        assert (
+            admitted.stream.limits == protocol.Limits()
+        )  # pre-auth limits only last the handshake
         assert admission.pending == 0
 
     trio.run(main)
@@ -118,11 +132,16 @@ def test_replayed_hello_is_refused_and_no_token_too():
     trio.run(main)
 
 
-@pytest.mark.parametrize("payload", [
-    struct.pack("<II", 0, 2**31),  # one segment of 16 GiB
-    struct.pack("<I", 2**31),  # two billion segments
-    b"\x00" * 4 + struct.pack("<I", 9000) + b"\x00" * 72_000,  # 72 KB: fine after auth, not before
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        struct.pack("<II", 0, 2**31),  # one segment of 16 GiB
+        struct.pack("<I", 2**31),  # two billion segments
+        b"\x00" * 4
+        + struct.pack("<I", 9000)
+        + b"\x00" * 72_000,  # 72 KB: fine after auth, not before
+    ],
+)
 def test_big_frames_are_refused_before_anything_is_allocated(payload):
     async def main():
         state = new_state()
@@ -147,7 +166,9 @@ def test_a_hello_with_tensors_is_refused():
 
         async def client(stream):
             hello = await read_hello(stream)
-            await stream.send_all(hello_bytes(hello.body["nonce"], tensors={"x": np.zeros(4, np.float32)}))
+            await stream.send_all(
+                hello_bytes(hello.body["nonce"], tensors={"x": np.zeros(4, np.float32)})
+            )
             return await until_closed(stream)
 
         admitted, answer = await run_admission(admission, client)
@@ -186,7 +207,9 @@ def test_silent_and_trickling_peers_are_dropped_at_the_deadline(trickle):
 def test_handshakes_beyond_the_caps_are_closed_at_once():
     async def main():
         state = new_state()
-        admission = Admission(state, token=TOKEN, run_id="r", timeout=10, max_per_host=3, max_pending=100)
+        admission = Admission(
+            state, token=TOKEN, run_id="r", timeout=10, max_per_host=3, max_pending=100
+        )
         hung_up = []
 
         async def silent_peer():
@@ -204,7 +227,10 @@ def test_handshakes_beyond_the_caps_are_closed_at_once():
         assert sorted(hung_up)[:7] == [0] * 7 and min(sorted(hung_up)[7:]) >= 10
         assert len(refusals(state)) == 5  # 5 shown per address per minute, the other 5 counted
         admission.refusals.flush()
-        assert "… and 5 more in the last 60 s (last: handshake not finished within 10 s)" in refusals(state)[-1]
+        assert (
+            "… and 5 more in the last 60 s (last: handshake not finished within 10 s)"
+            in refusals(state)[-1]
+        )
         assert admission.pending == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -219,9 +245,14 @@ def test_refusal_log_is_rate_limited_per_address_and_summarised():
     log.refused("5.6.7.8", "5.6.7.8:1", "said nothing")
     assert len(refusals(state)) == 6
     now[0] = 61.0
-    log.refused("1.2.3.4", "1.2.3.4:999", "wrong or missing join token")  # a new window: shown again
+    log.refused(
+        "1.2.3.4", "1.2.3.4:999", "wrong or missing join token"
+    )  # a new window: shown again
     texts = refusals(state)
-    assert "refused 1.2.3.4: … and 120 more in the last 60 s (last: wrong or missing join token)" in texts
+    assert (
+        "refused 1.2.3.4: … and 120 more in the last 60 s (last: wrong or missing join token)"
+        in texts
+    )
     assert texts[-1] == "refused 1.2.3.4:999: wrong or missing join token"
     assert [e.data.get("suppressed") for e in state.events if e.data.get("suppressed")] == [120]
 

@@ -18,13 +18,22 @@ from pcp_tui import checkpoint
 
 
 def _params(value: float, size: int = 1000) -> dict[str, np.ndarray]:
-    return {"wte": np.full((size,), value, np.float32), "h.0.w": np.full((size, 4), value, np.float32)}
+    return {
+        "wte": np.full((size,), value, np.float32),
+        "h.0.w": np.full((size, 4), value, np.float32),
+    }
 
 
 def test_round_trip_and_latest_and_pruning(tmp_path):
     for r in range(1, 6):
-        checkpoint.save(tmp_path, round=r, params=_params(r), outer_state={"m": np.ones(3, np.float32) * r},
-                        meta={"note": "x"}, keep=2)
+        checkpoint.save(
+            tmp_path,
+            round=r,
+            params=_params(r),
+            outer_state={"m": np.ones(3, np.float32) * r},
+            meta={"note": "x"},
+            keep=2,
+        )
     saved = checkpoint.load_latest(tmp_path)
     assert saved.round == 5 and saved.meta["note"] == "x"
     np.testing.assert_array_equal(saved.params["wte"], _params(5)["wte"])
@@ -47,7 +56,9 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_file", disk_full)
-    with pytest.raises(checkpoint.CheckpointError, match="No space left on device.*previous checkpoint is kept"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match="No space left on device.*previous checkpoint is kept"
+    ):
         checkpoint.save(tmp_path, round=2, params=_params(2), outer_state={}, meta={})
     monkeypatch.undo()
     assert checkpoint.load_latest(tmp_path).round == 1

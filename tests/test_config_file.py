@@ -15,13 +15,24 @@ def _config(*argv: str):
 
 def test_file_fills_options_and_passed_flags_win(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('rounds = 3\ninner-steps = 7\ninner_lr = 1\nplatforms = ["cpu"]\nmodel = "small"\n')
+    path.write_text(
+        'rounds = 3\ninner-steps = 7\ninner_lr = 1\nplatforms = ["cpu"]\nmodel = "small"\n'
+    )
     config = _config("shepherd", "--config", str(path), "--rounds", "5")
-    assert (config.rounds, config.inner_steps, config.inner_lr, config.platforms) == (5, 7, 1.0, ("cpu",))
-    assert config.model == "small" and config.port == 8080  # untouched options keep the command's defaults
+    assert (config.rounds, config.inner_steps, config.inner_lr, config.platforms) == (
+        5,
+        7,
+        1.0,
+        ("cpu",),
+    )
+    assert (
+        config.model == "small" and config.port == 8080
+    )  # untouched options keep the command's defaults
     demo = _config("demo", "--config", str(path))
     assert demo.rounds == 3 and demo.port == 0  # demo's own defaults under the file
-    assert _config("demo", "--rounds", "12").rounds == 12  # a flag equal to the default still counts
+    assert (
+        _config("demo", "--rounds", "12").rounds == 12
+    )  # a flag equal to the default still counts
 
 
 def test_unknown_key_names_it_and_the_valid_ones(tmp_path, capsys):
@@ -35,9 +46,13 @@ def test_unknown_key_names_it_and_the_valid_ones(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("rounds = 2.5", "must be an integer"), ("rounds = true", "must be an integer"),
-     ('inner_lr = "fast"', "must be a number"), ("model = 3", "must be a string"),
-     ("rounds = ", "not valid TOML")],
+    [
+        ("rounds = 2.5", "must be an integer"),
+        ("rounds = true", "must be an integer"),
+        ('inner_lr = "fast"', "must be a number"),
+        ("model = 3", "must be a string"),
+        ("rounds = ", "not valid TOML"),
+    ],
 )
 def test_wrong_types_are_refused(tmp_path, text, message):
     path = tmp_path / "run.toml"

@@ -40,14 +40,29 @@ def _isolated_env(home: Path) -> dict[str, str]:
 
 
 def _isolated_worker(port: int, home: Path) -> subprocess.Popen:
-    return subprocess.Popen(worker_command(port), cwd=home, env=_isolated_env(home), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        worker_command(port),
+        cwd=home,
+        env=_isolated_env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.e2e
 def test_isolated_workers_train_the_example_model(tmp_path):
-    config = small_config(model=MLP, batch_size=32, rounds=3, inner_steps=10, chunk_steps=5, workers=2,
-                          inner_lr=3e-3, warmup_steps=2, eval_batches=4)
+    config = small_config(
+        model=MLP,
+        batch_size=32,
+        rounds=3,
+        inner_steps=10,
+        chunk_steps=5,
+        workers=2,
+        inner_lr=3e-3,
+        warmup_steps=2,
+        eval_batches=4,
+    )
     task = build_task(config, shards=2)
     assert task.name == "mlp-16x64x4" and isinstance(task.shards[0], dict)
     shepherd = Shepherd(config, task)
@@ -76,7 +91,11 @@ def test_isolated_workers_train_the_example_model(tmp_path):
 
 def test_rows_are_sharded_disjointly_and_sampled_reproducibly():
     arrays = data.row_arrays({"y": np.arange(10), "x": np.arange(20.0).reshape(10, 2)}, "test")
-    assert list(arrays) == ["x", "y"] and arrays["x"].dtype == np.float32 and arrays["y"].dtype == np.int32
+    assert (
+        list(arrays) == ["x", "y"]
+        and arrays["x"].dtype == np.float32
+        and arrays["y"].dtype == np.int32
+    )
     shards = data.split_rows(arrays, 3)
     assert sorted(np.concatenate([s["y"] for s in shards]).tolist()) == list(range(10))
     shard = (shards[1]["x"], shards[1]["y"])
@@ -104,7 +123,9 @@ def test_plan_fields_round_trip_and_reject_a_tampered_shard():
     tokens = np.arange(100, dtype=np.uint8)
     fields, tensors = data.shard_plan(tokens)
     assert data.shard_from_plan(fields, tensors)[0] == "windows"
-    assert data.shard_from_plan({**fields, "batchKind": ""}, tensors)[0] == "windows"  # an older shepherd
+    assert (
+        data.shard_from_plan({**fields, "batchKind": ""}, tensors)[0] == "windows"
+    )  # an older shepherd
 
 
 def test_model_file_errors_say_what_to_fix(tmp_path):
@@ -122,7 +143,8 @@ def test_model_file_errors_say_what_to_fix(tmp_path):
 
 def test_a_dataset_without_val_holds_out_rows(tmp_path, monkeypatch):
     spec = ModelSpec(
-        name="linear", init=lambda key: {"w": np.zeros(2, np.float32)},
+        name="linear",
+        init=lambda key: {"w": np.zeros(2, np.float32)},
         loss=lambda p, batch: ((batch["x"] @ p["w"] - batch["y"]) ** 2).mean(),
         data=lambda: Dataset(train={"x": np.ones((200, 2)), "y": np.ones(200)}),
     )
@@ -135,7 +157,12 @@ def test_a_dataset_without_val_holds_out_rows(tmp_path, monkeypatch):
 
 def test_the_isolated_worker_cannot_import_the_model_file(tmp_path):
     probe = "import importlib.util as u, pcp_tui; print(u.find_spec('examples'), u.find_spec('mlp_model'))"
-    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_isolated_env(tmp_path),
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env=_isolated_env(tmp_path),
+        capture_output=True,
+        text=True,
+    )
     assert result.stdout.split() == ["None", "None"], result.stderr
     assert os.listdir(tmp_path) == ["site"]

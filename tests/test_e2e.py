@@ -13,8 +13,18 @@ from .conftest import worker_env
 
 pytestmark = pytest.mark.e2e
 
-SMALL_FLAGS = ["--seq-len", "32", "--batch-size", "8", "--data-max-bytes", "400000", "--eval-batches", "4",
-               "--heartbeat-seconds", "0.5"]
+SMALL_FLAGS = [
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--data-max-bytes",
+    "400000",
+    "--eval-batches",
+    "4",
+    "--heartbeat-seconds",
+    "0.5",
+]
 
 
 def _read_metrics(path) -> list[dict]:
@@ -24,16 +34,45 @@ def _read_metrics(path) -> list[dict]:
 def test_demo_trains_and_writes_complete_metrics(tmp_path):
     metrics = tmp_path / "run.jsonl"
     result = subprocess.run(
-        [sys.executable, "-m", "pcp_tui", "demo", "--workers", "2", "--headless", "--rounds", "4",
-         "--inner-steps", "20", "--inner-lr", "3e-3", "--warmup-steps", "5", *SMALL_FLAGS, "--metrics", str(metrics)],
-        capture_output=True, text=True, timeout=600, env=worker_env(),
+        [
+            sys.executable,
+            "-m",
+            "pcp_tui",
+            "demo",
+            "--workers",
+            "2",
+            "--headless",
+            "--rounds",
+            "4",
+            "--inner-steps",
+            "20",
+            "--inner-lr",
+            "3e-3",
+            "--warmup-steps",
+            "5",
+            *SMALL_FLAGS,
+            "--metrics",
+            str(metrics),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=worker_env(),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _read_metrics(metrics)
     rounds = [r for r in rows if r["event"] == "round"]
     assert [r["round"] for r in rounds] == [1, 2, 3, 4]
     for row in rounds:
-        for key in ("train_loss", "eval_loss", "round_seconds", "tokens", "bytes_sent", "bytes_received", "workers"):
+        for key in (
+            "train_loss",
+            "eval_loss",
+            "round_seconds",
+            "tokens",
+            "bytes_sent",
+            "bytes_received",
+            "workers",
+        ):
             assert key in row, key
         assert row["workers"] == 2 and row["tokens"] == 2 * 20 * 8 * 32
         assert row["bytes_sent"] > 0 and row["bytes_received"] > 0
@@ -47,10 +86,32 @@ def test_demo_trains_and_writes_complete_metrics(tmp_path):
 def test_shepherd_and_two_worker_processes(tmp_path, spawn_worker):
     metrics = tmp_path / "m.jsonl"
     shepherd = subprocess.Popen(
-        [sys.executable, "-m", "pcp_tui", "shepherd", "--headless", "--workers", "2", "--port", "0",
-         "--host", "127.0.0.1", "--rounds", "2", "--inner-steps", "5", "--token", "s3cret", *SMALL_FLAGS,
-         "--metrics", str(metrics)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
+        [
+            sys.executable,
+            "-m",
+            "pcp_tui",
+            "shepherd",
+            "--headless",
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--rounds",
+            "2",
+            "--inner-steps",
+            "5",
+            "--token",
+            "s3cret",
+            *SMALL_FLAGS,
+            "--metrics",
+            str(metrics),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=worker_env(),
     )
     try:
         port = None
@@ -78,9 +139,30 @@ def test_shepherd_and_two_worker_processes(tmp_path, spawn_worker):
 
 def test_wrong_token_is_refused_and_worker_exits_nonzero(spawn_worker):
     shepherd = subprocess.Popen(
-        [sys.executable, "-m", "pcp_tui", "shepherd", "--headless", "--workers", "1", "--port", "0",
-         "--host", "127.0.0.1", "--rounds", "1", "--inner-steps", "2", "--token", "right", *SMALL_FLAGS],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
+        [
+            sys.executable,
+            "-m",
+            "pcp_tui",
+            "shepherd",
+            "--headless",
+            "--workers",
+            "1",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--rounds",
+            "1",
+            "--inner-steps",
+            "2",
+            "--token",
+            "right",
+            *SMALL_FLAGS,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=worker_env(),
     )
     try:
         port = None

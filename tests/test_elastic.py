@@ -55,7 +55,11 @@ def test_kill_one_of_three_workers_mid_round(spawn_worker):
         spawn_worker(port)
         victim = spawn_worker(port, "--id", "victim")
         workers = shepherd.state.workers
-        await _until(lambda: "victim" in workers and workers["victim"].round == 2 and workers["victim"].step > 0)
+        await _until(
+            lambda: (
+                "victim" in workers and workers["victim"].round == 2 and workers["victim"].step > 0
+            )
+        )
         victim.send_signal(signal.SIGKILL)
         killed_at.append(time.time())
 
@@ -97,9 +101,18 @@ def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
 
     async def scenario(port):
         spawn_worker(port, "--id", "steady")
-        command = [sys.executable, "-m", "tests.slow_worker", "2", "5", "--",
-                   *worker_command(port, "--id", "slow")[4:]]
-        slow = subprocess.Popen(command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        command = [
+            sys.executable,
+            "-m",
+            "tests.slow_worker",
+            "2",
+            "5",
+            "--",
+            *worker_command(port, "--id", "slow")[4:],
+        ]
+        slow = subprocess.Popen(
+            command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
         try:
             await _until(lambda: any(e.kind == "done" for e in shepherd.state.events))
         finally:
@@ -123,11 +136,42 @@ def _free_port() -> int:
 
 
 def _shepherd_command(port: int, checkpoints, metrics, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pcp_tui", "shepherd", "--headless", "--workers", "2", "--port", str(port),
-            "--host", "127.0.0.1", "--rounds", "5", "--inner-steps", "10", "--token", "test-token",
-            "--seq-len", "32", "--batch-size", "4", "--data-max-bytes", str(256 * 1024), "--eval-batches", "2",
-            "--heartbeat-seconds", "0.5", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1",
-            "--metrics", str(metrics), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "pcp_tui",
+        "shepherd",
+        "--headless",
+        "--workers",
+        "2",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--rounds",
+        "5",
+        "--inner-steps",
+        "10",
+        "--token",
+        "test-token",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--data-max-bytes",
+        str(256 * 1024),
+        "--eval-batches",
+        "2",
+        "--heartbeat-seconds",
+        "0.5",
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        "1",
+        "--metrics",
+        str(metrics),
+        *extra,
+    ]
 
 
 def _final_eval(metrics) -> float:
@@ -138,8 +182,13 @@ def _final_eval(metrics) -> float:
 def test_shepherd_killed_and_resumed_workers_come_back(tmp_path, spawn_worker):
     port = _free_port()
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
-    first = subprocess.Popen(_shepherd_command(port, checkpoints, metrics), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=worker_env())
+    first = subprocess.Popen(
+        _shepherd_command(port, checkpoints, metrics),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=worker_env(),
+    )
     workers = []
     try:
         for line in first.stdout:
@@ -149,8 +198,13 @@ def test_shepherd_killed_and_resumed_workers_come_back(tmp_path, spawn_worker):
                 break
         first.send_signal(signal.SIGKILL)
         first.wait()
-        second = subprocess.run(_shepherd_command(port, checkpoints, metrics, "--resume", str(checkpoints)),
-                                capture_output=True, text=True, timeout=600, env=worker_env())
+        second = subprocess.run(
+            _shepherd_command(port, checkpoints, metrics, "--resume", str(checkpoints)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=worker_env(),
+        )
         assert second.returncode == 0, second.stdout + second.stderr
         assert "resumed from" in second.stdout
         for worker in workers:
@@ -161,13 +215,19 @@ def test_shepherd_killed_and_resumed_workers_come_back(tmp_path, spawn_worker):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     resumed = [r for r in rows if r["event"] == "resumed_from"]
     assert len(resumed) == 1 and resumed[0]["round"] >= 2
-    after = [r["round"] for r in rows[rows.index(resumed[0]):] if r["event"] == "round"]
-    assert after == list(range(resumed[0]["round"] + 1, 6))  # continues where the checkpoint left off
+    after = [r["round"] for r in rows[rows.index(resumed[0]) :] if r["event"] == "round"]
+    assert after == list(
+        range(resumed[0]["round"] + 1, 6)
+    )  # continues where the checkpoint left off
     assert all(r["workers"] == 2 for r in rows if r["event"] == "round")
 
     reference_metrics = tmp_path / "reference.jsonl"
-    reference = subprocess.Popen(_shepherd_command(port, tmp_path / "ref-ckpt", reference_metrics),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=worker_env())
+    reference = subprocess.Popen(
+        _shepherd_command(port, tmp_path / "ref-ckpt", reference_metrics),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env=worker_env(),
+    )
     time.sleep(0.5)  # not an assertion: give the listener a moment before workers dial
     reference_workers = [spawn_worker(port, "--id", f"w{i}") for i in range(2)]
     assert reference.wait(timeout=600) == 0

@@ -29,11 +29,19 @@ def _synchronous_sgd(task, config) -> dict[str, np.ndarray]:
     params = {n: jnp.asarray(v) for n, v in task.params.items()}
     grad = jax.jit(jax.grad(task.loss_fn))
     for number in range(1, ROUNDS + 1):
-        union = np.concatenate([
-            sample_batches(task.shards[slot], steps=1, batch_size=config.batch_size, seq_len=config.seq_len,
-                           seed=config.seed, stream=(slot, number, 0))[0]
-            for slot in range(2)
-        ])
+        union = np.concatenate(
+            [
+                sample_batches(
+                    task.shards[slot],
+                    steps=1,
+                    batch_size=config.batch_size,
+                    seq_len=config.seq_len,
+                    seed=config.seed,
+                    stream=(slot, number, 0),
+                )[0]
+                for slot in range(2)
+            ]
+        )
         g = grad(params, union)
         params = {n: params[n] - LR * g[n] for n in params}
     return {n: np.asarray(v) for n, v in params.items()}
@@ -41,8 +49,17 @@ def _synchronous_sgd(task, config) -> dict[str, np.ndarray]:
 
 def test_two_workers_equal_synchronous_sgd(spawn_worker):
     config = small_config(
-        rounds=ROUNDS, inner_steps=1, chunk_steps=1, inner_optimizer="sgd", inner_lr=LR, warmup_steps=0,
-        grad_clip=0.0, outer_optimizer="sgd", outer_lr=1.0, workers=2, eval_every=ROUNDS,
+        rounds=ROUNDS,
+        inner_steps=1,
+        chunk_steps=1,
+        inner_optimizer="sgd",
+        inner_lr=LR,
+        warmup_steps=0,
+        grad_clip=0.0,
+        outer_optimizer="sgd",
+        outer_lr=1.0,
+        workers=2,
+        eval_every=ROUNDS,
     )
     task = build_task(config, shards=2)
     shepherd = Shepherd(config, task)

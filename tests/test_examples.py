@@ -28,11 +28,15 @@ def test_run_toml_loads_and_lists_every_option(tmp_path):
     switched = tmp_path / "all.toml"
     switched.write_text(_uncommented((EXAMPLES / "run.toml").read_text()))
     values = load_config_file(switched)
-    assert set(values) == {f.name for f in dataclasses.fields(RunConfig)}, "run.toml must list every option"
+    assert set(values) == {f.name for f in dataclasses.fields(RunConfig)}, (
+        "run.toml must list every option"
+    )
     defaults = RunConfig()
     RunConfig(**values).validate()
     shown = {name: value for name, value in values.items() if getattr(defaults, name) is not None}
-    assert shown == {name: getattr(defaults, name) for name in shown}, "run.toml must show the defaults"
+    assert shown == {name: getattr(defaults, name) for name in shown}, (
+        "run.toml must show the defaults"
+    )
 
 
 def test_mlp_model_builds_and_its_loss_falls_with_plain_sgd():
@@ -54,7 +58,9 @@ def _commands(markdown: Path) -> list[list[str]]:
     return [shlex.split(line)[1:] for line in lines if line.startswith("pcp-tui ")]
 
 
-@pytest.mark.parametrize("argv", _commands(EXAMPLES / "multi_host.md"), ids=lambda argv: " ".join(argv[:3]))
+@pytest.mark.parametrize(
+    "argv", _commands(EXAMPLES / "multi_host.md"), ids=lambda argv: " ".join(argv[:3])
+)
 def test_multi_host_commands_parse_with_the_real_cli(argv, monkeypatch):
     monkeypatch.chdir(EXAMPLES.parent)
     args = build_parser().parse_args(argv)
@@ -74,7 +80,7 @@ def test_multi_host_recipe_covers_workers_tls_and_custom_models():
 
 def test_the_readme_model_file_works(tmp_path):
     readme = (EXAMPLES.parent / "README.md").read_text()
-    section = readme[readme.index("## Train your own JAX model"):]
+    section = readme[readme.index("## Train your own JAX model") :]
     source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "model.py").write_text(source)
     spec = load_spec(str(tmp_path / "model.py"), RunConfig())

@@ -23,8 +23,15 @@ def task():
 
 def _graphs(task, inner: InnerOptimizer | None = None, chunk=3):
     inner = inner or InnerOptimizer(name="adamw", lr=1e-3)
-    return build_graphs(task.loss_fn, task.params, task.batch_spec, inner=inner, chunk_steps=chunk,
-                        eval_batches=len(task.eval_tokens), platforms=("cpu",))
+    return build_graphs(
+        task.loss_fn,
+        task.params,
+        task.batch_spec,
+        inner=inner,
+        chunk_steps=chunk,
+        eval_batches=len(task.eval_tokens),
+        platforms=("cpu",),
+    )
 
 
 def test_exported_eval_loss_matches_direct_jax(task):
@@ -35,7 +42,9 @@ def test_exported_eval_loss_matches_direct_jax(task):
     loss = jax.jit(task.loss_fn)
     direct = float(np.mean([loss(task.params, b) for b in task.eval_tokens]))
     assert exported == pytest.approx(direct, rel=1e-5)
-    assert exported == pytest.approx(np.log(256), abs=0.3)  # an untrained byte model is near uniform
+    assert exported == pytest.approx(
+        np.log(256), abs=0.3
+    )  # an untrained byte model is near uniform
 
 
 def test_exported_train_chunk_matches_optax_loop(task):
@@ -44,7 +53,9 @@ def test_exported_train_chunk_matches_optax_loop(task):
     backend = select_backend("cpu")
     train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
     init = backend.load("init_opt_state", graphs.init_opt_state)
-    batches = sample_batches(task.shards[0], steps=3, batch_size=4, seq_len=32, seed=0, stream=(0, 1, 0))
+    batches = sample_batches(
+        task.shards[0], steps=3, batch_size=4, seq_len=32, seed=0, stream=(0, 1, 0)
+    )
     flat = tuple(jnp.asarray(task.params[n]) for n in graphs.param_names)
     new_flat, _, losses = train.call(flat, init.call(flat), batches)
 
@@ -62,13 +73,22 @@ def test_exported_train_chunk_matches_optax_loop(task):
     # Adam divides by sqrt(v): float rounding in a near-zero gradient moves a weight by a
     # visible fraction of one step, so compare against the step size, not machine epsilon.
     for name, value in zip(graphs.param_names, new_flat, strict=True):
-        np.testing.assert_allclose(np.asarray(value), np.asarray(params[name]), rtol=1e-4, atol=inner.lr * 1e-2)
+        np.testing.assert_allclose(
+            np.asarray(value), np.asarray(params[name]), rtol=1e-4, atol=inner.lr * 1e-2
+        )
     assert losses[-1] < losses[0]
 
 
 def test_graph_bytes_are_not_pickles_and_wrong_platform_is_refused(task):
-    graphs = build_graphs(task.loss_fn, task.params, task.batch_spec, inner=InnerOptimizer(), chunk_steps=1,
-                          eval_batches=1, platforms=("cuda",))
+    graphs = build_graphs(
+        task.loss_fn,
+        task.params,
+        task.batch_spec,
+        inner=InnerOptimizer(),
+        chunk_steps=1,
+        eval_batches=1,
+        platforms=("cuda",),
+    )
     assert not graphs.train_chunk.startswith(b"\x80")  # pickle protocol marker
     with pytest.raises(GraphError, match="lowered for cuda, not cpu"):
         select_backend("cpu").load("train_chunk", graphs.train_chunk)

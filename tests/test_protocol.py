@@ -21,29 +21,84 @@ PARAMS = {
     "wte": RNG.standard_normal((64, 16)).astype(np.float32),
     "h.0.attn.bias": RNG.standard_normal(16).astype(np.float32),
 }
-BACKEND = {"platform": "cuda", "deviceKind": "NVIDIA H100 80GB HBM3", "deviceCount": 1,
-           "memoryBytes": 80 * 2**30, "jaxVersion": "0.11.2"}
+BACKEND = {
+    "platform": "cuda",
+    "deviceKind": "NVIDIA H100 80GB HBM3",
+    "deviceCount": 1,
+    "memoryBytes": 80 * 2**30,
+    "jaxVersion": "0.11.2",
+}
 
 # One realistic body (and tensors) per message kind, with the schema's field names.
 BODIES: dict[str, tuple[dict, dict]] = {
-    "hello": ({"supportedVersions": [1], "nonce": bytes(range(32)), "runId": "run-7f3a",
-               "software": "pcp-tui 0.1.0"}, {}),
-    "workerHello": ({"supportedVersions": [1], "workerId": "w-0c1d", "hostname": "gpu-box",
-                     "backend": BACKEND, "proof": b"\x01" * 32, "software": "pcp-tui 0.1.0"}, {}),
+    "hello": (
+        {
+            "supportedVersions": [1],
+            "nonce": bytes(range(32)),
+            "runId": "run-7f3a",
+            "software": "pcp-tui 0.1.0",
+        },
+        {},
+    ),
+    "workerHello": (
+        {
+            "supportedVersions": [1],
+            "workerId": "w-0c1d",
+            "hostname": "gpu-box",
+            "backend": BACKEND,
+            "proof": b"\x01" * 32,
+            "software": "pcp-tui 0.1.0",
+        },
+        {},
+    ),
     "welcome": ({"workerIndex": 2, "runId": "run-7f3a", "heartbeatSeconds": 0.5}, {}),
-    "plan": ({"runId": "run-7f3a", "modelName": "gpt2-tiny", "paramCount": 1040,
-              "graphs": [{"name": "train_chunk", "platforms": ["cpu", "cuda"], "tensor": "graph.train_chunk"}],
-              "paramNames": list(PARAMS), "innerSteps": 50, "chunkSteps": 10, "batchSize": 8,
-              "seqLen": 128, "seed": 1234, "shardTensor": "shard", "shardFingerprint": "ab" * 32,
-              "workerSlot": 1, "compression": "int8Block"},
-             {"graph.train_chunk": np.frombuffer(b"stablehlo-bytes", np.uint8),
-              "shard": np.arange(500, dtype=np.uint16)}),
+    "plan": (
+        {
+            "runId": "run-7f3a",
+            "modelName": "gpt2-tiny",
+            "paramCount": 1040,
+            "graphs": [
+                {"name": "train_chunk", "platforms": ["cpu", "cuda"], "tensor": "graph.train_chunk"}
+            ],
+            "paramNames": list(PARAMS),
+            "innerSteps": 50,
+            "chunkSteps": 10,
+            "batchSize": 8,
+            "seqLen": 128,
+            "seed": 1234,
+            "shardTensor": "shard",
+            "shardFingerprint": "ab" * 32,
+            "workerSlot": 1,
+            "compression": "int8Block",
+        },
+        {
+            "graph.train_chunk": np.frombuffer(b"stablehlo-bytes", np.uint8),
+            "shard": np.arange(500, dtype=np.uint16),
+        },
+    ),
     "ready": ({"compileSeconds": 12.25, "platform": "cpu"}, {}),
     "roundStart": ({"round": 3, "innerSteps": 50}, PARAMS),
-    "progress": ({"round": 3, "step": 20, "totalSteps": 50, "loss": 3.5, "tokensPerSecond": 1024.0,
-                  "phase": "training"}, {}),
-    "roundResult": ({"round": 3, "tokens": 51200, "losses": [4.0, 3.75, 3.5], "computeSeconds": 8.5,
-                     "innerSteps": 50}, {name: -value for name, value in PARAMS.items()}),
+    "progress": (
+        {
+            "round": 3,
+            "step": 20,
+            "totalSteps": 50,
+            "loss": 3.5,
+            "tokensPerSecond": 1024.0,
+            "phase": "training",
+        },
+        {},
+    ),
+    "roundResult": (
+        {
+            "round": 3,
+            "tokens": 51200,
+            "losses": [4.0, 3.75, 3.5],
+            "computeSeconds": 8.5,
+            "innerSteps": 50,
+        },
+        {name: -value for name, value in PARAMS.items()},
+    ),
     "heartbeat": ({"sentAt": 1700000000.25}, {}),
     "error": ({"code": "badResult", "message": "pseudo-gradient has NaN"}, {}),
     "goodbye": ({"reason": "training finished"}, {}),
@@ -64,7 +119,9 @@ def assert_same(message: protocol.Message, kind: str, body: dict, tensors: dict)
         np.testing.assert_array_equal(message.tensors[name], array)
 
 
-def craft(kind: str = "heartbeat", body: dict | None = None, headers: list[dict] = (), version: int = 1) -> bytes:
+def craft(
+    kind: str = "heartbeat", body: dict | None = None, headers: list[dict] = (), version: int = 1
+) -> bytes:
     """A frame built by hand, so headers can say things `encode` would never write."""
     envelope = Envelope.new_message(**{kind: body or {}})
     envelope.version = version
@@ -96,8 +153,14 @@ def test_every_kind_round_trips_through_bytes(kind):
 
 def test_body_lists_every_field_with_defaults():
     message = protocol.decode(wire(protocol.encode("progress", {"round": 1})))
-    assert message.body == {"round": 1, "step": 0, "totalSteps": 0, "loss": 0.0,
-                            "tokensPerSecond": 0.0, "phase": ""}
+    assert message.body == {
+        "round": 1,
+        "step": 0,
+        "totalSteps": 0,
+        "loss": 0.0,
+        "tokensPerSecond": 0.0,
+        "phase": "",
+    }
     assert message.tensors == {}
 
 
@@ -133,12 +196,15 @@ def test_unsendable_dtypes_are_refused(bad):
         protocol.encode("roundStart", {}, {"t": bad})
 
 
-@pytest.mark.parametrize(("kind", "body", "options", "match"), [
-    ("nonsense", {}, {}, "unknown message kind"),
-    ("heartbeat", {"bogus": 1}, {}, "no such member"),
-    ("heartbeat", {"sentAt": "soon"}, {}, "cannot encode heartbeat"),
-    ("heartbeat", {}, {"quantization": "fp4"}, "unknown quantization"),
-])
+@pytest.mark.parametrize(
+    ("kind", "body", "options", "match"),
+    [
+        ("nonsense", {}, {}, "unknown message kind"),
+        ("heartbeat", {"bogus": 1}, {}, "no such member"),
+        ("heartbeat", {"sentAt": "soon"}, {}, "cannot encode heartbeat"),
+        ("heartbeat", {}, {"quantization": "fp4"}, "unknown quantization"),
+    ],
+)
 def test_encode_refuses_bad_input_with_value_error(kind, body, options, match):
     with pytest.raises(ValueError, match=match):
         protocol.encode(kind, body, **options)
@@ -148,8 +214,17 @@ def test_encode_refuses_bad_input_with_value_error(kind, body, options, match):
 
 
 def quantized_round_trip(tensors, quantization, block_size=256) -> protocol.Message:
-    return protocol.decode(wire(protocol.encode("roundResult", {"round": 1}, tensors,
-                                                quantization=quantization, block_size=block_size)))
+    return protocol.decode(
+        wire(
+            protocol.encode(
+                "roundResult",
+                {"round": 1},
+                tensors,
+                quantization=quantization,
+                block_size=block_size,
+            )
+        )
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -201,8 +276,11 @@ def test_int8_block_refuses_non_finite_input(value):
 
 @pytest.mark.parametrize("quantization", ["bfloat16", "int8Block"])
 def test_quantization_leaves_non_float_tensors_exact(quantization):
-    tensors = {"ids": np.arange(-50, 50, dtype=np.int64), "mask": np.array([True, False]),
-               "w": np.ones(10, np.float32)}
+    tensors = {
+        "ids": np.arange(-50, 50, dtype=np.int64),
+        "mask": np.array([True, False]),
+        "w": np.ones(10, np.float32),
+    }
     message = quantized_round_trip(tensors, quantization)
     np.testing.assert_array_equal(message.tensors["ids"], tensors["ids"])
     np.testing.assert_array_equal(message.tensors["mask"], tensors["mask"])
@@ -211,7 +289,9 @@ def test_quantization_leaves_non_float_tensors_exact(quantization):
 
 def test_int8_block_payload_is_a_quarter_plus_scales():
     array = RNG.standard_normal(10_000).astype(np.float32)
-    _, payload = protocol.encode("roundResult", {}, {"d": array}, quantization="int8Block", block_size=100)
+    _, payload = protocol.encode(
+        "roundResult", {}, {"d": array}, quantization="int8Block", block_size=100
+    )
     assert payload.nbytes == 10_000 + 4 * 100
 
 
@@ -225,7 +305,7 @@ class ChunkedStream(trio.abc.Stream):
         self._chunks, position = [], 0
         for size in [*sizes, len(data)]:
             if position < len(data):
-                self._chunks.append(data[position:position + size])
+                self._chunks.append(data[position : position + size])
                 position += size
         self.sent = bytearray()
 
@@ -250,8 +330,11 @@ class ChunkedStream(trio.abc.Stream):
         await trio.lowlevel.checkpoint()
 
 
-SMALL = ("roundStart", {"round": 9, "innerSteps": 4},
-         {"a": np.arange(3, dtype=np.float32), "b": np.array([[1, -2]], dtype=np.int16)})
+SMALL = (
+    "roundStart",
+    {"round": 9, "innerSteps": 4},
+    {"a": np.arange(3, dtype=np.float32), "b": np.array([[1, -2]], dtype=np.int16)},
+)
 
 
 async def receive_all(data: bytes, sizes: list[int], count: int) -> list[protocol.Message]:
@@ -292,7 +375,10 @@ def test_back_to_back_messages_survive_random_fragmentation():
 async def exchange_all_kinds(left: trio.abc.Stream, right: trio.abc.Stream) -> None:
     sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
     big = {"big": RNG.standard_normal(1_500_000).astype(np.float32)}
-    cases = [*((kind, body, tensors) for kind, (body, tensors) in BODIES.items()), ("roundStart", {}, big)]
+    cases = [
+        *((kind, body, tensors) for kind, (body, tensors) in BODIES.items()),
+        ("roundStart", {}, big),
+    ]
     sent = []
 
     async def send_all():
@@ -340,8 +426,11 @@ def test_quantized_tensors_over_real_tcp():
         sender, receiver = protocol.MessageStream(client), protocol.MessageStream(server)
         array = RNG.standard_normal(3_000_000).astype(np.float32)  # above the thread-offload size
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: sender.send("roundResult", {"round": 1}, {"d": array},
-                                                   quantization="int8Block"))
+            nursery.start_soon(
+                lambda: sender.send(
+                    "roundResult", {"round": 1}, {"d": array}, quantization="int8Block"
+                )
+            )
             message = await receiver.receive()
         assert message.wire_bytes < array.nbytes / 3.9
         assert np.abs(message.tensors["d"] - array).max() <= np.abs(array).max() / 127
@@ -388,7 +477,9 @@ def test_close_mid_frame_is_reported_as_truncation(cut):
 def test_broken_connection_becomes_connection_closed():
     async def main():
         client, server = await tcp_pair()
-        client.socket.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.socket.setsockopt(
+            trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, struct.pack("ii", 1, 0)
+        )
         await client.send_all(wire(protocol.encode(*SMALL))[:10])
         await client.aclose()  # linger 0: the peer sees a reset, not a clean close
         with pytest.raises(protocol.ConnectionClosed):
@@ -403,7 +494,10 @@ def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
         sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
         await sender.send_error("tooLarge", "frame too large")
         message = await receiver.receive()
-        assert (message.kind, message.body) == ("error", {"code": "tooLarge", "message": "frame too large"})
+        assert (message.kind, message.body) == (
+            "error",
+            {"code": "tooLarge", "message": "frame too large"},
+        )
         await receiver.aclose()
         await sender.send_error("malformed", "nobody listens")
 
@@ -458,8 +552,15 @@ def segment_table(*words: int) -> bytes:
     return table + b"\0" * (-len(table) % 8)
 
 
-@pytest.mark.parametrize("table", [segment_table(2**31), segment_table(2**32 - 1, 2**32 - 1),
-                                   segment_table(*[1] * 65), struct.pack("<I", 2**32 - 1)])
+@pytest.mark.parametrize(
+    "table",
+    [
+        segment_table(2**31),
+        segment_table(2**32 - 1, 2**32 - 1),
+        segment_table(*[1] * 65),
+        struct.pack("<I", 2**32 - 1),
+    ],
+)
 def test_oversized_frames_are_refused_before_allocating(table):
     tracemalloc.start()
     try:
@@ -478,13 +579,18 @@ def test_oversized_frames_are_refused_before_allocating(table):
     trio.run(main)
 
 
-@pytest.mark.parametrize(("headers", "limits"), [
-    ([header(shape=[2**30], payloadBytes=2**32)], protocol.Limits(max_tensor_bytes=2**31)),
-    ([header(shape=[2**40], payloadBytes=2**42)], protocol.Limits()),
-    ([header(name=f"t{i}") for i in range(3)], protocol.Limits(max_tensors=2)),
-    ([header(name=f"t{i}", shape=[100], payloadBytes=400) for i in range(3)],
-     protocol.Limits(max_total_tensor_bytes=1000)),
-])
+@pytest.mark.parametrize(
+    ("headers", "limits"),
+    [
+        ([header(shape=[2**30], payloadBytes=2**32)], protocol.Limits(max_tensor_bytes=2**31)),
+        ([header(shape=[2**40], payloadBytes=2**42)], protocol.Limits()),
+        ([header(name=f"t{i}") for i in range(3)], protocol.Limits(max_tensors=2)),
+        (
+            [header(name=f"t{i}", shape=[100], payloadBytes=400) for i in range(3)],
+            protocol.Limits(max_total_tensor_bytes=1000),
+        ),
+    ],
+)
 def test_oversized_tensors_are_refused_before_allocating(headers, limits):
     frame = craft(headers=headers)
     tracemalloc.start()
@@ -503,19 +609,22 @@ def test_frame_beyond_max_message_bytes_is_refused():
         protocol.decode(data, protocol.Limits(max_message_bytes=4096))
 
 
-@pytest.mark.parametrize(("headers", "match"), [
-    ([header(dtype=99)], "unknown dtype value 99"),
-    ([header(quantization=9)], "unknown quantization value 9"),
-    ([header(), header()], "appears twice"),
-    ([header(name="n" * 257)], "1..256 characters"),
-    ([header(name="")], "1..256 characters"),
-    ([header(payloadBytes=12)], "needs 16 payload bytes, header says 12"),
-    ([header(dtype="int32", quantization="bfloat16", payloadBytes=8)], "quantized"),
-    ([header(quantization="int8Block", blockSize=0, payloadBytes=8)], "blockSize 0"),
-    ([header(shape=[1] * 33)], "dimensions"),
-    ([header(shape=[2**64 - 1, 0], payloadBytes=0)], "beyond int64"),
-    ([header(shape=[2**62, 2**2], payloadBytes=0)], "overflows"),
-])
+@pytest.mark.parametrize(
+    ("headers", "match"),
+    [
+        ([header(dtype=99)], "unknown dtype value 99"),
+        ([header(quantization=9)], "unknown quantization value 9"),
+        ([header(), header()], "appears twice"),
+        ([header(name="n" * 257)], "1..256 characters"),
+        ([header(name="")], "1..256 characters"),
+        ([header(payloadBytes=12)], "needs 16 payload bytes, header says 12"),
+        ([header(dtype="int32", quantization="bfloat16", payloadBytes=8)], "quantized"),
+        ([header(quantization="int8Block", blockSize=0, payloadBytes=8)], "blockSize 0"),
+        ([header(shape=[1] * 33)], "dimensions"),
+        ([header(shape=[2**64 - 1, 0], payloadBytes=0)], "beyond int64"),
+        ([header(shape=[2**62, 2**2], payloadBytes=0)], "overflows"),
+    ],
+)
 def test_bad_tensor_headers_are_malformed(headers, match):
     payload = b"\0" * 16
     with pytest.raises(protocol.MalformedMessage, match=match) as caught:
@@ -523,13 +632,16 @@ def test_bad_tensor_headers_are_malformed(headers, match):
     assert caught.value.code == "malformed"
 
 
-@pytest.mark.parametrize(("data", "match"), [
-    (b"", "truncated"),
-    (b"\x00\x00\x00\x00\x02\x00\x00\x00" + b"\xff" * 16, "not a valid PCP envelope"),
-    (wire(protocol.encode(*SMALL))[:-1], "truncated"),
-    (wire(protocol.encode(*SMALL)) + b"\0", "1 extra bytes"),
-    (craft("goodbye", {"reason": "ok"})[:-8], "truncated"),
-])
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"", "truncated"),
+        (b"\x00\x00\x00\x00\x02\x00\x00\x00" + b"\xff" * 16, "not a valid PCP envelope"),
+        (wire(protocol.encode(*SMALL))[:-1], "truncated"),
+        (wire(protocol.encode(*SMALL)) + b"\0", "1 extra bytes"),
+        (craft("goodbye", {"reason": "ok"})[:-8], "truncated"),
+    ],
+)
 def test_garbage_and_truncations_are_malformed(data, match):
     with pytest.raises(protocol.MalformedMessage, match=match):
         protocol.decode(data)
@@ -553,24 +665,33 @@ def test_unknown_enum_in_a_body_is_malformed():
         protocol.decode(bytes(frame))
 
 
-@pytest.mark.parametrize(("kind", "body", "peer"), [
-    ("hello", {"supportedVersions": [5]}, (5,)),
-    ("workerHello", {"supportedVersions": [0]}, (0,)),
-    ("heartbeat", {"sentAt": 1.0}, (7,)),
-])
+@pytest.mark.parametrize(
+    ("kind", "body", "peer"),
+    [
+        ("hello", {"supportedVersions": [5]}, (5,)),
+        ("workerHello", {"supportedVersions": [0]}, (0,)),
+        ("heartbeat", {"sentAt": 1.0}, (7,)),
+    ],
+)
 def test_wrong_version_is_refused_with_both_sides_named(kind, body, peer):
     version = 0 if peer == (0,) else 7 if kind == "heartbeat" else 5
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(wire(protocol.encode(kind, body, version=version)))
     assert caught.value.peer_versions == peer
     text = str(caught.value)
-    assert f"the peer speaks version(s) {peer[0]}" in text and "this side speaks version(s) 1" in text
+    assert (
+        f"the peer speaks version(s) {peer[0]}" in text and "this side speaks version(s) 1" in text
+    )
     assert "upgrade pcp-tui on the older side" in text
 
 
 def test_errors_form_one_hierarchy_with_schema_codes():
-    for error in (protocol.VersionMismatch((2,), (1,)), protocol.FrameTooLarge("x"),
-                  protocol.MalformedMessage("x"), protocol.ConnectionClosed("x")):
+    for error in (
+        protocol.VersionMismatch((2,), (1,)),
+        protocol.FrameTooLarge("x"),
+        protocol.MalformedMessage("x"),
+        protocol.ConnectionClosed("x"),
+    ):
         assert isinstance(error, protocol.ProtocolError)
         assert error.code in protocol.ERROR_CODES
 

@@ -17,9 +17,15 @@ from hypothesis.extra import numpy as hnp
 import protocol
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SMALL_LIMITS = protocol.Limits(max_message_bytes=4096, max_segments=4, max_tensors=4,
-                               max_tensor_bytes=4096, max_total_tensor_bytes=8192,
-                               traversal_limit_words=512, nesting_limit=8)
+SMALL_LIMITS = protocol.Limits(
+    max_message_bytes=4096,
+    max_segments=4,
+    max_tensors=4,
+    max_tensor_bytes=4096,
+    max_total_tensor_bytes=8192,
+    traversal_limit_words=512,
+    nesting_limit=8,
+)
 RNG = np.random.default_rng(0)
 
 
@@ -29,20 +35,55 @@ def wire(buffers) -> bytes:
 
 VALID = [
     wire(protocol.encode("hello", {"supportedVersions": [1], "nonce": b"n" * 16, "runId": "r"})),
-    wire(protocol.encode("workerHello", {"workerId": "w", "backend": {"platform": "cpu", "deviceCount": 2}})),
-    wire(protocol.encode("plan", {"runId": "r", "graphs": [{"name": "g", "platforms": ["cpu"], "tensor": "g"}],
-                                  "paramNames": ["a", "b"], "compression": "bfloat16"},
-                         {"g": np.frombuffer(b"graph", np.uint8)})),
-    wire(protocol.encode("roundStart", {"round": 1}, {"a": np.arange(6, dtype=np.float32).reshape(2, 3),
-                                                      "b": np.array(True), "c": np.zeros(0, np.int64)})),
-    wire(protocol.encode("roundResult", {"round": 2, "losses": [1.0, 0.5]},
-                         {"d": RNG.standard_normal(40).astype(np.float32)}, quantization="int8Block", block_size=16)),
-    wire(protocol.encode("roundResult", {"round": 2}, {"d": RNG.standard_normal(9)}, quantization="bfloat16")),
+    wire(
+        protocol.encode(
+            "workerHello", {"workerId": "w", "backend": {"platform": "cpu", "deviceCount": 2}}
+        )
+    ),
+    wire(
+        protocol.encode(
+            "plan",
+            {
+                "runId": "r",
+                "graphs": [{"name": "g", "platforms": ["cpu"], "tensor": "g"}],
+                "paramNames": ["a", "b"],
+                "compression": "bfloat16",
+            },
+            {"g": np.frombuffer(b"graph", np.uint8)},
+        )
+    ),
+    wire(
+        protocol.encode(
+            "roundStart",
+            {"round": 1},
+            {
+                "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+                "b": np.array(True),
+                "c": np.zeros(0, np.int64),
+            },
+        )
+    ),
+    wire(
+        protocol.encode(
+            "roundResult",
+            {"round": 2, "losses": [1.0, 0.5]},
+            {"d": RNG.standard_normal(40).astype(np.float32)},
+            quantization="int8Block",
+            block_size=16,
+        )
+    ),
+    wire(
+        protocol.encode(
+            "roundResult", {"round": 2}, {"d": RNG.standard_normal(9)}, quantization="bfloat16"
+        )
+    ),
     wire(protocol.encode("error", {"code": "busy", "message": "later"})),
 ]
 
 
-def decodes_or_refuses(data: bytes, limits: protocol.Limits = protocol.Limits()) -> protocol.Message | None:  # noqa: B008
+def decodes_or_refuses(
+    data: bytes, limits: protocol.Limits = protocol.Limits()
+) -> protocol.Message | None:  # noqa: B008
     try:
         message = protocol.decode(data, limits)
     except protocol.ProtocolError as exc:
@@ -79,7 +120,11 @@ def test_mutations_of_valid_messages(valid, data):
 
 
 @FUZZ
-@given(st.sampled_from(VALID), st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=5), st.booleans())
+@given(
+    st.sampled_from(VALID),
+    st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=5),
+    st.booleans(),
+)
 def test_huge_length_fields(valid, fields, in_segment_table):
     """Arbitrary uint32s over the segment table, or over the first words of the root struct."""
     mutated = bytearray(valid)
@@ -91,9 +136,9 @@ def test_huge_length_fields(valid, fields, in_segment_table):
 
 def pointer_words():
     """64-bit words biased towards Cap'n Proto pointers: struct, list, far and capability tags."""
-    tagged = st.tuples(st.integers(-(2**29), 2**29 - 1), st.integers(0, 3), st.integers(0, 2**32 - 1)).map(
-        lambda parts: ((parts[0] << 2 | parts[1]) & 0xFFFFFFFF) | parts[2] << 32
-    )
+    tagged = st.tuples(
+        st.integers(-(2**29), 2**29 - 1), st.integers(0, 3), st.integers(0, 2**32 - 1)
+    ).map(lambda parts: ((parts[0] << 2 | parts[1]) & 0xFFFFFFFF) | parts[2] << 32)
     return st.one_of(tagged, st.integers(0, 2**64 - 1), st.just(0xFFFFFFFC), st.just(0))
 
 
@@ -133,8 +178,10 @@ tensor_arrays = st.sampled_from(list(protocol.DTYPES.values())).flatmap(arrays_o
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.dictionaries(st.text(min_size=1, max_size=8), tensor_arrays, max_size=4),
-       st.lists(st.integers(1, 64), max_size=30))
+@given(
+    st.dictionaries(st.text(min_size=1, max_size=8), tensor_arrays, max_size=4),
+    st.lists(st.integers(1, 64), max_size=30),
+)
 def test_any_tensors_round_trip_through_a_fragmenting_stream(tensors, sizes):
     data = wire(protocol.encode("roundStart", {"round": 1}, tensors))
     message = protocol.decode(data)
@@ -147,7 +194,7 @@ def test_any_tensors_round_trip_through_a_fragmenting_stream(tensors, sizes):
         left, right = trio.testing.memory_stream_pair()
         position = 0
         for size in [*sizes, len(data)]:
-            await left.send_all(data[position:position + size])
+            await left.send_all(data[position : position + size])
             position += size
         streamed = await protocol.MessageStream(right).receive()
         assert streamed.wire_bytes == len(data)
@@ -161,4 +208,7 @@ def test_nesting_deeper_than_the_limit_is_refused():
     """Envelope -> workerHello -> backend is 3 structs deep: a limit of 2 must refuse it, not crash."""
     data = wire(protocol.encode("workerHello", {"workerId": "w", "backend": {"platform": "cpu"}}))
     assert decodes_or_refuses(data, protocol.Limits(nesting_limit=2)) is None
-    assert decodes_or_refuses(data, protocol.Limits(nesting_limit=3)).body["backend"]["platform"] == "cpu"
+    assert (
+        decodes_or_refuses(data, protocol.Limits(nesting_limit=3)).body["backend"]["platform"]
+        == "cpu"
+    )

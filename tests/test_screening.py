@@ -21,7 +21,10 @@ SHAPES = {"w": (3, 4), "b": (4,)}
 
 def update(scale: float, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {name: (scale * rng.standard_normal(shape)).astype(np.float32) for name, shape in SHAPES.items()}
+    return {
+        name: (scale * rng.standard_normal(shape)).astype(np.float32)
+        for name, shape in SHAPES.items()
+    }
 
 
 def test_global_norm_is_the_l2_norm_of_everything():

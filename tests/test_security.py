@@ -29,8 +29,23 @@ from .conftest import worker_command, worker_env
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL_FLAGS = ["--seq-len", "32", "--batch-size", "4", "--data-max-bytes", "262144", "--eval-batches", "2",
-               "--heartbeat-seconds", "0.5", "--host", "127.0.0.1", "--port", "0", "--headless"]
+SMALL_FLAGS = [
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--data-max-bytes",
+    "262144",
+    "--eval-batches",
+    "2",
+    "--heartbeat-seconds",
+    "0.5",
+    "--host",
+    "127.0.0.1",
+    "--port",
+    "0",
+    "--headless",
+]
 HANG_GUARD = 120  # seconds; only so that a broken shepherd fails the test instead of hanging it
 
 
@@ -40,7 +55,11 @@ class Shepherd:
     def __init__(self, *flags: str, token: str = "s3cret"):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pcp_tui", "shepherd", *SMALL_FLAGS, "--token", token, *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=worker_env(),
+            cwd=REPO,
         )
         self.lines: list[str] = []
         self._changed = threading.Condition()
@@ -60,7 +79,8 @@ class Shepherd:
     def wait_for(self, pattern: str, count: int = 1) -> re.Match:
         with self._changed:
             ok = self._changed.wait_for(
-                lambda: len(self.matches(pattern)) >= count or self.process.poll() is not None, timeout=HANG_GUARD
+                lambda: len(self.matches(pattern)) >= count or self.process.poll() is not None,
+                timeout=HANG_GUARD,
             )
             found = self.matches(pattern)
         assert ok and len(found) >= count, self.output
@@ -113,9 +133,16 @@ def round_workers(path: Path) -> list[int]:
 # --------------------------------------------------------------------------- raw peers
 
 
-def worker_hello(nonce: bytes, proof_token: str | None, *, worker_id: str = "raw-peer", version: int = 1) -> bytes:
+def worker_hello(
+    nonce: bytes, proof_token: str | None, *, worker_id: str = "raw-peer", version: int = 1
+) -> bytes:
     proof = auth.proof(proof_token, nonce, worker_id) if proof_token is not None else b""
-    body = {"supportedVersions": [version], "workerId": worker_id, "proof": proof, "backend": {"platform": "cpu"}}
+    body = {
+        "supportedVersions": [version],
+        "workerId": worker_id,
+        "proof": proof,
+        "backend": {"platform": "cpu"},
+    }
     return b"".join(bytes(b) for b in protocol.encode("workerHello", body, version=version))
 
 
@@ -131,35 +158,54 @@ async def handshake_answer(port: int, hello_for) -> tuple[protocol.Message, byte
 
 
 def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path):
-    shepherd = shepherds("--workers", "1", "--rounds", "2", "--inner-steps", "2", "--metrics", str(tmp_path / "m"))
+    shepherd = shepherds(
+        "--workers", "1", "--rounds", "2", "--inner-steps", "2", "--metrics", str(tmp_path / "m")
+    )
 
     async def attacks():
         answers = {}
         with trio.fail_after(HANG_GUARD):
-            answers["wrong"], _ = await handshake_answer(shepherd.port, lambda n: worker_hello(n, "guess"))
-            answers["none"], _ = await handshake_answer(shepherd.port, lambda n: worker_hello(n, None))
+            answers["wrong"], _ = await handshake_answer(
+                shepherd.port, lambda n: worker_hello(n, "guess")
+            )
+            answers["none"], _ = await handshake_answer(
+                shepherd.port, lambda n: worker_hello(n, None)
+            )
             # an honest handshake, captured on the wire, then replayed byte for byte on a new connection
-            answers["right"], captured = await handshake_answer(shepherd.port, lambda n: worker_hello(n, "s3cret"))
+            answers["right"], captured = await handshake_answer(
+                shepherd.port, lambda n: worker_hello(n, "s3cret")
+            )
             answers["replay"], _ = await handshake_answer(shepherd.port, lambda n: captured)
             answers["v2"], _ = await handshake_answer(
-                shepherd.port, lambda n: worker_hello(n, "s3cret", worker_id="from-the-future", version=2)
+                shepherd.port,
+                lambda n: worker_hello(n, "s3cret", worker_id="from-the-future", version=2),
             )
         return answers
 
     answers = trio.run(attacks)
     for attempt in ("wrong", "none", "replay"):
-        assert answers[attempt].kind == "error" and answers[attempt].body["code"] == "authFailed", attempt
+        assert answers[attempt].kind == "error" and answers[attempt].body["code"] == "authFailed", (
+            attempt
+        )
         assert "--token" in answers[attempt].body["message"]
     assert answers["right"].kind == "welcome"
     mismatch = answers["v2"].body
     assert mismatch["code"] == "versionMismatch"
-    assert "speaks protocol version 1, this worker speaks 2; upgrade pcp-tui on this shepherd" in mismatch["message"]
+    assert (
+        "speaks protocol version 1, this worker speaks 2; upgrade pcp-tui on this shepherd"
+        in mismatch["message"]
+    )
 
     honest = spawn_worker(shepherd.port, token="s3cret")
     assert shepherd.finish() == 0, shepherd.output
     assert honest.wait(timeout=HANG_GUARD) == 0
     refused = [row for row in metrics(tmp_path / "m") if row["event"] == "refused"]
-    assert [row.get("code") for row in refused] == ["authFailed", "authFailed", "authFailed", "versionMismatch"]
+    assert [row.get("code") for row in refused] == [
+        "authFailed",
+        "authFailed",
+        "authFailed",
+        "versionMismatch",
+    ]
     assert round_workers(tmp_path / "m") == [1, 1]
 
 
@@ -201,10 +247,20 @@ async def flood(port: int, connections: int) -> list[str]:
     return closed
 
 
-def test_a_flood_of_hostile_connections_neither_stops_training_nor_grows_memory(shepherds, spawn_worker, tmp_path):
+def test_a_flood_of_hostile_connections_neither_stops_training_nor_grows_memory(
+    shepherds, spawn_worker, tmp_path
+):
     shepherd = shepherds(
-        "--workers", "2", "--rounds", "3", "--inner-steps", "5", "--handshake-timeout", "2",
-        "--metrics", str(tmp_path / "m"),
+        "--workers",
+        "2",
+        "--rounds",
+        "3",
+        "--inner-steps",
+        "5",
+        "--handshake-timeout",
+        "2",
+        "--metrics",
+        str(tmp_path / "m"),
     )
     rss_before = shepherd.rss_kib()
     closed = trio.run(flood, shepherd.port, 200)  # while the shepherd waits for its workers
@@ -232,12 +288,26 @@ def test_a_flood_of_hostile_connections_neither_stops_training_nor_grows_memory(
 # --------------------------------------------------------------------------- poisoned results
 
 
-def test_a_worker_sending_nan_is_refused_and_the_model_stays_finite(shepherds, spawn_worker, tmp_path):
-    shepherd = shepherds("--workers", "3", "--rounds", "2", "--inner-steps", "3", "--metrics", str(tmp_path / "m"))
+def test_a_worker_sending_nan_is_refused_and_the_model_stays_finite(
+    shepherds, spawn_worker, tmp_path
+):
+    shepherd = shepherds(
+        "--workers", "3", "--rounds", "2", "--inner-steps", "3", "--metrics", str(tmp_path / "m")
+    )
     honest = [spawn_worker(shepherd.port, token="s3cret") for _ in range(2)]
     evil = subprocess.Popen(
-        [sys.executable, "-m", "tests.evil_worker", "nan", *worker_command(shepherd.port, "--quiet", token="s3cret")[4:]],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "tests.evil_worker",
+            "nan",
+            *worker_command(shepherd.port, "--quiet", token="s3cret")[4:],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=worker_env(),
+        cwd=REPO,
     )
     try:
         assert shepherd.finish() == 0, shepherd.output
@@ -261,24 +331,60 @@ def self_signed(directory: Path, name: str = "") -> tuple[Path, Path]:
     """The README's one-line recipe."""
     cert, key = directory / f"{name}cert.pem", directory / f"{name}key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "365", "-subj", "/CN=pcp-shepherd",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "365",
+            "-subj",
+            "/CN=pcp-shepherd",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
 
-@pytest.mark.skipif(not any(os.access(os.path.join(p, "openssl"), os.X_OK) for p in os.get_exec_path()),
-                    reason="needs the openssl command")
+@pytest.mark.skipif(
+    not any(os.access(os.path.join(p, "openssl"), os.X_OK) for p in os.get_exec_path()),
+    reason="needs the openssl command",
+)
 def test_tls_run_and_workers_that_do_not_trust_the_shepherd(shepherds, spawn_worker, tmp_path):
     cert, key = self_signed(tmp_path)
     other_cert, _ = self_signed(tmp_path, "other-")
-    shepherd = shepherds("--workers", "2", "--rounds", "2", "--inner-steps", "3", "--tls-cert", str(cert),
-                         "--tls-key", str(key), "--metrics", str(tmp_path / "m"))
+    shepherd = shepherds(
+        "--workers",
+        "2",
+        "--rounds",
+        "2",
+        "--inner-steps",
+        "3",
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+        "--metrics",
+        str(tmp_path / "m"),
+    )
     printed = shepherd.join_command.split("--tls-fingerprint ")[1].split()[0]
-    openssl = subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-fingerprint", "-sha256"],
-                             check=True, capture_output=True, text=True).stdout
+    openssl = subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-fingerprint", "-sha256"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert printed == normalize_fingerprint(openssl)
 
     wrong_pin = spawn_worker(shepherd.port, "--tls-fingerprint", "ab" * 32, token="s3cret")
@@ -292,7 +398,9 @@ def test_tls_run_and_workers_that_do_not_trust_the_shepherd(shepherds, spawn_wor
         with trio.fail_after(HANG_GUARD):
             stream = await trio.open_tcp_stream("127.0.0.1", shepherd.port)
             async with stream:
-                await stream.send_all(worker_hello(b"", "s3cret"))  # Cap'n Proto where a TLS ClientHello belongs
+                await stream.send_all(
+                    worker_hello(b"", "s3cret")
+                )  # Cap'n Proto where a TLS ClientHello belongs
                 while await stream.receive_some(4096):
                     pass
 
