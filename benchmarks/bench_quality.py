@@ -62,7 +62,7 @@ def run(label: str, config: RunConfig) -> Result:
     shepherd = Shepherd(config, task)
     env = dict(
         os.environ,
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         PYTHONUNBUFFERED="1",
         XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
     )
@@ -130,7 +130,7 @@ def plans(args: argparse.Namespace) -> list[tuple[str, RunConfig]]:
         model="tiny",
         seq_len=64,
         batch_size=8,
-        data_max_bytes=2_000_000,
+        data_max_bytes=args.data_max_bytes,
         eval_batches=16,
         chunk_steps=10,
         inner_lr=args.inner_lr,
@@ -237,7 +237,8 @@ def plot(results: list[Result], path: Path) -> bool:
         ylabel="held-out loss",
         title="DiLoCo vs synchronous DP, same tokens",
     )
-    axes.set_ylim(top=min(4.0, axes.get_ylim()[1]))
+    # the first points (loss ~5.5) would flatten the curves where the runs differ
+    axes.set_ylim(top=min(4.0, 1.5 * max(r.final_eval_loss for r in results)))
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
@@ -259,10 +260,27 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="*", help="run only the labels containing one of these strings"
     )
+    parser.add_argument(
+        "--data-max-bytes", type=int, default=2_000_000, help="bytes of the embedded corpus"
+    )
+    parser.add_argument("--label-suffix", default="", help="appended to every run's label")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="combine quality.json files of earlier runs (e.g. run in parallel) into --out",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [run(label, config) for label, config in plans(args)]
+    if args.merge:
+        results = [Result(**r) for path in args.merge for r in json.loads(path.read_text())]
+        order = ("sync", "DiLoCo", "large", "single")  # the order a single run prints them in
+        results.sort(
+            key=lambda r: (next(i for i, o in enumerate(order + ("",)) if o in r.label), r.label)
+        )
+    else:
+        results = [run(label + args.label_suffix, config) for label, config in plans(args)]
     (args.out / "quality.json").write_text(json.dumps([vars(r) for r in results], indent=1))
     text = table(results)
     (args.out / "quality_table.md").write_text(text + "\n")

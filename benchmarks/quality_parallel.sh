@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# benchmarks/bench_quality.py with every row in its own process, for a machine
+# with many cores (each row needs about k+1 of them), then one merged table and plot.
+# Usage (repo root): bash benchmarks/quality_parallel.sh OUT_DIR [STEPS] [DATA_MAX_BYTES]
+set -uo pipefail
+out=${1:?usage: quality_parallel.sh OUT_DIR [STEPS] [DATA_MAX_BYTES]}
+steps=${2:-2000}
+bytes=${3:-8000000}
+export PYTHONUNBUFFERED=1 XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+mkdir -p "$out"
+common=(--steps "$steps" --data-max-bytes "$bytes" --outer-lr 1.0 --outer-momentum 0.5)
+rows=(
+  "sync|--only sync"
+  "large|--only large"
+  "single|--only single"
+  "h10|--only H=10 --h 10"
+  "h50|--only H=50 --h 50"
+  "h200|--only H=200 --h 200"
+  "h50paper|--only H=50 --h 50 --outer-lr 0.7 --outer-momentum 0.9 --label-suffix , outer 0.7/0.9"
+  "h50avg|--only H=50 --h 50 --outer-lr 1.0 --outer-momentum 0.0 --label-suffix , outer 1.0/0"
+)
+for row in "${rows[@]}"; do
+  name=${row%%|*}
+  IFS='|' read -r _ rest <<<"$row"
+  suffix=""
+  if [[ $rest == *--label-suffix* ]]; then suffix=${rest#*--label-suffix }; rest=${rest%% --label-suffix*}; fi
+  # shellcheck disable=SC2086
+  python3 benchmarks/bench_quality.py "${common[@]}" $rest ${suffix:+--label-suffix "$suffix"} \
+    --out "$out/$name" >"$out/$name.log" 2>&1 &
+done
+wait
+python3 benchmarks/bench_quality.py --merge "$out"/*/quality.json --out "$out"
+echo "all rows done"
