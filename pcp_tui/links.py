@@ -14,6 +14,8 @@ from . import __version__, auth
 from .state import RunState, WorkerView
 
 HANDSHAKE_SECONDS = 10.0
+# What a send or receive raises when the peer broke the protocol or the connection is gone.
+CONNECTION_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class Refused(Exception):
@@ -76,9 +78,7 @@ class WorkerLink:
             return
         self.closed = True
         with trio.move_on_after(2):
-            with contextlib.suppress(
-                protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError
-            ):
+            with contextlib.suppress(*CONNECTION_ERRORS):
                 await self.send("goodbye", {"reason": reason})
         await self.stream.aclose()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Mapping
 
 import numpy as np
 import trio
@@ -13,42 +12,28 @@ import trio
 import protocol
 
 from .diloco import PseudoGradientMean
+from .screening import BadResult, ResultScreen
+from .state import RoundRecord
 
-
-class BadResult(ValueError):
-    """A round result that must not be averaged in (wrong tensors, NaN, Inf)."""
-
-
-def check_pseudo_gradient(
-    tensors: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
-) -> None:
-    """Refuse a pseudo-gradient that does not match the plan or is not finite."""
-    if set(tensors) != set(shapes):
-        missing = sorted(set(shapes) - set(tensors))[:3]
-        extra = sorted(set(tensors) - set(shapes))[:3]
-        raise BadResult(
-            f"tensor names do not match the plan (missing {missing}, unexpected {extra})"
-        )
-    for name, expected in shapes.items():
-        array = tensors[name]
-        if tuple(array.shape) != tuple(expected):
-            raise BadResult(
-                f"{name} has shape {tuple(array.shape)}, the plan says {tuple(expected)}"
-            )
-        if array.dtype.kind != "f":
-            raise BadResult(f"{name} has dtype {array.dtype}, expected floating point")
-        if not np.isfinite(array).all():
-            raise BadResult(f"{name} holds NaN or Inf")
+__all__ = ["BadResult", "Round"]
 
 
 class Round:
     """Collects results for one round number; late or foreign results are refused."""
 
-    def __init__(self, number: int, participants: list[str], names: tuple[str, ...]):
+    def __init__(
+        self,
+        number: int,
+        participants: list[str],
+        mean: PseudoGradientMean,
+        screen: ResultScreen,
+    ):
         self.number = number
         self.participants = set(participants)
         self.pending = set(participants)
-        self.mean = PseudoGradientMean(names)
+        self.mean = mean  # the run's buffers, emptied for this round
+        self.mean.reset()
+        self._screen = screen
         self.started = time.monotonic()
         self.losses: list[float] = []
         self.tokens = 0
@@ -58,37 +43,78 @@ class Round:
         self.contributors: list[str] = []
         self.bytes_at_start = (0, 0)
         self.done = trio.Event()
-        self._lock = trio.Lock()
+        self._lock = trio.Lock()  # one result is screened and folded in at a time
+        self._closed = False
 
     def accepts(self, worker_id: str, round_number: int) -> bool:
         return round_number == self.number and worker_id in self.pending
 
-    async def add(self, worker_id: str, message: protocol.Message) -> None:
-        """Fold one validated result into the running mean (off the event loop)."""
+    async def add(self, worker_id: str, message: protocol.Message) -> bool:
+        """Screen one result and fold it into the running mean, off the event loop.
+
+        BadResult if it is refused; False if the round closed while it waited
+        its turn (it is then not counted).
+        """
+        async with self._lock:
+            if self._closed:
+                return False
+            tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
+        self.tokens += tokens
+        self.bytes_saved += max(
+            sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0
+        )
+        self.losses.extend(losses)
+        self.compute_seconds[worker_id] = float(message.body.get("computeSeconds", 0.0))
+        self.arrivals[worker_id] = time.monotonic() - self.started
+        self.contributors.append(worker_id)
+        self.finish(worker_id)
+        return True
+
+    def _screen_and_fold(self, message: protocol.Message) -> tuple[int, list[float]]:
         body = message.body
+        norm = self._screen.check(message.tensors, body.get("tokens", 0))
         tokens = int(body.get("tokens", 0))
         if tokens <= 0:
             raise BadResult("a round result must report a positive token count")
         losses = [float(x) for x in body.get("losses", [])]
         if not all(math.isfinite(x) for x in losses):
             raise BadResult("reported losses hold NaN or Inf")
+        self.mean.add(message.tensors, float(tokens))
+        self._screen.accept(norm)
+        return tokens, losses
+
+    async def close(self) -> None:
+        """Fold nothing in after this: waits for a result being folded in, refuses later ones."""
         async with self._lock:
-            await trio.to_thread.run_sync(self.mean.add, message.tensors, float(tokens))
-        self.tokens += tokens
-        self.bytes_saved += max(
-            sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0
-        )
-        self.losses.extend(losses)
-        self.compute_seconds[worker_id] = float(body.get("computeSeconds", 0.0))
-        self.arrivals[worker_id] = time.monotonic() - self.started
-        self.contributors.append(worker_id)
-        self.finish(worker_id)
+            self._closed = True
 
     def finish(self, worker_id: str) -> None:
         """The worker is out of this round (returned, refused or lost)."""
         self.pending.discard(worker_id)
         if not self.pending:
             self.done.set()
+
+    def record(self, eval_loss: float | None, bytes_sent: int, bytes_received: int) -> RoundRecord:
+        """The round as history keeps it; `bytes_*` are the run's totals now."""
+        seconds = time.monotonic() - self.started
+        compute, communication, straggler = self.timings(seconds)
+        sent0, received0 = self.bytes_at_start
+        return RoundRecord(
+            round=self.number,
+            train_loss=float(np.mean(self.losses)) if self.losses else float("nan"),
+            eval_loss=eval_loss,
+            round_seconds=seconds,
+            compute_seconds=compute,
+            communication_seconds=communication,
+            straggler_seconds=straggler,
+            tokens=self.tokens,
+            tokens_per_second=self.tokens / seconds if seconds > 0 else 0.0,
+            bytes_sent=bytes_sent - sent0,
+            bytes_received=bytes_received - received0,
+            bytes_saved=self.bytes_saved,
+            workers=len(self.contributors),
+            worker_ids=tuple(self.contributors),
+        )
 
     def timings(self, total: float) -> tuple[float, float, float]:
         """(compute, communication, straggler) seconds of this round."""

@@ -1,11 +1,15 @@
 """Checks each side runs on tensors from the other before using them.
 
-The shepherd screens pseudo-gradients beyond their names, shapes and
-finiteness (`rounds.check_pseudo_gradient`): one whose global L2 norm is
-absurd next to the recently accepted ones would wreck the model even though
-every number in it is finite. The worker screens the parameters of a round
-start: they must be exactly the plan's tensors, with the shapes the compiled
-graph takes, and finite.
+The shepherd screens a pseudo-gradient's names, shapes and finiteness, and
+beyond that its global L2 norm: one that is absurd next to the recently
+accepted ones would wreck the model even though every number in it is finite.
+The worker screens the parameters of a round start: they must be exactly the
+plan's tensors, with the shapes the compiled graph takes, and finite.
+
+Finiteness and the norm come from one pass over each tensor: a sum of squares
+is finite exactly when every value is finite and the sum does not overflow, so
+the element-wise `isfinite` pass (and its boolean temporary) runs only on a
+tensor whose sum of squares is not finite, to tell which of the two it is.
 """
 
 from __future__ import annotations
@@ -17,21 +21,67 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .rounds import BadResult
+
+class BadResult(ValueError):
+    """A round result that must not be averaged in (wrong tensors, NaN, Inf)."""
+
 
 NORM_FACTOR = 10.0  # refuse a norm above this many times the median of recent accepted ones
 NORM_BASELINE = 2  # accepted norms needed before the check applies
 NORM_WINDOW = 8  # recent accepted norms the median is taken over (a few rounds)
 
 
+def squared_norm(array: np.ndarray) -> float:
+    """The square of a tensor's float32 L2 norm (inf or nan when it is not finite or overflows).
+
+    Computed as `np.linalg.norm` does, a float32 dot product of the flattened
+    tensor with itself, so a norm is the same number as before it was fused
+    with the finiteness check.
+    """
+    with np.errstate(over="ignore"):  # overflow to inf is the answer, not an accident
+        flat = np.ravel(array).astype(np.float32, copy=False)
+        norm = float(np.sqrt(flat.dot(flat)))
+    return norm * norm
+
+
+def is_finite(array: np.ndarray, squared: float | None = None) -> bool:
+    """Whether every value of `array` is finite; `squared` (its `squared_norm`) spares a pass."""
+    if squared is None:
+        squared = squared_norm(array)
+    return math.isfinite(squared) or bool(np.isfinite(array).all())
+
+
 def global_norm(tensors: Mapping[str, np.ndarray]) -> float:
     """L2 norm over all tensors together (inf if it overflows: that is absurd anyway)."""
-    total = 0.0
-    with np.errstate(over="ignore"):
-        for array in tensors.values():
-            norm = float(np.linalg.norm(np.ravel(array).astype(np.float32, copy=False)))
-            total += norm * norm
-    return math.sqrt(total)
+    return math.sqrt(sum(squared_norm(array) for array in tensors.values()))
+
+
+def check_pseudo_gradient(
+    tensors: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
+) -> float:
+    """Refuse a pseudo-gradient that does not match the plan or is not finite.
+
+    Returns its `global_norm` (from the same pass), for `NormGuard.judge`.
+    """
+    if set(tensors) != set(shapes):
+        missing = sorted(set(shapes) - set(tensors))[:3]
+        extra = sorted(set(tensors) - set(shapes))[:3]
+        raise BadResult(
+            f"tensor names do not match the plan (missing {missing}, unexpected {extra})"
+        )
+    squares = {}
+    for name, expected in shapes.items():
+        array = tensors[name]
+        if tuple(array.shape) != tuple(expected):
+            raise BadResult(
+                f"{name} has shape {tuple(array.shape)}, the plan says {tuple(expected)}"
+            )
+        if array.dtype.kind != "f":
+            raise BadResult(f"{name} has dtype {array.dtype}, expected floating point")
+        squares[name] = squared_norm(array)  # inf if it overflows: NormGuard.judge refuses that
+        if not is_finite(array, squares[name]):
+            raise BadResult(f"{name} holds NaN or Inf")
+    return math.sqrt(sum(squares[name] for name in tensors))  # summed in global_norm's order
 
 
 class NormGuard:
@@ -49,7 +99,10 @@ class NormGuard:
 
     def check(self, tensors: Mapping[str, np.ndarray]) -> float:
         """The pseudo-gradient's global norm; BadResult if it is not finite or absurdly large."""
-        norm = global_norm(tensors)
+        return self.judge(global_norm(tensors))
+
+    def judge(self, norm: float) -> float:
+        """`norm`, unless it is not finite or absurdly large next to recent ones (BadResult)."""
         if not math.isfinite(norm):
             raise BadResult("its global L2 norm overflows float32")
         if len(self._recent) >= self.baseline:
@@ -107,6 +160,30 @@ def round_start_problem(
             return f"{name} has shape {tuple(array.shape)}, the compiled graph takes {tuple(shapes[name])}"
         if array.dtype.kind != "f":
             return f"{name} has dtype {array.dtype}, expected floating point"
-        if not np.isfinite(array).all():
+        if not is_finite(array):
             return f"{name} holds NaN or Inf"
     return None
+
+
+class ResultScreen:
+    """Everything a round result must pass before it is averaged in, in the order it is checked."""
+
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        max_tokens: int,
+        norms: NormGuard | None = None,
+    ):
+        self.shapes = dict(shapes)
+        self.max_tokens = max_tokens
+        self.norms = norms or NormGuard()
+
+    def check(self, tensors: Mapping[str, np.ndarray], tokens: object) -> float:
+        """The result's global norm; BadResult for wrong tensors, NaN/Inf, a bad token count or norm."""
+        norm = check_pseudo_gradient(tensors, self.shapes)
+        check_token_count(tokens, self.max_tokens)
+        return self.norms.judge(norm)
+
+    def accept(self, norm: float) -> None:
+        """The result was averaged in: its norm joins the baseline."""
+        self.norms.accept(norm)

@@ -1,0 +1,292 @@
+"""The shepherd's workers: one task per connection, from welcome to goodbye.
+
+`Flock.serve` takes a connection that `Admission` let in, welcomes the worker,
+sends it the plan (graphs, data shard), then reads what it sends: progress,
+round results (screened and folded into the current `Round`), heartbeats. A
+watchdog drops a worker that falls silent. The shepherd asks the flock who is
+ready and sets `flock.round` while a round runs; it never touches a socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+import trio
+
+import protocol
+
+from . import data
+from .admission import Admission
+from .config import RunConfig
+from .graph import TrainingGraphs
+from .links import CONNECTION_ERRORS, WorkerLink, WorkerLost
+from .rounds import BadResult, Round
+from .state import RunState, WorkerView
+from .task import Task
+
+
+class Flock:
+    """Every connected worker of one run, and the task serving each."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        task: Task,
+        state: RunState,
+        admission: Admission,
+        *,
+        run_id: str,
+        stopping: Callable[[], bool],
+    ):
+        self.config, self.task, self.state = config, task, state
+        self.admission = admission
+        self.run_id = run_id
+        self.graphs: TrainingGraphs | None = None  # set once exported, before anyone is served
+        self.round: Round | None = None  # the round results are folded into, if one runs
+        self._stopping = stopping
+        self._links: dict[str, WorkerLink] = {}
+        self._changed = trio.Event()  # set whenever a worker becomes ready or goes away
+        self._next_index = 0
+        self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
+
+    def remember(self, indices: dict[str, int]) -> None:
+        """Give returning workers the index (and so the shard) they had before a restart."""
+        self._known_indices = dict(indices)
+        self._next_index = max(indices.values(), default=-1) + 1
+
+    def ready_links(self) -> list[WorkerLink]:
+        return [link for link in self._links.values() if link.ready.is_set() and not link.closed]
+
+    def wake(self) -> None:
+        """Wake whoever waits in `changed` (a worker came or went, or the run is stopping)."""
+        self._changed.set()
+
+    async def changed(self) -> None:
+        """Wait until the next `wake`."""
+        self._changed = trio.Event()
+        await self._changed.wait()
+
+    async def goodbye_all(self, reason: str) -> None:
+        async with trio.open_nursery() as nursery:
+            for link in list(self._links.values()):
+                link.view.state, link.view.reason = "left", reason
+                nursery.start_soon(link.close, reason)
+
+    # -- one connection -------------------------------------------------------
+
+    async def serve(self, raw: trio.SocketStream) -> None:
+        """Serve one connection until it ends; never raises for what the peer does."""
+        admitted = await self.admission.admit(raw)  # TLS, token, limits; logs and closes refusals
+        if admitted is None:
+            return
+        link = self._admit(admitted.stream, admitted.hello, admitted.peer)
+        try:
+            await self._serve_worker(link)
+        except WorkerLost as exc:
+            self._mark_gone(link, "lost", str(exc))
+        except CONNECTION_ERRORS as exc:
+            self._mark_gone(link, "lost", str(exc) or type(exc).__name__)
+        except (KeyError, TypeError, ValueError) as exc:
+            # a body that passed the decoder but not our reading of it: drop this peer, keep the run
+            self._mark_gone(link, "lost", f"protocol violation ({type(exc).__name__}: {exc})")
+        else:
+            self._mark_gone(link, "left", link.view.reason or "said goodbye")
+        finally:
+            with trio.CancelScope(shield=True):
+                await link.close("connection closed")
+
+    def _admit(self, stream: protocol.MessageStream, hello, peer: str) -> WorkerLink:
+        old = self.state.workers.get(hello.worker_id)
+        if old is not None:
+            index = old.index
+        elif hello.worker_id in self._known_indices:  # same shard as before the restart
+            index = self._known_indices[hello.worker_id]
+        else:
+            index = self._next_index
+            self._next_index += 1
+        view = WorkerView(
+            worker_id=hello.worker_id,
+            index=index,
+            host=hello.hostname or peer,
+            backend=hello.backend,
+        )
+        self.state.workers[hello.worker_id] = view
+        link = WorkerLink(stream, view, self.state, hello.platform)
+        previous = self._links.get(hello.worker_id)
+        if previous is not None:
+            previous.closed = True
+        self._links[hello.worker_id] = link
+        verb = "rejoined" if old is not None else "joined"
+        self.state.emit(
+            verb,
+            f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
+            worker=hello.worker_id,
+        )
+        return link
+
+    def _mark_gone(self, link: WorkerLink, state: str, reason: str) -> None:
+        if self.state.status in ("done", "stopped", "failed") or self._stopping():
+            state = "left"  # the run is ending: a closing connection is expected, not a loss
+        if self._links.get(link.worker_id) is link:
+            del self._links[link.worker_id]
+            link.view.state, link.view.reason = state, reason
+            if state == "lost" and not self._stopping():
+                self.state.emit(
+                    "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
+                )
+        link.closed = True
+        if self.round is not None:
+            self.round.finish(link.worker_id)
+        self.wake()
+
+    async def _serve_worker(self, link: WorkerLink) -> None:
+        cfg = self.config
+        slot = link.view.index % len(self.task.shards)
+        await link.send(
+            "welcome",
+            {
+                "workerIndex": link.view.index,
+                "runId": self.run_id,
+                "heartbeatSeconds": cfg.heartbeat_seconds,
+            },
+        )
+        link.view.state = "compiling"
+        plan, tensors = self._plan(slot, self.task.shards[slot], link.platform)
+        await link.send("plan", plan, tensors)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats, link)
+            nursery.start_soon(self._watchdog, link, nursery.cancel_scope)
+            try:
+                await self._receive_loop(link)
+            except CONNECTION_ERRORS as exc:
+                link.lost_reason = link.lost_reason or str(exc) or type(exc).__name__
+            nursery.cancel_scope.cancel()
+        if link.lost_reason:
+            raise WorkerLost(link.lost_reason)
+
+    def _plan(
+        self, slot: int, shard: np.ndarray | dict[str, np.ndarray], platform: str
+    ) -> tuple[dict, dict[str, np.ndarray]]:
+        cfg, graphs = self.config, self.graphs
+        if platform not in graphs.platforms:
+            raise WorkerLost(
+                f"platform {platform} is not among the exported ones ({', '.join(graphs.platforms)})"
+            )
+        tensors = {
+            f"graph/{name}": np.frombuffer(blob, np.uint8)
+            for name, blob in graphs.as_dict().items()
+            if name != "eval_loss"
+        }
+        data_fields, data_tensors = data.shard_plan(shard)  # LM windows or rows of a custom dataset
+        tensors.update(data_tensors)
+        plan = {
+            "runId": self.run_id,
+            "modelName": self.task.name,
+            "paramCount": self.task.param_count,
+            "graphs": [
+                {"name": name, "platforms": list(graphs.platforms), "tensor": f"graph/{name}"}
+                for name in ("train_chunk", "init_opt_state")
+            ],
+            "paramNames": list(graphs.param_names),
+            "innerSteps": cfg.inner_steps,
+            "chunkSteps": graphs.chunk_steps,
+            "batchSize": cfg.batch_size,
+            "seqLen": cfg.seq_len,
+            "seed": cfg.seed,
+            "workerSlot": slot,
+            "compression": cfg.compression,
+            **data_fields,
+        }
+        return plan, tensors
+
+    async def _receive_loop(self, link: WorkerLink) -> None:
+        view = link.view
+        while True:
+            message = await link.receive()
+            body = message.body
+            if message.kind == "ready":
+                view.state = "idle"
+                link.ready.set()
+                self.state.emit(
+                    "compiled",
+                    f"worker {view.index} compiled in {body.get('compileSeconds', 0):.1f} s",
+                    worker=view.worker_id,
+                )
+                self.wake()
+            elif message.kind == "progress":
+                self._on_progress(view, body)
+            elif message.kind == "roundResult":
+                await self._on_result(link, message)
+            elif message.kind == "heartbeat":
+                pass
+            elif message.kind == "goodbye":
+                view.reason = str(body.get("reason", "said goodbye"))
+                return
+            elif message.kind == "error":
+                raise WorkerLost(f"worker error ({body.get('code')}): {body.get('message')}")
+            else:
+                raise WorkerLost(f"unexpected {message.kind} from a worker")
+
+    def _on_progress(self, view: WorkerView, body: dict) -> None:
+        view.state = str(body.get("phase") or "training")
+        view.step = int(body.get("step", 0))
+        view.total_steps = int(body.get("totalSteps", 0))
+        loss = float(body.get("loss", float("nan")))
+        if math.isfinite(loss):
+            view.loss = loss
+            global_step = (int(body.get("round", 1)) - 1) * self.config.inner_steps + view.step
+            self.state.step_losses.append((global_step, loss, view.index))
+        view.tokens_per_second = float(body.get("tokensPerSecond", 0.0))
+
+    async def _on_result(self, link: WorkerLink, message: protocol.Message) -> None:
+        view, current = link.view, self.round
+        number = int(message.body.get("round", -1))
+        try:
+            added = (
+                current is not None
+                and current.accepts(link.worker_id, number)
+                and await current.add(link.worker_id, message)
+            )
+        except BadResult as exc:
+            current.finish(link.worker_id)
+            view.reason = f"result refused: {exc}"
+            self.state.emit(
+                "bad_result",
+                f"refused worker {view.index}'s round {number} result: {exc}",
+                worker=link.worker_id,
+            )
+            with contextlib.suppress(*CONNECTION_ERRORS):
+                await link.send("error", {"code": "badResult", "message": f"result refused: {exc}"})
+            return
+        if not added:
+            self.state.emit(
+                "late_result",
+                f"dropped a late result for round {number} from worker {view.index}",
+                worker=link.worker_id,
+                round=number,
+            )
+            return
+        view.state = "idle"
+        view.step = view.total_steps
+
+    async def _heartbeats(self, link: WorkerLink) -> None:
+        try:
+            while True:
+                await trio.sleep(self.config.heartbeat_seconds)
+                await link.send("heartbeat", {"sentAt": time.time()})
+        except CONNECTION_ERRORS:
+            return  # the receive loop sees the broken connection and reports it
+
+    async def _watchdog(self, link: WorkerLink, scope: trio.CancelScope) -> None:
+        timeout = self.config.heartbeat_timeout
+        while True:
+            await trio.sleep(min(1.0, timeout / 4))
+            silent = time.monotonic() - link.view.last_heard
+            if silent > timeout:
+                link.lost_reason = f"silent for {silent:.0f} s (heartbeat timeout {timeout:.0f} s)"
+                scope.cancel()
+                return
