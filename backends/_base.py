@@ -64,3 +64,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]: ...
+
+    def keep(self, host: Sequence[np.ndarray], device: Sequence[Any]) -> Any:
+        """Hold on to a round's starting parameters (`device` is about to be donated to training).
+
+        `host` and `device` hold the same values; what comes back is only for `difference`.
+        """
+        return list(host)
+
+    def difference(self, kept: Any, after: Sequence[Any]) -> list[np.ndarray]:
+        """`kept - after` per array, as host arrays; `kept` is consumed (it may be overwritten)."""
+        return [
+            np.subtract(k, a, out=k if k.flags.writeable else None)
+            for k, a in zip(kept, self.to_host(after), strict=True)
+        ]

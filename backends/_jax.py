@@ -51,6 +51,11 @@ class JaxBackend(Backend):
         self._jax = jax
         self._platform = platform
         self._device = devices[0]
+        # kept - after for lists of device arrays, written over `kept`
+        self._subtract = jax.jit(
+            lambda before, after: [b - a for b, a in zip(before, after, strict=True)],
+            donate_argnums=0,
+        )
         self._info = BackendInfo(
             platform=platform,
             device_kind=str(self._device.device_kind),
@@ -104,6 +109,18 @@ class JaxBackend(Backend):
 
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         return [np.asarray(a) for a in self._jax.device_get(list(arrays))]
+
+    def keep(self, host: Sequence[np.ndarray], device: Sequence[Any]) -> Any:
+        if self._platform == "cpu":  # the host arrays are as close as a device copy, and free
+            return super().keep(host, device)
+        return list(self._jax.device_put(list(device), self._device, may_alias=False))
+
+    def difference(self, kept: Any, after: Sequence[Any]) -> list[np.ndarray]:
+        if self._platform == "cpu":
+            return super().difference(kept, after)
+        # on the device, so that only the difference crosses to the host
+        with self._jax.default_device(self._device):
+            return self.to_host(self._subtract(kept, list(after)))
 
 
 def _device_memory(device: Any) -> int:

@@ -1,8 +1,9 @@
 """The worker: joins a shepherd, compiles the shipped graphs, trains its shard.
 
 It runs no model code and unpickles nothing: everything it executes is a
-`jax.export` artifact from the plan. Compute runs in a thread
-(`trio.to_thread`) so heartbeats and progress keep flowing while a chunk runs.
+`jax.export` artifact from the plan. Compute, device transfers and the checks
+of a round's parameters run in threads (`trio.to_thread`), so heartbeats and
+progress keep flowing while they run.
 """
 
 from __future__ import annotations
@@ -264,12 +265,9 @@ class Worker:
 
     async def _train_round(self, sender: _Sender, message: protocol.Message) -> None:
         plan = self._plan
-        problem = round_start_problem(
-            message.tensors, plan.names, expected_shapes(plan.init_opt_state, plan.names)
-        )
-        if (
-            problem is not None
-        ):  # a broken or tampered shepherd: say why and hang up (the receive loop sees it)
+        problem = await trio.to_thread.run_sync(self._round_start_problem, message.tensors)
+        if problem is not None:
+            # a broken or tampered shepherd: say why and hang up (the receive loop sees it)
             self.status.update(message=f"refused a roundStart: {problem}")
             await sender.send(
                 "error", {"code": "malformed", "message": f"roundStart refused: {problem}"}
@@ -278,15 +276,49 @@ class Worker:
             return
         number = int(message.body["round"])
         steps = int(message.body.get("innerSteps") or plan.inner_steps)
-        global_params = [np.asarray(message.tensors[n], np.float32) for n in plan.names]
         started = time.perf_counter()
-        params = self.backend.to_device(global_params)
+        params, kept = await trio.to_thread.run_sync(self._upload, message.tensors)
         if self._opt_state is None:
-            self._opt_state = await trio.to_thread.run_sync(
-                lambda: plan.init_opt_state(tuple(params))
-            )
-        opt_state = self._opt_state
+            self._opt_state = await trio.to_thread.run_sync(plan.init_opt_state, tuple(params))
         self.status.update(state="training", round=number, step=0, total_steps=steps)
+        params, losses = await self._train_chunks(sender, number, steps, params, started)
+        compute = time.perf_counter() - started
+        self.status.update(state="syncing")
+        difference = await trio.to_thread.run_sync(self.backend.difference, kept, params)
+        del params, kept
+        await sender.send(
+            "roundResult",
+            {
+                "round": number,
+                "tokens": len(losses) * plan.batch_size * plan.seq_len,
+                "losses": losses,
+                "computeSeconds": compute,
+                "innerSteps": len(losses),
+            },
+            dict(zip(plan.names, difference, strict=True)),
+            quantization=plan.compression,
+        )
+        self.status.update(state="idle")
+
+    def _round_start_problem(self, tensors: dict[str, np.ndarray]) -> str | None:
+        plan = self._plan
+        return round_start_problem(
+            tensors, plan.names, expected_shapes(plan.init_opt_state, plan.names)
+        )
+
+    def _upload(self, tensors: dict[str, np.ndarray]) -> tuple[list, object]:
+        """The round's parameters on the device (donated to training) and θ kept for Δ = θ − θ_k."""
+        host = [np.asarray(tensors[n], np.float32) for n in self._plan.names]
+        params = self.backend.to_device(host)
+        return params, self.backend.keep(host, params)
+
+    async def _train_chunks(
+        self, sender: _Sender, number: int, steps: int, params: list, started: float
+    ) -> tuple[list, list[float]]:
+        """Run the round's inner steps chunk by chunk, reporting progress; (params, losses)."""
+        plan = self._plan
+        opt_state = self._opt_state
+        self._opt_state = None  # donated to the chunks below; set again when they are done
         losses: list[float] = []
         last_progress = 0.0
         chunks = max(steps // plan.chunk_steps, 1)
@@ -298,11 +330,7 @@ class Worker:
                 batch_size=plan.batch_size,
                 seq_len=plan.seq_len,
                 seed=plan.seed,
-                stream=(
-                    self.status.worker_index,
-                    number,
-                    chunk,
-                ),  # unique per worker, even on a shared shard
+                stream=(self.status.worker_index, number, chunk),  # unique per worker and chunk
             )
             params, opt_state, chunk_losses = await trio.to_thread.run_sync(
                 _run_chunk, plan.train_chunk, params, opt_state, batches
@@ -326,25 +354,7 @@ class Worker:
                     },
                 )
         self._opt_state = opt_state
-        compute = time.perf_counter() - started
-        self.status.update(state="syncing")
-        local = self.backend.to_host(params)
-        pseudo_gradient = {
-            n: old - new for n, old, new in zip(plan.names, global_params, local, strict=True)
-        }
-        await sender.send(
-            "roundResult",
-            {
-                "round": number,
-                "tokens": len(losses) * plan.batch_size * plan.seq_len,
-                "losses": losses,
-                "computeSeconds": compute,
-                "innerSteps": len(losses),
-            },
-            pseudo_gradient,
-            quantization=plan.compression,
-        )
-        self.status.update(state="idle")
+        return params, losses
 
 
 class ConnectionLost(Exception):
