@@ -41,22 +41,34 @@ class PlainStatusLog:
         if key == self._last:
             return
         self._last = key
+        where = f" round {status.round}" if status.round else ""
         loss = f" loss {status.loss:.4f}" if status.loss is not None else ""
         print(
-            f"{time.strftime('%H:%M:%S')} {status.state:<10} round {status.round}{loss} {status.message}",
+            f"{time.strftime('%H:%M:%S')} {status.state:<10}{where}{loss} {status.message}".rstrip(),
             file=self._out or sys.stdout,
             flush=True,
         )
 
 
-def status_line(status: Any) -> Text:
-    """`● training  worker 0 · round 3 · step 12/50 · loss 3.2140 · 1.2k tok/s · message`."""
+def status_line(status: Any, width: int | None = None) -> Text:
+    """`● training   worker 0 → host:port · round 3 · step 12/50 · loss 3.2140 · 1,234 tok/s`.
+
+    When that is wider than `width` cells the shepherd's address, which never
+    changes, is left out, so the numbers stay whole on an 80-column terminal.
+    """
+    line = _status_line(status, address=True)
+    if width is not None and line.cell_len > width:
+        line = _status_line(status, address=False)
+    return line
+
+
+def _status_line(status: Any, *, address: bool) -> Text:
     style = _STATE_STYLES.get(status.state, "bold")
     line = Text(no_wrap=True, overflow="ellipsis")
     line.append("● ", style)
     line.append(f"{status.state:<10}", style)
     who = f"worker {status.worker_index}" if status.worker_index is not None else "worker"
-    line.append(f" {who} → {status.shepherd}", "dim")
+    line.append(f" {who} → {status.shepherd}" if address else f" {who}", "dim")
     if status.round:
         line.append(f" · round {status.round}")
         if status.total_steps:
@@ -88,9 +100,7 @@ class LiveStatusLine:
     def __exit__(self, *exc_info: object) -> None:
         self._live.stop()
         if self._last_status is not None and not self._last_logged:
-            self._console.print(
-                Text(time.strftime("%H:%M:%S "), "dim") + status_line(self._last_status)
-            )
+            self._console.print(self._log_line(self._last_status))
 
     def __call__(self, status: Any) -> None:
         self._last_status = status
@@ -99,14 +109,18 @@ class LiveStatusLine:
         if key != self._last_key:
             self._last_logged = _worth_a_line(status, self._last_key)
             if self._last_logged:
-                self._live.console.print(
-                    Text(time.strftime("%H:%M:%S "), "dim") + status_line(status)
-                )
+                self._live.console.print(self._log_line(status))
             self._last_key = key
         elif now - self._last_draw < REDRAW_SECONDS:
             return
         self._last_draw = now
-        self._live.update(status_line(status), refresh=True)
+        self._live.update(status_line(status, self._console.width), refresh=True)
+
+    def _log_line(self, status: Any) -> Text:
+        """A line that stays above the live one: the time, then the status (wrapped, not cut)."""
+        line = Text(time.strftime("%H:%M:%S "), "dim")
+        line.append_text(status_line(status, self._console.width - line.cell_len))
+        return line
 
 
 def _worth_a_line(status: Any, last_key: tuple) -> bool:
