@@ -7,23 +7,28 @@ the end-to-end test runs the real shepherd and real `pcp-tui worker` processes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import io
 import math
 
 import pytest
 import trio
+from textual.geometry import Region
 
 from pcp_tui.dashboard import DashboardApp
+from pcp_tui.dashboard import app as dashboard_app
 from pcp_tui.dashboard._braille import BrailleCanvas
 from pcp_tui.dashboard.app import summary
-from pcp_tui.dashboard.widgets import LossChart, WorkerTable
+from pcp_tui.dashboard.loss_chart import StepMeans
+from pcp_tui.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 from pcp_tui.shepherd import RunFailed
-from pcp_tui.state import RunState
+from pcp_tui.state import RunState, WorkerView
 from pcp_tui.worker import WorkerStatus
-from pcp_tui.worker_view import WorkerStatusView
+from pcp_tui.worker_view import WorkerStatusView, status_line
 
 from .conftest import small_config, worker_command, worker_env
+from .test_dashboard_snapshots import NOW, fake_state
 
 MAX_PAUSES = 600  # generous bound on polling loops; each pause is 0.1 s
 
@@ -48,6 +53,11 @@ async def wait_until(pilot, condition, *, pauses: int = MAX_PAUSES) -> None:
 
 def screen_text(app: DashboardApp) -> str:
     return app.export_screenshot().replace("&#160;", " ")
+
+
+def panel_lines(widget) -> list[str]:
+    """What a panel shows, line by line, as plain text (border and scrollbars included)."""
+    return [strip.text for strip in widget.render_lines(Region(0, 0, *widget.outer_size))]
 
 
 class StandInShepherd:
@@ -97,10 +107,13 @@ async def test_quit_stops_the_guest_run_then_exits():
     app = DashboardApp(shepherd.state, shepherd)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_until(pilot, lambda: shepherd.state.status == "training")
+        assert app.check_action("pause", ()) and not app.check_action("resume", ())
         await pilot.press("p")
+        assert app.check_action("resume", ()) and not app.check_action("pause", ())
         await pilot.press("p")
         await wait_until(pilot, lambda: len(shepherd.commands) == 2)
         await pilot.press("q")
+        assert not app.check_action("pause", ()) and not app.check_action("resume", ())
         await wait_until(pilot, lambda: not app.is_running)
     assert shepherd.commands == ["pause", "resume", "stop: quit from the dashboard"]
     assert app.return_code == 0 and not app.guest_running
@@ -140,6 +153,166 @@ async def test_loss_chart_handles_flat_and_nan_losses():
         assert chart.log_scale is False and chart.window == 0
         assert "train 2.0000" in str(chart.border_subtitle)
         assert "⠀" not in str(chart.render())  # blank cells are spaces, not empty braille
+
+
+def test_step_means_reads_only_new_entries_and_survives_the_deque_bound():
+    losses: collections.deque = collections.deque(maxlen=4)
+    means = StepMeans()
+    assert not means.update(losses)
+    losses.extend([(1, 2.0, 0), (1, 4.0, 1)])
+    assert means.update(losses) and means.points() == [(1, 3.0)]
+    assert not means.update(losses)  # nothing new: the chart is left alone
+    losses.extend([(2, 1.0, 0), (2, float("nan"), 1), (3, 5.0, 0)])  # (1, 2.0, 0) falls out
+    assert means.update(losses)
+    assert means.points() == [(1, 3.0), (2, 1.0), (3, 5.0)]  # step 1 kept, nan skipped
+
+
+def _progress(state: RunState, worker: WorkerView, step: int, now: float) -> None:
+    """What the shepherd does with one progress message (Shepherd._on_progress and the link)."""
+    worker.state, worker.step, worker.total_steps = "training", step, 50
+    worker.loss = 3.0 - 0.01 * step + 0.001 * worker.index
+    worker.tokens_per_second = 1_000.0 + worker.index
+    worker.last_heard, worker.bytes_in = now, worker.bytes_in + 120
+    state.step_losses.append((step, worker.loss, worker.index))
+
+
+@run_async
+async def test_64_chatty_workers_redraw_panels_per_refresh_tick_not_per_message(monkeypatch):
+    """The adapter, not the message rate, decides when panels redraw.
+
+    The refresh timer is set out of reach so the test makes every tick itself:
+    3,200 progress messages arrive with the event loop running between batches,
+    and the panels redraw only after a tick, a bounded number of times per tick.
+    Redraws are counted (render_lines calls), never timed.
+    """
+    monkeypatch.setattr(dashboard_app, "REFRESH_SECONDS", 3_600.0)
+    state = RunState(run_id="many", rounds_total=4, settings={"inner_steps": 50})
+    state.status, state.round = "training", 1
+    workers = [WorkerView(f"w{i:02d}", i, f"host-{i}", "cpu", "idle") for i in range(64)]
+    state.workers = {w.worker_id: w for w in workers}
+    clock = [NOW]
+    app = DashboardApp(state, clock=lambda: clock[0])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        panels = [app.query_one(kind) for kind in (RunHeader, LossChart, RoundTiming, WorkerTable)]
+        redraws = collections.Counter()
+        for panel in panels:
+            render_lines = panel.render_lines
+
+            def counted(crop, panel=panel, render_lines=render_lines):
+                redraws[type(panel).__name__] += 1
+                return render_lines(crop)
+
+            monkeypatch.setattr(panel, "render_lines", counted)
+        await pilot.pause()  # the first paint after mount
+        redraws.clear()
+
+        ticks, settled = 0, collections.Counter()
+        for step in range(1, 51):
+            for worker in workers:
+                _progress(state, worker, step, clock[0])
+            await pilot.pause()
+            assert redraws == settled, f"a panel redrew between ticks, at step {step}"
+            if step % 10 == 0:  # one tick per 640 messages
+                clock[0] += 0.4
+                app.refresh_from_state()
+                ticks += 1
+                await pilot.pause()
+                await pilot.pause()
+                settled = redraws.copy()
+
+        assert ticks == 5 and len(state.step_losses) == 64 * 50
+        for name in ("RunHeader", "LossChart", "WorkerTable"):
+            assert 1 <= redraws[name] <= 3 * ticks, (name, redraws)
+        table = app.query_one(WorkerTable)
+        assert table.row_count == 64  # updated in place, not rebuilt
+        assert str(table.get_cell("w63", "step")).strip() == "50/50"
+        assert app.query_one(LossChart).points == 50  # one mean per step, not 3,200 points
+    assert dashboard_app.REFRESH_SECONDS == 3_600.0
+
+
+def test_refresh_tick_is_a_few_per_second():
+    assert 0.2 <= dashboard_app.REFRESH_SECONDS <= 1.0
+
+
+@run_async
+async def test_lost_and_refused_workers_keep_their_reason_on_screen():
+    app = DashboardApp(fake_state(), clock=lambda: NOW)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        table = app.query_one(WorkerTable)
+        lines = panel_lines(table)
+        assert all(len(line) == 80 for line in lines)
+        lost = next(i for i, line in enumerate(lines) if " mac-2 " in line)
+        assert " lost " in lines[lost] and "2.9012" in lines[lost]
+        assert "↳ silent for 31 s (heartbeat timeout 30 s)" in lines[lost + 1]  # whole, at 80
+        gpu = next(line for line in lines if " gpu-a-1 " in line)
+        for text in ("cuda H100", "training", "6/10", "2.4121", "51.2k", "0s", "1.7M/1.8M"):
+            assert text in gpu  # every number in view at 80 columns
+        assert "3 active / 5 · 1 lost" in lines[-1]
+    app = DashboardApp(fake_state(), clock=lambda: NOW)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.pause()
+        lines = panel_lines(app.query_one(WorkerTable))
+        refused = next(i for i, line in enumerate(lines) if " refused " in line)
+        assert "10.0.0.66" in lines[refused] and "↳ wrong join token" in lines[refused + 1]
+
+
+@run_async
+async def test_header_fits_80_columns_and_says_what_the_run_waits_for():
+    state = fake_state(status="waiting")
+    state.history.clear()
+    state.events.clear()
+    state.emit("waiting", "waiting for 2 worker(s)")
+    for worker in state.workers.values():
+        worker.state = "connecting"
+    app = DashboardApp(state, clock=lambda: NOW)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        title, progress, join = panel_lines(app.query_one(RunHeader))
+        assert title.startswith("  WAITING  waiting for 2 worker(s)  run 3f2a91bc")
+        assert "ETA -" in progress and "workers 4/4" in progress and "…" not in progress
+        assert join.strip() == f"join {state.join_command}"  # whole, on one line
+        state.workers["late-3"].state = "compiling"
+        app.refresh_from_state()
+        await pilot.pause()
+        assert "WAITING  1 worker compiling  run" in panel_lines(app.query_one(RunHeader))[0]
+
+
+@run_async
+async def test_event_log_wraps_long_messages_and_shows_the_newest():
+    app = DashboardApp(fake_state(), clock=lambda: NOW)
+    async with app.run_test(size=(60, 30)) as pilot:
+        await pilot.pause()
+        log = app.query_one(EventLog)
+        assert log.scroll_y == log.max_scroll_y > 0
+        listening = [
+            line.text for line in log.lines if "join with" in line.text or "Zk3x" in line.text
+        ]
+        assert len(listening) >= 2  # wrapped onto a second line, not cut at the border
+        assert all(line.cell_length <= log.scrollable_content_region.width for line in log.lines)
+
+
+def test_round_timing_and_summary_text():
+    state = fake_state(status="done")
+    state.finished_at = NOW
+    state.workers["mac-2"].state = "lost"
+    text = summary(state)
+    assert text.splitlines()[0].startswith("run 3f2a91bc done: 3/6 rounds in 1:23, train loss 2.")
+    assert "4 workers (1 lost); sent 5.0 MB, received 3.9 MB" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert RoundTiming  # the panel itself is covered by the snapshots
+
+
+def test_worker_status_line_keeps_the_numbers_at_80_columns():
+    status = WorkerStatus(shepherd="203.0.113.45:8080")
+    status.update(
+        state="training", round=12, step=40, total_steps=50, loss=2.25, tokens_per_second=12_345.0
+    )
+    status.worker_index = 17
+    wide, narrow = status_line(status).plain, status_line(status, 80).plain
+    assert "→ 203.0.113.45:8080" in wide and len(wide) > 80
+    assert narrow.endswith("loss 2.2500 · 12,345 tok/s") and len(narrow) <= 80
 
 
 def test_worker_view_plain_lines_and_live_line():
@@ -194,7 +367,7 @@ async def test_dashboard_hosts_a_real_run_and_quits_cleanly():
             await wait_until(pilot, lambda: table.row_count == 2)
             await wait_until(pilot, lambda: len(state.history) >= 1 and len(state.step_losses) >= 5)
             await pilot.pause(0.5)  # one refresh tick after the round
-            assert {str(table.get_cell(key, "backend")) for key in state.workers} == {"cpu"}
+            assert {str(table.get_cell(key, "backend")).strip() for key in state.workers} == {"cpu"}
             assert app.query_one(LossChart).points >= 5
             screen = screen_text(app)
             assert "compute" in screen and "round 1" in screen and "training" in screen.lower()

@@ -174,5 +174,15 @@ def test_dashboard_finished_linear_zoomed_100x30(snap_compare):
     assert snap_compare(_app(state), terminal_size=(100, 30), press=["l", "z"])
 
 
+def test_dashboard_waiting_for_workers_80x24(snap_compare):
+    state = fake_state(status="waiting")
+    state.round, state.history, state.step_losses = 0, [], type(state.step_losses)()
+    state.events.clear()
+    state.events.append(Event("waiting", "waiting for 2 worker(s)", {}, at=WALL))
+    state.workers = {"late-3": state.workers["late-3"]}
+    state.bytes_sent, state.bytes_received = 600_000, 0
+    assert snap_compare(_app(state), terminal_size=(80, 24))
+
+
 def test_help_screen(snap_compare):
     assert snap_compare(_app(fake_state()), terminal_size=(80, 24), press=["question_mark"])

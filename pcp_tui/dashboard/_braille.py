@@ -17,6 +17,7 @@ class BrailleCanvas:
         self.width, self.height = max(width, 0), max(height, 0)
         self._dots = [[0] * self.width for _ in range(self.height)]
         self._series = [[-1] * self.width for _ in range(self.height)]
+        self._marks: dict[tuple[int, int], str] = {}
 
     @property
     def pixel_width(self) -> int:
@@ -30,6 +31,13 @@ class BrailleCanvas:
         if 0 <= x < self.pixel_width and 0 <= y < self.pixel_height:
             row, col = y // 4, x // 2
             self._dots[row][col] |= _DOT_BITS[x % 2][y % 4]
+            self._series[row][col] = max(self._series[row][col], series)
+
+    def mark(self, x: int, y: int, char: str, series: int) -> None:
+        """Put `char` in the cell holding pixel (x, y), over any dots: a point that must stand out."""
+        if 0 <= x < self.pixel_width and 0 <= y < self.pixel_height:
+            row, col = y // 4, x // 2
+            self._marks[row, col] = char
             self._series[row][col] = max(self._series[row][col], series)
 
     def line(self, x0: int, y0: int, x1: int, y1: int, series: int) -> None:
@@ -53,8 +61,8 @@ class BrailleCanvas:
         """Each cell as (character, series index or -1 when empty)."""
         return [
             [
-                (chr(0x2800 + bits) if bits else " ", series)
-                for bits, series in zip(dots, owners, strict=True)
+                (self._marks.get((row, col)) or (chr(0x2800 + bits) if bits else " "), series)
+                for col, (bits, series) in enumerate(zip(dots, owners, strict=True))
             ]
-            for dots, owners in zip(self._dots, self._series, strict=True)
+            for row, (dots, owners) in enumerate(zip(self._dots, self._series, strict=True))
         ]

@@ -2,9 +2,9 @@
 
 The shepherd is the same object headless mode runs under `trio.run`; here
 `trio.lowlevel.start_guest_run` drives it on Textual's asyncio loop. The app
-reads `shepherd.state` on a timer (never per message, so 64 chatty workers do
-not cost a redraw each) and calls the shepherd's commands inside trio through
-the guest run's token.
+reads `shepherd.state` on a timer, every REFRESH_SECONDS (never per message, so
+64 chatty workers do not cost a redraw each), and calls the shepherd's commands
+inside trio through the guest run's token.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 
 from ..state import Event, RunState
+from .loss_chart import StepMeans
 from .widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
@@ -36,19 +37,23 @@ HELP_KEYS = (
         "q",
         "end the run cleanly: finish the round, say goodbye to the workers, exit (again: stop at once)",
     ),
-    ("p", "pause after the current round / resume"),
+    ("p", "pause after the current round; p again resumes"),
     ("l", "loss chart: log or linear y axis"),
     ("z", "loss chart: all steps, the latest half, the latest quarter"),
     ("c", "copy the join command to the clipboard (OSC 52)"),
     ("?", "this help; escape closes it"),
 )
 HELP_PANELS = (
-    ("Loss", "training loss per inner step (mean over workers) and held-out loss per round"),
+    ("Loss", "training loss per inner step (mean over workers, ━) and held-out loss per round (●)"),
     (
         "Round time",
         "last round and mean: compute (slowest worker), communication, waiting for stragglers",
     ),
-    ("Workers", "every worker seen; lost and refused ones stay listed with the reason"),
+    (
+        "Workers",
+        "every worker seen; lost and refused ones stay listed with the reason;"
+        " heard: since its last message; sent/recv: bytes the shepherd sent it / got from it",
+    ),
 )
 
 
@@ -76,6 +81,7 @@ class DashboardApp(App[None]):
     BINDINGS = [
         Binding("q", "quit", "quit"),
         Binding("p", "pause", "pause"),
+        Binding("p", "resume", "resume"),
         Binding("l", "log_scale", "log y"),
         Binding("z", "zoom", "zoom"),
         Binding("c", "copy_join", "copy join"),
@@ -105,7 +111,10 @@ class DashboardApp(App[None]):
         self.failure: str | None = None
         self._quitting = False
         self._pause_wanted = False
-        self._loss_key: tuple = ()
+        self._step_means = StepMeans()
+        self._evals_shown = -1
+        self._phase_note = ""
+        self._shown_status = ""
         state.subscribe(self._pending_events.append)
 
     def compose(self) -> ComposeResult:
@@ -153,6 +162,7 @@ class DashboardApp(App[None]):
             self.state.status = "failed"
         elif self.state.status not in _FINISHED:  # cancelled by a second q
             self.state.status = "stopped"
+        self.refresh_bindings()
         self.refresh_from_state()
         if self.failure:
             self.notify(self.failure, title="run failed", severity="error", timeout=30)
@@ -184,13 +194,34 @@ class DashboardApp(App[None]):
             )
         elif self._cancel_scope is not None:
             self._in_trio(self._cancel_scope.cancel)
-        self.refresh_from_state()
+        self._after_command()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Show `p pause` or `p resume`, and neither once the run is over; `c` once there is a join command."""
+        if action in ("pause", "resume"):
+            if self.shepherd is None or not self.guest_running or self._quitting:
+                return False
+            if self.state.status in _FINISHED:
+                return False
+            return self._pause_wanted == (action == "resume")
+        if action == "copy_join":
+            return bool(self.state.join_command)
+        return True
 
     def action_pause(self) -> None:
-        if self.shepherd is None or self.state.status in _FINISHED:
-            return
-        self._pause_wanted = not self._pause_wanted
-        self._in_trio(self.shepherd.pause if self._pause_wanted else self.shepherd.resume)
+        if self.check_action("pause", ()):
+            self._pause_wanted = True
+            self._in_trio(self.shepherd.pause)
+            self._after_command()
+
+    def action_resume(self) -> None:
+        if self.check_action("resume", ()):
+            self._pause_wanted = False
+            self._in_trio(self.shepherd.resume)
+            self._after_command()
+
+    def _after_command(self) -> None:
+        self.refresh_bindings()
         self.refresh_from_state()
 
     def action_log_scale(self) -> None:
@@ -210,6 +241,7 @@ class DashboardApp(App[None]):
     # -- state -> widgets (the one adapter) -------------------------------------
 
     def refresh_from_state(self) -> None:
+        """One refresh tick: read the state, hand each panel what changed. Never per message."""
         state = self.state
         now = self._clock()
         if state.finished_at is not None:
@@ -221,34 +253,28 @@ class DashboardApp(App[None]):
                 self._refused[peer.rpartition(":")[0] or peer] = event.message.partition(peer)[
                     2
                 ].lstrip(": ")
-        self.query_one(RunHeader).show(
-            state, now=now, status=self._status_text(), note=self._note()
-        )
-        if self._loss_changed():
+            elif event.kind in ("exporting", "waiting", "resumed_from"):
+                self._phase_note = event.message
+        status = self._status_text()
+        if status != self._shown_status:
+            self._shown_status = status
+            self.refresh_bindings()
+        self.query_one(RunHeader).show(state, now=now, status=status, note=self._note())
+        evals = [r for r in state.history if r.eval_loss is not None]
+        if self._step_means.update(state.step_losses) or len(evals) != self._evals_shown:
+            self._evals_shown = len(evals)
             inner_steps = int(state.settings.get("inner_steps", 1) or 1)
             self.query_one(LossChart).set_data(
-                list(state.step_losses),
-                [
-                    (r.round * inner_steps, r.eval_loss)
-                    for r in state.history
-                    if r.eval_loss is not None
-                ],
+                self._step_means.points(), [(r.round * inner_steps, r.eval_loss) for r in evals]
             )
         self.query_one(RoundTiming).show(state.history)
         self.query_one(WorkerTable).show(
-            list(state.workers.values()), sorted(self._refused.items()), now=now
+            list(state.workers.values()),
+            sorted(self._refused.items()),
+            now=now,
+            run_over=state.status in _FINISHED,
         )
         self.query_one(EventLog).add_events(events)
-
-    def _loss_changed(self) -> bool:
-        key = (
-            len(self.state.step_losses),
-            self.state.step_losses[-1] if self.state.step_losses else None,
-            len(self.state.history),
-        )
-        changed = key != self._loss_key
-        self._loss_key = key
-        return changed
 
     def _status_text(self) -> str:
         status = self.state.status
@@ -259,14 +285,23 @@ class DashboardApp(App[None]):
         return status
 
     def _note(self) -> str:
+        status = self.state.status
         if self.failure:
-            return f"failed: {self.failure} (q to exit)"
-        if self.state.status in _FINISHED:
-            return "run over: q to exit"
-        if self._pause_wanted and self.state.status == "training":
+            return f"{self.failure} · q exits"
+        if status in _FINISHED:
+            return "q exits"
+        if self._quitting:
+            return "finishing this round, then goodbye · q again stops now"
+        if self._pause_wanted and status == "training":
             return "pausing after this round"
-        if self.state.status == "paused":
-            return "paused: p resumes"
+        if status == "paused":
+            return "p resumes"
+        if status == "waiting":
+            compiling = sum(w.state == "compiling" for w in self.state.workers.values())
+            if compiling:
+                return f"{compiling} worker{'s' if compiling != 1 else ''} compiling"
+        if status in ("starting", "waiting"):
+            return self._phase_note
         return ""
 
 
@@ -301,14 +336,19 @@ def run_dashboard(shepherd: Any, spawn_workers: SpawnWorkers | None = None) -> i
 
 
 def summary(state: RunState) -> str:
+    """What stays in the terminal once the dashboard is gone: outcome and losses; workers and bytes."""
     from ..headless import human_bytes
-    from .widgets import duration, loss_text
+    from ._format import duration, loss_text
 
     last = state.history[-1] if state.history else None
     evals = [r.eval_loss for r in state.history if r.eval_loss is not None]
+    lost = sum(w.state == "lost" for w in state.workers.values())
+    workers = f"{len(state.workers)} worker{'s' if len(state.workers) != 1 else ''}" + (
+        f" ({lost} lost)" if lost else ""
+    )
     return (
         f"run {state.run_id} {state.status}: {len(state.history)}/{state.rounds_total} rounds in "
-        f"{duration(state.elapsed())}; final train loss {loss_text(last.train_loss if last else None)}, "
-        f"eval loss {loss_text(evals[-1] if evals else None)}; "
-        f"sent {human_bytes(state.bytes_sent)}, received {human_bytes(state.bytes_received)}"
+        f"{duration(state.elapsed())}, train loss {loss_text(last.train_loss if last else None)}, "
+        f"eval loss {loss_text(evals[-1] if evals else None)}\n"
+        f"{workers}; sent {human_bytes(state.bytes_sent)}, received {human_bytes(state.bytes_received)}"
     )
