@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import capnp
@@ -38,6 +38,9 @@ from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepa
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
 _SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
+# awaited with (kind, payload bytes) before a message's tensor payload is read
+PayloadGate = Callable[[str, int], Awaitable[None]]
+
 _OFFLOAD_BYTES = 8 * 2**20  # (de)quantization above this runs in a worker thread
 _RECEIVE_CHUNK = 64 * 1024  # read-ahead for segment tables and small frames
 _RECEIVE_BULK = 4 * 2**20  # largest receive_some when filling a payload
@@ -132,11 +135,16 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> M
     return message
 
 
-async def _read_message(reader, limits: Limits, *, offload: bool) -> Message:
+async def _read_message(
+    reader, limits: Limits, *, offload: bool, before_payload: PayloadGate | None = None
+) -> Message:
     """Read one message through `reader`; the single implementation of the receive path."""
     frame = await _read_frame(reader, limits)
     kind, body, version, specs = _parse_frame(frame, limits)
-    reader.expect(sum(spec.payload_bytes for spec in specs))
+    payload_bytes = sum(spec.payload_bytes for spec in specs)
+    reader.expect(payload_bytes)
+    if before_payload is not None and payload_bytes:
+        await before_payload(kind, payload_bytes)
     tensors = {}
     for spec in specs:
         payload = np.empty(spec.payload_bytes, np.uint8)
@@ -301,8 +309,15 @@ class MessageStream:
                 self.bytes_sent += memoryview(chunk).nbytes
         return total
 
-    async def receive(self) -> Message:
-        """Read the next whole message; raises ProtocolError subclasses on bad or missing bytes."""
+    async def receive(self, *, before_payload: PayloadGate | None = None) -> Message:
+        """Read the next whole message; raises ProtocolError subclasses on bad or missing bytes.
+
+        `before_payload(kind, nbytes)`, if given, is awaited once the message's
+        header has been read and checked and before its `nbytes` (> 0) of tensor
+        payload are. A receiver of many big messages uses it to bound how many it
+        holds in memory at once: while it waits, the sender waits in TCP flow
+        control and nothing is allocated for the payload.
+        """
         if self._broken:
             raise ConnectionClosed(f"stream is unusable after an earlier failure: {self._broken}")
         if self._receiving:
@@ -311,7 +326,9 @@ class MessageStream:
         reader = self._reader
         reader.start_frame()
         try:
-            message = await _read_message(reader, self.limits, offload=True)
+            message = await _read_message(
+                reader, self.limits, offload=True, before_payload=before_payload
+            )
         except BaseException as exc:
             if isinstance(exc, ProtocolError) or reader.frame_consumed:
                 self._broken = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

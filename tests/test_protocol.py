@@ -717,3 +717,47 @@ def test_concurrent_receives_are_refused():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_payload_gate_holds_tensor_bytes_on_the_wire_until_it_opens():
+    """A receiver bounding memory: the gate sees the header's payload size before a
+    byte of payload is read, small messages pass without it, and the message that
+    waited arrives intact once the gate opens."""
+
+    async def main():
+        client, server = await tcp_pair()
+        sender, receiver = protocol.MessageStream(client), protocol.MessageStream(server)
+        big = {"w": np.arange(4 * 2**20, dtype=np.float32)}  # 16 MiB: beyond socket buffers
+        gate_open = trio.Event()
+        seen: list[tuple[str, int]] = []
+
+        async def gate(kind: str, nbytes: int) -> None:
+            seen.append((kind, nbytes))
+            await gate_open.wait()
+
+        with trio.fail_after(60):  # a deadlock guard, not a speed claim
+            await exchange(sender, receiver, big, gate, gate_open, seen)
+        await sender.aclose()
+        await receiver.aclose()
+
+    async def exchange(sender, receiver, big, gate, gate_open, seen):
+        async with trio.open_nursery() as nursery:
+            await sender.send("heartbeat", {"sentAt": 1.0})  # small: fits the socket buffers
+            nursery.start_soon(sender.send, "roundResult", {"round": 3, "tokens": 9}, big)
+            first = await receiver.receive(before_payload=gate)
+            assert first.kind == "heartbeat" and seen == []
+            received: list[protocol.Message] = []
+
+            async def receive_big():
+                received.append(await receiver.receive(before_payload=gate))
+
+            nursery.start_soon(receive_big)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            assert seen == [("roundResult", big["w"].nbytes)]
+            assert received == [] and receiver.bytes_received < big["w"].nbytes
+            gate_open.set()
+        [message] = received
+        assert message.body["round"] == 3
+        np.testing.assert_array_equal(message.tensors["w"], big["w"])
+
+    trio.run(main)
