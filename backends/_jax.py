@@ -51,6 +51,9 @@ class JaxBackend(Backend):
         self._jax = jax
         self._platform = platform
         self._device = devices[0]
+        # Device-to-host copies land in page-locked host memory where the device has it:
+        # several times faster than into pageable memory, and numpy reads it in place.
+        self._pinned_host = _pinned_host(self._device) if platform != "cpu" else None
         # kept - after for lists of device arrays, written over `kept`
         self._subtract = jax.jit(
             lambda before, after: [b - a for b, a in zip(before, after, strict=True)],
@@ -105,10 +108,13 @@ class JaxBackend(Backend):
         )
 
     def to_device(self, arrays: Sequence[np.ndarray]) -> list[Any]:
-        return list(self._jax.device_put(list(arrays), self._device))
+        # one call per array: measured faster on an H100 than one batched call for GPT-2's 148
+        return [self._jax.device_put(a, self._device) for a in arrays]
 
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        return [np.asarray(a) for a in self._jax.device_get(list(arrays))]
+        if self._pinned_host is None:
+            return [np.asarray(a) for a in self._jax.device_get(list(arrays))]
+        return [np.asarray(a) for a in self._jax.device_put(list(arrays), self._pinned_host)]
 
     def keep(self, host: Sequence[np.ndarray], device: Sequence[Any]) -> Any:
         if self._platform == "cpu":  # the host arrays are as close as a device copy, and free
@@ -121,6 +127,19 @@ class JaxBackend(Backend):
         # on the device, so that only the difference crosses to the host
         with self._jax.default_device(self._device):
             return self.to_host(self._subtract(kept, list(after)))
+
+
+def _pinned_host(device: Any) -> Any:
+    """A sharding that puts arrays in the device's page-locked host memory, or None."""
+    import jax
+
+    try:
+        kinds = {memory.kind for memory in device.addressable_memories()}
+    except Exception:  # plugins without memory spaces
+        return None
+    if "pinned_host" not in kinds:
+        return None
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
 def _device_memory(device: Any) -> int:

@@ -10,6 +10,7 @@ import trio
 
 import protocol
 from backends import select_backend
+from backends._jax import _pinned_host
 from pcp_tui import diloco
 from pcp_tui.diloco import OuterOptimizer, PseudoGradientMean, scaled_add
 from pcp_tui.rounds import Round
@@ -132,8 +133,9 @@ def test_a_closed_round_folds_nothing_more():
 @pytest.mark.parametrize("on_device", [False, True])
 def test_backend_difference_is_the_numpy_difference(monkeypatch, on_device):
     backend = select_backend("cpu")
-    if on_device:  # the accelerator path (device copy, subtraction on the device), run on the CPU
+    if on_device:  # the accelerator path (device copy, subtraction on the device, pinned host)
         monkeypatch.setattr(backend, "_platform", "cuda")
+        monkeypatch.setattr(backend, "_pinned_host", _pinned_host(backend.device))
     before, after = tensors(5), tensors(6)
     names = tuple(SHAPES)
     host = [before[n].copy() for n in names]
