@@ -11,7 +11,7 @@ import trio
 import protocol
 from backends import select_backend
 from backends._jax import _pinned_host
-from pcp_tui import diloco
+from pcp_tui import diloco, rounds
 from pcp_tui.diloco import OuterOptimizer, PseudoGradientMean, scaled_add
 from pcp_tui.rounds import Round
 from pcp_tui.screening import BadResult, ResultScreen, check_pseudo_gradient, global_norm
@@ -111,7 +111,9 @@ def test_fused_screen_returns_the_global_norm_and_names_the_bad_tensor():
         screen.check(good, 101)
 
 
-def test_a_closed_round_folds_nothing_more():
+@pytest.mark.parametrize("inline_bytes", [0, 2**40])  # folded in a thread, or on the loop
+def test_a_closed_round_folds_nothing_more(monkeypatch, inline_bytes):
+    monkeypatch.setattr(rounds, "INLINE_BYTES", inline_bytes)
     mean = PseudoGradientMean(tuple(SHAPES))
     screen = ResultScreen(SHAPES, max_tokens=1000)
 
