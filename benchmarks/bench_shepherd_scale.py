@@ -8,17 +8,24 @@ shepherd's overhead: sending N copies of the parameters, receiving N results,
 the streaming token-weighted mean and the outer step.
 
     python benchmarks/bench_shepherd_scale.py [--workers 1 8 64 256] [--rounds 4] [--model tiny]
+    python benchmarks/bench_shepherd_scale.py --param-shapes gpt2 --workers 1 2 --rounds 5
 
-Prints per N: median round seconds, MB moved, seconds per GB moved (flat means
-linear in bytes), and the overhead as a fraction of a reference round, a real
-1-worker round of H inner steps measured on this machine by
-bench_worker_overhead (pass --reference-round-seconds; default: H=50 tiny on a
-2-core CPU, ~6 s).
+Prints per N: median round seconds, the shepherd process's CPU seconds per
+round (its own work, less sensitive than wall time to a loaded machine), MB
+moved, seconds per GB moved (flat means linear in bytes), and the overhead as
+a fraction of a reference round, a real 1-worker round of H inner steps
+measured on this machine by bench_worker_overhead (pass
+--reference-round-seconds; default: H=50 tiny on a 2-core CPU, ~6 s).
+
+`--param-shapes gpt2` gives the model the parameter shapes of that preset
+(GPT-2 124M: 498 MB of float32) with a stand-in loss: nothing here runs the
+model, so only the shapes matter, and the graphs export in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -65,7 +72,7 @@ async def fake_worker(port: int, index: int) -> None:
         if pseudo_gradient is None:
             rng = np.random.default_rng(index)
             pseudo_gradient = {
-                n: (rng.standard_normal(t.shape) * 1e-4).astype(np.float32)
+                n: rng.standard_normal(t.shape, dtype=np.float32) * np.float32(1e-4)
                 for n, t in message.tensors.items()
             }
         await stream.send(
@@ -87,6 +94,27 @@ async def fake_workers(port: int, count: int) -> None:
             nursery.start_soon(fake_worker, port, i)
 
 
+def with_param_shapes(task, preset: str):
+    """`task` with the parameter shapes of a GPT-2 preset and a loss that only touches them."""
+    import jax
+    import jax.numpy as jnp
+
+    from pcp_tui.models import gpt2
+
+    config = gpt2.PRESETS[preset]
+    shapes = jax.eval_shape(lambda: gpt2.init(config, jax.random.PRNGKey(0)))
+    rng = np.random.default_rng(0)
+    params = {
+        n: (rng.standard_normal(s.shape, dtype=np.float32) * np.float32(0.02))
+        for n, s in shapes.items()
+    }
+
+    def loss_fn(p, tokens):
+        return sum(jnp.mean(v) for v in p.values()) + jnp.mean(tokens.astype(jnp.float32))
+
+    return dataclasses.replace(task, name=f"{preset}-shapes", params=params, loss_fn=loss_fn)
+
+
 async def one_size(count: int, args: argparse.Namespace) -> dict:
     from pcp_tui.shepherd import Shepherd
     from pcp_tui.task import build_task
@@ -102,24 +130,33 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
         host="127.0.0.1",
         port=0,
         token="bench",
-        platforms=("cpu",),
+        platforms=("cpu", "cuda"),  # workers say cpu; the shepherd evaluates on its best device
         eval_every=10**6,
         eval_batches=1,
         data_max_bytes=2**20,
         max_handshakes_per_host=max(count, 8),
         max_handshakes=max(count, 64),
     )
-    shepherd = Shepherd(config, build_task(config, shards=count))
+    task = build_task(config, shards=count)
+    if args.param_shapes:
+        task = with_param_shapes(task, args.param_shapes)
+    shepherd = Shepherd(config, task)
+    cpu_at_round: list[float] = []  # this process's CPU seconds when each round ended
+    shepherd.state.subscribe(
+        lambda event: cpu_at_round.append(time.process_time()) if event.kind == "round" else None
+    )
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
         command = [sys.executable, __file__, "--fake", str(port), str(count)]
         nursery.start_soon(lambda: trio.run_process(command))
     history = shepherd.state.history[1:]  # round 1 also compiles the outer step
     seconds = float(np.median([r.round_seconds for r in history]))
+    cpu = float(np.median(np.diff(cpu_at_round)))
     moved = float(np.median([r.bytes_sent + r.bytes_received for r in history]))
     return {
         "workers": count,
         "round_seconds": seconds,
+        "shepherd_cpu_seconds": cpu,
         "mb_moved": moved / 1e6,
         "seconds_per_gb": seconds / (moved / 1e9),
         "params": shepherd.task.param_count,
@@ -131,6 +168,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument(
+        "--param-shapes", choices=["tiny", "small", "gpt2"], help="stand-in model of these shapes"
+    )
     parser.add_argument("--reference-round-seconds", type=float, default=6.0)
     parser.add_argument("--fake", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -146,15 +186,18 @@ def main() -> None:
             file=sys.stderr,
             flush=True,
         )
+    model = f"{args.param_shapes}-shapes" if args.param_shapes else args.model
     print(
-        f"\nshepherd scale  model={args.model} ({rows[0]['params']:,} params), protocol-level workers, 127.0.0.1"
+        f"\nshepherd scale  model={model} ({rows[0]['params']:,} params), protocol-level workers, 127.0.0.1"
     )
     print(
-        f"{'workers':>8}{'round s':>10}{'MB moved':>11}{'s per GB':>10}{'of a ' + str(args.reference_round_seconds) + ' s round':>20}"
+        f"{'workers':>8}{'round s':>10}{'CPU s':>8}{'MB moved':>11}{'s per GB':>10}"
+        f"{'of a ' + str(args.reference_round_seconds) + ' s round':>20}"
     )
     for r in rows:
         print(
-            f"{r['workers']:>8}{r['round_seconds']:>10.3f}{r['mb_moved']:>11.1f}{r['seconds_per_gb']:>10.3f}"
+            f"{r['workers']:>8}{r['round_seconds']:>10.3f}{r['shepherd_cpu_seconds']:>8.3f}"
+            f"{r['mb_moved']:>11.1f}{r['seconds_per_gb']:>10.3f}"
             f"{r['round_seconds'] / args.reference_round_seconds:>20.1%}"
         )
     print(json.dumps(rows))

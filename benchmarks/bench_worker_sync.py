@@ -1,0 +1,183 @@
+"""Worker sync: what a worker adds to a round around its compute, and how long it stalls.
+
+Runs the real `Worker._train_round` on a round start of GPT-2 124M shapes
+(498 MB of float32) with a stand-in training graph that hands its inputs
+back (no compute), and a stand-in sender that encodes the result and drops
+it (no wire). What is left is the worker's own work on a round: checking the
+round's parameters, uploading them, forming the pseudo-gradient and bringing
+it to the host. The worker's status changes split the round into phases:
+`upload` (checks, host to device), `train` (the stand-in graph: dispatch only)
+and `return` (pseudo-gradient, device to host, encoding). A ticker task on the
+same trio loop records the longest stall of the event loop in each phase:
+heartbeats and the receive loop wait that long.
+
+    python benchmarks/bench_worker_sync.py [--preset gpt2] [--backend cpu] [--rounds 5]
+    python benchmarks/bench_worker_sync.py --src /tmp/before   # another checkout, same harness
+
+`--src` imports `pcp_tui` and `backends` from another checkout (e.g. a
+`git worktree` of an older commit), so a before/after pair is measured with
+the same harness in one session; alternate the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def stand_in_graphs(names: tuple[str, ...], shapes: dict, backend):
+    """A `train_chunk` that returns its (donated) inputs, and an `init_opt_state` of one scalar."""
+    import jax
+    import jax.numpy as jnp
+
+    specs = tuple(jax.ShapeDtypeStruct(shapes[n], jnp.float32) for n in names)
+    opt_specs = (jax.ShapeDtypeStruct((), jnp.float32),)
+    batches = jax.ShapeDtypeStruct((1, 1, 9), jnp.int32)
+    with jax.default_device(backend.device):
+        train = jax.jit(lambda p, o, b: (p, o, jnp.zeros((1,), jnp.float32)), donate_argnums=(0, 1))
+        init = jax.jit(lambda p: (jnp.zeros((), jnp.float32),))
+        return (
+            train.lower(specs, opt_specs, batches).compile(),
+            init.lower(specs).compile(),
+        )
+
+
+class NullSender:
+    """Encodes what the worker sends (as the real sender does) and drops it."""
+
+    async def send(self, kind: str, body: dict, tensors=None, **options) -> int:
+        import protocol
+
+        return sum(len(memoryview(b)) for b in protocol.encode(kind, body, tensors, **options))
+
+
+PHASE_AFTER = {"training": "train", "syncing": "return", "idle": "done"}  # status -> phase
+
+
+async def one_round(worker, message) -> tuple[dict[str, float], list[tuple[float, float]]]:
+    """Run one round; when each phase started, and every (time, stall) the ticker saw."""
+    import trio
+
+    starts: dict[str, float] = {}
+    gaps: list[tuple[float, float]] = []
+
+    def on_status(status) -> None:
+        phase = PHASE_AFTER.get(status.state)
+        if phase is not None and phase not in starts:
+            starts[phase] = time.perf_counter()
+
+    async def ticker():
+        while True:
+            before = time.perf_counter()
+            await trio.sleep(0.002)
+            after = time.perf_counter()
+            gaps.append((after, after - before - 0.002))
+
+    worker.status.listeners = [on_status]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.sleep(0.01)
+        starts["upload"] = time.perf_counter()
+        await worker._train_round(NullSender(), message)
+        starts.setdefault("done", time.perf_counter())
+        await trio.sleep(0.01)  # the ticker records a stall that lasted to the round's end
+        nursery.cancel_scope.cancel()
+    return starts, gaps
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    import jax
+
+    import protocol
+    from pcp_tui.models import gpt2
+    from pcp_tui.worker import Plan, Worker
+
+    config = gpt2.PRESETS[args.preset]
+    shapes = {
+        n: tuple(s.shape)
+        for n, s in jax.eval_shape(lambda: gpt2.init(config, jax.random.PRNGKey(0))).items()
+    }
+    names = tuple(sorted(shapes))
+    worker = Worker("127.0.0.1", 0, token="bench", backend=args.backend)
+    train, init = stand_in_graphs(names, shapes, worker.backend)
+    worker._plan = Plan(
+        names=names,
+        inner_steps=1,
+        chunk_steps=1,
+        batch_size=1,
+        seq_len=8,
+        seed=0,
+        slot=0,
+        shard=np.arange(1024, dtype=np.int32),
+        compression="none",
+        train_chunk=train,
+        init_opt_state=init,
+    )
+    worker.status.worker_index = 0
+    rng = np.random.default_rng(0)
+    params = {n: rng.standard_normal(shapes[n], dtype=np.float32) * 0.02 for n in names}
+    phases = ("upload", "train", "return")
+    seconds = {phase: [] for phase in ("round", *phases)}
+    stalls = {phase: [] for phase in ("round", *phases)}
+    for number in range(1, args.rounds + 2):  # round 1 compiles and initialises: not counted
+        tensors = {n: p.copy() for n, p in params.items()}  # what decoding a roundStart gives
+        message = protocol.Message("roundStart", {"round": number, "innerSteps": 1}, tensors)
+        starts, gaps = await one_round(worker, message)
+        if number == 1:
+            continue
+        seconds["round"].append(starts["done"] - starts["upload"])
+        stalls["round"].append(
+            max((g for t, g in gaps if t - g / 2 >= starts["upload"]), default=0)
+        )
+        for phase, end in zip(phases, ("train", "return", "done"), strict=True):
+            begin, finish = starts[phase], starts[end]
+            seconds[phase].append(finish - begin)
+            # a stall belongs to the phase its middle falls in
+            stalls[phase].append(
+                max((g for t, g in gaps if begin <= t - g / 2 < finish), default=0)
+            )
+    return {
+        "preset": args.preset,
+        "backend": worker.backend.info.describe(),
+        "params": int(sum(np.prod(s) for s in shapes.values())),
+        "src": args.src or "this checkout",
+        **{f"{k}_seconds": statistics.median(v) for k, v in seconds.items()},
+        **{f"{k}_longest_stall": statistics.median(v) for k, v in stalls.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpt2", choices=["tiny", "small", "gpt2"])
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--src", help="import pcp_tui and backends from this checkout")
+    args = parser.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.abspath(args.src) if args.src else here)
+    import trio
+
+    row = trio.run(measure, args)
+    print(
+        f"worker sync  {row['preset']} ({row['params']:,} params) on {row['backend']}, {row['src']}"
+    )
+    print(
+        f"  round without compute {row['round_seconds']:.3f} s, "
+        f"longest event-loop stall {row['round_longest_stall']:.3f} s (medians)"
+    )
+    for phase in ("upload", "train", "return"):
+        print(
+            f"  {phase:>7} {row[phase + '_seconds']:.3f} s, "
+            f"longest event-loop stall {row[phase + '_longest_stall']:.3f} s"
+        )
+    print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
