@@ -135,7 +135,7 @@ def _pinned_host(device: Any) -> Any:
 
     try:
         kinds = {memory.kind for memory in device.addressable_memories()}
-    except Exception:  # plugins without memory spaces
+    except (AttributeError, NotImplementedError, RuntimeError):  # plugins without memory spaces
         return None
     if "pinned_host" not in kinds:
         return None
