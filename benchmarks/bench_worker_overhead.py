@@ -83,13 +83,14 @@ def bare_loop(args: argparse.Namespace) -> None:
         )
         for c in range(chunks)
     ]
-    params, opt_state, losses = train.call(params, opt_state, batches[0])  # warm-up
+    params, opt_state, losses = train.call(params, opt_state, batches[0], np.int32(0))  # warm-up
     np.asarray(losses)
     print("ready", flush=True)
     for _ in sys.stdin:
         started = time.perf_counter()
-        for batch in batches:
-            params, opt_state, losses = train.call(params, opt_state, batch)
+        for chunk, batch in enumerate(batches):
+            first_step = np.int32(chunk * graphs.chunk_steps)
+            params, opt_state, losses = train.call(params, opt_state, batch, first_step)
         np.asarray(losses)
         rate = chunks * graphs.chunk_steps * task.tokens_per_step / (time.perf_counter() - started)
         print(json.dumps({"tokens_per_second": rate}), flush=True)

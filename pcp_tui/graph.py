@@ -3,8 +3,9 @@
 The worker never sees Python model code: it gets serialized StableHLO for
 
 - ``init_opt_state(params) -> opt_state``
-- ``train_chunk(params, opt_state, batches[K, ...]) -> (params, opt_state, losses[K])``
-  (K inner optimizer steps in one ``lax.scan``)
+- ``train_chunk(params, opt_state, batches[K, ...], first_step) -> (params, opt_state, losses[K])``
+  (K inner optimizer steps in one ``lax.scan``; ``first_step`` is the run's
+  global inner step of the first of them, which sets the learning rate)
 - ``eval_loss(params, batches[N, ...]) -> mean loss``
 
 Parameters and optimizer state cross the graph boundary as flat tuples of arrays
@@ -44,22 +45,34 @@ class InnerOptimizer:
     b1: float = 0.9
     b2: float = 0.95
 
-    def build(self) -> optax.GradientTransformation:
-        schedule: Any = self.lr
+    def schedule(self) -> optax.Schedule:
+        """Learning rate as a function of the run's global inner step (not a worker's own count)."""
         if self.decay_steps > self.warmup_steps:
-            schedule = optax.warmup_cosine_decay_schedule(
+            return optax.warmup_cosine_decay_schedule(
                 0.0, self.lr, max(self.warmup_steps, 1), self.decay_steps, self.lr / 10
             )
-        elif self.warmup_steps > 0:
-            schedule = optax.linear_schedule(0.0, self.lr, self.warmup_steps)
+        if self.warmup_steps > 0:
+            return optax.linear_schedule(0.0, self.lr, self.warmup_steps)
+        return optax.constant_schedule(self.lr)
+
+    def direction(self) -> optax.GradientTransformation:
+        """The update before the learning rate: clipping, Adam's moments, decoupled weight decay.
+
+        The step taken is ``-schedule(global_step) * direction``, which is exactly
+        optax.adamw / optax.sgd with that schedule. The schedule is applied
+        outside the optimizer state on purpose: a worker that joins late,
+        reconnects or restarts starts fresh moments (Adam's bias correction
+        counts its own steps) but follows the run's warm-up and decay.
+        """
         if self.name == "adamw":
             # Decay matrices only, as GPT-2/nanoGPT do: not biases or layer-norm scales.
             decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-            step = optax.adamw(
-                schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay, mask=decay_mask
+            step = optax.chain(
+                optax.scale_by_adam(b1=self.b1, b2=self.b2),
+                optax.add_decayed_weights(self.weight_decay, decay_mask),
             )
         elif self.name == "sgd":
-            step = optax.sgd(schedule)
+            step = optax.identity()
         else:
             raise ValueError(f"unknown inner optimizer {self.name!r} (adamw | sgd)")
         if self.grad_clip > 0:
@@ -110,7 +123,7 @@ def build_graphs(
     started = time.perf_counter()
     names = tuple(sorted(params))
     param_specs = tuple(jax.ShapeDtypeStruct(np.shape(params[n]), jnp.float32) for n in names)
-    optimizer = inner.build()
+    optimizer, schedule = inner.direction(), inner.schedule()
     opt_specs = jax.eval_shape(optimizer.init, dict(zip(names, param_specs, strict=True)))
     opt_leaves_spec, opt_tree = jax.tree.flatten(opt_specs)
 
@@ -120,15 +133,19 @@ def build_graphs(
     def init_opt_state(flat_params: tuple) -> tuple:
         return tuple(jax.tree.leaves(optimizer.init(as_dict(flat_params))))
 
-    def train_chunk(flat_params: tuple, opt_leaves: tuple, batches: jax.Array):
-        def one_step(carry, batch):
+    def train_chunk(flat_params: tuple, opt_leaves: tuple, batches: jax.Array, first_step):
+        def one_step(carry, inputs):
             p, s = carry
+            batch, step = inputs
             value, grads = jax.value_and_grad(loss_fn)(p, batch)
-            updates, s = optimizer.update(grads, s, p)
-            return (optax.apply_updates(p, updates), s), value
+            direction, s = optimizer.update(grads, s, p)
+            lr = schedule(step)
+            p = jax.tree.map(lambda w, d: w - (lr * d).astype(w.dtype), p, direction)
+            return (p, s), value
 
         carry = (as_dict(flat_params), jax.tree.unflatten(opt_tree, opt_leaves))
-        (p, s), losses = jax.lax.scan(one_step, carry, batches)
+        steps = first_step + jnp.arange(chunk_steps, dtype=jnp.int32)
+        (p, s), losses = jax.lax.scan(one_step, carry, (batches, steps))
         return tuple(p[n] for n in names), tuple(jax.tree.leaves(s)), losses
 
     def eval_loss(flat_params: tuple, batches: jax.Array) -> jax.Array:
@@ -148,7 +165,13 @@ def build_graphs(
     opt_leaf_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in opt_leaves_spec)
     return TrainingGraphs(
         param_names=names,
-        train_chunk=exported(train_chunk, param_specs, opt_leaf_specs, stacked(chunk_steps)),
+        train_chunk=exported(
+            train_chunk,
+            param_specs,
+            opt_leaf_specs,
+            stacked(chunk_steps),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        ),
         init_opt_state=exported(init_opt_state, param_specs),
         eval_loss=exported(eval_loss, param_specs, stacked(eval_batches)),
         platforms=platforms,

@@ -332,8 +332,9 @@ class Worker:
                 seed=plan.seed,
                 stream=(self.status.worker_index, number, chunk),  # unique per worker and chunk
             )
+            first_step = (number - 1) * steps + chunk * plan.chunk_steps  # the run's step
             params, opt_state, chunk_losses = await trio.to_thread.run_sync(
-                _run_chunk, plan.train_chunk, params, opt_state, batches
+                _run_chunk, plan.train_chunk, params, opt_state, batches, first_step
             )
             losses.extend(float(x) for x in chunk_losses)
             elapsed = time.perf_counter() - started
@@ -373,8 +374,10 @@ class _Sender:
             return await self._stream.send(kind, body, tensors, **options)
 
 
-def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray):
-    params, opt_state, losses = train_chunk(tuple(params), tuple(opt_state), batches)
+def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray, first_step: int):
+    params, opt_state, losses = train_chunk(
+        tuple(params), tuple(opt_state), batches, np.int32(first_step)
+    )
     return list(params), list(opt_state), np.asarray(losses)  # np.asarray waits for the device
 
 

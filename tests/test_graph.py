@@ -47,8 +47,30 @@ def test_exported_eval_loss_matches_direct_jax(task):
     )  # an untrained byte model is near uniform
 
 
-def test_exported_train_chunk_matches_optax_loop(task):
-    inner = InnerOptimizer(name="adamw", lr=3e-3, warmup_steps=2, decay_steps=20)
+def _optax_reference(inner: InnerOptimizer, first_step: int) -> optax.GradientTransformation:
+    """The inner optimizer as plain optax would write it, its schedule shifted to `first_step`."""
+
+    def lr(count):
+        return inner.schedule()(count + first_step)
+
+    decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    if inner.name == "adamw":
+        step = optax.adamw(
+            lr, b1=inner.b1, b2=inner.b2, weight_decay=inner.weight_decay, mask=decay
+        )
+    else:
+        step = optax.sgd(lr)
+    return optax.chain(optax.clip_by_global_norm(inner.grad_clip), step)
+
+
+@pytest.mark.parametrize(
+    ("name", "first_step"), [("adamw", 0), ("adamw", 7), ("sgd", 0), ("sgd", 11)]
+)
+def test_exported_train_chunk_matches_optax_loop(task, name, first_step):
+    """A fresh optimizer state started at global step `first_step` takes exactly the steps of
+    optax.adamw / optax.sgd whose schedule is read at the run's step, not the worker's own:
+    that is what keeps a late joiner or a reconnected worker on the run's warm-up and decay."""
+    inner = InnerOptimizer(name=name, lr=3e-3, warmup_steps=4, decay_steps=20)
     graphs = _graphs(task, inner, chunk=3)
     backend = select_backend("cpu")
     train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
@@ -57,9 +79,9 @@ def test_exported_train_chunk_matches_optax_loop(task):
         task.shards[0], steps=3, batch_size=4, seq_len=32, seed=0, stream=(0, 1, 0)
     )
     flat = tuple(jnp.asarray(task.params[n]) for n in graphs.param_names)
-    new_flat, _, losses = train.call(flat, init.call(flat), batches)
+    new_flat, _, losses = train.call(flat, init.call(flat), batches, np.int32(first_step))
 
-    tx = inner.build()
+    tx = _optax_reference(inner, first_step)
     params = {n: jnp.asarray(v) for n, v in task.params.items()}
     state = tx.init(params)
     expected_losses = []
@@ -72,9 +94,9 @@ def test_exported_train_chunk_matches_optax_loop(task):
     np.testing.assert_allclose(np.asarray(losses), expected_losses, rtol=1e-5)
     # Adam divides by sqrt(v): float rounding in a near-zero gradient moves a weight by a
     # visible fraction of one step, so compare against the step size, not machine epsilon.
-    for name, value in zip(graphs.param_names, new_flat, strict=True):
+    for name_, value in zip(graphs.param_names, new_flat, strict=True):
         np.testing.assert_allclose(
-            np.asarray(value), np.asarray(params[name]), rtol=1e-4, atol=inner.lr * 1e-2
+            np.asarray(value), np.asarray(params[name_]), rtol=1e-4, atol=inner.lr * 1e-2
         )
     assert losses[-1] < losses[0]
 
