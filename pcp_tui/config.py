@@ -12,6 +12,37 @@ class ConfigError(ValueError):
     """An option has a value that cannot work; the message says which and why."""
 
 
+# Valid ranges, checked by RunConfig.validate (which names the option in its error).
+_AT_LEAST_ONE = (
+    "rounds",
+    "inner_steps",
+    "chunk_steps",
+    "batch_size",
+    "seq_len",
+    "data_max_bytes",
+    "workers",
+    "eval_every",
+    "eval_batches",
+    "min_workers",
+    "checkpoint_every",
+    "max_handshakes_per_host",
+    "max_handshakes",
+)
+_NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "round_timeout", "seed")
+_CHOICES = {
+    "inner_optimizer": ("adamw", "sgd"),
+    "outer_optimizer": ("nesterov", "sgd"),
+    "compression": QUANTIZATIONS,
+    "compute_dtype": ("float32", "bfloat16"),
+    "attention": ("xla", "cudnn"),
+}
+
+
+def _require(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     # model and data
@@ -64,47 +95,51 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> RunConfig:
-        """Raise ConfigError for values that cannot work."""
-        positive = (
-            "rounds",
-            "inner_steps",
-            "chunk_steps",
-            "batch_size",
-            "seq_len",
-            "workers",
-            "eval_every",
+        """Raise ConfigError for values that cannot work, naming the option and its range."""
+        for name in _AT_LEAST_ONE:
+            _require(getattr(self, name) >= 1, name, "must be at least 1", getattr(self, name))
+        for name in _NOT_NEGATIVE:
+            _require(getattr(self, name) >= 0, name, "must be 0 or more", getattr(self, name))
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            _require(value in allowed, name, f"must be one of {', '.join(allowed)}", value)
+        _require(
+            0 <= self.port <= 65535, "port", "must be in 0..65535 (0: any free port)", self.port
         )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
-                )
-        if self.inner_optimizer not in ("adamw", "sgd"):
+        for name in ("inner_lr", "outer_lr"):
+            _require(getattr(self, name) > 0, name, "must be positive", getattr(self, name))
+        _require(
+            0 <= self.outer_momentum < 1,
+            "outer_momentum",
+            "must be in [0, 1) (0: no momentum)",
+            self.outer_momentum,
+        )
+        _require(
+            self.heartbeat_seconds > 0,
+            "heartbeat_seconds",
+            "must be positive",
+            self.heartbeat_seconds,
+        )
+        if self.heartbeat_timeout <= self.heartbeat_seconds:
             raise ConfigError(
-                f"--inner-optimizer must be adamw or sgd, got {self.inner_optimizer!r}"
+                f"--heartbeat-timeout ({self.heartbeat_timeout:g} s) must be larger than "
+                f"--heartbeat-seconds ({self.heartbeat_seconds:g} s): a worker counts as lost "
+                "after that much silence, so it needs room for several heartbeats (e.g. 10x)"
             )
-        if self.outer_optimizer not in ("nesterov", "sgd"):
+        if self.min_workers > self.workers:
             raise ConfigError(
-                f"--outer-optimizer must be nesterov or sgd, got {self.outer_optimizer!r}"
+                f"--min-workers {self.min_workers} is more than --workers {self.workers}: "
+                "--min-workers is the fewest results a round needs before --round-timeout "
+                "may close it, so it cannot exceed the workers the run waits for"
             )
-        if self.compression not in QUANTIZATIONS:
-            raise ConfigError(f"--compression must be one of {', '.join(QUANTIZATIONS)}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ConfigError("--compute-dtype must be float32 or bfloat16")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        if self.inner_lr <= 0 or self.outer_lr <= 0:
-            raise ConfigError("learning rates must be positive")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
-        if (
-            self.handshake_timeout <= 0
-            or self.max_handshakes_per_host < 1
-            or self.max_handshakes < 1
-        ):
-            raise ConfigError(
-                "--handshake-timeout, --max-handshakes-per-host and --max-handshakes must be positive"
-            )
+        _require(
+            self.handshake_timeout > 0,
+            "handshake_timeout",
+            "must be positive",
+            self.handshake_timeout,
+        )
         return self
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pcp_tui.cli import _config_from, build_parser, main
-from pcp_tui.config import ConfigError
+from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.config_file import load_config_file
 
 
@@ -64,3 +64,69 @@ def test_wrong_types_are_refused(tmp_path, text, message):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read --config"):
         load_config_file(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"checkpoint_every": 0}, "--checkpoint-every must be at least 1, got 0"),
+        ({"heartbeat_timeout": 0.0}, r"--heartbeat-timeout \(0 s\) must be larger than"),
+        ({"heartbeat_timeout": 2.0}, r"must be larger than --heartbeat-seconds \(2 s\)"),
+        ({"heartbeat_seconds": 0.0}, "--heartbeat-seconds must be positive"),
+        ({"attention": "foo"}, "--attention must be one of xla, cudnn, got 'foo'"),
+        ({"eval_batches": 0}, "--eval-batches must be at least 1"),
+        ({"rounds": 0}, "--rounds must be at least 1"),
+        ({"inner_steps": 0}, "--inner-steps must be at least 1"),
+        ({"batch_size": 0}, "--batch-size must be at least 1"),
+        ({"seq_len": 0}, "--seq-len must be at least 1"),
+        ({"chunk_steps": 0}, "--chunk-steps must be at least 1"),
+        ({"data_max_bytes": 0}, "--data-max-bytes must be at least 1"),
+        ({"workers": 0}, "--workers must be at least 1"),
+        ({"inner_lr": 0.0}, "--inner-lr must be positive"),
+        ({"outer_lr": -1.0}, "--outer-lr must be positive"),
+        ({"warmup_steps": -1}, "--warmup-steps must be 0 or more"),
+        ({"weight_decay": -0.1}, "--weight-decay must be 0 or more"),
+        ({"grad_clip": -1.0}, "--grad-clip must be 0 or more"),
+        ({"seed": -1}, "--seed must be 0 or more"),
+        ({"outer_momentum": 1.0}, r"--outer-momentum must be in \[0, 1\)"),
+        ({"outer_momentum": -0.5}, r"--outer-momentum must be in \[0, 1\)"),
+        ({"round_timeout": -1.0}, "--round-timeout must be 0 or more"),
+        ({"min_workers": 0}, "--min-workers must be at least 1"),
+        ({"min_workers": 3}, "--min-workers 3 is more than --workers 2: .*--round-timeout"),
+        ({"port": 65536}, r"--port must be in 0..65535"),
+        ({"port": -1}, r"--port must be in 0..65535"),
+        ({"compression": "gzip"}, "--compression must be one of none, bfloat16, int8Block"),
+        ({"inner_optimizer": "adam"}, "--inner-optimizer must be one of adamw, sgd"),
+        ({"handshake_timeout": 0.0}, "--handshake-timeout must be positive"),
+        ({"max_handshakes": 0}, "--max-handshakes must be at least 1"),
+        ({"tls_cert": "c.pem"}, "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_with_the_option_and_its_range(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**changes).validate()
+
+
+def test_the_edges_of_every_range_are_accepted():
+    RunConfig(
+        outer_momentum=0.0,
+        round_timeout=0.0,
+        warmup_steps=0,
+        grad_clip=0.0,
+        weight_decay=0.0,
+        port=0,
+        min_workers=2,
+        workers=2,
+        heartbeat_seconds=0.5,
+        heartbeat_timeout=0.6,
+        eval_batches=1,
+        checkpoint_every=1,
+    ).validate()
+
+
+def test_a_bad_value_on_the_command_line_exits_2_naming_it(capsys):
+    missing = "/nonexistent/corpus"  # were the value let through, the run would stop here, not hang
+    assert main(["shepherd", "--checkpoint-every", "0", "--data", missing]) == 2
+    assert (
+        capsys.readouterr().err == "pcp-tui: error: --checkpoint-every must be at least 1, got 0\n"
+    )
