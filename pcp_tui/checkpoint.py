@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 FORMAT = "pcp-tui-checkpoint/1"
@@ -86,27 +88,115 @@ def save(
     return root / name
 
 
-def load_latest(directory: str | os.PathLike) -> Checkpoint:
-    """Read the checkpoint `latest` names; raises CheckpointError if there is none."""
+RESUME_HINT = "pass the --checkpoint-dir of an earlier run, or start without --resume"
+
+
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint holds, read without loading its tensors."""
+
+    path: Path
+    round: int
+    shapes: dict[str, tuple[int, ...]]
+    meta: dict[str, Any]
+
+
+def locate(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Path:
+    """The round directory to read: the one `latest` names, or `directory` itself if it is one.
+
+    CheckpointError (ending with `hint`, which says what the caller can do) when there is none.
+    """
     root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"no checkpoint at {root}: no such directory; {hint}")
     try:
         name = (root / "latest").read_text().strip()
     except FileNotFoundError:
+        if (root / "meta.json").is_file():  # a round-NNNNNN directory of a run
+            return root
         raise CheckpointError(
-            f"no checkpoint in {root} (no 'latest' file); start without --resume"
+            f"no checkpoint in {root} (neither a 'latest' file nor a round directory); {hint}"
         ) from None
-    path = root / name
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {root / 'latest'}: {exc.strerror or exc}") from None
+    return root / name
+
+
+def inspect(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> CheckpointInfo:
+    """Round, meta and tensor shapes of the checkpoint `locate` finds (headers only: cheap)."""
+    path = locate(directory, hint=hint)
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = _read_meta(path)
+        with safe_open(path / "params.safetensors", "numpy") as tensors:
+            shapes = {n: tuple(tensors.get_slice(n).get_shape()) for n in tensors.keys()}  # noqa: SIM118
+    except (OSError, ValueError, safetensors.SafetensorError) as exc:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from None
+    return CheckpointInfo(path=path, round=int(meta["round"]), shapes=shapes, meta=meta)
+
+
+def load_latest(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Checkpoint:
+    """Read the checkpoint `latest` names (or `directory` itself, if it is a round directory).
+
+    Raises CheckpointError if there is none; the message ends with `hint`.
+    """
+    path = locate(directory, hint=hint)
+    try:
+        meta = _read_meta(path)
         params = load_file(path / "params.safetensors")
         outer = load_file(path / "outer.safetensors")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, safetensors.SafetensorError) as exc:
         raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
     return Checkpoint(
         path=path, round=int(meta["round"]), params=params, outer_state=outer, meta=meta
     )
+
+
+def check_compatible(
+    saved: Checkpoint | CheckpointInfo,
+    model_name: str,
+    shapes: dict[str, tuple[int, ...]],
+    fingerprint: str,
+) -> None:
+    """CheckpointError unless this run (model, tensor shapes, data) can continue `saved`.
+
+    The model is checked before the data: another --model usually means other
+    data too, and "other data" would send the user after the wrong option.
+    """
+    saved_shapes = (
+        saved.shapes
+        if isinstance(saved, CheckpointInfo)
+        else {n: tuple(p.shape) for n, p in saved.params.items()}
+    )
+    saved_model = saved.meta.get("model")
+    if (saved_model is not None and saved_model != model_name) or saved_shapes != shapes:
+        differs = _first_difference(saved_shapes, shapes)
+        raise CheckpointError(
+            f"{saved.path} holds model {saved_model or '?'}, this run builds {model_name}"
+            f"{f' ({differs})' if differs else ''}; resume with the --model (and model options) "
+            "of the run that wrote it"
+        )
+    if saved.meta.get("data_fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"{saved.path} was trained on other data; resume with the same --data and --data-max-bytes"
+        )
+
+
+def _first_difference(saved: dict[str, tuple], ours: dict[str, tuple]) -> str:
+    for name in sorted(set(saved) | set(ours)):
+        if name not in ours:
+            return f"it has tensor {name!r}, this model does not"
+        if name not in saved:
+            return f"this model has tensor {name!r}, it does not"
+        if saved[name] != ours[name]:
+            return f"tensor {name!r} is {list(saved[name])} there, {list(ours[name])} here"
+    return ""
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -6,9 +6,11 @@ import jax
 import numpy as np
 
 from . import checkpoint
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .data import decode_tokens, encode_text
 from .task import model_config
+
+SAMPLE_HINT = "pass the --checkpoint-dir of a run, or one of its round-NNNNNN directories"
 
 
 def sample_text(
@@ -20,18 +22,28 @@ def sample_text(
     top_k: int = 40,
     seed: int = 0,
 ) -> str:
-    """Continue `prompt` with the latest checkpoint in `directory` (byte-level models)."""
+    """Continue `prompt` with the latest checkpoint in `directory` (byte-level GPT-2 models).
+
+    `directory` is a run's --checkpoint-dir or one of its round directories.
+    ConfigError when the checkpoint holds a model this cannot sample from.
+    """
     from .models import gpt2
 
-    saved = checkpoint.load_latest(directory)
+    saved = checkpoint.load_latest(directory, hint=SAMPLE_HINT)
     options = saved.meta.get("config", {})
+    if options.get("model") not in gpt2.PRESETS or "wte" not in saved.params:
+        raise ConfigError(
+            f"sample generates text from a GPT-2 checkpoint; {saved.path} holds model "
+            f"{saved.meta.get('model') or options.get('model') or 'unknown'} "
+            f"(--model {options.get('model')}): load its params.safetensors with your own code"
+        )
     known = {
         k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__ and k != "platforms"
     }
     config = RunConfig(**known)
     vocab = int(saved.params["wte"].shape[0])
     if vocab != 256:
-        raise checkpoint.CheckpointError(
+        raise ConfigError(
             f"{saved.path} uses a {vocab}-token vocabulary; sample decodes byte-level models only"
         )
     gpt = model_config(config.replace(attention="xla"), vocab)

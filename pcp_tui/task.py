@@ -48,6 +48,11 @@ class Task:
         return f"corpus {corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} held-out tokens"
 
 
+def preset_name(model: str) -> str:
+    """What a GPT-2 preset is called in the dashboard, metrics and checkpoints: gpt2-tiny, gpt2."""
+    return model if model.startswith("gpt2") else f"gpt2-{model}"
+
+
 def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
     if config.model not in gpt2.PRESETS:
         raise ValueError(
@@ -83,7 +88,7 @@ def build_task(config: RunConfig, shards: int) -> Task:
         max_batches=config.eval_batches,
     )
     return Task(
-        name=f"gpt2-{config.model}",
+        name=preset_name(config.model),
         params=host_params,
         loss_fn=lambda p, tokens: gpt2.loss(gpt, p, tokens),
         batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),

@@ -85,3 +85,34 @@ def test_sigkill_mid_write_leaves_a_loadable_checkpoint(tmp_path):
     saved = checkpoint.load_latest(tmp_path)
     assert saved.round >= 1
     assert (saved.params["w"] == saved.round).all()  # complete and of the round it claims
+
+
+def test_a_round_directory_loads_too_and_the_message_fits_the_caller(tmp_path):
+    checkpoint.save(tmp_path, round=1, params=_params(1), outer_state={}, meta={})
+    checkpoint.save(tmp_path, round=2, params=_params(2), outer_state={}, meta={})
+    assert checkpoint.load_latest(tmp_path / "round-000001").round == 1
+    info = checkpoint.inspect(tmp_path)
+    assert info.round == 2 and info.shapes == {"wte": (1000,), "h.0.w": (1000, 4)}
+    with pytest.raises(checkpoint.CheckpointError, match=r"/nope: no such directory; use X$"):
+        checkpoint.load_latest(tmp_path / "nope", hint="use X")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match=r"nor a round directory\); use Y$"):
+        checkpoint.load_latest(tmp_path / "empty", hint="use Y")
+
+
+def test_compatibility_names_the_model_before_the_data(tmp_path):
+    meta = {"model": "mlp-16x64x4", "data_fingerprint": "rows"}
+    checkpoint.save(tmp_path, round=1, params=_params(1), outer_state={}, meta=meta)
+    saved, info = checkpoint.load_latest(tmp_path), checkpoint.inspect(tmp_path)
+    shapes = {"wte": (1000,), "h.0.w": (1000, 4)}
+    for found in (saved, info):
+        checkpoint.check_compatible(found, "mlp-16x64x4", shapes, "rows")  # the same run: fine
+        with pytest.raises(
+            checkpoint.CheckpointError,
+            match=r"holds model mlp-16x64x4, this run builds gpt2-tiny .*--model",
+        ):
+            checkpoint.check_compatible(found, "gpt2-tiny", {"wte": (256, 128)}, "tokens")
+        with pytest.raises(checkpoint.CheckpointError, match=r"tensor 'wte' is \[1000\] there"):
+            checkpoint.check_compatible(found, "mlp-16x64x4", {**shapes, "wte": (9,)}, "rows")
+        with pytest.raises(checkpoint.CheckpointError, match="trained on other data"):
+            checkpoint.check_compatible(found, "mlp-16x64x4", shapes, "other rows")
