@@ -36,6 +36,12 @@ PRE_AUTH_LIMITS = protocol.Limits(
 )
 # After it: the codec's defaults, sized for graphs, shards and parameters.
 ADMITTED_LIMITS = protocol.Limits()
+# A TLS connection opens with a handshake record (content type 22); anything else is not TLS.
+_TLS_HANDSHAKE_RECORD = b"\x16"
+_FIRST_BYTES = 16 * 1024
+TLS_ONLY = (
+    "this shepherd speaks TLS only: join with the --tls-fingerprint/--tls-ca from its join command"
+)
 
 
 class RefusalLog:
@@ -155,10 +161,15 @@ class Admission:
             return None
         self._pending[host] += 1
         transport: trio.abc.Stream = raw
+        deadline = trio.current_time() + self.timeout
         try:
-            with trio.fail_after(self.timeout):
-                if self._tls is not None:
-                    transport = await self._tls.accept(raw)
+            if self._tls is not None:
+                opened = await self._open_tls(raw, deadline)
+                if isinstance(opened, str):
+                    await self._refuse_plain_peer(raw, host, peer, opened)
+                    return None
+                transport = opened
+            with trio.fail_at(deadline):
                 stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
                 hello = await handshake(stream, token=self._token, run_id=self._run_id)
         except Refused as exc:
@@ -190,6 +201,62 @@ class Admission:
                 del self._pending[host]
         stream.limits = ADMITTED_LIMITS
         return Admitted(stream, hello, peer)
+
+    async def _open_tls(self, raw: trio.abc.Stream, deadline: float) -> trio.abc.Stream | str:
+        """The TLS stream; or, when the peer does not open with a TLS record, why not.
+
+        A worker started without --tls-* sends nothing: it waits for the
+        shepherd's hello. Silence until the deadline is therefore answered
+        like plain bytes are, in plain PCP, so that worker learns what to do.
+        """
+        first = None
+        with trio.move_on_at(deadline):
+            first = await raw.receive_some(_FIRST_BYTES)
+        if first is None:
+            return f"sent nothing within {self.timeout:g} s, as a worker without TLS does"
+        if first[:1] != _TLS_HANDSHAKE_RECORD:
+            return "the peer speaks plain PCP" if first else "closed before the TLS handshake"
+        with trio.fail_at(deadline):
+            return await self._tls.accept(_Replayed(raw, first))
+
+    async def _refuse_plain_peer(
+        self, raw: trio.abc.Stream, host: str, peer: str, why: str
+    ) -> None:
+        self.refusals.refused(
+            host,
+            peer,
+            f"TLS handshake failed ({why}); told it to join with --tls-fingerprint or --tls-ca",
+            verb="dropped",
+            code="authFailed",
+        )
+        with trio.move_on_after(1):  # final for the worker: its handshake ends on authFailed
+            await protocol.MessageStream(raw, PRE_AUTH_LIMITS).send_error("authFailed", TLS_ONLY)
+        await _close(raw)
+
+
+class _Replayed(trio.abc.Stream):
+    """`stream` with bytes already read from it put back in front (for the TLS layer)."""
+
+    def __init__(self, stream: trio.abc.Stream, first: bytes):
+        self._stream = stream
+        self._first = first
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if not self._first:
+            return await self._stream.receive_some(max_bytes)
+        size = len(self._first) if max_bytes is None else max_bytes
+        chunk, self._first = self._first[:size], self._first[size:]
+        await trio.lowlevel.checkpoint()
+        return chunk
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 def _drop_reason(exc: BaseException, timeout: float, past_tls: bool) -> str:

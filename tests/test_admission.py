@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import struct
+import subprocess
 
 import numpy as np
 import pytest
@@ -11,8 +13,9 @@ import trio.testing
 
 import protocol
 from pcp_tui import auth
-from pcp_tui.admission import PRE_AUTH_LIMITS, Admission, RefusalLog
+from pcp_tui.admission import PRE_AUTH_LIMITS, TLS_ONLY, Admission, RefusalLog
 from pcp_tui.state import RunState
+from pcp_tui.tls import ClientTLS, ServerTLS
 
 TOKEN = "unit-token"
 
@@ -265,3 +268,56 @@ def test_refusal_log_memory_is_bounded_across_many_addresses():
     assert len(log._suppressed) <= 17
     log.flush()
     assert sum(e.data.get("suppressed", 0) for e in state.events) == 5000 - 10
+
+
+@pytest.fixture(scope="module")
+def server_tls(tmp_path_factory) -> ServerTLS:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+        + ["-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=t"],
+        check=True,
+        capture_output=True,
+    )
+    return ServerTLS.from_files(str(cert), str(key))
+
+
+@pytest.mark.parametrize("speaks_first", [False, True], ids=["silent", "plain-bytes"])
+def test_a_peer_without_tls_is_told_in_plain_pcp_to_use_tls(server_tls, speaks_first):
+    """A worker without --tls-* waits for the shepherd's hello; it must not wait for nothing."""
+
+    async def main():
+        state = new_state()
+        admission = Admission(state, token=TOKEN, run_id="r", tls=server_tls, timeout=10)
+
+        async def plain_worker(stream):
+            if speaks_first:
+                await stream.send_all(hello_bytes(b""))
+            return await protocol.MessageStream(stream).receive()
+
+        admitted, answer = await run_admission(admission, plain_worker)
+        assert admitted is None
+        assert (answer.kind, answer.body["code"]) == ("error", "authFailed")  # final for a worker
+        assert answer.body["message"] == TLS_ONLY
+        assert "TLS handshake failed" in refusals(state)[0] and admission.pending == 0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_tls_worker_is_admitted_after_its_first_bytes_were_looked_at(server_tls):
+    async def main():
+        admission = Admission(new_state(), token=TOKEN, run_id="r", tls=server_tls)
+        client_tls = ClientTLS.from_options(pinned=server_tls.fingerprint)
+
+        async def tls_worker(stream):
+            secure = await client_tls.connect(stream, "localhost")
+            hello = await read_hello(secure)
+            await secure.send_all(hello_bytes(hello.body["nonce"]))
+
+        admitted, _ = await run_admission(admission, tls_worker)
+        assert admitted is not None and admitted.hello.worker_id == "w1"
+
+    trio.run(main)
