@@ -28,6 +28,13 @@ from .rounds import BadResult, Round
 from .state import RunState, WorkerView
 from .task import Task
 
+# Round results received but not yet folded into the mean, across all workers: the
+# shepherd holds at most this many model-sized copies however many workers there are.
+# The others wait in TCP flow control, their headers read, their payloads not yet.
+# A slot is held from a result's header to its fold, so a slow uploader holds one for its
+# whole upload: enough slots that a few slow links do not queue the fast ones.
+RESULTS_IN_MEMORY = 8
+
 
 class Flock:
     """Every connected worker of one run, and the task serving each."""
@@ -52,6 +59,7 @@ class Flock:
         self._changed = trio.Event()  # set whenever a worker becomes ready or goes away
         self._next_index = 0
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
+        self._result_slots = trio.Semaphore(RESULTS_IN_MEMORY)
 
     def remember(self, indices: dict[str, int]) -> None:
         """Give returning workers the index (and so the shard) they had before a restart."""
@@ -204,32 +212,52 @@ class Flock:
         return plan, tensors
 
     async def _receive_loop(self, link: WorkerLink) -> None:
-        view = link.view
+        holding = []
+
+        async def admit_payload(kind: str, nbytes: int) -> None:
+            if kind == "roundResult":
+                link.admitting = True  # waiting for a slot is not silence
+                try:
+                    await self._result_slots.acquire()
+                finally:
+                    link.admitting = False
+                    link.view.last_heard = time.monotonic()
+                holding.append(kind)
+
         while True:
-            message = await link.receive()
-            body = message.body
-            if message.kind == "ready":
-                view.state = "idle"
-                link.ready.set()
-                self.state.emit(
-                    "compiled",
-                    f"worker {view.index} compiled in {body.get('compileSeconds', 0):.1f} s",
-                    worker=view.worker_id,
-                )
-                self.wake()
-            elif message.kind == "progress":
-                self._on_progress(view, body)
-            elif message.kind == "roundResult":
-                await self._on_result(link, message)
-            elif message.kind == "heartbeat":
-                pass
-            elif message.kind == "goodbye":
-                view.reason = str(body.get("reason", "said goodbye"))
+            try:
+                message = await link.receive(before_payload=admit_payload)
+                await self._handle(link, message)
+            finally:
+                if holding:
+                    holding.clear()
+                    self._result_slots.release()
+            if message.kind == "goodbye":
                 return
-            elif message.kind == "error":
-                raise WorkerLost(f"worker error ({body.get('code')}): {body.get('message')}")
-            else:
-                raise WorkerLost(f"unexpected {message.kind} from a worker")
+
+    async def _handle(self, link: WorkerLink, message: protocol.Message) -> None:
+        view, body = link.view, message.body
+        if message.kind == "ready":
+            view.state = "idle"
+            link.ready.set()
+            self.state.emit(
+                "compiled",
+                f"worker {view.index} compiled in {body.get('compileSeconds', 0):.1f} s",
+                worker=view.worker_id,
+            )
+            self.wake()
+        elif message.kind == "progress":
+            self._on_progress(view, body)
+        elif message.kind == "roundResult":
+            await self._on_result(link, message)
+        elif message.kind == "heartbeat":
+            pass
+        elif message.kind == "goodbye":
+            view.reason = str(body.get("reason", "said goodbye"))
+        elif message.kind == "error":
+            raise WorkerLost(f"worker error ({body.get('code')}): {body.get('message')}")
+        else:
+            raise WorkerLost(f"unexpected {message.kind} from a worker")
 
     def _on_progress(self, view: WorkerView, body: dict) -> None:
         view.state = str(body.get("phase") or "training")
@@ -272,6 +300,7 @@ class Flock:
             return
         view.state = "idle"
         view.step = view.total_steps
+        view.reason = ""  # an earlier refusal no longer describes this worker
 
     async def _heartbeats(self, link: WorkerLink) -> None:
         try:
@@ -285,8 +314,8 @@ class Flock:
         timeout = self.config.heartbeat_timeout
         while True:
             await trio.sleep(min(1.0, timeout / 4))
-            silent = time.monotonic() - link.view.last_heard
-            if silent > timeout:
+            silent = link.silent_for()
+            if silent > timeout and not link.admitting:
                 link.lost_reason = f"silent for {silent:.0f} s (heartbeat timeout {timeout:.0f} s)"
                 scope.cancel()
                 return

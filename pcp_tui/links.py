@@ -53,6 +53,7 @@ class WorkerLink:
         self.ready = trio.Event()
         self.closed = False
         self.lost_reason = ""
+        self.admitting = False  # a round result's header is in; its payload waits for memory
 
     @property
     def worker_id(self) -> str:
@@ -65,12 +66,18 @@ class WorkerLink:
         self._state.bytes_sent += sent
         return sent
 
-    async def receive(self) -> protocol.Message:
-        message = await self.stream.receive()
+    async def receive(
+        self, *, before_payload: protocol.PayloadGate | None = None
+    ) -> protocol.Message:
+        message = await self.stream.receive(before_payload=before_payload)
         self.view.bytes_in += message.wire_bytes
         self._state.bytes_received += message.wire_bytes
         self.view.last_heard = time.monotonic()
         return message
+
+    def silent_for(self) -> float:
+        """Seconds since the worker last sent a byte (a message may still be arriving)."""
+        return time.monotonic() - max(self.view.last_heard, self.stream.last_activity)
 
     async def close(self, reason: str) -> None:
         """Say goodbye (best effort, bounded in time) and close."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import socket
 import time
 from collections.abc import Mapping
 
@@ -151,7 +152,7 @@ class Shepherd:
                 f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror}); pick another --port"
             ) from None
         port = listeners[0].socket.getsockname()[1]
-        shown_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        shown_host = _address_for_others() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         self.state.address = f"{shown_host}:{port}"
         self.state.join_command = " ".join(
             [
@@ -383,6 +384,7 @@ def _last_eval(state: RunState) -> float | None:
 def _settings(config: RunConfig) -> dict:
     return {
         "algorithm": "DiLoCo",
+        "workers": config.workers,
         "inner_steps": config.inner_steps,
         "inner_optimizer": config.inner_optimizer,
         "inner_lr": config.inner_lr,
@@ -393,3 +395,19 @@ def _settings(config: RunConfig) -> dict:
         "seq_len": config.seq_len,
         "compression": config.compression,
     }
+
+
+def _address_for_others() -> str:
+    """The address other machines most likely reach this one at, for the join command.
+
+    Listening on all interfaces says nothing about which one: ask the routing
+    table which source address a packet to a public address would leave from
+    (a UDP connect sends nothing). A machine with no route out gets 127.0.0.1,
+    which is right for workers on the same machine.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737): never answered, never sent
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

@@ -148,17 +148,20 @@ class Worker:
         plan_message = await _expect(stream, "plan")
         self.status.update(state="compiling", message="compiling the training graph")
         sender = _Sender(stream)
+        silent: list[str] = []  # why the watchdog cancelled the session, if it did
+        ended: BaseException | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, sender)
             try:
                 await self._compile(sender, plan_message)
                 rounds_out, rounds_in = trio.open_memory_channel(1)
                 nursery.start_soon(self._train_rounds, sender, rounds_in)
+                nursery.start_soon(self._watch_silence, stream, nursery.cancel_scope, silent)
                 await self._receive_loop(stream, rounds_out)
             except (RunOver, Refused, ConnectionLost, *_LINK_ERRORS) as exc:
                 ended = exc  # re-raised below, outside the nursery, so it is not wrapped in a group
             nursery.cancel_scope.cancel()
-        raise ended
+        raise ended or ConnectionLost(silent[0] if silent else "the session ended")
 
     async def _compile(self, sender: _Sender, plan_message: protocol.Message) -> None:
         started = time.perf_counter()
@@ -235,10 +238,7 @@ class Worker:
         self, stream: protocol.MessageStream, rounds: trio.MemorySendChannel
     ) -> None:
         while True:
-            with trio.move_on_after(self.heartbeat_timeout) as scope:
-                message = await stream.receive()
-            if scope.cancelled_caught:
-                raise ConnectionLost(f"the shepherd was silent for {self.heartbeat_timeout:.0f} s")
+            message = await stream.receive()
             if message.kind == "roundStart":
                 await rounds.send(message)
             elif message.kind == "goodbye":
@@ -251,6 +251,24 @@ class Worker:
                 raise Refused(f"the shepherd refused this worker ({code}): {text}")
             elif message.kind != "heartbeat":
                 raise protocol.MalformedMessage(f"unexpected {message.kind} from the shepherd")
+
+    async def _watch_silence(
+        self, stream: protocol.MessageStream, scope: trio.CancelScope, silent: list[str]
+    ) -> None:
+        """Cancel `scope` once no byte has come from the shepherd for `heartbeat_timeout`.
+
+        Bytes, not messages: parameters for a large model over a slow link take
+        minutes to arrive and are not silence.
+        """
+        since = time.monotonic()  # compiling does not read the socket: count from now
+        while True:
+            last = max(stream.last_activity, since)
+            left = last + self.heartbeat_timeout - time.monotonic()
+            if left <= 0:
+                silent.append(f"the shepherd was silent for {self.heartbeat_timeout:.0f} s")
+                scope.cancel()
+                return
+            await trio.sleep(left)
 
     async def _heartbeats(self, sender: _Sender) -> None:
         with contextlib.suppress(*_LINK_ERRORS):

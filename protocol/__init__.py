@@ -14,6 +14,7 @@ from ._codec import (
     Limits,
     Message,
     MessageStream,
+    PayloadGate,
     decode,
     encode,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "MalformedMessage",
     "Message",
     "MessageStream",
+    "PayloadGate",
     "ProtocolError",
     "VersionMismatch",
     "decode",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -338,6 +339,15 @@ class MessageStream:
             self._receiving = False
         return message
 
+    @property
+    def last_activity(self) -> float:
+        """`time.monotonic()` when bytes last arrived, also in the middle of a message.
+
+        A peer sending a 500 MB message over a slow link is silent in whole
+        messages for minutes, but not in bytes: liveness checks read this.
+        """
+        return self._reader.last_activity
+
     async def send_error(self, code: str, message: str) -> None:
         """Best effort: tell the peer why we are about to close; silent if it is already gone."""
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -414,6 +424,7 @@ class _StreamReader:
         self._socket = stream.socket if direct else None
         self._pending = bytearray()
         self.frame_consumed = 0
+        self.last_activity = time.monotonic()  # when bytes last arrived, mid-frame included
 
     def start_frame(self) -> None:
         self.frame_consumed = 0
@@ -451,9 +462,11 @@ class _StreamReader:
 
     async def _receive_some(self, max_bytes: int) -> bytes:
         try:
-            return await self._stream.receive_some(max_bytes)
+            chunk = await self._stream.receive_some(max_bytes)
         except trio.BrokenResourceError as exc:
             raise ConnectionClosed(f"connection lost: {exc.__cause__ or exc}") from exc
+        self.last_activity = time.monotonic()
+        return chunk
 
     async def _receive_into(self, out: memoryview) -> int:
         """Receive up to `out.nbytes` into `out`; 0 at end of stream.
@@ -472,7 +485,9 @@ class _StreamReader:
             if fd < 0:
                 raise trio.ClosedResourceError("this MessageStream's socket was closed")
             try:
-                return os.readv(fd, [out])
+                got = os.readv(fd, [out])
+                self.last_activity = time.monotonic()
+                return got
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self._socket)
             except OSError as exc:

@@ -761,3 +761,37 @@ def test_payload_gate_holds_tensor_bytes_on_the_wire_until_it_opens():
         np.testing.assert_array_equal(message.tensors["w"], big["w"])
 
     trio.run(main)
+
+
+def test_last_activity_moves_with_bytes_inside_a_message():
+    """Liveness is bytes, not whole messages: a big message arriving slowly keeps the
+    receiver's `last_activity` moving while `receive` is still waiting for the end."""
+
+    async def main():
+        client, server = await tcp_pair()
+        receiver = protocol.MessageStream(server)
+        wire = b"".join(
+            bytes(b)
+            for b in protocol.encode(
+                "roundResult", {"round": 1, "tokens": 4}, {"w": np.ones(64 * 1024, np.float32)}
+            )
+        )
+        marks: list[float] = []
+        received: list[protocol.Message] = []
+
+        async def receive():
+            received.append(await receiver.receive())
+
+        with trio.fail_after(60):  # a deadlock guard, not a speed claim
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive)
+                for start in range(0, len(wire), 64 * 1024):
+                    await client.send_all(wire[start : start + 64 * 1024])
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+                    marks.append(receiver.last_activity)
+        assert received and received[0].tensors["w"].sum() == 64 * 1024
+        assert len(marks) >= 4 and marks == sorted(marks) and marks[-2] > marks[0]
+        await client.aclose()
+        await receiver.aclose()
+
+    trio.run(main)
