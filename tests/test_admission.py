@@ -15,7 +15,7 @@ import protocol
 from pcp_tui import auth
 from pcp_tui.admission import PRE_AUTH_LIMITS, TLS_ONLY, Admission, RefusalLog
 from pcp_tui.state import RunState
-from pcp_tui.tls import ClientTLS, ServerTLS
+from pcp_tui.tls import ClientTLS, ServerTLS, TLSRefused
 
 TOKEN = "unit-token"
 
@@ -271,18 +271,25 @@ def test_refusal_log_memory_is_bounded_across_many_addresses():
 
 
 @pytest.fixture(scope="module")
-def server_tls(tmp_path_factory) -> ServerTLS:
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate for localhost and its key (PEM files)."""
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command")
     directory = tmp_path_factory.mktemp("tls")
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
-        + ["-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=t"],
+        + ["-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=t"]
+        + ["-addext", "subjectAltName=DNS:localhost"],
         check=True,
         capture_output=True,
     )
-    return ServerTLS.from_files(str(cert), str(key))
+    return str(cert), str(key)
+
+
+@pytest.fixture(scope="module")
+def server_tls(certificate) -> ServerTLS:
+    return ServerTLS.from_files(*certificate)
 
 
 @pytest.mark.parametrize("speaks_first", [False, True], ids=["silent", "plain-bytes"])
@@ -319,5 +326,29 @@ def test_a_tls_worker_is_admitted_after_its_first_bytes_were_looked_at(server_tl
 
         admitted, _ = await run_admission(admission, tls_worker)
         assert admitted is not None and admitted.hello.worker_id == "w1"
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("pin_matches", [True, False])
+def test_with_tls_ca_and_tls_fingerprint_the_certificate_must_pass_both(
+    certificate, server_tls, pin_matches
+):
+    async def main():
+        admission = Admission(new_state(), token=TOKEN, run_id="r", tls=server_tls)
+        pin = server_tls.fingerprint if pin_matches else "ab" * 32
+        client_tls = ClientTLS.from_options(ca_path=certificate[0], pinned=pin)
+
+        async def tls_worker(stream):
+            try:
+                secure = await client_tls.connect(stream, "localhost")
+            except TLSRefused as exc:
+                return str(exc)
+            hello = await read_hello(secure)
+            await secure.send_all(hello_bytes(hello.body["nonce"]))
+
+        admitted, refused = await run_admission(admission, tls_worker)
+        assert (admitted is not None) == pin_matches
+        assert pin_matches or "not the pinned" in refused
 
     trio.run(main)
