@@ -24,11 +24,16 @@ _STATE_STYLES = {
 
 
 class PlainStatusLog:
-    """One log line whenever the worker's state, round or message changes (logs, CI, pipes)."""
+    """One log line whenever the worker's state, round or message changes (logs, CI, pipes).
+
+    A message is printed once, on the line where it is new: "compiled in 4.2 s;
+    waiting for a round" is news once, not on every line of the rounds after it.
+    """
 
     def __init__(self, out: IO[str] | None = None) -> None:
         self._out = out
         self._last: tuple = ()
+        self._printed_message = ""
 
     def __enter__(self) -> PlainStatusLog:
         return self
@@ -43,26 +48,29 @@ class PlainStatusLog:
         self._last = key
         where = f" round {status.round}" if status.round else ""
         loss = f" loss {status.loss:.4f}" if status.loss is not None else ""
+        message = status.message if status.message != self._printed_message else ""
+        self._printed_message = status.message
         print(
-            f"{time.strftime('%H:%M:%S')} {status.state:<10}{where}{loss} {status.message}".rstrip(),
+            f"{time.strftime('%H:%M:%S')} {status.state:<10}{where}{loss} {message}".rstrip(),
             file=self._out or sys.stdout,
             flush=True,
         )
 
 
-def status_line(status: Any, width: int | None = None) -> Text:
+def status_line(status: Any, width: int | None = None, *, message: bool = True) -> Text:
     """`● training   worker 0 → host:port · round 3 · step 12/50 · loss 3.2140 · 1,234 tok/s`.
 
     When that is wider than `width` cells the shepherd's address, which never
     changes, is left out, so the numbers stay whole on an 80-column terminal.
+    `message=False` leaves out the status message (old news).
     """
-    line = _status_line(status, address=True)
+    line = _status_line(status, address=True, message=message)
     if width is not None and line.cell_len > width:
-        line = _status_line(status, address=False)
+        line = _status_line(status, address=False, message=message)
     return line
 
 
-def _status_line(status: Any, *, address: bool) -> Text:
+def _status_line(status: Any, *, address: bool, message: bool) -> Text:
     style = _STATE_STYLES.get(status.state, "bold")
     line = Text(no_wrap=True, overflow="ellipsis")
     line.append("● ", style)
@@ -77,7 +85,7 @@ def _status_line(status: Any, *, address: bool) -> Text:
         line.append(f" · loss {status.loss:.4f}")
     if status.tokens_per_second:
         line.append(f" · {status.tokens_per_second:,.0f} tok/s")
-    if status.message and status.state not in ("training", "syncing"):  # older news by then
+    if message and status.message and status.state not in ("training", "syncing"):
         line.append(f" · {status.message}", "dim")
     return line
 
@@ -92,6 +100,8 @@ class LiveStatusLine:
         self._last_draw = 0.0
         self._last_status: Any = None
         self._last_logged = False
+        self._message = ""
+        self._message_round = 0  # the round the current message appeared in: news until then
 
     def __enter__(self) -> LiveStatusLine:
         self._live.start()
@@ -104,6 +114,8 @@ class LiveStatusLine:
 
     def __call__(self, status: Any) -> None:
         self._last_status = status
+        if status.message != self._message:
+            self._message, self._message_round = status.message, status.round
         key = (status.state, status.round, status.message)
         now = time.monotonic()
         if key != self._last_key:
@@ -114,12 +126,20 @@ class LiveStatusLine:
         elif now - self._last_draw < REDRAW_SECONDS:
             return
         self._last_draw = now
-        self._live.update(status_line(status, self._console.width), refresh=True)
+        self._live.update(
+            status_line(status, self._console.width, message=self._news(status)), refresh=True
+        )
+
+    def _news(self, status: Any) -> bool:
+        """A message stays on the line for the round it appeared in, not for the rounds after."""
+        return status.round == self._message_round
 
     def _log_line(self, status: Any) -> Text:
         """A line that stays above the live one: the time, then the status (wrapped, not cut)."""
         line = Text(time.strftime("%H:%M:%S "), "dim")
-        line.append_text(status_line(status, self._console.width - line.cell_len))
+        line.append_text(
+            status_line(status, self._console.width - line.cell_len, message=self._news(status))
+        )
         return line
 
 

@@ -1,0 +1,56 @@
+"""What people read: a worker's log lines and the shepherd's metrics file."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from pcp_tui.headless import MetricsWriter
+from pcp_tui.state import RunState
+from pcp_tui.worker import WorkerStatus
+from pcp_tui.worker_view import WorkerStatusView
+
+
+def test_a_message_is_printed_once_not_on_every_later_line():
+    status = WorkerStatus(shepherd="127.0.0.1:8080")
+    out = io.StringIO()
+    with WorkerStatusView(status, out, live=False):
+        status.update(state="idle", message="compiled in 4.2 s; waiting for a round")
+        status.update(state="training", round=1, step=0, total_steps=10)
+        status.update(state="syncing", loss=2.5)
+        status.update(state="idle")
+        status.update(state="done", message="the shepherd ended the run")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 5
+    assert lines[0].endswith("compiled in 4.2 s; waiting for a round")
+    assert not any("compiled" in line for line in lines[1:]), lines
+    assert lines[-1].endswith("round 1 loss 2.5000 the shepherd ended the run")
+
+
+def test_the_live_line_drops_a_message_once_its_round_is_over():
+    status = WorkerStatus(shepherd="127.0.0.1:8080")
+    out = io.StringIO()
+    with WorkerStatusView(status, out, live=True):
+        status.update(state="idle", message="compiled in 4.2 s; waiting for a round")
+        status.update(state="training", round=1, step=10, total_steps=10, loss=2.5)
+        status.update(state="idle")
+    shown = " ".join(out.getvalue().split())
+    assert shown.count("compiled in 4.2 s") == 1  # the log line of round 0, not the idle line
+
+
+def test_the_metrics_file_never_holds_the_join_token(tmp_path):
+    path = tmp_path / "m.jsonl"
+    state = RunState(run_id="r", rounds_total=1, settings={})
+    writer = MetricsWriter(str(path), state, token="tok-1234567890")
+    state.subscribe(writer)
+    state.emit(
+        "listening",
+        "listening on 10.0.0.5:8080; join with: pcp-tui worker --connect 10.0.0.5:8080 "
+        "--token tok-1234567890 --tls-fingerprint ab",
+    )
+    state.emit("refused", "refused 1.2.3.4: sent tok-1234567890 as its id", peer="1.2.3.4")
+    writer.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert "tok-1234567890" not in path.read_text()
+    assert rows[0]["message"].endswith("--token <redacted> --tls-fingerprint ab")
+    assert rows[1]["message"] == "refused 1.2.3.4: sent <redacted> as its id"
