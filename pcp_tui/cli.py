@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from . import __version__
@@ -14,7 +16,7 @@ from .config_file import load_config_file
 
 # Help for the run options; every RunConfig field becomes a --flag.
 _HELP = {
-    "model": "model preset: tiny (CPU demo), small, gpt2 (124M); or a model file path/to/model.py:build",
+    "model": "model preset: tiny (CPU demo), small, gpt2 (86M on bytes, 124M on GPT-2 tokens); or a model file path/to/model.py:build",
     "data": "text file, folder of text, or nanoGPT .bin tokens (default: the embedded Python-stdlib corpus)",
     "data_max_bytes": "bytes of the embedded/text corpus to use",
     "seq_len": "tokens per training sequence",
@@ -31,7 +33,7 @@ _HELP = {
     "grad_clip": "inner gradient clipping by global norm (0: off)",
     "outer_optimizer": "nesterov | sgd",
     "outer_lr": "outer learning rate (DiLoCo: 0.7)",
-    "outer_momentum": "outer Nesterov momentum (DiLoCo: 0.9)",
+    "outer_momentum": "outer Nesterov momentum in [0, 1) (DiLoCo: 0.9)",
     "compression": "pseudo-gradient encoding: none | bfloat16 | int8Block",
     "seed": "seed for initialisation and data order",
     "eval_every": "evaluate on the held-out split every N rounds",
@@ -40,12 +42,12 @@ _HELP = {
     "host": "address to listen on",
     "port": "TCP port to listen on (0: any free port)",
     "heartbeat_seconds": "heartbeat interval",
-    "heartbeat_timeout": "seconds of silence before a worker counts as lost",
+    "heartbeat_timeout": "seconds of silence before a worker counts as lost (more than --heartbeat-seconds)",
     "round_timeout": "close a round after this many seconds with the results it has (0: wait for all)",
-    "min_workers": "fewest results a round needs before --round-timeout may close it",
+    "min_workers": "fewest results a round needs before --round-timeout may close it (at most --workers)",
     "token": "join token workers must prove (default: $PCP_TOKEN or a random one)",
     "metrics": "append JSON Lines metrics to this file",
-    "checkpoint_dir": "write checkpoints (safetensors + JSON) into this directory",
+    "checkpoint_dir": "write checkpoints (safetensors + JSON) into this directory (default: the --resume directory, if any)",
     "checkpoint_every": "checkpoint every N rounds (and when the run stops)",
     "resume": "continue the run from the latest checkpoint in this directory",
     "tls_cert": "PEM certificate: workers connect over TLS (the join command then pins its fingerprint)",
@@ -72,12 +74,15 @@ def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> No
             continue
         default = getattr(defaults, field.name)
         kind = type(default) if default is not None else str
+        text = _HELP.get(field.name, "")
+        if default is not None and "(default:" not in text:  # None: the help says what happens
+            text = f"{text} (default: {default})"
         group.add_argument(
             f"--{field.name.replace('_', '-')}",
             dest=field.name,
             type=kind,
             default=argparse.SUPPRESS,
-            help=f"{_HELP.get(field.name, '')} (default: {default})",
+            help=text,
         )
 
 
@@ -92,6 +97,8 @@ def _config_from(args: argparse.Namespace) -> RunConfig:
     )
     if not values.get("token"):
         values["token"] = os.environ.get("PCP_TOKEN") or None
+    if values.get("resume") and not values.get("checkpoint_dir"):
+        values["checkpoint_dir"] = values["resume"]  # a resumed run keeps checkpointing there
     return RunConfig(**values).validate()
 
 
@@ -135,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--token", default=None, help="join token the shepherd printed (default: $PCP_TOKEN)"
     )
     worker.add_argument(
-        "--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm", "metal"]
+        "--backend",
+        default="auto",
+        choices=["auto", "cpu", "cuda", "rocm", "metal"],
+        help="where to run the graphs; auto picks cuda, rocm or metal when present, else cpu (default: auto)",
     )
     worker.add_argument(
         "--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)"
@@ -149,13 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-ca",
         default=None,
         metavar="FILE",
-        help="connect over TLS, trusting the shepherd's certificate if this CA signed it",
+        help="connect over TLS, trusting the shepherd's certificate if this CA signed it "
+        "(with --tls-fingerprint too, the certificate must pass both)",
     )
     worker.add_argument(
         "--tls-fingerprint",
         default=None,
         metavar="SHA256",
-        help="connect over TLS, trusting only the shepherd certificate with this SHA-256 (printed in its join command)",
+        help="connect over TLS, trusting only the shepherd certificate with this SHA-256 "
+        "(printed in its join command; with --tls-ca too, the certificate must pass both)",
     )
     worker.add_argument("--quiet", action="store_true", help="print only errors")
     worker.add_argument(
@@ -164,56 +176,111 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep compiled graphs here so a restart does not recompile ('' to disable)",
     )
-    sample = commands.add_parser("sample", help="generate text from a checkpoint")
+    sample = commands.add_parser("sample", help="generate text from a GPT-2 checkpoint")
     sample.add_argument(
-        "--checkpoint", required=True, metavar="DIR", help="checkpoint directory of a run"
+        "--checkpoint",
+        "--checkpoint-dir",
+        dest="checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a run's --checkpoint-dir (its latest checkpoint) or one of its round-NNNNNN directories",
     )
     sample.add_argument("--prompt", default="", help="text to continue")
     sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
-    sample.add_argument("--temperature", type=float, default=0.8)
-    sample.add_argument("--top-k", type=int, default=40)
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="softmax temperature: lower is more predictable (default: 0.8)",
+    )
+    sample.add_argument(
+        "--top-k",
+        type=int,
+        default=40,
+        help="sample only among the k likeliest next bytes (default: 40)",
+    )
+    sample.add_argument(
+        "--seed", type=int, default=0, help="random seed: the same seed, the same text (default: 0)"
+    )
     return parser
+
+
+class Interrupted(BaseException):
+    """SIGTERM outside a run's own signal handling (see `headless.SignalStop`): exit 143."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    previous = signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: a message, not a death
     try:
-        if args.command == "sample":
-            from .checkpoint import CheckpointError
-            from .sample import sample_text
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
-            try:
-                print(
-                    sample_text(
-                        args.checkpoint,
-                        args.prompt,
-                        tokens=args.tokens,
-                        temperature=args.temperature,
-                        top_k=args.top_k,
-                        seed=args.seed,
-                    )
-                )
-            except CheckpointError as exc:
-                print(f"pcp-tui: error: {exc}", file=sys.stderr)
-                return 1
-            return 0
-        if args.command == "worker":
-            from .run import run_worker
 
-            return run_worker(args)
-        config = _config_from(args)
-        from .run import run_demo, run_shepherd
-
-        if args.command == "demo":
-            return run_demo(config, headless=args.headless, backend=args.backend)
-        return run_shepherd(config, headless=args.headless)
+def _main(args: argparse.Namespace) -> int:
+    try:
+        return _dispatch(args)
     except ConfigError as exc:
         print(f"pcp-tui: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("pcp-tui: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Interrupted) as exc:
+        return _interrupted(signal.SIGTERM if isinstance(exc, Interrupted) else signal.SIGINT)
+    except BaseExceptionGroup as group:  # a signal inside trio nurseries arrives wrapped
+        if group.split((KeyboardInterrupt, Interrupted))[1] is not None:
+            raise
+        terminated = group.subgroup(Interrupted) is not None
+        return _interrupted(signal.SIGTERM if terminated else signal.SIGINT)
+
+
+def _interrupted(signum: int) -> int:
+    print(f"pcp-tui: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+    return 128 + signum
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "sample":
+        return _sample(args)
+    if args.command == "worker":
+        from .run import run_worker
+
+        return run_worker(args)
+    config = _config_from(args)
+    from .run import run_demo, run_shepherd
+
+    if args.command == "demo":
+        return run_demo(config, headless=args.headless, backend=args.backend)
+    return run_shepherd(config, headless=args.headless)
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
+    from .sample import sample_text
+
+    try:
+        text = sample_text(
+            args.checkpoint,
+            args.prompt,
+            tokens=args.tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    except CheckpointError as exc:
+        print(f"pcp-tui: error: {exc}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import signal
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
+import trio
+
 from .state import Event, RunState
+
+_TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 
 # Events worth a line of their own in headless mode (rounds get the table row).
 _SHOWN = {
@@ -70,10 +77,15 @@ class HeadlessPrinter:
 
 
 class MetricsWriter:
-    """JSON Lines: one object per round and event, flushed as it happens."""
+    """JSON Lines: one object per round and event, flushed as it happens.
 
-    def __init__(self, path: str, state: RunState):
+    Metrics files get shared, so the join token never goes in: the "listening"
+    line says `--token <redacted>` (the terminal shows the operator the real one).
+    """
+
+    def __init__(self, path: str, state: RunState, *, token: str | None = None):
         self._state = state
+        self._token = token if token and len(token) >= 8 else None  # "a" must not redact every a
         try:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
         except OSError as exc:
@@ -93,11 +105,59 @@ class MetricsWriter:
                 bytes_received=self._state.bytes_received,
             )
         row["time"] = round(event.at, 3)
+        row = {k: self._redacted(v) if isinstance(v, str) else v for k, v in row.items()}
         self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+    def _redacted(self, text: str) -> str:
+        text = _TOKEN_FLAG.sub(r"\1<redacted>", text)
+        return text.replace(self._token, "<redacted>") if self._token else text
+
+
+class SignalStop:
+    """SIGINT / SIGTERM for a run without a dashboard: first stop cleanly, then at once.
+
+    The first signal calls `stop(reason)` (the shepherd finishes or abandons its
+    round, writes its checkpoint and tells workers goodbye) and says so in one
+    line; the second cancels `scope`. Without `stop`, the first signal cancels.
+    The process then exits with 128 + the signal's number (130, 143), as shells expect.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, stop: Callable[[str], None] | None = None, out: IO[str] = sys.stderr):
+        self._stop = stop
+        self._out = out
+        self.received: int | None = None
+
+    @property
+    def exit_code(self) -> int | None:
+        """128 + the signal's number once one arrived, else None."""
+        return None if self.received is None else 128 + self.received
+
+    async def watch(self, scope: trio.CancelScope, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(*self.SIGNALS) as signals:
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                first = self.received is None
+                self.received = signum
+                if first and self._stop is not None:
+                    self._say(
+                        f"{name}: stopping after the current round, writing the checkpoint and "
+                        f"telling workers goodbye ({name} again: stop at once)"
+                    )
+                    self._stop(f"interrupted ({name})")
+                    continue
+                self._say(f"{name}: stopping at once")
+                scope.cancel()
+                return
+
+    def _say(self, line: str) -> None:
+        print(f"pcp-tui: {line}", file=self._out, flush=True)
 
 
 def _plain(data: dict[str, Any]) -> dict[str, Any]:

@@ -4,24 +4,111 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
+import socket
 import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import trio
 
 from backends import BackendUnavailable
 
+from . import checkpoint
 from .auth import new_token
 from .checkpoint import CheckpointError
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .data import DataError
-from .headless import HeadlessPrinter, MetricsWriter
+from .headless import HeadlessPrinter, MetricsWriter, SignalStop
 from .shepherd import RunFailed, Shepherd
 
 
-def _fail(reason: str) -> int:
+def _fail(reason: str, code: int = 1) -> int:
     print(f"pcp-tui: error: {reason}", file=sys.stderr, flush=True)
-    return 1
+    return code
+
+
+def preflight(config: RunConfig) -> None:
+    """What can be checked before data and model load: address, files, the resumed round.
+
+    ConfigError (exit 2) for an option that cannot work, RunFailed for a busy port,
+    CheckpointError for a missing or unreadable checkpoint.
+    """
+    _check_listen(config.host, config.port)
+    if config.checkpoint_dir:
+        _check_writable(config.checkpoint_dir)
+    if config.metrics:
+        try:
+            with open(config.metrics, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write --metrics {config.metrics} ({exc.strerror or exc})"
+            ) from None
+    if config.resume:
+        saved = checkpoint.inspect(config.resume)
+        if saved.round >= config.rounds:
+            raise ConfigError(
+                f"checkpoint {saved.path} is at round {saved.round} of {config.rounds}; "
+                "pass a larger --rounds to train further"
+            )
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind (and let go) where the shepherd will listen, as trio.open_tcp_listeners does."""
+    try:
+        addresses = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"--host {host!r} does not resolve ({exc.strerror}): give an address of this "
+            "machine, or 0.0.0.0 for all of them"
+        ) from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            if os.name != "nt":
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise _listen_problem(host, port, exc) from None
+
+
+def _listen_problem(host: str, port: int, exc: OSError) -> Exception:
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(
+            f"--host {host} is not an address of this machine ({exc.strerror}): listen on one "
+            "of its addresses, or 0.0.0.0 for all of them"
+        )
+    if exc.errno == errno.EADDRINUSE:
+        return RunFailed(
+            f"cannot listen on {host}:{port}: the port is in use (by another program or run); "
+            "pick another --port, or --port 0 for any free one"
+        )
+    if exc.errno == errno.EACCES:
+        return ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror}): ports below 1024 need "
+            "privileges; pick a --port above 1023"
+        )
+    return RunFailed(f"cannot listen on {host}:{port} ({exc.strerror or exc})")
+
+
+def _check_writable(directory: str) -> None:
+    """Create `directory` and a file in it now, not at the first checkpoint rounds later."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".pcp-tui-write-test-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write checkpoints to {directory} ({exc.strerror or exc}): "
+            "choose a writable --checkpoint-dir"
+        ) from None
 
 
 def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | None]:
@@ -36,31 +123,90 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
         f"{task.data_summary}; model {task.name}: {task.param_count:,} parameters",
         flush=True,
     )
+    if config.resume:  # the model first: another --model usually means other data too
+        checkpoint.check_compatible(
+            checkpoint.inspect(config.resume),
+            task.name,
+            {name: tuple(p.shape) for name, p in task.params.items()},
+            task.corpus.fingerprint,
+        )
     shepherd = Shepherd(config, task)
-    metrics = MetricsWriter(config.metrics, shepherd.state) if config.metrics else None
+    metrics = (
+        MetricsWriter(config.metrics, shepherd.state, token=config.token)
+        if config.metrics
+        else None
+    )
     if metrics:
         shepherd.state.subscribe(metrics)
     return shepherd, metrics
 
 
-def run_shepherd(config: RunConfig, *, headless: bool) -> int:
+def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
+    """Preflight and prepare; an exit code (after a one-line reason) if that fails."""
     try:
-        shepherd, metrics = prepare(config, shards=config.workers)
-    except (DataError, CheckpointError, OSError, ValueError) as exc:
+        preflight(config)
+        return prepare(config, shards=config.workers)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    except (DataError, CheckpointError, RunFailed, OSError, ValueError) as exc:
         return _fail(str(exc))
+
+
+def run_shepherd(config: RunConfig, *, headless: bool) -> int:
+    started = _start(config)
+    if isinstance(started, int):
+        return started
+    shepherd, metrics = started
     if not headless:
         launched = _launch_dashboard(shepherd)
         if launched is not None:
             return launched
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
+    return _run_headless(shepherd, metrics, shepherd.run)
+
+
+def _run_headless(
+    shepherd: Shepherd, metrics: MetricsWriter | None, body: Callable[[], Awaitable[object]]
+) -> int:
+    """Run `body` under trio with SIGINT/SIGTERM handling; 0, 1 (RunFailed) or 128 + signal."""
+    stop = SignalStop(shepherd.request_stop)
     try:
-        trio.run(shepherd.run)
-    except RunFailed as exc:
-        return _fail(str(exc))
+        failure = _run_with_signals(stop, body, RunFailed)
     finally:
         if metrics:
             metrics.close()
-    return 0
+    if failure is not None:
+        return _fail(str(failure))
+    return stop.exit_code or 0
+
+
+def _run_with_signals(
+    stop: SignalStop,
+    body: Callable[[], Awaitable[object]],
+    expected: type[BaseException] | tuple[type[BaseException], ...],
+) -> BaseException | None:
+    """trio.run(body) beside `stop`'s signal watcher; the `expected` error it ended with, if any.
+
+    Nurseries wrap errors in groups: a group of only `expected` errors is
+    unwrapped, anything else (a bug) propagates with its traceback.
+    """
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stop.watch, nursery.cancel_scope)
+            await body()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as group:
+        matched, rest = group.split(expected)
+        if matched is None or rest is not None:
+            raise
+        while isinstance(matched, BaseExceptionGroup):
+            matched = matched.exceptions[0]
+        return matched
+    return None
 
 
 def _launch_dashboard(shepherd: Shepherd, spawn_workers=None) -> int | None:
@@ -78,10 +224,10 @@ def _launch_dashboard(shepherd: Shepherd, spawn_workers=None) -> int | None:
 
 def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
     """A shepherd and `config.workers` local worker processes on this machine."""
-    try:
-        shepherd, metrics = prepare(config, shards=config.workers)
-    except (DataError, CheckpointError, OSError, ValueError) as exc:
-        return _fail(str(exc))
+    started = _start(config)
+    if isinstance(started, int):
+        return started
+    shepherd, metrics = started
 
     async def spawn(nursery: trio.Nursery, port: int) -> list[trio.Process]:
         return [
@@ -95,25 +241,22 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
             return launched
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
 
-    async def main() -> None:
+    async def shepherd_and_workers() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(shepherd.run)
             await spawn(nursery, port)
 
-    try:
-        trio.run(main)
-    except RunFailed as exc:
-        return _fail(str(exc))
-    finally:
-        if metrics:
-            metrics.close()
-    return 0
+    return _run_headless(shepherd, metrics, shepherd_and_workers)
 
 
 async def _worker_process(
     shepherd: Shepherd, port: int, backend: str, index: int, *, task_status
 ) -> None:
-    """One local worker process; if it dies before the run ends, the run fails."""
+    """One local worker process; if it dies before the run ends, the run fails.
+
+    It gets a session of its own: a Ctrl-C at the terminal reaches only the
+    demo, which stops its shepherd, which tells the worker goodbye.
+    """
     command = [
         sys.executable,
         "-m",
@@ -131,11 +274,15 @@ async def _worker_process(
     env = dict(os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.workers))
     async with trio.open_nursery() as nursery:
         process = await nursery.start(
-            lambda **kw: trio.run_process(command, env=env, check=False, **kw)
+            lambda **kw: trio.run_process(
+                command, env=env, check=False, start_new_session=os.name == "posix", **kw
+            )
         )
         task_status.started(process)
     if process.returncode != 0 and shepherd.state.status not in ("done", "stopped", "failed"):
-        shepherd.abort(f"local worker {index} exited with code {process.returncode}")
+        shepherd.abort(
+            f"local worker {index} exited with code {process.returncode} (its reason is above)"
+        )
 
 
 def _cpu_threads_env(workers: int) -> dict[str, str]:
@@ -161,9 +308,11 @@ def run_worker(args: argparse.Namespace) -> int:
         return _fail(
             "no join token: pass --token (the shepherd prints it in its join command) or set PCP_TOKEN"
         )
-    host, _, port_text = args.connect.rpartition(":")
-    if not host or not port_text.isdigit():
-        return _fail(f"--connect wants HOST:PORT, got {args.connect!r}")
+    try:
+        host, port = parse_connect(args.connect)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    _warn_if_unresolved(host, port, retrying=not args.no_reconnect)
     if args.compile_cache:
         from backends import enable_compilation_cache
 
@@ -178,7 +327,7 @@ def run_worker(args: argparse.Namespace) -> int:
         tls = ClientTLS.from_options(args.tls_ca, args.tls_fingerprint)
         worker = Worker(
             host,
-            int(port_text),
+            port,
             token=token,
             backend=args.backend,
             worker_id=args.worker_id,
@@ -188,11 +337,53 @@ def run_worker(args: argparse.Namespace) -> int:
     except (BackendUnavailable, ValueError) as exc:
         return _fail(str(exc))
     view = contextlib.nullcontext() if args.quiet else WorkerStatusView(worker.status)
+    stop = SignalStop()  # the first SIGINT/SIGTERM ends the worker; the shepherd sees it leave
+    with view:
+        ended = _run_with_signals(stop, worker.run, (Refused, ConnectionLost))
+    if isinstance(ended, Refused):
+        return _fail(f"{ended} (not retrying)")
+    if ended is not None:
+        return _fail(str(ended))
+    return stop.exit_code or 0
+
+
+def parse_connect(text: str) -> tuple[str, int]:
+    """`HOST:PORT` or `[IPv6]:PORT` -> (host, port); ConfigError says what is wrong and how."""
+    example = "e.g. 10.0.0.5:8080 or [::1]:8080"
+    if "://" in text:
+        scheme = text.partition("://")[0]
+        raise ConfigError(
+            f"--connect wants HOST:PORT, got {text!r}: leave out {scheme}:// "
+            f"(workers speak PCP over TCP, not {scheme}), {example}"
+        )
+    if text.startswith("["):
+        host, bracket, port_text = text[1:].partition("]:")
+        if not bracket or not host:
+            raise ConfigError(f"--connect wants [IPv6]:PORT, got {text!r} ({example})")
+    else:
+        host, colon, port_text = text.rpartition(":")
+        if ":" in host:
+            raise ConfigError(
+                f"--connect {text!r}: put an IPv6 address in brackets, e.g. [{host}]:{port_text}"
+            )
+        if not colon or not host:
+            raise ConfigError(f"--connect wants HOST:PORT, got {text!r} ({example})")
+    if not (port_text.isascii() and port_text.isdigit() and 1 <= int(port_text) <= 65535):
+        raise ConfigError(f"--connect {text!r}: the port must be a number in 1..65535")
+    if any(c.isspace() or c in "/?#@[]" for c in host):
+        raise ConfigError(f"--connect {text!r}: {host!r} is not a host name or address")
+    return host, int(port_text)
+
+
+def _warn_if_unresolved(host: str, port: int, *, retrying: bool) -> None:
+    """Say plainly when the name does not resolve; the worker still retries (DNS can recover)."""
     try:
-        with view:
-            trio.run(worker.run)
-    except Refused as exc:
-        return _fail(f"{exc} (not retrying)")
-    except ConnectionLost as exc:
-        return _fail(str(exc))
-    return 0
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        then = "retrying in case that is temporary" if retrying else "not retrying"
+        print(
+            f"pcp-tui: warning: the shepherd's name {host!r} did not resolve ({exc.strerror}): "
+            f"check --connect; {then}",
+            file=sys.stderr,
+            flush=True,
+        )

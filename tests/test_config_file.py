@@ -130,3 +130,9 @@ def test_a_bad_value_on_the_command_line_exits_2_naming_it(capsys):
     assert (
         capsys.readouterr().err == "pcp-tui: error: --checkpoint-every must be at least 1, got 0\n"
     )
+
+
+def test_resume_keeps_checkpointing_where_it_resumed_from():
+    assert _config("shepherd", "--resume", "ckpt").checkpoint_dir == "ckpt"
+    assert _config("shepherd", "--resume", "a", "--checkpoint-dir", "b").checkpoint_dir == "b"
+    assert _config("shepherd").checkpoint_dir is None

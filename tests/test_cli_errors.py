@@ -1,0 +1,457 @@
+"""Error paths of the real CLI: one line saying what happened and what to do, the right exit code.
+
+Every test runs `python -m pcp_tui` in a subprocess; the runs use real sockets on
+127.0.0.1 and real worker processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backends import BackendUnavailable, select_backend
+from pcp_tui import checkpoint
+
+from .conftest import worker_env
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+GUARD = 300  # seconds: only against hangs, never a measured limit
+TOKEN = "s3cret-token-for-tests"
+SMALL = [
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--data-max-bytes",
+    "200000",
+    "--eval-batches",
+    "2",
+    "--heartbeat-seconds",
+    "0.5",
+]
+
+
+def pcp(*args: str, **options) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pcp_tui", *args],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env=worker_env(),
+        cwd=REPO,
+        **options,
+    )
+
+
+def one_error_line(result: subprocess.CompletedProcess | str) -> str:
+    """The single `pcp-tui: ...` line of stderr, after checking there is no traceback."""
+    err = result if isinstance(result, str) else result.stderr
+    out = "" if isinstance(result, str) else result.stdout
+    assert "Traceback" not in err + out, err
+    lines = [line for line in err.splitlines() if line.startswith("pcp-tui:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+class Background:
+    """A `pcp-tui` process whose stdout and stderr go to files (nothing to fill up)."""
+
+    def __init__(self, tmp_path: Path, *args: str, name: str = "run", **options):
+        self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pcp_tui", *args],
+                stdout=out,
+                stderr=err,
+                env=worker_env(),
+                cwd=REPO,
+                **options,
+            )
+
+    def wait_for(self, path: Path, pattern: str) -> re.Match:
+        """Poll `path` until `pattern` shows up (or the process ends, which fails the test)."""
+        while True:
+            found = re.search(pattern, path.read_text()) if path.exists() else None
+            if found:
+                return found
+            assert self.process.poll() is None, self.out.read_text() + self.err.read_text()
+            time.sleep(0.1)
+
+    def port(self) -> int:
+        return int(self.wait_for(self.out, r"listening on 127\.0\.0\.1:(\d+)").group(1))
+
+    def wait(self) -> int:
+        return self.process.wait(timeout=GUARD)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            children = _children(self.process.pid)
+            self.process.kill()
+            self.process.wait(timeout=30)
+            for pid in children:  # the demo's local workers live in sessions of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.fixture
+def background(tmp_path):
+    started: list[Background] = []
+
+    def start(*args: str, **options) -> Background:
+        started.append(Background(tmp_path, *args, name=f"run{len(started)}", **options))
+        return started[-1]
+
+    yield start
+    for run in started:
+        run.kill()
+
+
+def shepherd_args(*extra: str) -> list[str]:
+    return [
+        "shepherd",
+        "--headless",
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--token",
+        TOKEN,
+        "--inner-steps",
+        "5",
+        *SMALL,
+        *extra,
+    ]
+
+
+# -- 1. failures inside the run: one line, no ExceptionGroup traceback ---------
+
+
+def test_demo_on_a_busy_port_says_so_in_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = pcp("demo", "--headless", "--port", str(port), "--rounds", "1", *SMALL)
+    assert result.returncode == 1
+    line = one_error_line(result)
+    assert line.startswith("pcp-tui: error: cannot listen on 127.0.0.1:") and "--port" in line
+
+
+def _missing_backend() -> str:
+    for name in ("metal", "rocm", "cuda"):
+        try:
+            select_backend(name)
+        except BackendUnavailable:
+            return name
+    pytest.skip("every backend is present here")
+
+
+def test_demo_whose_workers_cannot_start_fails_with_one_line():
+    backend = _missing_backend()
+    result = pcp(
+        "demo", "--headless", "--workers", "1", "--backend", backend, "--rounds", "1", *SMALL
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("pcp-tui: error:")]
+    assert f"backend {backend!r} is not available" in errors[0]  # the worker's own reason
+    assert errors[-1] == "pcp-tui: error: local worker 0 exited with code 1 (its reason is above)"
+
+
+# -- 2. SIGINT / SIGTERM: stop cleanly, checkpoint, goodbye; twice: at once ---------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_worker, signum):
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    shepherd = background(
+        *shepherd_args("--workers", "1", "--rounds", "1000"),
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        "1000",
+        "--metrics",
+        str(metrics),
+    )
+    worker = spawn_worker(shepherd.port(), token=TOKEN)
+    shepherd.wait_for(metrics, r'"event": "round"')
+    shepherd.process.send_signal(signum)
+    assert shepherd.wait() == 128 + signum
+    line = one_error_line(shepherd.err.read_text())
+    name = signal.Signals(signum).name
+    assert line.startswith(f"pcp-tui: {name}: stopping after the current round"), line
+    assert "Traceback" not in shepherd.out.read_text()
+    saved = checkpoint.load_latest(checkpoints)  # written because the run stopped
+    assert saved.round >= 1 and saved.meta["model"] == "gpt2-tiny"
+    assert worker.wait(timeout=GUARD) == 0, worker.stdout.read()  # told goodbye
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r for r in rows if r["event"] == "done"][0]["message"].startswith("run stopped")
+    # 14: the join token stays out of a metrics file
+    assert TOKEN not in metrics.read_text()
+    listening = [r["message"] for r in rows if r["event"] == "listening"][0]
+    assert listening.endswith("--token <redacted>")
+    assert f"--token {TOKEN}" in shepherd.out.read_text()  # the operator still sees it
+
+
+def test_a_second_sigint_stops_at_once(tmp_path, background, spawn_worker):
+    metrics = tmp_path / "m.jsonl"
+    shepherd = background(
+        *shepherd_args("--workers", "1", "--rounds", "100000", "--heartbeat-timeout", "600"),
+        "--metrics",
+        str(metrics),
+    )
+    worker = spawn_worker(shepherd.port(), token=TOKEN)
+    shepherd.wait_for(metrics, r'"event": "round"')
+    worker.send_signal(signal.SIGSTOP)  # the round in progress can no longer finish
+    try:
+        shepherd.process.send_signal(signal.SIGINT)
+        shepherd.wait_for(shepherd.err, "stopping after the current round")
+        shepherd.process.send_signal(signal.SIGINT)
+        assert shepherd.wait() == 130
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    err = shepherd.err.read_text()
+    assert "Traceback" not in err and "pcp-tui: SIGINT: stopping at once" in err, err
+
+
+def test_ctrl_c_at_the_terminal_stops_the_demo_and_its_workers_cleanly(tmp_path, background):
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    demo = background(
+        "demo",
+        "--headless",
+        "--workers",
+        "1",
+        "--rounds",
+        "1000",
+        "--inner-steps",
+        "5",
+        *SMALL,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        "1000",
+        "--metrics",
+        str(metrics),
+        start_new_session=True,  # its own process group, as a terminal gives a command
+    )
+    demo.wait_for(metrics, r'"event": "round"')
+    os.killpg(demo.process.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+    assert demo.wait() == 130, demo.err.read_text()
+    assert one_error_line(demo.err.read_text()).startswith("pcp-tui: SIGINT: stopping")
+    assert checkpoint.load_latest(checkpoints).round >= 1
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert not [r for r in rows if r["event"] in ("failed", "lost")], rows
+
+
+def test_sigterm_ends_a_worker_with_a_line_and_143(background):
+    with socket.socket() as closed:  # nobody listens: the worker retries with back-off
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    worker = background(
+        "worker", "--connect", f"127.0.0.1:{port}", "--token", "t", "--backend", "cpu"
+    )
+    worker.wait_for(worker.out, "retrying in")
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.wait() == 143
+    assert one_error_line(worker.err.read_text()) == "pcp-tui: SIGTERM: stopping at once"
+
+
+# -- 3-6, 12: options that cannot work stop the run before anything loads ---------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+        (["--heartbeat-timeout", "0"], "must be larger than --heartbeat-seconds"),
+        (["--attention", "foo"], "--attention must be one of xla, cudnn"),
+        (["--eval-batches", "0"], "--eval-batches must be at least 1"),
+        (["--min-workers", "3", "--workers", "2"], "--min-workers 3 is more than --workers 2"),
+        (["--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine"),
+    ],
+)
+def test_options_that_cannot_work_exit_2_with_one_line(flags, message):
+    result = pcp("shepherd", "--headless", "--port", "0", *flags)
+    assert result.returncode == 2
+    assert message in one_error_line(result)
+    assert "loading data" not in result.stdout  # refused before the slow part
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = pcp("shepherd", "--headless", "--port", "0", "--checkpoint-dir", str(blocker / "ckpt"))
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert f"cannot write checkpoints to {blocker / 'ckpt'}" in line and "--checkpoint-dir" in line
+
+
+# -- 10. a worker without TLS against a TLS shepherd --------------------------------
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_a_worker_without_tls_is_told_the_shepherd_speaks_tls(tmp_path, background, spawn_worker):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+        + ["-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=t"],
+        check=True,
+        capture_output=True,
+    )
+    shepherd = background(
+        *shepherd_args("--workers", "1", "--rounds", "1"),
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+        "--handshake-timeout",
+        "1",
+    )
+    worker = spawn_worker(shepherd.port(), token=TOKEN)
+    assert worker.wait(timeout=GUARD) != 0
+    output = worker.stdout.read()
+    assert "this shepherd speaks TLS only" in output and "--tls-fingerprint" in output, output
+    assert "not retrying" in output
+    shepherd.wait_for(shepherd.out, r"TLS handshake failed \(sent nothing within 1 s")
+
+
+# -- 11. --connect is parsed up front -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("127.0.0.1:99999", "the port must be a number in 1..65535"),
+        ("http://127.0.0.1:8081", "leave out http://"),
+        ("::1:8081", "put an IPv6 address in brackets, e.g. [::1]:8081"),
+        ("127.0.0.1", "--connect wants HOST:PORT"),
+    ],
+)
+def test_a_bad_connect_address_exits_2(address, message):
+    result = pcp("worker", "--connect", address, "--token", "t", "--backend", "cpu")
+    assert result.returncode == 2
+    assert message in one_error_line(result)
+
+
+def test_bracketed_ipv6_is_an_address_and_an_unknown_name_is_named():
+    with socket.socket() as closed:  # a port with nobody listening
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    common = ["--token", "t", "--backend", "cpu", "--no-reconnect"]
+    v6 = pcp("worker", "--connect", f"[::1]:{port}", *common)
+    assert v6.returncode == 1 and "cannot reach ::1:" in one_error_line(v6)
+    unknown = pcp("worker", "--connect", "no-such-host.invalid:8080", *common)
+    assert unknown.returncode == 1
+    assert "the shepherd's name 'no-such-host.invalid' did not resolve" in unknown.stderr
+
+
+# -- 7, 8, 13: sample and resume against real checkpoints -----------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A 1-round tiny GPT-2 checkpoint and a 2-round MLP checkpoint, by real demo runs."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, flags in {
+        "gpt": ["--rounds", "1", *SMALL],
+        "mlp": ["--rounds", "2", "--model", "examples/mlp_model.py", "--batch-size", "32"],
+    }.items():
+        result = pcp(
+            "demo",
+            "--headless",
+            "--workers",
+            "1",
+            "--inner-steps",
+            "2",
+            *flags,
+            "--checkpoint-dir",
+            str(root / name),
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+    return root
+
+
+def test_sample_reads_a_round_directory_and_takes_checkpoint_dir(runs):
+    for flag, where in (("--checkpoint", "round-000001"), ("--checkpoint-dir", "")):
+        result = pcp("sample", flag, str(runs / "gpt" / where), "--tokens", "8", "--prompt", "de")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("de")
+
+
+def test_sample_of_a_custom_model_says_it_reads_gpt2(runs):
+    result = pcp("sample", "--checkpoint", str(runs / "mlp"))
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert "sample generates text from a GPT-2 checkpoint" in line
+    assert f"{runs / 'mlp'}/round-000002 holds model mlp-" in line
+
+
+@pytest.mark.parametrize("where", ["nope", "empty"])
+def test_sample_without_a_checkpoint_says_what_to_pass(tmp_path, where):
+    (tmp_path / "empty").mkdir()
+    result = pcp("sample", "--checkpoint", str(tmp_path / where))
+    assert result.returncode == 1
+    line = one_error_line(result)
+    assert "--resume" not in line and "round-NNNNNN" in line
+
+
+def test_resume_of_a_finished_checkpoint_says_to_raise_rounds(runs):
+    result = pcp(*shepherd_args("--rounds", "1", "--resume", str(runs / "gpt")))
+    assert result.returncode == 2
+    assert "is at round 1 of 1; pass a larger --rounds to train further" in one_error_line(result)
+
+
+def test_resume_with_another_model_names_the_model_not_the_data(runs):
+    result = pcp(*shepherd_args("--rounds", "5", "--resume", str(runs / "mlp")))
+    assert result.returncode == 1
+    line = one_error_line(result)
+    assert "holds model mlp-" in line and "this run builds gpt2-tiny" in line
+    assert "--model" in line and "other data" not in line
+
+
+def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, background, spawn_worker):
+    resumed = tmp_path / "gpt"
+    shutil.copytree(runs / "gpt", resumed)
+    shepherd = background(
+        *shepherd_args("--workers", "1", "--rounds", "2", "--resume", str(resumed))
+    )
+    worker = spawn_worker(shepherd.port(), token=TOKEN)
+    assert shepherd.wait() == 0, shepherd.err.read_text()
+    assert worker.wait(timeout=GUARD) == 0
+    assert checkpoint.load_latest(resumed).round == 2  # no --checkpoint-dir needed
+
+
+# -- 15. help text --------------------------------------------------------------------
+
+
+def test_help_shows_each_default_once_and_documents_every_option():
+    shepherd = pcp("shepherd", "--help").stdout
+    assert "(default: None)" not in shepherd
+    assert not re.search(r"\(default:[^)]*\)\s*\(default:", shepherd)
+    worker = pcp("worker", "--help").stdout
+    assert re.search(r"--backend \{[^}]*\}\s+where to run the graphs", worker)
+    sample = pcp("sample", "--help").stdout
+    for flag in ("--temperature TEMPERATURE", "--top-k TOP_K", "--seed SEED"):
+        assert re.search(re.escape(flag) + r"\s+\w", sample), flag
+    assert "--checkpoint-dir" in sample
