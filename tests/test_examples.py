@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
 import shlex
 from pathlib import Path
@@ -14,6 +16,8 @@ from pcp_tui.cli import _config_from, build_parser
 from pcp_tui.config import RunConfig
 from pcp_tui.config_file import load_config_file
 from pcp_tui.custom import load_spec
+from pcp_tui.models import gpt2
+from pcp_tui.task import model_config, preset_name
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -87,3 +91,23 @@ def test_the_readme_model_file_works(tmp_path):
     batch = {key: array[:64] for key, array in spec.data.train.items()}
     value = spec.loss(spec.init(jax.random.PRNGKey(0)), batch)
     assert value.shape == () and 0.5 < float(value) < 5
+
+
+def test_install_instructions_use_a_checkout_not_an_unpublished_package():
+    for path in [EXAMPLES.parent / "README.md", *EXAMPLES.glob("*.md")]:
+        assert "pip install pcp-tui" not in path.read_text(), path
+
+
+def test_the_gpt2_preset_sizes_in_the_readme_and_its_name():
+    row = next(
+        line
+        for line in (EXAMPLES.parent / "README.md").read_text().splitlines()
+        if line.startswith("| `--model tiny")
+    )
+    for vocab, size in ((256, "86M"), (50_257, "124M")):
+        preset = model_config(RunConfig(model="gpt2"), vocab)
+        shapes = jax.eval_shape(functools.partial(gpt2.init, preset), jax.random.PRNGKey(0))
+        count = sum(math.prod(s.shape) for s in shapes.values())
+        assert f"{count / 1e6:.0f}M" == size and size in row
+    assert "50,257-token vocabulary" in row
+    assert preset_name("gpt2") == "gpt2" and preset_name("tiny") == "gpt2-tiny"
