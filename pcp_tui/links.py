@@ -149,5 +149,5 @@ def _version_advice(exc: protocol.VersionMismatch) -> str:
     )
     return (
         f"protocol version mismatch: the shepherd (pcp-tui {__version__}) speaks protocol version {ours}, "
-        f"this worker speaks {theirs}; upgrade pcp-tui on {older} (pip install -U pcp-tui)"
+        f"this worker speaks {theirs}; upgrade pcp-tui on {older} (reinstall it from a newer checkout)"
     )

@@ -8,6 +8,7 @@ Connections (welcome, plan, results, liveness) are `flock.Flock`'s business.
 
 from __future__ import annotations
 
+import errno
 import math
 import secrets
 import socket
@@ -92,15 +93,9 @@ class Shepherd:
 
     def _resume(self, directory: str) -> None:
         saved = checkpoint.load_latest(directory)
-        if saved.meta.get("data_fingerprint") != self.task.corpus.fingerprint:
-            raise checkpoint.CheckpointError(
-                f"{saved.path} was trained on other data; resume with the same --data and --data-max-bytes"
-            )
-        shapes = {n: tuple(p.shape) for n, p in saved.params.items()}
-        if shapes != self._shapes:
-            raise checkpoint.CheckpointError(
-                f"{saved.path} holds another model; resume with the same --model"
-            )
+        checkpoint.check_compatible(
+            saved, self.task.name, self._shapes, self.task.corpus.fingerprint
+        )
         self.params = {n: np.array(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
         self.start_round = saved.round + 1
@@ -148,6 +143,11 @@ class Shepherd:
         try:
             listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise RunFailed(
+                    f"cannot listen on {cfg.host}:{cfg.port}: {cfg.host} is not an address of "
+                    "this machine; use one of its addresses or 0.0.0.0"
+                ) from None
             raise RunFailed(
                 f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror}); pick another --port"
             ) from None

@@ -13,6 +13,7 @@ import os
 import platform as host_platform
 import random
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,6 +115,12 @@ class Worker:
                     stream = await self.tls.connect(stream, self.host)
             except TLSRefused as exc:
                 raise Refused(str(exc)) from None
+            except socket.gaierror as exc:
+                attempt += 1
+                await self._backoff(
+                    attempt, f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
+                )
+                continue
             except OSError as exc:
                 attempt += 1
                 await self._backoff(
@@ -298,7 +305,7 @@ class Worker:
         params, kept = await trio.to_thread.run_sync(self._upload, message.tensors)
         if self._opt_state is None:
             self._opt_state = await trio.to_thread.run_sync(plan.init_opt_state, tuple(params))
-        self.status.update(state="training", round=number, step=0, total_steps=steps)
+        self.status.update(state="training", round=number, step=0, total_steps=steps, message="")
         params, losses = await self._train_chunks(sender, number, steps, params, started)
         compute = time.perf_counter() - started
         self.status.update(state="syncing")

@@ -81,9 +81,12 @@ VALID = [
 ]
 
 
+DEFAULT_LIMITS = protocol.Limits()
+
+
 def decodes_or_refuses(
-    data: bytes, limits: protocol.Limits = protocol.Limits()
-) -> protocol.Message | None:  # noqa: B008
+    data: bytes, limits: protocol.Limits = DEFAULT_LIMITS
+) -> protocol.Message | None:
     try:
         message = protocol.decode(data, limits)
     except protocol.ProtocolError as exc:
