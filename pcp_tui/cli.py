@@ -156,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit instead of reconnecting when the link breaks",
     )
     worker.add_argument(
+        "--give-up-after",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="stop reconnecting (exit 1) after this long without reaching the shepherd: "
+        "a run that ended while this worker was cut off never says goodbye to it (default: 1800)",
+    )
+    worker.add_argument(
         "--tls-ca",
         default=None,
         metavar="FILE",

@@ -332,6 +332,7 @@ def run_worker(args: argparse.Namespace) -> int:
             backend=args.backend,
             worker_id=args.worker_id,
             reconnect=not args.no_reconnect,
+            give_up_after=args.give_up_after,
             tls=tls,
         )
     except (BackendUnavailable, ValueError) as exc:

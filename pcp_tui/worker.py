@@ -89,6 +89,7 @@ class Worker:
         worker_id: str | None = None,
         reconnect: bool = True,
         max_backoff: float = 30.0,
+        give_up_after: float = 1800.0,
         tls: ClientTLS | None = None,
     ):
         self.host, self.port, self.token = host, port, token
@@ -99,6 +100,8 @@ class Worker:
         )
         self.reconnect = reconnect
         self.max_backoff = max_backoff
+        self.give_up_after = give_up_after  # seconds of failed reconnects before exiting
+        self._cut_off_since: float | None = None
         self.status = WorkerStatus(shepherd=f"{host}:{port}")
         self.heartbeat_timeout = 30.0
         self._plan: Plan | None = None
@@ -145,6 +148,14 @@ class Worker:
     async def _backoff(self, attempt: int, reason: str) -> None:
         if not self.reconnect:
             raise ConnectionLost(reason)
+        now = time.monotonic()
+        if attempt == 1 or self._cut_off_since is None:
+            self._cut_off_since = now
+        elif now - self._cut_off_since > self.give_up_after:
+            raise ConnectionLost(
+                f"{reason}; gave up after {now - self._cut_off_since:.0f} s of retrying "
+                "(the run may have ended while this worker was cut off; --give-up-after sets the limit)"
+            )
         delay = min(self.max_backoff, 0.5 * 2 ** min(attempt, 8)) * random.uniform(0.5, 1.0)
         self.status.update(state="connecting", message=f"{reason}; retrying in {delay:.1f} s")
         await trio.sleep(delay)

@@ -236,3 +236,16 @@ def test_shepherd_killed_and_resumed_workers_come_back(tmp_path, spawn_worker):
     resumed_loss, reference_loss = _final_eval(metrics), _final_eval(reference_metrics)
     print(f"final eval loss: resumed {resumed_loss:.4f}, uninterrupted {reference_loss:.4f}")
     assert math.isclose(resumed_loss, reference_loss, abs_tol=0.1)
+
+
+def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever():
+    """A run that ended while a worker was cut off never says goodbye to it: after
+    --give-up-after seconds of failed reconnects the worker stops and says why."""
+    from pcp_tui.worker import ConnectionLost, Worker
+
+    worker = Worker(
+        "127.0.0.1", _free_port(), token="t", backend="cpu", max_backoff=0.02, give_up_after=0.2
+    )
+    with pytest.raises(ConnectionLost, match=r"gave up after \d+ s of retrying"):
+        trio.run(worker.run)
+    assert worker.status.state == "connecting"
