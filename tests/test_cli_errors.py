@@ -23,7 +23,7 @@ import pytest
 from backends import BackendUnavailable, select_backend
 from pcp_tui import checkpoint
 
-from .conftest import worker_env
+from .conftest import worker_command, worker_env
 
 pytestmark = pytest.mark.e2e
 
@@ -214,23 +214,32 @@ def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_
     assert f"--token {TOKEN}" in shepherd.out.read_text()  # the operator still sees it
 
 
-def test_a_second_sigint_stops_at_once(tmp_path, background, spawn_worker):
+def test_a_second_sigint_stops_at_once(tmp_path, background):
     metrics = tmp_path / "m.jsonl"
     shepherd = background(
         *shepherd_args("--workers", "1", "--rounds", "100000", "--heartbeat-timeout", "600"),
         "--metrics",
         str(metrics),
     )
-    worker = spawn_worker(shepherd.port(), token=TOKEN)
-    shepherd.wait_for(metrics, r'"event": "round"')
-    worker.send_signal(signal.SIGSTOP)  # the round in progress can no longer finish
+    # a real worker that stalls in round 2, so the first SIGINT finds a round that cannot
+    # finish (a SIGSTOP raced the worker, which often had the round done already)
+    stalled = [sys.executable, "-m", "tests.slow_worker", "2", "600", "--"]
+    worker = subprocess.Popen(
+        [*stalled, *worker_command(shepherd.port(), token=TOKEN)[4:]],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=worker_env(),
+        cwd=REPO,
+    )
     try:
+        shepherd.wait_for(metrics, r'"event": "round"')  # round 1 done: round 2 is under way
         shepherd.process.send_signal(signal.SIGINT)
         shepherd.wait_for(shepherd.err, "stopping after the current round")
         shepherd.process.send_signal(signal.SIGINT)
         assert shepherd.wait() == 130
     finally:
-        worker.send_signal(signal.SIGCONT)
+        worker.kill()
+        worker.wait()
     err = shepherd.err.read_text()
     assert "Traceback" not in err and "pcp-tui: SIGINT: stopping at once" in err, err
 
