@@ -212,26 +212,13 @@ class Flock:
         return plan, tensors
 
     async def _receive_loop(self, link: WorkerLink) -> None:
-        holding = []
-
-        async def admit_payload(kind: str, nbytes: int) -> None:
-            if kind == "roundResult":
-                link.admitting = True  # waiting for a slot is not silence
-                try:
-                    await self._result_slots.acquire()
-                finally:
-                    link.admitting = False
-                    link.view.last_heard = time.monotonic()
-                holding.append(kind)
-
         while True:
+            slot = _ResultSlot(self._result_slots, link)
             try:
-                message = await link.receive(before_payload=admit_payload)
+                message = await link.receive(before_payload=slot.admit)
                 await self._handle(link, message)
             finally:
-                if holding:
-                    holding.clear()
-                    self._result_slots.release()
+                slot.release()
             if message.kind == "goodbye":
                 return
 
@@ -319,3 +306,28 @@ class Flock:
                 link.lost_reason = f"silent for {silent:.0f} s (heartbeat timeout {timeout:.0f} s)"
                 scope.cancel()
                 return
+
+
+class _ResultSlot:
+    """One round result's claim on the shepherd's memory, from its header to its fold."""
+
+    def __init__(self, slots: trio.Semaphore, link: WorkerLink):
+        self._slots, self._link = slots, link
+        self._held = False
+
+    async def admit(self, kind: str, nbytes: int) -> None:
+        """`before_payload` hook: a round result's payload waits for a free slot."""
+        if kind != "roundResult":
+            return
+        self._link.admitting = True  # waiting for a slot is not silence
+        try:
+            await self._slots.acquire()
+        finally:
+            self._link.admitting = False
+            self._link.view.last_heard = time.monotonic()
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._slots.release()

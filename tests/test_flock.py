@@ -1,0 +1,43 @@
+"""The shepherd's bound on round results held in memory at once (unit logic, virtual clock)."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from pcp_tui.flock import _ResultSlot
+from pcp_tui.state import WorkerView
+
+
+class _Link:  # the two attributes a slot touches on a WorkerLink
+    def __init__(self, name: str):
+        self.view = WorkerView(worker_id=name, index=0, host="h", backend="cpu")
+        self.admitting = False
+
+
+def test_results_beyond_the_slots_wait_and_small_messages_never_do():
+    async def main():
+        slots = trio.Semaphore(1)
+        first, second = _Link("a"), _Link("b")
+        held = _ResultSlot(slots, first)
+        await held.admit("roundResult", 10**9)
+        await _ResultSlot(slots, second).admit("progress", 10)  # no payload budget needed
+        waiting = _ResultSlot(slots, second)
+        admitted = trio.Event()
+
+        async def second_result():
+            await waiting.admit("roundResult", 10**9)
+            admitted.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(second_result)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not admitted.is_set() and second.admitting  # waiting, and not "silent"
+            held.release()
+            held.release()  # a second release is a no-op, not a second free slot
+            await admitted.wait()
+        assert not second.admitting and slots.value == 0
+        waiting.release()
+        assert slots.value == 1
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
