@@ -123,14 +123,7 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
         f"{task.data_summary}; model {task.name}: {task.param_count:,} parameters",
         flush=True,
     )
-    if config.resume:  # the model first: another --model usually means other data too
-        checkpoint.check_compatible(
-            checkpoint.inspect(config.resume),
-            task.name,
-            {name: tuple(p.shape) for name, p in task.params.items()},
-            task.corpus.fingerprint,
-        )
-    shepherd = Shepherd(config, task)
+    shepherd = Shepherd(config, task)  # a resumed checkpoint is checked against task here
     metrics = (
         MetricsWriter(config.metrics, shepherd.state, token=config.token)
         if config.metrics
