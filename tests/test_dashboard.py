@@ -11,6 +11,7 @@ import collections
 import functools
 import io
 import math
+import re
 
 import pytest
 import trio
@@ -370,7 +371,9 @@ async def test_dashboard_hosts_a_real_run_and_quits_cleanly():
             assert {str(table.get_cell(key, "backend")).strip() for key in state.workers} == {"cpu"}
             assert app.query_one(LossChart).points >= 5
             screen = screen_text(app)
-            assert "compute" in screen and "round 1" in screen and "training" in screen.lower()
+            # the round panel names the last round done: which one depends on the machine's speed
+            assert "compute" in screen and re.search(r"round \d+", screen)
+            assert "training" in screen.lower()
             await pilot.press("q")
             await wait_until(pilot, lambda: not app.is_running)
     finally:
@@ -382,3 +385,20 @@ async def test_dashboard_hosts_a_real_run_and_quits_cleanly():
     assert [p.returncode for p in processes] == [0, 0]
     assert math.isfinite(state.history[-1].train_loss)
     assert f"{len(state.history)}/40 rounds" in summary(state)
+
+
+@run_async
+async def test_an_app_that_ends_without_q_does_not_leave_its_guest_run_behind():
+    """Whatever ends the app (an error, a test failing mid-way), the shepherd's guest run is
+    cancelled and unwound on the app's loop, so the thread can start trio again."""
+    from pcp_tui.shepherd import Shepherd
+    from pcp_tui.task import build_task
+
+    config = small_config(rounds=3, inner_steps=2, chunk_steps=1, workers=2)
+    shepherd = Shepherd(config, build_task(config, shards=2))
+    app = DashboardApp(shepherd.state, shepherd)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: shepherd.state.status == "waiting")
+        app.exit(return_code=3)  # not the q path: nobody asked the shepherd to stop
+    assert not app.guest_running
+    assert trio.run(trio.sleep, 0) is None  # trio's run state was released

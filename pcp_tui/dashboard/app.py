@@ -169,6 +169,21 @@ class DashboardApp(App[None]):
         if self._quitting:
             self.exit(return_code=self.exit_code)
 
+    async def on_unmount(self) -> None:
+        """Never leave the guest run behind when the app ends some other way than `q`.
+
+        A guest run outliving its host loop keeps trio's run state on this thread
+        (a later `trio.run` would refuse to start): cancel it and let it unwind on
+        this loop first. Its goodbyes are bounded, so this ends in seconds.
+        """
+        if not self.guest_running or self._cancel_scope is None:
+            return
+        self._in_trio(self._cancel_scope.cancel)
+        for _ in range(200):
+            if not self.guest_running:
+                return
+            await asyncio.sleep(0.05)
+
     def _in_trio(self, command: Callable[[], None]) -> bool:
         """Run a shepherd command inside the guest run (its trio.Events need trio context)."""
         if self._trio_token is None or not self.guest_running:
