@@ -211,10 +211,13 @@ def _dequantize_int8_block(payload: np.ndarray, count: int, block_size: int) -> 
     values = payload[:count].view(np.int8)
     scales = np.frombuffer(payload[count:].tobytes(), "<f4")
     out = np.empty(count, np.float32)
-    for first, last, start, stop in _block_spans(count, block_size):
-        chunk = out[start:stop].reshape(last - first, -1)
-        chunk[...] = values[start:stop].reshape(chunk.shape)
-        chunk *= scales[first:last, None]
+    # Scales come off the wire: huge ones overflow to Inf, which is decoded as such and
+    # left for the receiver's finiteness check to refuse, not warned about here.
+    with np.errstate(over="ignore", invalid="ignore"):
+        for first, last, start, stop in _block_spans(count, block_size):
+            chunk = out[start:stop].reshape(last - first, -1)
+            chunk[...] = values[start:stop].reshape(chunk.shape)
+            chunk *= scales[first:last, None]
     return out
 
 
