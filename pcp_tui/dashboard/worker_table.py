@@ -8,7 +8,7 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.widgets import DataTable
 
-from ..state import WorkerView
+from ..state import WORKER_STATES, WorkerView
 from ._format import clip, compact_bytes, compact_count, loss_text
 
 # (key, label, right-aligned). Cells carry their own one-space separator (cell padding 0):
@@ -42,18 +42,7 @@ class WorkerTable(DataTable):
     """
 
     COMPONENT_CLASSES = DataTable.COMPONENT_CLASSES | {
-        f"worker-table--{state}"
-        for state in (
-            "connecting",
-            "compiling",
-            "idle",
-            "training",
-            "syncing",
-            "lost",
-            "refused",
-            "left",
-            "reason",
-        )
+        f"worker-table--{state}" for state in (*WORKER_STATES, "reason")
     }
 
     def __init__(self, **kwargs) -> None:
