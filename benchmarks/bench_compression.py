@@ -19,6 +19,7 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcp_tui.config import RunConfig  # noqa: E402
+from pcp_tui.run import local_worker_command  # noqa: E402
 
 
 async def one_run(compression: str, args: argparse.Namespace) -> dict:
@@ -48,21 +49,7 @@ async def one_run(compression: str, args: argparse.Namespace) -> dict:
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
         for i in range(2):
-            command = [
-                sys.executable,
-                "-m",
-                "pcp_tui",
-                "worker",
-                "--connect",
-                f"127.0.0.1:{port}",
-                "--token",
-                "bench",
-                "--backend",
-                "cpu",
-                "--quiet",
-                "--id",
-                f"w{i}",
-            ]
+            command = local_worker_command(port, token="bench", extra=("--quiet", "--id", f"w{i}"))
             nursery.start_soon(lambda c=command: trio.run_process(c, env=env))
     history = shepherd.state.history
     return {

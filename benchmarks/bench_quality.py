@@ -37,6 +37,7 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcp_tui.config import RunConfig  # noqa: E402
+from pcp_tui.run import local_worker_command  # noqa: E402
 from pcp_tui.shepherd import Shepherd  # noqa: E402
 from pcp_tui.task import build_task  # noqa: E402
 
@@ -72,21 +73,9 @@ def run(label: str, config: RunConfig) -> Result:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(shepherd.run)
             for i in range(config.workers):
-                command = [
-                    sys.executable,
-                    "-m",
-                    "pcp_tui",
-                    "worker",
-                    "--connect",
-                    f"127.0.0.1:{port}",
-                    "--token",
-                    config.token,
-                    "--backend",
-                    "cpu",
-                    "--id",
-                    f"bench-{i}",
-                    "--quiet",
-                ]
+                command = local_worker_command(
+                    port, token=config.token, extra=("--id", f"bench-{i}", "--quiet")
+                )
                 workers.append(subprocess.Popen(command, env=env))
 
     started = time.perf_counter()

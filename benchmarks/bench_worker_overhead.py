@@ -33,6 +33,7 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcp_tui.config import RunConfig  # noqa: E402
+from pcp_tui.run import local_worker_command  # noqa: E402
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -131,19 +132,9 @@ async def interleaved(
     bare_rates: list[float] = []
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
-        command = [
-            sys.executable,
-            "-m",
-            "pcp_tui",
-            "worker",
-            "--connect",
-            f"127.0.0.1:{port}",
-            "--token",
-            "bench",
-            "--backend",
-            args.backend,
-            "--quiet",
-        ]
+        command = local_worker_command(
+            port, token="bench", backend=args.backend, extra=("--quiet",)
+        )
         nursery.start_soon(lambda: trio.run_process(command, env=env))
         for _ in range(config.rounds - 1):
             await round_done.wait()

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -242,6 +242,19 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
     return _run_headless(shepherd, metrics, shepherd_and_workers)
 
 
+def local_worker_command(
+    port: int, *, token: str | None = None, backend: str = "cpu", extra: Sequence[str] = ()
+) -> list[str]:
+    """argv of a `pcp-tui worker` for a shepherd on 127.0.0.1:`port`, run by this Python.
+
+    Without `token` the worker reads PCP_TOKEN from its environment (kept out of `ps`).
+    """
+    command = [sys.executable, "-m", "pcp_tui", "worker", "--connect", f"127.0.0.1:{port}"]
+    if token is not None:
+        command += ["--token", token]
+    return [*command, "--backend", backend, *extra]
+
+
 async def _worker_process(
     shepherd: Shepherd, port: int, backend: str, index: int, *, task_status
 ) -> None:
@@ -250,20 +263,16 @@ async def _worker_process(
     It gets a session of its own: a Ctrl-C at the terminal reaches only the
     demo, which stops its shepherd, which tells the worker goodbye.
     """
-    command = [
-        sys.executable,
-        "-m",
-        "pcp_tui",
-        "worker",
-        "--connect",
-        f"127.0.0.1:{port}",
-        "--backend",
-        backend,
-        "--id",
-        f"local-{index}",
-        "--quiet",
-        *(shepherd.tls.worker_flags() if shepherd.tls else []),
-    ]
+    command = local_worker_command(
+        port,
+        backend=backend,
+        extra=(
+            "--id",
+            f"local-{index}",
+            "--quiet",
+            *(shepherd.tls.worker_flags() if shepherd.tls else ()),
+        ),
+    )
     env = dict(os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.workers))
     async with trio.open_nursery() as nursery:
         process = await nursery.start(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from pcp_tui.config import RunConfig
+from pcp_tui.run import local_worker_command
 
 # Small enough to train in seconds on 2 cores; everything else is the real thing.
 SMALL = dict(
@@ -37,19 +37,7 @@ def worker_env() -> dict[str, str]:
 
 
 def worker_command(port: int, *extra: str, token: str = "test-token") -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pcp_tui",
-        "worker",
-        "--connect",
-        f"127.0.0.1:{port}",
-        "--token",
-        token,
-        "--backend",
-        "cpu",
-        *extra,
-    ]
+    return local_worker_command(port, token=token, extra=extra)
 
 
 @pytest.fixture
