@@ -18,13 +18,13 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pcp_tui.app.launch import local_worker_command  # noqa: E402
 from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.run import local_worker_command  # noqa: E402
 
 
 async def one_run(compression: str, args: argparse.Namespace) -> dict:
-    from pcp_tui.shepherd import Shepherd
-    from pcp_tui.task import build_task
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.workload import build_workload
 
     config = RunConfig(
         workers=2,
@@ -42,7 +42,7 @@ async def one_run(compression: str, args: argparse.Namespace) -> dict:
         warmup_steps=10,
         inner_lr=2e-3,
     )
-    shepherd = Shepherd(config, build_task(config, shards=2))
+    shepherd = Shepherd(config, build_workload(config, shards=2))
     env = dict(
         os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     )

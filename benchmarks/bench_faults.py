@@ -48,8 +48,8 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.shepherd import Shepherd  # noqa: E402
-from pcp_tui.task import build_task  # noqa: E402
+from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
+from pcp_tui.training.workload import build_workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = 3  # every scenario cuts the corpus the same way, whatever its worker count
@@ -248,7 +248,7 @@ def run_in_process(
     timeout: float,
 ) -> tuple[Shepherd, dict]:
     """A shepherd in this process; `scenario(shepherd, port)` starts workers and faults."""
-    shepherd = Shepherd(config, build_task(config, shards=SHARDS))
+    shepherd = Shepherd(config, build_workload(config, shards=SHARDS))
     found: dict = {}
 
     async def main() -> None:

@@ -36,10 +36,10 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pcp_tui.app.launch import local_worker_command  # noqa: E402
 from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.run import local_worker_command  # noqa: E402
-from pcp_tui.shepherd import Shepherd  # noqa: E402
-from pcp_tui.task import build_task  # noqa: E402
+from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
+from pcp_tui.training.workload import build_workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,8 +59,8 @@ class Result:
 
 def run(label: str, config: RunConfig) -> Result:
     """One run through shepherd + worker processes; returns what the table and plot need."""
-    task = build_task(config, shards=config.workers)
-    shepherd = Shepherd(config, task)
+    workload = build_workload(config, shards=config.workers)
+    shepherd = Shepherd(config, workload)
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -89,7 +89,7 @@ def run(label: str, config: RunConfig) -> Result:
                 worker.kill()
                 worker.wait()
     history = shepherd.state.history
-    initial = shepherd.evaluate(task.params)
+    initial = shepherd.evaluate(workload.params)
     curve, tokens = [(0, initial)], 0
     for record in history:
         tokens += record.tokens

@@ -36,8 +36,10 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import protocol  # noqa: E402
-from pcp_tui import auth  # noqa: E402
+from pcp_tui import (
+    auth,  # noqa: E402
+    protocol,  # noqa: E402
+)
 from pcp_tui.config import RunConfig  # noqa: E402
 
 
@@ -94,12 +96,12 @@ async def fake_workers(port: int, count: int) -> None:
             nursery.start_soon(fake_worker, port, i)
 
 
-def with_param_shapes(task, preset: str):
-    """`task` with the parameter shapes of a GPT-2 preset and a loss that only touches them."""
+def with_param_shapes(workload, preset: str):
+    """`workload` with the parameter shapes of a GPT-2 preset and a loss that only touches them."""
     import jax
     import jax.numpy as jnp
 
-    from pcp_tui.models import gpt2
+    from pcp_tui.training.models import gpt2
 
     config = gpt2.PRESETS[preset]
     shapes = jax.eval_shape(lambda: gpt2.init(config, jax.random.PRNGKey(0)))
@@ -112,12 +114,12 @@ def with_param_shapes(task, preset: str):
     def loss_fn(p, tokens):
         return sum(jnp.mean(v) for v in p.values()) + jnp.mean(tokens.astype(jnp.float32))
 
-    return dataclasses.replace(task, name=f"{preset}-shapes", params=params, loss_fn=loss_fn)
+    return dataclasses.replace(workload, name=f"{preset}-shapes", params=params, loss_fn=loss_fn)
 
 
 async def one_size(count: int, args: argparse.Namespace) -> dict:
-    from pcp_tui.shepherd import Shepherd
-    from pcp_tui.task import build_task
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.workload import build_workload
 
     config = RunConfig(
         model=args.model,
@@ -137,10 +139,10 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
         max_handshakes_per_host=max(count, 8),
         max_handshakes=max(count, 64),
     )
-    task = build_task(config, shards=count)
+    workload = build_workload(config, shards=count)
     if args.param_shapes:
-        task = with_param_shapes(task, args.param_shapes)
-    shepherd = Shepherd(config, task)
+        workload = with_param_shapes(workload, args.param_shapes)
+    shepherd = Shepherd(config, workload)
     cpu_at_round: list[float] = []  # this process's CPU seconds when each round ended
     shepherd.state.subscribe(
         lambda event: cpu_at_round.append(time.process_time()) if event.kind == "round" else None
@@ -159,7 +161,7 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
         "shepherd_cpu_seconds": cpu,
         "mb_moved": moved / 1e6,
         "seconds_per_gb": seconds / (moved / 1e9),
-        "params": shepherd.task.param_count,
+        "params": shepherd.workload.param_count,
     }
 
 

@@ -35,7 +35,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import protocol  # noqa: E402
+from pcp_tui import protocol  # noqa: E402
 
 METHODS = {
     1: ("raw socket", None),

@@ -32,8 +32,8 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pcp_tui.app.launch import local_worker_command  # noqa: E402
 from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.run import local_worker_command  # noqa: E402
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -59,23 +59,24 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 def bare_loop(args: argparse.Namespace) -> None:
     """Subprocess mode: compile, say ready, then time one round per 'go' line on stdin."""
-    from backends import select_backend
-    from pcp_tui.data import sample_batches
-    from pcp_tui.shepherd import Shepherd
-    from pcp_tui.task import build_task
+    from pcp_tui.backends import select_backend
+
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.shards import sample_batches
+    from pcp_tui.training.workload import build_workload
 
     config = _config(args)
-    task = build_task(config, shards=1)
-    graphs = Shepherd(config, task)._export()
+    workload = build_workload(config, shards=1)
+    graphs = Shepherd(config, workload)._export()
     backend = select_backend(args.backend)
     train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
     init = backend.load("init_opt_state", graphs.init_opt_state)
-    params = tuple(backend.to_device([task.params[n] for n in graphs.param_names]))
+    params = tuple(backend.to_device([workload.params[n] for n in graphs.param_names]))
     opt_state = init.call(params)
     chunks = config.inner_steps // graphs.chunk_steps
     batches = [
         sample_batches(
-            task.shards[0],
+            workload.shards[0],
             steps=graphs.chunk_steps,
             batch_size=config.batch_size,
             seq_len=config.seq_len,
@@ -93,7 +94,9 @@ def bare_loop(args: argparse.Namespace) -> None:
             first_step = np.int32(chunk * graphs.chunk_steps)
             params, opt_state, losses = train.call(params, opt_state, batch, first_step)
         np.asarray(losses)
-        rate = chunks * graphs.chunk_steps * task.tokens_per_step / (time.perf_counter() - started)
+        rate = (
+            chunks * graphs.chunk_steps * workload.tokens_per_step / (time.perf_counter() - started)
+        )
         print(json.dumps({"tokens_per_second": rate}), flush=True)
 
 
@@ -101,8 +104,8 @@ async def interleaved(
     args: argparse.Namespace, env: dict[str, str]
 ) -> tuple[list[float], list[float]]:
     """Real rounds and bare rounds alternate, so both see the same machine load."""
-    from pcp_tui.shepherd import Shepherd
-    from pcp_tui.task import build_task
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.workload import build_workload
 
     bare = subprocess.Popen(
         [sys.executable, __file__, "--bare-loop", *sys.argv[1:]],
@@ -120,7 +123,7 @@ async def interleaved(
         return json.loads(bare.stdout.readline())["tokens_per_second"]
 
     config = _config(args)
-    shepherd = Shepherd(config, build_task(config, shards=1))
+    shepherd = Shepherd(config, build_workload(config, shards=1))
     round_done = trio.Event()
 
     def on_event(event) -> None:
@@ -205,17 +208,17 @@ def main() -> None:
         f"{run_median / bare_median:>8.3f}"
     )
     if args.flops_per_token_peak:
-        from pcp_tui.task import build_task
+        from pcp_tui.training.workload import build_workload
 
-        task = build_task(_config(args), shards=1)
+        workload = build_workload(_config(args), shards=1)
         for label, rate in (
             ("bare", bare_median),
             ("worker", compute_median),
             ("round", run_median),
         ):
             print(
-                f"MFU {label}: {rate * task.flops_per_token / args.flops_per_token_peak:.1%} "
-                f"({task.flops_per_token / 1e9:.3f} GFLOP/token, peak {args.flops_per_token_peak / 1e12:.0f} TFLOP/s)"
+                f"MFU {label}: {rate * workload.flops_per_token / args.flops_per_token_peak:.1%} "
+                f"({workload.flops_per_token / 1e9:.3f} GFLOP/token, peak {args.flops_per_token_peak / 1e12:.0f} TFLOP/s)"
             )
     print(f"ratio_worker_vs_bare={compute_median / bare_median:.3f}")
     print(f"ratio_round_vs_bare={run_median / bare_median:.3f}")

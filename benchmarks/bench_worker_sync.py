@@ -52,7 +52,7 @@ class NullSender:
     """Encodes what the worker sends (as the real sender does) and drops it."""
 
     async def send(self, kind: str, body: dict, tensors=None, **options) -> int:
-        import protocol
+        from pcp_tui import protocol
 
         return sum(len(memoryview(b)) for b in protocol.encode(kind, body, tensors, **options))
 
@@ -94,9 +94,9 @@ async def one_round(worker, message) -> tuple[dict[str, float], list[tuple[float
 async def measure(args: argparse.Namespace) -> dict:
     import jax
 
-    import protocol
-    from pcp_tui.models import gpt2
-    from pcp_tui.worker import Plan, Worker
+    from pcp_tui import protocol
+    from pcp_tui.training.models import gpt2
+    from pcp_tui.worker.client import Plan, Worker
 
     config = gpt2.PRESETS[args.preset]
     shapes = {

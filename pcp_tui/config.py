@@ -46,7 +46,7 @@ def _require(ok: bool, name: str, rule: str, value: object) -> None:
 @dataclass(frozen=True)
 class RunConfig:
     # model and data
-    model: str = "tiny"  # a preset of pcp_tui.models (tiny | small | gpt2)
+    model: str = "tiny"  # a preset of pcp_tui.training.models (tiny | small | gpt2)
     data: str | None = None  # None: the embedded corpus (Python's own stdlib sources)
     data_max_bytes: int = 4 * 2**20
     seq_len: int = 128

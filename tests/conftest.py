@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
+from pcp_tui.app.launch import local_worker_command
 from pcp_tui.config import RunConfig
-from pcp_tui.run import local_worker_command
 
 # Small enough to train in seconds on 2 cores; everything else is the real thing.
 SMALL = dict(

@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 
-from pcp_tui import worker
-from pcp_tui.cli import main
+from pcp_tui.app.cli import main
+from pcp_tui.worker import client as worker
 
 POISONS = {
     "nan": lambda array: np.full_like(array, np.nan),

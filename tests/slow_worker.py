@@ -10,8 +10,8 @@ import sys
 
 import trio
 
-from pcp_tui import worker
-from pcp_tui.cli import main
+from pcp_tui.app.cli import main
+from pcp_tui.worker import client as worker
 
 
 def _stall_in(round_number: int, seconds: float) -> None:

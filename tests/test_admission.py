@@ -11,11 +11,11 @@ import pytest
 import trio
 import trio.testing
 
-import protocol
-from pcp_tui import auth
-from pcp_tui.admission import PRE_AUTH_LIMITS, TLS_ONLY, Admission, RefusalLog
-from pcp_tui.state import RunState
-from pcp_tui.tls import ClientTLS, ServerTLS, TLSRefused
+from pcp_tui import protocol
+from pcp_tui.contract import auth
+from pcp_tui.contract.tls import ClientTLS, ServerTLS, TLSRefused
+from pcp_tui.shepherd.admission import PRE_AUTH_LIMITS, TLS_ONLY, Admission, RefusalLog
+from pcp_tui.shepherd.state import RunState
 
 TOKEN = "unit-token"
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pcp_tui import checkpoint
+from pcp_tui.shepherd import checkpoint
 
 
 def _params(value: float, size: int = 1000) -> dict[str, np.ndarray]:
@@ -69,7 +69,7 @@ def test_sigkill_mid_write_leaves_a_loadable_checkpoint(tmp_path):
     """A real process writing 40 MB checkpoints in a loop is killed with SIGKILL."""
     writer = textwrap.dedent(f"""
         import numpy as np
-        from pcp_tui import checkpoint
+        from pcp_tui.shepherd import checkpoint
         r = 0
         while True:
             r += 1

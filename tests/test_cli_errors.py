@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from pcp_tui.backends import BackendUnavailable, select_backend
 
-from backends import BackendUnavailable, select_backend
-from pcp_tui import checkpoint
+from pcp_tui.shepherd import checkpoint
 
 from .conftest import worker_command, worker_env
 

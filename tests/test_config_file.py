@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pcp_tui.cli import _config_from, build_parser, main
+from pcp_tui.app.cli import _config_from, build_parser, main
+from pcp_tui.app.config_file import load_config_file
 from pcp_tui.config import ConfigError, RunConfig
-from pcp_tui.config_file import load_config_file
 
 
 def _config(*argv: str):

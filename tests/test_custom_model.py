@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import trio
 
-from pcp_tui import data
 from pcp_tui.config import ConfigError
-from pcp_tui.custom import Dataset, ModelSpec, build_custom_task, load_spec
-from pcp_tui.shepherd import Shepherd
-from pcp_tui.task import build_task
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.training import corpus, shards
+from pcp_tui.training.model_file import Dataset, ModelSpec, build_custom_workload, load_spec
+from pcp_tui.training.workload import build_workload
 
 from .conftest import small_config, worker_command, worker_env
 
@@ -63,9 +63,9 @@ def test_isolated_workers_train_the_example_model(tmp_path):
         warmup_steps=2,
         eval_batches=4,
     )
-    task = build_task(config, shards=2)
-    assert task.name == "mlp-16x64x4" and isinstance(task.shards[0], dict)
-    shepherd = Shepherd(config, task)
+    workload = build_workload(config, shards=2)
+    assert workload.name == "mlp-16x64x4" and isinstance(workload.shards[0], dict)
+    shepherd = Shepherd(config, workload)
     workers = []
 
     async def main():
@@ -85,46 +85,46 @@ def test_isolated_workers_train_the_example_model(tmp_path):
     history = shepherd.state.history
     assert [r.workers for r in history] == [2, 2, 2]
     assert history[0].tokens == 2 * 10 * 32  # a row counts as one token
-    initial = shepherd.evaluate(task.params)
+    initial = shepherd.evaluate(workload.params)
     assert history[-1].eval_loss < 0.9 * initial
 
 
 def test_rows_are_sharded_disjointly_and_sampled_reproducibly():
-    arrays = data.row_arrays({"y": np.arange(10), "x": np.arange(20.0).reshape(10, 2)}, "test")
+    arrays = corpus.row_arrays({"y": np.arange(10), "x": np.arange(20.0).reshape(10, 2)}, "test")
     assert (
         list(arrays) == ["x", "y"]
         and arrays["x"].dtype == np.float32
         and arrays["y"].dtype == np.int32
     )
-    shards = data.split_rows(arrays, 3)
-    assert sorted(np.concatenate([s["y"] for s in shards]).tolist()) == list(range(10))
-    shard = (shards[1]["x"], shards[1]["y"])
-    x, y = data.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 0))
+    row_shards = corpus.split_rows(arrays, 3)
+    assert sorted(np.concatenate([s["y"] for s in row_shards]).tolist()) == list(range(10))
+    shard = (row_shards[1]["x"], row_shards[1]["y"])
+    x, y = shards.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 0))
     assert x.shape == (4, 5, 2) and y.shape == (4, 5)
     np.testing.assert_array_equal(x[..., 0], 2 * y)  # rows stay aligned across arrays
-    assert set(y.ravel()) <= set(shards[1]["y"].tolist())
-    again = data.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 0))
+    assert set(y.ravel()) <= set(row_shards[1]["y"].tolist())
+    again = shards.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 0))
     np.testing.assert_array_equal(again[1], y)
-    other = data.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 1))
+    other = shards.sample_rows(shard, steps=4, batch_size=5, seed=0, stream=(1, 2, 1))
     assert not np.array_equal(other[1], y)
 
 
 def test_plan_fields_round_trip_and_reject_a_tampered_shard():
     shard = {"x": np.ones((6, 3), np.float32), "y": np.arange(6, dtype=np.int32)}
-    fields, tensors = data.shard_plan(shard)
+    fields, tensors = shards.shard_plan(shard)
     assert fields["batchKind"] == "rows" and fields["dataTensors"] == ["data/x", "data/y"]
-    kind, arrays = data.shard_from_plan(fields, tensors)
+    kind, arrays = shards.shard_from_plan(fields, tensors)
     assert kind == "rows" and [a.shape for a in arrays] == [(6, 3), (6,)]
     tensors["data/y"] = tensors["data/y"] + 1
-    with pytest.raises(data.DataError, match="fingerprint"):
-        data.shard_from_plan(fields, tensors)
-    with pytest.raises(data.DataError, match="batch kind"):
-        data.shard_from_plan({**fields, "batchKind": "images"}, tensors)
+    with pytest.raises(shards.DataError, match="fingerprint"):
+        shards.shard_from_plan(fields, tensors)
+    with pytest.raises(shards.DataError, match="batch kind"):
+        shards.shard_from_plan({**fields, "batchKind": "images"}, tensors)
     tokens = np.arange(100, dtype=np.uint8)
-    fields, tensors = data.shard_plan(tokens)
-    assert data.shard_from_plan(fields, tensors)[0] == "windows"
+    fields, tensors = shards.shard_plan(tokens)
+    assert shards.shard_from_plan(fields, tensors)[0] == "windows"
     assert (
-        data.shard_from_plan({**fields, "batchKind": ""}, tensors)[0] == "windows"
+        shards.shard_from_plan({**fields, "batchKind": ""}, tensors)[0] == "windows"
     )  # an older shepherd
 
 
@@ -137,8 +137,8 @@ def test_model_file_errors_say_what_to_fix(tmp_path):
         load_spec(f"{model}:make", small_config())
     with pytest.raises(ConfigError, match="must return pcp_tui.ModelSpec"):
         load_spec(f"{model}:build", small_config())
-    with pytest.raises(data.DataError, match="same number of rows"):
-        data.row_arrays({"x": np.zeros((3, 2)), "y": np.zeros(4)}, "data.train")
+    with pytest.raises(shards.DataError, match="same number of rows"):
+        corpus.row_arrays({"x": np.zeros((3, 2)), "y": np.zeros(4)}, "data.train")
 
 
 def test_a_dataset_without_val_holds_out_rows(tmp_path, monkeypatch):
@@ -148,11 +148,11 @@ def test_a_dataset_without_val_holds_out_rows(tmp_path, monkeypatch):
         loss=lambda p, batch: ((batch["x"] @ p["w"] - batch["y"]) ** 2).mean(),
         data=lambda: Dataset(train={"x": np.ones((200, 2)), "y": np.ones(200)}),
     )
-    monkeypatch.setattr("pcp_tui.custom.load_spec", lambda model, config: spec)
-    task = build_custom_task(small_config(model="linear.py", batch_size=4), shards=2)
-    assert task.corpus.summary == "dataset linear: 190 train / 10 held-out rows"
-    assert [len(s["x"]) for s in task.shards] == [95, 95]
-    assert task.eval_batch_count == 2 and task.batch_spec[0].shape == (4, 2)
+    monkeypatch.setattr("pcp_tui.training.model_file.load_spec", lambda model, config: spec)
+    workload = build_custom_workload(small_config(model="linear.py", batch_size=4), shards=2)
+    assert workload.corpus.summary == "dataset linear: 190 train / 10 held-out rows"
+    assert [len(s["x"]) for s in workload.shards] == [95, 95]
+    assert workload.eval_batch_count == 2 and workload.batch_spec[0].shape == (4, 2)
 
 
 def test_the_isolated_worker_cannot_import_the_model_file(tmp_path):

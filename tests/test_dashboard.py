@@ -17,16 +17,16 @@ import pytest
 import trio
 from textual.geometry import Region
 
-from pcp_tui.dashboard import DashboardApp
-from pcp_tui.dashboard import app as dashboard_app
-from pcp_tui.dashboard._braille import BrailleCanvas
-from pcp_tui.dashboard.app import summary
-from pcp_tui.dashboard.loss_chart import StepMeans
-from pcp_tui.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
-from pcp_tui.shepherd import RunFailed
-from pcp_tui.state import RunState, WorkerView
-from pcp_tui.worker import WorkerStatus
-from pcp_tui.worker_view import WorkerStatusView, status_line
+from pcp_tui.app.dashboard import DashboardApp
+from pcp_tui.app.dashboard import app as dashboard_app
+from pcp_tui.app.dashboard._braille import BrailleCanvas
+from pcp_tui.app.dashboard.app import summary
+from pcp_tui.app.dashboard.loss_chart import StepMeans
+from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
+from pcp_tui.app.worker_view import WorkerStatusView, status_line
+from pcp_tui.shepherd.coordinator import RunFailed
+from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.worker.client import WorkerStatus
 
 from .conftest import small_config, worker_command, worker_env
 from .test_dashboard_snapshots import NOW, fake_state
@@ -343,11 +343,11 @@ def test_worker_view_plain_lines_and_live_line():
 @pytest.mark.e2e
 @run_async
 async def test_dashboard_hosts_a_real_run_and_quits_cleanly():
-    from pcp_tui.shepherd import Shepherd
-    from pcp_tui.task import build_task
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.workload import build_workload
 
     config = small_config(rounds=40, inner_steps=5, chunk_steps=1, workers=2, eval_every=1)
-    shepherd = Shepherd(config, build_task(config, shards=2))
+    shepherd = Shepherd(config, build_workload(config, shards=2))
     processes: list[trio.Process] = []
 
     async def spawn(nursery: trio.Nursery, port: int) -> list[trio.Process]:
@@ -391,11 +391,11 @@ async def test_dashboard_hosts_a_real_run_and_quits_cleanly():
 async def test_an_app_that_ends_without_q_does_not_leave_its_guest_run_behind():
     """Whatever ends the app (an error, a test failing mid-way), the shepherd's guest run is
     cancelled and unwound on the app's loop, so the thread can start trio again."""
-    from pcp_tui.shepherd import Shepherd
-    from pcp_tui.task import build_task
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.workload import build_workload
 
     config = small_config(rounds=3, inner_steps=2, chunk_steps=1, workers=2)
-    shepherd = Shepherd(config, build_task(config, shards=2))
+    shepherd = Shepherd(config, build_workload(config, shards=2))
     app = DashboardApp(shepherd.state, shepherd)
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: shepherd.state.status == "waiting")

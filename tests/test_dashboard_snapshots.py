@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from pcp_tui.dashboard import DashboardApp
-from pcp_tui.state import Event, RoundRecord, RunState, WorkerView
+from pcp_tui.app.dashboard import DashboardApp
+from pcp_tui.shepherd.state import Event, RoundRecord, RunState, WorkerView
 
 STARTED = 1_000.0  # monotonic seconds, frozen
 NOW = STARTED + 83.0

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pcp_tui.data import (
+from pcp_tui.training.corpus import (
     DataError,
     decode_tokens,
     encode_text,
     eval_batches,
     fingerprint,
     load_corpus,
-    sample_batches,
     split_shards,
 )
+from pcp_tui.training.shards import sample_batches
 
 SMALL = 256 * 1024
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import trio
 
-from pcp_tui.shepherd import Shepherd
-from pcp_tui.task import build_task
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.training.workload import build_workload
 
 from .conftest import small_config, worker_command, worker_env
 
@@ -47,7 +47,7 @@ def _kinds(shepherd: Shepherd, kind: str) -> list:
 
 def test_kill_one_of_three_workers_mid_round(spawn_worker):
     config = small_config(workers=3, rounds=4, inner_steps=60, chunk_steps=10)
-    shepherd = Shepherd(config, build_task(config, shards=3))
+    shepherd = Shepherd(config, build_workload(config, shards=3))
     killed_at: list[float] = []
 
     async def scenario(port):
@@ -76,7 +76,7 @@ def test_kill_one_of_three_workers_mid_round(spawn_worker):
 
 def test_late_worker_joins_at_the_next_round_boundary(spawn_worker):
     config = small_config(workers=1, rounds=5, inner_steps=10)
-    shepherd = Shepherd(config, build_task(config, shards=2))
+    shepherd = Shepherd(config, build_workload(config, shards=2))
 
     async def scenario(port):
         spawn_worker(port, "--id", "early")
@@ -97,7 +97,7 @@ def test_late_worker_joins_at_the_next_round_boundary(spawn_worker):
 
 def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
     config = small_config(workers=2, rounds=6, inner_steps=10, round_timeout=2.0, min_workers=1)
-    shepherd = Shepherd(config, build_task(config, shards=2))
+    shepherd = Shepherd(config, build_workload(config, shards=2))
 
     async def scenario(port):
         spawn_worker(port, "--id", "steady")
@@ -241,7 +241,7 @@ def test_shepherd_killed_and_resumed_workers_come_back(tmp_path, spawn_worker):
 def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever():
     """A run that ended while a worker was cut off never says goodbye to it: after
     --give-up-after seconds of failed reconnects the worker stops and says why."""
-    from pcp_tui.worker import ConnectionLost, Worker
+    from pcp_tui.worker.client import ConnectionLost, Worker
 
     worker = Worker(
         "127.0.0.1", _free_port(), token="t", backend="cpu", max_backoff=0.02, give_up_after=0.2

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import trio
 
-from pcp_tui.data import sample_batches
-from pcp_tui.shepherd import Shepherd
-from pcp_tui.task import build_task
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.training.shards import sample_batches
+from pcp_tui.training.workload import build_workload
 
 from .conftest import small_config
 
@@ -25,14 +25,14 @@ LR = 0.5
 ROUNDS = 3
 
 
-def _synchronous_sgd(task, config) -> dict[str, np.ndarray]:
-    params = {n: jnp.asarray(v) for n, v in task.params.items()}
-    grad = jax.jit(jax.grad(task.loss_fn))
+def _synchronous_sgd(workload, config) -> dict[str, np.ndarray]:
+    params = {n: jnp.asarray(v) for n, v in workload.params.items()}
+    grad = jax.jit(jax.grad(workload.loss_fn))
     for number in range(1, ROUNDS + 1):
         union = np.concatenate(
             [
                 sample_batches(
-                    task.shards[slot],
+                    workload.shards[slot],
                     steps=1,
                     batch_size=config.batch_size,
                     seq_len=config.seq_len,
@@ -61,8 +61,8 @@ def test_two_workers_equal_synchronous_sgd(spawn_worker):
         workers=2,
         eval_every=ROUNDS,
     )
-    task = build_task(config, shards=2)
-    shepherd = Shepherd(config, task)
+    workload = build_workload(config, shards=2)
+    shepherd = Shepherd(config, workload)
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -72,9 +72,9 @@ def test_two_workers_equal_synchronous_sgd(spawn_worker):
 
     trio.run(main)
     assert [r.workers for r in shepherd.state.history] == [2] * ROUNDS
-    expected = _synchronous_sgd(task, config)
+    expected = _synchronous_sgd(workload, config)
     moved = 0.0
     for name, value in expected.items():
         np.testing.assert_allclose(shepherd.params[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
-        moved = max(moved, float(np.abs(value - task.params[name]).max()))
+        moved = max(moved, float(np.abs(value - workload.params[name]).max()))
     assert moved > 1e-3  # the parameters really changed: the check is not vacuous

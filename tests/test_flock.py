@@ -5,8 +5,8 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from pcp_tui.flock import _ResultSlot
-from pcp_tui.state import WorkerView
+from pcp_tui.shepherd.pool import _ResultSlot
+from pcp_tui.shepherd.state import WorkerView
 
 
 class _Link:  # the two attributes a slot touches on a WorkerLink

@@ -7,40 +7,40 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from pcp_tui.backends import GraphError, select_backend
 
-from backends import GraphError, select_backend
-from pcp_tui.data import sample_batches
-from pcp_tui.graph import InnerOptimizer, build_graphs
-from pcp_tui.task import build_task
+from pcp_tui.training.export import InnerOptimizer, build_graphs
+from pcp_tui.training.shards import sample_batches
+from pcp_tui.training.workload import build_workload
 
 from .conftest import small_config
 
 
 @pytest.fixture(scope="module")
-def task():
-    return build_task(small_config(), shards=2)
+def workload():
+    return build_workload(small_config(), shards=2)
 
 
-def _graphs(task, inner: InnerOptimizer | None = None, chunk=3):
+def _graphs(workload, inner: InnerOptimizer | None = None, chunk=3):
     inner = inner or InnerOptimizer(name="adamw", lr=1e-3)
     return build_graphs(
-        task.loss_fn,
-        task.params,
-        task.batch_spec,
+        workload.loss_fn,
+        workload.params,
+        workload.batch_spec,
         inner=inner,
         chunk_steps=chunk,
-        eval_batches=len(task.eval_tokens),
+        eval_batches=len(workload.eval_tokens),
         platforms=("cpu",),
     )
 
 
-def test_exported_eval_loss_matches_direct_jax(task):
-    graphs = _graphs(task)
+def test_exported_eval_loss_matches_direct_jax(workload):
+    graphs = _graphs(workload)
     evaluate = select_backend("cpu").load("eval_loss", graphs.eval_loss)
-    flat = tuple(task.params[n] for n in graphs.param_names)
-    exported = float(evaluate.call(flat, task.eval_tokens))
-    loss = jax.jit(task.loss_fn)
-    direct = float(np.mean([loss(task.params, b) for b in task.eval_tokens]))
+    flat = tuple(workload.params[n] for n in graphs.param_names)
+    exported = float(evaluate.call(flat, workload.eval_tokens))
+    loss = jax.jit(workload.loss_fn)
+    direct = float(np.mean([loss(workload.params, b) for b in workload.eval_tokens]))
     assert exported == pytest.approx(direct, rel=1e-5)
     assert exported == pytest.approx(
         np.log(256), abs=0.3
@@ -66,26 +66,26 @@ def _optax_reference(inner: InnerOptimizer, first_step: int) -> optax.GradientTr
 @pytest.mark.parametrize(
     ("name", "first_step"), [("adamw", 0), ("adamw", 7), ("sgd", 0), ("sgd", 11)]
 )
-def test_exported_train_chunk_matches_optax_loop(task, name, first_step):
+def test_exported_train_chunk_matches_optax_loop(workload, name, first_step):
     """A fresh optimizer state started at global step `first_step` takes exactly the steps of
     optax.adamw / optax.sgd whose schedule is read at the run's step, not the worker's own:
     that is what keeps a late joiner or a reconnected worker on the run's warm-up and decay."""
     inner = InnerOptimizer(name=name, lr=3e-3, warmup_steps=4, decay_steps=20)
-    graphs = _graphs(task, inner, chunk=3)
+    graphs = _graphs(workload, inner, chunk=3)
     backend = select_backend("cpu")
     train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
     init = backend.load("init_opt_state", graphs.init_opt_state)
     batches = sample_batches(
-        task.shards[0], steps=3, batch_size=4, seq_len=32, seed=0, stream=(0, 1, 0)
+        workload.shards[0], steps=3, batch_size=4, seq_len=32, seed=0, stream=(0, 1, 0)
     )
-    flat = tuple(jnp.asarray(task.params[n]) for n in graphs.param_names)
+    flat = tuple(jnp.asarray(workload.params[n]) for n in graphs.param_names)
     new_flat, _, losses = train.call(flat, init.call(flat), batches, np.int32(first_step))
 
     tx = _optax_reference(inner, first_step)
-    params = {n: jnp.asarray(v) for n, v in task.params.items()}
+    params = {n: jnp.asarray(v) for n, v in workload.params.items()}
     state = tx.init(params)
     expected_losses = []
-    value_and_grad = jax.jit(jax.value_and_grad(task.loss_fn))
+    value_and_grad = jax.jit(jax.value_and_grad(workload.loss_fn))
     for batch in batches:
         value, grads = value_and_grad(params, batch)
         updates, state = tx.update(grads, state, params)
@@ -101,11 +101,11 @@ def test_exported_train_chunk_matches_optax_loop(task, name, first_step):
     assert losses[-1] < losses[0]
 
 
-def test_graph_bytes_are_not_pickles_and_wrong_platform_is_refused(task):
+def test_graph_bytes_are_not_pickles_and_wrong_platform_is_refused(workload):
     graphs = build_graphs(
-        task.loss_fn,
-        task.params,
-        task.batch_spec,
+        workload.loss_fn,
+        workload.params,
+        workload.batch_spec,
         inner=InnerOptimizer(),
         chunk_steps=1,
         eval_batches=1,

@@ -11,9 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from pcp_tui.models import PRESETS, GPTConfig, flops_per_token, generate, init, param_count
-from pcp_tui.models import apply as eager_apply
-from pcp_tui.models import loss as eager_loss
+from pcp_tui.training.models import PRESETS, GPTConfig, flops_per_token, generate, init, param_count
+from pcp_tui.training.models import apply as eager_apply
+from pcp_tui.training.models import loss as eager_loss
 
 TINY = PRESETS["tiny"]
 # Even smaller than tiny, for tests that only check behaviour.

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from pcp_tui.protocol._schema import Envelope
 
-import protocol
-from protocol._schema import Envelope
+from pcp_tui import protocol
 
 RNG = np.random.default_rng(0)
 PARAMS = {

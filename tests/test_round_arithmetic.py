@@ -7,14 +7,15 @@ import numpy as np
 import optax
 import pytest
 import trio
+from pcp_tui.backends import select_backend
+from pcp_tui.backends._jax import _pinned_host
 
-import protocol
-from backends import select_backend
-from backends._jax import _pinned_host
-from pcp_tui import diloco, rounds
-from pcp_tui.diloco import OuterOptimizer, PseudoGradientMean, scaled_add
-from pcp_tui.rounds import Round
-from pcp_tui.screening import BadResult, ResultScreen, check_pseudo_gradient, global_norm
+from pcp_tui import protocol
+from pcp_tui.diloco import outer as diloco
+from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean, scaled_add
+from pcp_tui.diloco.screening import BadResult, ResultScreen, check_pseudo_gradient, global_norm
+from pcp_tui.shepherd import rounds
+from pcp_tui.shepherd.rounds import Round
 
 # one tensor spans several chunks (and ends in a partial one), the others fit in one
 SHAPES = {"big": (3, diloco.CHUNK + 1000), "w": (5, 7), "b": (7,), "scalar": ()}

@@ -7,14 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pcp_tui.rounds import BadResult
-from pcp_tui.screening import (
-    NormGuard,
-    check_token_count,
-    expected_shapes,
-    global_norm,
-    round_start_problem,
-)
+from pcp_tui.contract.checks import expected_shapes, round_start_problem
+from pcp_tui.diloco.screening import NormGuard, check_token_count, global_norm
+from pcp_tui.shepherd.rounds import BadResult
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 

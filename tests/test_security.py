@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import trio
 
-import protocol
-from pcp_tui import auth
-from pcp_tui.tls import normalize_fingerprint
+from pcp_tui import protocol
+from pcp_tui.contract import auth
+from pcp_tui.contract.tls import normalize_fingerprint
 
 from .conftest import worker_command, worker_env
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 import json
 
-from pcp_tui.headless import MetricsWriter
-from pcp_tui.state import RunState
-from pcp_tui.worker import WorkerStatus
-from pcp_tui.worker_view import WorkerStatusView
+from pcp_tui.app.headless import MetricsWriter
+from pcp_tui.app.worker_view import WorkerStatusView
+from pcp_tui.shepherd.state import RunState
+from pcp_tui.worker.client import WorkerStatus
 
 
 def test_a_message_is_printed_once_not_on_every_later_line():

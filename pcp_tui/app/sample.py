@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from . import checkpoint
-from .config import ConfigError, RunConfig
-from .data import decode_tokens, encode_text
-from .task import model_config
+from pcp_tui.config import ConfigError, RunConfig
+from pcp_tui.shepherd import checkpoint
+from pcp_tui.training.corpus import decode_tokens, encode_text
+from pcp_tui.training.workload import model_config
 
 SAMPLE_HINT = "pass the --checkpoint-dir of a run, or one of its round-NNNNNN directories"
 
@@ -27,7 +27,7 @@ def sample_text(
     `directory` is a run's --checkpoint-dir or one of its round directories.
     ConfigError when the checkpoint holds a model this cannot sample from.
     """
-    from .models import gpt2
+    from pcp_tui.training.models import gpt2
 
     saved = checkpoint.load_latest(directory, hint=SAMPLE_HINT)
     options = saved.meta.get("config", {})

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import trio
 
-import protocol
-
-from . import __version__, auth
-from .state import RunState, WorkerView
+from pcp_tui import __version__, protocol
+from pcp_tui.contract import auth
+from pcp_tui.shepherd.state import RunState, WorkerView
 
 HANDSHAKE_SECONDS = 10.0
 # What a send or receive raises when the peer broke the protocol or the connection is gone.

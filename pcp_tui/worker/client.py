@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-import protocol
-from backends import Backend, GraphError, select_backend
-
-from . import __version__, auth, data
-from .screening import expected_shapes, round_start_problem
-from .tls import ClientTLS, TLSRefused
+from pcp_tui import __version__, protocol
+from pcp_tui.backends import Backend, GraphError, select_backend
+from pcp_tui.contract import auth
+from pcp_tui.contract.checks import expected_shapes, round_start_problem
+from pcp_tui.contract.tls import ClientTLS, TLSRefused
+from pcp_tui.training import shards
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 _LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -75,7 +75,7 @@ class Plan:
     compression: str
     train_chunk: Callable
     init_opt_state: Callable
-    batch_kind: str = "windows"  # windows | rows: see data.shard_plan
+    batch_kind: str = "windows"  # windows | rows: see shards.shard_plan
 
 
 class Worker:
@@ -220,8 +220,8 @@ class Worker:
     def _load_plan(self, message: protocol.Message) -> Plan:
         body, tensors = message.body, message.tensors
         try:
-            batch_kind, shard = data.shard_from_plan(body, tensors)
-        except data.DataError as exc:
+            batch_kind, shard = shards.shard_from_plan(body, tensors)
+        except shards.DataError as exc:
             raise protocol.MalformedMessage(str(exc)) from None
         graphs = {g["name"]: tensors[g["tensor"]].tobytes() for g in body["graphs"]}
         key = graphs["train_chunk"] + graphs["init_opt_state"]
@@ -359,7 +359,7 @@ class Worker:
         last_progress = 0.0
         chunks = max(steps // plan.chunk_steps, 1)
         for chunk in range(chunks):
-            batches = data.sample_shard(
+            batches = shards.sample_shard(
                 plan.batch_kind,
                 plan.shard,
                 steps=plan.chunk_steps,

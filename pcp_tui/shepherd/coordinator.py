@@ -1,9 +1,9 @@
-"""The shepherd: runs DiLoCo rounds over the workers its `Flock` serves.
+"""The shepherd: runs DiLoCo rounds over the workers its `WorkerPool` serves.
 
 It is a plain trio program. Headless mode runs it under `trio.run`; the
 dashboard hosts the very same object in Textual's loop via trio guest mode and
 only reads `shepherd.state` and calls `request_stop` / `pause` / `resume`.
-Connections (welcome, plan, results, liveness) are `flock.Flock`'s business.
+Connections (welcome, plan, results, liveness) are `pool.WorkerPool`'s business.
 """
 
 from __future__ import annotations
@@ -18,19 +18,24 @@ from collections.abc import Mapping
 import numpy as np
 import trio
 
-from backends import select_backend
-
-from . import checkpoint, tls
-from .admission import Admission
-from .config import RunConfig
-from .diloco import OuterOptimizer, PseudoGradientMean
-from .flock import Flock
-from .graph import CUDNN_ATTENTION_CALLS, InnerOptimizer, TrainingGraphs, build_graphs
-from .links import CONNECTION_ERRORS, WorkerLink
-from .rounds import Round
-from .screening import ResultScreen
-from .state import RoundRecord, RunState
-from .task import Task
+from pcp_tui.backends import select_backend
+from pcp_tui.config import RunConfig
+from pcp_tui.contract import tls
+from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean
+from pcp_tui.diloco.screening import ResultScreen
+from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.admission import Admission
+from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
+from pcp_tui.shepherd.pool import WorkerPool
+from pcp_tui.shepherd.rounds import Round
+from pcp_tui.shepherd.state import RoundRecord, RunState
+from pcp_tui.training.export import (
+    CUDNN_ATTENTION_CALLS,
+    InnerOptimizer,
+    TrainingGraphs,
+    build_graphs,
+)
+from pcp_tui.training.workload import Workload
 
 
 class RunFailed(RuntimeError):
@@ -38,9 +43,9 @@ class RunFailed(RuntimeError):
 
 
 class Shepherd:
-    def __init__(self, config: RunConfig, task: Task, *, state: RunState | None = None):
+    def __init__(self, config: RunConfig, workload: Workload, *, state: RunState | None = None):
         self.config = config.validate()
-        self.task = task
+        self.workload = workload
         self.token = config.token
         if not self.token:
             raise ValueError("the shepherd needs a join token (RunConfig.token)")
@@ -48,11 +53,11 @@ class Shepherd:
         self.state = state or RunState(
             run_id=self.run_id, rounds_total=config.rounds, settings=_settings(config)
         )
-        self.state.model_name = task.name
-        self.state.param_count = task.param_count
-        # our own float32 copies: the outer step updates them in place, task.params stays as built
+        self.state.model_name = workload.name
+        self.state.param_count = workload.param_count
+        # our own float32 copies: the outer step updates them in place, workload.params stays as built
         self.params: dict[str, np.ndarray] = {
-            n: np.array(p, np.float32) for n, p in task.params.items()
+            n: np.array(p, np.float32) for n, p in workload.params.items()
         }
         self.outer = OuterOptimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
         self.graphs: TrainingGraphs | None = None
@@ -80,9 +85,9 @@ class Shepherd:
             max_per_host=config.max_handshakes_per_host,
             max_pending=config.max_handshakes,
         )
-        self.flock = Flock(
+        self.pool = WorkerPool(
             self.config,
-            task,
+            workload,
             self.state,
             self._admission,
             run_id=self.run_id,
@@ -94,12 +99,12 @@ class Shepherd:
     def _resume(self, directory: str) -> None:
         saved = checkpoint.load_latest(directory)
         checkpoint.check_compatible(
-            saved, self.task.name, self._shapes, self.task.corpus.fingerprint
+            saved, self.workload.name, self._shapes, self.workload.corpus.fingerprint
         )
         self.params = {n: np.array(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
         self.start_round = saved.round + 1
-        self.flock.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
+        self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
 
     # -- commands (safe to call from the dashboard) -------------------------
@@ -108,7 +113,7 @@ class Shepherd:
         """End the run after the current round; workers are told goodbye."""
         self._stop_reason = reason
         self._resumed.set()
-        self.flock.wake()
+        self.pool.wake()
 
     def abort(self, reason: str) -> None:
         """End the run as failed (exit code non-zero) after the current round."""
@@ -134,7 +139,7 @@ class Shepherd:
             path, number = self._resumed_from
             self.state.emit("resumed_from", f"resumed from {path} (round {number})", round=number)
         self.state.emit("exporting", f"exporting training graphs for {', '.join(cfg.platforms)}")
-        self.graphs = self.flock.graphs = await trio.to_thread.run_sync(self._export)
+        self.graphs = self.pool.graphs = await trio.to_thread.run_sync(self._export)
         self.state.emit(
             "exported",
             f"graphs exported in {self.graphs.export_seconds:.1f} s",
@@ -168,7 +173,7 @@ class Shepherd:
         failure: RunFailed | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(trio.serve_listeners, self.flock.serve, listeners)
+                nursery.start_soon(trio.serve_listeners, self.pool.serve, listeners)
                 nursery.start_soon(self._admission.refusals.run)
                 task_status.started(port)
                 self.state.emit(
@@ -181,7 +186,7 @@ class Shepherd:
                     failure = exc
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self.flock.goodbye_all(
+                        await self.pool.goodbye_all(
                             self._stop_reason or str(failure or "run finished")
                         )
                     nursery.cancel_scope.cancel()
@@ -204,12 +209,12 @@ class Shepherd:
             grad_clip=cfg.grad_clip,
         )
         graphs = build_graphs(
-            self.task.loss_fn,
+            self.workload.loss_fn,
             self.params,
-            self.task.batch_spec,
+            self.workload.batch_spec,
             inner=inner,
             chunk_steps=cfg.chunk,
-            eval_batches=self.task.eval_batch_count,
+            eval_batches=self.workload.eval_batch_count,
             # cuDNN attention exists only on CUDA, and its kernels are custom calls
             platforms=("cuda",) if cfg.attention == "cudnn" else cfg.platforms,
             custom_calls=CUDNN_ATTENTION_CALLS if cfg.attention == "cudnn" else (),
@@ -262,8 +267,8 @@ class Shepherd:
         """Save the run after round `number`; a failed write is reported, the run goes on."""
         meta = {
             "run_id": self.run_id,
-            "model": self.task.name,
-            "data_fingerprint": self.task.corpus.fingerprint,
+            "model": self.workload.name,
+            "data_fingerprint": self.workload.corpus.fingerprint,
             "config": {k: v for k, v in vars(self.config).items() if k != "token"},
             "data_positions": {"seed": self.config.seed, "next_round": number + 1},
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
@@ -291,20 +296,20 @@ class Shepherd:
 
     async def _wait_for_workers(self, count: int, message: str) -> None:
         announced = False
-        while self._stop_reason is None and len(self.flock.ready_links()) < count:
+        while self._stop_reason is None and len(self.pool.ready_links()) < count:
             if not announced:
                 self.state.emit("waiting", message)
                 announced = True
-            await self.flock.changed()
+            await self.pool.changed()
 
     # -- one round ------------------------------------------------------------
 
     async def _run_round(self, number: int) -> RoundRecord | None:
         cfg = self.config
-        links = self.flock.ready_links()
+        links = self.pool.ready_links()
         current = Round(number, [link.worker_id for link in links], self._mean, self._screen)
         current.bytes_at_start = (self.state.bytes_sent, self.state.bytes_received)
-        self.flock.round = current
+        self.pool.round = current
         self.state.round = number
         tensors = {name: self.params[name] for name in self.graphs.param_names}
         body = {"round": number, "innerSteps": cfg.inner_steps}
@@ -314,7 +319,7 @@ class Shepherd:
                 nursery.start_soon(self._send_round_start, link, body, tensors, current)
         await self._collect(current)
         await current.close()  # a result still being folded in finishes first
-        self.flock.round = None
+        self.pool.round = None
         if not current.contributors:
             return None
         mean = current.mean  # the outer step forms the mean from the sums as it goes
@@ -371,7 +376,7 @@ class Shepherd:
         """Mean loss on the held-out batches (exported eval graph, local backend)."""
         params = params if params is not None else self.params
         flat = tuple(params[n] for n in self.graphs.param_names)
-        return float(self._eval.call(flat, self.task.eval_tokens))
+        return float(self._eval.call(flat, self.workload.eval_tokens))
 
 
 def _last_eval(state: RunState) -> float | None:

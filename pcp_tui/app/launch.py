@@ -1,4 +1,4 @@
-"""Process-level entry points: wire config, task, shepherd, workers and views."""
+"""Process-level entry points: wire config, workload, shepherd, workers and views."""
 
 from __future__ import annotations
 
@@ -14,15 +14,14 @@ from pathlib import Path
 
 import trio
 
-from backends import BackendUnavailable
-
-from . import checkpoint
-from .auth import new_token
-from .checkpoint import CheckpointError
-from .config import ConfigError, RunConfig
-from .data import DataError
-from .headless import HeadlessPrinter, MetricsWriter, SignalStop
-from .shepherd import RunFailed, Shepherd
+from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop
+from pcp_tui.backends import BackendUnavailable
+from pcp_tui.config import ConfigError, RunConfig
+from pcp_tui.contract.auth import new_token
+from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.checkpoint import CheckpointError
+from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
+from pcp_tui.training.corpus import DataError
 
 
 def _fail(reason: str, code: int = 1) -> int:
@@ -112,18 +111,18 @@ def _check_writable(directory: str) -> None:
 
 
 def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | None]:
-    """Build the task and the shepherd, attach headless printer and metrics."""
-    from .task import build_task
+    """Build the workload and the shepherd, attach headless printer and metrics."""
+    from pcp_tui.training.workload import build_workload
 
     if not config.token:
         config = config.replace(token=new_token())
     print(f"loading data and model ({config.model})...", flush=True)
-    task = build_task(config, shards=shards)
+    workload = build_workload(config, shards=shards)
     print(
-        f"{task.data_summary}; model {task.name}: {task.param_count:,} parameters",
+        f"{workload.data_summary}; model {workload.name}: {workload.param_count:,} parameters",
         flush=True,
     )
-    shepherd = Shepherd(config, task)  # a resumed checkpoint is checked against task here
+    shepherd = Shepherd(config, workload)  # a resumed checkpoint is checked against workload here
     metrics = (
         MetricsWriter(config.metrics, shepherd.state, token=config.token)
         if config.metrics
@@ -208,7 +207,7 @@ def _launch_dashboard(shepherd: Shepherd, spawn_workers=None) -> int | None:
         print("not a terminal: running headless (pass --headless to say so)", flush=True)
         return None
     try:
-        from .dashboard import run_dashboard
+        from pcp_tui.app.dashboard import run_dashboard
     except ImportError:
         print("the dashboard is not available in this build; running headless", flush=True)
         return None
@@ -301,9 +300,9 @@ def _cpu_threads_env(workers: int) -> dict[str, str]:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from .tls import ClientTLS
-    from .worker import ConnectionLost, Refused, Worker
-    from .worker_view import WorkerStatusView
+    from pcp_tui.app.worker_view import WorkerStatusView
+    from pcp_tui.contract.tls import ClientTLS
+    from pcp_tui.worker.client import ConnectionLost, Refused, Worker
 
     token = args.token or os.environ.get("PCP_TOKEN")
     if not token:
@@ -316,7 +315,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     _warn_if_unresolved(host, port, retrying=not args.no_reconnect)
     if args.compile_cache:
-        from backends import enable_compilation_cache
+        from pcp_tui.backends import enable_compilation_cache
 
         try:
             enable_compilation_cache(args.compile_cache)

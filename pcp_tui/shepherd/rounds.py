@@ -9,11 +9,10 @@ import time
 import numpy as np
 import trio
 
-import protocol
-
-from .diloco import PseudoGradientMean
-from .screening import BadResult, ResultScreen
-from .state import RoundRecord
+from pcp_tui import protocol
+from pcp_tui.diloco.outer import PseudoGradientMean
+from pcp_tui.diloco.screening import BadResult, ResultScreen
+from pcp_tui.shepherd.state import RoundRecord
 
 __all__ = ["BadResult", "Round"]
 

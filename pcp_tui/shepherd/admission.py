@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import trio
 
-import protocol
-
-from .links import Hello, Refused, handshake
-from .state import RunState
-from .tls import ServerTLS
+from pcp_tui import protocol
+from pcp_tui.contract.tls import ServerTLS
+from pcp_tui.shepherd.connection import Hello, Refused, handshake
+from pcp_tui.shepherd.state import RunState
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
 PRE_AUTH_LIMITS = protocol.Limits(

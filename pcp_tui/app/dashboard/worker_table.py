@@ -8,8 +8,8 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.widgets import DataTable
 
-from ..state import WORKER_STATES, WorkerView
-from ._format import clip, compact_bytes, compact_count, loss_text
+from pcp_tui.app.dashboard._format import clip, compact_bytes, compact_count, loss_text
+from pcp_tui.shepherd.state import WORKER_STATES, WorkerView
 
 # (key, label, right-aligned). Cells carry their own one-space separator (cell padding 0):
 # ten columns fit 80 terminal columns, and a reason line can run on under them as one text.

@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import RunConfig
-from .data import Corpus, RowData, eval_batches, load_corpus, split_shards
-from .models import gpt2
+from pcp_tui.config import RunConfig
+from pcp_tui.training.corpus import Corpus, RowData, eval_batches, load_corpus, split_shards
+from pcp_tui.training.models import gpt2
 
 
 @dataclass
-class Task:
+class Workload:
     name: str
     params: dict[str, np.ndarray]
     loss_fn: Callable[[dict[str, jax.Array], jax.Array], jax.Array]
@@ -68,15 +68,15 @@ def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
     )
 
 
-def build_task(config: RunConfig, shards: int) -> Task:
+def build_workload(config: RunConfig, shards: int) -> Workload:
     """Load the corpus, cut `shards` disjoint training shards, initialise the model.
 
     `config.model` is a GPT-2 preset or a model file (``path.py:build``, see `custom`).
     """
-    from .custom import build_custom_task, is_model_file
+    from pcp_tui.training.model_file import build_custom_workload, is_model_file
 
     if is_model_file(config.model):
-        return build_custom_task(config, shards)
+        return build_custom_workload(config, shards)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     gpt = model_config(config, corpus.vocab_size)
     params = jax.jit(gpt2.init, static_argnums=0)(gpt, jax.random.PRNGKey(config.seed))
@@ -87,7 +87,7 @@ def build_task(config: RunConfig, shards: int) -> Task:
         seq_len=config.seq_len,
         max_batches=config.eval_batches,
     )
-    return Task(
+    return Workload(
         name=preset_name(config.model),
         params=host_params,
         loss_fn=lambda p, tokens: gpt2.loss(gpt, p, tokens),

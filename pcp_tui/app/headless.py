@@ -12,7 +12,7 @@ from typing import IO, Any
 
 import trio
 
-from .state import Event, RunState
+from pcp_tui.shepherd.state import Event, RunState
 
 _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 

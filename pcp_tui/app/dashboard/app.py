@@ -23,9 +23,9 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 
-from ..state import Event, RunState
-from .loss_chart import StepMeans
-from .widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
+from pcp_tui.app.dashboard.loss_chart import StepMeans
+from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
+from pcp_tui.shepherd.state import Event, RunState
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
 
@@ -322,7 +322,7 @@ class DashboardApp(App[None]):
 
 def _failure_reason(error: BaseException) -> str:
     """The RunFailed message out of a (possibly nested) exception group, else the error itself."""
-    from ..shepherd import RunFailed
+    from pcp_tui.shepherd.coordinator import RunFailed
 
     if isinstance(error, BaseExceptionGroup):
         matched, _ = error.split(RunFailed)
@@ -352,8 +352,8 @@ def run_dashboard(shepherd: Any, spawn_workers: SpawnWorkers | None = None) -> i
 
 def summary(state: RunState) -> str:
     """What stays in the terminal once the dashboard is gone: outcome and losses; workers and bytes."""
-    from ..headless import human_bytes
-    from ._format import duration, loss_text
+    from pcp_tui.app.dashboard._format import duration, loss_text
+    from pcp_tui.app.headless import human_bytes
 
     last = state.history[-1] if state.history else None
     evals = [r.eval_loss for r in state.history if r.eval_loss is not None]

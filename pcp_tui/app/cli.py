@@ -10,9 +10,9 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from . import __version__
-from .config import ConfigError, RunConfig
-from .config_file import load_config_file
+from pcp_tui import __version__
+from pcp_tui.app.config_file import load_config_file
+from pcp_tui.config import ConfigError, RunConfig
 
 # Help for the run options; every RunConfig field becomes a --flag.
 _HELP = {
@@ -260,11 +260,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "sample":
         return _sample(args)
     if args.command == "worker":
-        from .run import run_worker
+        from pcp_tui.app.launch import run_worker
 
         return run_worker(args)
     config = _config_from(args)
-    from .run import run_demo, run_shepherd
+    from pcp_tui.app.launch import run_demo, run_shepherd
 
     if args.command == "demo":
         return run_demo(config, headless=args.headless, backend=args.backend)
@@ -272,8 +272,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError
-    from .sample import sample_text
+    from pcp_tui.app.sample import sample_text
+    from pcp_tui.shepherd.checkpoint import CheckpointError
 
     try:
         text = sample_text(

@@ -9,7 +9,7 @@ from rich.style import Style
 from rich.text import Text
 from textual.widget import Widget
 
-from ._braille import BrailleCanvas
+from pcp_tui.app.dashboard._braille import BrailleCanvas
 
 EVAL_MARK = "●"
 

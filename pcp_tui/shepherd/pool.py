@@ -1,10 +1,10 @@
 """The shepherd's workers: one task per connection, from welcome to goodbye.
 
-`Flock.serve` takes a connection that `Admission` let in, welcomes the worker,
+`WorkerPool.serve` takes a connection that `Admission` let in, welcomes the worker,
 sends it the plan (graphs, data shard), then reads what it sends: progress,
 round results (screened and folded into the current `Round`), heartbeats. A
-watchdog drops a worker that falls silent. The shepherd asks the flock who is
-ready and sets `flock.round` while a round runs; it never touches a socket.
+watchdog drops a worker that falls silent. The shepherd asks the pool who is
+ready and sets `pool.round` while a round runs; it never touches a socket.
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ from collections.abc import Callable
 import numpy as np
 import trio
 
-import protocol
-
-from . import data
-from .admission import Admission
-from .config import RunConfig
-from .graph import TrainingGraphs
-from .links import CONNECTION_ERRORS, WorkerLink, WorkerLost
-from .rounds import BadResult, Round
-from .state import RunState, WorkerView
-from .task import Task
+from pcp_tui import protocol
+from pcp_tui.config import RunConfig
+from pcp_tui.shepherd.admission import Admission
+from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink, WorkerLost
+from pcp_tui.shepherd.rounds import BadResult, Round
+from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.training import shards
+from pcp_tui.training.export import TrainingGraphs
+from pcp_tui.training.workload import Workload
 
 # Round results received but not yet folded into the mean, across all workers: the
 # shepherd holds at most this many model-sized copies however many workers there are.
@@ -36,20 +35,20 @@ from .task import Task
 RESULTS_IN_MEMORY = 8
 
 
-class Flock:
+class WorkerPool:
     """Every connected worker of one run, and the task serving each."""
 
     def __init__(
         self,
         config: RunConfig,
-        task: Task,
+        workload: Workload,
         state: RunState,
         admission: Admission,
         *,
         run_id: str,
         stopping: Callable[[], bool],
     ):
-        self.config, self.task, self.state = config, task, state
+        self.config, self.workload, self.state = config, workload, state
         self.admission = admission
         self.run_id = run_id
         self.graphs: TrainingGraphs | None = None  # set once exported, before anyone is served
@@ -153,7 +152,7 @@ class Flock:
 
     async def _serve_worker(self, link: WorkerLink) -> None:
         cfg = self.config
-        slot = link.view.index % len(self.task.shards)
+        slot = link.view.index % len(self.workload.shards)
         await link.send(
             "welcome",
             {
@@ -163,7 +162,7 @@ class Flock:
             },
         )
         link.view.state = "compiling"
-        plan, tensors = self._plan(slot, self.task.shards[slot], link.platform)
+        plan, tensors = self._plan(slot, self.workload.shards[slot], link.platform)
         await link.send("plan", plan, tensors)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, link)
@@ -189,12 +188,14 @@ class Flock:
             for name, blob in graphs.as_dict().items()
             if name != "eval_loss"
         }
-        data_fields, data_tensors = data.shard_plan(shard)  # LM windows or rows of a custom dataset
+        data_fields, data_tensors = shards.shard_plan(
+            shard
+        )  # LM windows or rows of a custom dataset
         tensors.update(data_tensors)
         plan = {
             "runId": self.run_id,
-            "modelName": self.task.name,
-            "paramCount": self.task.param_count,
+            "modelName": self.workload.name,
+            "paramCount": self.workload.param_count,
             "graphs": [
                 {"name": name, "platforms": list(graphs.platforms), "tensor": f"graph/{name}"}
                 for name in ("train_chunk", "init_opt_state")

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, RunConfig
+from pcp_tui.config import ConfigError, RunConfig
 
 _DEFAULTS = RunConfig()
 

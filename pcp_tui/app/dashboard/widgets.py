@@ -11,11 +11,11 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import RichLog, Static
 
-from ..headless import human_bytes
-from ..state import Event, RoundRecord, RunState
-from ._format import compact_count, duration, short_bytes
-from .loss_chart import LossChart
-from .worker_table import WorkerTable
+from pcp_tui.app.dashboard._format import compact_count, duration, short_bytes
+from pcp_tui.app.dashboard.loss_chart import LossChart
+from pcp_tui.app.dashboard.worker_table import WorkerTable
+from pcp_tui.app.headless import human_bytes
+from pcp_tui.shepherd.state import Event, RoundRecord, RunState
 
 __all__ = ["EventLog", "LossChart", "RoundTiming", "RunHeader", "WorkerTable"]
 

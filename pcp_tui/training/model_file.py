@@ -1,4 +1,4 @@
-"""Train any JAX model: load a user's model file on the shepherd and turn it into a Task.
+"""Train any JAX model: load a user's model file on the shepherd and turn it into a Workload.
 
 `pcp-tui shepherd --model path/to/model.py:build` imports that file (the user's
 own code, on the user's own machine: only the shepherd ever runs it), calls
@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import data
-from .config import ConfigError, RunConfig
-from .task import Task
+from pcp_tui.config import ConfigError, RunConfig
+from pcp_tui.training import corpus
+from pcp_tui.training.workload import Workload
 
 HOLD_OUT = 0.05  # share of rows held out when a Dataset has no val split
 
@@ -81,8 +81,8 @@ def load_spec(model: str, config: RunConfig) -> ModelSpec:
     return spec
 
 
-def build_custom_task(config: RunConfig, shards: int) -> Task:
-    """The Task of a model file: parameters, wrapped loss, row (or window) shards, eval batches."""
+def build_custom_workload(config: RunConfig, shards: int) -> Workload:
+    """The Workload of a model file: parameters, wrapped loss, row (or window) shards, eval batches."""
     spec = load_spec(config.model, config)
     params = spec.init(jax.random.PRNGKey(config.seed))
     if not isinstance(params, Mapping) or not params:
@@ -97,7 +97,7 @@ def build_custom_task(config: RunConfig, shards: int) -> Task:
         host_params[name] = array.astype(np.float32)
     source = spec.data() if callable(spec.data) else spec.data
     if source is None:
-        return _window_task(config, spec, host_params, shards)
+        return _window_workload(config, spec, host_params, shards)
     if not isinstance(source, Dataset):
         raise ConfigError(
             f"{spec.name}: data must be a pcp_tui.Dataset, a function returning one, or None"
@@ -105,7 +105,7 @@ def build_custom_task(config: RunConfig, shards: int) -> Task:
     rows = row_data(spec.name, source)
     keys = tuple(rows.train)
     first = {k: a[: config.batch_size] for k, a in rows.train.items()}
-    return Task(
+    return Workload(
         name=spec.name,
         params=host_params,
         loss_fn=lambda p, batch: spec.loss(p, dict(zip(keys, batch, strict=True))),
@@ -113,8 +113,8 @@ def build_custom_task(config: RunConfig, shards: int) -> Task:
             jax.ShapeDtypeStruct((config.batch_size, *a.shape[1:]), a.dtype) for a in first.values()
         ),
         corpus=rows,
-        shards=data.split_rows(rows.train, shards),
-        eval_tokens=data.eval_rows(
+        shards=corpus.split_rows(rows.train, shards),
+        eval_tokens=corpus.eval_rows(
             rows.val, batch_size=config.batch_size, max_batches=config.eval_batches
         ),
         tokens_per_step=config.batch_size,  # a row counts as one token
@@ -122,35 +122,35 @@ def build_custom_task(config: RunConfig, shards: int) -> Task:
     )
 
 
-def row_data(name: str, source: Dataset) -> data.RowData:
+def row_data(name: str, source: Dataset) -> corpus.RowData:
     """Checked train/val arrays; without val the last 5% of rows are held out."""
-    train = data.row_arrays(dict(source.train), f"{name}: data.train")
+    train = corpus.row_arrays(dict(source.train), f"{name}: data.train")
     if source.val is not None:
-        val = data.row_arrays(dict(source.val), f"{name}: data.val")
+        val = corpus.row_arrays(dict(source.val), f"{name}: data.val")
         if set(val) != set(train):
-            raise data.DataError(
+            raise corpus.DataError(
                 f"{name}: data.val has arrays {sorted(val)}, data.train has {sorted(train)}"
             )
     else:
-        cut = data.row_count(train) - max(1, int(data.row_count(train) * HOLD_OUT))
+        cut = corpus.row_count(train) - max(1, int(corpus.row_count(train) * HOLD_OUT))
         train, val = {k: a[:cut] for k, a in train.items()}, {k: a[cut:] for k, a in train.items()}
-    fingerprint = data.fingerprint(*train.values(), *val.values())
-    return data.RowData(name, train, val, fingerprint)
+    fingerprint = corpus.fingerprint(*train.values(), *val.values())
+    return corpus.RowData(name, train, val, fingerprint)
 
 
-def _window_task(
+def _window_workload(
     config: RunConfig, spec: ModelSpec, params: dict[str, np.ndarray], shards: int
-) -> Task:
-    corpus = data.load_corpus(config.data, max_bytes=config.data_max_bytes)
-    return Task(
+) -> Workload:
+    text = corpus.load_corpus(config.data, max_bytes=config.data_max_bytes)
+    return Workload(
         name=spec.name,
         params=params,
         loss_fn=spec.loss,
         batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),
-        corpus=corpus,
-        shards=data.split_shards(corpus.train, shards),
-        eval_tokens=data.eval_batches(
-            corpus.val,
+        corpus=text,
+        shards=corpus.split_shards(text.train, shards),
+        eval_tokens=corpus.eval_batches(
+            text.val,
             batch_size=config.batch_size,
             seq_len=config.seq_len,
             max_batches=config.eval_batches,

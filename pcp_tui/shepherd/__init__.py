@@ -1,0 +1,1 @@
+"""The coordinator: admits workers, ships the plan, runs rounds, checkpoints, reports state."""

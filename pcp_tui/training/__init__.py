@@ -1,0 +1,4 @@
+"""What is trained: models, user model files, the exported graphs, corpora and their shards.
+
+Workers import only `shards` (sampling batches from a shipped shard): never models or corpora.
+"""
