@@ -157,6 +157,7 @@ enum ErrorCode {
   timeout @8;
   busy @9;
   unsupportedBackend @10;
+  idInUse @11;  # another live connection holds this worker id: final, start with another --id
 }
 
 struct Error {

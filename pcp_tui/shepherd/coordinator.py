@@ -307,7 +307,13 @@ class Shepherd:
     async def _run_round(self, number: int) -> RoundRecord | None:
         cfg = self.config
         links = self.pool.ready_links()
-        current = Round(number, [link.worker_id for link in links], self._mean, self._screen)
+        current = Round(
+            number,
+            [link.worker_id for link in links],
+            self._mean,
+            self._screen,
+            connections={link.worker_id: link for link in links},
+        )
         current.bytes_at_start = (self.state.bytes_sent, self.state.bytes_received)
         self.pool.round = current
         self.state.round = number

@@ -90,6 +90,10 @@ class WorkerPool:
         admitted = await self.admission.admit(raw)  # TLS, token, limits; logs and closes refusals
         if admitted is None:
             return
+        refusal = self._refusal(admitted.hello.worker_id)
+        if refusal is not None:
+            await self._refuse(admitted, *refusal)
+            return
         link = self._admit(admitted.stream, admitted.hello, admitted.peer)
         try:
             await self._serve_worker(link)
@@ -105,6 +109,43 @@ class WorkerPool:
         finally:
             with trio.CancelScope(shield=True):
                 await link.close("connection closed")
+
+    def _refusal(self, worker_id: str) -> tuple[str, str] | None:
+        """(code, reason) if an authenticated connection may not join now, else None.
+
+        A worker id belongs to one live connection: a second connection with it is
+        refused while the first was heard from within the heartbeat timeout (else it
+        would take over the worker's shard and rounds, and the real worker would run
+        on unheard). A first connection that has fallen silent is dead: the newcomer
+        replaces it, which is a reconnect. Admitted connections are capped, so peers
+        holding the token cannot tie up the shepherd with idle or slow connections.
+        """
+        previous = self._links.get(worker_id)
+        timeout = self.config.heartbeat_timeout
+        if previous is not None and not previous.closed and previous.silent_for() <= timeout:
+            return "idInUse", (
+                f"worker id {worker_id!r} is in use by a live connection from "
+                f"{previous.view.host}; start this worker with another --id, or stop the "
+                f"other one (a reconnect is let in once the old connection has been silent "
+                f"for {timeout:g} s)"
+            )
+        cap = self.config.worker_connections
+        live = sum(1 for link in self._links.values() if not link.closed and link is not previous)
+        if live >= cap:
+            return "busy", (
+                f"the shepherd already serves {live} worker connections, its limit; try again "
+                f"later, or raise --max-worker-connections on the shepherd (now {cap})"
+            )
+        return None
+
+    async def _refuse(self, admitted, code: str, reason: str) -> None:
+        """Tell an authenticated peer why it may not join (one line), log it, and hang up."""
+        host = admitted.peer.rpartition(":")[0] or admitted.peer
+        self.admission.refusals.refused(host, admitted.peer, reason, code=code)
+        with trio.move_on_after(1):  # the peer may not read: do not wait on it
+            await admitted.stream.send_error(code, reason)
+        with contextlib.suppress(*CONNECTION_ERRORS):
+            await trio.aclose_forcefully(admitted.stream.stream)
 
     def _admit(self, stream: protocol.MessageStream, hello, peer: str) -> WorkerLink:
         old = self.state.workers.get(hello.worker_id)
@@ -146,8 +187,8 @@ class WorkerPool:
                     "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
                 )
         link.closed = True
-        if self.round is not None:
-            self.round.finish(link.worker_id)
+        if self.round is not None and self.round.bound_to(link.worker_id, link):
+            self.round.finish(link.worker_id)  # not a replaced connection's successor
         self.wake()
 
     async def _serve_worker(self, link: WorkerLink) -> None:
@@ -264,7 +305,7 @@ class WorkerPool:
         try:
             added = (
                 current is not None
-                and current.accepts(link.worker_id, number)
+                and current.accepts(link.worker_id, number, link)
                 and await current.add(link.worker_id, message)
             )
         except BadResult as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import trio
@@ -30,8 +31,12 @@ class Round:
         participants: list[str],
         mean: PseudoGradientMean,
         screen: ResultScreen,
+        *,
+        connections: Mapping[str, object] | None = None,
     ):
         self.number = number
+        # worker id -> the connection its roundStart went to: only that one may answer
+        self.connections = dict(connections) if connections is not None else None
         self.participants = set(participants)
         self.pending = set(participants)
         self.mean = mean  # the run's buffers, emptied for this round
@@ -49,8 +54,21 @@ class Round:
         self._lock = trio.Lock()  # one result is screened and folded in at a time
         self._closed = False
 
-    def accepts(self, worker_id: str, round_number: int) -> bool:
-        return round_number == self.number and worker_id in self.pending
+    def accepts(self, worker_id: str, round_number: int, connection: object = None) -> bool:
+        """Whether a result for `round_number` from `worker_id` on `connection` may count.
+
+        Binding results to the connection that got the roundStart means a result
+        cannot be replayed, or counted twice, from another connection with the same id.
+        """
+        return (
+            round_number == self.number
+            and worker_id in self.pending
+            and self.bound_to(worker_id, connection)
+        )
+
+    def bound_to(self, worker_id: str, connection: object) -> bool:
+        """Whether `connection` is the one this round's roundStart for `worker_id` went to."""
+        return self.connections is None or self.connections.get(worker_id) is connection
 
     async def add(self, worker_id: str, message: protocol.Message) -> bool:
         """Screen one result and fold it into the running mean (off the event loop if it is big).

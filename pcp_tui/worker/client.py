@@ -36,6 +36,15 @@ class Refused(Exception):
     """The shepherd turned this worker away for good: do not retry."""
 
 
+class IdInUse(Refused):
+    """Another live connection holds this worker's id.
+
+    Final for a worker that was never admitted (two workers started with one --id);
+    a worker that was admitted before retries, as the live connection is likely its
+    own, cut off, until the shepherd notices it is silent.
+    """
+
+
 class RunOver(Exception):
     """The shepherd said goodbye: the run is finished."""
 
@@ -136,6 +145,11 @@ class Worker:
             except RunOver:
                 self.status.update(state="done", message="the shepherd ended the run")
                 return
+            except IdInUse as exc:
+                if self.status.worker_index is None:
+                    raise
+                attempt += 1
+                await self._backoff(attempt, str(exc))
             except protocol.VersionMismatch as exc:
                 raise Refused(str(exc)) from None
             except (ConnectionLost, *_LINK_ERRORS) as exc:
@@ -423,6 +437,8 @@ async def _expect(stream: protocol.MessageStream, kind: str) -> protocol.Message
         return message
     if message.kind == "error":
         code, text = message.body.get("code"), message.body.get("message")
+        if code == "idInUse":
+            raise IdInUse(f"the shepherd refused this worker ({code}): {text}")
         if code in ("authFailed", "versionMismatch", "unsupportedBackend"):
             raise Refused(f"the shepherd refused this worker ({code}): {text}")
         raise ConnectionLost(f"the shepherd reported an error ({code}): {text}")

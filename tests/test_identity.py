@@ -1,0 +1,130 @@
+"""A worker id belongs to one live connection; a result to the connection its round went to.
+
+A live shepherd on 127.0.0.1, real worker processes, and peers in this test process that
+speak the real protocol (handshake with the token's proof, then `MessageStream`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.contract import auth
+from pcp_tui.diloco.outer import PseudoGradientMean
+from pcp_tui.diloco.screening import ResultScreen
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.rounds import Round
+from pcp_tui.training.workload import build_workload
+
+from .conftest import small_config
+from .test_elastic import _kinds, _run, _until
+
+pytestmark = pytest.mark.e2e
+
+
+async def join_as(port: int, worker_id: str, token: str = "test-token"):
+    """Handshake as `worker_id` with the token's real proof; (stream, the shepherd's answer)."""
+    stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
+    hello = await stream.receive()
+    await stream.send(
+        "workerHello",
+        {
+            "supportedVersions": list(protocol.SUPPORTED_VERSIONS),
+            "workerId": worker_id,
+            "proof": auth.proof(token, hello.body["nonce"], worker_id),
+            "backend": {"platform": "cpu"},
+        },
+    )
+    return stream, await stream.receive()
+
+
+def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
+    config = small_config(workers=1, rounds=3, inner_steps=5)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    seen = {}
+
+    async def scenario(port):
+        honest = spawn_worker(port, "--id", "w")
+        seen["honest"] = honest
+        await _until(lambda: len(shepherd.state.history) >= 1)
+        shepherd.pause()  # "w" sits idle, heartbeating: alive
+        stream, seen["hijack"] = await join_as(port, "w")
+        await stream.aclose()
+        twin = spawn_worker(port, "--id", "w")
+        seen["twin_code"] = await trio.to_thread.run_sync(twin.wait)
+        seen["twin_output"] = twin.stdout.read()
+        shepherd.resume()
+
+    _run(shepherd, scenario)
+    assert seen["hijack"].kind == "error" and seen["hijack"].body["code"] == "idInUse"
+    assert "another --id" in seen["hijack"].body["message"]
+    assert seen["twin_code"] != 0
+    assert "idInUse" in seen["twin_output"] and "not retrying" in seen["twin_output"]
+    history = shepherd.state.history
+    assert [r.worker_ids for r in history] == [("w",)] * 3  # the honest worker kept its rounds
+    assert seen["honest"].wait(timeout=60) == 0  # and was told goodbye
+    refused = [e.data.get("code") for e in _kinds(shepherd, "refused")]
+    assert refused == ["idInUse", "idInUse"]
+    assert not _kinds(shepherd, "late_result")
+
+
+def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_replayed():
+    """A connection that fell silent is dead: the same id reconnects. A result for the
+    round whose roundStart went to the old connection is not counted from the new one
+    (whether the round is still open is a race: the unit test below pins the binding)."""
+    config = small_config(workers=1, rounds=1, inner_steps=5, heartbeat_timeout=2.0)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    seen = {}
+
+    async def scenario(port):
+        first, welcome = await join_as(port, "r")
+        assert welcome.kind == "welcome"
+        await first.receive()  # the plan
+        await first.send("ready", {"compileSeconds": 0.0, "platform": "cpu"})
+        start = await first.receive()
+        while start.kind != "roundStart":
+            start = await first.receive()
+        early, seen["while_alive"] = await join_as(port, "r")
+        await early.aclose()
+        # `first` now says nothing: once silent past the heartbeat timeout it is dead
+        await _until(lambda: shepherd.state.workers["r"].state == "lost")
+        second, seen["reconnect"] = await join_as(port, "r")
+        await second.receive()  # the plan
+        params = {name: np.zeros_like(p) for name, p in start.tensors.items()}
+        await second.send("roundResult", {"round": 1, "tokens": 1, "losses": [1.0]}, params)
+        await _until(lambda: bool(_kinds(shepherd, "late_result")))
+        shepherd.request_stop("test over")
+        await first.aclose()
+        await second.aclose()
+
+    _run(shepherd, scenario)
+    assert seen["while_alive"].body["code"] == "idInUse"
+    assert seen["reconnect"].kind == "welcome"
+    assert seen["reconnect"].body["workerIndex"] == 0  # the same worker, back
+    assert not shepherd.state.history  # the replayed round 1 result was not counted
+    assert _kinds(shepherd, "late_result")[0].data["worker"] == "r"
+
+
+def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
+    shapes = {"w": (3,)}
+    original, other = object(), object()
+
+    async def main():
+        current = Round(
+            1,
+            ["a"],
+            PseudoGradientMean(("w",)),
+            ResultScreen(shapes, max_tokens=100),
+            connections={"a": original},
+        )
+        assert not current.accepts("a", 1, other)
+        assert not current.accepts("a", 2, original)
+        assert current.accepts("a", 1, original)
+        body = {"round": 1, "tokens": 10, "losses": [1.0]}
+        message = protocol.Message("roundResult", body, {"w": np.ones(3, np.float32)})
+        assert await current.add("a", message)
+        assert not current.accepts("a", 1, original)  # and only once
+
+    trio.run(main)
