@@ -28,7 +28,15 @@ _AT_LEAST_ONE = (
     "max_handshakes_per_host",
     "max_handshakes",
 )
-_NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "round_timeout", "seed")
+_NOT_NEGATIVE = (
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "round_timeout",
+    "seed",
+    "max_worker_connections",
+    "upload_grace",
+)
 _CHOICES = {
     "inner_optimizer": ("adamw", "sgd"),
     "outer_optimizer": ("nesterov", "sgd"),
@@ -89,6 +97,9 @@ class RunConfig:
     handshake_timeout: float = 10.0  # seconds a new connection has to finish its handshake
     max_handshakes_per_host: int = 8  # unfinished handshakes one address may hold at once
     max_handshakes: int = 64  # unfinished handshakes in all
+    max_worker_connections: int = 0  # admitted connections at once; 0: --workers + 2
+    min_upload_rate: float = 1e6  # bytes/s a result upload must average once upload_grace is over
+    upload_grace: float = 10.0  # seconds an upload may take before min_upload_rate applies
     platforms: tuple[str, ...] = field(default=("cpu", "cuda", "rocm"))
 
     def replace(self, **changes) -> RunConfig:
@@ -140,7 +151,18 @@ class RunConfig:
             "must be positive",
             self.handshake_timeout,
         )
+        _require(
+            self.min_upload_rate > 0, "min_upload_rate", "must be positive", self.min_upload_rate
+        )
         return self
+
+    @property
+    def worker_connections(self) -> int:
+        """Admitted connections the shepherd holds at once: the option, or --workers + 2.
+
+        The margin lets a replacement join before a lost worker's silence is noticed.
+        """
+        return self.max_worker_connections or self.workers + 2
 
     @property
     def chunk(self) -> int:

@@ -128,3 +128,25 @@ def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
         assert not current.accepts("a", 1, original)  # and only once
 
     trio.run(main)
+
+
+def test_admitted_connections_are_capped_and_the_extra_is_told_busy():
+    config = small_config(workers=1, rounds=1, max_worker_connections=2)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    answers = []
+
+    async def scenario(port):
+        streams = []
+        for worker_id in ("a", "b", "c"):
+            stream, answer = await join_as(port, worker_id)
+            streams.append(stream)
+            answers.append(answer)
+        shepherd.request_stop("test over")
+        for stream in streams:
+            await stream.aclose()
+
+    _run(shepherd, scenario)
+    assert [a.kind for a in answers] == ["welcome", "welcome", "error"]
+    assert answers[2].body["code"] == "busy"
+    assert "--max-worker-connections" in answers[2].body["message"]
+    assert config.replace(max_worker_connections=0).worker_connections == 3  # --workers + 2

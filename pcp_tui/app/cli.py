@@ -55,6 +55,9 @@ _HELP = {
     "handshake_timeout": "seconds a new connection has to prove the token before it is dropped",
     "max_handshakes_per_host": "unfinished handshakes one address may hold; more are closed at once",
     "max_handshakes": "unfinished handshakes in all; more are closed at once",
+    "max_worker_connections": "admitted worker connections at once; more are refused as busy (0: --workers + 2)",
+    "min_upload_rate": "bytes/s a round result upload must average after --upload-grace; slower ones are dropped",
+    "upload_grace": "seconds a round result upload may take before --min-upload-rate applies",
 }
 _SKIP = {"platforms"}
 
