@@ -249,3 +249,39 @@ def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever()
     with pytest.raises(ConnectionLost, match=r"gave up after \d+ s of retrying"):
         trio.run(worker.run)
     assert worker.status.state == "connecting"
+
+
+def test_a_lost_workers_shard_goes_to_the_next_worker_to_join(spawn_worker):
+    """Kill B: its shard is orphaned, rounds report it untrained, and newcomer C trains it."""
+    config = small_config(workers=2, rounds=5, inner_steps=10)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    workers, ledger = shepherd.state.workers, shepherd.state.shards
+
+    async def scenario(port):
+        spawn_worker(port, "--id", "a")
+        b = spawn_worker(port, "--id", "b")
+        await _until(lambda: len(shepherd.state.history) >= 1)
+        b.send_signal(signal.SIGKILL)
+        await _until(lambda: bool(_kinds(shepherd, "shard_orphaned")))
+        await _until(lambda: len(shepherd.state.history) >= 2)  # a round with the shard orphaned
+        shepherd.pause()
+        spawn_worker(port, "--id", "c")
+        await _until(lambda: "c" in workers and workers["c"].state == "idle")
+        owners.extend(s.owners for s in ledger.shards)
+        shepherd.resume()
+
+    owners = []
+    _run(shepherd, scenario)
+    b_shard = 1 - workers["a"].shard
+    assert workers["b"].shard == b_shard and workers["c"].shard == b_shard
+    assert owners[b_shard] == ["c"] and owners[1 - b_shard] == ["a"]
+    assert [e.data["shard"] for e in _kinds(shepherd, "shard_orphaned")] == [b_shard]
+    adopted = _kinds(shepherd, "shard_adopted")
+    assert [(e.data["worker"], e.data["shard"]) for e in adopted] == [("c", b_shard)]
+    history = shepherd.state.history
+    with_c = [r for r in history if "c" in r.worker_ids]
+    assert with_c and all(r.untrained_shards == () for r in with_c)
+    assert any(r.untrained_shards == (b_shard,) for r in history if "c" not in r.worker_ids)
+    trained_by_c = workers["c"].rounds_contributed
+    assert ledger.shards[b_shard].rounds == workers["b"].rounds_contributed + trained_by_c
+    assert ledger.shards[1 - b_shard].rounds == len(history)  # a trained its shard every round

@@ -8,6 +8,7 @@ Connections (welcome, plan, results, liveness) are `pool.WorkerPool`'s business.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import math
 import secrets
@@ -26,6 +27,7 @@ from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
+from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.rounds import Round
 from pcp_tui.shepherd.state import RoundRecord, RunState
@@ -53,6 +55,7 @@ class Shepherd:
         self.state = state or RunState(
             run_id=self.run_id, rounds_total=config.rounds, settings=_settings(config)
         )
+        self.state.shards = ShardLedger(len(workload.shards))
         self.state.model_name = workload.name
         self.state.param_count = workload.param_count
         # our own float32 copies: the outer step updates them in place, workload.params stays as built
@@ -105,6 +108,7 @@ class Shepherd:
         self.outer.load_state_arrays(self.params, saved.outer_state)
         self.start_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
+        self.state.shards.restore(saved.meta.get("shard_ledger", {}))
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
 
     # -- commands (safe to call from the dashboard) -------------------------
@@ -272,6 +276,7 @@ class Shepherd:
             "config": {k: v for k, v in vars(self.config).items() if k != "token"},
             "data_positions": {"seed": self.config.seed, "next_round": number + 1},
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
+            "shard_ledger": self.state.shards.as_meta(),
             "eval_loss": _last_eval(self.state),
         }
         try:
@@ -372,8 +377,13 @@ class Shepherd:
 
     def _record(self, current: Round, eval_loss: float | None) -> RoundRecord:
         record = current.record(eval_loss, self.state.bytes_sent, self.state.bytes_received)
+        trained = set()
         for worker_id in current.contributors:
             self.state.workers[worker_id].rounds_contributed += 1
+            self.state.shards.trained(worker_id, current.tokens_by_worker[worker_id])
+            trained.add(self.state.workers[worker_id].shard)
+        untrained = tuple(s.index for s in self.state.shards.shards if s.index not in trained)
+        record = dataclasses.replace(record, untrained_shards=untrained)
         self.state.history.append(record)
         self.state.emit("round", f"round {current.number} done", record=record)
         return record

@@ -156,11 +156,13 @@ class WorkerPool:
         else:
             index = self._next_index
             self._next_index += 1
+        shard, adopted = self.state.shards.assign(hello.worker_id)
         view = WorkerView(
             worker_id=hello.worker_id,
             index=index,
             host=hello.hostname or peer,
             backend=hello.backend,
+            shard=shard,
         )
         self.state.workers[hello.worker_id] = view
         link = WorkerLink(stream, view, self.state, hello.platform)
@@ -174,14 +176,31 @@ class WorkerPool:
             f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
             worker=hello.worker_id,
         )
+        if adopted:
+            self.state.emit(
+                "shard_adopted",
+                f"worker {index} ({hello.worker_id}) took over untrained shard {shard}",
+                worker=hello.worker_id,
+                shard=shard,
+            )
         return link
 
     def _mark_gone(self, link: WorkerLink, state: str, reason: str) -> None:
-        if self.state.status in ("done", "stopped", "failed") or self._stopping():
+        ending = self.state.status in ("done", "stopped", "failed") or self._stopping()
+        if ending:
             state = "left"  # the run is ending: a closing connection is expected, not a loss
         if self._links.get(link.worker_id) is link:
             del self._links[link.worker_id]
             link.view.state, link.view.reason = state, reason
+            orphan = self.state.shards.release(link.worker_id)
+            if orphan is not None and not ending:
+                self.state.emit(
+                    "shard_orphaned",
+                    f"shard {orphan} has no worker since worker {link.view.index} {state}; "
+                    "the next worker to join trains it",
+                    worker=link.worker_id,
+                    shard=orphan,
+                )
             if state == "lost" and not self._stopping():
                 self.state.emit(
                     "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
@@ -193,7 +212,7 @@ class WorkerPool:
 
     async def _serve_worker(self, link: WorkerLink) -> None:
         cfg = self.config
-        slot = link.view.index % len(self.workload.shards)
+        slot = link.view.shard  # from the ledger: a lost worker's shard goes to the next joiner
         await link.send(
             "welcome",
             {

@@ -47,6 +47,7 @@ class Round:
         self.tokens = 0
         self.bytes_saved = 0  # float32 bytes the results would have taken, minus their wire bytes
         self.compute_seconds: dict[str, float] = {}
+        self.tokens_by_worker: dict[str, int] = {}
         self.arrivals: dict[str, float] = {}
         self.contributors: list[str] = []
         self.bytes_at_start = (0, 0)
@@ -84,6 +85,7 @@ class Round:
             else:
                 tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
         self.tokens += tokens
+        self.tokens_by_worker[worker_id] = tokens
         self.bytes_saved += max(
             sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0
         )

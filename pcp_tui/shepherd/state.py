@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pcp_tui.shepherd.ledger import ShardLedger
+
 # Worker states, in the order a worker normally passes through them.
 WORKER_STATES = (
     "connecting",
@@ -42,6 +44,7 @@ class WorkerView:
     bytes_out: int = 0
     rounds_contributed: int = 0
     reason: str = ""
+    shard: int | None = None  # the data shard it trains (see ShardLedger)
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,12 @@ class RoundRecord:
     workers: int
     worker_ids: tuple[str, ...]
     bytes_saved: int = 0  # by pseudo-gradient compression, this round
+    untrained_shards: tuple[int, ...] = ()  # data shards no contributor of this round trained
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["worker_ids"] = list(self.worker_ids)
+        data["untrained_shards"] = list(self.untrained_shards)
         return {"event": "round", **data}
 
 
@@ -94,6 +99,7 @@ class RunState:
         self.started_at = time.monotonic()
         self.finished_at: float | None = None
         self.workers: dict[str, WorkerView] = {}
+        self.shards = ShardLedger(1)  # replaced by the shepherd with one for its data
         self.history: list[RoundRecord] = []
         # (global step, loss, worker index), one per progress message
         self.step_losses: collections.deque[tuple[int, float, int]] = collections.deque(

@@ -1,0 +1,43 @@
+"""The shard ledger's rules, one at a time (the end-to-end case is in test_elastic.py)."""
+
+from __future__ import annotations
+
+from pcp_tui.shepherd.ledger import ShardLedger
+
+
+def test_a_lost_workers_shard_goes_to_the_next_joiner_and_a_returning_worker_gets_its_own():
+    ledger = ShardLedger(2)
+    assert ledger.assign("a") == (0, False)
+    assert ledger.assign("b") == (1, False)
+    ledger.trained("b", 100)
+    assert ledger.release("b") == 1 and ledger.orphaned() == [1]
+    assert ledger.assign("c") == (1, True)  # adopted: b held it, nobody does now
+    assert ledger.release("a") == 0
+    assert ledger.assign("b") == (0, True)  # its own shard is taken: it adopts a's
+    assert ledger.release("c") == 1
+    assert ledger.assign("c") == (1, False)  # back to its own, still free
+    assert ledger.assign("c") == (1, False)  # a reconnect keeps the shard it holds
+
+
+def test_more_workers_than_shards_share_the_least_crowded_and_release_orphans_only_the_last():
+    ledger = ShardLedger(2)
+    assert [ledger.assign(w)[0] for w in ("a", "b", "c", "d", "e")] == [0, 1, 0, 1, 0]
+    assert ledger.release("a") is None  # c and e still train shard 0
+    assert ledger.release("b") is None
+    assert ledger.release("d") == 1
+
+
+def test_progress_and_last_holders_survive_a_checkpoint():
+    ledger = ShardLedger(3)
+    for worker in ("a", "b", "c"):
+        ledger.assign(worker)
+    ledger.trained("b", 64)
+    ledger.trained("b", 64)
+    restored = ShardLedger(3)
+    restored.restore(ledger.as_meta())
+    assert [(s.rounds, s.tokens) for s in restored.shards] == [(0, 0), (2, 128), (0, 0)]
+    assert restored.orphaned() == [0, 1, 2]  # nobody is connected after a restart
+    assert restored.assign("c") == (2, False)  # its shard from before the restart
+    fewer = ShardLedger(2)
+    fewer.restore(ledger.as_meta())  # c's shard 2 no longer exists: c gets a free one
+    assert fewer.assign("c") == (0, True)  # a's, adopted
