@@ -348,6 +348,18 @@ class MessageStream:
         """
         return self._reader.last_activity
 
+    @property
+    def partial_message(self) -> tuple[float, int] | None:
+        """(`time.monotonic()` when its first bytes were taken, bytes taken so far) of the
+        message being received; None between messages.
+
+        Lets a receiver require a minimum rate of a message in progress: a peer
+        that sends one byte a second is active, but never finishes.
+        """
+        if not self._receiving or self._reader.frame_started is None:
+            return None
+        return self._reader.frame_started, self._reader.frame_consumed
+
     async def send_error(self, code: str, message: str) -> None:
         """Best effort: tell the peer why we are about to close; silent if it is already gone."""
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -424,10 +436,12 @@ class _StreamReader:
         self._socket = stream.socket if direct else None
         self._pending = bytearray()
         self.frame_consumed = 0
+        self.frame_started: float | None = None  # when the current frame's first bytes were taken
         self.last_activity = time.monotonic()  # when bytes last arrived, mid-frame included
 
     def start_frame(self) -> None:
         self.frame_consumed = 0
+        self.frame_started = None
 
     def expect(self, nbytes: int) -> None:
         """A stream cannot know what is coming: `Limits` bound what the caller allocates."""
@@ -440,6 +454,8 @@ class _StreamReader:
             self._pending += chunk
         data = bytes(self._pending[:nbytes])
         del self._pending[:nbytes]
+        if self.frame_started is None:
+            self.frame_started = time.monotonic()
         self.frame_consumed += nbytes
         return data
 

@@ -59,6 +59,7 @@ class WorkerPool:
         self._next_index = 0
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
         self._result_slots = trio.Semaphore(RESULTS_IN_MEMORY)
+        self._result_bytes = sum(4 * int(np.size(p)) for p in workload.params.values())
 
     def remember(self, indices: dict[str, int]) -> None:
         """Give returning workers the index (and so the shard) they had before a restart."""
@@ -274,7 +275,7 @@ class WorkerPool:
 
     async def _receive_loop(self, link: WorkerLink) -> None:
         while True:
-            slot = _ResultSlot(self._result_slots, link)
+            slot = _ResultSlot(self._result_slots, link, self._result_bytes)
             try:
                 message = await link.receive(before_payload=slot.admit)
                 await self._handle(link, message)
@@ -362,24 +363,56 @@ class WorkerPool:
         timeout = self.config.heartbeat_timeout
         while True:
             await trio.sleep(min(1.0, timeout / 4))
+            if link.admitting:  # waiting for a result slot is neither silence nor slowness
+                continue
             silent = link.silent_for()
-            if silent > timeout and not link.admitting:
+            if silent > timeout:
                 link.lost_reason = f"silent for {silent:.0f} s (heartbeat timeout {timeout:.0f} s)"
+            else:
+                link.lost_reason = self._too_slow(link)
+            if link.lost_reason:
                 scope.cancel()
                 return
+
+    def _too_slow(self, link: WorkerLink) -> str:
+        """Why the message arriving on `link` is too slow to wait for, or "".
+
+        After --upload-grace seconds a message must average --min-upload-rate, so an
+        upload of n bytes has grace + n / rate seconds at most: trickling bytes keeps a
+        connection active, not alive. The clock starts again when a result gets its
+        memory slot (`view.last_heard` is set then), as waiting for one is not slowness.
+        """
+        partial = link.stream.partial_message
+        if partial is None:
+            return ""
+        started, received = partial
+        elapsed = time.monotonic() - max(started, link.view.last_heard)
+        rate, grace = self.config.min_upload_rate, self.config.upload_grace
+        if received >= rate * (elapsed - grace):
+            return ""
+        return (
+            f"upload too slow: {received} bytes in {elapsed:.0f} s, under --min-upload-rate "
+            f"{rate:g} B/s after --upload-grace {grace:g} s"
+        )
 
 
 class _ResultSlot:
     """One round result's claim on the shepherd's memory, from its header to its fold."""
 
-    def __init__(self, slots: trio.Semaphore, link: WorkerLink):
+    def __init__(self, slots: trio.Semaphore, link: WorkerLink, most: int):
         self._slots, self._link = slots, link
+        self._most = most  # bytes: a pseudo-gradient is never bigger than float32 parameters
         self._held = False
 
     async def admit(self, kind: str, nbytes: int) -> None:
         """`before_payload` hook: a round result's payload waits for a free slot."""
         if kind != "roundResult":
             return
+        if nbytes > self._most:
+            raise protocol.FrameTooLarge(
+                f"a round result of {nbytes} bytes is larger than the model's parameters "
+                f"({self._most} bytes as float32)"
+            )
         self._link.admitting = True  # waiting for a slot is not silence
         try:
             await self._slots.acquire()

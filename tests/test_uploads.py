@@ -1,0 +1,103 @@
+"""Admitted peers that upload results slowly, or claim huge ones, cannot hold a round hostage.
+
+A live `pcp-tui shepherd` process, a real worker, and peers in this test process that
+hold the token and speak the real protocol: each starts a round result and trickles it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.shepherd.pool import RESULTS_IN_MEMORY
+
+from .test_identity import join_as
+from .test_security import HANG_GUARD, Shepherd, metrics, round_workers
+
+pytestmark = pytest.mark.e2e
+
+
+async def start_result(port: int, worker_id: str, *, oversize: bool = False):
+    """Join, then send a round result's header and nothing of its payload but a first byte.
+
+    The claimed payload is the model's float32 size (the most a result may be), or
+    one byte more with `oversize`.
+    """
+    stream, welcome = await join_as(port, worker_id, token="s3cret")
+    assert welcome.kind == "welcome", welcome.body
+    plan = await stream.receive()
+    count = int(plan.body["paramCount"]) + (1 if oversize else 0)
+    body = {"round": 1, "tokens": 1, "losses": [1.0]}
+    frame, *payloads = protocol.encode("roundResult", body, {"x": np.zeros(count, np.float32)})
+    await stream.stream.send_all(bytes(frame))
+    return stream, bytes(payloads[0][:1])
+
+
+async def trickle(stream: protocol.MessageStream, first: bytes, closed: list[str]) -> None:
+    """Send a byte every half second until the shepherd hangs up."""
+    try:
+        with trio.fail_after(HANG_GUARD):
+            while True:
+                await stream.stream.send_all(first)
+                await trio.sleep(0.5)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        closed.append("closed")
+    finally:
+        await trio.aclose_forcefully(stream.stream)
+
+
+@pytest.fixture
+def shepherds():
+    started: list[Shepherd] = []
+
+    def start(*flags: str) -> Shepherd:
+        started.append(Shepherd(*flags))
+        return started[-1]
+
+    yield start
+    for shepherd in started:
+        shepherd.kill()
+
+
+def test_trickling_uploads_are_dropped_and_the_honest_round_goes_on(
+    shepherds, spawn_worker, tmp_path
+):
+    path = tmp_path / "m.jsonl"
+    tricklers = RESULTS_IN_MEMORY  # enough to hold every result slot
+    shepherd = shepherds(
+        *("--workers", "1", "--rounds", "2", "--inner-steps", "5", "--metrics", str(path)),
+        *("--max-worker-connections", str(tricklers + 2), "--upload-grace", "1"),
+    )
+    closed: list[str] = []
+
+    async def attack():
+        async with trio.open_nursery() as nursery:
+            huge, _ = await start_result(shepherd.port, "huge", oversize=True)
+            nursery.start_soon(trickle, huge, b"\0", closed)
+            for index in range(tricklers):
+                stream, first = await start_result(shepherd.port, f"trickler-{index}")
+                nursery.start_soon(trickle, stream, first, closed)
+            # Its result needs a slot. It starts and compiles for seconds, longer than a
+            # trickler has (--upload-grace 1 s): the run cannot end before they are dropped.
+            spawn_worker(shepherd.port, token="s3cret")
+
+    trio.run(attack)
+    peak_kib = _peak_rss_kib(shepherd.process.pid)
+    assert shepherd.finish() == 0, shepherd.output
+    assert len(closed) == tricklers + 1  # every one was hung up on
+    assert round_workers(path) == [1, 1]  # the honest worker's rounds went on
+    lost = {row["worker"]: row["message"] for row in metrics(path) if row["event"] == "lost"}
+    assert "larger than the model's parameters" in lost.pop("huge")
+    assert sorted(lost) == [f"trickler-{index}" for index in range(tricklers)]
+    assert all("upload too slow" in message for message in lost.values()), lost
+    print(f"shepherd peak RSS under {tricklers} trickled uploads: {peak_kib / 1024:.0f} MiB")
+
+
+def _peak_rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1))
