@@ -12,6 +12,7 @@ import time
 import pytest
 
 from pcp_tui.app.dashboard import DashboardApp
+from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.state import Event, RoundRecord, RunState, WorkerView
 
 STARTED = 1_000.0  # monotonic seconds, frozen
@@ -105,6 +106,10 @@ def fake_state(*, status: str = "training") -> RunState:
             0,
         ),
     ]
+    state.shards = ShardLedger(len(workers))
+    for worker in workers:
+        worker.shard, _ = state.shards.assign(worker.worker_id)
+    state.shards.release("mac-2")  # lost: its shard waits for a new worker
     state.workers = {w.worker_id: w for w in workers}
     for number in range(1, 4):
         for step in range(1, H + 1):

@@ -29,8 +29,6 @@ class ShardLedger:
     """Shard ownership and progress for one run; the shepherd's single record of both."""
 
     def __init__(self, shard_count: int):
-        if shard_count < 1:
-            raise ValueError("a run needs at least one data shard")
         self.shards = [Shard(index) for index in range(shard_count)]
         self._last: dict[str, int] = {}  # worker id -> the shard it held last
 

@@ -99,7 +99,7 @@ class RunState:
         self.started_at = time.monotonic()
         self.finished_at: float | None = None
         self.workers: dict[str, WorkerView] = {}
-        self.shards = ShardLedger(1)  # replaced by the shepherd with one for its data
+        self.shards = ShardLedger(0)  # replaced by the shepherd with one for its data
         self.history: list[RoundRecord] = []
         # (global step, loss, worker index), one per progress message
         self.step_losses: collections.deque[tuple[int, float, int]] = collections.deque(

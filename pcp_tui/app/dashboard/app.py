@@ -317,7 +317,15 @@ class DashboardApp(App[None]):
                 return f"{compiling} worker{'s' if compiling != 1 else ''} compiling"
         if status in ("starting", "waiting"):
             return self._phase_note
+        return _orphan_warning(self.state.shards.orphaned()) if status == "training" else ""
+
+
+def _orphan_warning(shards: list[int]) -> str:
+    """The header's warning while data shards have no worker: that data is not trained."""
+    if not shards:
         return ""
+    listed = ", ".join(map(str, shards))
+    return f"shard{'s' if len(shards) > 1 else ''} {listed} untrained (no worker): the next to join takes it"
 
 
 def _failure_reason(error: BaseException) -> str:

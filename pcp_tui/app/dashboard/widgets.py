@@ -242,8 +242,18 @@ class EventLog(RichLog):
         "round_repeated",
         "late_result",
         "checkpoint_failed",
+        "shard_orphaned",
     }
-    _GOOD = {"joined", "rejoined", "compiled", "done", "listening", "resumed", "checkpoint"}
+    _GOOD = {
+        "joined",
+        "rejoined",
+        "compiled",
+        "done",
+        "listening",
+        "resumed",
+        "checkpoint",
+        "shard_adopted",
+    }
 
     def __init__(self, **kwargs) -> None:
         super().__init__(wrap=True, markup=False, max_lines=2_000, min_width=20, **kwargs)

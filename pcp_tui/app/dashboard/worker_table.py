@@ -12,12 +12,13 @@ from pcp_tui.app.dashboard._format import clip, compact_bytes, compact_count, lo
 from pcp_tui.shepherd.state import WORKER_STATES, WorkerView
 
 # (key, label, right-aligned). Cells carry their own one-space separator (cell padding 0):
-# ten columns fit 80 terminal columns, and a reason line can run on under them as one text.
+# eleven columns fit 80 terminal columns, and a reason line can run on under them as one text.
 _COLUMNS = (
     ("index", "#", True),
     ("id", "worker", False),
     ("backend", "backend", False),
     ("state", "state", False),
+    ("shard", "shard", True),
     ("step", "step", True),
     ("loss", "loss", True),
     ("tps", "tok/s", True),
@@ -81,7 +82,7 @@ class WorkerTable(DataTable):
                 reasons[w.worker_id] = w.reason
         for peer, reason in refused:
             key = f"refused:{peer}"
-            rows[key] = ("", peer, "", "refused", *[""] * 6)
+            rows[key] = ("", peer, "", "refused", *[""] * 7)
             reasons[key] = reason
         room = self.scrollable_content_region.width
         rows = _clip_names(rows, room)
@@ -209,6 +210,7 @@ def _worker_cells(w: WorkerView, now: float) -> tuple[str, ...]:
         w.worker_id,
         backend,
         w.state,
+        "-" if w.shard is None else str(w.shard),
         step,
         loss_text(w.loss),
         "-" if gone or not w.tokens_per_second else compact_count(w.tokens_per_second),
