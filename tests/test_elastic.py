@@ -220,6 +220,15 @@ def test_shepherd_killed_and_resumed_workers_come_back(tmp_path, spawn_worker):
         range(resumed[0]["round"] + 1, 6)
     )  # continues where the checkpoint left off
     assert all(r["workers"] == 2 for r in rows if r["event"] == "round")
+    before, after = rows[: rows.index(resumed[0])], rows[rows.index(resumed[0]) :]
+    shards = [
+        {r["worker"]: r["shard"] for r in part if r["event"] == "joined"}
+        for part in (before, after)
+    ]
+    assert shards[0] == shards[1] and sorted(shards[0].values()) == [
+        0,
+        1,
+    ]  # the ledger was restored
 
     reference_metrics = tmp_path / "reference.jsonl"
     reference = subprocess.Popen(

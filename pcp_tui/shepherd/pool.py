@@ -176,6 +176,7 @@ class WorkerPool:
             verb,
             f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
             worker=hello.worker_id,
+            shard=shard,
         )
         if adopted:
             self.state.emit(
