@@ -82,12 +82,10 @@ def test_trickling_uploads_are_dropped_and_the_honest_round_goes_on(
             for index in range(tricklers):
                 stream, first = await start_result(shepherd.port, f"trickler-{index}")
                 nursery.start_soon(trickle, stream, first, closed)
-            # Its result needs a slot. It starts and compiles for seconds, longer than a
-            # trickler has (--upload-grace 1 s): the run cannot end before they are dropped.
-            spawn_worker(shepherd.port, token="s3cret")
 
-    trio.run(attack)
-    peak_kib = _peak_rss_kib(shepherd.process.pid)
+    trio.run(attack)  # returns once the shepherd has hung up on every one
+    peak_kib = _peak_rss_kib(shepherd.process.pid)  # still waiting for its worker: alive
+    spawn_worker(shepherd.port, token="s3cret")  # every result slot is free again for it
     assert shepherd.finish() == 0, shepherd.output
     assert len(closed) == tricklers + 1  # every one was hung up on
     assert round_workers(path) == [1, 1]  # the honest worker's rounds went on

@@ -19,7 +19,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
-from pcp_tui.shepherd.admission import Admission
+from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink, WorkerLost
 from pcp_tui.shepherd.rounds import BadResult, Round
 from pcp_tui.shepherd.state import RunState, WorkerView
@@ -123,7 +123,8 @@ class WorkerPool:
         """
         previous = self._links.get(worker_id)
         timeout = self.config.heartbeat_timeout
-        if previous is not None and not previous.closed and previous.silent_for() <= timeout:
+        alive = previous is not None and not previous.closed
+        if alive and (previous.admitting or previous.silent_for() <= timeout):
             return "idInUse", (
                 f"worker id {worker_id!r} is in use by a live connection from "
                 f"{previous.view.host}; start this worker with another --id, or stop the "
@@ -139,7 +140,7 @@ class WorkerPool:
             )
         return None
 
-    async def _refuse(self, admitted, code: str, reason: str) -> None:
+    async def _refuse(self, admitted: Admitted, code: str, reason: str) -> None:
         """Tell an authenticated peer why it may not join (one line), log it, and hang up."""
         host = admitted.peer.rpartition(":")[0] or admitted.peer
         self.admission.refusals.refused(host, admitted.peer, reason, code=code)
