@@ -150,3 +150,34 @@ def test_admitted_connections_are_capped_and_the_extra_is_told_busy():
     assert answers[2].body["code"] == "busy"
     assert "--max-worker-connections" in answers[2].body["message"]
     assert config.replace(max_worker_connections=0).worker_connections == 3  # --workers + 2
+
+
+def test_a_worker_whose_id_is_held_retries_only_if_it_was_admitted_before():
+    """Never admitted: two workers share an --id by mistake, the refusal is final. Admitted
+    before: the live connection is likely its own, cut off; it retries until that one is
+    dropped as silent, then trains."""
+    from pcp_tui.worker.client import IdInUse, Worker
+
+    config = small_config(workers=1, rounds=2, inner_steps=5, heartbeat_timeout=2.0)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    seen = {}
+
+    async def scenario(port):
+        held, welcome = await join_as(port, "w")  # holds "w", then falls silent
+        assert welcome.kind == "welcome"
+        twin = Worker("127.0.0.1", port, token="test-token", backend="cpu", worker_id="w")
+        with pytest.raises(IdInUse, match="another --id"):
+            await twin.run()
+        returning = Worker(
+            "127.0.0.1", port, token="test-token", backend="cpu", worker_id="w", max_backoff=0.5
+        )
+        returning.status.worker_index = 0  # as after its first welcome
+        await returning.run()
+        seen["state"] = returning.status.state
+        await held.aclose()
+
+    _run(shepherd, scenario)
+    assert seen["state"] == "done"
+    assert [r.worker_ids for r in shepherd.state.history] == [("w",), ("w",)]
+    refused = [e.data.get("code") for e in _kinds(shepherd, "refused")]
+    assert refused[:2] == ["idInUse", "idInUse"], [e.message for e in _kinds(shepherd, "refused")]
