@@ -6,7 +6,6 @@ import json
 import math
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import trio
 
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.testing import free_port, shepherd_command
 from pcp_tui.training.workload import build_workload
 
 from .conftest import small_config, worker_command, worker_env
@@ -129,41 +129,15 @@ def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
     assert history[-1].workers == 2  # and it caught up
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shepherd_command(port: int, checkpoints, metrics, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pcp_tui",
-        "shepherd",
-        "--headless",
+    return shepherd_command(
+        port,
         "--workers",
         "2",
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
         "--rounds",
         "5",
         "--inner-steps",
         "10",
-        "--token",
-        "test-token",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        "--data-max-bytes",
-        str(256 * 1024),
-        "--eval-batches",
-        "2",
-        "--heartbeat-seconds",
-        "0.5",
         "--checkpoint-dir",
         str(checkpoints),
         "--checkpoint-every",
@@ -171,7 +145,7 @@ def _shepherd_command(port: int, checkpoints, metrics, *extra: str) -> list[str]
         "--metrics",
         str(metrics),
         *extra,
-    ]
+    )
 
 
 def _final_eval(metrics) -> float:
@@ -180,7 +154,7 @@ def _final_eval(metrics) -> float:
 
 
 def test_shepherd_killed_and_resumed_workers_come_back(tmp_path, spawn_worker):
-    port = _free_port()
+    port = free_port()
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
     first = subprocess.Popen(
         _shepherd_command(port, checkpoints, metrics),
@@ -244,7 +218,7 @@ def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever()
     from pcp_tui.worker.client import ConnectionLost, Worker
 
     worker = Worker(
-        "127.0.0.1", _free_port(), token="t", backend="cpu", max_backoff=0.02, give_up_after=0.2
+        "127.0.0.1", free_port(), token="t", backend="cpu", max_backoff=0.02, give_up_after=0.2
     )
     with pytest.raises(ConnectionLost, match=r"gave up after \d+ s of retrying"):
         trio.run(worker.run)
