@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 import trio
 
+from pcp_tui import protocol
 from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
@@ -312,7 +313,7 @@ class Shepherd:
         self.pool.round = current
         self.state.round = number
         tensors = {name: self.params[name] for name in self.graphs.param_names}
-        body = {"round": number, "innerSteps": cfg.inner_steps}
+        body = protocol.RoundStart(round=number, inner_steps=cfg.inner_steps)
         async with trio.open_nursery() as nursery:
             for link in links:
                 link.view.state, link.view.round, link.view.step = "syncing", number, 0
@@ -330,10 +331,10 @@ class Shepherd:
         return self._record(current, eval_loss)
 
     async def _send_round_start(
-        self, link: WorkerLink, body: dict, tensors: dict, current: Round
+        self, link: WorkerLink, body: protocol.RoundStart, tensors: dict, current: Round
     ) -> None:
         try:
-            await link.send("roundStart", body, tensors)
+            await link.send(body, tensors)
         except CONNECTION_ERRORS:
             current.finish(link.worker_id)  # the connection task reports the loss
 
