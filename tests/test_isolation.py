@@ -100,7 +100,9 @@ ATTACKS = {
 }
 
 
-async def attack(port: int, worker_id: str, messages: list) -> list[protocol.Message]:
+async def attack(
+    port: int, worker_id: str, messages: list, platform: protocol.Platform = protocol.Platform.CPU
+) -> list[protocol.Message]:
     """Join with the real token's proof, send `messages`, and read until the shepherd hangs up."""
     raw = await trio.open_tcp_stream("127.0.0.1", port)
     stream = protocol.MessageStream(raw)
@@ -110,7 +112,10 @@ async def attack(port: int, worker_id: str, messages: list) -> list[protocol.Mes
         proof = auth.proof(TOKEN, hello.nonce, worker_id)
         await stream.send(
             protocol.WorkerHello(
-                supported_versions=protocol.SUPPORTED_VERSIONS, worker_id=worker_id, proof=proof
+                supported_versions=protocol.SUPPORTED_VERSIONS,
+                worker_id=worker_id,
+                proof=proof,
+                backend=protocol.BackendInfo(platform=platform),
             )
         )
         async with trio.open_nursery() as nursery:  # read while sending: the plan is big
@@ -156,6 +161,8 @@ def test_an_admitted_peer_breaking_the_contract_loses_its_connection_not_the_run
         with trio.fail_after(HANG_GUARD):
             for index, (name, (messages, _, _)) in enumerate(ATTACKS.items()):
                 answers[name] = await attack(shepherd.port, f"attacker-{index}", messages)
+            metal = protocol.Platform.METAL  # the shepherd exports cpu, cuda and rocm
+            answers["metal"] = await attack(shepherd.port, "metal-worker", [], platform=metal)
         return answers
 
     answers = trio.run(all_attacks)  # while the shepherd waits for a worker
@@ -165,13 +172,15 @@ def test_an_admitted_peer_breaking_the_contract_loses_its_connection_not_the_run
         errors = [message.body for message in answers[name] if message.kind == "error"]
         assert len(errors) == 1, (name, kinds)
         assert errors[0].code == code and words in errors[0].message, (name, errors[0])
+    [unsupported, *_] = [message.body for message in answers["metal"]]
+    assert unsupported.code == "unsupportedBackend" and "--platforms" in unsupported.message
 
     honest = spawn_worker(shepherd.port, token=TOKEN)
     assert shepherd.finish() == 0, shepherd.output
     assert honest.wait(timeout=HANG_GUARD) == 0
     assert round_workers(tmp_path / "m") == [1, 1, 1]
     lost = [row for row in metrics(tmp_path / "m") if row["event"] == "lost"]
-    assert len(lost) == len(ATTACKS)
+    assert len(lost) == len(ATTACKS) + 1
 
 
 def test_a_worker_that_reports_an_error_is_dropped_with_its_reason(
@@ -180,22 +189,65 @@ def test_a_worker_that_reports_an_error_is_dropped_with_its_reason(
     """An honest worker's `error` (it refused a round's parameters, say) is what it is:
     that worker is out, with its reason shown; the shepherd does not crash."""
     shepherd = shepherds(
-        "--workers", "1", "--rounds", "2", "--inner-steps", "2", "--metrics", str(tmp_path / "m")
+        "--workers",
+        "1",
+        "--rounds",
+        "2",
+        "--inner-steps",
+        "2",
+        "--heartbeat-timeout",
+        "5",
+        "--metrics",
+        str(tmp_path / "m"),
     )
     refusal = protocol.Error(protocol.ErrorCode.MALFORMED, "roundStart refused: w holds NaN")
 
-    async def refuse() -> list[protocol.Message]:
+    async def peers() -> tuple[list[protocol.Message], list[protocol.Message]]:
         with trio.fail_after(HANG_GUARD):
-            return await attack(shepherd.port, "refuser", [ready(), refusal])
+            refused = await attack(shepherd.port, "refuser", [ready(), refusal])
+            silent = await attack(shepherd.port, "silent", [])  # admitted, then says nothing
+        return refused, silent
 
-    answers = trio.run(refuse)
+    answers, silent = trio.run(peers)
     assert [message.kind for message in answers][:2] == ["welcome", "plan"]
     assert "error" not in [message.kind for message in answers]  # it did nothing wrong
+    [timeout] = [message.body for message in silent if message.kind == "error"]
+    assert timeout.code == "timeout" and "heartbeat timeout 5 s" in timeout.message
     honest = spawn_worker(shepherd.port, token=TOKEN)
     assert shepherd.finish() == 0, shepherd.output
     assert honest.wait(timeout=HANG_GUARD) == 0
     assert round_workers(tmp_path / "m") == [1, 1]
-    [lost] = [row for row in metrics(tmp_path / "m") if row["event"] == "lost"]
+    [lost, _silent] = [row for row in metrics(tmp_path / "m") if row["event"] == "lost"]
     assert lost["message"].endswith(
         "lost: the worker reported malformed: roundStart refused: w holds NaN"
     )
+
+
+def test_a_worker_whose_platform_was_not_exported_stops_instead_of_reconnecting(spawn_worker):
+    """unsupportedBackend (like authFailed and versionMismatch) is final: the worker prints
+    the shepherd's reason and exits non-zero, and never connects a second time."""
+
+    async def shepherd_that_refuses() -> tuple[int, int, str]:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        worker = spawn_worker(port)
+        connections = 0
+        with trio.move_on_after(HANG_GUARD):
+            async with listeners[0]:
+                while worker.poll() is None:
+                    with trio.move_on_after(0.5):  # poll the process between accepts
+                        raw = await listeners[0].accept()
+                        connections += 1
+                        async with raw:
+                            await refuse_platform(protocol.MessageStream(raw))
+        return connections, worker.wait(timeout=HANG_GUARD), worker.stdout.read()
+
+    connections, code, output = trio.run(shepherd_that_refuses)
+    assert code != 0 and connections == 1, output
+    assert "unsupportedBackend" in output and "export it with --platforms" in output
+
+
+async def refuse_platform(stream: protocol.MessageStream) -> None:
+    await stream.send(protocol.Hello(supported_versions=protocol.SUPPORTED_VERSIONS, nonce=b"n"))
+    assert (await stream.receive()).kind == "workerHello"
+    await stream.send_error("unsupportedBackend", "cpu is not exported: export it with --platforms")
