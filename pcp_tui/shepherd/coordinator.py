@@ -21,6 +21,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
+from pcp_tui.contract import plan as contract
 from pcp_tui.contract import tls
 from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
@@ -64,8 +65,11 @@ class Shepherd:
         self.graphs: TrainingGraphs | None = None
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self._mean = PseudoGradientMean(tuple(sorted(self.params)))  # reused by every round
+        rows = not isinstance(workload.shards[0], np.ndarray)  # see training.shards.shard_plan
+        batch_kind = protocol.BatchKind.ROWS if rows else protocol.BatchKind.WINDOWS
+        per_row = contract.tokens_per_row(batch_kind, config.seq_len)
         self._screen = ResultScreen(
-            self._shapes, max_tokens=config.inner_steps * config.batch_size * config.seq_len
+            self._shapes, max_tokens=config.inner_steps * config.batch_size * per_row
         )
         self._stop_reason: str | None = None
         self._failure: str | None = None

@@ -175,6 +175,9 @@ class Worker:
             except (RunOver, Refused, ConnectionLost, *_LINK_ERRORS) as exc:
                 ended = exc  # re-raised below, outside the nursery, so it is not wrapped in a group
             nursery.cancel_scope.cancel()
+        if isinstance(ended, protocol.ProtocolError) and ended.code != "unknown":
+            with trio.move_on_after(2):  # tell the shepherd what it sent wrong; it may be gone
+                await stream.send_error(ended.code, str(ended))
         raise ended or ConnectionLost(silent[0] if silent else "the session ended")
 
     async def _compile(self, sender: _Sender, plan_message: protocol.Message) -> None:
