@@ -115,6 +115,8 @@ class Body:
 
 @dataclass(frozen=True)
 class BackendInfo:
+    """What a worker runs on, as it reports it in its hello."""
+
     platform: Platform = Platform.CPU
     device_kind: str = _text()
     device_count: int = 0
@@ -148,6 +150,8 @@ class WorkerHello(Body):
 
 @dataclass(frozen=True)
 class Welcome(Body):
+    """shepherd -> worker: admitted; its index (and so its shard) and the heartbeat interval."""
+
     KIND: ClassVar[str] = "welcome"
     worker_index: int = 0
     run_id: str = _text()
@@ -156,6 +160,8 @@ class Welcome(Body):
 
 @dataclass(frozen=True)
 class GraphInfo:
+    """One exported graph in a plan: its name, platforms, and the tensor carrying its bytes."""
+
     name: str = _text()
     platforms: tuple[Platform, ...] = _items(16)
     tensor: str = _text(TENSOR_NAME_CHARS)
@@ -192,6 +198,8 @@ class Plan(Body):
 
 @dataclass(frozen=True)
 class Ready(Body):
+    """worker -> shepherd: the plan's graphs compiled; rounds may start."""
+
     KIND: ClassVar[str] = "ready"
     compile_seconds: float = _finite()
     platform: Platform = Platform.CPU
@@ -208,6 +216,8 @@ class RoundStart(Body):
 
 @dataclass(frozen=True)
 class Progress(Body):
+    """worker -> shepherd, a few per second at most: where its round is."""
+
     KIND: ClassVar[str] = "progress"
     round: int = 0
     step: int = 0
@@ -235,12 +245,16 @@ class RoundResult(Body):
 
 @dataclass(frozen=True)
 class Heartbeat(Body):
+    """Either way, while nothing else is sent: the peer is alive."""
+
     KIND: ClassVar[str] = "heartbeat"
     sent_at: float = _finite()
 
 
 @dataclass(frozen=True)
 class Error(Body):
+    """Why the sender is about to close the connection (or refused one result: badResult)."""
+
     KIND: ClassVar[str] = "error"
     code: ErrorCode = ErrorCode.UNKNOWN
     message: str = _text(REASON_CHARS)
@@ -248,6 +262,8 @@ class Error(Body):
 
 @dataclass(frozen=True)
 class Goodbye(Body):
+    """The sender closes the connection on purpose; `reason` is for people."""
+
     KIND: ClassVar[str] = "goodbye"
     reason: str = _text(REASON_CHARS)
 
