@@ -49,21 +49,19 @@ async def fake_worker(port: int, index: int) -> None:
     hello = await stream.receive()
     worker_id = f"fake-{index}"
     await stream.send(
-        "workerHello",
-        {
-            "supportedVersions": list(protocol.SUPPORTED_VERSIONS),
-            "workerId": worker_id,
-            "hostname": "bench",
-            "backend": {"platform": "cpu", "deviceKind": "cpu", "deviceCount": 1},
-            "proof": auth.proof("bench", hello.body["nonce"], worker_id),
-            "software": "bench",
-        },
+        protocol.WorkerHello(
+            supported_versions=protocol.SUPPORTED_VERSIONS,
+            worker_id=worker_id,
+            hostname="bench",
+            backend=protocol.BackendInfo(device_kind="cpu", device_count=1),
+            proof=auth.proof("bench", hello.body.nonce, worker_id),
+            software="bench",
+        )
     )
     await stream.receive()  # welcome
-    plan = await stream.receive()
-    body = plan.body
-    tokens = body["innerSteps"] * body["batchSize"] * body["seqLen"]
-    await stream.send("ready", {"compileSeconds": 0.0, "platform": "cpu"})
+    plan = (await stream.receive()).body
+    tokens = plan.inner_steps * plan.batch_size * plan.tokens_per_row
+    await stream.send(protocol.Ready(compile_seconds=0.0))
     pseudo_gradient = None
     while True:
         message = await stream.receive()
@@ -77,17 +75,13 @@ async def fake_worker(port: int, index: int) -> None:
                 n: rng.standard_normal(t.shape, dtype=np.float32) * np.float32(1e-4)
                 for n, t in message.tensors.items()
             }
-        await stream.send(
-            "roundResult",
-            {
-                "round": message.body["round"],
-                "tokens": tokens,
-                "losses": [1.0] * body["innerSteps"],
-                "computeSeconds": 0.0,
-                "innerSteps": body["innerSteps"],
-            },
-            pseudo_gradient,
+        result = protocol.RoundResult(
+            round=message.body.round,
+            tokens=tokens,
+            losses=(1.0,) * plan.inner_steps,
+            inner_steps=plan.inner_steps,
         )
+        await stream.send(result, pseudo_gradient)
 
 
 async def fake_workers(port: int, count: int) -> None:

@@ -154,7 +154,7 @@ async def _send_message(connection: socket.socket, params, quantization: str) ->
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(connection.dup()))
     start = time.perf_counter()
     sent = await protocol.MessageStream(stream).send(
-        "roundStart", {"round": 1}, params, quantization=quantization
+        protocol.RoundStart(round=1), params, quantization=quantization
     )
     if await stream.receive_some(1) != b"k":
         raise ConnectionError("receiver did not acknowledge")

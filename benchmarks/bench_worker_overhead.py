@@ -60,7 +60,6 @@ def _config(args: argparse.Namespace) -> RunConfig:
 def bare_loop(args: argparse.Namespace) -> None:
     """Subprocess mode: compile, say ready, then time one round per 'go' line on stdin."""
     from pcp_tui.backends import select_backend
-
     from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.training.shards import sample_batches
     from pcp_tui.training.workload import build_workload

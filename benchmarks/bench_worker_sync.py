@@ -51,10 +51,10 @@ def stand_in_graphs(names: tuple[str, ...], shapes: dict, backend):
 class NullSender:
     """Encodes what the worker sends (as the real sender does) and drops it."""
 
-    async def send(self, kind: str, body: dict, tensors=None, **options) -> int:
+    async def send(self, body, tensors=None, **options) -> int:
         from pcp_tui import protocol
 
-        return sum(len(memoryview(b)) for b in protocol.encode(kind, body, tensors, **options))
+        return sum(len(memoryview(b)) for b in protocol.encode(body, tensors, **options))
 
 
 PHASE_AFTER = {"training": "train", "syncing": "return", "idle": "done"}  # status -> phase
@@ -96,7 +96,7 @@ async def measure(args: argparse.Namespace) -> dict:
 
     from pcp_tui import protocol
     from pcp_tui.training.models import gpt2
-    from pcp_tui.worker.client import Plan, Worker
+    from pcp_tui.worker.client import Training, Worker
 
     config = gpt2.PRESETS[args.preset]
     shapes = {
@@ -106,19 +106,10 @@ async def measure(args: argparse.Namespace) -> dict:
     names = tuple(sorted(shapes))
     worker = Worker("127.0.0.1", 0, token="bench", backend=args.backend)
     train, init = stand_in_graphs(names, shapes, worker.backend)
-    worker._plan = Plan(
-        names=names,
-        inner_steps=1,
-        chunk_steps=1,
-        batch_size=1,
-        seq_len=8,
-        seed=0,
-        slot=0,
-        shard=np.arange(1024, dtype=np.int32),
-        compression="none",
-        train_chunk=train,
-        init_opt_state=init,
+    plan = protocol.Plan(
+        param_names=names, inner_steps=1, chunk_steps=1, batch_size=1, seq_len=8, tokens_per_row=8
     )
+    worker._plan = Training(plan, np.arange(1024, dtype=np.int32), train, init)
     worker.status.worker_index = 0
     rng = np.random.default_rng(0)
     params = {n: rng.standard_normal(shapes[n], dtype=np.float32) * 0.02 for n in names}
@@ -127,7 +118,7 @@ async def measure(args: argparse.Namespace) -> dict:
     stalls = {phase: [] for phase in ("round", *phases)}
     for number in range(1, args.rounds + 2):  # round 1 compiles and initialises: not counted
         tensors = {n: p.copy() for n, p in params.items()}  # what decoding a roundStart gives
-        message = protocol.Message("roundStart", {"round": number, "innerSteps": 1}, tensors)
+        message = protocol.Message(protocol.RoundStart(round=number, inner_steps=1), tensors)
         starts, gaps = await one_round(worker, message)
         if number == 1:
             continue

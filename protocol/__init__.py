@@ -4,13 +4,19 @@ The schema (`pcp.capnp`) is the contract; this package is the only code that
 turns it into bytes and back. It never imports `pcp_tui` or `backends`.
 
     stream = protocol.MessageStream(tcp_stream)
-    await stream.send("roundStart", {"round": 3, "innerSteps": 50}, params)
-    message = await stream.receive()   # Message(kind, body, tensors, version, wire_bytes)
+    await stream.send(protocol.RoundStart(round=3, inner_steps=50), params)
+    message = await stream.receive()   # Message(body, tensors, version, wire_bytes); .kind
+    if isinstance(message.body, protocol.RoundResult): ...
+
+Message bodies are frozen dataclasses (`_messages`), checked field by field at
+decode; closed sets (`Phase`, `Platform`, `BatchKind`, `ErrorCode`,
+`Quantization`) are enums in the schema and here.
 """
 
 from ._codec import (
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
+    HeaderCheck,
     Limits,
     Message,
     MessageStream,
@@ -25,17 +31,65 @@ from ._errors import (
     ProtocolError,
     VersionMismatch,
 )
+from ._messages import (
+    BODY_TYPES,
+    ID_CHARS,
+    REASON_CHARS,
+    BackendInfo,
+    BatchKind,
+    Body,
+    Error,
+    ErrorCode,
+    Goodbye,
+    GraphInfo,
+    Heartbeat,
+    Hello,
+    Phase,
+    Plan,
+    Platform,
+    Progress,
+    Quantization,
+    Ready,
+    RoundResult,
+    RoundStart,
+    Welcome,
+    WorkerHello,
+)
 from ._schema import ERROR_CODES, KINDS
-from ._tensors import DTYPES, QUANTIZATIONS
+from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
 
 __all__ = [
+    "BODY_TYPES",
     "DTYPES",
     "ERROR_CODES",
+    "ID_CHARS",
     "KINDS",
     "PROTOCOL_VERSION",
     "QUANTIZATIONS",
+    "REASON_CHARS",
     "SUPPORTED_VERSIONS",
+    "BackendInfo",
+    "BatchKind",
+    "Body",
     "ConnectionClosed",
+    "Error",
+    "ErrorCode",
+    "GraphInfo",
+    "Goodbye",
+    "HeaderCheck",
+    "Heartbeat",
+    "Hello",
+    "Phase",
+    "Plan",
+    "Platform",
+    "Progress",
+    "Quantization",
+    "Ready",
+    "RoundResult",
+    "RoundStart",
+    "TensorSpec",
+    "Welcome",
+    "WorkerHello",
     "FrameTooLarge",
     "Limits",
     "MalformedMessage",

@@ -33,14 +33,18 @@ from ._errors import (
     ProtocolError,
     VersionMismatch,
 )
-from ._schema import KINDS, Envelope
+from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, read, write
+from ._schema import Envelope
 from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+PROTOCOL_VERSION = 2  # 2: typed messages, enums for phase / batch kind / platform
+SUPPORTED_VERSIONS: tuple[int, ...] = (2,)
 _SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
 # awaited with (kind, payload bytes) before a message's tensor payload is read
 PayloadGate = Callable[[str, int], Awaitable[None]]
+# called with (body, tensor specs, frame bytes) once a header is read, before any payload byte is;
+# raises a ProtocolError to refuse the message (e.g. tensors a kind may not carry)
+HeaderCheck = Callable[[Body, tuple[TensorSpec, ...], int], None]
 
 _OFFLOAD_BYTES = 8 * 2**20  # (de)quantization above this runs in a worker thread
 _RECEIVE_CHUNK = 64 * 1024  # read-ahead for segment tables and small frames
@@ -60,25 +64,29 @@ class Limits:
     max_total_tensor_bytes: int = 2**34  # all payloads of one message
     traversal_limit_words: int = 8 * 2**20
     nesting_limit: int = 32
+    max_losses: int = 2**16  # entries of a roundResult's `losses`
 
 
 @dataclass
 class Message:
-    """One decoded message: the union member as a dict plus its decoded tensors."""
+    """One decoded message: its typed body (see `_messages`) plus its decoded tensors."""
 
-    kind: str
-    body: dict
+    body: Body
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     version: int = PROTOCOL_VERSION
     wire_bytes: int = 0
+
+    @property
+    def kind(self) -> str:
+        """The Envelope union member, e.g. "roundResult"."""
+        return self.body.KIND
 
 
 # --------------------------------------------------------------------------- encode
 
 
 def encode(
-    kind: str,
-    body: dict | None = None,
+    body: Body,
     tensors: Mapping[str, np.ndarray] | None = None,
     *,
     quantization: str = "none",
@@ -89,11 +97,11 @@ def encode(
 
     Unquantized payloads are zero-copy views of the arrays (which must stay
     unchanged until written). `quantization` applies to floating tensors only.
-    ValueError for an unknown kind/quantization, a bad body or an unsendable
-    tensor: those are bugs on the sending side, not protocol errors.
+    ValueError for something that is not a message body, an unknown quantization or
+    an unsendable tensor: those are bugs on the sending side, not protocol errors.
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown message kind {kind!r}; kinds: {', '.join(KINDS)}")
+    if not isinstance(body, Body) or BODY_TYPES.get(body.KIND) is not type(body):
+        raise ValueError(f"encode takes a message body (protocol.Hello, ...), got {body!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
     specs, payloads = [], []
@@ -103,20 +111,21 @@ def encode(
         spec, payload = prepare(name, array, quantization, block_size)
         specs.append(spec)
         payloads.append(payload)
-    return [_build_frame(kind, body or {}, specs, version), *payloads]
+    return [_build_frame(body, specs, version), *payloads]
 
 
-def _build_frame(kind: str, body: dict, specs: list[TensorSpec], version: int) -> bytes:
+def _build_frame(body: Body, specs: list[TensorSpec], version: int) -> bytes:
     try:
-        envelope = Envelope.new_message(**{kind: body})
+        envelope = Envelope.new_message()
         envelope.version = version
+        write(envelope.init(body.KIND), body)
         headers = envelope.init("tensors", len(specs))
         for header, spec in zip(headers, specs, strict=True):
             for key, value in spec.to_wire().items():
                 setattr(header, key, value)
         return envelope.to_bytes()
     except (capnp.KjException, AttributeError, TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"cannot encode {kind}: {_describe(exc)}") from None
+        raise ValueError(f"cannot encode {body.KIND}: {_describe(exc)}") from None
 
 
 # --------------------------------------------------------------------------- decode
@@ -137,15 +146,22 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> M
 
 
 async def _read_message(
-    reader, limits: Limits, *, offload: bool, before_payload: PayloadGate | None = None
+    reader,
+    limits: Limits,
+    *,
+    offload: bool,
+    before_payload: PayloadGate | None = None,
+    check_header: HeaderCheck | None = None,
 ) -> Message:
     """Read one message through `reader`; the single implementation of the receive path."""
     frame = await _read_frame(reader, limits)
-    kind, body, version, specs = _parse_frame(frame, limits)
+    body, version, specs = _parse_frame(frame, limits)
+    if check_header is not None:
+        check_header(body, tuple(specs), len(frame))
     payload_bytes = sum(spec.payload_bytes for spec in specs)
     reader.expect(payload_bytes)
     if before_payload is not None and payload_bytes:
-        await before_payload(kind, payload_bytes)
+        await before_payload(body.KIND, payload_bytes)
     tensors = {}
     for spec in specs:
         payload = np.empty(spec.payload_bytes, np.uint8)
@@ -155,7 +171,7 @@ async def _read_message(
         else:
             tensors[spec.name] = dequantize(payload, spec)
     wire_bytes = len(frame) + sum(spec.payload_bytes for spec in specs)
-    return Message(kind, body, tensors, version, wire_bytes)
+    return Message(body, tensors, version, wire_bytes)
 
 
 async def _read_frame(reader, limits: Limits) -> bytearray:
@@ -180,8 +196,8 @@ async def _read_frame(reader, limits: Limits) -> bytearray:
     return frame
 
 
-def _parse_frame(frame: bytearray, limits: Limits) -> tuple[str, dict, int, list[TensorSpec]]:
-    """Kind, body dict, version and checked tensor specs of a framed envelope."""
+def _parse_frame(frame: bytearray, limits: Limits) -> tuple[Body, int, list[TensorSpec]]:
+    """Typed body, version and checked tensor specs of a framed envelope."""
     try:
         with Envelope.from_bytes(
             frame,
@@ -192,11 +208,11 @@ def _parse_frame(frame: bytearray, limits: Limits) -> tuple[str, dict, int, list
             if version not in SUPPORTED_VERSIONS:  # before anything else: newer peers may add kinds
                 raise VersionMismatch(_peer_versions(envelope, version), SUPPORTED_VERSIONS)
             kind = _kind(envelope)
-            body = getattr(envelope, kind).to_dict(verbose=True)
+            body = read(BODY_TYPES[kind], getattr(envelope, kind), limits, kind)
             raw_headers = _raw_headers(envelope, limits)
     except _PEER_CAPNP_ERRORS as exc:
         raise MalformedMessage(f"not a valid PCP envelope: {_describe(exc)}") from None
-    return kind, body, version, _check_headers(raw_headers, limits)
+    return body, version, _check_headers(raw_headers, limits)
 
 
 def _kind(envelope) -> str:
@@ -276,6 +292,8 @@ class MessageStream:
     def __init__(self, stream: trio.abc.Stream, limits: Limits = Limits()):  # noqa: B008
         self.stream = stream
         self.limits = limits
+        # what this connection's peer may send, checked before payloads (see HeaderCheck)
+        self.check_header: HeaderCheck | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
         self._reader = _StreamReader(stream)
@@ -285,8 +303,7 @@ class MessageStream:
 
     async def send(
         self,
-        kind: str,
-        body: dict | None = None,
+        body: Body,
         tensors=None,
         *,
         quantization: str = "none",
@@ -299,7 +316,7 @@ class MessageStream:
         """
 
         def build():
-            return encode(kind, body, tensors, quantization=quantization, block_size=block_size)
+            return encode(body, tensors, quantization=quantization, block_size=block_size)
 
         big = quantization != "none" and _tensor_bytes(tensors) > _OFFLOAD_BYTES
         buffers = await trio.to_thread.run_sync(build) if big else build()
@@ -328,7 +345,11 @@ class MessageStream:
         reader.start_frame()
         try:
             message = await _read_message(
-                reader, self.limits, offload=True, before_payload=before_payload
+                reader,
+                self.limits,
+                offload=True,
+                before_payload=before_payload,
+                check_header=self.check_header,
             )
         except BaseException as exc:
             if isinstance(exc, ProtocolError) or reader.frame_consumed:
@@ -360,10 +381,10 @@ class MessageStream:
             return None
         return self._reader.frame_started, self._reader.frame_consumed
 
-    async def send_error(self, code: str, message: str) -> None:
+    async def send_error(self, code: ErrorCode | str, message: str) -> None:
         """Best effort: tell the peer why we are about to close; silent if it is already gone."""
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.send("error", {"code": code, "message": message[:4096]})
+            await self.send(Error(ErrorCode(code), message[:REASON_CHARS]))
 
     async def aclose(self) -> None:
         await self.stream.aclose()

@@ -54,8 +54,28 @@ struct TensorHeader {
   blockSize @5 :UInt32;        # int8Block only
 }
 
+enum Platform {
+  cpu @0;
+  cuda @1;
+  rocm @2;
+  metal @3;
+  vulkan @4;
+}
+
+enum Phase {
+  compiling @0;
+  training @1;
+  syncing @2;
+  idle @3;
+}
+
+enum BatchKind {
+  windows @0;  # LM windows of shardTensor
+  rows @1;     # random rows of dataTensors; a row counts as one token
+}
+
 struct BackendInfo {
-  platform @0 :Text;           # cpu | cuda | rocm | metal
+  platform @0 :Platform;
   deviceKind @1 :Text;         # e.g. "NVIDIA H100 80GB HBM3", "cpu"
   deviceCount @2 :UInt32;
   memoryBytes @3 :UInt64;
@@ -88,7 +108,7 @@ struct Welcome {
 
 struct GraphInfo {
   name @0 :Text;               # train_chunk | init_opt_state
-  platforms @1 :List(Text);    # platforms the serialized jax.export artifact was lowered for
+  platforms @1 :List(Platform);  # platforms the serialized jax.export artifact was lowered for
   tensor @2 :Text;             # name of the uint8 tensor that carries the serialized bytes
 }
 
@@ -108,13 +128,14 @@ struct Plan {
   shardFingerprint @11 :Text;  # sha256 of the shard bytes
   workerSlot @12 :UInt32;      # which shard / data stream this worker owns
   compression @13 :Quantization;   # how to send pseudo-gradients back
-  batchKind @14 :Text;         # "windows" (or empty): LM windows of shardTensor; "rows": random rows
+  batchKind @14 :BatchKind;
   dataTensors @15 :List(Text); # rows only: tensors [N, ...] sampled by row, in the graph's batch order
+  tokensPerRow @16 :UInt32;    # tokens one batch row counts for: seqLen for windows, 1 for rows
 }
 
 struct Ready {
   compileSeconds @0 :Float64;
-  platform @1 :Text;
+  platform @1 :Platform;
 }
 
 # shepherd -> worker; the global parameters ride as tensors.
@@ -129,7 +150,7 @@ struct Progress {
   totalSteps @2 :UInt32;
   loss @3 :Float32;
   tokensPerSecond @4 :Float32;
-  phase @5 :Text;              # compiling | training | syncing | idle
+  phase @5 :Phase;
 }
 
 # worker -> shepherd; the pseudo-gradient (global - local) rides as tensors.

@@ -25,10 +25,10 @@ def poison_results(poison) -> None:
     async def train_round(self, sender, message):
         honest_send = sender.send
 
-        async def send(kind, body, tensors=None, **options):
-            if kind == "roundResult":
+        async def send(body, tensors=None, **options):
+            if body.KIND == "roundResult":
                 tensors = {name: poison(array) for name, array in tensors.items()}
-            return await honest_send(kind, body, tensors, **options)
+            return await honest_send(body, tensors, **options)
 
         sender.send = send
         try:

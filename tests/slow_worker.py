@@ -18,7 +18,7 @@ def _stall_in(round_number: int, seconds: float) -> None:
     original = worker.Worker._train_round
 
     async def train_round(self, sender, message):
-        if int(message.body["round"]) == round_number:
+        if message.body.round == round_number:
             await trio.sleep(seconds)
         await original(self, sender, message)
 

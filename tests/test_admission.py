@@ -33,19 +33,12 @@ def hello_bytes(
     *,
     token: str | None = TOKEN,
     worker_id: str = "w1",
-    version: int = 1,
+    version: int = protocol.PROTOCOL_VERSION,
     tensors=None,
 ) -> bytes:
     proof = auth.proof(token, nonce, worker_id) if token is not None else b""
-    body = {
-        "supportedVersions": [version],
-        "workerId": worker_id,
-        "proof": proof,
-        "backend": {"platform": "cpu"},
-    }
-    return b"".join(
-        bytes(b) for b in protocol.encode("workerHello", body, tensors, version=version)
-    )
+    body = protocol.WorkerHello(supported_versions=(version,), worker_id=worker_id, proof=proof)
+    return b"".join(bytes(b) for b in protocol.encode(body, tensors, version=version))
 
 
 async def run_admission(admission: Admission, client):
@@ -88,7 +81,7 @@ def test_right_token_is_admitted_and_limits_open_up():
 
         async def client(stream):
             hello = await read_hello(stream)
-            await stream.send_all(hello_bytes(hello.body["nonce"]))
+            await stream.send_all(hello_bytes(hello.body.nonce))
 
         admitted, _ = await run_admission(admission, client)
         assert admitted is not None and admitted.hello.worker_id == "w1"
@@ -108,7 +101,7 @@ def test_replayed_hello_is_refused_and_no_token_too():
 
         async def honest(stream):
             hello = await read_hello(stream)
-            captured["bytes"] = hello_bytes(hello.body["nonce"])
+            captured["bytes"] = hello_bytes(hello.body.nonce)
             await stream.send_all(captured["bytes"])
 
         assert (await run_admission(admission, honest))[0] is not None
@@ -120,7 +113,7 @@ def test_replayed_hello_is_refused_and_no_token_too():
             return await messages.receive()
 
         admitted, answer = await run_admission(admission, replay)
-        assert admitted is None and answer.body["code"] == "authFailed"
+        assert admitted is None and answer.body.code == "authFailed"
 
         async def no_token(stream):
             messages = protocol.MessageStream(stream)
@@ -129,7 +122,7 @@ def test_replayed_hello_is_refused_and_no_token_too():
             return await messages.receive()
 
         admitted, answer = await run_admission(admission, no_token)
-        assert admitted is None and answer.body["code"] == "authFailed"
+        assert admitted is None and answer.body.code == "authFailed"
         assert all("wrong or missing join token" in text for text in refusals(state))
 
     trio.run(main)
@@ -157,7 +150,7 @@ def test_big_frames_are_refused_before_anything_is_allocated(payload):
 
         admitted, answer = await run_admission(admission, client)
         assert admitted is None
-        assert protocol.decode(answer).body["code"] == "tooLarge"
+        assert protocol.decode(answer).body.code == "tooLarge"
         assert "dropped" in refusals(state)[0]
 
     trio.run(main)
@@ -170,12 +163,12 @@ def test_a_hello_with_tensors_is_refused():
         async def client(stream):
             hello = await read_hello(stream)
             await stream.send_all(
-                hello_bytes(hello.body["nonce"], tensors={"x": np.zeros(4, np.float32)})
+                hello_bytes(hello.body.nonce, tensors={"x": np.zeros(4, np.float32)})
             )
             return await until_closed(stream)
 
         admitted, answer = await run_admission(admission, client)
-        assert admitted is None and protocol.decode(answer).body["code"] == "tooLarge"
+        assert admitted is None and protocol.decode(answer).body.code == "tooLarge"
         assert PRE_AUTH_LIMITS.max_tensors == 0
 
     trio.run(main)
@@ -307,8 +300,8 @@ def test_a_peer_without_tls_is_told_in_plain_pcp_to_use_tls(server_tls, speaks_f
 
         admitted, answer = await run_admission(admission, plain_worker)
         assert admitted is None
-        assert (answer.kind, answer.body["code"]) == ("error", "authFailed")  # final for a worker
-        assert answer.body["message"] == TLS_ONLY
+        assert (answer.kind, answer.body.code) == ("error", "authFailed")  # final for a worker
+        assert answer.body.message == TLS_ONLY
         assert "TLS handshake failed" in refusals(state)[0] and admission.pending == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -322,7 +315,7 @@ def test_a_tls_worker_is_admitted_after_its_first_bytes_were_looked_at(server_tl
         async def tls_worker(stream):
             secure = await client_tls.connect(stream, "localhost")
             hello = await read_hello(secure)
-            await secure.send_all(hello_bytes(hello.body["nonce"]))
+            await secure.send_all(hello_bytes(hello.body.nonce))
 
         admitted, _ = await run_admission(admission, tls_worker)
         assert admitted is not None and admitted.hello.worker_id == "w1"
@@ -345,7 +338,7 @@ def test_with_tls_ca_and_tls_fingerprint_the_certificate_must_pass_both(
             except TLSRefused as exc:
                 return str(exc)
             hello = await read_hello(secure)
-            await secure.send_all(hello_bytes(hello.body["nonce"]))
+            await secure.send_all(hello_bytes(hello.body.nonce))
 
         admitted, refused = await run_admission(admission, tls_worker)
         assert (admitted is not None) == pin_matches

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from pcp_tui.backends import BackendUnavailable, select_backend
 
+from pcp_tui.backends import BackendUnavailable, select_backend
 from pcp_tui.shepherd import checkpoint
 
 from .conftest import worker_command, worker_env

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import trio
 
+from pcp_tui import protocol
 from pcp_tui.config import ConfigError
+from pcp_tui.contract import plan as contract
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.training import corpus, shards
 from pcp_tui.training.model_file import Dataset, ModelSpec, build_custom_workload, load_spec
@@ -109,23 +111,33 @@ def test_rows_are_sharded_disjointly_and_sampled_reproducibly():
     assert not np.array_equal(other[1], y)
 
 
+def shipped_plan(shard, seq_len: int = 16) -> tuple[protocol.Plan, dict]:
+    """A plan carrying `shard`, through real Cap'n Proto bytes, as a worker receives it."""
+    shipped = shards.shard_plan(shard)
+    plan = protocol.Plan(
+        shard_tensor=shipped.shard_tensor,
+        shard_fingerprint=shipped.fingerprint,
+        batch_kind=shipped.batch_kind,
+        data_tensors=shipped.data_tensors,
+        seq_len=seq_len,
+        tokens_per_row=contract.tokens_per_row(shipped.batch_kind, seq_len),
+    )
+    message = protocol.decode(b"".join(bytes(b) for b in protocol.encode(plan, shipped.tensors)))
+    return message.body, message.tensors
+
+
 def test_plan_fields_round_trip_and_reject_a_tampered_shard():
     shard = {"x": np.ones((6, 3), np.float32), "y": np.arange(6, dtype=np.int32)}
-    fields, tensors = shards.shard_plan(shard)
-    assert fields["batchKind"] == "rows" and fields["dataTensors"] == ["data/x", "data/y"]
-    kind, arrays = shards.shard_from_plan(fields, tensors)
+    plan, tensors = shipped_plan(shard)
+    assert plan.batch_kind == "rows" and plan.data_tensors == ("data/x", "data/y")
+    assert plan.seq_len == 16 and plan.tokens_per_row == 1  # a row is one token; seqLen untouched
+    kind, arrays = shards.shard_from_plan(plan, tensors)
     assert kind == "rows" and [a.shape for a in arrays] == [(6, 3), (6,)]
     tensors["data/y"] = tensors["data/y"] + 1
     with pytest.raises(shards.DataError, match="fingerprint"):
-        shards.shard_from_plan(fields, tensors)
-    with pytest.raises(shards.DataError, match="batch kind"):
-        shards.shard_from_plan({**fields, "batchKind": "images"}, tensors)
-    tokens = np.arange(100, dtype=np.uint8)
-    fields, tensors = shards.shard_plan(tokens)
-    assert shards.shard_from_plan(fields, tensors)[0] == "windows"
-    assert (
-        shards.shard_from_plan({**fields, "batchKind": ""}, tensors)[0] == "windows"
-    )  # an older shepherd
+        shards.shard_from_plan(plan, tensors)
+    plan, tensors = shipped_plan(np.arange(100, dtype=np.uint8))
+    assert shards.shard_from_plan(plan, tensors)[0] == "windows" and plan.tokens_per_row == 16
 
 
 def test_model_file_errors_say_what_to_fix(tmp_path):

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from pcp_tui.backends import GraphError, select_backend
 
+from pcp_tui.backends import GraphError, select_backend
 from pcp_tui.training.export import InnerOptimizer, build_graphs
 from pcp_tui.training.shards import sample_batches
 from pcp_tui.training.workload import build_workload

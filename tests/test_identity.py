@@ -27,15 +27,14 @@ pytestmark = pytest.mark.e2e
 async def join_as(port: int, worker_id: str, token: str = "test-token"):
     """Handshake as `worker_id` with the token's real proof; (stream, the shepherd's answer)."""
     stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
-    hello = await stream.receive()
+    hello = (await stream.receive()).body
     await stream.send(
-        "workerHello",
-        {
-            "supportedVersions": list(protocol.SUPPORTED_VERSIONS),
-            "workerId": worker_id,
-            "proof": auth.proof(token, hello.body["nonce"], worker_id),
-            "backend": {"platform": "cpu"},
-        },
+        protocol.WorkerHello(
+            supported_versions=protocol.SUPPORTED_VERSIONS,
+            worker_id=worker_id,
+            proof=auth.proof(token, hello.nonce, worker_id),
+            backend=protocol.BackendInfo(platform=protocol.Platform.CPU),
+        )
     )
     return stream, await stream.receive()
 
@@ -58,8 +57,8 @@ def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
         shepherd.resume()
 
     _run(shepherd, scenario)
-    assert seen["hijack"].kind == "error" and seen["hijack"].body["code"] == "idInUse"
-    assert "another --id" in seen["hijack"].body["message"]
+    assert seen["hijack"].kind == "error" and seen["hijack"].body.code == "idInUse"
+    assert "another --id" in seen["hijack"].body.message
     assert seen["twin_code"] != 0
     assert "idInUse" in seen["twin_output"] and "not retrying" in seen["twin_output"]
     history = shepherd.state.history
@@ -82,27 +81,30 @@ def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_rep
         first, welcome = await join_as(port, "r")
         assert welcome.kind == "welcome"
         await first.receive()  # the plan
-        await first.send("ready", {"compileSeconds": 0.0, "platform": "cpu"})
+        await first.send(protocol.Ready(compile_seconds=0.0))
         start = await first.receive()
         while start.kind != "roundStart":
             start = await first.receive()
+        shepherd.pause()  # round 1 gets no result: it is not started again meanwhile
         early, seen["while_alive"] = await join_as(port, "r")
         await early.aclose()
         # `first` now says nothing: once silent past the heartbeat timeout it is dead
         await _until(lambda: shepherd.state.workers["r"].state == "lost")
         second, seen["reconnect"] = await join_as(port, "r")
         await second.receive()  # the plan
+        await second.send(protocol.Ready(compile_seconds=0.0))
         params = {name: np.zeros_like(p) for name, p in start.tensors.items()}
-        await second.send("roundResult", {"round": 1, "tokens": 1, "losses": [1.0]}, params)
+        replay = protocol.RoundResult(round=1, tokens=1, losses=(1.0,), inner_steps=5)
+        await second.send(replay, params)
         await _until(lambda: bool(_kinds(shepherd, "late_result")))
         shepherd.request_stop("test over")
         await first.aclose()
         await second.aclose()
 
     _run(shepherd, scenario)
-    assert seen["while_alive"].body["code"] == "idInUse"
+    assert seen["while_alive"].body.code == "idInUse"
     assert seen["reconnect"].kind == "welcome"
-    assert seen["reconnect"].body["workerIndex"] == 0  # the same worker, back
+    assert seen["reconnect"].body.worker_index == 0  # the same worker, back
     assert not shepherd.state.history  # the replayed round 1 result was not counted
     assert _kinds(shepherd, "late_result")[0].data["worker"] == "r"
 
@@ -122,8 +124,8 @@ def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
         assert not current.accepts("a", 1, other)
         assert not current.accepts("a", 2, original)
         assert current.accepts("a", 1, original)
-        body = {"round": 1, "tokens": 10, "losses": [1.0]}
-        message = protocol.Message("roundResult", body, {"w": np.ones(3, np.float32)})
+        body = protocol.RoundResult(round=1, tokens=10, losses=(1.0,), inner_steps=1)
+        message = protocol.Message(body, {"w": np.ones(3, np.float32)})
         assert await current.add("a", message)
         assert not current.accepts("a", 1, original)  # and only once
 
@@ -147,8 +149,8 @@ def test_admitted_connections_are_capped_and_the_extra_is_told_busy():
 
     _run(shepherd, scenario)
     assert [a.kind for a in answers] == ["welcome", "welcome", "error"]
-    assert answers[2].body["code"] == "busy"
-    assert "--max-worker-connections" in answers[2].body["message"]
+    assert answers[2].body.code == "busy"
+    assert "--max-worker-connections" in answers[2].body.message
     assert config.replace(max_worker_connections=0).worker_connections == 3  # --workers + 2
 
 

@@ -12,96 +12,96 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from pcp_tui.protocol._schema import Envelope
 
 from pcp_tui import protocol
+from pcp_tui.protocol._schema import Envelope
 
 RNG = np.random.default_rng(0)
 PARAMS = {
     "wte": RNG.standard_normal((64, 16)).astype(np.float32),
     "h.0.attn.bias": RNG.standard_normal(16).astype(np.float32),
 }
-BACKEND = {
-    "platform": "cuda",
-    "deviceKind": "NVIDIA H100 80GB HBM3",
-    "deviceCount": 1,
-    "memoryBytes": 80 * 2**30,
-    "jaxVersion": "0.11.2",
-}
+BACKEND = protocol.BackendInfo(
+    platform=protocol.Platform.CUDA,
+    device_kind="NVIDIA H100 80GB HBM3",
+    device_count=1,
+    memory_bytes=80 * 2**30,
+    jax_version="0.11.2",
+)
 
-# One realistic body (and tensors) per message kind, with the schema's field names.
-BODIES: dict[str, tuple[dict, dict]] = {
+# One realistic typed body (and tensors) per message kind; floats are float32-exact.
+BODIES: dict[str, tuple[protocol.Body, dict]] = {
     "hello": (
-        {
-            "supportedVersions": [1],
-            "nonce": bytes(range(32)),
-            "runId": "run-7f3a",
-            "software": "pcp-tui 0.1.0",
-        },
+        protocol.Hello(
+            supported_versions=(2,),
+            nonce=bytes(range(32)),
+            run_id="run-7f3a",
+            software="pcp-tui 0.1.0",
+        ),
         {},
     ),
     "workerHello": (
-        {
-            "supportedVersions": [1],
-            "workerId": "w-0c1d",
-            "hostname": "gpu-box",
-            "backend": BACKEND,
-            "proof": b"\x01" * 32,
-            "software": "pcp-tui 0.1.0",
-        },
+        protocol.WorkerHello(
+            supported_versions=(2,),
+            worker_id="w-0c1d",
+            hostname="gpu-box",
+            backend=BACKEND,
+            proof=b"\x01" * 32,
+            software="pcp-tui 0.1.0",
+        ),
         {},
     ),
-    "welcome": ({"workerIndex": 2, "runId": "run-7f3a", "heartbeatSeconds": 0.5}, {}),
+    "welcome": (protocol.Welcome(worker_index=2, run_id="run-7f3a", heartbeat_seconds=0.5), {}),
     "plan": (
+        protocol.Plan(
+            run_id="run-7f3a",
+            model_name="gpt2-tiny",
+            param_count=1040,
+            graphs=(
+                protocol.GraphInfo(
+                    "train_chunk", (protocol.Platform.CPU, protocol.Platform.CUDA), "graph.tc"
+                ),
+            ),
+            param_names=tuple(PARAMS),
+            inner_steps=50,
+            chunk_steps=10,
+            batch_size=8,
+            seq_len=128,
+            seed=1234,
+            shard_tensor="shard",
+            shard_fingerprint="ab" * 32,
+            worker_slot=1,
+            compression=protocol.Quantization.INT8_BLOCK,
+            batch_kind=protocol.BatchKind.WINDOWS,
+            tokens_per_row=128,
+        ),
         {
-            "runId": "run-7f3a",
-            "modelName": "gpt2-tiny",
-            "paramCount": 1040,
-            "graphs": [
-                {"name": "train_chunk", "platforms": ["cpu", "cuda"], "tensor": "graph.train_chunk"}
-            ],
-            "paramNames": list(PARAMS),
-            "innerSteps": 50,
-            "chunkSteps": 10,
-            "batchSize": 8,
-            "seqLen": 128,
-            "seed": 1234,
-            "shardTensor": "shard",
-            "shardFingerprint": "ab" * 32,
-            "workerSlot": 1,
-            "compression": "int8Block",
-        },
-        {
-            "graph.train_chunk": np.frombuffer(b"stablehlo-bytes", np.uint8),
+            "graph.tc": np.frombuffer(b"stablehlo-bytes", np.uint8),
             "shard": np.arange(500, dtype=np.uint16),
         },
     ),
-    "ready": ({"compileSeconds": 12.25, "platform": "cpu"}, {}),
-    "roundStart": ({"round": 3, "innerSteps": 50}, PARAMS),
+    "ready": (protocol.Ready(compile_seconds=12.25, platform=protocol.Platform.CPU), {}),
+    "roundStart": (protocol.RoundStart(round=3, inner_steps=50), PARAMS),
     "progress": (
-        {
-            "round": 3,
-            "step": 20,
-            "totalSteps": 50,
-            "loss": 3.5,
-            "tokensPerSecond": 1024.0,
-            "phase": "training",
-        },
+        protocol.Progress(
+            round=3,
+            step=20,
+            total_steps=50,
+            loss=3.5,
+            tokens_per_second=1024.0,
+            phase=protocol.Phase.TRAINING,
+        ),
         {},
     ),
     "roundResult": (
-        {
-            "round": 3,
-            "tokens": 51200,
-            "losses": [4.0, 3.75, 3.5],
-            "computeSeconds": 8.5,
-            "innerSteps": 50,
-        },
+        protocol.RoundResult(
+            round=3, tokens=51200, losses=(4.0, 3.75, 3.5), compute_seconds=8.5, inner_steps=50
+        ),
         {name: -value for name, value in PARAMS.items()},
     ),
-    "heartbeat": ({"sentAt": 1700000000.25}, {}),
-    "error": ({"code": "badResult", "message": "pseudo-gradient has NaN"}, {}),
-    "goodbye": ({"reason": "training finished"}, {}),
+    "heartbeat": (protocol.Heartbeat(sent_at=1700000000.25), {}),
+    "error": (protocol.Error(protocol.ErrorCode.BAD_RESULT, "pseudo-gradient has NaN"), {}),
+    "goodbye": (protocol.Goodbye("training finished"), {}),
 }
 
 
@@ -109,10 +109,10 @@ def wire(buffers) -> bytes:
     return b"".join(bytes(buffer) for buffer in buffers)
 
 
-def assert_same(message: protocol.Message, kind: str, body: dict, tensors: dict) -> None:
-    assert message.kind == kind
+def assert_same(message: protocol.Message, body: protocol.Body, tensors: dict) -> None:
+    assert message.kind == body.KIND
     assert message.version == protocol.PROTOCOL_VERSION
-    assert {key: message.body[key] for key in body} == body
+    assert message.body == body
     assert list(message.tensors) == list(tensors)
     for name, array in tensors.items():
         assert message.tensors[name].dtype == array.dtype
@@ -120,7 +120,10 @@ def assert_same(message: protocol.Message, kind: str, body: dict, tensors: dict)
 
 
 def craft(
-    kind: str = "heartbeat", body: dict | None = None, headers: list[dict] = (), version: int = 1
+    kind: str = "heartbeat",
+    body: dict | None = None,
+    headers: list[dict] = (),
+    version: int = protocol.PROTOCOL_VERSION,
 ) -> bytes:
     """A frame built by hand, so headers can say things `encode` would never write."""
     envelope = Envelope.new_message(**{kind: body or {}})
@@ -145,22 +148,17 @@ def test_every_kind_has_a_realistic_body():
 @pytest.mark.parametrize("kind", list(BODIES))
 def test_every_kind_round_trips_through_bytes(kind):
     body, tensors = BODIES[kind]
-    buffers = protocol.encode(kind, body, tensors)
+    buffers = protocol.encode(body, tensors)
     message = protocol.decode(wire(buffers))
-    assert_same(message, kind, body, tensors)
+    assert_same(message, body, tensors)
     assert message.wire_bytes == len(wire(buffers))
 
 
-def test_body_lists_every_field_with_defaults():
-    message = protocol.decode(wire(protocol.encode("progress", {"round": 1})))
-    assert message.body == {
-        "round": 1,
-        "step": 0,
-        "totalSteps": 0,
-        "loss": 0.0,
-        "tokensPerSecond": 0.0,
-        "phase": "",
-    }
+def test_fields_a_peer_left_out_read_as_the_schema_defaults():
+    message = protocol.decode(craft("progress", {"round": 1}))
+    assert message.body == protocol.Progress(
+        round=1, step=0, total_steps=0, loss=0.0, tokens_per_second=0.0, phase="compiling"
+    )
     assert message.tensors == {}
 
 
@@ -169,7 +167,7 @@ def test_body_lists_every_field_with_defaults():
 def test_every_dtype_round_trips(dtype, shape):
     np_dtype = protocol.DTYPES[dtype]
     array = (RNG.standard_normal(shape) * 50).astype(np_dtype) if shape else np.asarray(7, np_dtype)
-    message = protocol.decode(wire(protocol.encode("roundStart", {"round": 0}, {"x": array})))
+    message = protocol.decode(wire(protocol.encode(protocol.RoundStart(), {"x": array})))
     decoded = message.tensors["x"]
     assert decoded.dtype == np_dtype and decoded.shape == array.shape
     np.testing.assert_array_equal(decoded, array)
@@ -177,7 +175,7 @@ def test_every_dtype_round_trips(dtype, shape):
 
 def test_payloads_are_zero_copy_views_of_contiguous_arrays():
     array = np.arange(1000, dtype=np.float32)
-    frame, payload = protocol.encode("roundStart", {"round": 0}, {"w": array})
+    frame, payload = protocol.encode(protocol.RoundStart(), {"w": array})
     assert isinstance(payload, memoryview)
     assert np.shares_memory(np.frombuffer(payload, np.uint8), array)
     assert isinstance(frame, bytes)
@@ -185,7 +183,7 @@ def test_payloads_are_zero_copy_views_of_contiguous_arrays():
 
 def test_non_contiguous_and_big_endian_arrays_are_sent_as_little_endian_c_order():
     base = np.arange(12, dtype=">f8").reshape(3, 4)
-    message = protocol.decode(wire(protocol.encode("roundStart", {}, {"t": base.T})))
+    message = protocol.decode(wire(protocol.encode(protocol.RoundStart(), {"t": base.T})))
     assert message.tensors["t"].dtype == np.dtype("<f8")
     np.testing.assert_array_equal(message.tensors["t"], base.T)
 
@@ -193,21 +191,22 @@ def test_non_contiguous_and_big_endian_arrays_are_sent_as_little_endian_c_order(
 @pytest.mark.parametrize("bad", [np.zeros(2, np.complex64), np.array(["a"]), np.array([object()])])
 def test_unsendable_dtypes_are_refused(bad):
     with pytest.raises(ValueError, match="cannot be sent"):
-        protocol.encode("roundStart", {}, {"t": bad})
+        protocol.encode(protocol.RoundStart(), {"t": bad})
 
 
 @pytest.mark.parametrize(
-    ("kind", "body", "options", "match"),
+    ("body", "options", "match"),
     [
-        ("nonsense", {}, {}, "unknown message kind"),
-        ("heartbeat", {"bogus": 1}, {}, "no such member"),
-        ("heartbeat", {"sentAt": "soon"}, {}, "cannot encode heartbeat"),
-        ("heartbeat", {}, {"quantization": "fp4"}, "unknown quantization"),
+        ("heartbeat", {}, "takes a message body"),
+        ({"sentAt": 1.0}, {}, "takes a message body"),
+        (protocol.Heartbeat(sent_at="soon"), {}, "cannot encode heartbeat"),
+        (protocol.Progress(phase="sleeping"), {}, "cannot encode progress"),
+        (protocol.Heartbeat(), {"quantization": "fp4"}, "unknown quantization"),
     ],
 )
-def test_encode_refuses_bad_input_with_value_error(kind, body, options, match):
+def test_encode_refuses_bad_input_with_value_error(body, options, match):
     with pytest.raises(ValueError, match=match):
-        protocol.encode(kind, body, **options)
+        protocol.encode(body, **options)
 
 
 # --------------------------------------------------------------------------- quantization
@@ -217,8 +216,7 @@ def quantized_round_trip(tensors, quantization, block_size=256) -> protocol.Mess
     return protocol.decode(
         wire(
             protocol.encode(
-                "roundResult",
-                {"round": 1},
+                protocol.RoundResult(round=1),
                 tensors,
                 quantization=quantization,
                 block_size=block_size,
@@ -271,7 +269,7 @@ def test_int8_block_refuses_non_finite_input(value):
     array = np.ones(10, np.float32)
     array[3] = value
     with pytest.raises(ValueError, match="non-finite"):
-        protocol.encode("roundResult", {}, {"d": array}, quantization="int8Block")
+        protocol.encode(protocol.RoundResult(), {"d": array}, quantization="int8Block")
 
 
 @pytest.mark.parametrize("quantization", ["bfloat16", "int8Block"])
@@ -290,7 +288,7 @@ def test_quantization_leaves_non_float_tensors_exact(quantization):
 def test_int8_block_payload_is_a_quarter_plus_scales():
     array = RNG.standard_normal(10_000).astype(np.float32)
     _, payload = protocol.encode(
-        "roundResult", {}, {"d": array}, quantization="int8Block", block_size=100
+        protocol.RoundResult(), {"d": array}, quantization="int8Block", block_size=100
     )
     assert payload.nbytes == 10_000 + 4 * 100
 
@@ -331,8 +329,7 @@ class ChunkedStream(trio.abc.Stream):
 
 
 SMALL = (
-    "roundStart",
-    {"round": 9, "innerSteps": 4},
+    protocol.RoundStart(round=9, inner_steps=4),
     {"a": np.arange(3, dtype=np.float32), "b": np.array([[1, -2]], dtype=np.int16)},
 )
 
@@ -376,8 +373,8 @@ async def exchange_all_kinds(left: trio.abc.Stream, right: trio.abc.Stream) -> N
     sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
     big = {"big": RNG.standard_normal(1_500_000).astype(np.float32)}
     cases = [
-        *((kind, body, tensors) for kind, (body, tensors) in BODIES.items()),
-        ("roundStart", {}, big),
+        *BODIES.values(),
+        (protocol.RoundStart(), big),
     ]
     sent = []
 
@@ -428,7 +425,7 @@ def test_quantized_tensors_over_real_tcp():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
                 lambda: sender.send(
-                    "roundResult", {"round": 1}, {"d": array}, quantization="int8Block"
+                    protocol.RoundResult(round=1), {"d": array}, quantization="int8Block"
                 )
             )
             message = await receiver.receive()
@@ -448,7 +445,7 @@ def test_concurrent_senders_do_not_interleave_frames():
 
         async def send_many(tag):
             for _ in range(5):
-                await sender.send("goodbye", {"reason": tag}, {"x": array})
+                await sender.send(protocol.Goodbye(tag), {"x": array})
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send_many, "a")
@@ -494,10 +491,7 @@ def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
         sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
         await sender.send_error("tooLarge", "frame too large")
         message = await receiver.receive()
-        assert (message.kind, message.body) == (
-            "error",
-            {"code": "tooLarge", "message": "frame too large"},
-        )
+        assert message.body == protocol.Error(protocol.ErrorCode.TOO_LARGE, "frame too large")
         await receiver.aclose()
         await sender.send_error("malformed", "nobody listens")
 
@@ -507,11 +501,12 @@ def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
 def test_version_mismatch_over_a_stream_names_both_sides():
     async def main():
         left, right = trio.testing.memory_stream_pair()
-        for buffer in protocol.encode("hello", {"supportedVersions": [2, 3]}, version=2):
+        hello = protocol.Hello(supported_versions=(3, 4))
+        for buffer in protocol.encode(hello, version=3):
             await left.send_all(buffer)
         with pytest.raises(protocol.VersionMismatch) as caught:
             await protocol.MessageStream(right).receive()
-        assert caught.value.peer_versions == (2, 3)
+        assert caught.value.peer_versions == (3, 4)
         assert caught.value.supported == protocol.SUPPORTED_VERSIONS
         assert caught.value.code == "versionMismatch"
         assert "upgrade pcp-tui on the older side" in str(caught.value)
@@ -604,7 +599,7 @@ def test_oversized_tensors_are_refused_before_allocating(headers, limits):
 
 
 def test_frame_beyond_max_message_bytes_is_refused():
-    data = wire(protocol.encode("goodbye", {"reason": "x" * 5000}))
+    data = wire(protocol.encode(protocol.Goodbye("x" * 4096)))
     with pytest.raises(protocol.FrameTooLarge, match="limit is 4096"):
         protocol.decode(data, protocol.Limits(max_message_bytes=4096))
 
@@ -658,6 +653,67 @@ def test_unknown_message_kind_and_invalid_text_are_malformed():
         protocol.decode(bytes(frame))
 
 
+@pytest.mark.parametrize(
+    ("kind", "body", "match"),
+    [
+        ("workerHello", {"workerId": "w" * 129}, r"workerHello.workerId is 129 characters"),
+        ("workerHello", {"backend": {"deviceKind": "k" * 200}}, r"backend.deviceKind is 200"),
+        ("workerHello", {"proof": b"p" * 65}, r"workerHello.proof is 65 bytes"),
+        ("goodbye", {"reason": "r" * 4097}, r"goodbye.reason is 4097 characters"),
+        ("plan", {"paramNames": ["n" * 257]}, r"plan.paramNames\[0\] is 257 characters"),
+        ("plan", {"dataTensors": ["d"] * 65}, r"plan.dataTensors has 65 entries; the limit is 64"),
+        ("roundResult", {"losses": [1.0] * 5}, r"roundResult.losses has 5 entries; the limit is 4"),
+        ("roundResult", {"computeSeconds": float("nan")}, r"computeSeconds is nan; it must be"),
+        ("progress", {"loss": float("inf")}, r"progress.loss is inf; it must be a finite"),
+        ("progress", {"tokensPerSecond": float("-inf")}, r"tokensPerSecond is -inf"),
+        ("ready", {"compileSeconds": float("nan")}, r"ready.compileSeconds is nan"),
+    ],
+)
+def test_every_bounded_field_is_checked_at_decode_and_named(kind, body, match):
+    with pytest.raises(protocol.MalformedMessage, match=match) as caught:
+        protocol.decode(craft(kind, body), protocol.Limits(max_losses=4))
+    assert caught.value.code == "malformed"
+
+
+def test_bounds_are_inclusive():
+    body = {"workerId": "w" * 128, "proof": b"p" * 64, "hostname": "h" * 128}
+    assert protocol.decode(craft("workerHello", body)).body.worker_id == "w" * 128
+    losses = protocol.decode(
+        craft("roundResult", {"losses": [1.0] * 4}), protocol.Limits(max_losses=4)
+    )
+    assert losses.body.losses == (1.0,) * 4
+
+
+@pytest.mark.parametrize(
+    ("enum", "schema"),
+    [
+        (protocol.Phase, "Phase"),
+        (protocol.Platform, "Platform"),
+        (protocol.BatchKind, "BatchKind"),
+        (protocol.ErrorCode, "ErrorCode"),
+        (protocol.Quantization, "Quantization"),
+    ],
+)
+def test_python_enums_are_the_schema_enums(enum, schema):
+    from pcp_tui.protocol._schema import SCHEMA
+
+    assert [member.value for member in enum] == list(getattr(SCHEMA, schema).schema.enumerants)
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value"),
+    [("progress", "phase", 3), ("ready", "platform", 4), ("plan", "batchKind", 1)],
+)
+def test_an_enum_value_beyond_the_schema_is_malformed_and_named(kind, field, value):
+    envelope = Envelope.new_message()
+    envelope.version = protocol.PROTOCOL_VERSION
+    setattr(envelope.init(kind), field, value)
+    frame = bytearray(envelope.to_bytes())
+    frame[frame.rindex(bytes([value, 0]))] = 77  # the body, written last, holds only this value
+    with pytest.raises(protocol.MalformedMessage, match=f"{kind}.{field} is 77, not a known"):
+        protocol.decode(bytes(frame))
+
+
 def test_unknown_enum_in_a_body_is_malformed():
     frame = bytearray(craft("error", {"code": "busy", "message": "x"}))
     frame[frame.index(bytes([9, 0]), 16)] = 250  # ErrorCode.busy == 9
@@ -666,21 +722,21 @@ def test_unknown_enum_in_a_body_is_malformed():
 
 
 @pytest.mark.parametrize(
-    ("kind", "body", "peer"),
+    ("body", "peer"),
     [
-        ("hello", {"supportedVersions": [5]}, (5,)),
-        ("workerHello", {"supportedVersions": [0]}, (0,)),
-        ("heartbeat", {"sentAt": 1.0}, (7,)),
+        (protocol.Hello(supported_versions=(5,)), (5,)),
+        (protocol.WorkerHello(supported_versions=(1,)), (1,)),
+        (protocol.Heartbeat(sent_at=1.0), (7,)),
     ],
 )
-def test_wrong_version_is_refused_with_both_sides_named(kind, body, peer):
-    version = 0 if peer == (0,) else 7 if kind == "heartbeat" else 5
+def test_wrong_version_is_refused_with_both_sides_named(body, peer):
+    version = 7 if body.KIND == "heartbeat" else peer[0]
     with pytest.raises(protocol.VersionMismatch) as caught:
-        protocol.decode(wire(protocol.encode(kind, body, version=version)))
+        protocol.decode(wire(protocol.encode(body, version=version)))
     assert caught.value.peer_versions == peer
     text = str(caught.value)
     assert (
-        f"the peer speaks version(s) {peer[0]}" in text and "this side speaks version(s) 1" in text
+        f"the peer speaks version(s) {peer[0]}" in text and "this side speaks version(s) 2" in text
     )
     assert "upgrade pcp-tui on the older side" in text
 
@@ -698,11 +754,11 @@ def test_errors_form_one_hierarchy_with_schema_codes():
 
 def test_wrong_version_wins_over_an_unknown_kind():
     """A newer peer may add message kinds: it must hear 'version mismatch', not 'malformed'."""
-    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=2))
+    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=3))
     frame[18] = 200
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(bytes(frame))
-    assert caught.value.peer_versions == (2,)
+    assert caught.value.peer_versions == (3,)
 
 
 def test_concurrent_receives_are_refused():
@@ -742,8 +798,8 @@ def test_payload_gate_holds_tensor_bytes_on_the_wire_until_it_opens():
 
     async def exchange(sender, receiver, big, gate, gate_open, seen):
         async with trio.open_nursery() as nursery:
-            await sender.send("heartbeat", {"sentAt": 1.0})  # small: fits the socket buffers
-            nursery.start_soon(sender.send, "roundResult", {"round": 3, "tokens": 9}, big)
+            await sender.send(protocol.Heartbeat(sent_at=1.0))  # small: fits the socket buffers
+            nursery.start_soon(sender.send, protocol.RoundResult(round=3, tokens=9), big)
             first = await receiver.receive(before_payload=gate)
             assert first.kind == "heartbeat" and seen == []
             received: list[protocol.Message] = []
@@ -757,7 +813,7 @@ def test_payload_gate_holds_tensor_bytes_on_the_wire_until_it_opens():
             assert received == [] and receiver.bytes_received < big["w"].nbytes
             gate_open.set()
         [message] = received
-        assert message.body["round"] == 3
+        assert message.body.round == 3
         np.testing.assert_array_equal(message.tensors["w"], big["w"])
 
     trio.run(main)
@@ -773,7 +829,7 @@ def test_last_activity_moves_with_bytes_inside_a_message():
         wire = b"".join(
             bytes(b)
             for b in protocol.encode(
-                "roundResult", {"round": 1, "tokens": 4}, {"w": np.ones(64 * 1024, np.float32)}
+                protocol.RoundResult(round=1, tokens=4), {"w": np.ones(64 * 1024, np.float32)}
             )
         )
         marks: list[float] = []

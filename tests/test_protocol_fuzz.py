@@ -34,28 +34,26 @@ def wire(buffers) -> bytes:
 
 
 VALID = [
-    wire(protocol.encode("hello", {"supportedVersions": [1], "nonce": b"n" * 16, "runId": "r"})),
+    wire(protocol.encode(protocol.Hello(supported_versions=(2,), nonce=b"n" * 16, run_id="r"))),
     wire(
         protocol.encode(
-            "workerHello", {"workerId": "w", "backend": {"platform": "cpu", "deviceCount": 2}}
+            protocol.WorkerHello(worker_id="w", backend=protocol.BackendInfo(device_count=2))
         )
     ),
     wire(
         protocol.encode(
-            "plan",
-            {
-                "runId": "r",
-                "graphs": [{"name": "g", "platforms": ["cpu"], "tensor": "g"}],
-                "paramNames": ["a", "b"],
-                "compression": "bfloat16",
-            },
+            protocol.Plan(
+                run_id="r",
+                graphs=(protocol.GraphInfo("g", (protocol.Platform.CPU,), "g"),),
+                param_names=("a", "b"),
+                compression=protocol.Quantization.BFLOAT16,
+            ),
             {"g": np.frombuffer(b"graph", np.uint8)},
         )
     ),
     wire(
         protocol.encode(
-            "roundStart",
-            {"round": 1},
+            protocol.RoundStart(round=1),
             {
                 "a": np.arange(6, dtype=np.float32).reshape(2, 3),
                 "b": np.array(True),
@@ -65,8 +63,7 @@ VALID = [
     ),
     wire(
         protocol.encode(
-            "roundResult",
-            {"round": 2, "losses": [1.0, 0.5]},
+            protocol.RoundResult(round=2, losses=(1.0, 0.5)),
             {"d": RNG.standard_normal(40).astype(np.float32)},
             quantization="int8Block",
             block_size=16,
@@ -74,10 +71,10 @@ VALID = [
     ),
     wire(
         protocol.encode(
-            "roundResult", {"round": 2}, {"d": RNG.standard_normal(9)}, quantization="bfloat16"
+            protocol.RoundResult(round=2), {"d": RNG.standard_normal(9)}, quantization="bfloat16"
         )
     ),
-    wire(protocol.encode("error", {"code": "busy", "message": "later"})),
+    wire(protocol.encode(protocol.Error(protocol.ErrorCode.BUSY, "later"))),
 ]
 
 
@@ -186,7 +183,7 @@ tensor_arrays = st.sampled_from(list(protocol.DTYPES.values())).flatmap(arrays_o
     st.lists(st.integers(1, 64), max_size=30),
 )
 def test_any_tensors_round_trip_through_a_fragmenting_stream(tensors, sizes):
-    data = wire(protocol.encode("roundStart", {"round": 1}, tensors))
+    data = wire(protocol.encode(protocol.RoundStart(round=1), tensors))
     message = protocol.decode(data)
     for name, array in tensors.items():
         assert message.tensors[name].dtype == array.dtype
@@ -209,9 +206,7 @@ def test_any_tensors_round_trip_through_a_fragmenting_stream(tensors, sizes):
 
 def test_nesting_deeper_than_the_limit_is_refused():
     """Envelope -> workerHello -> backend is 3 structs deep: a limit of 2 must refuse it, not crash."""
-    data = wire(protocol.encode("workerHello", {"workerId": "w", "backend": {"platform": "cpu"}}))
+    data = wire(protocol.encode(protocol.WorkerHello(worker_id="w")))
     assert decodes_or_refuses(data, protocol.Limits(nesting_limit=2)) is None
-    assert (
-        decodes_or_refuses(data, protocol.Limits(nesting_limit=3)).body["backend"]["platform"]
-        == "cpu"
-    )
+    message = decodes_or_refuses(data, protocol.Limits(nesting_limit=3))
+    assert message.body.backend.platform == protocol.Platform.CPU

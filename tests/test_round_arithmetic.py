@@ -7,10 +7,10 @@ import numpy as np
 import optax
 import pytest
 import trio
-from pcp_tui.backends import select_backend
-from pcp_tui.backends._jax import _pinned_host
 
 from pcp_tui import protocol
+from pcp_tui.backends import select_backend
+from pcp_tui.backends._jax import _pinned_host
 from pcp_tui.diloco import outer as diloco
 from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean, scaled_add
 from pcp_tui.diloco.screening import BadResult, ResultScreen, check_pseudo_gradient, global_norm
@@ -119,8 +119,8 @@ def test_a_closed_round_folds_nothing_more(monkeypatch, inline_bytes):
     screen = ResultScreen(SHAPES, max_tokens=1000)
 
     def result(seed: int) -> protocol.Message:
-        body = {"round": 1, "tokens": 100, "losses": [1.0]}
-        return protocol.Message("roundResult", body, tensors(seed))
+        body = protocol.RoundResult(round=1, tokens=100, losses=(1.0,))
+        return protocol.Message(body, tensors(seed))
 
     async def main():
         current = Round(1, ["a", "b"], mean, screen)

@@ -134,16 +134,15 @@ def round_workers(path: Path) -> list[int]:
 
 
 def worker_hello(
-    nonce: bytes, proof_token: str | None, *, worker_id: str = "raw-peer", version: int = 1
+    nonce: bytes,
+    proof_token: str | None,
+    *,
+    worker_id: str = "raw-peer",
+    version: int = protocol.PROTOCOL_VERSION,
 ) -> bytes:
     proof = auth.proof(proof_token, nonce, worker_id) if proof_token is not None else b""
-    body = {
-        "supportedVersions": [version],
-        "workerId": worker_id,
-        "proof": proof,
-        "backend": {"platform": "cpu"},
-    }
-    return b"".join(bytes(b) for b in protocol.encode("workerHello", body, version=version))
+    body = protocol.WorkerHello(supported_versions=(version,), worker_id=worker_id, proof=proof)
+    return b"".join(bytes(b) for b in protocol.encode(body, version=version))
 
 
 async def handshake_answer(port: int, hello_for) -> tuple[protocol.Message, bytes]:
@@ -152,7 +151,7 @@ async def handshake_answer(port: int, hello_for) -> tuple[protocol.Message, byte
     async with stream:
         messages = protocol.MessageStream(stream)
         hello = await messages.receive()
-        sent = hello_for(hello.body["nonce"])
+        sent = hello_for(hello.body.nonce)
         await stream.send_all(sent)
         return await messages.receive(), sent
 
@@ -178,22 +177,22 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
             answers["replay"], _ = await handshake_answer(shepherd.port, lambda n: captured)
             answers["v2"], _ = await handshake_answer(
                 shepherd.port,
-                lambda n: worker_hello(n, "s3cret", worker_id="from-the-future", version=2),
+                lambda n: worker_hello(n, "s3cret", worker_id="from-the-future", version=3),
             )
         return answers
 
     answers = trio.run(attacks)
     for attempt in ("wrong", "none", "replay"):
-        assert answers[attempt].kind == "error" and answers[attempt].body["code"] == "authFailed", (
+        assert answers[attempt].kind == "error" and answers[attempt].body.code == "authFailed", (
             attempt
         )
-        assert "--token" in answers[attempt].body["message"]
+        assert "--token" in answers[attempt].body.message
     assert answers["right"].kind == "welcome"
     mismatch = answers["v2"].body
-    assert mismatch["code"] == "versionMismatch"
+    assert mismatch.code == "versionMismatch"
     assert (
-        "speaks protocol version 1, this worker speaks 2; upgrade pcp-tui on this shepherd"
-        in mismatch["message"]
+        "speaks protocol version 2, this worker speaks 3; upgrade pcp-tui on this shepherd"
+        in mismatch.message
     )
 
     honest = spawn_worker(shepherd.port, token="s3cret")

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Sequence
 
 from pcp_tui import __version__
+from pcp_tui.app import link_emulator
 from pcp_tui.app.config_file import load_config_file
 from pcp_tui.config import ConfigError, RunConfig
 
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep compiled graphs here so a restart does not recompile ('' to disable)",
     )
+    link_emulator.add_parser(commands)
     sample = commands.add_parser("sample", help="generate text from a GPT-2 checkpoint")
     sample.add_argument(
         "--checkpoint",
@@ -262,6 +264,8 @@ def _interrupted(signum: int) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "sample":
         return _sample(args)
+    if args.command == "emulate-link":
+        return link_emulator.run(args)
     if args.command == "worker":
         from pcp_tui.app.launch import run_worker
 

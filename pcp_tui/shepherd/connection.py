@@ -34,15 +34,19 @@ class WorkerLost(Exception):
 class Hello:
     worker_id: str
     hostname: str
-    backend: str
-    platform: str
+    backend: str  # described for people: "cpu", "cuda NVIDIA H100 ..."
+    platform: protocol.Platform
 
 
 class WorkerLink:
     """One admitted worker: its stream, its view in RunState, a send lock."""
 
     def __init__(
-        self, stream: protocol.MessageStream, view: WorkerView, state: RunState, platform: str
+        self,
+        stream: protocol.MessageStream,
+        view: WorkerView,
+        state: RunState,
+        platform: protocol.Platform,
     ):
         self.stream = stream
         self.view = view
@@ -52,15 +56,16 @@ class WorkerLink:
         self.ready = trio.Event()
         self.closed = False
         self.lost_reason = ""
+        self.error_code: str = ""  # sent to the peer with lost_reason when its fault ends the link
         self.admitting = False  # a round result's header is in; its payload waits for memory
 
     @property
     def worker_id(self) -> str:
         return self.view.worker_id
 
-    async def send(self, kind: str, body: dict | None = None, tensors=None, **options) -> int:
+    async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         async with self._send_lock:
-            sent = await self.stream.send(kind, body, tensors, **options)
+            sent = await self.stream.send(body, tensors, **options)
         self.view.bytes_out += sent
         self._state.bytes_sent += sent
         return sent
@@ -85,7 +90,7 @@ class WorkerLink:
         self.closed = True
         with trio.move_on_after(2):
             with contextlib.suppress(*CONNECTION_ERRORS):
-                await self.send("goodbye", {"reason": reason})
+                await self.send(protocol.Goodbye(reason))
         await self.stream.aclose()
 
 
@@ -96,45 +101,39 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
     """
     nonce = auth.new_nonce()
     await stream.send(
-        "hello",
-        {
-            "supportedVersions": list(protocol.SUPPORTED_VERSIONS),
-            "nonce": nonce,
-            "runId": run_id,
-            "software": f"pcp-tui {__version__}",
-        },
+        protocol.Hello(
+            supported_versions=protocol.SUPPORTED_VERSIONS,
+            nonce=nonce,
+            run_id=run_id,
+            software=f"pcp-tui {__version__}",
+        )
     )
     try:
         message = await stream.receive()
     except protocol.VersionMismatch as exc:
         await stream.send_error("versionMismatch", _version_advice(exc))
         raise Refused("versionMismatch", str(exc)) from None
-    if message.kind != "workerHello":
+    body = message.body
+    if not isinstance(body, protocol.WorkerHello):
         reason = f"expected workerHello, got {message.kind}"
         await stream.send_error("malformed", reason)
         raise Refused("malformed", reason)
-    body = message.body
-    worker_id = str(body.get("workerId", ""))[:128]
+    worker_id = body.worker_id
     if not worker_id:
         await stream.send_error("malformed", "workerHello has no workerId")
         raise Refused("malformed", "workerHello has no workerId")
-    if not auth.verify(token, nonce, worker_id, body.get("proof", b"")):
+    if not auth.verify(token, nonce, worker_id, body.proof):
         reason = "wrong or missing join token"
         await stream.send_error(
             "authFailed",
             f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
         raise Refused("authFailed", reason)
-    backend = body.get("backend", {})
-    platform = str(backend.get("platform", "cpu"))
-    kind = str(backend.get("deviceKind", ""))
-    described = platform if platform == "cpu" else f"{platform} {kind}".strip()
-    return Hello(
-        worker_id=worker_id,
-        hostname=str(body.get("hostname", ""))[:128],
-        backend=described,
-        platform=platform,
-    )
+    platform = body.backend.platform
+    described = platform.value
+    if platform != protocol.Platform.CPU:
+        described = f"{platform.value} {body.backend.device_kind}".strip()
+    return Hello(worker_id=worker_id, hostname=body.hostname, backend=described, platform=platform)
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

@@ -19,8 +19,10 @@ from collections.abc import Mapping
 import numpy as np
 import trio
 
+from pcp_tui import protocol
 from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
+from pcp_tui.contract import plan as contract
 from pcp_tui.contract import tls
 from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
@@ -66,8 +68,11 @@ class Shepherd:
         self.graphs: TrainingGraphs | None = None
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self._mean = PseudoGradientMean(tuple(sorted(self.params)))  # reused by every round
+        rows = not isinstance(workload.shards[0], np.ndarray)  # see training.shards.shard_plan
+        batch_kind = protocol.BatchKind.ROWS if rows else protocol.BatchKind.WINDOWS
+        per_row = contract.tokens_per_row(batch_kind, config.seq_len)
         self._screen = ResultScreen(
-            self._shapes, max_tokens=config.inner_steps * config.batch_size * config.seq_len
+            self._shapes, max_tokens=config.inner_steps * config.batch_size * per_row
         )
         self._stop_reason: str | None = None
         self._failure: str | None = None
@@ -323,7 +328,7 @@ class Shepherd:
         self.pool.round = current
         self.state.round = number
         tensors = {name: self.params[name] for name in self.graphs.param_names}
-        body = {"round": number, "innerSteps": cfg.inner_steps}
+        body = protocol.RoundStart(round=number, inner_steps=cfg.inner_steps)
         async with trio.open_nursery() as nursery:
             for link in links:
                 link.view.state, link.view.round, link.view.step = "syncing", number, 0
@@ -341,10 +346,10 @@ class Shepherd:
         return self._record(current, eval_loss)
 
     async def _send_round_start(
-        self, link: WorkerLink, body: dict, tensors: dict, current: Round
+        self, link: WorkerLink, body: protocol.RoundStart, tensors: dict, current: Round
     ) -> None:
         try:
-            await link.send("roundStart", body, tensors)
+            await link.send(body, tensors)
         except CONNECTION_ERRORS:
             current.finish(link.worker_id)  # the connection task reports the loss
 

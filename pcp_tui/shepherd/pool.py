@@ -10,7 +10,7 @@ ready and sets `pool.round` while a round runs; it never touches a socket.
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -19,6 +19,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
+from pcp_tui.contract import plan as contract
 from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink, WorkerLost
 from pcp_tui.shepherd.rounds import BadResult, Round
@@ -59,7 +60,6 @@ class WorkerPool:
         self._next_index = 0
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
         self._result_slots = trio.Semaphore(RESULTS_IN_MEMORY)
-        self._result_bytes = sum(4 * int(np.size(p)) for p in workload.params.values())
 
     def remember(self, indices: dict[str, int]) -> None:
         """Give returning workers the index (and so the shard) they had before a restart."""
@@ -102,9 +102,12 @@ class WorkerPool:
             self._mark_gone(link, "lost", str(exc))
         except CONNECTION_ERRORS as exc:
             self._mark_gone(link, "lost", str(exc) or type(exc).__name__)
-        except (KeyError, TypeError, ValueError) as exc:
-            # a body that passed the decoder but not our reading of it: drop this peer, keep the run
-            self._mark_gone(link, "lost", f"protocol violation ({type(exc).__name__}: {exc})")
+        except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
+            reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
+            self.state.emit(
+                "internal", f"worker {link.view.index}: {reason}", worker=link.worker_id
+            )
+            self._mark_gone(link, "lost", reason)
         else:
             self._mark_gone(link, "left", link.view.reason or "said goodbye")
         finally:
@@ -216,17 +219,19 @@ class WorkerPool:
     async def _serve_worker(self, link: WorkerLink) -> None:
         cfg = self.config
         slot = link.view.shard  # from the ledger: a lost worker's shard goes to the next joiner
-        await link.send(
-            "welcome",
-            {
-                "workerIndex": link.view.index,
-                "runId": self.run_id,
-                "heartbeatSeconds": cfg.heartbeat_seconds,
-            },
-        )
+        if link.platform not in self.graphs.platforms:
+            reason = (
+                f"platform {link.platform} is not among the exported ones "
+                f"({', '.join(self.graphs.platforms)}); restart the shepherd with it in --platforms"
+            )
+            await link.stream.send_error(protocol.ErrorCode.UNSUPPORTED_BACKEND, reason)
+            raise WorkerLost(reason)
+        welcome = protocol.Welcome(link.view.index, self.run_id, cfg.heartbeat_seconds)
+        await link.send(welcome)
         link.view.state = "compiling"
-        plan, tensors = self._plan(slot, self.workload.shards[slot], link.platform)
-        await link.send("plan", plan, tensors)
+        plan, tensors = self._plan(slot, self.workload.shards[slot])
+        await link.send(plan, tensors)
+        self._bound(link, plan)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, link)
             nursery.start_soon(self._watchdog, link, nursery.cancel_scope)
@@ -234,96 +239,126 @@ class WorkerPool:
                 await self._receive_loop(link)
             except CONNECTION_ERRORS as exc:
                 link.lost_reason = link.lost_reason or str(exc) or type(exc).__name__
+                if isinstance(exc, protocol.ProtocolError) and exc.code != "unknown":
+                    link.error_code = exc.code
             nursery.cancel_scope.cancel()
         if link.lost_reason:
+            if link.error_code:  # tell the peer what it did wrong before the close
+                with trio.move_on_after(2):
+                    await link.stream.send_error(link.error_code, link.lost_reason)
             raise WorkerLost(link.lost_reason)
 
     def _plan(
-        self, slot: int, shard: np.ndarray | dict[str, np.ndarray], platform: str
-    ) -> tuple[dict, dict[str, np.ndarray]]:
+        self, slot: int, shard: np.ndarray | dict[str, np.ndarray]
+    ) -> tuple[protocol.Plan, dict[str, np.ndarray]]:
         cfg, graphs = self.config, self.graphs
-        if platform not in graphs.platforms:
-            raise WorkerLost(
-                f"platform {platform} is not among the exported ones ({', '.join(graphs.platforms)})"
-            )
         tensors = {
             f"graph/{name}": np.frombuffer(blob, np.uint8)
             for name, blob in graphs.as_dict().items()
             if name != "eval_loss"
         }
-        data_fields, data_tensors = shards.shard_plan(
-            shard
-        )  # LM windows or rows of a custom dataset
-        tensors.update(data_tensors)
-        plan = {
-            "runId": self.run_id,
-            "modelName": self.workload.name,
-            "paramCount": self.workload.param_count,
-            "graphs": [
-                {"name": name, "platforms": list(graphs.platforms), "tensor": f"graph/{name}"}
+        shipped = shards.shard_plan(shard)  # LM windows or rows of a custom dataset
+        tensors.update(shipped.tensors)
+        plan = protocol.Plan(
+            run_id=self.run_id,
+            model_name=self.workload.name,
+            param_count=self.workload.param_count,
+            graphs=tuple(
+                protocol.GraphInfo(name, tuple(graphs.platforms), f"graph/{name}")
                 for name in ("train_chunk", "init_opt_state")
-            ],
-            "paramNames": list(graphs.param_names),
-            "innerSteps": cfg.inner_steps,
-            "chunkSteps": graphs.chunk_steps,
-            "batchSize": cfg.batch_size,
-            "seqLen": cfg.seq_len,
-            "seed": cfg.seed,
-            "workerSlot": slot,
-            "compression": cfg.compression,
-            **data_fields,
-        }
+            ),
+            param_names=tuple(graphs.param_names),
+            inner_steps=cfg.inner_steps,
+            chunk_steps=graphs.chunk_steps,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
+            shard_tensor=shipped.shard_tensor,
+            shard_fingerprint=shipped.fingerprint,
+            worker_slot=slot,
+            compression=protocol.Quantization(cfg.compression),
+            batch_kind=shipped.batch_kind,
+            data_tensors=shipped.data_tensors,
+            tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.seq_len),
+        )
         return plan, tensors
+
+    def _bound(self, link: WorkerLink, plan: protocol.Plan) -> None:
+        """From now on this peer may send only small messages, and results of the plan's size.
+
+        Every message is checked from its header, before any payload byte is
+        read: its kind against the stage of the connection (`contract.RECEIVES`),
+        its tensors against the plan's parameters.
+        """
+        shapes = {name: tuple(self.workload.params[name].shape) for name in plan.param_names}
+        link.stream.limits = dataclasses.replace(
+            link.stream.limits,
+            max_message_bytes=contract.result_frame_bytes(plan.param_names, plan.inner_steps),
+            max_tensors=len(shapes),
+            max_losses=plan.inner_steps,
+        )
+
+        def check(body: protocol.Body, specs, frame_bytes: int) -> None:
+            stage = contract.Stage.READY if link.ready.is_set() else contract.Stage.PLANNED
+            problem = contract.out_of_turn("shepherd", body.KIND, stage)
+            if problem is not None:
+                raise protocol.MalformedMessage(problem)
+            if isinstance(body, protocol.RoundResult):
+                problem = contract.result_header_problem(shapes, specs)
+                if problem is not None:
+                    raise contract.ResultRefused(f"round result refused: {problem}")
+            elif specs or frame_bytes > contract.SMALL_MESSAGE_BYTES:
+                raise protocol.FrameTooLarge(
+                    f"a {body.KIND} may carry no tensors and at most "
+                    f"{contract.SMALL_MESSAGE_BYTES} bytes"
+                )
+
+        link.stream.check_header = check
 
     async def _receive_loop(self, link: WorkerLink) -> None:
         while True:
-            slot = _ResultSlot(self._result_slots, link, self._result_bytes)
+            slot = _ResultSlot(self._result_slots, link)
             try:
                 message = await link.receive(before_payload=slot.admit)
                 await self._handle(link, message)
             finally:
                 slot.release()
-            if message.kind == "goodbye":
+            if message.kind in ("goodbye", "error"):
                 return
 
     async def _handle(self, link: WorkerLink, message: protocol.Message) -> None:
         view, body = link.view, message.body
-        if message.kind == "ready":
+        if isinstance(body, protocol.Ready):
             view.state = "idle"
             link.ready.set()
             self.state.emit(
                 "compiled",
-                f"worker {view.index} compiled in {body.get('compileSeconds', 0):.1f} s",
+                f"worker {view.index} compiled in {body.compile_seconds:.1f} s",
                 worker=view.worker_id,
             )
             self.wake()
-        elif message.kind == "progress":
+        elif isinstance(body, protocol.Progress):
             self._on_progress(view, body)
-        elif message.kind == "roundResult":
+        elif isinstance(body, protocol.RoundResult):
             await self._on_result(link, message)
-        elif message.kind == "heartbeat":
-            pass
-        elif message.kind == "goodbye":
-            view.reason = str(body.get("reason", "said goodbye"))
-        elif message.kind == "error":
-            raise WorkerLost(f"worker error ({body.get('code')}): {body.get('message')}")
-        else:
-            raise WorkerLost(f"unexpected {message.kind} from a worker")
+        elif isinstance(body, protocol.Goodbye):
+            view.reason = body.reason or "said goodbye"
+        elif isinstance(body, protocol.Error):
+            # the worker says why it stops (e.g. it refused a round's parameters): it is out
+            link.lost_reason = f"the worker reported {body.code.value}: {body.message}"
 
-    def _on_progress(self, view: WorkerView, body: dict) -> None:
-        view.state = str(body.get("phase") or "training")
-        view.step = int(body.get("step", 0))
-        view.total_steps = int(body.get("totalSteps", 0))
-        loss = float(body.get("loss", float("nan")))
-        if math.isfinite(loss):
-            view.loss = loss
-            global_step = (int(body.get("round", 1)) - 1) * self.config.inner_steps + view.step
-            self.state.step_losses.append((global_step, loss, view.index))
-        view.tokens_per_second = float(body.get("tokensPerSecond", 0.0))
+    def _on_progress(self, view: WorkerView, body: protocol.Progress) -> None:
+        view.state = body.phase.value
+        view.step = body.step
+        view.total_steps = body.total_steps
+        view.loss = body.loss
+        global_step = (max(body.round, 1) - 1) * self.config.inner_steps + view.step
+        self.state.step_losses.append((global_step, body.loss, view.index))
+        view.tokens_per_second = body.tokens_per_second
 
     async def _on_result(self, link: WorkerLink, message: protocol.Message) -> None:
         view, current = link.view, self.round
-        number = int(message.body.get("round", -1))
+        number = message.body.round
         try:
             added = (
                 current is not None
@@ -339,7 +374,9 @@ class WorkerPool:
                 worker=link.worker_id,
             )
             with contextlib.suppress(*CONNECTION_ERRORS):
-                await link.send("error", {"code": "badResult", "message": f"result refused: {exc}"})
+                await link.send(
+                    protocol.Error(protocol.ErrorCode.BAD_RESULT, f"result refused: {exc}")
+                )
             return
         if not added:
             self.state.emit(
@@ -357,7 +394,7 @@ class WorkerPool:
         try:
             while True:
                 await trio.sleep(self.config.heartbeat_seconds)
-                await link.send("heartbeat", {"sentAt": time.time()})
+                await link.send(protocol.Heartbeat(time.time()))
         except CONNECTION_ERRORS:
             return  # the receive loop sees the broken connection and reports it
 
@@ -373,6 +410,7 @@ class WorkerPool:
             else:
                 link.lost_reason = self._too_slow(link)
             if link.lost_reason:
+                link.error_code = protocol.ErrorCode.TIMEOUT
                 scope.cancel()
                 return
 
@@ -401,20 +439,14 @@ class WorkerPool:
 class _ResultSlot:
     """One round result's claim on the shepherd's memory, from its header to its fold."""
 
-    def __init__(self, slots: trio.Semaphore, link: WorkerLink, most: int):
+    def __init__(self, slots: trio.Semaphore, link: WorkerLink):
         self._slots, self._link = slots, link
-        self._most = most  # bytes: a pseudo-gradient is never bigger than float32 parameters
         self._held = False
 
     async def admit(self, kind: str, nbytes: int) -> None:
         """`before_payload` hook: a round result's payload waits for a free slot."""
         if kind != "roundResult":
             return
-        if nbytes > self._most:
-            raise protocol.FrameTooLarge(
-                f"a round result of {nbytes} bytes is larger than the model's parameters "
-                f"({self._most} bytes as float32)"
-            )
         self._link.admitting = True  # waiting for a slot is not silence
         try:
             await self._slots.acquire()

@@ -90,19 +90,19 @@ class Round:
             sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0
         )
         self.losses.extend(losses)
-        self.compute_seconds[worker_id] = float(message.body.get("computeSeconds", 0.0))
+        self.compute_seconds[worker_id] = message.body.compute_seconds
         self.arrivals[worker_id] = time.monotonic() - self.started
         self.contributors.append(worker_id)
         self.finish(worker_id)
         return True
 
     def _screen_and_fold(self, message: protocol.Message) -> tuple[int, list[float]]:
-        body = message.body
-        norm = self._screen.check(message.tensors, body.get("tokens", 0))
-        tokens = int(body.get("tokens", 0))
+        body: protocol.RoundResult = message.body
+        norm = self._screen.check(message.tensors, body.tokens)
+        tokens = body.tokens
         if tokens <= 0:
             raise BadResult("a round result must report a positive token count")
-        losses = [float(x) for x in body.get("losses", [])]
+        losses = list(body.losses)
         if not all(math.isfinite(x) for x in losses):
             raise BadResult("reported losses hold NaN or Inf")
         self.mean.add(message.tensors, float(tokens))

@@ -8,8 +8,11 @@ the same batches again after a restart. Nothing here loads a corpus or a model.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
+
+from pcp_tui import protocol
 
 MAX_DATA_TENSORS = 64
 
@@ -70,51 +73,51 @@ def sample_rows(
     return tuple(np.ascontiguousarray(array[index]) for array in arrays)
 
 
-def shard_plan(shard: np.ndarray | dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
-    """Plan fields and tensors that ship one worker's shard.
+@dataclass(frozen=True)
+class ShippedShard:
+    """How one worker's shard travels: the plan's data fields and the tensors that carry it."""
 
-    A 1-D token array is batched as LM windows ("windows"); a dict of
-    row-indexed arrays as random rows ("rows"), where a row counts as one token.
+    batch_kind: protocol.BatchKind
+    shard_tensor: str
+    data_tensors: tuple[str, ...]
+    fingerprint: str
+    tensors: dict[str, np.ndarray]
+
+
+def shard_plan(shard: np.ndarray | dict[str, np.ndarray]) -> ShippedShard:
+    """The plan fields and tensors that ship one worker's shard.
+
+    A 1-D token array is batched as LM windows; a dict of row-indexed arrays as
+    random rows (a row counts as one token: `contract.plan.tokens_per_row`).
     """
     if isinstance(shard, np.ndarray):
-        return (
-            {
-                "batchKind": "windows",
-                "shardTensor": "shard",
-                "shardFingerprint": fingerprint(shard),
-            },
-            {"shard": shard},
-        )
+        windows = protocol.BatchKind.WINDOWS
+        return ShippedShard(windows, "shard", (), fingerprint(shard), {"shard": shard})
     tensors = {f"data/{key}": array for key, array in shard.items()}
-    fields = {
-        "batchKind": "rows",
-        "dataTensors": list(tensors),
-        "shardFingerprint": fingerprint(*tensors.values()),
-        "seqLen": 1,
-    }
-    return fields, tensors
+    rows = protocol.BatchKind.ROWS
+    return ShippedShard(rows, "", tuple(tensors), fingerprint(*tensors.values()), tensors)
 
 
-def shard_from_plan(body: dict, tensors: dict) -> tuple[str, np.ndarray | tuple[np.ndarray, ...]]:
+def shard_from_plan(
+    plan: protocol.Plan, tensors: dict
+) -> tuple[protocol.BatchKind, np.ndarray | tuple[np.ndarray, ...]]:
     """(batch kind, shard) from a plan; DataError when the shard is missing or does not match."""
-    kind = body.get("batchKind") or "windows"
-    if kind == "windows":
-        names = [body.get("shardTensor", "")]
-    elif kind == "rows":
-        names = list(body.get("dataTensors") or [])
+    kind = plan.batch_kind
+    if kind == protocol.BatchKind.WINDOWS:
+        names = [plan.shard_tensor]
+    else:
+        names = list(plan.data_tensors)
         if not 1 <= len(names) <= MAX_DATA_TENSORS:
             raise DataError(
                 f"a rows plan needs 1..{MAX_DATA_TENSORS} data tensors, got {len(names)}"
             )
-    else:
-        raise DataError(f"unknown batch kind {kind!r} (windows | rows); upgrade pcp-tui")
     missing = [name for name in names if name not in tensors]
     if missing:
         raise DataError(f"the plan lacks its data tensors {missing}")
     arrays = tuple(tensors[name] for name in names)
-    if fingerprint(*arrays) != body.get("shardFingerprint"):
+    if fingerprint(*arrays) != plan.shard_fingerprint:
         raise DataError("the data shard does not match its fingerprint")
-    if kind == "windows":
+    if kind == protocol.BatchKind.WINDOWS:
         return kind, arrays[0]
     if any(a.ndim < 1 or len(a) != len(arrays[0]) for a in arrays):
         raise DataError("the rows of the data tensors do not line up")
@@ -132,7 +135,7 @@ def sample_shard(
     stream: tuple[int, ...],
 ):
     """One chunk of batches for the plan's batch kind (see `shard_plan`)."""
-    if kind == "rows":
+    if kind == protocol.BatchKind.ROWS:
         return sample_rows(shard, steps=steps, batch_size=batch_size, seed=seed, stream=stream)
     return sample_batches(
         shard, steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed, stream=stream

@@ -9,6 +9,7 @@ progress keep flowing while they run.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform as host_platform
 import random
@@ -24,6 +25,7 @@ import trio
 from pcp_tui import __version__, protocol
 from pcp_tui.backends import Backend, GraphError, select_backend
 from pcp_tui.contract import auth
+from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import expected_shapes, round_start_problem
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.training import shards
@@ -72,19 +74,13 @@ class WorkerStatus:
 
 
 @dataclass
-class Plan:
-    names: tuple[str, ...]
-    inner_steps: int
-    chunk_steps: int
-    batch_size: int
-    seq_len: int
-    seed: int
-    slot: int
+class Training:
+    """The received plan as this worker runs it: the plan itself, its shard, its compiled graphs."""
+
+    plan: protocol.Plan
     shard: np.ndarray | tuple[np.ndarray, ...]  # token windows, or row-indexed arrays
-    compression: str
     train_chunk: Callable
     init_opt_state: Callable
-    batch_kind: str = "windows"  # windows | rows: see shards.shard_plan
 
 
 class Worker:
@@ -113,7 +109,7 @@ class Worker:
         self._cut_off_since: float | None = None
         self.status = WorkerStatus(shepherd=f"{host}:{port}")
         self.heartbeat_timeout = 30.0
-        self._plan: Plan | None = None
+        self._plan: Training | None = None
         self._opt_state = None
         self._compiled: dict[bytes, tuple[Callable, Callable]] = {}
 
@@ -193,15 +189,16 @@ class Worker:
             except (RunOver, Refused, ConnectionLost, *_LINK_ERRORS) as exc:
                 ended = exc  # re-raised below, outside the nursery, so it is not wrapped in a group
             nursery.cancel_scope.cancel()
+        if isinstance(ended, protocol.ProtocolError) and ended.code != "unknown":
+            with trio.move_on_after(2):  # tell the shepherd what it sent wrong; it may be gone
+                await stream.send_error(ended.code, str(ended))
         raise ended or ConnectionLost(silent[0] if silent else "the session ended")
 
     async def _compile(self, sender: _Sender, plan_message: protocol.Message) -> None:
         started = time.perf_counter()
         self._plan = await trio.to_thread.run_sync(self._load_plan, plan_message)
         seconds = time.perf_counter() - started
-        await sender.send(
-            "ready", {"compileSeconds": seconds, "platform": self.backend.info.platform}
-        )
+        await sender.send(protocol.Ready(seconds, protocol.Platform(self.backend.info.platform)))
         self.status.update(
             state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round"
         )
@@ -210,34 +207,37 @@ class Worker:
         self.status.update(state="connecting", message="handshake")
         hello = await _expect(stream, "hello")
         info = self.backend.info
+        backend = protocol.BackendInfo(
+            platform=protocol.Platform(info.platform),
+            device_kind=info.device_kind[: protocol.ID_CHARS],
+            device_count=info.device_count,
+            memory_bytes=info.memory_bytes,
+            jax_version=info.jax_version,
+        )
         await stream.send(
-            "workerHello",
-            {
-                "supportedVersions": list(protocol.SUPPORTED_VERSIONS),
-                "workerId": self.worker_id,
-                "hostname": host_platform.node(),
-                "backend": {
-                    "platform": info.platform,
-                    "deviceKind": info.device_kind,
-                    "deviceCount": info.device_count,
-                    "memoryBytes": info.memory_bytes,
-                    "jaxVersion": info.jax_version,
-                },
-                "proof": auth.proof(self.token, hello.body["nonce"], self.worker_id),
-                "software": f"pcp-tui {__version__}",
-            },
+            protocol.WorkerHello(
+                supported_versions=protocol.SUPPORTED_VERSIONS,
+                worker_id=self.worker_id,
+                hostname=host_platform.node()[: protocol.ID_CHARS],
+                backend=backend,
+                proof=auth.proof(self.token, hello.body.nonce, self.worker_id),
+                software=f"pcp-tui {__version__}",
+            )
         )
         welcome = await _expect(stream, "welcome")
-        self.heartbeat_timeout = max(10.0, 10 * float(welcome.body.get("heartbeatSeconds", 2.0)))
-        self.status.update(worker_index=int(welcome.body["workerIndex"]), message="admitted")
+        self.heartbeat_timeout = max(10.0, 10 * welcome.body.heartbeat_seconds)
+        self.status.update(worker_index=welcome.body.worker_index, message="admitted")
 
-    def _load_plan(self, message: protocol.Message) -> Plan:
-        body, tensors = message.body, message.tensors
+    def _load_plan(self, message: protocol.Message) -> Training:
+        plan, tensors = message.body, message.tensors
+        problem = contract.plan_problem(plan, tensors)
+        if problem is not None:
+            raise protocol.MalformedMessage(problem)
         try:
-            batch_kind, shard = shards.shard_from_plan(body, tensors)
+            _, shard = shards.shard_from_plan(plan, tensors)
         except shards.DataError as exc:
             raise protocol.MalformedMessage(str(exc)) from None
-        graphs = {g["name"]: tensors[g["tensor"]].tobytes() for g in body["graphs"]}
+        graphs = {g.name: tensors[g.tensor].tobytes() for g in plan.graphs}
         key = graphs["train_chunk"] + graphs["init_opt_state"]
         if key not in self._compiled:  # a reconnect to the same run reuses compiled graphs
             try:
@@ -250,39 +250,26 @@ class Worker:
             self._compiled = {key: (train.call, init.call)}
             self._opt_state = None
         train_chunk, init_opt_state = self._compiled[key]
-        plan = Plan(
-            names=tuple(body["paramNames"]),
-            inner_steps=int(body["innerSteps"]),
-            chunk_steps=int(body["chunkSteps"]),
-            batch_size=int(body["batchSize"]),
-            seq_len=int(body["seqLen"]),
-            seed=int(body["seed"]),
-            slot=int(body["workerSlot"]),
-            shard=shard,
-            batch_kind=batch_kind,
-            compression=str(body.get("compression", "none")),
-            train_chunk=train_chunk,
-            init_opt_state=init_opt_state,
-        )
-        return plan
+        return Training(plan, shard, train_chunk, init_opt_state)
 
     async def _receive_loop(
         self, stream: protocol.MessageStream, rounds: trio.MemorySendChannel
     ) -> None:
         while True:
             message = await stream.receive()
-            if message.kind == "roundStart":
+            body = message.body
+            problem = contract.out_of_turn("worker", message.kind, contract.Stage.READY)
+            if problem is not None:
+                raise protocol.MalformedMessage(f"{problem} (from the shepherd)")
+            if isinstance(body, protocol.RoundStart):
                 await rounds.send(message)
-            elif message.kind == "goodbye":
-                raise RunOver(message.body.get("reason", ""))
-            elif message.kind == "error":
-                code, text = message.body.get("code"), message.body.get("message")
-                if code == "badResult":
-                    self.status.update(message=f"shepherd refused a result: {text}")
+            elif isinstance(body, protocol.Goodbye):
+                raise RunOver(body.reason)
+            elif isinstance(body, protocol.Error):
+                if body.code == protocol.ErrorCode.BAD_RESULT:
+                    self.status.update(message=f"shepherd refused a result: {body.message}")
                     continue
-                raise Refused(f"the shepherd refused this worker ({code}): {text}")
-            elif message.kind != "heartbeat":
-                raise protocol.MalformedMessage(f"unexpected {message.kind} from the shepherd")
+                _raise_for(body)
 
     async def _watch_silence(
         self, stream: protocol.MessageStream, scope: trio.CancelScope, silent: list[str]
@@ -305,7 +292,7 @@ class Worker:
     async def _heartbeats(self, sender: _Sender) -> None:
         with contextlib.suppress(*_LINK_ERRORS):
             while True:
-                await sender.send("heartbeat", {"sentAt": time.time()})
+                await sender.send(protocol.Heartbeat(time.time()))
                 await trio.sleep(2.0)
 
     async def _train_rounds(self, sender: _Sender, rounds: trio.MemoryReceiveChannel) -> None:
@@ -314,51 +301,50 @@ class Worker:
                 await self._train_round(sender, message)
 
     async def _train_round(self, sender: _Sender, message: protocol.Message) -> None:
-        plan = self._plan
+        training, plan = self._plan, self._plan.plan
         problem = await trio.to_thread.run_sync(self._round_start_problem, message.tensors)
         if problem is not None:
             # a broken or tampered shepherd: say why and hang up (the receive loop sees it)
             self.status.update(message=f"refused a roundStart: {problem}")
-            await sender.send(
-                "error", {"code": "malformed", "message": f"roundStart refused: {problem}"}
-            )
+            refusal = protocol.Error(protocol.ErrorCode.MALFORMED, f"roundStart refused: {problem}")
+            await sender.send(refusal)
             await sender._stream.aclose()
             return
-        number = int(message.body["round"])
-        steps = int(message.body.get("innerSteps") or plan.inner_steps)
+        number = message.body.round
+        steps = message.body.inner_steps or plan.inner_steps
         started = time.perf_counter()
         params, kept = await trio.to_thread.run_sync(self._upload, message.tensors)
         if self._opt_state is None:
-            self._opt_state = await trio.to_thread.run_sync(plan.init_opt_state, tuple(params))
+            self._opt_state = await trio.to_thread.run_sync(training.init_opt_state, tuple(params))
         self.status.update(state="training", round=number, step=0, total_steps=steps, message="")
         params, losses = await self._train_chunks(sender, number, steps, params, started)
         compute = time.perf_counter() - started
         self.status.update(state="syncing")
         difference = await trio.to_thread.run_sync(self.backend.difference, kept, params)
         del params, kept
+        result = protocol.RoundResult(
+            round=number,
+            tokens=len(losses) * plan.batch_size * plan.tokens_per_row,
+            losses=tuple(losses),
+            compute_seconds=compute,
+            inner_steps=len(losses),
+        )
         await sender.send(
-            "roundResult",
-            {
-                "round": number,
-                "tokens": len(losses) * plan.batch_size * plan.seq_len,
-                "losses": losses,
-                "computeSeconds": compute,
-                "innerSteps": len(losses),
-            },
-            dict(zip(plan.names, difference, strict=True)),
+            result,
+            dict(zip(plan.param_names, difference, strict=True)),
             quantization=plan.compression,
         )
         self.status.update(state="idle")
 
     def _round_start_problem(self, tensors: dict[str, np.ndarray]) -> str | None:
-        plan = self._plan
+        names = self._plan.plan.param_names
         return round_start_problem(
-            tensors, plan.names, expected_shapes(plan.init_opt_state, plan.names)
+            tensors, names, expected_shapes(self._plan.init_opt_state, names)
         )
 
     def _upload(self, tensors: dict[str, np.ndarray]) -> tuple[list, object]:
         """The round's parameters on the device (donated to training) and θ kept for Δ = θ − θ_k."""
-        host = [np.asarray(tensors[n], np.float32) for n in self._plan.names]
+        host = [np.asarray(tensors[n], np.float32) for n in self._plan.plan.param_names]
         params = self.backend.to_device(host)
         return params, self.backend.keep(host, params)
 
@@ -366,7 +352,7 @@ class Worker:
         self, sender: _Sender, number: int, steps: int, params: list, started: float
     ) -> tuple[list, list[float]]:
         """Run the round's inner steps chunk by chunk, reporting progress; (params, losses)."""
-        plan = self._plan
+        training, plan = self._plan, self._plan.plan
         opt_state = self._opt_state
         self._opt_state = None  # donated to the chunks below; set again when they are done
         losses: list[float] = []
@@ -375,7 +361,7 @@ class Worker:
         for chunk in range(chunks):
             batches = shards.sample_shard(
                 plan.batch_kind,
-                plan.shard,
+                training.shard,
                 steps=plan.chunk_steps,
                 batch_size=plan.batch_size,
                 seq_len=plan.seq_len,
@@ -384,26 +370,21 @@ class Worker:
             )
             first_step = (number - 1) * steps + chunk * plan.chunk_steps  # the run's step
             params, opt_state, chunk_losses = await trio.to_thread.run_sync(
-                _run_chunk, plan.train_chunk, params, opt_state, batches, first_step
+                _run_chunk, training.train_chunk, params, opt_state, batches, first_step
             )
             losses.extend(float(x) for x in chunk_losses)
             elapsed = time.perf_counter() - started
-            tps = len(losses) * plan.batch_size * plan.seq_len / elapsed
+            tps = len(losses) * plan.batch_size * plan.tokens_per_row / elapsed
             self.status.update(step=len(losses), loss=losses[-1], tokens_per_second=tps)
             now = time.monotonic()
+            if not math.isfinite(losses[-1]):
+                continue  # a diverged loss is for the round result (the shepherd refuses it)
             if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks - 1:
                 last_progress = now
-                await sender.send(
-                    "progress",
-                    {
-                        "round": number,
-                        "step": len(losses),
-                        "totalSteps": steps,
-                        "loss": losses[-1],
-                        "tokensPerSecond": tps,
-                        "phase": "training",
-                    },
+                progress = protocol.Progress(
+                    number, len(losses), steps, losses[-1], tps, protocol.Phase.TRAINING
                 )
+                await sender.send(progress)
         self._opt_state = opt_state
         return params, losses
 
@@ -419,9 +400,9 @@ class _Sender:
         self._stream = stream
         self._lock = trio.Lock()
 
-    async def send(self, kind: str, body: dict, tensors=None, **options) -> int:
+    async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         async with self._lock:
-            return await self._stream.send(kind, body, tensors, **options)
+            return await self._stream.send(body, tensors, **options)
 
 
 def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray, first_step: int):
@@ -435,11 +416,25 @@ async def _expect(stream: protocol.MessageStream, kind: str) -> protocol.Message
     message = await stream.receive()
     if message.kind == kind:
         return message
-    if message.kind == "error":
-        code, text = message.body.get("code"), message.body.get("message")
-        if code == "idInUse":
-            raise IdInUse(f"the shepherd refused this worker ({code}): {text}")
-        if code in ("authFailed", "versionMismatch", "unsupportedBackend"):
-            raise Refused(f"the shepherd refused this worker ({code}): {text}")
-        raise ConnectionLost(f"the shepherd reported an error ({code}): {text}")
+    if isinstance(message.body, protocol.Error):
+        _raise_for(message.body)
     raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")
+
+
+# The shepherd will say the same again on every reconnect: stop and tell the person why.
+_FINAL_ERRORS = frozenset(
+    {
+        protocol.ErrorCode.AUTH_FAILED,
+        protocol.ErrorCode.VERSION_MISMATCH,
+        protocol.ErrorCode.UNSUPPORTED_BACKEND,
+    }
+)
+
+
+def _raise_for(error: protocol.Error):
+    """Refused for an error that reconnecting cannot fix, else ConnectionLost (reconnect)."""
+    if error.code == protocol.ErrorCode.ID_IN_USE:
+        raise IdInUse(f"the shepherd refused this worker ({error.code.value}): {error.message}")
+    if error.code in _FINAL_ERRORS:
+        raise Refused(f"the shepherd refused this worker ({error.code.value}): {error.message}")
+    raise ConnectionLost(f"the shepherd reported an error ({error.code.value}): {error.message}")

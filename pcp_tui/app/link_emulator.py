@@ -1,0 +1,211 @@
+"""`pcp-tui emulate-link`: a TCP proxy that behaves like a slow, far link (bandwidth, latency, jitter, cuts).
+
+The kernel's `netem` is not available everywhere (not on these machines), so
+WAN conditions are emulated in user space. Each direction of each proxied
+connection is a `ShapedPipe`: bytes read from one side are stamped with the
+time they would finish crossing a link of `bandwidth` (one after another, like
+a serial wire) plus the one-way latency (half the round-trip time, with
+optional jitter), and written to the other side no earlier than that. A small
+queue between reading and writing holds about one bandwidth-delay product, so
+a sender that outruns the link is held back by TCP flow control, as on a real
+bottleneck, instead of filling the proxy's memory.
+
+    pcp-tui emulate-link --listen 127.0.0.1:9000 --to 127.0.0.1:8080 --bandwidth 1Gbit --rtt 50ms
+    pcp-tui worker --connect 127.0.0.1:9000 ...
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass
+
+import trio
+
+from pcp_tui.config import ConfigError
+
+CHUNK_BYTES = 64 * 1024  # largest piece read and scheduled at once
+_UNITS_BITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_UNITS_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """One direction of a link: bytes per second (inf: unlimited), one-way delay and its jitter."""
+
+    bytes_per_second: float = math.inf
+    delay: float = 0.0
+    jitter: float = 0.0
+
+    def queue_chunks(self) -> int:
+        """Chunks in flight that keep the link busy for its delay plus 100 ms of queue."""
+        if math.isinf(self.bytes_per_second):
+            return 64
+        in_flight = self.bytes_per_second * (self.delay + self.jitter + 0.1)
+        return max(4, math.ceil(in_flight / CHUNK_BYTES) + 2)
+
+
+def parse_bandwidth(text: str) -> float:
+    """'1Gbit', '100Mbit', '500kbit' (bits), '10MB' (bytes) or 'unlimited' -> bytes per second."""
+    if text.strip().lower() in ("unlimited", "inf"):
+        return math.inf
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)((?i:bit|bps)|B|Bps)?\s*", text)
+    if not match:
+        raise ConfigError(
+            f"--bandwidth {text!r}: write a rate such as 1Gbit, 100Mbit (bits) or 10MB (bytes) "
+            "per second, or 'unlimited'"
+        )
+    number, prefix, unit = match.groups()
+    scaled = float(number) * _UNITS_BITS[prefix.lower()]
+    rate = scaled if unit in ("B", "Bps") else scaled / 8
+    if rate <= 0:
+        raise ConfigError(f"--bandwidth {text!r} must be positive (or 'unlimited')")
+    return rate
+
+
+def parse_duration(text: str, option: str) -> float:
+    """'50ms', '0.05s', '200us' or a plain number of milliseconds -> seconds."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)?\s*", text, re.I)
+    if not match:
+        raise ConfigError(f"{option} {text!r}: write a duration such as 50ms or 0.2s")
+    number, unit = match.groups()
+    return float(number) * (_UNITS_SECONDS[unit.lower()] if unit else 1e-3)
+
+
+class ShapedPipe:
+    """Copies one direction of a connection through a link of the given profile."""
+
+    def __init__(self, profile: LinkProfile, rng: random.Random | None = None):
+        self.profile = profile
+        self.bytes = 0
+        self._rng = rng or random.Random()
+        self._free_at = 0.0  # when the emulated wire finishes the bytes scheduled so far
+        self._last_delivery = 0.0
+
+    def _delivery_time(self, arrived: float, size: int) -> float:
+        """When `size` bytes read at `arrived` reach the far side (never before earlier bytes)."""
+        profile = self.profile
+        start = max(arrived, self._free_at)
+        self._free_at = start + size / profile.bytes_per_second
+        jitter = self._rng.uniform(-profile.jitter, profile.jitter) if profile.jitter else 0.0
+        delivery = max(self._free_at + profile.delay + jitter, self._last_delivery)
+        self._last_delivery = delivery
+        return delivery
+
+    async def run(self, source: trio.abc.ReceiveStream, sink: trio.abc.SendStream) -> None:
+        """Copy until `source` ends, then close `sink`'s sending side (or the whole stream)."""
+        send, receive = trio.open_memory_channel[tuple[float, bytes]](self.profile.queue_chunks())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write, receive, sink)
+            async with send:
+                while chunk := await source.receive_some(CHUNK_BYTES):
+                    await send.send((self._delivery_time(trio.current_time(), len(chunk)), chunk))
+
+    async def _write(self, queue: trio.MemoryReceiveChannel, sink: trio.abc.SendStream) -> None:
+        async with queue:
+            async for delivery, chunk in queue:
+                await trio.sleep_until(delivery)
+                await sink.send_all(chunk)
+                self.bytes += len(chunk)
+        if isinstance(sink, trio.SocketStream):
+            await sink.send_eof()
+        else:
+            await sink.aclose()
+
+
+@dataclass(frozen=True)
+class LinkEmulator:
+    """Listens on `listen`, proxies each connection to `target` through two shaped pipes."""
+
+    target: tuple[str, int]
+    upstream: LinkProfile  # client -> target
+    downstream: LinkProfile  # target -> client
+    cut_after: float = 0.0  # >0: each connection is cut this many seconds after it opened
+
+    async def serve(self, listeners, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await trio.serve_listeners(self.handle, listeners, task_status=task_status)
+
+    async def handle(self, client: trio.SocketStream) -> None:
+        """Proxy one connection; a failure on either side closes both, never the emulator."""
+        try:
+            server = await trio.open_tcp_stream(*self.target)
+        except OSError:
+            await trio.aclose_forcefully(client)
+            return
+        with trio.move_on_after(self.cut_after or math.inf):
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ShapedPipe(self.upstream).run, client, server)
+                    nursery.start_soon(ShapedPipe(self.downstream).run, server, client)
+            except* (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # one side went away: close both below, like a router dropping the flow
+        await trio.aclose_forcefully(client)
+        await trio.aclose_forcefully(server)
+
+
+def profiles(bandwidth: str, rtt: str, jitter: str) -> tuple[LinkProfile, LinkProfile]:
+    """The two directions of a symmetric link with `rtt` split evenly between them."""
+    rate = parse_bandwidth(bandwidth)
+    one_way = parse_duration(rtt, "--rtt") / 2
+    spread = parse_duration(jitter, "--jitter")
+    profile = LinkProfile(bytes_per_second=rate, delay=one_way, jitter=spread)
+    return profile, profile
+
+
+def add_parser(commands) -> None:
+    """The `emulate-link` subcommand's options."""
+    parser = commands.add_parser(
+        "emulate-link",
+        help="a TCP proxy that behaves like a slow, far link (rehearse a WAN run on one machine)",
+    )
+    parser.add_argument(
+        "--listen", required=True, metavar="HOST:PORT", help="where workers connect"
+    )
+    parser.add_argument("--to", required=True, metavar="HOST:PORT", help="the shepherd's address")
+    parser.add_argument(
+        "--bandwidth",
+        default="1Gbit",
+        help="per direction, e.g. 1Gbit, 100Mbit, 10MB, unlimited (default: 1Gbit)",
+    )
+    parser.add_argument(
+        "--rtt",
+        default="50ms",
+        help="round-trip time, split evenly between directions (default: 50ms)",
+    )
+    parser.add_argument(
+        "--jitter", default="0ms", help="random +- spread of each direction's delay (default: 0ms)"
+    )
+    parser.add_argument(
+        "--cut-after",
+        default="0s",
+        metavar="DURATION",
+        help="cut every connection this long after it opened, as a flaky link does (default: never)",
+    )
+
+
+def run(args) -> int:
+    """Serve until interrupted; exit 1 with a reason when the listening address is unusable."""
+    from pcp_tui.app.launch import parse_connect
+
+    listen_host, listen_port = parse_connect(args.listen)
+    upstream, downstream = profiles(args.bandwidth, args.rtt, args.jitter)
+    emulator = LinkEmulator(
+        parse_connect(args.to), upstream, downstream, parse_duration(args.cut_after, "--cut-after")
+    )
+
+    async def serve() -> None:
+        listeners = await trio.open_tcp_listeners(listen_port, host=listen_host)
+        print(
+            f"emulating a {args.bandwidth} link with {args.rtt} RTT: "
+            f"connect to {args.listen}, forwarded to {args.to}",
+            flush=True,
+        )
+        await emulator.serve(listeners)
+
+    try:
+        trio.run(serve)
+    except OSError as exc:
+        print(f"pcp-tui: error: cannot listen on {args.listen} ({exc.strerror or exc})")
+        return 1
+    return 0

@@ -1,0 +1,61 @@
+"""`pcp_tui.train`: a shepherd and local worker processes from Python, as `pcp-tui demo` runs them."""
+
+from __future__ import annotations
+
+import sys
+
+import trio
+
+from pcp_tui.app.headless import HeadlessPrinter
+from pcp_tui.app.launch import _worker_process, preflight
+from pcp_tui.config import RunConfig
+from pcp_tui.contract.auth import new_token
+from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
+from pcp_tui.shepherd.state import RunState
+
+
+def train(
+    config: RunConfig | None = None,
+    *,
+    backend: str = "cpu",
+    progress: bool = False,
+    **options,
+) -> RunState:
+    """Train `config` (or the defaults with `options` applied) with `config.workers` local workers.
+
+    The workers are real `pcp-tui worker` processes on this machine, joined over
+    127.0.0.1; the shepherd runs in this process under `trio.run`, so this call
+    blocks until the run ends and returns its final state (history, workers,
+    events). `progress` prints the headless lines. Raises `ConfigError` for an
+    option that cannot work and `RunFailed` when the run cannot go on (a local
+    worker died, say); data and model errors pass through as they are.
+
+        state = pcp_tui.train(rounds=3, inner_steps=20)
+        print(state.history[-1].eval_loss)
+    """
+    from pcp_tui.training.workload import build_workload
+
+    config = (config or RunConfig(host="127.0.0.1", port=0)).replace(**options)
+    if not config.token:
+        config = config.replace(token=new_token())
+    preflight(config)
+    shepherd = Shepherd(config, build_workload(config, shards=config.workers))
+    if progress:
+        shepherd.state.subscribe(HeadlessPrinter(shepherd.state, sys.stdout))
+
+    async def shepherd_and_workers() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            for index in range(config.workers):
+                await nursery.start(_worker_process, shepherd, port, backend, index)
+
+    try:
+        trio.run(shepherd_and_workers)
+    except BaseExceptionGroup as group:
+        failed, rest = group.split(RunFailed)
+        if failed is None or rest is not None:
+            raise
+        while isinstance(failed, BaseExceptionGroup):
+            failed = failed.exceptions[0]
+        raise failed from None
+    return shepherd.state

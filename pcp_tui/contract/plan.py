@@ -1,0 +1,120 @@
+"""The plan both sides share, the rules across its fields, and what each side may receive when.
+
+`protocol.Plan` is the wire type: the shepherd builds one (`build`) and the
+worker receives it unchanged. What no single field can say lives here, next to
+it, and both sides call the same functions:
+
+- token arithmetic: a batch row counts `tokens_per_row` tokens (the sequence
+  length for LM windows, 1 for a row of a custom dataset), so a round of
+  `inner_steps` steps trains on at most `max_result_tokens(plan)` tokens;
+- a round result carries exactly the plan's parameters as float32 tensors,
+  so the shepherd knows its size from the header, before a payload byte arrives;
+- `RECEIVES`: for each side, which message kinds are valid in which stage of
+  a connection; anything else from an admitted peer ends that connection.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+
+from pcp_tui import protocol
+
+SMALL_MESSAGE_BYTES = 64 * 1024  # every kind but roundResult, after admission
+_HEADER_BYTES_PER_TENSOR = 512  # a tensor header on the wire, name included, generously
+RESULT_DTYPE = "float32"
+
+
+class ResultRefused(protocol.ProtocolError):
+    """A round result whose tensor headers are not the plan's: refused before its payload."""
+
+    code = "badResult"
+
+
+def tokens_per_row(batch_kind: protocol.BatchKind, seq_len: int) -> int:
+    """Tokens one batch row trains on: a window of `seq_len` tokens, or one dataset row."""
+    return seq_len if batch_kind == protocol.BatchKind.WINDOWS else 1
+
+
+def max_result_tokens(plan: protocol.Plan) -> int:
+    """The most tokens a round result may report for this plan."""
+    return plan.inner_steps * plan.batch_size * plan.tokens_per_row
+
+
+def plan_problem(plan: protocol.Plan, tensors: Mapping[str, object]) -> str | None:
+    """Why a received plan cannot be trained on, or None: the worker's check of what it got."""
+    graphs = {graph.name for graph in plan.graphs}
+    if not {"train_chunk", "init_opt_state"} <= graphs:
+        return f"the plan names graphs {sorted(graphs)}; it needs train_chunk and init_opt_state"
+    missing = [graph.tensor for graph in plan.graphs if graph.tensor not in tensors]
+    if missing:
+        return f"the plan lacks its graph tensors {missing}"
+    if min(plan.inner_steps, plan.chunk_steps, plan.batch_size, plan.tokens_per_row) < 1:
+        return "the plan's inner steps, chunk steps, batch size and tokens per row must be >= 1"
+    if plan.tokens_per_row != tokens_per_row(plan.batch_kind, plan.seq_len):
+        return (
+            f"a {plan.batch_kind.value} plan counts {tokens_per_row(plan.batch_kind, plan.seq_len)} "
+            f"tokens per row, this one says {plan.tokens_per_row}"
+        )
+    return None
+
+
+def result_frame_bytes(param_names: Sequence[str], inner_steps: int) -> int:
+    """The largest Cap'n Proto part (headers, losses) an honest round result can have."""
+    return SMALL_MESSAGE_BYTES + _HEADER_BYTES_PER_TENSOR * len(param_names) + 8 * inner_steps
+
+
+def result_header_problem(
+    shapes: Mapping[str, tuple[int, ...]], specs: Sequence[protocol.TensorSpec]
+) -> str | None:
+    """Why a round result's tensor headers are not exactly the plan's parameters, or None."""
+    names = [spec.name for spec in specs]
+    if sorted(names) != sorted(shapes):
+        missing = sorted(set(shapes) - set(names))[:3]
+        extra = sorted(set(names) - set(shapes))[:3]
+        return f"its tensors are not the plan's parameters (missing {missing}, unexpected {extra})"
+    for spec in specs:
+        if spec.dtype != RESULT_DTYPE or tuple(spec.shape) != tuple(shapes[spec.name]):
+            return (
+                f"{spec.name} is {spec.dtype}{list(spec.shape)}, "
+                f"the plan's is {RESULT_DTYPE}{list(shapes[spec.name])}"
+            )
+    return None
+
+
+class Stage(enum.Enum):
+    """Where an admitted connection is, as the receiving side sees it."""
+
+    PLANNED = "planned"  # worker: welcomed, plan not yet in; shepherd: plan sent, not ready
+    READY = "ready"  # the worker compiled its graphs and trains rounds
+
+
+_ALWAYS = frozenset(Stage)
+# kind -> the stages in which a peer may send it; the one table of the conversation.
+RECEIVES: dict[str, dict[str, frozenset[Stage]]] = {
+    "shepherd": {
+        "ready": frozenset({Stage.PLANNED}),
+        "progress": frozenset({Stage.READY}),
+        "roundResult": frozenset({Stage.READY}),
+        "heartbeat": _ALWAYS,
+        "error": _ALWAYS,
+        "goodbye": _ALWAYS,
+    },
+    "worker": {
+        "plan": frozenset({Stage.PLANNED}),
+        "roundStart": frozenset({Stage.READY}),
+        "heartbeat": _ALWAYS,
+        "error": _ALWAYS,
+        "goodbye": _ALWAYS,
+    },
+}
+
+
+def out_of_turn(side: str, kind: str, stage: Stage) -> str | None:
+    """Why `kind` may not reach `side` in `stage`, or None when it may."""
+    stages = RECEIVES[side].get(kind)
+    if stages is None:
+        return f"a {side} never accepts {kind} after the handshake"
+    if stage not in stages:
+        return f"{kind} is not valid while the connection is {stage.value}"
+    return None
