@@ -62,7 +62,7 @@ class WorkerPool:
         self._result_slots = trio.Semaphore(RESULTS_IN_MEMORY)
 
     def remember(self, indices: dict[str, int]) -> None:
-        """Give returning workers the index (and so the shard) they had before a restart."""
+        """Give returning workers the index they had before a restart (shards: the ledger)."""
         self._known_indices = dict(indices)
         self._next_index = max(indices.values(), default=-1) + 1
 
@@ -114,7 +114,7 @@ class WorkerPool:
             with trio.CancelScope(shield=True):
                 await link.close("connection closed")
 
-    def _refusal(self, worker_id: str) -> tuple[str, str] | None:
+    def _refusal(self, worker_id: str) -> tuple[protocol.ErrorCode, str] | None:
         """(code, reason) if an authenticated connection may not join now, else None.
 
         A worker id belongs to one live connection: a second connection with it is
@@ -128,7 +128,7 @@ class WorkerPool:
         timeout = self.config.heartbeat_timeout
         alive = previous is not None and not previous.closed
         if alive and (previous.admitting or previous.silent_for() <= timeout):
-            return "idInUse", (
+            return protocol.ErrorCode.ID_IN_USE, (
                 f"worker id {worker_id!r} is in use by a live connection from "
                 f"{previous.view.host}; start this worker with another --id, or stop the "
                 f"other one (a reconnect is let in once the old connection has been silent "
@@ -137,16 +137,16 @@ class WorkerPool:
         cap = self.config.worker_connections
         live = sum(1 for link in self._links.values() if not link.closed and link is not previous)
         if live >= cap:
-            return "busy", (
+            return protocol.ErrorCode.BUSY, (
                 f"the shepherd already serves {live} worker connections, its limit; try again "
                 f"later, or raise --max-worker-connections on the shepherd (now {cap})"
             )
         return None
 
-    async def _refuse(self, admitted: Admitted, code: str, reason: str) -> None:
+    async def _refuse(self, admitted: Admitted, code: protocol.ErrorCode, reason: str) -> None:
         """Tell an authenticated peer why it may not join (one line), log it, and hang up."""
         host = admitted.peer.rpartition(":")[0] or admitted.peer
-        self.admission.refusals.refused(host, admitted.peer, reason, code=code)
+        self.admission.refusals.refused(host, admitted.peer, reason, code=code.value)
         with trio.move_on_after(1):  # the peer may not read: do not wait on it
             await admitted.stream.send_error(code, reason)
         with contextlib.suppress(*CONNECTION_ERRORS):
