@@ -273,6 +273,65 @@ def test_ctrl_c_at_the_terminal_stops_the_demo_and_its_workers_cleanly(tmp_path,
     assert not [r for r in rows if r["event"] in ("failed", "lost")], rows
 
 
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie that its new parent has not reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _demo(background, checkpoints: Path, metrics: Path) -> Background:
+    demo = background(
+        "demo",
+        "--headless",
+        "--workers",
+        "1",
+        "--rounds",
+        "1000",
+        "--inner-steps",
+        "5",
+        *SMALL,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        "1000",
+        "--metrics",
+        str(metrics),
+    )
+    demo.wait_for(metrics, r'"event": "round"')
+    return demo
+
+
+def test_sighup_stops_the_demo_like_sigterm(tmp_path, background):
+    """Closing the terminal sends SIGHUP: a message, the final checkpoint, workers told goodbye."""
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    demo = _demo(background, checkpoints, metrics)
+    workers = _children(demo.process.pid)
+    assert len(workers) == 1
+    demo.process.send_signal(signal.SIGHUP)
+    assert demo.wait() == 128 + signal.SIGHUP, demo.err.read_text()
+    line = one_error_line(demo.err.read_text())
+    assert line.startswith("pcp-tui: SIGHUP: stopping after the current round"), line
+    assert checkpoint.load_latest(checkpoints).round >= 1
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert not [r for r in rows if r["event"] in ("failed", "lost")], rows
+    assert not [pid for pid in workers if _alive(pid)]  # the demo waited for their goodbye
+
+
+def test_the_demos_workers_do_not_outlive_a_killed_demo(tmp_path, background):
+    demo = _demo(background, tmp_path / "ckpt", tmp_path / "m.jsonl")
+    workers = _children(demo.process.pid)
+    assert len(workers) == 1 and all(_alive(pid) for pid in workers)
+    demo.process.kill()  # SIGKILL: the demo runs no code of its own on the way out
+    demo.wait()
+    deadline = time.monotonic() + GUARD  # only against hangs: they stop within seconds
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "the killed demo's workers are still running"
+        time.sleep(0.1)
+
+
 def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     with socket.socket() as closed:  # nobody listens: the worker retries with back-off
         closed.bind(("127.0.0.1", 0))

@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(printed in its join command; with --tls-ca too, the certificate must pass both)",
     )
     worker.add_argument("--quiet", action="store_true", help="print only errors")
+    worker.add_argument(  # a demo's local workers: see launch._worker_process
+        "--parent-fd", type=int, default=None, help=argparse.SUPPRESS
+    )
     worker.add_argument(
         "--compile-cache",
         default=_default_cache(),
@@ -214,11 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Interrupted(BaseException):
-    """SIGTERM outside a run's own signal handling (see `headless.SignalStop`): exit 143."""
+    """SIGTERM or SIGHUP outside a run's own signal handling (see `headless.SignalStop`).
+
+    The exit code is 128 + the signal's number: 143 for SIGTERM, 129 for SIGHUP.
+    """
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+_TERMINATING = (signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -229,11 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _main(args)
-    previous = signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: a message, not a death
+    # like Ctrl-C: a message, not a death (SIGHUP: the terminal closed)
+    previous = {signum: signal.signal(signum, _terminate) for signum in _TERMINATING}
     try:
         return _main(args)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -243,12 +254,14 @@ def _main(args: argparse.Namespace) -> int:
         print(f"pcp-tui: error: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Interrupted) as exc:
-        return _interrupted(signal.SIGTERM if isinstance(exc, Interrupted) else signal.SIGINT)
+        return _interrupted(exc.signum if isinstance(exc, Interrupted) else signal.SIGINT)
     except BaseExceptionGroup as group:  # a signal inside trio nurseries arrives wrapped
         if group.split((KeyboardInterrupt, Interrupted))[1] is not None:
             raise
-        terminated = group.subgroup(Interrupted) is not None
-        return _interrupted(signal.SIGTERM if terminated else signal.SIGINT)
+        terminated = group.subgroup(Interrupted)
+        while isinstance(terminated, BaseExceptionGroup):
+            terminated = terminated.exceptions[0]
+        return _interrupted(terminated.signum if terminated is not None else signal.SIGINT)
 
 
 def _interrupted(signum: int) -> int:

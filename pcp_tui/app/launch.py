@@ -261,7 +261,15 @@ async def _worker_process(
 
     It gets a session of its own: a Ctrl-C at the terminal reaches only the
     demo, which stops its shepherd, which tells the worker goodbye.
+
+    It never outlives the demo, even one killed by SIGKILL: it inherits the read
+    end of a pipe whose only write end the demo holds, and stops when that end
+    closes (the kernel closes it however the demo dies). Not PR_SET_PDEATHSIG:
+    that fires when the *thread* that forked exits, and trio forks from a
+    cached worker thread that exits after a few idle seconds.
     """
+    posix = os.name == "posix"
+    parent_end, demo_end = os.pipe() if posix else (None, None)
     command = local_worker_command(
         port,
         backend=backend,
@@ -269,17 +277,25 @@ async def _worker_process(
             "--id",
             f"local-{index}",
             "--quiet",
+            *(("--parent-fd", str(parent_end)) if posix else ()),
             *(shepherd.tls.worker_flags() if shepherd.tls else ()),
         ),
     )
     env = dict(os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.workers))
-    async with trio.open_nursery() as nursery:
-        process = await nursery.start(
-            lambda **kw: trio.run_process(
-                command, env=env, check=False, start_new_session=os.name == "posix", **kw
+    options = {"start_new_session": True, "pass_fds": (parent_end,)} if posix else {}
+    try:
+        async with trio.open_nursery() as nursery:
+            process = await nursery.start(
+                lambda **kw: trio.run_process(command, env=env, check=False, **options, **kw)
             )
-        )
-        task_status.started(process)
+            if posix:
+                os.close(parent_end)
+                parent_end = None
+            task_status.started(process)
+    finally:
+        for fd in (parent_end, demo_end):
+            if fd is not None:
+                os.close(fd)
     if process.returncode != 0 and shepherd.state.status not in ("done", "stopped", "failed"):
         shepherd.abort(
             f"local worker {index} exited with code {process.returncode} (its reason is above)"
@@ -340,13 +356,44 @@ def run_worker(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     view = contextlib.nullcontext() if args.quiet else WorkerStatusView(worker.status)
     stop = SignalStop()  # the first SIGINT/SIGTERM ends the worker; the shepherd sees it leave
+    body = worker.run if args.parent_fd is None else _until_closed(args.parent_fd, worker.run)
     with view:
-        ended = _run_with_signals(stop, worker.run, (Refused, ConnectionLost))
+        ended = _run_with_signals(stop, body, (Refused, ConnectionLost, ParentGone))
     if isinstance(ended, Refused):
         return _fail(f"{ended} (not retrying)")
     if ended is not None:
         return _fail(str(ended))
     return stop.exit_code or 0
+
+
+class ParentGone(Exception):
+    """The demo that started this local worker has exited; the worker stops too."""
+
+
+def _until_closed(fd: int, body: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[None]]:
+    """`body`, cancelled (raising ParentGone) once the pipe `fd` reaches end-of-file.
+
+    The demo never writes to the pipe: end-of-file means its last write end is
+    closed, which the kernel does when the demo exits, however it exits.
+    """
+
+    async def watched() -> None:
+        gone = False
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal gone
+                await trio.lowlevel.wait_readable(fd)  # only end-of-file makes it readable
+                gone = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            await body()
+            nursery.cancel_scope.cancel()
+        if gone:
+            raise ParentGone("the demo that started this worker has exited; stopping")
+
+    return watched
 
 
 def parse_connect(text: str) -> tuple[str, int]:
