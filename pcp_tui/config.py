@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 QUANTIZATIONS = ("none", "bfloat16", "int8Block")
+# A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
+HEARTBEATS_PER_TIMEOUT = 3
 
 
 class ConfigError(ValueError):
@@ -120,11 +122,12 @@ class RunConfig:
             "must be positive",
             self.heartbeat_seconds,
         )
-        if self.heartbeat_timeout <= self.heartbeat_seconds:
+        if self.heartbeat_timeout < HEARTBEATS_PER_TIMEOUT * self.heartbeat_seconds:
             raise ConfigError(
-                f"--heartbeat-timeout ({self.heartbeat_timeout:g} s) must be larger than "
-                f"--heartbeat-seconds ({self.heartbeat_seconds:g} s): a worker counts as lost "
-                "after that much silence, so it needs room for several heartbeats (e.g. 10x)"
+                f"--heartbeat-timeout ({self.heartbeat_timeout:g} s) must be at least "
+                f"{HEARTBEATS_PER_TIMEOUT}x --heartbeat-seconds ({self.heartbeat_seconds:g} s): "
+                "a worker counts as lost after that much silence, so it needs room for several "
+                "heartbeats (e.g. 10x)"
             )
         if self.min_workers > self.workers:
             raise ConfigError(

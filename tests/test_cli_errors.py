@@ -15,12 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from pcp_tui.backends import BackendUnavailable, select_backend
 
+from pcp_tui.backends import BackendUnavailable, select_backend
 from pcp_tui.shepherd import checkpoint
 
 from .conftest import worker_command, worker_env
@@ -345,6 +346,52 @@ def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     assert one_error_line(worker.err.read_text()) == "pcp-tui: SIGTERM: stopping at once"
 
 
+def test_a_worker_refused_on_every_connect_gives_up_with_growing_waits(background):
+    """--give-up-after counts from the last welcome, not the last TCP connect."""
+    with socket.socket() as refusing:  # accepts, then hangs up at once: never a welcome
+        refusing.bind(("127.0.0.1", 0))
+        refusing.listen(64)
+        port = refusing.getsockname()[1]
+
+        def hang_up() -> None:
+            with contextlib.suppress(OSError):  # closed when the test is over
+                while True:
+                    refusing.accept()[0].close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        worker = background(
+            "worker", "--connect", f"127.0.0.1:{port}", "--token", "t", "--backend", "cpu",
+            "--give-up-after", "5",
+        )  # fmt: skip
+        assert worker.wait() == 1, worker.err.read_text()
+    line = one_error_line(worker.err.read_text())
+    assert line.startswith("pcp-tui: error: connection lost") and "gave up after" in line, line
+    assert "--give-up-after" in line
+    waits = [float(w) for w in re.findall(r"retrying in ([\d.]+) s", worker.out.read_text())]
+    assert len(waits) >= 2, worker.out.read_text()
+    # attempt n waits within [2^n / 4, 2^n / 2] s: never less than the one before (the
+    # last may be cut short by the budget)
+    assert waits[:-1] == sorted(waits[:-1]), waits
+
+
+def test_idle_workers_beat_at_the_runs_heartbeat_interval(tmp_path, background, spawn_worker):
+    """--heartbeat-seconds 0.25 --heartbeat-timeout 1.5: workers beat every 0.25 s, not 2 s."""
+    metrics = tmp_path / "m.jsonl"
+    shepherd = background(
+        *shepherd_args("--workers", "2", "--rounds", "1"),
+        "--heartbeat-seconds", "0.25", "--heartbeat-timeout", "1.5", "--metrics", str(metrics),
+    )  # fmt: skip
+    port = shepherd.port()
+    spawn_worker(port, token=TOKEN)
+    shepherd.wait_for(metrics, r'"event": "compiled"')
+    # idle: the run waits for a second worker. A 2 s heartbeat is lost within 1.5 s.
+    time.sleep(4 * 1.5)
+    spawn_worker(port, token=TOKEN)
+    assert shepherd.wait() == 0, shepherd.err.read_text()
+    events = [json.loads(line).get("event") for line in metrics.read_text().splitlines()]
+    assert "round" in events and "lost" not in events and "rejoined" not in events, events
+
+
 # -- 3-6, 12: options that cannot work stop the run before anything loads ---------
 
 
@@ -352,7 +399,8 @@ def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     ("flags", "message"),
     [
         (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
-        (["--heartbeat-timeout", "0"], "must be larger than --heartbeat-seconds"),
+        (["--heartbeat-timeout", "0"], "must be at least 3x --heartbeat-seconds"),
+        (["--heartbeat-seconds", "1", "--heartbeat-timeout", "2"], "must be at least 3x"),
         (["--attention", "foo"], "--attention must be one of xla, cudnn"),
         (["--eval-batches", "0"], "--eval-batches must be at least 1"),
         (["--min-workers", "3", "--workers", "2"], "--min-workers 3 is more than --workers 2"),

@@ -41,8 +41,8 @@ _HELP = {
     "workers": "workers to wait for before round 1",
     "host": "address to listen on",
     "port": "TCP port to listen on (0: any free port)",
-    "heartbeat_seconds": "heartbeat interval",
-    "heartbeat_timeout": "seconds of silence before a worker counts as lost (more than --heartbeat-seconds)",
+    "heartbeat_seconds": "heartbeat interval, of the shepherd and (told in the welcome) its workers",
+    "heartbeat_timeout": "seconds of silence before a worker counts as lost (at least 3x --heartbeat-seconds)",
     "round_timeout": "close a round after this many seconds with the results it has (0: wait for all)",
     "min_workers": "fewest results a round needs before --round-timeout may close it (at most --workers)",
     "token": "join token workers must prove (default: $PCP_TOKEN or a random one)",
@@ -160,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1800.0,
         metavar="SECONDS",
-        help="stop reconnecting (exit 1) after this long without reaching the shepherd: "
-        "a run that ended while this worker was cut off never says goodbye to it (default: 1800)",
+        help="stop reconnecting (exit 1) after this long without being admitted by the shepherd "
+        "(a TCP connect that is then refused does not count); retries wait about 1 s, then "
+        "twice as long each time, up to 30 s: a run that ended while this worker was cut off "
+        "never says goodbye to it (default: 1800)",
     )
     worker.add_argument(
         "--tls-ca",
