@@ -164,7 +164,7 @@ class Worker:
         cut_off = time.monotonic() - self._last_contact
         if cut_off >= self.give_up_after:
             raise ConnectionLost(
-                f"{reason}; gave up after {cut_off:.0f} s without being admitted "
+                f"{reason}; gave up after {cut_off:.0f} s of retrying without a welcome "
                 "(the run may have ended while this worker was cut off; --give-up-after sets the limit)"
             )
         delay = min(self.max_backoff, 0.5 * 2 ** min(self._attempts, 8))
