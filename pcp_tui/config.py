@@ -135,6 +135,11 @@ class RunConfig:
                 "--min-workers is the fewest results a round needs before --round-timeout "
                 "may close it, so it cannot exceed the workers the run waits for"
             )
+        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ConfigError(
+                "--attention cudnn needs --compute-dtype bfloat16 (cuDNN fused attention has "
+                "no float32 kernel); pass both, or --attention xla"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
         _require(

@@ -109,19 +109,21 @@ def _default_cache() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pcp-tui", description="Train across loosely connected machines (DiLoCo)."
+        prog="pcp-tui",
+        description="Train across loosely connected machines (DiLoCo).",
+        allow_abbrev=False,  # `--inner-step 5` must be an error, not a guess at --inner-steps
     )
     parser.add_argument("--version", action="version", version=f"pcp-tui {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    shepherd = commands.add_parser("shepherd", help="coordinate a run: workers connect to it")
+    shepherd = _command(commands, "shepherd", help="coordinate a run: workers connect to it")
     shepherd.add_argument(
         "--headless", action="store_true", help="no dashboard: one line per round"
     )
     _add_run_options(shepherd, RunConfig())
 
-    demo = commands.add_parser(
-        "demo", help="shepherd plus local worker processes on the embedded corpus"
+    demo = _command(
+        commands, "demo", help="shepherd plus local worker processes on the embedded corpus"
     )
     demo.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
     demo.add_argument(
@@ -134,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
 
-    worker = commands.add_parser("worker", help="join a shepherd and train")
+    worker = _command(commands, "worker", help="join a shepherd and train")
     worker.add_argument(
         "--connect", required=True, metavar="HOST:PORT", help="the shepherd's address"
     )
@@ -189,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep compiled graphs here so a restart does not recompile ('' to disable)",
     )
-    sample = commands.add_parser("sample", help="generate text from a GPT-2 checkpoint")
+    sample = _command(commands, "sample", help="generate text from a GPT-2 checkpoint")
     sample.add_argument(
         "--checkpoint",
         "--checkpoint-dir",
@@ -216,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="random seed: the same seed, the same text (default: 0)"
     )
     return parser
+
+
+def _command(commands, name: str, **options) -> argparse.ArgumentParser:
+    """A subcommand's parser; like the top one, it takes only whole option names."""
+    return commands.add_parser(name, allow_abbrev=False, **options)
 
 
 class Interrupted(BaseException):

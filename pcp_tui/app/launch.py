@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
+import functools
 import os
 import socket
 import sys
@@ -30,11 +32,14 @@ def _fail(reason: str, code: int = 1) -> int:
 
 
 def preflight(config: RunConfig) -> None:
-    """What can be checked before data and model load: address, files, the resumed round.
+    """What can be checked before data and model load: model, address, files, the resumed round.
 
     ConfigError (exit 2) for an option that cannot work, RunFailed for a busy port,
     CheckpointError for a missing or unreadable checkpoint.
     """
+    _check_model(config.model)
+    if config.attention == "cudnn":
+        _check_cudnn()
     _check_listen(config.host, config.port)
     if config.checkpoint_dir:
         _check_writable(config.checkpoint_dir)
@@ -53,6 +58,43 @@ def preflight(config: RunConfig) -> None:
                 f"checkpoint {saved.path} is at round {saved.round} of {config.rounds}; "
                 "pass a larger --rounds to train further"
             )
+
+
+def _check_model(model: str) -> None:
+    """A GPT-2 preset or an existing model file, before minutes of loading find out."""
+    from pcp_tui.training.model_file import is_model_file
+    from pcp_tui.training.models.gpt2 import PRESETS
+
+    if is_model_file(model):
+        path = Path(model.partition(":")[0]).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--model {model!r}: no file {path.resolve()}")
+        return
+    if model not in PRESETS:
+        close = difflib.get_close_matches(model, PRESETS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"--model {model!r} is not a preset: {hint}presets are {', '.join(PRESETS)}, "
+            "or pass a model file path/to/model.py:build"
+        )
+
+
+def _check_cudnn() -> None:
+    """Trace cuDNN attention once: the shepherd exports it, so its JAX needs CUDA and cuDNN."""
+    import jax
+    import jax.numpy as jnp
+
+    shape = jax.ShapeDtypeStruct((1, 8, 1, 16), jnp.bfloat16)
+    attention = functools.partial(
+        jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"
+    )
+    try:
+        jax.eval_shape(attention, shape, shape, shape)
+    except (RuntimeError, NotImplementedError, ValueError) as exc:
+        raise ConfigError(
+            f"--attention cudnn needs JAX with CUDA and cuDNN on the shepherd, which exports "
+            f"the graph ({exc}); run the shepherd on a CUDA machine, or use --attention xla"
+        ) from None
 
 
 def _check_listen(host: str, port: int) -> None:
