@@ -159,13 +159,21 @@ def test_demo_on_a_busy_port_says_so_in_one_line():
     assert line.startswith("pcp-tui: error: cannot listen on 127.0.0.1:") and "--port" in line
 
 
-def _missing_backend() -> str:
+def _missing_backends() -> list[str]:
+    missing = []
     for name in ("metal", "rocm", "cuda"):
         try:
             select_backend(name)
         except BackendUnavailable:
-            return name
-    pytest.skip("every backend is present here")
+            missing.append(name)
+    return missing
+
+
+def _missing_backend() -> str:
+    missing = _missing_backends()
+    if not missing:
+        pytest.skip("every backend is present here")
+    return missing[0]
 
 
 def test_demo_whose_workers_cannot_start_fails_with_one_line():
@@ -405,6 +413,9 @@ def test_idle_workers_beat_at_the_runs_heartbeat_interval(tmp_path, background, 
         (["--eval-batches", "0"], "--eval-batches must be at least 1"),
         (["--min-workers", "3", "--workers", "2"], "--min-workers 3 is more than --workers 2"),
         (["--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine"),
+        (["--attention", "cudnn"], "--attention cudnn needs --compute-dtype bfloat16"),
+        (["--model", "tinny"], "--model 'tinny' is not a preset: did you mean 'tiny'? presets"),
+        (["--model", "missing.py:build"], "--model 'missing.py:build': no file"),
     ],
 )
 def test_options_that_cannot_work_exit_2_with_one_line(flags, message):
@@ -412,6 +423,86 @@ def test_options_that_cannot_work_exit_2_with_one_line(flags, message):
     assert result.returncode == 2
     assert message in one_error_line(result)
     assert "loading data" not in result.stdout  # refused before the slow part
+
+
+def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2():
+    if "cuda" not in _missing_backends():
+        pytest.skip("this machine has CUDA: cuDNN attention can be exported here")
+    result = pcp("shepherd", "--headless", "--port", "0", "--attention", "cudnn",
+                 "--compute-dtype", "bfloat16")  # fmt: skip
+    assert result.returncode == 2
+    assert "--attention cudnn needs JAX with CUDA and cuDNN on the shepherd" in one_error_line(
+        result
+    )
+    assert "loading data" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["shepherd", "--port", "0", "--inner-step", "5"], "unrecognized arguments: --inner-step"),
+        (["demo", "--port", "0", "--inner-step", "5"], "unrecognized arguments: --inner-step"),
+        (["worker", "--conn", "127.0.0.1:9", "--no-reconnect"], "required: --connect"),
+        (["sample", "--check", "ckpt"], "required: --checkpoint"),
+    ],
+)
+def test_abbreviated_options_are_errors_not_guesses(args, message):
+    result = pcp(*args)
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+
+
+def _model_file(tmp_path: Path, old: str, new: str) -> str:
+    text = (REPO / "examples" / "mlp_model.py").read_text()
+    assert old in text
+    path = tmp_path / "model.py"
+    path.write_text(text.replace(old, new, 1))
+    line = text[: text.index(old)].count("\n") + 1
+    return f"pcp-tui: error: {path}:{line}:"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "error"),
+    [
+        ("def build(config) -> pcp_tui.ModelSpec:", "def build(config)", " SyntaxError: expected ':'"),
+        (
+            "logits = hidden @ params[\"w2\"]",
+            "logits = hidden @ params[\"w1\"]",
+            " in loss: TypeError: dot_general requires contracting dimensions to have the same "
+            "shape, got (64,) and (16,). (batch x: float32[4,16], y: int32[4])",
+        ),
+        ("\"b1\": jnp.zeros(HIDDEN),", "\"b1\": jnp.zeros(HIDDEN) + nope,",
+         " in init: NameError: name 'nope' is not defined"),
+    ],
+    ids=["syntax", "shape", "init"],
+)  # fmt: skip
+def test_a_model_files_error_is_one_line_at_its_line(tmp_path, old, new, error):
+    where = _model_file(tmp_path, old, new)
+    result = pcp("shepherd", "--headless", "--port", "0", "--model", f"{tmp_path}/model.py:build",
+                 "--workers", "1", *SMALL)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert one_error_line(result) == where + error
+    assert "listening" not in result.stdout
+
+
+def _not_text(tmp_path: Path) -> list[tuple[str, str]]:
+    random_bytes = tmp_path / "random.txt"
+    random_bytes.write_bytes(bytes(range(256)) * 64)
+    odd = tmp_path / "tokens.bin"
+    odd.write_bytes(b"\x01\x00" * 100 + b"\x07")
+    return [
+        (str(random_bytes), f"{random_bytes} is not text (a NUL byte at offset 0)"),
+        (sys.executable, f"{sys.executable} is not text (a NUL byte at offset"),
+        (str(odd), f"{odd} is not a nanoGPT token file: its size (201 bytes) is odd"),
+    ]
+
+
+def test_data_that_is_not_text_or_not_tokens_is_refused(tmp_path):
+    for data, message in _not_text(tmp_path):
+        result = pcp("shepherd", "--headless", "--port", "0", "--data", data, *SMALL)
+        assert result.returncode == 1, result.stderr
+        line = one_error_line(result)
+        assert line.startswith(f"pcp-tui: error: {message}") and "--data" in line, line
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path):

@@ -24,6 +24,7 @@ from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.checkpoint import CheckpointError
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.training.corpus import DataError
+from pcp_tui.training.model_file import ModelFileError
 
 
 def _fail(reason: str, code: int = 1) -> int:
@@ -182,7 +183,7 @@ def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
         return prepare(config, shards=config.workers)
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    except (DataError, CheckpointError, RunFailed, OSError, ValueError) as exc:
+    except (DataError, CheckpointError, RunFailed, ModelFileError, OSError, ValueError) as exc:
         return _fail(str(exc))
 
 
@@ -202,10 +203,14 @@ def run_shepherd(config: RunConfig, *, headless: bool) -> int:
 def _run_headless(
     shepherd: Shepherd, metrics: MetricsWriter | None, body: Callable[[], Awaitable[object]]
 ) -> int:
-    """Run `body` under trio with SIGINT/SIGTERM handling; 0, 1 (RunFailed) or 128 + signal."""
+    """Run `body` under trio with signal handling; 0, 1 (RunFailed) or 128 + signal.
+
+    A model file's loss first runs when the shepherd exports the graph, inside
+    the run: its ModelFileError ends the run like a RunFailed, in one line.
+    """
     stop = SignalStop(shepherd.request_stop)
     try:
-        failure = _run_with_signals(stop, body, RunFailed)
+        failure = _run_with_signals(stop, body, (RunFailed, ModelFileError))
     finally:
         if metrics:
             metrics.close()
