@@ -400,6 +400,34 @@ def test_idle_workers_beat_at_the_runs_heartbeat_interval(tmp_path, background, 
     assert "round" in events and "lost" not in events and "rejoined" not in events, events
 
 
+def test_log_level_debug_logs_connections_and_messages_to_the_log_files(
+    tmp_path, background, spawn_worker
+):
+    shepherd_log, worker_log = tmp_path / "shepherd.log", tmp_path / "worker.log"
+    shepherd = background(
+        *shepherd_args("--workers", "1", "--rounds", "1"),
+        "--log-level", "debug", "--log-file", str(shepherd_log),
+    )  # fmt: skip
+    worker = spawn_worker(
+        shepherd.port(), "--log-level", "debug", "--log-file", str(worker_log), token=TOKEN
+    )
+    assert shepherd.wait() == 0, shepherd.err.read_text()
+    assert worker.wait(timeout=GUARD) == 0, worker.stdout.read()
+    assert "pcp_tui" not in shepherd.err.read_text()  # the log went to the file
+    text = shepherd_log.read_text()
+    for pattern in (
+        r"INFO pcp_tui\.shepherd\.pool: worker 0 \(\S+, cpu\) joined from 127\.0\.0\.1:\d+",
+        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: sent plan \(\d+ bytes\)",
+        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: received roundResult \(\d+ bytes\)",
+        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: received ready \(\d+ bytes\)",
+    ):
+        assert re.search(pattern, text), (pattern, text)
+    text = worker_log.read_text()
+    assert re.search(r"INFO pcp_tui\.worker\.client: admitted by 127\.0\.0\.1:\d+", text), text
+    assert re.search(r"DEBUG pcp_tui\.worker\.client: sent heartbeat \(\d+ bytes\)", text), text
+    assert "INFO pcp_tui.worker.client: the shepherd ended the run" in text
+
+
 # -- 3-6, 12: options that cannot work stop the run before anything loads ---------
 
 

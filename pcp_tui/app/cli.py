@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -86,6 +87,40 @@ def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> No
         )
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_log_options(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-file: connection-level diagnostics beside the run's own output."""
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="info: joins, losses, refusals and reconnects; debug: also every message sent "
+        "and received, with its size (default: warning)",
+    )
+    group.add_argument(
+        "--log-file",
+        default=None,
+        metavar="PATH",
+        help="append the log to this file instead of standard error",
+    )
+
+
+def configure_logging(level: str, path: str | None) -> None:
+    """Send `pcp_tui` loggers at `level` to `path` (appended) or standard error.
+
+    Only pcp-tui's own loggers get the level: debug for JAX would flood the log.
+    """
+    handler = logging.FileHandler(path, encoding="utf-8") if path else logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("pcp_tui")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
 def _config_from(args: argparse.Namespace) -> RunConfig:
     """Command defaults, then the --config file, then the flags actually passed."""
     fields = [f.name for f in dataclasses.fields(RunConfig)]
@@ -121,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--headless", action="store_true", help="no dashboard: one line per round"
     )
     _add_run_options(shepherd, RunConfig())
+    _add_log_options(shepherd)
 
     demo = _command(
         commands, "demo", help="shepherd plus local worker processes on the embedded corpus"
@@ -135,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
             rounds=12, inner_steps=25, port=0, host="127.0.0.1", warmup_steps=25, inner_lr=2e-3
         ),
     )
+    _add_log_options(demo)
 
     worker = _command(commands, "worker", help="join a shepherd and train")
     worker.add_argument(
@@ -182,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(printed in its join command; with --tls-ca too, the certificate must pass both)",
     )
     worker.add_argument("--quiet", action="store_true", help="print only errors")
+    _add_log_options(worker)
     worker.add_argument(  # a demo's local workers: see launch._worker_process
         "--parent-fd", type=int, default=None, help=argparse.SUPPRESS
     )
@@ -258,6 +296,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     try:
+        if getattr(args, "log_level", None):
+            try:
+                configure_logging(args.log_level, args.log_file)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot write --log-file {args.log_file} ({exc.strerror or exc})"
+                ) from None
         return _dispatch(args)
     except ConfigError as exc:
         print(f"pcp-tui: error: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ ready and sets `pool.round` while a round runs; it never touches a socket.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from pcp_tui.training.workload import Workload
 # A slot is held from a result's header to its fold, so a slow uploader holds one for its
 # whole upload: enough slots that a few slow links do not queue the fast ones.
 RESULTS_IN_MEMORY = 8
+
+log = logging.getLogger(__name__)  # connection-level diagnostics; RunState has the run's events
 
 
 class WorkerPool:
@@ -128,6 +131,7 @@ class WorkerPool:
             previous.closed = True
         self._links[hello.worker_id] = link
         verb = "rejoined" if old is not None else "joined"
+        log.info("worker %d (%s, %s) %s from %s", index, hello.worker_id, hello.backend, verb, peer)
         self.state.emit(
             verb,
             f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
@@ -141,6 +145,7 @@ class WorkerPool:
         if self._links.get(link.worker_id) is link:
             del self._links[link.worker_id]
             link.view.state, link.view.reason = state, reason
+            log.info("worker %d %s: %s", link.view.index, state, reason)
             if state == "lost" and not self._stopping():
                 self.state.emit(
                     "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
@@ -153,7 +158,7 @@ class WorkerPool:
     async def _serve_worker(self, link: WorkerLink) -> None:
         cfg = self.config
         slot = link.view.index % len(self.workload.shards)
-        await link.send(
+        sent = await link.send(
             "welcome",
             {
                 "workerIndex": link.view.index,
@@ -161,9 +166,11 @@ class WorkerPool:
                 "heartbeatSeconds": cfg.heartbeat_seconds,
             },
         )
+        log.debug("worker %d: sent welcome (%d bytes)", link.view.index, sent)
         link.view.state = "compiling"
         plan, tensors = self._plan(slot, self.workload.shards[slot], link.platform)
-        await link.send("plan", plan, tensors)
+        sent = await link.send("plan", plan, tensors)
+        log.debug("worker %d: sent plan (%d bytes)", link.view.index, sent)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, link)
             nursery.start_soon(self._watchdog, link, nursery.cancel_scope)
@@ -225,6 +232,7 @@ class WorkerPool:
 
     async def _handle(self, link: WorkerLink, message: protocol.Message) -> None:
         view, body = link.view, message.body
+        log.debug("worker %d: received %s (%d bytes)", view.index, message.kind, message.wire_bytes)
         if message.kind == "ready":
             view.state = "idle"
             link.ready.set()
@@ -294,7 +302,8 @@ class WorkerPool:
         try:
             while True:
                 await trio.sleep(self.config.heartbeat_seconds)
-                await link.send("heartbeat", {"sentAt": time.time()})
+                sent = await link.send("heartbeat", {"sentAt": time.time()})
+                log.debug("worker %d: sent heartbeat (%d bytes)", link.view.index, sent)
         except CONNECTION_ERRORS:
             return  # the receive loop sees the broken connection and reports it
 

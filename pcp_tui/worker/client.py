@@ -9,6 +9,7 @@ progress keep flowing while they run.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import platform as host_platform
 import random
@@ -30,6 +31,7 @@ from pcp_tui.training import shards
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 _LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
+log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level, --log-file)
 
 
 class Refused(Exception):
@@ -137,11 +139,13 @@ class Worker:
             try:
                 await self._session(protocol.MessageStream(stream))
             except RunOver:
+                log.info("the shepherd ended the run")
                 self.status.update(state="done", message="the shepherd ended the run")
                 return
             except protocol.VersionMismatch as exc:
                 raise Refused(str(exc)) from None
             except (ConnectionLost, *_LINK_ERRORS) as exc:
+                log.info("connection to %s:%d lost: %s", self.host, self.port, exc)
                 if self._admitted:  # the link was useful until now: a fresh budget and back-off
                     self._last_contact, self._attempts = time.monotonic(), 0
                 await self._backoff(f"connection lost ({exc})")
@@ -169,6 +173,7 @@ class Worker:
             )
         delay = min(self.max_backoff, 0.5 * 2 ** min(self._attempts, 8))
         delay = min(delay * random.uniform(0.5, 1.0), self.give_up_after - cut_off)
+        log.info("%s; retrying in %.1f s (attempt %d)", reason, delay, self._attempts)
         self.status.update(state="connecting", message=f"{reason}; retrying in {delay:.1f} s")
         await trio.sleep(delay)
 
@@ -229,6 +234,9 @@ class Worker:
         self._admitted = True
         self.heartbeat_seconds = float(welcome.body.get("heartbeatSeconds", 2.0))
         self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
+        log.info(
+            "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
+        )
         self.status.update(worker_index=int(welcome.body["workerIndex"]), message="admitted")
 
     def _load_plan(self, message: protocol.Message) -> Plan:
@@ -305,7 +313,8 @@ class Worker:
     async def _heartbeats(self, sender: _Sender) -> None:
         with contextlib.suppress(*_LINK_ERRORS):
             while True:
-                await sender.send("heartbeat", {"sentAt": time.time()})
+                sent = await sender.send("heartbeat", {"sentAt": time.time()})
+                log.debug("sent heartbeat (%d bytes)", sent)
                 await trio.sleep(self.heartbeat_seconds)  # the run's interval, from the welcome
 
     async def _train_rounds(self, sender: _Sender, rounds: trio.MemoryReceiveChannel) -> None:
