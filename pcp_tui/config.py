@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 QUANTIZATIONS = ("none", "bfloat16", "int8Block")
+# A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
+HEARTBEATS_PER_TIMEOUT = 3
 
 
 class ConfigError(ValueError):
@@ -120,17 +122,23 @@ class RunConfig:
             "must be positive",
             self.heartbeat_seconds,
         )
-        if self.heartbeat_timeout <= self.heartbeat_seconds:
+        if self.heartbeat_timeout < HEARTBEATS_PER_TIMEOUT * self.heartbeat_seconds:
             raise ConfigError(
-                f"--heartbeat-timeout ({self.heartbeat_timeout:g} s) must be larger than "
-                f"--heartbeat-seconds ({self.heartbeat_seconds:g} s): a worker counts as lost "
-                "after that much silence, so it needs room for several heartbeats (e.g. 10x)"
+                f"--heartbeat-timeout ({self.heartbeat_timeout:g} s) must be at least "
+                f"{HEARTBEATS_PER_TIMEOUT}x --heartbeat-seconds ({self.heartbeat_seconds:g} s): "
+                "a worker counts as lost after that much silence, so it needs room for several "
+                "heartbeats (e.g. 10x)"
             )
         if self.min_workers > self.workers:
             raise ConfigError(
                 f"--min-workers {self.min_workers} is more than --workers {self.workers}: "
                 "--min-workers is the fewest results a round needs before --round-timeout "
                 "may close it, so it cannot exceed the workers the run waits for"
+            )
+        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ConfigError(
+                "--attention cudnn needs --compute-dtype bfloat16 (cuDNN fused attention has "
+                "no float32 kernel); pass both, or --attention xla"
             )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")

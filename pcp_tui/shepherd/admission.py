@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ ADMITTED_LIMITS = protocol.Limits()
 # A TLS connection opens with a handshake record (content type 22); anything else is not TLS.
 _TLS_HANDSHAKE_RECORD = b"\x16"
 _FIRST_BYTES = 16 * 1024
+log = logging.getLogger(__name__)  # every refusal, for --log-level info (events are rate-limited)
 TLS_ONLY = (
     "this shepherd speaks TLS only: join with the --tls-fingerprint/--tls-ca from its join command"
 )
@@ -77,8 +79,10 @@ class RefusalLog:
         self._roll()
         if self._shown[host] < self._per_host and sum(self._shown.values()) < self._total:
             self._shown[host] += 1
+            log.info("%s %s: %s", verb, peer, reason)
             self._state.emit("refused", f"{verb} {peer}: {reason}", peer=peer, **data)
             return
+        log.debug("%s %s: %s (not shown: too many refusals)", verb, peer, reason)
         if host not in self._suppressed and len(self._suppressed) >= self._max_hosts:
             host = "other addresses"
         tally = self._suppressed.setdefault(host, [0, ""])
