@@ -60,6 +60,7 @@ class PseudoGradientMean:
         self.contributors = 0
 
     def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float) -> None:
+        """Fold one result in with weight `weight` (its tokens)."""
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         scale = np.float32(weight)
@@ -74,6 +75,17 @@ class PseudoGradientMean:
                 scaled_add(total, array, scale, self._scratch_for(array.size))
         self.total_weight += weight
         self.contributors += 1
+
+    def finish(self) -> list[float]:
+        """Nothing to do (no result is scaled): the outer step forms the mean as it goes."""
+        return []
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The mean keeps nothing from round to round."""
+        return {}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Nothing to restore."""
 
     def _scratch_for(self, size: int) -> np.ndarray:
         if self._scratch.size < min(size, CHUNK):

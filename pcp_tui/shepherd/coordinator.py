@@ -21,8 +21,9 @@ import trio
 from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
-from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean
-from pcp_tui.diloco.screening import ResultScreen
+from pcp_tui.diloco.aggregate import distance, inner_update_bound, make_aggregate
+from pcp_tui.diloco.outer import OuterOptimizer
+from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
@@ -62,9 +63,12 @@ class Shepherd:
         self.outer = OuterOptimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
         self.graphs: TrainingGraphs | None = None
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        self._mean = PseudoGradientMean(tuple(sorted(self.params)))  # reused by every round
+        # reused by every round
+        self._mean = make_aggregate(config.aggregate, tuple(sorted(self.params)))
         self._screen = ResultScreen(
-            self._shapes, max_tokens=config.inner_steps * config.batch_size * config.seq_len
+            self._shapes,
+            max_tokens=config.inner_steps * config.batch_size * config.seq_len,
+            norms=None if config.aggregate == "mean" else NormGuard(factor=math.inf),
         )
         self._stop_reason: str | None = None
         self._failure: str | None = None
@@ -103,9 +107,23 @@ class Shepherd:
         )
         self.params = {n: np.array(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
+        self._mean.load_state_arrays(saved.outer_state)
         self.start_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
+
+    def _update_bound(self) -> float:
+        """The largest pseudo-gradient norm an honest worker can send this round."""
+        cfg = self.config
+        return inner_update_bound(
+            cfg.inner_optimizer,
+            cfg.inner_lr,
+            cfg.inner_steps,
+            sum(p.size for p in self.params.values()),
+            distance(self.params, None),
+            weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+        )
 
     # -- commands (safe to call from the dashboard) -------------------------
 
@@ -280,7 +298,7 @@ class Shepherd:
                     self.config.checkpoint_dir,
                     round=number,
                     params=self.params,
-                    outer_state=self.outer.state_arrays(),
+                    outer_state={**self.outer.state_arrays(), **self._mean.state_arrays()},
                     meta=meta,
                 )
             )
@@ -307,6 +325,7 @@ class Shepherd:
     async def _run_round(self, number: int) -> RoundRecord | None:
         cfg = self.config
         links = self.pool.ready_links()
+        self._screen.bound = await trio.to_thread.run_sync(self._update_bound)
         current = Round(number, [link.worker_id for link in links], self._mean, self._screen)
         current.bytes_at_start = (self.state.bytes_sent, self.state.bytes_received)
         self.pool.round = current
@@ -323,6 +342,18 @@ class Shepherd:
         if not current.contributors:
             return None
         mean = current.mean  # the outer step forms the mean from the sums as it goes
+        scales = await trio.to_thread.run_sync(mean.finish)
+        for worker_id, clip in zip(current.contributors, scales, strict=False):
+            if clip == 1.0:
+                continue
+            self.state.emit(
+                "result_clipped",
+                f"round {number}: worker {self.state.workers[worker_id].index}'s result was "
+                f"scaled by {clip:.3g} to the clip radius {mean.radius:.4g}",
+                worker=worker_id,
+                round=number,
+                scale=clip,
+            )
         await trio.to_thread.run_sync(self.outer.apply, self.params, mean.sums, mean.scale)
         eval_loss = None
         if number % cfg.eval_every == 0 or number == cfg.rounds:
