@@ -8,8 +8,10 @@ worker moves it as far as it likes. The others bound what a minority can do:
   within a radius of the previous round's aggregate before the token-weighted
   mean, so a worker moves the round by at most radius x its token share. The
   radius is `CLIP_FACTOR` x the median distance of recent results from their
-  center: a median that a minority cannot move. It streams (one running sum
-  plus the center: two model-sized buffers), like the mean.
+  center, each divided by its round's `step_scale` (the sum of the inner
+  learning rates of the round: updates grow with warm-up and shrink with decay):
+  a median that a minority cannot move. It streams (one running sum plus the
+  center: two model-sized buffers), like the mean.
 - `median` and `trimmed-mean` (Yin et al. 2018, "Byzantine-robust distributed
   learning"): per coordinate over the round's results, ignoring token counts.
   They need every result at once: k model-sized float32 copies for k results.
@@ -111,6 +113,7 @@ class CenteredClip:
         self._scales: list[float] = []
         self.center: dict[str, np.ndarray] | None = None
         self.radius = math.inf
+        self.step_scale = 1.0  # what this round's updates scale with (Σ inner lr); set per round
         self.total_weight = 0.0
         self._center_weight = 0.0
         self.contributors = 0
@@ -123,8 +126,8 @@ class CenteredClip:
         self.contributors = 0
         self.radius = self._radius(self._recent) if self._recent else math.inf
 
-    def _radius(self, distances) -> float:
-        typical = statistics.median(distances)
+    def _radius(self, relative_distances) -> float:
+        typical = statistics.median(relative_distances) * self.step_scale
         return self._factor * typical if typical > 0 else math.inf  # a zero median says nothing
 
     def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float) -> None:
@@ -132,12 +135,13 @@ class CenteredClip:
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         result = {n: pseudo_gradient[n] for n in self._names}
-        self._round.append(distance(result, self.center))
+        gap = distance(result, self.center)
+        self._round.append(gap / self.step_scale if self.step_scale > 0 else 0.0)
         self.contributors += 1
         if not self._recent:
             self._held.append(({n: np.array(v, np.float32) for n, v in result.items()}, weight))
             return
-        self._fold(result, weight, self._round[-1])
+        self._fold(result, weight, gap)
 
     def _fold(self, result: Mapping[str, np.ndarray], weight: float, gap: float) -> None:
         scale = min(1.0, self.radius / gap) if gap > 0 else 1.0
@@ -154,8 +158,8 @@ class CenteredClip:
         """
         if self._held:
             self.radius = self._radius(self._round)
-            for (result, weight), gap in zip(self._held, self._round, strict=True):
-                self._fold(result, weight, gap)
+            for (result, weight), relative in zip(self._held, self._round, strict=True):
+                self._fold(result, weight, relative * self.step_scale)
             self._held = []
         sums = self._sum.sums
         if self._center_weight > 0 and self.center is not None:
