@@ -7,11 +7,12 @@ import numpy as np
 import optax
 import pytest
 import trio
-from pcp_tui.backends import select_backend
-from pcp_tui.backends._jax import _pinned_host
 
 from pcp_tui import protocol
+from pcp_tui.backends import select_backend
+from pcp_tui.backends._jax import _pinned_host
 from pcp_tui.diloco import outer as diloco
+from pcp_tui.diloco import reference as reference_diloco
 from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean, scaled_add
 from pcp_tui.diloco.screening import BadResult, ResultScreen, check_pseudo_gradient, global_norm
 from pcp_tui.shepherd import rounds
@@ -56,7 +57,7 @@ def test_streaming_mean_equals_the_plain_weighted_mean_and_reuses_its_buffers():
 @pytest.mark.parametrize("kind", ["nesterov", "sgd"])
 def test_outer_step_matches_optax(kind):
     params = tensors(10, scale=0.02)
-    tx = optax.sgd(0.7, momentum=0.9 if kind == "nesterov" else None, nesterov=kind == "nesterov")
+    tx = reference_diloco.outer_optimizer(kind, lr=0.7, momentum=0.9)
     reference, state = dict(params), tx.init(params)
     outer = OuterOptimizer(kind, 0.7, 0.9)
     in_place = {n: p.copy() for n, p in params.items()}
@@ -66,8 +67,7 @@ def test_outer_step_matches_optax(kind):
         mean.add(tensors(20 + round_number), 120.0)
         mean.add(tensors(40 + round_number), 80.0)
         gradient = mean.mean()
-        updates, state = tx.update(gradient, state, reference)
-        reference = optax.apply_updates(reference, updates)
+        reference, state = reference_diloco.outer_step(reference, state, gradient, tx)
         outer.apply(in_place, mean.sums, mean.scale)
         for name in SHAPES:
             np.testing.assert_allclose(in_place[name], reference[name], rtol=1e-6, atol=1e-9)
