@@ -52,6 +52,9 @@ def test_centered_clip_pulls_an_outlier_back_to_the_radius_around_the_last_aggre
     honest = [result([1, 0, 0]), result([0, 1, 0]), result([0, 0, 1]), result([-1, 0, 0])]
     center = aggregate(clip, honest, [1.0] * 4)
     np.testing.assert_allclose(center, [0, 0.25, 0.25])
+    # round 2: results at distance 1 from that center: the first history of distances
+    honest = [result([side, 0.25, 0.25]) for side in (1, -1, 1, -1)]
+    aggregate(clip, honest, [1.0] * 4)
     clip.reset()
     assert clip.radius == 2.0
     clip.add(result([1000, 0.25, 0.25]), 1.0)
@@ -83,7 +86,8 @@ def test_centered_clip_radius_follows_the_median_so_a_minority_cannot_walk_it_up
 
 def test_centered_clip_state_survives_a_checkpoint():
     clip = CenteredClip(NAMES)
-    aggregate(clip, [result([1, 2, 3]), result([2, 2, 2])], [1.0, 1.0])
+    for _ in range(2):  # the second round's distances (from the first's aggregate) are history
+        aggregate(clip, [result([1, 2, 3]), result([2, 2, 2])], [1.0, 1.0])
     restored = CenteredClip(NAMES)
     restored.load_state_arrays(clip.state_arrays())
     clip.reset(), restored.reset()

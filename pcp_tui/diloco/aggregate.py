@@ -96,9 +96,10 @@ class CenteredClip:
     A result Δ_k at distance d_k from the center v counts as
     v + (Δ_k − v)·s_k with s_k = min(1, radius / d_k). Streamed as
     Σ w_k s_k Δ_k + v·Σ w_k (1 − s_k): one running sum, the center added at the end.
-    A round without earlier distances (the run's first, or the first after resuming
-    a checkpoint that predates this state) holds its results until it closes and
-    takes the radius from their own median: k model-sized copies, that round only.
+    A round without earlier distances from a center (the run's first two: the
+    first has no center, its distances are norms; or the first after resuming a
+    checkpoint that predates this state) holds its results until it closes and
+    takes the radius from their own median: k model-sized copies, those rounds only.
     """
 
     def __init__(
@@ -165,11 +166,12 @@ class CenteredClip:
         if self._center_weight > 0 and self.center is not None:
             for name in self._names:
                 sums[name] += self.center[name] * np.float32(self._center_weight)
-        if self.center is None:
+        if self.center is None:  # the first round's distances are norms: no history for later
             self.center = {n: np.empty_like(v) for n, v in sums.items()}
+        else:
+            self._recent.extend(self._round)
         for name in self._names:
             np.multiply(sums[name], self.scale, out=self.center[name])
-        self._recent.extend(self._round)
         return self._scales
 
     @property
