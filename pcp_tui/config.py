@@ -34,6 +34,7 @@ _NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "round_timeout", "
 _CHOICES = {
     "inner_optimizer": ("adamw", "sgd"),
     "outer_optimizer": ("nesterov", "sgd"),
+    "aggregate": ("mean", "trimmed-mean", "median", "centered-clip"),
     "compression": QUANTIZATIONS,
     "compute_dtype": ("float32", "bfloat16"),
     "attention": ("xla", "cudnn"),
@@ -67,6 +68,7 @@ class RunConfig:
     outer_optimizer: str = "nesterov"  # nesterov | sgd
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    aggregate: str = "centered-clip"  # mean | trimmed-mean | median | centered-clip
     compression: str = "none"  # pseudo-gradient quantization: none | bfloat16 | int8Block
     seed: int = 0
     # evaluation

@@ -36,6 +36,7 @@ _HELP = {
     "outer_optimizer": "nesterov | sgd",
     "outer_lr": "outer learning rate (DiLoCo: 0.7)",
     "outer_momentum": "outer Nesterov momentum in [0, 1) (DiLoCo: 0.9)",
+    "aggregate": "how results combine: centered-clip (robust: a minority cannot steer) | mean | trimmed-mean | median",
     "compression": "pseudo-gradient encoding: none | bfloat16 | int8Block",
     "seed": "seed for initialisation and data order",
     "eval_every": "evaluate on the held-out split every N rounds",

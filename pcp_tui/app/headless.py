@@ -28,6 +28,7 @@ _SHOWN = {
     "round_repeated",
     "late_result",
     "bad_result",
+    "result_clipped",
     "stragglers",
     "paused",
     "resumed",

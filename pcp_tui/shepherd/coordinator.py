@@ -23,8 +23,9 @@ from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract import tls
-from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean
-from pcp_tui.diloco.screening import ResultScreen
+from pcp_tui.diloco.aggregate import CenteredClip, distance, inner_update_bound, make_aggregate
+from pcp_tui.diloco.outer import OuterOptimizer
+from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
@@ -64,15 +65,19 @@ class Shepherd:
         self.outer = OuterOptimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
         self.graphs: TrainingGraphs | None = None
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        self._mean = PseudoGradientMean(tuple(sorted(self.params)))  # reused by every round
+        self._mean = make_aggregate(config.aggregate, tuple(sorted(self.params)))  # every round's
         rows = not isinstance(workload.shards[0], np.ndarray)  # see training.shards.shard_plan
         batch_kind = protocol.BatchKind.ROWS if rows else protocol.BatchKind.WINDOWS
         per_row = contract.tokens_per_row(batch_kind, config.seq_len)
         self._screen = ResultScreen(
-            self._shapes, max_tokens=config.inner_steps * config.batch_size * per_row
+            self._shapes,
+            max_tokens=config.inner_steps * config.batch_size * per_row,
+            norms=None if config.aggregate == "mean" else NormGuard(factor=math.inf),
         )
         self._stop_reason: str | None = None
         self._failure: str | None = None
+        self._checkpoint_written = trio.Event()  # set while no checkpoint write is in flight
+        self._checkpoint_written.set()
         self._paused = False
         self._resumed = trio.Event()
         self._eval = None
@@ -108,9 +113,23 @@ class Shepherd:
         )
         self.params = {n: np.array(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
+        self._mean.load_state_arrays(saved.outer_state)
         self.start_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
+
+    def _update_bound(self) -> float:
+        """The largest pseudo-gradient norm an honest worker can send this round."""
+        cfg = self.config
+        return inner_update_bound(
+            cfg.inner_optimizer,
+            cfg.inner_lr,
+            cfg.inner_steps,
+            sum(p.size for p in self.params.values()),
+            distance(self.params, None),
+            weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+        )
 
     # -- commands (safe to call from the dashboard) -------------------------
 
@@ -186,7 +205,7 @@ class Shepherd:
                     f"listening on {self.state.address}; join with: {self.state.join_command}",
                 )
                 try:
-                    await self._train()
+                    await self._train(nursery)
                 except RunFailed as exc:  # raised out of the nursery below, not as a group
                     failure = exc
                 finally:
@@ -203,9 +222,9 @@ class Shepherd:
             raise failure
         return self.state
 
-    def _export(self) -> TrainingGraphs:
+    def _inner_optimizer(self) -> InnerOptimizer:
         cfg = self.config
-        inner = InnerOptimizer(
+        return InnerOptimizer(
             name=cfg.inner_optimizer,
             lr=cfg.inner_lr,
             warmup_steps=cfg.warmup_steps,
@@ -213,6 +232,16 @@ class Shepherd:
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
         )
+
+    def _round_lr_sum(self, number: int) -> float:
+        """Σ of the inner learning rate over round `number`'s steps: what its updates scale with."""
+        steps = self.config.inner_steps
+        schedule = self._inner_optimizer().schedule()
+        return float(np.sum(schedule(np.arange((number - 1) * steps, number * steps))))
+
+    def _export(self) -> TrainingGraphs:
+        cfg = self.config
+        inner = self._inner_optimizer()
         graphs = build_graphs(
             self.workload.loss_fn,
             self.params,
@@ -228,7 +257,7 @@ class Shepherd:
         self._eval = backend.load("eval_loss", graphs.eval_loss)
         return graphs
 
-    async def _train(self) -> None:
+    async def _train(self, nursery: trio.Nursery) -> None:
         cfg = self.config
         self.state.status = "waiting"
         await self._wait_for_workers(cfg.workers, f"waiting for {cfg.workers} worker(s)")
@@ -249,14 +278,15 @@ class Shepherd:
                 )
                 continue
             if cfg.checkpoint_dir and number % cfg.checkpoint_every == 0:
-                await self._checkpoint(number)
+                await self._checkpoint(number, nursery)
             number += 1
         if (
             cfg.checkpoint_dir
             and self.state.history
             and self.state.history[-1].round % cfg.checkpoint_every
         ):
-            await self._checkpoint(self.state.history[-1].round)
+            await self._checkpoint(self.state.history[-1].round, nursery)
+        await self._checkpoint_written.wait()
         if self._failure:
             raise RunFailed(self._failure)
         self.state.status = "stopped" if self._stop_reason else "done"
@@ -268,8 +298,16 @@ class Shepherd:
             seconds=self.state.elapsed(),
         )
 
-    async def _checkpoint(self, number: int) -> None:
-        """Save the run after round `number`; a failed write is reported, the run goes on."""
+    async def _checkpoint(self, number: int, nursery: trio.Nursery) -> None:
+        """Save the run after round `number` off the round's path; a failed write is reported.
+
+        The parameters and optimizer state are copied here (the next round's outer
+        step updates them in place) and written by a task in the run's `nursery`
+        while the next round trains; at most one write is in flight, so a second
+        checkpoint waits for the first. Whatever the writer raises ends as a
+        `checkpoint_failed` event, and the previous checkpoint stays the latest.
+        """
+        await self._checkpoint_written.wait()
         meta = {
             "run_id": self.run_id,
             "model": self.workload.name,
@@ -279,19 +317,33 @@ class Shepherd:
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
             "eval_loss": _last_eval(self.state),
         }
+        params, state = await trio.to_thread.run_sync(self._snapshot)
+        self._checkpoint_written = trio.Event()
+        nursery.start_soon(self._write_checkpoint, number, params, state, meta)
+
+    def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        state = {**self.outer.state_arrays(), **self._mean.state_arrays()}
+        return (
+            {n: p.copy() for n, p in self.params.items()},
+            {n: np.array(v, copy=True) for n, v in state.items()},
+        )
+
+    async def _write_checkpoint(self, number: int, params: dict, state: dict, meta: dict) -> None:
         try:
             path = await trio.to_thread.run_sync(
                 lambda: checkpoint.save(
                     self.config.checkpoint_dir,
                     round=number,
-                    params=self.params,
-                    outer_state=self.outer.state_arrays(),
+                    params=params,
+                    outer_state=state,
                     meta=meta,
                 )
             )
         except checkpoint.CheckpointError as exc:
             self.state.emit("checkpoint_failed", str(exc), round=number)
             return
+        finally:
+            self._checkpoint_written.set()
         self.state.emit(
             "checkpoint",
             f"checkpoint of round {number} saved to {path}",
@@ -312,6 +364,9 @@ class Shepherd:
     async def _run_round(self, number: int) -> RoundRecord | None:
         cfg = self.config
         links = self.pool.ready_links()
+        self._screen.bound = await trio.to_thread.run_sync(self._update_bound)
+        if isinstance(self._mean, CenteredClip):  # warm-up and decay move its radius
+            self._mean.step_scale = await trio.to_thread.run_sync(self._round_lr_sum, number)
         current = Round(number, [link.worker_id for link in links], self._mean, self._screen)
         current.bytes_at_start = (self.state.bytes_sent, self.state.bytes_received)
         self.pool.round = current
@@ -328,6 +383,18 @@ class Shepherd:
         if not current.contributors:
             return None
         mean = current.mean  # the outer step forms the mean from the sums as it goes
+        scales = await trio.to_thread.run_sync(mean.finish)
+        for worker_id, clip in zip(current.contributors, scales, strict=False):
+            if clip == 1.0:
+                continue
+            self.state.emit(
+                "result_clipped",
+                f"round {number}: worker {self.state.workers[worker_id].index}'s result was "
+                f"scaled by {clip:.3g} to the clip radius {mean.radius:.4g}",
+                worker=worker_id,
+                round=number,
+                scale=clip,
+            )
         await trio.to_thread.run_sync(self.outer.apply, self.params, mean.sums, mean.scale)
         eval_loss = None
         if number % cfg.eval_every == 0 or number == cfg.rounds:
