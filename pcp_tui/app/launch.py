@@ -19,6 +19,7 @@ from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract.auth import new_token
 from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.api import bearer_token
 from pcp_tui.shepherd.checkpoint import CheckpointError
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.training.corpus import DataError
@@ -36,6 +37,8 @@ def preflight(config: RunConfig) -> None:
     CheckpointError for a missing or unreadable checkpoint.
     """
     _check_listen(config.host, config.port)
+    if config.api_port:
+        bearer_token(config)  # no token, no API: say so before the data loads
     if config.checkpoint_dir:
         _check_writable(config.checkpoint_dir)
     if config.metrics:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 
 import numpy as np
+import outcome
 import trio
 
 from pcp_tui import protocol
@@ -27,6 +28,7 @@ from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
+from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.rounds import Round
@@ -100,6 +102,7 @@ class Shepherd:
         )
         if config.resume:
             self._resume(config.resume)
+        self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
 
     def _resume(self, directory: str) -> None:
         saved = checkpoint.load_latest(directory)
@@ -138,7 +141,28 @@ class Shepherd:
     # -- the run ------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
-        """Listen, train for `config.rounds` rounds, say goodbye. Raises RunFailed."""
+        """Listen, train for `config.rounds` rounds, say goodbye. Raises RunFailed.
+
+        With `--api-port`, the operator API serves from before the graphs are
+        exported (so /healthz and /readyz answer during a long export) until the
+        run ends; its port is taken first, so a busy one fails the run at once.
+        """
+        if self.api is None:
+            return await self._run(task_status=task_status)
+        try:
+            self.state.api_address = self.api.bind()
+        except OSError as exc:
+            raise RunFailed(
+                f"cannot serve the operator API on {self.api.host}:{self.api.port} "
+                f"({exc.strerror or exc}); pick another --api-port or --api-host"
+            ) from None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.api.serve)
+            result = await outcome.acapture(self._run, task_status=task_status)
+            self.api.close()
+        return result.unwrap()  # RunFailed leaves bare, not wrapped in the nursery's group
+
+    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
         cfg = self.config
         if self._resumed_from:
             path, number = self._resumed_from
@@ -183,7 +207,9 @@ class Shepherd:
                 task_status.started(port)
                 self.state.emit(
                     "listening",
-                    f"listening on {self.state.address}; join with: {self.state.join_command}",
+                    f"listening on {self.state.address}"
+                    + (f", operator API on http://{self.state.api_address}" if self.api else "")
+                    + f"; join with: {self.state.join_command}",
                 )
                 try:
                     await self._train()
