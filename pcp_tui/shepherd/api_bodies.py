@@ -7,6 +7,7 @@ about HTTP (the API turns a NaN loss into JSON's null; Prometheus takes it as it
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -98,7 +99,8 @@ def metrics_json(state: RunState) -> dict[str, Any]:
     history = state.history
     rounds = []
     for record in history[-_RECENT_ROUNDS:]:
-        row = {k: v for k, v in record.as_json().items() if k != "event"}
+        row = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}  # shallow
+        row["worker_ids"] = list(record.worker_ids)
         row["utilization"] = utilization(record)
         rounds.append(row)
     return {
