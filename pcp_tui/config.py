@@ -93,6 +93,7 @@ class RunConfig:
     api_host: str = "127.0.0.1"
     api_port: int = 0  # 0: no API
     api_token_env: str = "PCP_API_TOKEN"  # environment variable holding the API's bearer token
+    trace: str | None = None  # JSON Lines, one per message (see pcp_tui/contract/trace.py)
     platforms: tuple[str, ...] = field(default=("cpu", "cuda", "rocm"))
 
     def replace(self, **changes) -> RunConfig:
@@ -139,7 +140,10 @@ class RunConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
         _require(
-            0 <= self.api_port <= 65535, "api_port", "must be in 0..65535 (0: no API)", self.api_port
+            0 <= self.api_port <= 65535,
+            "api_port",
+            "must be in 0..65535 (0: no API)",
+            self.api_port,
         )
         _require(
             self.api_token_env.isidentifier(),

@@ -21,9 +21,10 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.backends import select_backend
-from pcp_tui.config import RunConfig
+from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract import tls
+from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd import checkpoint
@@ -91,6 +92,7 @@ class Shepherd:
             timeout=config.handshake_timeout,
             max_per_host=config.max_handshakes_per_host,
             max_pending=config.max_handshakes,
+            trace=_open_trace(config.trace),
         )
         self.pool = WorkerPool(
             self.config,
@@ -408,6 +410,15 @@ class Shepherd:
         params = params if params is not None else self.params
         flat = tuple(params[n] for n in self.graphs.param_names)
         return float(self._eval.call(flat, self.workload.eval_tokens))
+
+
+def _open_trace(path: str | None) -> MessageTrace | None:
+    if not path:
+        return None
+    try:
+        return MessageTrace(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write --trace {path} ({exc.strerror or exc})") from None
 
 
 def _last_eval(state: RunState) -> float | None:
