@@ -266,3 +266,40 @@ def test_cancel_stops_the_run_after_the_current_round(run_with_api):
     )
     stopped = shepherd.wait_for(r"run stopped after (\d+) rounds")
     assert 1 <= int(stopped.group(1)) < 500
+
+
+# --------------------------------------------------------------------------- inside the dashboard
+
+
+def test_the_api_serves_from_the_dashboards_guest_run_and_its_cancel_stops_it(monkeypatch):
+    """Under the dashboard the shepherd runs as a trio guest on Textual's asyncio loop; the API
+    (hypercorn on trio) serves from there too, and its cancel is the dashboard's q."""
+    from pcp_tui.app.dashboard import DashboardApp
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.testing import small_config
+    from pcp_tui.training.workload import build_workload
+
+    from .test_dashboard import run_async, wait_until
+
+    monkeypatch.setenv("PCP_API_TOKEN", TOKEN)
+    port = free_port()
+    config = small_config(rounds=3, workers=1, api_port=port)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    @run_async
+    async def scenario() -> None:
+        app = DashboardApp(shepherd.state, shepherd)
+        async with (
+            app.run_test(size=(100, 30)) as pilot,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=headers) as client,
+        ):
+            await wait_until(pilot, lambda: shepherd.state.status == "waiting")
+            assert (await client.get("/v1/job")).json()["status"] == "waiting"
+            assert (await client.post("/v1/job/cancel")).status_code == 202
+            await wait_until(pilot, lambda: shepherd.state.status == "stopped")
+            await pilot.press("q")
+            await wait_until(pilot, lambda: not app.is_running)
+
+    scenario()
+    assert shepherd.state.status == "stopped" and not shepherd.state.history
