@@ -152,12 +152,15 @@ class Shepherd:
         if self.api is None:
             return await self._run(task_status=task_status)
         try:
-            self.state.api_address = self.api.bind()
+            bound = self.api.bind()
         except OSError as exc:
             raise RunFailed(
                 f"cannot serve the operator API on {self.api.host}:{self.api.port} "
                 f"({exc.strerror or exc}); pick another --api-port or --api-host"
             ) from None
+        everywhere = self.api.host in ("0.0.0.0", "::", "")
+        port = bound.rpartition(":")[2]
+        self.state.api_address = f"{_address_for_others()}:{port}" if everywhere else bound
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.api.serve)
             result = await outcome.acapture(self._run, task_status=task_status)
