@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -266,6 +268,31 @@ def test_cancel_stops_the_run_after_the_current_round(run_with_api):
     )
     stopped = shepherd.wait_for(r"run stopped after (\d+) rounds")
     assert 1 <= int(stopped.group(1)) < 500
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_with_a_tls_certificate_the_api_speaks_only_https(tmp_path):
+    from .test_security import self_signed
+
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    shepherd = ShepherdProcess(
+        *("--api-port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)),
+        env={**worker_env(), "PCP_API_TOKEN": TOKEN},
+    )
+    try:
+        shepherd.wait_for(rf"operator API on https://127\.0\.0\.1:{port};")
+        trusted = ssl.create_default_context(cafile=str(cert))
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=trusted) as client:
+            assert client.get("/healthz").status_code == 200
+            assert _authorized(client, "/v1/job").json()["status"] == "waiting"
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=HANG_GUARD)
+            cancel = client.post("/v1/job/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
+            assert cancel.status_code == 202
+        assert shepherd.finish() == 0, shepherd.output
+    finally:
+        shepherd.kill()
 
 
 # --------------------------------------------------------------------------- inside the dashboard

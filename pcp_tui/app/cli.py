@@ -57,7 +57,7 @@ _HELP = {
     "max_handshakes_per_host": "unfinished handshakes one address may hold; more are closed at once",
     "max_handshakes": "unfinished handshakes in all; more are closed at once",
     "api_host": "address the operator API listens on (0.0.0.0: every interface; keep it private)",
-    "api_port": "serve the operator HTTP API and Prometheus /metrics on this port (0: no API)",
+    "api_port": "serve the operator HTTP API and Prometheus /metrics on this port (0: no API; HTTPS with --tls-cert)",
     "api_token_env": "environment variable that holds the API's bearer token (required when --api-port is set)",
     "trace": "append one JSON line per protocol message sent or received to this file (rotated at 64 MiB)",
 }

@@ -89,6 +89,9 @@ def bearer_token(config: RunConfig, environ: Mapping[str, str] = os.environ) -> 
 class OperatorAPI:
     """The ASGI app plus the hypercorn server that runs it beside the shepherd.
 
+    With the shepherd's `--tls-cert` it speaks HTTPS with that certificate, so
+    the bearer token never crosses a network in the clear.
+
     `bind()` takes the port synchronously, so a busy port fails before the run
     starts (with an OSError the caller words); `serve()` runs until `close()`.
     """
@@ -101,8 +104,10 @@ class OperatorAPI:
         token: str,
         host: str = "127.0.0.1",
         port: int = 0,
+        tls: tuple[str, str] | None = None,
     ):
         self.state = state
+        self.tls = tls  # (certificate, key) PEM files: HTTPS, as the workers' link
         self._request_stop = request_stop
         self._token_digest = hashlib.sha256(token.encode()).digest()
         self.host, self.port = host, port
@@ -129,14 +134,30 @@ class OperatorAPI:
         """The API `config` asks for (None with `api_port` 0); ConfigError without a token."""
         if not config.api_port:
             return None
-        token = bearer_token(config)
-        return cls(state, request_stop, token=token, host=config.api_host, port=config.api_port)
+        return cls(
+            state,
+            request_stop,
+            token=bearer_token(config),
+            host=config.api_host,
+            port=config.api_port,
+            tls=(config.tls_cert, config.tls_key) if config.tls_cert else None,
+        )
 
-    def bind(self) -> str:
-        """Listen on host:port now and return "host:port". Raises OSError (busy port, bad host)."""
+    @property
+    def url(self) -> str:
+        """Where clients reach the API once bound: https with --tls-cert, else http."""
+        return f"{'https' if self.tls else 'http'}://{self.address}"
+
+    def bind(self, *, advertise: str | None = None) -> str:
+        """Listen on host:port now; returns the "host:port" clients use. Raises OSError.
+
+        `advertise` replaces the host in that address: a wildcard such as
+        0.0.0.0 is where the API listens, not where anyone can reach it.
+        """
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._socket = socket.create_server((self.host, self.port), family=family)
         host, port = self._socket.getsockname()[:2]
+        host = advertise or host
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return self.address
 
@@ -151,6 +172,8 @@ class OperatorAPI:
         config.graceful_timeout = 1.0
         config.read_timeout = 10  # a client that stops sending loses its connection
         config.include_server_header = False
+        if self.tls:
+            config.certfile, config.keyfile = self.tls
         await serve(self, config, shutdown_trigger=self._closed.wait, mode="asgi")
 
     def close(self) -> None:

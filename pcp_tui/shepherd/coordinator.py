@@ -151,16 +151,16 @@ class Shepherd:
         """
         if self.api is None:
             return await self._run(task_status=task_status)
+        everywhere = self.api.host in ("0.0.0.0", "::", "")
         try:
-            bound = self.api.bind()
+            self.state.api_address = self.api.bind(
+                advertise=_address_for_others() if everywhere else None
+            )
         except OSError as exc:
             raise RunFailed(
                 f"cannot serve the operator API on {self.api.host}:{self.api.port} "
                 f"({exc.strerror or exc}); pick another --api-port or --api-host"
             ) from None
-        everywhere = self.api.host in ("0.0.0.0", "::", "")
-        port = bound.rpartition(":")[2]
-        self.state.api_address = f"{_address_for_others()}:{port}" if everywhere else bound
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.api.serve)
             result = await outcome.acapture(self._run, task_status=task_status)
@@ -213,7 +213,7 @@ class Shepherd:
                 self.state.emit(
                     "listening",
                     f"listening on {self.state.address}"
-                    + (f", operator API on http://{self.state.api_address}" if self.api else "")
+                    + (f", operator API on {self.api.url}" if self.api else "")
                     + f"; join with: {self.state.join_command}",
                 )
                 try:
