@@ -93,6 +93,11 @@ class RunConfig:
     handshake_timeout: float = 10.0  # seconds a new connection has to finish its handshake
     max_handshakes_per_host: int = 8  # unfinished handshakes one address may hold at once
     max_handshakes: int = 64  # unfinished handshakes in all
+    # operator API (see pcp_tui/shepherd/api.py)
+    api_host: str = "127.0.0.1"
+    api_port: int = 0  # 0: no API
+    api_token_env: str = "PCP_API_TOKEN"  # environment variable holding the API's bearer token
+    trace: str | None = None  # JSON Lines, one per message (see pcp_tui/contract/trace.py)
     platforms: tuple[str, ...] = field(default=("cpu", "cuda", "rocm"))
 
     def replace(self, **changes) -> RunConfig:
@@ -144,6 +149,18 @@ class RunConfig:
             )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
+        _require(
+            0 <= self.api_port <= 65535,
+            "api_port",
+            "must be in 0..65535 (0: no API)",
+            self.api_port,
+        )
+        _require(
+            self.api_token_env.isidentifier(),
+            "api_token_env",
+            "must name an environment variable (letters, digits, _)",
+            self.api_token_env,
+        )
         _require(
             self.handshake_timeout > 0,
             "handshake_timeout",

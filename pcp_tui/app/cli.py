@@ -58,6 +58,10 @@ _HELP = {
     "handshake_timeout": "seconds a new connection has to prove the token before it is dropped",
     "max_handshakes_per_host": "unfinished handshakes one address may hold; more are closed at once",
     "max_handshakes": "unfinished handshakes in all; more are closed at once",
+    "api_host": "address the operator API listens on (0.0.0.0: every interface; keep it private)",
+    "api_port": "serve the operator HTTP API and Prometheus /metrics on this port (0: no API; HTTPS with --tls-cert)",
+    "api_token_env": "environment variable that holds the API's bearer token (required when --api-port is set)",
+    "trace": "append one JSON line per protocol message sent or received to this file (rotated at 64 MiB)",
 }
 _SKIP = {"platforms"}
 
@@ -219,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SHA256",
         help="connect over TLS, trusting only the shepherd certificate with this SHA-256 "
         "(printed in its join command; with --tls-ca too, the certificate must pass both)",
+    )
+    worker.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per protocol message sent or received to FILE (rotated at 64 MiB)",
     )
     worker.add_argument("--quiet", action="store_true", help="print only errors")
     _add_log_options(worker)

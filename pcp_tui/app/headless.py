@@ -36,6 +36,7 @@ _SHOWN = {
     "checkpoint",
     "checkpoint_failed",
     "resumed_from",
+    "stop_requested",
 }
 
 

@@ -239,6 +239,7 @@ def _cpu_threads_env(workers: int) -> dict[str, str]:
 def run_worker(args: argparse.Namespace) -> int:
     from pcp_tui.app.worker_view import WorkerStatusView
     from pcp_tui.contract.tls import ClientTLS
+    from pcp_tui.contract.trace import MessageTrace
     from pcp_tui.worker.client import ConnectionLost, Refused, Worker
 
     token = args.token or os.environ.get("PCP_TOKEN")
@@ -272,7 +273,10 @@ def run_worker(args: argparse.Namespace) -> int:
             reconnect=not args.no_reconnect,
             give_up_after=args.give_up_after,
             tls=tls,
+            trace=MessageTrace(args.trace) if args.trace else None,
         )
+    except OSError as exc:
+        return _fail(f"cannot write --trace {args.trace} ({exc.strerror or exc})", 2)
     except (BackendUnavailable, ValueError) as exc:
         return _fail(str(exc))
     view = contextlib.nullcontext() if args.quiet else WorkerStatusView(worker.status)

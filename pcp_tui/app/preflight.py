@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.api import bearer_token
 from pcp_tui.shepherd.coordinator import RunFailed
 
 
@@ -30,6 +31,8 @@ def preflight(config: RunConfig) -> None:
     if config.attention == "cudnn":
         _check_cudnn()
     _check_listen(config.host, config.port)
+    if config.api_port:
+        bearer_token(config)  # no token, no API: say so before the data loads
     if config.checkpoint_dir:
         _check_writable(config.checkpoint_dir)
     if config.metrics:

@@ -21,6 +21,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.contract.tls import ServerTLS
+from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.shepherd.connection import Hello, Refused, handshake
 from pcp_tui.shepherd.state import RunState
 
@@ -137,8 +138,10 @@ class Admission:
         max_per_host: int = 8,
         max_pending: int = 64,
         refusals: RefusalLog | None = None,
+        trace: MessageTrace | None = None,
     ):
         self._token, self._run_id, self._tls = token, run_id, tls
+        self.trace = trace  # --trace: every message of every connection, from its hello
         self.timeout, self.max_per_host, self.max_pending = timeout, max_per_host, max_pending
         self.refusals = refusals or RefusalLog(state)
         self._pending: collections.Counter[str] = collections.Counter()
@@ -174,6 +177,7 @@ class Admission:
                 transport = opened
             with trio.fail_at(deadline):
                 stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
+                stream.observer = self.trace.observer(peer) if self.trace else None
                 hello = await handshake(stream, token=self._token, run_id=self._run_id)
         except Refused as exc:
             self.refusals.refused(host, peer, exc.reason, code=exc.code)

@@ -16,18 +16,21 @@ import time
 from collections.abc import Mapping
 
 import numpy as np
+import outcome
 import trio
 
 from pcp_tui import protocol
 from pcp_tui.backends import select_backend
-from pcp_tui.config import RunConfig
+from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract import tls
+from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.diloco.aggregate import CenteredClip, distance, inner_update_bound, make_aggregate
 from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
+from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.rounds import Round
@@ -94,6 +97,7 @@ class Shepherd:
             timeout=config.handshake_timeout,
             max_per_host=config.max_handshakes_per_host,
             max_pending=config.max_handshakes,
+            trace=_open_trace(config.trace),
         )
         self.pool = WorkerPool(
             self.config,
@@ -105,6 +109,7 @@ class Shepherd:
         )
         if config.resume:
             self._resume(config.resume)
+        self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
 
     def _resume(self, directory: str) -> None:
         saved = checkpoint.load_latest(directory)
@@ -157,7 +162,31 @@ class Shepherd:
     # -- the run ------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
-        """Listen, train for `config.rounds` rounds, say goodbye. Raises RunFailed."""
+        """Listen, train for `config.rounds` rounds, say goodbye. Raises RunFailed.
+
+        With `--api-port`, the operator API serves from before the graphs are
+        exported (so /healthz and /readyz answer during a long export) until the
+        run ends; its port is taken first, so a busy one fails the run at once.
+        """
+        if self.api is None:
+            return await self._run(task_status=task_status)
+        everywhere = self.api.host in ("0.0.0.0", "::", "")
+        try:
+            self.state.api_address = self.api.bind(
+                advertise=_address_for_others() if everywhere else None
+            )
+        except OSError as exc:
+            raise RunFailed(
+                f"cannot serve the operator API on {self.api.host}:{self.api.port} "
+                f"({exc.strerror or exc}); pick another --api-port or --api-host"
+            ) from None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.api.serve)
+            result = await outcome.acapture(self._run, task_status=task_status)
+            self.api.close()
+        return result.unwrap()  # RunFailed leaves bare, not wrapped in the nursery's group
+
+    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
         cfg = self.config
         if self._resumed_from:
             path, number = self._resumed_from
@@ -202,7 +231,9 @@ class Shepherd:
                 task_status.started(port)
                 self.state.emit(
                     "listening",
-                    f"listening on {self.state.address}; join with: {self.state.join_command}",
+                    f"listening on {self.state.address}"
+                    + (f", operator API on {self.api.url}" if self.api else "")
+                    + f"; join with: {self.state.join_command}",
                 )
                 try:
                     await self._train(nursery)
@@ -449,6 +480,15 @@ class Shepherd:
         params = params if params is not None else self.params
         flat = tuple(params[n] for n in self.graphs.param_names)
         return float(self._eval.call(flat, self.workload.eval_tokens))
+
+
+def _open_trace(path: str | None) -> MessageTrace | None:
+    if not path:
+        return None
+    try:
+        return MessageTrace(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write --trace {path} ({exc.strerror or exc})") from None
 
 
 def _last_eval(state: RunState) -> float | None:

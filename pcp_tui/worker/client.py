@@ -29,6 +29,7 @@ from pcp_tui.contract import auth
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import expected_shapes, round_start_problem
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
+from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
@@ -89,8 +90,10 @@ class Worker:
         max_backoff: float = 30.0,
         give_up_after: float = 1800.0,
         tls: ClientTLS | None = None,
+        trace: MessageTrace | None = None,
     ):
         self.host, self.port, self.token = host, port, token
+        self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
         self.worker_id = (
@@ -133,7 +136,10 @@ class Worker:
                 continue
             self._admitted = False
             try:
-                await self._session(protocol.MessageStream(stream))
+                messages = protocol.MessageStream(stream)
+                if self.trace is not None:
+                    messages.observer = self.trace.observer(f"{self.host}:{self.port}")
+                await self._session(messages)
             except RunOver:
                 log.info("the shepherd ended the run")
                 self.status.update(state="done", message="the shepherd ended the run")
