@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 QUANTIZATIONS = ("none", "bfloat16", "int8Block")
+# A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
+HEARTBEATS_PER_TIMEOUT = 3
 
 
 class ConfigError(ValueError):
@@ -40,6 +42,7 @@ _NOT_NEGATIVE = (
 _CHOICES = {
     "inner_optimizer": ("adamw", "sgd"),
     "outer_optimizer": ("nesterov", "sgd"),
+    "aggregate": ("mean", "trimmed-mean", "median", "centered-clip"),
     "compression": QUANTIZATIONS,
     "compute_dtype": ("float32", "bfloat16"),
     "attention": ("xla", "cudnn"),
@@ -73,6 +76,7 @@ class RunConfig:
     outer_optimizer: str = "nesterov"  # nesterov | sgd
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    aggregate: str = "centered-clip"  # mean | trimmed-mean | median | centered-clip
     compression: str = "none"  # pseudo-gradient quantization: none | bfloat16 | int8Block
     seed: int = 0
     # evaluation
@@ -100,6 +104,11 @@ class RunConfig:
     max_worker_connections: int = 0  # admitted connections at once; 0: --workers + 2
     min_upload_rate: float = 1e6  # bytes/s a result upload must average once upload_grace is over
     upload_grace: float = 10.0  # seconds an upload may take before min_upload_rate applies
+    # operator API (see pcp_tui/shepherd/api.py)
+    api_host: str = "127.0.0.1"
+    api_port: int = 0  # 0: no API
+    api_token_env: str = "PCP_API_TOKEN"  # environment variable holding the API's bearer token
+    trace: str | None = None  # JSON Lines, one per message (see pcp_tui/contract/trace.py)
     platforms: tuple[str, ...] = field(default=("cpu", "cuda", "rocm"))
 
     def replace(self, **changes) -> RunConfig:
@@ -131,11 +140,12 @@ class RunConfig:
             "must be positive",
             self.heartbeat_seconds,
         )
-        if self.heartbeat_timeout <= self.heartbeat_seconds:
+        if self.heartbeat_timeout < HEARTBEATS_PER_TIMEOUT * self.heartbeat_seconds:
             raise ConfigError(
-                f"--heartbeat-timeout ({self.heartbeat_timeout:g} s) must be larger than "
-                f"--heartbeat-seconds ({self.heartbeat_seconds:g} s): a worker counts as lost "
-                "after that much silence, so it needs room for several heartbeats (e.g. 10x)"
+                f"--heartbeat-timeout ({self.heartbeat_timeout:g} s) must be at least "
+                f"{HEARTBEATS_PER_TIMEOUT}x --heartbeat-seconds ({self.heartbeat_seconds:g} s): "
+                "a worker counts as lost after that much silence, so it needs room for several "
+                "heartbeats (e.g. 10x)"
             )
         if self.min_workers > self.workers:
             raise ConfigError(
@@ -143,8 +153,25 @@ class RunConfig:
                 "--min-workers is the fewest results a round needs before --round-timeout "
                 "may close it, so it cannot exceed the workers the run waits for"
             )
+        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ConfigError(
+                "--attention cudnn needs --compute-dtype bfloat16 (cuDNN fused attention has "
+                "no float32 kernel); pass both, or --attention xla"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
+        _require(
+            0 <= self.api_port <= 65535,
+            "api_port",
+            "must be in 0..65535 (0: no API)",
+            self.api_port,
+        )
+        _require(
+            self.api_token_env.isidentifier(),
+            "api_token_env",
+            "must name an environment variable (letters, digits, _)",
+            self.api_token_env,
+        )
         _require(
             self.handshake_timeout > 0,
             "handshake_timeout",

@@ -294,6 +294,8 @@ class MessageStream:
         self.limits = limits
         # what this connection's peer may send, checked before payloads (see HeaderCheck)
         self.check_header: HeaderCheck | None = None
+        # called with ("sent" | "received", message) after each whole message (a trace, say)
+        self.observer: Callable[[str, Message], None] | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
         self._reader = _StreamReader(stream)
@@ -325,6 +327,8 @@ class MessageStream:
             for chunk in _coalesce(buffers):
                 await self.stream.send_all(chunk)
                 self.bytes_sent += memoryview(chunk).nbytes
+        if self.observer is not None:
+            self.observer("sent", Message(body, dict(tensors or {}), wire_bytes=total))
         return total
 
     async def receive(self, *, before_payload: PayloadGate | None = None) -> Message:
@@ -358,6 +362,8 @@ class MessageStream:
         finally:
             self.bytes_received += reader.frame_consumed
             self._receiving = False
+        if self.observer is not None:
+            self.observer("received", message)
         return message
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,9 +13,15 @@ import time
 
 import numpy as np
 import pytest
+import safetensors
+import trio
 from safetensors.numpy import load_file
 
 from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.training.workload import build_workload
+
+from .conftest import small_config
 
 
 def _params(value: float, size: int = 1000) -> dict[str, np.ndarray]:
@@ -116,3 +123,93 @@ def test_compatibility_names_the_model_before_the_data(tmp_path):
             checkpoint.check_compatible(found, "mlp-16x64x4", {**shapes, "wte": (9,)}, "rows")
         with pytest.raises(checkpoint.CheckpointError, match="trained on other data"):
             checkpoint.check_compatible(found, "mlp-16x64x4", shapes, "other rows")
+
+
+# --------------------------------------------------------------------------- writes that fail
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nothing may be written into: permissions for a user, a read-only mount for root."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        yield directory
+        directory.chmod(0o755)
+        return
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"root cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_a_read_only_directory_is_a_checkpoint_error(read_only_dir):
+    with pytest.raises(checkpoint.CheckpointError, match=r"not written to .*previous checkpoint"):
+        checkpoint.save(read_only_dir / "run", round=1, params=_params(1), outer_state={}, meta={})
+
+
+def test_a_writer_error_that_is_no_oserror_is_a_checkpoint_error(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, round=1, params=_params(1), outer_state={}, meta={})
+
+    def broken(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: IoError")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken)
+    with pytest.raises(checkpoint.CheckpointError, match=r"IoError \(SafetensorError\)"):
+        checkpoint.save(tmp_path, round=2, params=_params(2), outer_state={}, meta={})
+    monkeypatch.undo()
+    assert checkpoint.load_latest(tmp_path).round == 1
+    assert not list(tmp_path.glob(".round-*"))
+
+
+def test_killed_before_the_first_latest_the_complete_round_still_resumes(tmp_path):
+    checkpoint.save(tmp_path, round=3, params=_params(3), outer_state={}, meta={})
+    (tmp_path / "latest").unlink()  # the state a kill between rename and `latest` leaves
+    assert checkpoint.load_latest(tmp_path).round == 3
+
+
+def test_saving_a_round_again_replaces_it_whole(tmp_path):
+    checkpoint.save(tmp_path, round=1, params=_params(1), outer_state={}, meta={})
+    checkpoint.save(tmp_path, round=1, params=_params(7), outer_state={}, meta={})
+    assert (checkpoint.load_latest(tmp_path).params["wte"] == 7).all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "round-000001"]
+
+
+@pytest.mark.e2e
+def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeypatch, spawn_worker):
+    """A real run checkpoints every round while the next trains; round 2's write raises."""
+    config = small_config(
+        workers=1, rounds=3, inner_steps=2, chunk_steps=2, checkpoint_every=1,
+        checkpoint_dir=str(tmp_path),
+    )  # fmt: skip
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    honest_save_file = checkpoint.save_file
+
+    def save_file(tensors, path, metadata=None):
+        if metadata and metadata.get("round") == "2":
+            raise safetensors.SafetensorError("Error while serializing: IoError")
+        return honest_save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            spawn_worker(await nursery.start(shepherd.run))
+
+    trio.run(main)
+    events = [(e.kind, e.data.get("round")) for e in shepherd.state.events]
+    assert ("checkpoint_failed", 2) in events and ("checkpoint", 3) in events
+    assert shepherd.state.status == "done" and len(shepherd.state.history) == 3
+    assert sorted(p.name for p in tmp_path.glob("round-*")) == ["round-000001", "round-000003"]
+    # each checkpoint holds its own round's parameters, though the next round ran meanwhile
+    for number in (1, 3):
+        saved = checkpoint.load_latest(tmp_path / f"round-{number:06d}")
+        assert shepherd.evaluate(saved.params) == shepherd.state.history[number - 1].eval_loss

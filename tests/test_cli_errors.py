@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -158,13 +159,21 @@ def test_demo_on_a_busy_port_says_so_in_one_line():
     assert line.startswith("pcp-tui: error: cannot listen on 127.0.0.1:") and "--port" in line
 
 
-def _missing_backend() -> str:
+def _missing_backends() -> list[str]:
+    missing = []
     for name in ("metal", "rocm", "cuda"):
         try:
             select_backend(name)
         except BackendUnavailable:
-            return name
-    pytest.skip("every backend is present here")
+            missing.append(name)
+    return missing
+
+
+def _missing_backend() -> str:
+    missing = _missing_backends()
+    if not missing:
+        pytest.skip("every backend is present here")
+    return missing[0]
 
 
 def test_demo_whose_workers_cannot_start_fails_with_one_line():
@@ -273,6 +282,65 @@ def test_ctrl_c_at_the_terminal_stops_the_demo_and_its_workers_cleanly(tmp_path,
     assert not [r for r in rows if r["event"] in ("failed", "lost")], rows
 
 
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie that its new parent has not reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _demo(background, checkpoints: Path, metrics: Path) -> Background:
+    demo = background(
+        "demo",
+        "--headless",
+        "--workers",
+        "1",
+        "--rounds",
+        "1000",
+        "--inner-steps",
+        "5",
+        *SMALL,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        "1000",
+        "--metrics",
+        str(metrics),
+    )
+    demo.wait_for(metrics, r'"event": "round"')
+    return demo
+
+
+def test_sighup_stops_the_demo_like_sigterm(tmp_path, background):
+    """Closing the terminal sends SIGHUP: a message, the final checkpoint, workers told goodbye."""
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    demo = _demo(background, checkpoints, metrics)
+    workers = _children(demo.process.pid)
+    assert len(workers) == 1
+    demo.process.send_signal(signal.SIGHUP)
+    assert demo.wait() == 128 + signal.SIGHUP, demo.err.read_text()
+    line = one_error_line(demo.err.read_text())
+    assert line.startswith("pcp-tui: SIGHUP: stopping after the current round"), line
+    assert checkpoint.load_latest(checkpoints).round >= 1
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert not [r for r in rows if r["event"] in ("failed", "lost")], rows
+    assert not [pid for pid in workers if _alive(pid)]  # the demo waited for their goodbye
+
+
+def test_the_demos_workers_do_not_outlive_a_killed_demo(tmp_path, background):
+    demo = _demo(background, tmp_path / "ckpt", tmp_path / "m.jsonl")
+    workers = _children(demo.process.pid)
+    assert len(workers) == 1 and all(_alive(pid) for pid in workers)
+    demo.process.kill()  # SIGKILL: the demo runs no code of its own on the way out
+    demo.wait()
+    deadline = time.monotonic() + GUARD  # only against hangs: they stop within seconds
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "the killed demo's workers are still running"
+        time.sleep(0.1)
+
+
 def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     with socket.socket() as closed:  # nobody listens: the worker retries with back-off
         closed.bind(("127.0.0.1", 0))
@@ -286,6 +354,80 @@ def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     assert one_error_line(worker.err.read_text()) == "pcp-tui: SIGTERM: stopping at once"
 
 
+def test_a_worker_refused_on_every_connect_gives_up_with_growing_waits(background):
+    """--give-up-after counts from the last welcome, not the last TCP connect."""
+    with socket.socket() as refusing:  # accepts, then hangs up at once: never a welcome
+        refusing.bind(("127.0.0.1", 0))
+        refusing.listen(64)
+        port = refusing.getsockname()[1]
+
+        def hang_up() -> None:
+            with contextlib.suppress(OSError):  # closed when the test is over
+                while True:
+                    refusing.accept()[0].close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        worker = background(
+            "worker", "--connect", f"127.0.0.1:{port}", "--token", "t", "--backend", "cpu",
+            "--give-up-after", "5",
+        )  # fmt: skip
+        assert worker.wait() == 1, worker.err.read_text()
+    line = one_error_line(worker.err.read_text())
+    assert line.startswith("pcp-tui: error: connection lost") and "gave up after" in line, line
+    assert "--give-up-after" in line
+    waits = [float(w) for w in re.findall(r"retrying in ([\d.]+) s", worker.out.read_text())]
+    assert len(waits) >= 2, worker.out.read_text()
+    # attempt n waits within [2^n / 4, 2^n / 2] s: never less than the one before (the
+    # last may be cut short by the budget)
+    assert waits[:-1] == sorted(waits[:-1]), waits
+
+
+def test_idle_workers_beat_at_the_runs_heartbeat_interval(tmp_path, background, spawn_worker):
+    """--heartbeat-seconds 0.25 --heartbeat-timeout 1.5: workers beat every 0.25 s, not 2 s."""
+    metrics = tmp_path / "m.jsonl"
+    shepherd = background(
+        *shepherd_args("--workers", "2", "--rounds", "1"),
+        "--heartbeat-seconds", "0.25", "--heartbeat-timeout", "1.5", "--metrics", str(metrics),
+    )  # fmt: skip
+    port = shepherd.port()
+    spawn_worker(port, token=TOKEN)
+    shepherd.wait_for(metrics, r'"event": "compiled"')
+    # idle: the run waits for a second worker. A 2 s heartbeat is lost within 1.5 s.
+    time.sleep(4 * 1.5)
+    spawn_worker(port, token=TOKEN)
+    assert shepherd.wait() == 0, shepherd.err.read_text()
+    events = [json.loads(line).get("event") for line in metrics.read_text().splitlines()]
+    assert "round" in events and "lost" not in events and "rejoined" not in events, events
+
+
+def test_log_level_debug_logs_connections_and_messages_to_the_log_files(
+    tmp_path, background, spawn_worker
+):
+    shepherd_log, worker_log = tmp_path / "shepherd.log", tmp_path / "worker.log"
+    shepherd = background(
+        *shepherd_args("--workers", "1", "--rounds", "1"),
+        "--log-level", "debug", "--log-file", str(shepherd_log),
+    )  # fmt: skip
+    worker = spawn_worker(
+        shepherd.port(), "--log-level", "debug", "--log-file", str(worker_log), token=TOKEN
+    )
+    assert shepherd.wait() == 0, shepherd.err.read_text()
+    assert worker.wait(timeout=GUARD) == 0, worker.stdout.read()
+    assert "pcp_tui" not in shepherd.err.read_text()  # the log went to the file
+    text = shepherd_log.read_text()
+    for pattern in (
+        r"INFO pcp_tui\.shepherd\.pool: worker 0 \(\S+, cpu\) joined from 127\.0\.0\.1:\d+",
+        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: sent plan \(\d+ bytes\)",
+        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: received roundResult \(\d+ bytes\)",
+        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: received ready \(\d+ bytes\)",
+    ):
+        assert re.search(pattern, text), (pattern, text)
+    text = worker_log.read_text()
+    assert re.search(r"INFO pcp_tui\.worker\.client: admitted by 127\.0\.0\.1:\d+", text), text
+    assert re.search(r"DEBUG pcp_tui\.worker\.client: sent heartbeat \(\d+ bytes\)", text), text
+    assert "INFO pcp_tui.worker.client: the shepherd ended the run" in text
+
+
 # -- 3-6, 12: options that cannot work stop the run before anything loads ---------
 
 
@@ -293,11 +435,15 @@ def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     ("flags", "message"),
     [
         (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
-        (["--heartbeat-timeout", "0"], "must be larger than --heartbeat-seconds"),
+        (["--heartbeat-timeout", "0"], "must be at least 3x --heartbeat-seconds"),
+        (["--heartbeat-seconds", "1", "--heartbeat-timeout", "2"], "must be at least 3x"),
         (["--attention", "foo"], "--attention must be one of xla, cudnn"),
         (["--eval-batches", "0"], "--eval-batches must be at least 1"),
         (["--min-workers", "3", "--workers", "2"], "--min-workers 3 is more than --workers 2"),
         (["--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine"),
+        (["--attention", "cudnn"], "--attention cudnn needs --compute-dtype bfloat16"),
+        (["--model", "tinny"], "--model 'tinny' is not a preset: did you mean 'tiny'? presets"),
+        (["--model", "missing.py:build"], "--model 'missing.py:build': no file"),
     ],
 )
 def test_options_that_cannot_work_exit_2_with_one_line(flags, message):
@@ -305,6 +451,86 @@ def test_options_that_cannot_work_exit_2_with_one_line(flags, message):
     assert result.returncode == 2
     assert message in one_error_line(result)
     assert "loading data" not in result.stdout  # refused before the slow part
+
+
+def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2():
+    if "cuda" not in _missing_backends():
+        pytest.skip("this machine has CUDA: cuDNN attention can be exported here")
+    result = pcp("shepherd", "--headless", "--port", "0", "--attention", "cudnn",
+                 "--compute-dtype", "bfloat16")  # fmt: skip
+    assert result.returncode == 2
+    assert "--attention cudnn needs JAX with CUDA and cuDNN on the shepherd" in one_error_line(
+        result
+    )
+    assert "loading data" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["shepherd", "--port", "0", "--inner-step", "5"], "unrecognized arguments: --inner-step"),
+        (["demo", "--port", "0", "--inner-step", "5"], "unrecognized arguments: --inner-step"),
+        (["worker", "--conn", "127.0.0.1:9", "--no-reconnect"], "required: --connect"),
+        (["sample", "--check", "ckpt"], "required: --checkpoint"),
+    ],
+)
+def test_abbreviated_options_are_errors_not_guesses(args, message):
+    result = pcp(*args)
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+
+
+def _model_file(tmp_path: Path, old: str, new: str) -> str:
+    text = (REPO / "examples" / "mlp_model.py").read_text()
+    assert old in text
+    path = tmp_path / "model.py"
+    path.write_text(text.replace(old, new, 1))
+    line = text[: text.index(old)].count("\n") + 1
+    return f"pcp-tui: error: {path}:{line}:"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "error"),
+    [
+        ("def build(config) -> pcp_tui.ModelSpec:", "def build(config)", " SyntaxError: expected ':'"),
+        (
+            "logits = hidden @ params[\"w2\"]",
+            "logits = hidden @ params[\"w1\"]",
+            " in loss: TypeError: dot_general requires contracting dimensions to have the same "
+            "shape, got (64,) and (16,). (batch x: float32[4,16], y: int32[4])",
+        ),
+        ("\"b1\": jnp.zeros(HIDDEN),", "\"b1\": jnp.zeros(HIDDEN) + nope,",
+         " in init: NameError: name 'nope' is not defined"),
+    ],
+    ids=["syntax", "shape", "init"],
+)  # fmt: skip
+def test_a_model_files_error_is_one_line_at_its_line(tmp_path, old, new, error):
+    where = _model_file(tmp_path, old, new)
+    result = pcp("shepherd", "--headless", "--port", "0", "--model", f"{tmp_path}/model.py:build",
+                 "--workers", "1", *SMALL)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert one_error_line(result) == where + error
+    assert "listening" not in result.stdout
+
+
+def _not_text(tmp_path: Path) -> list[tuple[str, str]]:
+    random_bytes = tmp_path / "random.txt"
+    random_bytes.write_bytes(bytes(range(256)) * 64)
+    odd = tmp_path / "tokens.bin"
+    odd.write_bytes(b"\x01\x00" * 100 + b"\x07")
+    return [
+        (str(random_bytes), f"{random_bytes} is not text (a NUL byte at offset 0)"),
+        (sys.executable, f"{sys.executable} is not text (a NUL byte at offset"),
+        (str(odd), f"{odd} is not a nanoGPT token file: its size (201 bytes) is odd"),
+    ]
+
+
+def test_data_that_is_not_text_or_not_tokens_is_refused(tmp_path):
+    for data, message in _not_text(tmp_path):
+        result = pcp("shepherd", "--headless", "--port", "0", "--data", data, *SMALL)
+        assert result.returncode == 1, result.stderr
+        line = one_error_line(result)
+        assert line.startswith(f"pcp-tui: error: {message}") and "--data" in line, line
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path):

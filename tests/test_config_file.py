@@ -70,8 +70,8 @@ def test_missing_file_is_a_clear_error(tmp_path):
     ("changes", "message"),
     [
         ({"checkpoint_every": 0}, "--checkpoint-every must be at least 1, got 0"),
-        ({"heartbeat_timeout": 0.0}, r"--heartbeat-timeout \(0 s\) must be larger than"),
-        ({"heartbeat_timeout": 2.0}, r"must be larger than --heartbeat-seconds \(2 s\)"),
+        ({"heartbeat_timeout": 0.0}, r"--heartbeat-timeout \(0 s\) must be at least 3x"),
+        ({"heartbeat_timeout": 5.9}, r"must be at least 3x --heartbeat-seconds \(2 s\)"),
         ({"heartbeat_seconds": 0.0}, "--heartbeat-seconds must be positive"),
         ({"attention": "foo"}, "--attention must be one of xla, cudnn, got 'foo'"),
         ({"eval_batches": 0}, "--eval-batches must be at least 1"),
@@ -118,7 +118,7 @@ def test_the_edges_of_every_range_are_accepted():
         min_workers=2,
         workers=2,
         heartbeat_seconds=0.5,
-        heartbeat_timeout=0.6,
+        heartbeat_timeout=1.5,
         eval_batches=1,
         checkpoint_every=1,
     ).validate()

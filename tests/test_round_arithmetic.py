@@ -12,6 +12,7 @@ from pcp_tui import protocol
 from pcp_tui.backends import select_backend
 from pcp_tui.backends._jax import _pinned_host
 from pcp_tui.diloco import outer as diloco
+from pcp_tui.diloco import reference as reference_diloco
 from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean, scaled_add
 from pcp_tui.diloco.screening import BadResult, ResultScreen, check_pseudo_gradient, global_norm
 from pcp_tui.shepherd import rounds
@@ -56,7 +57,7 @@ def test_streaming_mean_equals_the_plain_weighted_mean_and_reuses_its_buffers():
 @pytest.mark.parametrize("kind", ["nesterov", "sgd"])
 def test_outer_step_matches_optax(kind):
     params = tensors(10, scale=0.02)
-    tx = optax.sgd(0.7, momentum=0.9 if kind == "nesterov" else None, nesterov=kind == "nesterov")
+    tx = reference_diloco.outer_optimizer(kind, lr=0.7, momentum=0.9)
     reference, state = dict(params), tx.init(params)
     outer = OuterOptimizer(kind, 0.7, 0.9)
     in_place = {n: p.copy() for n, p in params.items()}
@@ -66,11 +67,10 @@ def test_outer_step_matches_optax(kind):
         mean.add(tensors(20 + round_number), 120.0)
         mean.add(tensors(40 + round_number), 80.0)
         gradient = mean.mean()
-        updates, state = tx.update(gradient, state, reference)
-        reference = optax.apply_updates(reference, updates)
+        reference, state = reference_diloco.outer_step(reference, state, gradient, tx)
         outer.apply(in_place, mean.sums, mean.scale)
         for name in SHAPES:
-            np.testing.assert_allclose(in_place[name], reference[name], rtol=1e-6, atol=1e-9)
+            np.testing.assert_array_equal(in_place[name], reference[name])
     copy = OuterOptimizer(kind, 0.7, 0.9)
     copy.load_state_arrays(params, outer.state_arrays())
     stepped = copy.step(in_place, gradient)
@@ -146,3 +146,13 @@ def test_backend_difference_is_the_numpy_difference(monkeypatch, on_device):
     difference = backend.difference(kept, backend.to_device([after[n] for n in names]))
     for name, value in zip(names, difference, strict=True):
         np.testing.assert_array_equal(value, before[name] - after[name])
+
+
+def test_a_checkpoint_of_the_numpy_outer_step_of_before_loads():
+    """Before optax ran it, the shepherd saved the momentum as `[0].trace['<name>']`."""
+    params = tensors(0)
+    before = {f"[0].trace[{name!r}]": tensors(5)[name] for name in SHAPES}
+    outer = OuterOptimizer("nesterov")
+    outer.load_state_arrays(params, before)
+    for name, array in outer.state_arrays().items():
+        np.testing.assert_array_equal(array, before[name])

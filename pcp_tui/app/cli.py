@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -35,6 +36,7 @@ _HELP = {
     "outer_optimizer": "nesterov | sgd",
     "outer_lr": "outer learning rate (DiLoCo: 0.7)",
     "outer_momentum": "outer Nesterov momentum in [0, 1) (DiLoCo: 0.9)",
+    "aggregate": "how results combine: centered-clip (robust: a minority cannot steer) | mean | trimmed-mean | median",
     "compression": "pseudo-gradient encoding: none | bfloat16 | int8Block",
     "seed": "seed for initialisation and data order",
     "eval_every": "evaluate on the held-out split every N rounds",
@@ -42,8 +44,8 @@ _HELP = {
     "workers": "workers to wait for before round 1",
     "host": "address to listen on",
     "port": "TCP port to listen on (0: any free port)",
-    "heartbeat_seconds": "heartbeat interval",
-    "heartbeat_timeout": "seconds of silence before a worker counts as lost (more than --heartbeat-seconds)",
+    "heartbeat_seconds": "heartbeat interval, of the shepherd and (told in the welcome) its workers",
+    "heartbeat_timeout": "seconds of silence before a worker counts as lost (at least 3x --heartbeat-seconds)",
     "round_timeout": "close a round after this many seconds with the results it has (0: wait for all)",
     "min_workers": "fewest results a round needs before --round-timeout may close it (at most --workers)",
     "token": "join token workers must prove (default: $PCP_TOKEN or a random one)",
@@ -59,6 +61,10 @@ _HELP = {
     "max_worker_connections": "admitted worker connections at once; more are refused as busy (0: --workers + 2)",
     "min_upload_rate": "bytes/s a round result upload must average after --upload-grace; slower ones are dropped",
     "upload_grace": "seconds a round result upload may take before --min-upload-rate applies",
+    "api_host": "address the operator API listens on (0.0.0.0: every interface; keep it private)",
+    "api_port": "serve the operator HTTP API and Prometheus /metrics on this port (0: no API; HTTPS with --tls-cert)",
+    "api_token_env": "environment variable that holds the API's bearer token (required when --api-port is set)",
+    "trace": "append one JSON line per protocol message sent or received to this file (rotated at 64 MiB)",
 }
 _SKIP = {"platforms"}
 
@@ -90,6 +96,40 @@ def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> No
         )
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_log_options(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-file: connection-level diagnostics beside the run's own output."""
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="info: joins, losses, refusals and reconnects; debug: also every message sent "
+        "and received, with its size (default: warning)",
+    )
+    group.add_argument(
+        "--log-file",
+        default=None,
+        metavar="PATH",
+        help="append the log to this file instead of standard error",
+    )
+
+
+def configure_logging(level: str, path: str | None) -> None:
+    """Send `pcp_tui` loggers at `level` to `path` (appended) or standard error.
+
+    Only pcp-tui's own loggers get the level: debug for JAX would flood the log.
+    """
+    handler = logging.FileHandler(path, encoding="utf-8") if path else logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("pcp_tui")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
 def _config_from(args: argparse.Namespace) -> RunConfig:
     """Command defaults, then the --config file, then the flags actually passed."""
     fields = [f.name for f in dataclasses.fields(RunConfig)]
@@ -113,19 +153,22 @@ def _default_cache() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pcp-tui", description="Train across loosely connected machines (DiLoCo)."
+        prog="pcp-tui",
+        description="Train across loosely connected machines (DiLoCo).",
+        allow_abbrev=False,  # `--inner-step 5` must be an error, not a guess at --inner-steps
     )
     parser.add_argument("--version", action="version", version=f"pcp-tui {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    shepherd = commands.add_parser("shepherd", help="coordinate a run: workers connect to it")
+    shepherd = _command(commands, "shepherd", help="coordinate a run: workers connect to it")
     shepherd.add_argument(
         "--headless", action="store_true", help="no dashboard: one line per round"
     )
     _add_run_options(shepherd, RunConfig())
+    _add_log_options(shepherd)
 
-    demo = commands.add_parser(
-        "demo", help="shepherd plus local worker processes on the embedded corpus"
+    demo = _command(
+        commands, "demo", help="shepherd plus local worker processes on the embedded corpus"
     )
     demo.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
     demo.add_argument(
@@ -137,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
             rounds=12, inner_steps=25, port=0, host="127.0.0.1", warmup_steps=25, inner_lr=2e-3
         ),
     )
+    _add_log_options(demo)
 
-    worker = commands.add_parser("worker", help="join a shepherd and train")
+    worker = _command(commands, "worker", help="join a shepherd and train")
     worker.add_argument(
         "--connect", required=True, metavar="HOST:PORT", help="the shepherd's address"
     )
@@ -164,8 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1800.0,
         metavar="SECONDS",
-        help="stop reconnecting (exit 1) after this long without reaching the shepherd: "
-        "a run that ended while this worker was cut off never says goodbye to it (default: 1800)",
+        help="stop reconnecting (exit 1) after this long without being admitted by the shepherd "
+        "(a TCP connect that is then refused does not count); retries wait about 1 s, then "
+        "twice as long each time, up to 30 s: a run that ended while this worker was cut off "
+        "never says goodbye to it (default: 1800)",
     )
     worker.add_argument(
         "--tls-ca",
@@ -181,7 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="connect over TLS, trusting only the shepherd certificate with this SHA-256 "
         "(printed in its join command; with --tls-ca too, the certificate must pass both)",
     )
+    worker.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per protocol message sent or received to FILE (rotated at 64 MiB)",
+    )
     worker.add_argument("--quiet", action="store_true", help="print only errors")
+    _add_log_options(worker)
+    worker.add_argument(  # a demo's local workers: see launch._worker_process
+        "--parent-fd", type=int, default=None, help=argparse.SUPPRESS
+    )
     worker.add_argument(
         "--compile-cache",
         default=_default_cache(),
@@ -189,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep compiled graphs here so a restart does not recompile ('' to disable)",
     )
     link_emulator.add_parser(commands)
-    sample = commands.add_parser("sample", help="generate text from a GPT-2 checkpoint")
+    sample = _command(commands, "sample", help="generate text from a GPT-2 checkpoint")
     sample.add_argument(
         "--checkpoint",
         "--checkpoint-dir",
@@ -218,12 +274,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(commands, name: str, **options) -> argparse.ArgumentParser:
+    """A subcommand's parser; like the top one, it takes only whole option names."""
+    return commands.add_parser(name, allow_abbrev=False, **options)
+
+
 class Interrupted(BaseException):
-    """SIGTERM outside a run's own signal handling (see `headless.SignalStop`): exit 143."""
+    """SIGTERM or SIGHUP outside a run's own signal handling (see `headless.SignalStop`).
+
+    The exit code is 128 + the signal's number: 143 for SIGTERM, 129 for SIGHUP.
+    """
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+_TERMINATING = (signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -234,26 +301,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _main(args)
-    previous = signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: a message, not a death
+    # like Ctrl-C: a message, not a death (SIGHUP: the terminal closed)
+    previous = {signum: signal.signal(signum, _terminate) for signum in _TERMINATING}
     try:
         return _main(args)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _main(args: argparse.Namespace) -> int:
     try:
+        if getattr(args, "log_level", None):
+            try:
+                configure_logging(args.log_level, args.log_file)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot write --log-file {args.log_file} ({exc.strerror or exc})"
+                ) from None
         return _dispatch(args)
     except ConfigError as exc:
         print(f"pcp-tui: error: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Interrupted) as exc:
-        return _interrupted(signal.SIGTERM if isinstance(exc, Interrupted) else signal.SIGINT)
+        return _interrupted(exc.signum if isinstance(exc, Interrupted) else signal.SIGINT)
     except BaseExceptionGroup as group:  # a signal inside trio nurseries arrives wrapped
         if group.split((KeyboardInterrupt, Interrupted))[1] is not None:
             raise
-        terminated = group.subgroup(Interrupted) is not None
-        return _interrupted(signal.SIGTERM if terminated else signal.SIGINT)
+        terminated = group.subgroup(Interrupted)
+        while isinstance(terminated, BaseExceptionGroup):
+            terminated = terminated.exceptions[0]
+        return _interrupted(terminated.signum if terminated is not None else signal.SIGINT)
 
 
 def _interrupted(signum: int) -> int:

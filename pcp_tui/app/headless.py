@@ -28,6 +28,7 @@ _SHOWN = {
     "round_repeated",
     "late_result",
     "bad_result",
+    "result_clipped",
     "stragglers",
     "paused",
     "resumed",
@@ -35,6 +36,7 @@ _SHOWN = {
     "checkpoint",
     "checkpoint_failed",
     "resumed_from",
+    "stop_requested",
 }
 
 
@@ -118,15 +120,21 @@ class MetricsWriter:
 
 
 class SignalStop:
-    """SIGINT / SIGTERM for a run without a dashboard: first stop cleanly, then at once.
+    """SIGINT / SIGTERM / SIGHUP for a run without a dashboard: first stop cleanly, then at once.
 
     The first signal calls `stop(reason)` (the shepherd finishes or abandons its
     round, writes its checkpoint and tells workers goodbye) and says so in one
     line; the second cancels `scope`. Without `stop`, the first signal cancels.
-    The process then exits with 128 + the signal's number (130, 143), as shells expect.
+    The process then exits with 128 + the signal's number (130, 143, 129), as shells expect.
+    SIGHUP is what closing the terminal sends: it must stop a run the same clean
+    way, not kill it with its checkpoint unwritten.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (
+        signal.SIGINT,
+        signal.SIGTERM,
+        *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []),
+    )
 
     def __init__(self, stop: Callable[[str], None] | None = None, out: IO[str] = sys.stderr):
         self._stop = stop

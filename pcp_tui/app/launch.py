@@ -4,110 +4,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import os
 import socket
 import sys
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 
 import trio
 
 from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop
+from pcp_tui.app.preflight import preflight
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract.auth import new_token
-from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.checkpoint import CheckpointError
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.training.corpus import DataError
+from pcp_tui.training.model_file import ModelFileError
 
 
 def _fail(reason: str, code: int = 1) -> int:
     print(f"pcp-tui: error: {reason}", file=sys.stderr, flush=True)
     return code
-
-
-def preflight(config: RunConfig) -> None:
-    """What can be checked before data and model load: address, files, the resumed round.
-
-    ConfigError (exit 2) for an option that cannot work, RunFailed for a busy port,
-    CheckpointError for a missing or unreadable checkpoint.
-    """
-    _check_listen(config.host, config.port)
-    if config.checkpoint_dir:
-        _check_writable(config.checkpoint_dir)
-    if config.metrics:
-        try:
-            with open(config.metrics, "a", encoding="utf-8"):
-                pass
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot write --metrics {config.metrics} ({exc.strerror or exc})"
-            ) from None
-    if config.resume:
-        saved = checkpoint.inspect(config.resume)
-        if saved.round >= config.rounds:
-            raise ConfigError(
-                f"checkpoint {saved.path} is at round {saved.round} of {config.rounds}; "
-                "pass a larger --rounds to train further"
-            )
-
-
-def _check_listen(host: str, port: int) -> None:
-    """Bind (and let go) where the shepherd will listen, as trio.open_tcp_listeners does."""
-    try:
-        addresses = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except socket.gaierror as exc:
-        raise ConfigError(
-            f"--host {host!r} does not resolve ({exc.strerror}): give an address of this "
-            "machine, or 0.0.0.0 for all of them"
-        ) from None
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            if os.name != "nt":
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                raise _listen_problem(host, port, exc) from None
-
-
-def _listen_problem(host: str, port: int, exc: OSError) -> Exception:
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return ConfigError(
-            f"--host {host} is not an address of this machine ({exc.strerror}): listen on one "
-            "of its addresses, or 0.0.0.0 for all of them"
-        )
-    if exc.errno == errno.EADDRINUSE:
-        return RunFailed(
-            f"cannot listen on {host}:{port}: the port is in use (by another program or run); "
-            "pick another --port, or --port 0 for any free one"
-        )
-    if exc.errno == errno.EACCES:
-        return ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror}): ports below 1024 need "
-            "privileges; pick a --port above 1023"
-        )
-    return RunFailed(f"cannot listen on {host}:{port} ({exc.strerror or exc})")
-
-
-def _check_writable(directory: str) -> None:
-    """Create `directory` and a file in it now, not at the first checkpoint rounds later."""
-    try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".pcp-tui-write-test-"):
-            pass
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot write checkpoints to {directory} ({exc.strerror or exc}): "
-            "choose a writable --checkpoint-dir"
-        ) from None
 
 
 def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | None]:
@@ -140,7 +57,7 @@ def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
         return prepare(config, shards=config.workers)
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    except (DataError, CheckpointError, RunFailed, OSError, ValueError) as exc:
+    except (DataError, CheckpointError, RunFailed, ModelFileError, OSError, ValueError) as exc:
         return _fail(str(exc))
 
 
@@ -160,10 +77,14 @@ def run_shepherd(config: RunConfig, *, headless: bool) -> int:
 def _run_headless(
     shepherd: Shepherd, metrics: MetricsWriter | None, body: Callable[[], Awaitable[object]]
 ) -> int:
-    """Run `body` under trio with SIGINT/SIGTERM handling; 0, 1 (RunFailed) or 128 + signal."""
+    """Run `body` under trio with signal handling; 0, 1 (RunFailed) or 128 + signal.
+
+    A model file's loss first runs when the shepherd exports the graph, inside
+    the run: its ModelFileError ends the run like a RunFailed, in one line.
+    """
     stop = SignalStop(shepherd.request_stop)
     try:
-        failure = _run_with_signals(stop, body, RunFailed)
+        failure = _run_with_signals(stop, body, (RunFailed, ModelFileError))
     finally:
         if metrics:
             metrics.close()
@@ -261,7 +182,15 @@ async def _worker_process(
 
     It gets a session of its own: a Ctrl-C at the terminal reaches only the
     demo, which stops its shepherd, which tells the worker goodbye.
+
+    It never outlives the demo, even one killed by SIGKILL: it inherits the read
+    end of a pipe whose only write end the demo holds, and stops when that end
+    closes (the kernel closes it however the demo dies). Not PR_SET_PDEATHSIG:
+    that fires when the *thread* that forked exits, and trio forks from a
+    cached worker thread that exits after a few idle seconds.
     """
+    posix = os.name == "posix"
+    parent_end, demo_end = os.pipe() if posix else (None, None)
     command = local_worker_command(
         port,
         backend=backend,
@@ -269,17 +198,25 @@ async def _worker_process(
             "--id",
             f"local-{index}",
             "--quiet",
+            *(("--parent-fd", str(parent_end)) if posix else ()),
             *(shepherd.tls.worker_flags() if shepherd.tls else ()),
         ),
     )
     env = dict(os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.workers))
-    async with trio.open_nursery() as nursery:
-        process = await nursery.start(
-            lambda **kw: trio.run_process(
-                command, env=env, check=False, start_new_session=os.name == "posix", **kw
+    options = {"start_new_session": True, "pass_fds": (parent_end,)} if posix else {}
+    try:
+        async with trio.open_nursery() as nursery:
+            process = await nursery.start(
+                lambda **kw: trio.run_process(command, env=env, check=False, **options, **kw)
             )
-        )
-        task_status.started(process)
+            if posix:
+                os.close(parent_end)
+                parent_end = None
+            task_status.started(process)
+    finally:
+        for fd in (parent_end, demo_end):
+            if fd is not None:
+                os.close(fd)
     if process.returncode != 0 and shepherd.state.status not in ("done", "stopped", "failed"):
         shepherd.abort(
             f"local worker {index} exited with code {process.returncode} (its reason is above)"
@@ -302,6 +239,7 @@ def _cpu_threads_env(workers: int) -> dict[str, str]:
 def run_worker(args: argparse.Namespace) -> int:
     from pcp_tui.app.worker_view import WorkerStatusView
     from pcp_tui.contract.tls import ClientTLS
+    from pcp_tui.contract.trace import MessageTrace
     from pcp_tui.worker.client import ConnectionLost, Refused, Worker
 
     token = args.token or os.environ.get("PCP_TOKEN")
@@ -335,18 +273,52 @@ def run_worker(args: argparse.Namespace) -> int:
             reconnect=not args.no_reconnect,
             give_up_after=args.give_up_after,
             tls=tls,
+            trace=MessageTrace(args.trace) if args.trace else None,
         )
+    except OSError as exc:
+        return _fail(f"cannot write --trace {args.trace} ({exc.strerror or exc})", 2)
     except (BackendUnavailable, ValueError) as exc:
         return _fail(str(exc))
     view = contextlib.nullcontext() if args.quiet else WorkerStatusView(worker.status)
     stop = SignalStop()  # the first SIGINT/SIGTERM ends the worker; the shepherd sees it leave
+    body = worker.run if args.parent_fd is None else _until_closed(args.parent_fd, worker.run)
     with view:
-        ended = _run_with_signals(stop, worker.run, (Refused, ConnectionLost))
+        ended = _run_with_signals(stop, body, (Refused, ConnectionLost, ParentGone))
     if isinstance(ended, Refused):
         return _fail(f"{ended} (not retrying)")
     if ended is not None:
         return _fail(str(ended))
     return stop.exit_code or 0
+
+
+class ParentGone(Exception):
+    """The demo that started this local worker has exited; the worker stops too."""
+
+
+def _until_closed(fd: int, body: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[None]]:
+    """`body`, cancelled (raising ParentGone) once the pipe `fd` reaches end-of-file.
+
+    The demo never writes to the pipe: end-of-file means its last write end is
+    closed, which the kernel does when the demo exits, however it exits.
+    """
+
+    async def watched() -> None:
+        gone = False
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal gone
+                await trio.lowlevel.wait_readable(fd)  # only end-of-file makes it readable
+                gone = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            await body()
+            nursery.cancel_scope.cancel()
+        if gone:
+            raise ParentGone("the demo that started this worker has exited; stopping")
+
+    return watched
 
 
 def parse_connect(text: str) -> tuple[str, int]:

@@ -157,6 +157,7 @@ def add_parser(commands) -> None:
     """The `emulate-link` subcommand's options."""
     parser = commands.add_parser(
         "emulate-link",
+        allow_abbrev=False,
         help="a TCP proxy that behaves like a slow, far link (rehearse a WAN run on one machine)",
     )
     parser.add_argument(

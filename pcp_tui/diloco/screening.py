@@ -114,15 +114,23 @@ class ResultScreen:
         shapes: Mapping[str, tuple[int, ...]],
         max_tokens: int,
         norms: NormGuard | None = None,
+        bound: float = math.inf,
     ):
         self.shapes = dict(shapes)
         self.max_tokens = max_tokens
         self.norms = norms or NormGuard()
+        self.bound = bound  # the largest norm an honest worker can send; set every round
 
     def check(self, tensors: Mapping[str, np.ndarray], tokens: object) -> float:
         """The result's global norm; BadResult for wrong tensors, NaN/Inf, a bad token count or norm."""
         norm = check_pseudo_gradient(tensors, self.shapes)
         check_token_count(tokens, self.max_tokens)
+        most = self.bound
+        if math.isfinite(norm) and norm > most:  # an overflow is reported as one below
+            raise BadResult(
+                f"its global L2 norm {norm:.4g} is over {most:.4g}, the most the plan's inner "
+                "optimizer can move the parameters in a round"
+            )
         return self.norms.judge(norm)
 
     def accept(self, norm: float) -> None:

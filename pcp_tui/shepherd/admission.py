@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.contract.tls import ServerTLS
+from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.shepherd.connection import Hello, Refused, handshake
 from pcp_tui.shepherd.state import RunState
 
@@ -38,6 +40,7 @@ ADMITTED_LIMITS = protocol.Limits()
 # A TLS connection opens with a handshake record (content type 22); anything else is not TLS.
 _TLS_HANDSHAKE_RECORD = b"\x16"
 _FIRST_BYTES = 16 * 1024
+log = logging.getLogger(__name__)  # every refusal, for --log-level info (events are rate-limited)
 TLS_ONLY = (
     "this shepherd speaks TLS only: join with the --tls-fingerprint/--tls-ca from its join command"
 )
@@ -77,8 +80,10 @@ class RefusalLog:
         self._roll()
         if self._shown[host] < self._per_host and sum(self._shown.values()) < self._total:
             self._shown[host] += 1
+            log.info("%s %s: %s", verb, peer, reason)
             self._state.emit("refused", f"{verb} {peer}: {reason}", peer=peer, **data)
             return
+        log.debug("%s %s: %s (not shown: too many refusals)", verb, peer, reason)
         if host not in self._suppressed and len(self._suppressed) >= self._max_hosts:
             host = "other addresses"
         tally = self._suppressed.setdefault(host, [0, ""])
@@ -133,8 +138,10 @@ class Admission:
         max_per_host: int = 8,
         max_pending: int = 64,
         refusals: RefusalLog | None = None,
+        trace: MessageTrace | None = None,
     ):
         self._token, self._run_id, self._tls = token, run_id, tls
+        self.trace = trace  # --trace: every message of every connection, from its hello
         self.timeout, self.max_per_host, self.max_pending = timeout, max_per_host, max_pending
         self.refusals = refusals or RefusalLog(state)
         self._pending: collections.Counter[str] = collections.Counter()
@@ -170,6 +177,7 @@ class Admission:
                 transport = opened
             with trio.fail_at(deadline):
                 stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
+                stream.observer = self.trace.observer(peer) if self.trace else None
                 hello = await handshake(stream, token=self._token, run_id=self._run_id)
         except Refused as exc:
             self.refusals.refused(host, peer, exc.reason, code=exc.code)

@@ -7,9 +7,13 @@ Layout of a checkpoint directory::
     DIR/round-000012/meta.json            round, config, data positions, run id
     DIR/latest                            name of the newest complete checkpoint
 
-Each checkpoint is written into a temporary directory and renamed into place;
-`latest` is replaced atomically afterwards. A crash at any point leaves the
-previous `latest` pointing at a complete checkpoint.
+Each checkpoint is written into a temporary directory, every file fsynced, and
+renamed into place; `latest` is replaced atomically afterwards. A crash at any
+point leaves the previous `latest` pointing at a complete checkpoint; a crash
+between the rename and the first `latest` leaves a complete round directory,
+which `locate` falls back to. A write that fails for any reason (full disk,
+permissions, a safetensors error) is a CheckpointError: the caller reports it
+and the run goes on.
 """
 
 from __future__ import annotations
@@ -52,40 +56,68 @@ def save(
     meta: dict[str, Any],
     keep: int = 3,
 ) -> Path:
-    """Write round `round` atomically and point `latest` at it; keep the newest `keep`."""
+    """Write round `round` atomically and point `latest` at it; keep the newest `keep`.
+
+    CheckpointError for any failure of the write, whatever raised it: a
+    checkpoint that cannot be written must never end the run that asked for it.
+    """
     root = Path(directory)
     name = f"round-{round:06d}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
-            save_file(
-                {k: np.ascontiguousarray(v) for k, v in params.items()},
-                staging / "params.safetensors",
-                metadata={"format": FORMAT, "round": str(round)},
-            )
-            save_file(
-                {k: np.ascontiguousarray(v) for k, v in outer_state.items()},
-                staging / "outer.safetensors",
-            )
-            _write_json(staging / "meta.json", {"format": FORMAT, "round": round, **meta})
-            _fsync_dir(staging)
-            final = root / name
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(staging, final)
+            _write_round(staging, round, params, outer_state, meta)
+            _move_into_place(staging, root / name)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         _replace_text(root / "latest", name)
         _fsync_dir(root)
-    except OSError as exc:
+    except Exception as exc:  # safetensors' own errors are no OSError; all mean "not written"
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise CheckpointError(
-            f"checkpoint of round {round} not written to {root}: {exc.strerror or exc}; "
-            "the previous checkpoint is kept (free disk space or choose another --checkpoint-dir)"
+            f"checkpoint of round {round} not written to {root}: {reason} "
+            f"({type(exc).__name__}); the previous checkpoint is kept (free disk space, fix "
+            "the directory's permissions or choose another --checkpoint-dir)"
         ) from None
     _prune(root, keep)
     return root / name
+
+
+def _write_round(
+    staging: Path,
+    round: int,
+    params: dict[str, np.ndarray],
+    outer_state: dict[str, np.ndarray],
+    meta: dict[str, Any],
+) -> None:
+    """The round's three files, each fsynced (a rename must never expose unflushed data)."""
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in params.items()},
+        staging / "params.safetensors",
+        metadata={"format": FORMAT, "round": str(round)},
+    )
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in outer_state.items()},
+        staging / "outer.safetensors",
+    )
+    for written in ("params.safetensors", "outer.safetensors"):
+        _fsync_file(staging / written)
+    _write_json(staging / "meta.json", {"format": FORMAT, "round": round, **meta})
+    _fsync_dir(staging)
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    """Rename `staging` to `final`; an existing `final` is moved aside first, never half-deleted."""
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".{final.name}-replaced")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(staging, final)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 RESUME_HINT = "pass the --checkpoint-dir of an earlier run, or start without --resume"
@@ -114,6 +146,9 @@ def locate(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Path:
     except FileNotFoundError:
         if (root / "meta.json").is_file():  # a round-NNNNNN directory of a run
             return root
+        complete = sorted(p for p in root.glob("round-*") if (p / "meta.json").is_file())
+        if complete:  # killed after the first rename, before `latest` was written
+            return complete[-1]
         raise CheckpointError(
             f"no checkpoint in {root} (neither a 'latest' file nor a round directory); {hint}"
         ) from None
@@ -213,6 +248,11 @@ def _replace_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

@@ -17,17 +17,21 @@ import time
 from collections.abc import Mapping
 
 import numpy as np
+import outcome
 import trio
 
 from pcp_tui import protocol
 from pcp_tui.backends import select_backend
-from pcp_tui.config import RunConfig
+from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract import tls
-from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean
-from pcp_tui.diloco.screening import ResultScreen
+from pcp_tui.contract.trace import MessageTrace
+from pcp_tui.diloco.aggregate import CenteredClip, distance, inner_update_bound, make_aggregate
+from pcp_tui.diloco.outer import OuterOptimizer
+from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
+from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.pool import WorkerPool
@@ -67,15 +71,19 @@ class Shepherd:
         self.outer = OuterOptimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
         self.graphs: TrainingGraphs | None = None
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        self._mean = PseudoGradientMean(tuple(sorted(self.params)))  # reused by every round
+        self._mean = make_aggregate(config.aggregate, tuple(sorted(self.params)))  # every round's
         rows = not isinstance(workload.shards[0], np.ndarray)  # see training.shards.shard_plan
         batch_kind = protocol.BatchKind.ROWS if rows else protocol.BatchKind.WINDOWS
         per_row = contract.tokens_per_row(batch_kind, config.seq_len)
         self._screen = ResultScreen(
-            self._shapes, max_tokens=config.inner_steps * config.batch_size * per_row
+            self._shapes,
+            max_tokens=config.inner_steps * config.batch_size * per_row,
+            norms=None if config.aggregate == "mean" else NormGuard(factor=math.inf),
         )
         self._stop_reason: str | None = None
         self._failure: str | None = None
+        self._checkpoint_written = trio.Event()  # set while no checkpoint write is in flight
+        self._checkpoint_written.set()
         self._paused = False
         self._resumed = trio.Event()
         self._eval = None
@@ -92,6 +100,7 @@ class Shepherd:
             timeout=config.handshake_timeout,
             max_per_host=config.max_handshakes_per_host,
             max_pending=config.max_handshakes,
+            trace=_open_trace(config.trace),
         )
         self.pool = WorkerPool(
             self.config,
@@ -103,6 +112,7 @@ class Shepherd:
         )
         if config.resume:
             self._resume(config.resume)
+        self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
 
     def _resume(self, directory: str) -> None:
         saved = checkpoint.load_latest(directory)
@@ -111,10 +121,24 @@ class Shepherd:
         )
         self.params = {n: np.array(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
+        self._mean.load_state_arrays(saved.outer_state)
         self.start_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
+
+    def _update_bound(self) -> float:
+        """The largest pseudo-gradient norm an honest worker can send this round."""
+        cfg = self.config
+        return inner_update_bound(
+            cfg.inner_optimizer,
+            cfg.inner_lr,
+            cfg.inner_steps,
+            sum(p.size for p in self.params.values()),
+            distance(self.params, None),
+            weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+        )
 
     # -- commands (safe to call from the dashboard) -------------------------
 
@@ -142,7 +166,31 @@ class Shepherd:
     # -- the run ------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
-        """Listen, train for `config.rounds` rounds, say goodbye. Raises RunFailed."""
+        """Listen, train for `config.rounds` rounds, say goodbye. Raises RunFailed.
+
+        With `--api-port`, the operator API serves from before the graphs are
+        exported (so /healthz and /readyz answer during a long export) until the
+        run ends; its port is taken first, so a busy one fails the run at once.
+        """
+        if self.api is None:
+            return await self._run(task_status=task_status)
+        everywhere = self.api.host in ("0.0.0.0", "::", "")
+        try:
+            self.state.api_address = self.api.bind(
+                advertise=_address_for_others() if everywhere else None
+            )
+        except OSError as exc:
+            raise RunFailed(
+                f"cannot serve the operator API on {self.api.host}:{self.api.port} "
+                f"({exc.strerror or exc}); pick another --api-port or --api-host"
+            ) from None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.api.serve)
+            result = await outcome.acapture(self._run, task_status=task_status)
+            self.api.close()
+        return result.unwrap()  # RunFailed leaves bare, not wrapped in the nursery's group
+
+    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
         cfg = self.config
         if self._resumed_from:
             path, number = self._resumed_from
@@ -187,10 +235,12 @@ class Shepherd:
                 task_status.started(port)
                 self.state.emit(
                     "listening",
-                    f"listening on {self.state.address}; join with: {self.state.join_command}",
+                    f"listening on {self.state.address}"
+                    + (f", operator API on {self.api.url}" if self.api else "")
+                    + f"; join with: {self.state.join_command}",
                 )
                 try:
-                    await self._train()
+                    await self._train(nursery)
                 except RunFailed as exc:  # raised out of the nursery below, not as a group
                     failure = exc
                 finally:
@@ -207,9 +257,9 @@ class Shepherd:
             raise failure
         return self.state
 
-    def _export(self) -> TrainingGraphs:
+    def _inner_optimizer(self) -> InnerOptimizer:
         cfg = self.config
-        inner = InnerOptimizer(
+        return InnerOptimizer(
             name=cfg.inner_optimizer,
             lr=cfg.inner_lr,
             warmup_steps=cfg.warmup_steps,
@@ -217,6 +267,16 @@ class Shepherd:
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
         )
+
+    def _round_lr_sum(self, number: int) -> float:
+        """Σ of the inner learning rate over round `number`'s steps: what its updates scale with."""
+        steps = self.config.inner_steps
+        schedule = self._inner_optimizer().schedule()
+        return float(np.sum(schedule(np.arange((number - 1) * steps, number * steps))))
+
+    def _export(self) -> TrainingGraphs:
+        cfg = self.config
+        inner = self._inner_optimizer()
         graphs = build_graphs(
             self.workload.loss_fn,
             self.params,
@@ -232,7 +292,7 @@ class Shepherd:
         self._eval = backend.load("eval_loss", graphs.eval_loss)
         return graphs
 
-    async def _train(self) -> None:
+    async def _train(self, nursery: trio.Nursery) -> None:
         cfg = self.config
         self.state.status = "waiting"
         await self._wait_for_workers(cfg.workers, f"waiting for {cfg.workers} worker(s)")
@@ -253,14 +313,15 @@ class Shepherd:
                 )
                 continue
             if cfg.checkpoint_dir and number % cfg.checkpoint_every == 0:
-                await self._checkpoint(number)
+                await self._checkpoint(number, nursery)
             number += 1
         if (
             cfg.checkpoint_dir
             and self.state.history
             and self.state.history[-1].round % cfg.checkpoint_every
         ):
-            await self._checkpoint(self.state.history[-1].round)
+            await self._checkpoint(self.state.history[-1].round, nursery)
+        await self._checkpoint_written.wait()
         if self._failure:
             raise RunFailed(self._failure)
         self.state.status = "stopped" if self._stop_reason else "done"
@@ -272,8 +333,16 @@ class Shepherd:
             seconds=self.state.elapsed(),
         )
 
-    async def _checkpoint(self, number: int) -> None:
-        """Save the run after round `number`; a failed write is reported, the run goes on."""
+    async def _checkpoint(self, number: int, nursery: trio.Nursery) -> None:
+        """Save the run after round `number` off the round's path; a failed write is reported.
+
+        The parameters and optimizer state are copied here (the next round's outer
+        step updates them in place) and written by a task in the run's `nursery`
+        while the next round trains; at most one write is in flight, so a second
+        checkpoint waits for the first. Whatever the writer raises ends as a
+        `checkpoint_failed` event, and the previous checkpoint stays the latest.
+        """
+        await self._checkpoint_written.wait()
         meta = {
             "run_id": self.run_id,
             "model": self.workload.name,
@@ -284,19 +353,33 @@ class Shepherd:
             "shard_ledger": self.state.shards.as_meta(),
             "eval_loss": _last_eval(self.state),
         }
+        params, state = await trio.to_thread.run_sync(self._snapshot)
+        self._checkpoint_written = trio.Event()
+        nursery.start_soon(self._write_checkpoint, number, params, state, meta)
+
+    def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        state = {**self.outer.state_arrays(), **self._mean.state_arrays()}
+        return (
+            {n: p.copy() for n, p in self.params.items()},
+            {n: np.array(v, copy=True) for n, v in state.items()},
+        )
+
+    async def _write_checkpoint(self, number: int, params: dict, state: dict, meta: dict) -> None:
         try:
             path = await trio.to_thread.run_sync(
                 lambda: checkpoint.save(
                     self.config.checkpoint_dir,
                     round=number,
-                    params=self.params,
-                    outer_state=self.outer.state_arrays(),
+                    params=params,
+                    outer_state=state,
                     meta=meta,
                 )
             )
         except checkpoint.CheckpointError as exc:
             self.state.emit("checkpoint_failed", str(exc), round=number)
             return
+        finally:
+            self._checkpoint_written.set()
         self.state.emit(
             "checkpoint",
             f"checkpoint of round {number} saved to {path}",
@@ -317,6 +400,9 @@ class Shepherd:
     async def _run_round(self, number: int) -> RoundRecord | None:
         cfg = self.config
         links = self.pool.ready_links()
+        self._screen.bound = await trio.to_thread.run_sync(self._update_bound)
+        if isinstance(self._mean, CenteredClip):  # warm-up and decay move its radius
+            self._mean.step_scale = await trio.to_thread.run_sync(self._round_lr_sum, number)
         current = Round(
             number,
             [link.worker_id for link in links],
@@ -339,6 +425,18 @@ class Shepherd:
         if not current.contributors:
             return None
         mean = current.mean  # the outer step forms the mean from the sums as it goes
+        scales = await trio.to_thread.run_sync(mean.finish)
+        for worker_id, clip in zip(current.contributors, scales, strict=False):
+            if clip == 1.0:
+                continue
+            self.state.emit(
+                "result_clipped",
+                f"round {number}: worker {self.state.workers[worker_id].index}'s result was "
+                f"scaled by {clip:.3g} to the clip radius {mean.radius:.4g}",
+                worker=worker_id,
+                round=number,
+                scale=clip,
+            )
         await trio.to_thread.run_sync(self.outer.apply, self.params, mean.sums, mean.scale)
         eval_loss = None
         if number % cfg.eval_every == 0 or number == cfg.rounds:
@@ -398,6 +496,15 @@ class Shepherd:
         params = params if params is not None else self.params
         flat = tuple(params[n] for n in self.graphs.param_names)
         return float(self._eval.call(flat, self.workload.eval_tokens))
+
+
+def _open_trace(path: str | None) -> MessageTrace | None:
+    if not path:
+        return None
+    try:
+        return MessageTrace(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write --trace {path} ({exc.strerror or exc})") from None
 
 
 def _last_eval(state: RunState) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -34,6 +35,8 @@ from pcp_tui.training.workload import Workload
 # A slot is held from a result's header to its fold, so a slow uploader holds one for its
 # whole upload: enough slots that a few slow links do not queue the fast ones.
 RESULTS_IN_MEMORY = 8
+
+log = logging.getLogger(__name__)  # connection-level diagnostics; RunState has the run's events
 
 
 class WorkerPool:
@@ -176,6 +179,7 @@ class WorkerPool:
             previous.closed = True
         self._links[hello.worker_id] = link
         verb = "rejoined" if old is not None else "joined"
+        log.info("worker %d (%s, %s) %s from %s", index, hello.worker_id, hello.backend, verb, peer)
         self.state.emit(
             verb,
             f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
@@ -207,6 +211,7 @@ class WorkerPool:
                     worker=link.worker_id,
                     shard=orphan,
                 )
+            log.info("worker %d %s: %s", link.view.index, state, reason)
             if state == "lost" and not self._stopping():
                 self.state.emit(
                     "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
@@ -227,10 +232,12 @@ class WorkerPool:
             await link.stream.send_error(protocol.ErrorCode.UNSUPPORTED_BACKEND, reason)
             raise WorkerLost(reason)
         welcome = protocol.Welcome(link.view.index, self.run_id, cfg.heartbeat_seconds)
-        await link.send(welcome)
+        sent = await link.send(welcome)
+        log.debug("worker %d: sent welcome (%d bytes)", link.view.index, sent)
         link.view.state = "compiling"
         plan, tensors = self._plan(slot, self.workload.shards[slot])
-        await link.send(plan, tensors)
+        sent = await link.send(plan, tensors)
+        log.debug("worker %d: sent plan (%d bytes)", link.view.index, sent)
         self._bound(link, plan)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, link)
@@ -328,6 +335,7 @@ class WorkerPool:
 
     async def _handle(self, link: WorkerLink, message: protocol.Message) -> None:
         view, body = link.view, message.body
+        log.debug("worker %d: received %s (%d bytes)", view.index, message.kind, message.wire_bytes)
         if isinstance(body, protocol.Ready):
             view.state = "idle"
             link.ready.set()
@@ -394,7 +402,8 @@ class WorkerPool:
         try:
             while True:
                 await trio.sleep(self.config.heartbeat_seconds)
-                await link.send(protocol.Heartbeat(time.time()))
+                sent = await link.send(protocol.Heartbeat(time.time()))
+                log.debug("worker %d: sent heartbeat (%d bytes)", link.view.index, sent)
         except CONNECTION_ERRORS:
             return  # the receive loop sees the broken connection and reports it
 

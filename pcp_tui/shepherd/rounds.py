@@ -11,7 +11,7 @@ import numpy as np
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.diloco.outer import PseudoGradientMean
+from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.shepherd.state import RoundRecord
 
@@ -29,7 +29,7 @@ class Round:
         self,
         number: int,
         participants: list[str],
-        mean: PseudoGradientMean,
+        mean: Aggregate,
         screen: ResultScreen,
         *,
         connections: Mapping[str, object] | None = None,
@@ -84,6 +84,7 @@ class Round:
                 tokens, losses = self._screen_and_fold(message)
             else:
                 tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
+            self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
         self.tokens += tokens
         self.tokens_by_worker[worker_id] = tokens
         self.bytes_saved += max(
@@ -92,7 +93,6 @@ class Round:
         self.losses.extend(losses)
         self.compute_seconds[worker_id] = message.body.compute_seconds
         self.arrivals[worker_id] = time.monotonic() - self.started
-        self.contributors.append(worker_id)
         self.finish(worker_id)
         return True
 

@@ -94,6 +94,7 @@ class RunState:
         self.param_count = 0
         self.address = ""
         self.join_command = ""
+        self.api_address = ""  # "host:port" of the operator API, when it is on
         self.status = "starting"  # starting | waiting | training | paused | done | failed | stopped
         self.round = 0
         self.started_at = time.monotonic()

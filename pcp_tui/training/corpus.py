@@ -77,9 +77,9 @@ def load_corpus(
         return _bin_corpus(path, val_fraction)
     if path.is_dir():
         files = _text_files(path, TEXT_SUFFIXES, set())
-        documents = _read_documents(files, path, max_bytes)
+        documents = _read_documents(files, path, max_bytes, check=True)
     else:
-        documents = [path.read_bytes()[:max_bytes]]
+        documents = [_checked_text(path, path.read_bytes()[:max_bytes])]
     return _text_corpus(str(path), documents, val_fraction)
 
 
@@ -94,17 +94,46 @@ def _text_files(root: Path, suffixes: tuple[str, ...], skip: set[str]) -> list[P
     return sorted(found, key=lambda file: file.relative_to(root).as_posix())
 
 
-def _read_documents(files: list[Path], root: Path, max_bytes: int) -> list[bytes]:
-    """Each file behind a `# ---- relative/path ----` header, until max_bytes (the last one cut)."""
+def _read_documents(
+    files: list[Path], root: Path, max_bytes: int, *, check: bool = False
+) -> list[bytes]:
+    """Each file behind a `# ---- relative/path ----` header, until max_bytes (the last one cut).
+
+    With `check`, a file that is not UTF-8 text is refused (see `_checked_text`).
+    """
     documents, total = [], 0
     for file in files:
         if total >= max_bytes:
             break
         header = f"\n# ---- {file.relative_to(root).as_posix()} ----\n".encode()
-        document = (header + file.read_bytes())[: max_bytes - total]
+        content = file.read_bytes()[: max_bytes - total]
+        if check:
+            _checked_text(file, content)
+        document = (header + content)[: max_bytes - total]
         documents.append(document)
         total += len(document)
     return documents
+
+
+def _checked_text(path: Path, data: bytes) -> bytes:
+    """`data` if it is UTF-8 text, else DataError: a binary file is no text corpus.
+
+    A byte-level model would train on anything; on an executable or random bytes it
+    would learn nothing useful, silently. NUL bytes or invalid UTF-8 give the file
+    away; a character cut in two at the very end (by `--data-max-bytes`) does not.
+    """
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise DataError(f"{path} is not text (a NUL byte at offset {nul}); {_WHAT_TO_DO}")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.reason != "unexpected end of data" or exc.end < len(data):
+            raise DataError(
+                f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); {_WHAT_TO_DO} "
+                "(convert other encodings to UTF-8)"
+            ) from None
+    return data
 
 
 def _text_corpus(name: str, documents: list[bytes], val_fraction: float) -> Corpus:
@@ -134,8 +163,14 @@ def _text_corpus(name: str, documents: list[bytes], val_fraction: float) -> Corp
 
 def _bin_corpus(train_path: Path, val_fraction: float) -> Corpus:
     """nanoGPT-style uint16 tokens; the held-out split is a sibling val.bin, else the tail."""
-    if train_path.stat().st_size < 4:
+    size = train_path.stat().st_size
+    if size < 4:
         raise DataError(f"{train_path} holds fewer than 2 tokens; {_WHAT_TO_DO}")
+    if size % 2:
+        raise DataError(
+            f"{train_path} is not a nanoGPT token file: its size ({size} bytes) is odd, and such "
+            f"files hold 2-byte (uint16) tokens; {_WHAT_TO_DO}"
+        )
     tokens = np.memmap(train_path, dtype=np.uint16, mode="r")
     val_path = train_path.with_name("val.bin")
     if train_path.name == "train.bin" and val_path.is_file() and val_path.stat().st_size >= 2:

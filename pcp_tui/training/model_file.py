@@ -17,10 +17,12 @@ The contract, in full:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
-from collections.abc import Callable, Mapping
+import traceback
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,10 @@ from pcp_tui.training import corpus
 from pcp_tui.training.workload import Workload
 
 HOLD_OUT = 0.05  # share of rows held out when a Dataset has no val split
+
+
+class ModelFileError(Exception):
+    """The user's model file raised: one line naming its file, line and the error."""
 
 
 @dataclass(frozen=True)
@@ -60,31 +66,81 @@ def is_model_file(model: str) -> bool:
 
 
 def load_spec(model: str, config: RunConfig) -> ModelSpec:
-    """Import ``file.py``, call its builder with `config`; ConfigError says what is wrong."""
-    path_text, _, function = model.partition(":")
-    path = Path(path_text).expanduser().resolve()
+    """Import ``file.py``, call its builder with `config`.
+
+    ConfigError says what is wrong with `model`; ModelFileError, in one line,
+    what the file itself raised (a SyntaxError, or any error of its code).
+    """
+    path, function = model_path(model), model.partition(":")[2] or "build"
     if not path.is_file():
         raise ConfigError(f"--model {model!r}: no file {path}")
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(f"pcp_tui_model_{digest}", path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module  # dataclasses and pickling-free tracing look modules up
-    module_spec.loader.exec_module(module)
-    builder = getattr(module, function or "build", None)
+    with user_code(path, "importing it"):
+        module_spec.loader.exec_module(module)
+    builder = getattr(module, function, None)
     if not callable(builder):
-        raise ConfigError(f"--model {model!r}: {path.name} has no function {function or 'build'!r}")
-    spec = builder(config)
+        raise ConfigError(f"--model {model!r}: {path.name} has no function {function!r}")
+    with user_code(path, f"{function}(config)"):
+        spec = builder(config)
     if not isinstance(spec, ModelSpec):
         raise ConfigError(
-            f"--model {model!r}: {function or 'build'}(config) must return pcp_tui.ModelSpec, got {type(spec).__name__}"
+            f"--model {model!r}: {function}(config) must return pcp_tui.ModelSpec, got {type(spec).__name__}"
         )
     return spec
+
+
+def model_path(model: str) -> Path:
+    """The file of ``path/to/model.py:build``, absolute (as its tracebacks name it)."""
+    return Path(model.partition(":")[0]).expanduser().resolve()
+
+
+@contextlib.contextmanager
+def user_code(path: Path, doing: str, inputs: Callable[[], str] | None = None) -> Iterator[None]:
+    """Turn an error raised while running the model file's code into a ModelFileError.
+
+    A 40-100 line traceback through pcp-tui, trio and JAX hides the one frame
+    that matters: the line of the user's file. The message names that line,
+    the error's type and first line (JAX's shape errors carry the shapes) and
+    `inputs()`, a description of what the code was called with.
+    """
+    try:
+        yield
+    except ModelFileError:
+        raise
+    except SyntaxError as exc:  # the import itself failed: there is no frame to point at
+        where = f"{exc.filename or path}:{exc.lineno or 0}"
+        raise ModelFileError(f"{where}: {type(exc).__name__}: {exc.msg}") from None
+    except Exception as exc:  # noqa: BLE001 - any error of the user's code, reported in one line
+        raise ModelFileError(_describe(exc, path, doing, inputs)) from None
+
+
+def _describe(exc: Exception, path: Path, doing: str, inputs: Callable[[], str] | None) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if Path(f.filename) == path] or [None]
+    frame = mine[-1]  # the innermost line of the model file
+    where = f"{path}:{frame.lineno}: in {frame.name}" if frame else f"{path}: {doing}"
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    message = f"{where}: {type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return f"{message} ({inputs()})" if inputs else message
+
+
+def _shapes(arrays: Mapping[str, Any]) -> str:
+    """``x: float32[32,16], y: int32[32]``: what a loss got, for its error message."""
+    return ", ".join(
+        f"{name}: {np.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
+        for name, a in arrays.items()
+    )
 
 
 def build_custom_workload(config: RunConfig, shards: int) -> Workload:
     """The Workload of a model file: parameters, wrapped loss, row (or window) shards, eval batches."""
     spec = load_spec(config.model, config)
-    params = spec.init(jax.random.PRNGKey(config.seed))
+    path = model_path(config.model)
+    with user_code(path, "init(key)"):
+        params = spec.init(jax.random.PRNGKey(config.seed))
     if not isinstance(params, Mapping) or not params:
         raise ConfigError(f"{spec.name}: init(key) must return a non-empty flat dict of arrays")
     host_params = {}
@@ -95,9 +151,10 @@ def build_custom_workload(config: RunConfig, shards: int) -> Workload:
                 f"{spec.name}: parameter {name!r} must be a float array under a str name, got {array.dtype}"
             )
         host_params[name] = array.astype(np.float32)
-    source = spec.data() if callable(spec.data) else spec.data
+    with user_code(path, "data()"):
+        source = spec.data() if callable(spec.data) else spec.data
     if source is None:
-        return _window_workload(config, spec, host_params, shards)
+        return _window_workload(config, spec, host_params, shards, path)
     if not isinstance(source, Dataset):
         raise ConfigError(
             f"{spec.name}: data must be a pcp_tui.Dataset, a function returning one, or None"
@@ -105,10 +162,16 @@ def build_custom_workload(config: RunConfig, shards: int) -> Workload:
     rows = row_data(spec.name, source)
     keys = tuple(rows.train)
     first = {k: a[: config.batch_size] for k, a in rows.train.items()}
+
+    def loss_fn(params: dict[str, jax.Array], batch: tuple[jax.Array, ...]) -> jax.Array:
+        named = dict(zip(keys, batch, strict=True))
+        with user_code(path, "loss(params, batch)", lambda: f"batch {_shapes(named)}"):
+            return spec.loss(params, named)
+
     return Workload(
         name=spec.name,
         params=host_params,
-        loss_fn=lambda p, batch: spec.loss(p, dict(zip(keys, batch, strict=True))),
+        loss_fn=loss_fn,
         batch_spec=tuple(
             jax.ShapeDtypeStruct((config.batch_size, *a.shape[1:]), a.dtype) for a in first.values()
         ),
@@ -139,13 +202,18 @@ def row_data(name: str, source: Dataset) -> corpus.RowData:
 
 
 def _window_workload(
-    config: RunConfig, spec: ModelSpec, params: dict[str, np.ndarray], shards: int
+    config: RunConfig, spec: ModelSpec, params: dict[str, np.ndarray], shards: int, path: Path
 ) -> Workload:
     text = corpus.load_corpus(config.data, max_bytes=config.data_max_bytes)
+
+    def loss_fn(params: dict[str, jax.Array], batch: jax.Array) -> jax.Array:
+        with user_code(path, "loss(params, batch)", lambda: f"batch {_shapes({'tokens': batch})}"):
+            return spec.loss(params, batch)
+
     return Workload(
         name=spec.name,
         params=params,
-        loss_fn=spec.loss,
+        loss_fn=loss_fn,
         batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),
         corpus=text,
         shards=corpus.split_shards(text.train, shards),

@@ -9,6 +9,7 @@ progress keep flowing while they run.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import platform as host_platform
@@ -28,10 +29,12 @@ from pcp_tui.contract import auth
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import expected_shapes, round_start_problem
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
+from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 _LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
+log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level, --log-file)
 
 
 class Refused(Exception):
@@ -96,8 +99,10 @@ class Worker:
         max_backoff: float = 30.0,
         give_up_after: float = 1800.0,
         tls: ClientTLS | None = None,
+        trace: MessageTrace | None = None,
     ):
         self.host, self.port, self.token = host, port, token
+        self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
         self.worker_id = (
@@ -105,17 +110,24 @@ class Worker:
         )
         self.reconnect = reconnect
         self.max_backoff = max_backoff
-        self.give_up_after = give_up_after  # seconds of failed reconnects before exiting
-        self._cut_off_since: float | None = None
+        self.give_up_after = give_up_after  # seconds without being admitted before exiting
+        self._last_contact = time.monotonic()  # of a welcome (or the start); see _backoff
+        self._attempts = 0  # failed connects or sessions since then
+        self._admitted = False  # the current session got its welcome
         self.status = WorkerStatus(shepherd=f"{host}:{port}")
+        self.heartbeat_seconds = 2.0  # the welcome says the run's interval
         self.heartbeat_timeout = 30.0
         self._plan: Training | None = None
         self._opt_state = None
         self._compiled: dict[bytes, tuple[Callable, Callable]] = {}
 
     async def run(self) -> None:
-        """Train until the shepherd says goodbye. Raises Refused on a final refusal."""
-        attempt = 0
+        """Train until the shepherd says goodbye. Raises Refused on a final refusal.
+
+        Raises ConnectionLost once --give-up-after seconds pass without the
+        shepherd admitting this worker (see `_backoff`).
+        """
+        self._last_contact = time.monotonic()
         while True:
             try:
                 stream = await trio.open_tcp_stream(self.host, self.port)
@@ -124,49 +136,59 @@ class Worker:
             except TLSRefused as exc:
                 raise Refused(str(exc)) from None
             except socket.gaierror as exc:
-                attempt += 1
                 await self._backoff(
-                    attempt, f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
+                    f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
                 )
                 continue
             except OSError as exc:
-                attempt += 1
-                await self._backoff(
-                    attempt, f"cannot reach {self.host}:{self.port} ({exc.strerror or exc})"
-                )
+                await self._backoff(f"cannot reach {self.host}:{self.port} ({exc.strerror or exc})")
                 continue
-            attempt = 0
+            self._admitted = False
             try:
-                await self._session(protocol.MessageStream(stream))
+                messages = protocol.MessageStream(stream)
+                if self.trace is not None:
+                    messages.observer = self.trace.observer(f"{self.host}:{self.port}")
+                await self._session(messages)
             except RunOver:
+                log.info("the shepherd ended the run")
                 self.status.update(state="done", message="the shepherd ended the run")
                 return
             except IdInUse as exc:
-                if self.status.worker_index is None:
+                if self.status.worker_index is None:  # never admitted: a twin, not a reconnect
                     raise
-                attempt += 1
-                await self._backoff(attempt, str(exc))
+                await self._backoff(str(exc))
             except protocol.VersionMismatch as exc:
                 raise Refused(str(exc)) from None
             except (ConnectionLost, *_LINK_ERRORS) as exc:
-                attempt += 1
-                await self._backoff(attempt, f"connection lost ({exc})")
+                log.info("connection to %s:%d lost: %s", self.host, self.port, exc)
+                if self._admitted:  # the link was useful until now: a fresh budget and back-off
+                    self._last_contact, self._attempts = time.monotonic(), 0
+                await self._backoff(f"connection lost ({exc})")
             finally:
                 with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
                     await stream.aclose()
 
-    async def _backoff(self, attempt: int, reason: str) -> None:
+    async def _backoff(self, reason: str) -> None:
+        """Wait before the next attempt, or raise ConnectionLost once the budget is spent.
+
+        The budget (`give_up_after`) runs from the last welcome, not the last TCP
+        connect: a shepherd that accepts and then drops or refuses every
+        connection must not keep a worker retrying forever. The wait doubles
+        with each failed attempt (about 1, 2, 4 ... s, up to `max_backoff`),
+        jittered so that workers cut off together do not return together.
+        """
         if not self.reconnect:
             raise ConnectionLost(reason)
-        now = time.monotonic()
-        if attempt == 1 or self._cut_off_since is None:
-            self._cut_off_since = now
-        elif now - self._cut_off_since > self.give_up_after:
+        self._attempts += 1
+        cut_off = time.monotonic() - self._last_contact
+        if cut_off >= self.give_up_after:
             raise ConnectionLost(
-                f"{reason}; gave up after {now - self._cut_off_since:.0f} s of retrying "
+                f"{reason}; gave up after {cut_off:.0f} s of retrying without a welcome "
                 "(the run may have ended while this worker was cut off; --give-up-after sets the limit)"
             )
-        delay = min(self.max_backoff, 0.5 * 2 ** min(attempt, 8)) * random.uniform(0.5, 1.0)
+        delay = min(self.max_backoff, 0.5 * 2 ** min(self._attempts, 8))
+        delay = min(delay * random.uniform(0.5, 1.0), self.give_up_after - cut_off)
+        log.info("%s; retrying in %.1f s (attempt %d)", reason, delay, self._attempts)
         self.status.update(state="connecting", message=f"{reason}; retrying in {delay:.1f} s")
         await trio.sleep(delay)
 
@@ -225,7 +247,12 @@ class Worker:
             )
         )
         welcome = await _expect(stream, "welcome")
-        self.heartbeat_timeout = max(10.0, 10 * welcome.body.heartbeat_seconds)
+        self._admitted = True
+        self.heartbeat_seconds = welcome.body.heartbeat_seconds
+        self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
+        log.info(
+            "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
+        )
         self.status.update(worker_index=welcome.body.worker_index, message="admitted")
 
     def _load_plan(self, message: protocol.Message) -> Training:
@@ -292,8 +319,9 @@ class Worker:
     async def _heartbeats(self, sender: _Sender) -> None:
         with contextlib.suppress(*_LINK_ERRORS):
             while True:
-                await sender.send(protocol.Heartbeat(time.time()))
-                await trio.sleep(2.0)
+                sent = await sender.send(protocol.Heartbeat(time.time()))
+                log.debug("sent heartbeat (%d bytes)", sent)
+                await trio.sleep(self.heartbeat_seconds)  # the run's interval, from the welcome
 
     async def _train_rounds(self, sender: _Sender, rounds: trio.MemoryReceiveChannel) -> None:
         with contextlib.suppress(*_LINK_ERRORS):  # the receive loop reports a broken link

@@ -1,0 +1,77 @@
+"""A token-holding worker that sends a huge pseudo-gradient from round 1 on cannot wreck the run.
+
+Real shepherd, real worker processes on 127.0.0.1; the attacker is
+tests/evil_worker.py (the real worker, its result scaled by 1e6 before sending).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.training.workload import build_workload
+
+from .conftest import small_config, worker_command, worker_env
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[1]
+
+
+async def _joined(shepherd: Shepherd, worker_id: str, *, polls: int = 6000) -> None:
+    """Poll until the worker is in the pool (bounded in count, not a time assertion)."""
+    for _ in range(polls):
+        if worker_id in shepherd.state.workers:
+            return
+        await trio.sleep(0.05)
+    raise AssertionError(f"{worker_id} never joined")
+
+
+def _train(attacker: bool) -> Shepherd:
+    """Two honest workers (shards 0 and 1, in that order), and the attacker third if asked."""
+    config = small_config(workers=3 if attacker else 2, rounds=3, inner_steps=4, chunk_steps=2)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    processes: list[subprocess.Popen] = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            for name in ("honest0", "honest1", *(["evil"] if attacker else [])):
+                command = worker_command(port, "--id", name, "--quiet")
+                if name == "evil":  # `python -m tests.evil_worker huge <the same worker args>`
+                    command = [sys.executable, "-m", "tests.evil_worker", "huge", *command[4:]]
+                processes.append(
+                    subprocess.Popen(
+                        command,
+                        env=worker_env(),
+                        cwd=REPO,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+                await _joined(shepherd, name)
+
+    try:
+        trio.run(main)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+    return shepherd
+
+
+def test_a_huge_first_result_is_refused_and_the_run_matches_honest_only():
+    attacked, honest = _train(attacker=True), _train(attacker=False)
+    refused = [e for e in attacked.state.events if e.kind == "bad_result"]
+    assert [e.data["worker"] for e in refused] == ["evil"] * 3  # from round 1 on, every round
+    assert all("the most the plan's inner optimizer" in e.message for e in refused)
+    assert [set(r.worker_ids) for r in attacked.state.history] == [{"honest0", "honest1"}] * 3
+    # the same two results aggregated as without the attacker: the same model, to the bit
+    attacked_losses = [r.eval_loss for r in attacked.state.history]
+    honest_losses = [r.eval_loss for r in honest.state.history]
+    assert attacked_losses == honest_losses
