@@ -24,7 +24,7 @@ from pcp_tui.config import RunConfig  # noqa: E402
 
 async def one_run(compression: str, args: argparse.Namespace) -> dict:
     from pcp_tui.shepherd.coordinator import Shepherd
-    from pcp_tui.training.workload import build_workload
+    from pcp_tui.training.build import build_workload
 
     config = RunConfig(
         workers=2,

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pcp_tui.app.launch import local_worker_command  # noqa: E402
 from pcp_tui.config import RunConfig  # noqa: E402
 from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
-from pcp_tui.training.workload import build_workload  # noqa: E402
+from pcp_tui.training.build import build_workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -113,7 +113,7 @@ def with_param_shapes(workload, preset: str):
 
 async def one_size(count: int, args: argparse.Namespace) -> dict:
     from pcp_tui.shepherd.coordinator import Shepherd
-    from pcp_tui.training.workload import build_workload
+    from pcp_tui.training.build import build_workload
 
     config = RunConfig(
         model=args.model,

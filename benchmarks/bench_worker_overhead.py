@@ -61,8 +61,8 @@ def bare_loop(args: argparse.Namespace) -> None:
     """Subprocess mode: compile, say ready, then time one round per 'go' line on stdin."""
     from pcp_tui.backends import select_backend
     from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.build import build_workload
     from pcp_tui.training.shards import sample_batches
-    from pcp_tui.training.workload import build_workload
 
     config = _config(args)
     workload = build_workload(config, shards=1)
@@ -104,7 +104,7 @@ async def interleaved(
 ) -> tuple[list[float], list[float]]:
     """Real rounds and bare rounds alternate, so both see the same machine load."""
     from pcp_tui.shepherd.coordinator import Shepherd
-    from pcp_tui.training.workload import build_workload
+    from pcp_tui.training.build import build_workload
 
     bare = subprocess.Popen(
         [sys.executable, __file__, "--bare-loop", *sys.argv[1:]],
@@ -207,7 +207,7 @@ def main() -> None:
         f"{run_median / bare_median:>8.3f}"
     )
     if args.flops_per_token_peak:
-        from pcp_tui.training.workload import build_workload
+        from pcp_tui.training.build import build_workload
 
         workload = build_workload(_config(args), shards=1)
         for label, rate in (

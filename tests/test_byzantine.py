@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.training.workload import build_workload
+from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_command, worker_env
 

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.training.workload import build_workload
+from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
 

@@ -22,8 +22,8 @@ from pcp_tui.config import ConfigError
 from pcp_tui.contract import plan as contract
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.training import corpus, shards
+from pcp_tui.training.build import build_workload
 from pcp_tui.training.model_file import Dataset, ModelSpec, build_custom_workload, load_spec
-from pcp_tui.training.workload import build_workload
 
 from .conftest import small_config, worker_command, worker_env
 

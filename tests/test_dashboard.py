@@ -338,7 +338,7 @@ def test_worker_view_plain_lines_and_live_line():
 @run_async
 async def test_dashboard_hosts_a_real_run_and_quits_cleanly():
     from pcp_tui.shepherd.coordinator import Shepherd
-    from pcp_tui.training.workload import build_workload
+    from pcp_tui.training.build import build_workload
 
     config = small_config(rounds=40, inner_steps=5, chunk_steps=1, workers=2, eval_every=1)
     shepherd = Shepherd(config, build_workload(config, shards=2))
@@ -386,7 +386,7 @@ async def test_an_app_that_ends_without_q_does_not_leave_its_guest_run_behind():
     """Whatever ends the app (an error, a test failing mid-way), the shepherd's guest run is
     cancelled and unwound on the app's loop, so the thread can start trio again."""
     from pcp_tui.shepherd.coordinator import Shepherd
-    from pcp_tui.training.workload import build_workload
+    from pcp_tui.training.build import build_workload
 
     config = small_config(rounds=3, inner_steps=2, chunk_steps=1, workers=2)
     shepherd = Shepherd(config, build_workload(config, shards=2))

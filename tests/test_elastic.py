@@ -16,7 +16,7 @@ import trio
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import free_port, shepherd_command
-from pcp_tui.training.workload import build_workload
+from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_command, worker_env
 

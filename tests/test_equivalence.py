@@ -17,8 +17,8 @@ import trio
 
 from pcp_tui.diloco import reference
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.training.build import build_workload
 from pcp_tui.training.shards import sample_batches
-from pcp_tui.training.workload import build_workload
 
 from .conftest import small_config
 

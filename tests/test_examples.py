@@ -15,9 +15,9 @@ import pytest
 from pcp_tui.app.cli import _config_from, build_parser
 from pcp_tui.app.config_file import load_config_file
 from pcp_tui.config import RunConfig
+from pcp_tui.training.build import model_config, preset_name
 from pcp_tui.training.model_file import load_spec
 from pcp_tui.training.models import gpt2
-from pcp_tui.training.workload import model_config, preset_name
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -9,9 +9,9 @@ import optax
 import pytest
 
 from pcp_tui.backends import GraphError, select_backend
+from pcp_tui.training.build import build_workload
 from pcp_tui.training.export import InnerOptimizer, build_graphs
 from pcp_tui.training.shards import sample_batches
-from pcp_tui.training.workload import build_workload
 
 from .conftest import small_config
 

@@ -16,7 +16,7 @@ from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds import Round
-from pcp_tui.training.workload import build_workload
+from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
 from .test_elastic import _kinds, _run, _until

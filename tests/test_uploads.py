@@ -15,7 +15,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.shepherd.pool import RESULTS_IN_MEMORY
-from pcp_tui.training.workload import build_workload
+from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
 from .test_identity import join_as

@@ -29,7 +29,7 @@ def _fail(reason: str, code: int = 1) -> int:
 
 def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | None]:
     """Build the workload and the shepherd, attach headless printer and metrics."""
-    from pcp_tui.training.workload import build_workload
+    from pcp_tui.training.build import build_workload
 
     if not config.token:
         config = config.replace(token=new_token())

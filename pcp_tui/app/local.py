@@ -33,7 +33,7 @@ def train(
         state = pcp_tui.train(rounds=3, inner_steps=20)
         print(state.history[-1].eval_loss)
     """
-    from pcp_tui.training.workload import build_workload
+    from pcp_tui.training.build import build_workload
 
     config = (config or RunConfig(host="127.0.0.1", port=0)).replace(**options)
     if not config.token:

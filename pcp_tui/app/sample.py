@@ -7,8 +7,8 @@ import numpy as np
 
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.shepherd import checkpoint
+from pcp_tui.training.build import model_config
 from pcp_tui.training.corpus import decode_tokens, encode_text
-from pcp_tui.training.workload import model_config
 
 SAMPLE_HINT = "pass the --checkpoint-dir of a run, or one of its round-NNNNNN directories"
 

@@ -1,23 +1,19 @@
 """What a run trains: initial parameters, a loss, batches and data shards.
 
-This is the only place the shepherd touches model code. Workers get the
-exported graphs and their shard; they never import this module's model.
+`pcp_tui.training.build` makes one from a GPT-2 preset or a user's model file;
+the shepherd exports its graphs and ships its shards. Workers never import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pcp_tui.config import RunConfig
-from pcp_tui.training.corpus import Corpus, RowData, eval_batches, load_corpus, split_shards
-from pcp_tui.training.models import gpt2
+from pcp_tui.training.corpus import Corpus, RowData
 
 
 @dataclass
@@ -46,55 +42,3 @@ class Workload:
         if isinstance(corpus, RowData):
             return corpus.summary
         return f"corpus {corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} held-out tokens"
-
-
-def preset_name(model: str) -> str:
-    """What a GPT-2 preset is called in the dashboard, metrics and checkpoints: gpt2-tiny, gpt2."""
-    return model if model.startswith("gpt2") else f"gpt2-{model}"
-
-
-def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
-    if config.model not in gpt2.PRESETS:
-        raise ValueError(
-            f"unknown model {config.model!r}; presets: {', '.join(gpt2.PRESETS)}, or a model file path.py:build"
-        )
-    preset = gpt2.PRESETS[config.model]
-    return dataclasses.replace(
-        preset,
-        vocab_size=max(vocab_size, preset.vocab_size) if vocab_size > 256 else vocab_size,
-        block_size=max(preset.block_size, config.seq_len),
-        compute_dtype=config.compute_dtype,
-        attention=config.attention,
-    )
-
-
-def build_workload(config: RunConfig, shards: int) -> Workload:
-    """Load the corpus, cut `shards` disjoint training shards, initialise the model.
-
-    `config.model` is a GPT-2 preset or a model file (``path.py:build``, see `custom`).
-    """
-    from pcp_tui.training.model_file import build_custom_workload, is_model_file
-
-    if is_model_file(config.model):
-        return build_custom_workload(config, shards)
-    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-    gpt = model_config(config, corpus.vocab_size)
-    params = jax.jit(gpt2.init, static_argnums=0)(gpt, jax.random.PRNGKey(config.seed))
-    host_params = {name: np.asarray(value, np.float32) for name, value in params.items()}
-    evals = eval_batches(
-        corpus.val,
-        batch_size=config.batch_size,
-        seq_len=config.seq_len,
-        max_batches=config.eval_batches,
-    )
-    return Workload(
-        name=preset_name(config.model),
-        params=host_params,
-        loss_fn=lambda p, tokens: gpt2.loss(gpt, p, tokens),
-        batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),
-        corpus=corpus,
-        shards=split_shards(corpus.train, shards),
-        eval_tokens=evals,
-        tokens_per_step=config.batch_size * config.seq_len,
-        flops_per_token=gpt2.flops_per_token(gpt, config.seq_len),
-    )
