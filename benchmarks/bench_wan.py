@@ -2,9 +2,11 @@
 
 The baseline is the same run on loopback, measured in the same invocation. Each
 other row puts `pcp-tui emulate-link` (a shaping TCP proxy, one shaped link per
-worker connection) between the workers and the shepherd. Utilization is the
-slowest worker's compute time over the round's wall time, from the shepherd's
-own round events (--metrics); round 1 is left out (first-call warm-up).
+worker connection) between the workers and the shepherd. Utilization is each
+round event's `utilization` (--metrics): the contributors' compute seconds over
+contributors x the round's wall time, as the shepherd reports it; `vs DP` is how
+many times fewer bytes than synchronous data parallelism (`bytes_data_parallel`).
+Round 1 is left out (first-call warm-up).
 
     python benchmarks/bench_wan.py [--rounds 5] [--inner-steps 25] [--model tiny]
         [--links loopback 1Gbit/50ms 100Mbit/50ms]
@@ -71,8 +73,9 @@ def run_link(link: str, args: argparse.Namespace, workdir: Path) -> dict:
         "link": link,
         "round_seconds": statistics.mean(r["round_seconds"] for r in rounds),
         "compute_seconds": statistics.mean(r["compute_seconds"] for r in rounds),
-        "utilization": statistics.mean(r["compute_seconds"] / r["round_seconds"] for r in rounds),
+        "utilization": statistics.mean(r["utilization"] for r in rounds),
         "bytes_per_round": statistics.mean(r["bytes_sent"] + r["bytes_received"] for r in rounds),
+        "bytes_data_parallel": statistics.mean(r["bytes_data_parallel"] for r in rounds),
     }
 
 
@@ -93,12 +96,14 @@ def main() -> None:
     base = rows[0]
     print(f"{args.workers} workers, {args.model}, H={args.inner_steps}, rounds 2..{args.rounds}\n")
     print(
-        f"{'link':>14} {'round s':>8} {'compute s':>9} {'util':>6} {'MB/round':>9} {'vs loopback':>11}"
+        f"{'link':>14} {'round s':>8} {'compute s':>9} {'util':>6} {'MB/round':>9} "
+        f"{'vs DP':>7} {'vs loopback':>11}"
     )
     for row in rows:
         print(
             f"{row['link']:>14} {row['round_seconds']:8.2f} {row['compute_seconds']:9.2f} "
             f"{row['utilization']:6.1%} {row['bytes_per_round'] / 1e6:9.1f} "
+            f"{'x' + format(row['bytes_data_parallel'] / row['bytes_per_round'], '.0f'):>7} "
             f"{row['utilization'] / base['utilization']:11.3f}"
         )
 

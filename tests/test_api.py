@@ -166,6 +166,7 @@ def test_endpoints_need_the_token_and_show_the_run_and_its_workers(run_with_api)
     assert client.post("/v1/job/cancel").status_code == 401
     job = _authorized(client, "/v1/job").json()
     assert (job["status"], job["rounds_total"], job["rounds_done"]) == ("waiting", 2, 0)
+    assert job["utilization"] is None and job["bytes_data_parallel"] is None  # no round yet
     controller = _authorized(client, "/v1/controller").json()
     assert controller["address"] == f"127.0.0.1:{_shepherd_port(shepherd)}"
     assert _authorized(client, "/v1/nothing-here").status_code == 404
@@ -186,6 +187,7 @@ def test_endpoints_need_the_token_and_show_the_run_and_its_workers(run_with_api)
             ("w0", 0, socket.gethostname())
         ]
         assert listed[0]["backend"] and listed[0]["bytes_out"] > 0
+        assert listed[0]["utilization"] is None  # it has contributed to no round yet
         _check_prometheus(_authorized(client, "/metrics"))
         workers.spawn(_shepherd_port(shepherd), "--id", "w1")
         assert shepherd.finish() == 0, shepherd.output
@@ -207,6 +209,8 @@ def _check_prometheus(answer: httpx.Response) -> None:
     for name in ("pcp_worker_step", "pcp_worker_bytes_out", "pcp_worker_seconds_since_heard"):
         assert [s.labels for s in families[name].samples] == [{"worker": "w0"}], name
     assert families["pcp_worker_bytes_out"].samples[0].value > 0
+    assert "pcp_utilization" not in families  # no made-up zero before round 1
+    assert families["pcp_worker_utilization"].samples == []
 
 
 # --------------------------------------------------------------------------- hostile clients

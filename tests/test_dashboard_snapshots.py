@@ -13,6 +13,7 @@ import pytest
 
 from pcp_tui.app.dashboard import DashboardApp
 from pcp_tui.shepherd.ledger import ShardLedger
+from pcp_tui.shepherd.rounds import data_parallel_bytes, utilization
 from pcp_tui.shepherd.state import Event, RoundRecord, RunState, WorkerView
 
 STARTED = 1_000.0  # monotonic seconds, frozen
@@ -119,12 +120,14 @@ def fake_state(*, status: str = "training") -> RunState:
                     2.2 + 3.3 * math.exp(-global_step / 6) + 0.05 * math.sin(global_step + worker)
                 )
                 state.step_losses.append((global_step, loss, worker))
+        seconds = 4.0 + number * 0.25
+        run_share, shares = utilization({"gpu-a-1": 3.1, "laptop-7": 2.6}, seconds)
         state.history.append(
             RoundRecord(
                 round=number,
                 train_loss=2.3 + 3.0 * math.exp(-number * H / 6),
                 eval_loss=2.4 + 2.8 * math.exp(-number * H / 6),
-                round_seconds=4.0 + number * 0.25,
+                round_seconds=seconds,
                 compute_seconds=3.1,
                 communication_seconds=0.6 + 0.1 * number,
                 straggler_seconds=0.3 + 0.15 * number,
@@ -134,6 +137,9 @@ def fake_state(*, status: str = "training") -> RunState:
                 bytes_received=1_150_000,
                 workers=2,
                 worker_ids=("gpu-a-1", "laptop-7"),
+                utilization=run_share,
+                worker_utilization=shares,
+                bytes_data_parallel=data_parallel_bytes(state.param_count, H, 2),
             )
         )
     state.bytes_sent, state.bytes_received = 5_050_000, 3_890_000

@@ -80,7 +80,23 @@ def test_demo_trains_and_writes_complete_metrics(tmp_path):
     assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]
     done = [r for r in rows if r["event"] == "done"]
     assert len(done) == 1 and done[0]["rounds"] == 4
+    _check_utilization_and_data_parallel_bytes(rounds, done[0]["param_count"], inner_steps=20)
     assert re.search(r"round +4/4 +train", result.stdout)
+    assert re.search(r"util +\d+%.* fewer bytes than DP", result.stdout)
+
+
+def _check_utilization_and_data_parallel_bytes(
+    rounds: list[dict], param_count: int, inner_steps: int
+) -> None:
+    """Every round event of a real run: shares in [0, 1], one per contributor; DP bytes exact."""
+    for row in rounds:
+        assert 0 < row["utilization"] <= 1
+        assert set(row["worker_utilization"]) == set(row["worker_ids"])
+        assert all(0 < share <= 1 for share in row["worker_utilization"].values())
+        shares = row["worker_utilization"].values()
+        assert row["utilization"] == pytest.approx(sum(shares) / len(shares))
+        assert row["bytes_data_parallel"] == 2 * 4 * param_count * inner_steps * row["workers"]
+        assert row["bytes_data_parallel"] > row["bytes_sent"] + row["bytes_received"]
 
 
 def test_shepherd_and_two_worker_processes(tmp_path, spawn_worker):

@@ -49,14 +49,33 @@ def human_bytes(count: float) -> str:
 
 
 def format_round(record: Any, rounds_total: int) -> str:
+    """One round as the headless log prints it: losses, time, throughput, utilization, bytes.
+
+    `util` is the share of the round's wall time the contributors spent computing
+    (`RoundRecord.utilization`); `xN fewer bytes than DP` compares the bytes that
+    crossed the wire with what synchronous data parallelism would have sent.
+    """
     eval_text = f"{record.eval_loss:.4f}" if record.eval_loss is not None else "   -  "
+    ratio = record.data_parallel_ratio()
     return (
         f"round {record.round:>4}/{rounds_total:<4} train {record.train_loss:7.4f}  eval {eval_text}  "
         f"{record.round_seconds:6.2f} s  {record.tokens_per_second:9,.0f} tok/s  "
+        f"util {record.utilization:4.0%}  "
         f"sent {human_bytes(record.bytes_sent):>9}  recv {human_bytes(record.bytes_received):>9}  "
         f"workers {record.workers}"
         + (f"  saved {human_bytes(record.bytes_saved)}" if record.bytes_saved else "")
+        + (f"  {times_fewer(ratio)} bytes than DP" if ratio is not None else "")
     )
+
+
+def times_fewer(ratio: float) -> str:
+    """`x48 fewer`, or `x1.5 more` when a round moved more bytes than data parallelism would.
+
+    `ratio` is data-parallel bytes / bytes exchanged (`RoundRecord.data_parallel_ratio`).
+    """
+    if ratio >= 1:
+        return f"x{ratio:,.0f} fewer" if ratio >= 10 else f"x{ratio:.1f} fewer"
+    return f"x{1 / ratio:.1f} more"
 
 
 class HeadlessPrinter:

@@ -23,9 +23,18 @@ RUN_STATUSES = ("starting", "waiting", "training", "paused", *FINISHED)
 _RECENT_ROUNDS = 100  # rounds /v1/metrics lists; its totals cover the whole run
 
 
-def utilization(record: RoundRecord) -> float | None:
-    """Share of a round the slowest contributor spent computing (compute / round seconds)."""
-    return record.compute_seconds / record.round_seconds if record.round_seconds > 0 else None
+def _last_round(state: RunState) -> RoundRecord | None:
+    return state.history[-1] if state.history else None
+
+
+def worker_utilization(state: RunState, worker_id: str) -> float | None:
+    """The worker's share of the last round spent computing; None if it did not contribute.
+
+    A worker that joined late, was lost or whose result was refused has no share
+    in that round: null in JSON and no sample in Prometheus, never a made-up zero.
+    """
+    last = _last_round(state)
+    return last.worker_utilization.get(worker_id) if last else None
 
 
 def _last_eval(state: RunState) -> float | None:
@@ -48,7 +57,7 @@ def controller_json(state: RunState) -> dict[str, Any]:
 
 def job_json(state: RunState) -> dict[str, Any]:
     """/v1/job: progress, the latest losses and throughput, utilization and ETA (null until round 1)."""
-    last = state.history[-1] if state.history else None
+    last = _last_round(state)
     return {
         "run_id": state.run_id,
         "status": state.status,
@@ -58,7 +67,9 @@ def job_json(state: RunState) -> dict[str, Any]:
         "train_loss": last.train_loss if last else None,
         "eval_loss": _last_eval(state),
         "tokens_per_second": last.tokens_per_second if last else None,
-        "utilization": utilization(last) if last else None,
+        "utilization": last.utilization if last else None,
+        "bytes_exchanged": last.bytes_exchanged if last else None,
+        "bytes_data_parallel": last.bytes_data_parallel if last else None,
         "eta_seconds": state.eta_seconds(),
         "elapsed_seconds": state.elapsed(),
         "workers_active": len(state.active_workers()),
@@ -67,8 +78,11 @@ def job_json(state: RunState) -> dict[str, Any]:
     }
 
 
-def worker_json(view: WorkerView, now: float) -> dict[str, Any]:
-    """One worker as /v1/workers lists it; `now` is `time.monotonic()` for `seconds_since_heard`."""
+def worker_json(view: WorkerView, now: float, utilization: float | None = None) -> dict[str, Any]:
+    """One worker as /v1/workers lists it; `now` is `time.monotonic()` for `seconds_since_heard`.
+
+    `utilization` is its share of the last round spent computing (`worker_utilization`).
+    """
     return {
         "id": view.worker_id,
         "index": view.index,
@@ -83,6 +97,7 @@ def worker_json(view: WorkerView, now: float) -> dict[str, Any]:
         "bytes_in": view.bytes_in,
         "bytes_out": view.bytes_out,
         "rounds_contributed": view.rounds_contributed,
+        "utilization": utilization,
         "seconds_since_heard": max(now - view.last_heard, 0.0),
         "reason": view.reason,
     }
@@ -91,7 +106,12 @@ def worker_json(view: WorkerView, now: float) -> dict[str, Any]:
 def workers_json(state: RunState) -> dict[str, Any]:
     """/v1/workers: every worker the run has seen, lost and departed ones included."""
     now = time.monotonic()
-    return {"workers": [worker_json(view, now) for view in state.workers.values()]}
+    return {
+        "workers": [
+            worker_json(view, now, worker_utilization(state, view.worker_id))
+            for view in state.workers.values()
+        ]
+    }
 
 
 def metrics_json(state: RunState) -> dict[str, Any]:
@@ -101,7 +121,7 @@ def metrics_json(state: RunState) -> dict[str, Any]:
     for record in history[-_RECENT_ROUNDS:]:
         row = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}  # shallow
         row["worker_ids"] = list(record.worker_ids)
-        row["utilization"] = utilization(record)
+        row["worker_utilization"] = dict(record.worker_utilization)
         rounds.append(row)
     return {
         "rounds_done": len(history),
@@ -109,6 +129,7 @@ def metrics_json(state: RunState) -> dict[str, Any]:
         "bytes_sent": state.bytes_sent,
         "bytes_received": state.bytes_received,
         "bytes_saved": sum(r.bytes_saved for r in history),
+        "bytes_data_parallel": sum(r.bytes_data_parallel for r in history),
         "seconds": state.elapsed(),
         "best_eval_loss": min(
             (r.eval_loss for r in history if r.eval_loss is not None), default=None
@@ -138,7 +159,7 @@ class RunCollector(Collector):
 
     def _run_families(self) -> Iterator[Metric]:
         state = self.state
-        last = state.history[-1] if state.history else None
+        last = _last_round(state)
         info = GaugeMetricFamily(
             "pcp_run_info", "The run: id, model, version", labels=["run_id", "model", "version"]
         )
@@ -183,8 +204,16 @@ class RunCollector(Collector):
             ),
             "pcp_round_seconds": ("Wall seconds of the last round", last and last.round_seconds),
             "pcp_utilization": (
-                "Compute seconds / round seconds, last round",
-                last and utilization(last),
+                "Compute seconds / (contributors x round seconds), last round",
+                last and last.utilization,
+            ),
+            "pcp_round_bytes": (
+                "Bytes sent and received in the last round",
+                last and last.bytes_exchanged,
+            ),
+            "pcp_round_bytes_data_parallel": (
+                "Bytes synchronous data parallelism would have exchanged in the last round",
+                last and last.bytes_data_parallel,
             ),
             "pcp_eta_seconds": ("Estimated seconds to the last round", state.eta_seconds()),
         }
@@ -212,6 +241,16 @@ class RunCollector(Collector):
                 if value is not None:
                     family.add_metric([view.worker_id], value)
             yield family
+        share = GaugeMetricFamily(
+            "pcp_worker_utilization",
+            "Compute seconds / round seconds in the last round (contributors only)",
+            labels=["worker"],
+        )
+        for view in views:
+            value = worker_utilization(self.state, view.worker_id)
+            if value is not None:
+                share.add_metric([view.worker_id], value)
+        yield share
 
 
 _WORKER_FAMILIES: tuple[tuple[str, str, type, Callable[[WorkerView, float], float | None]], ...] = (

@@ -479,7 +479,13 @@ class Shepherd:
             )
 
     def _record(self, current: Round, eval_loss: float | None) -> RoundRecord:
-        record = current.record(eval_loss, self.state.bytes_sent, self.state.bytes_received)
+        record = current.record(
+            eval_loss,
+            self.state.bytes_sent,
+            self.state.bytes_received,
+            parameter_count=self.state.param_count,
+            inner_steps=self.config.inner_steps,
+        )
         trained = set()
         for worker_id in current.contributors:
             self.state.workers[worker_id].rounds_contributed += 1

@@ -15,11 +15,41 @@ from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.shepherd.state import RoundRecord
 
-__all__ = ["BadResult", "Round"]
+__all__ = ["BadResult", "Round", "data_parallel_bytes", "utilization"]
 
 # Results smaller than this are screened and folded in on the event loop: that takes
 # well under a millisecond, less than handing them to a thread and back (~0.2 ms).
 INLINE_BYTES = 4 * 2**20
+
+
+def utilization(
+    compute_seconds: Mapping[str, float], round_seconds: float
+) -> tuple[float, dict[str, float]]:
+    """(the run's, each worker's) share of the round's wall time spent computing.
+
+    A worker's is its own compute seconds / the round's wall seconds (round start
+    to close, on the shepherd's clock); the run's is total compute / (contributors
+    x round seconds), so a round whose workers all idled half the time is 0.5
+    however many there were. Each share is clipped to [0, 1]: the compute time is
+    what the worker reports, and a clock that runs fast, or a worker that lies,
+    must not show more than the round's wall time. No contributors, or a round of
+    zero seconds, is (0.0, {}).
+    """
+    if not compute_seconds or round_seconds <= 0:
+        return 0.0, {}
+    each = {w: min(max(s / round_seconds, 0.0), 1.0) for w, s in compute_seconds.items()}
+    return sum(each.values()) / len(each), each
+
+
+def data_parallel_bytes(parameter_count: int, inner_steps: int, contributors: int) -> int:
+    """Bytes synchronous data parallelism would exchange for the same tokens as one round.
+
+    Data parallelism syncs after every step: each worker sends its float32 gradient
+    (4 bytes a parameter) and gets the average back, so 2 x 4 x parameters a worker
+    a step, for the round's `inner_steps` and `contributors`. Divided by the bytes
+    DiLoCo really exchanged it is the saving the issue's "x fewer bytes than DP" means.
+    """
+    return 2 * 4 * parameter_count * inner_steps * contributors
 
 
 class Round:
@@ -120,10 +150,27 @@ class Round:
         if not self.pending:
             self.done.set()
 
-    def record(self, eval_loss: float | None, bytes_sent: int, bytes_received: int) -> RoundRecord:
-        """The round as history keeps it; `bytes_*` are the run's totals now."""
-        seconds = time.monotonic() - self.started
+    def record(
+        self,
+        eval_loss: float | None,
+        bytes_sent: int,
+        bytes_received: int,
+        *,
+        parameter_count: int = 0,
+        inner_steps: int = 0,
+        seconds: float | None = None,
+    ) -> RoundRecord:
+        """The round as history keeps it; `bytes_*` are the run's totals now.
+
+        `parameter_count` and `inner_steps` size what data parallelism would have
+        sent (`data_parallel_bytes`); `seconds` is the round's wall time, measured
+        from `started` to now unless given (tests give it to check exact values).
+        """
+        if seconds is None:
+            seconds = time.monotonic() - self.started
         compute, communication, straggler = self.timings(seconds)
+        contributed = {w: self.compute_seconds[w] for w in self.contributors}
+        run_utilization, worker_utilization = utilization(contributed, seconds)
         sent0, received0 = self.bytes_at_start
         return RoundRecord(
             round=self.number,
@@ -140,6 +187,11 @@ class Round:
             bytes_saved=self.bytes_saved,
             workers=len(self.contributors),
             worker_ids=tuple(self.contributors),
+            utilization=run_utilization,
+            worker_utilization=worker_utilization,
+            bytes_data_parallel=data_parallel_bytes(
+                parameter_count, inner_steps, len(self.contributors)
+            ),
         )
 
     def timings(self, total: float) -> tuple[float, float, float]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -64,10 +64,28 @@ class RoundRecord:
     worker_ids: tuple[str, ...]
     bytes_saved: int = 0  # by pseudo-gradient compression, this round
     untrained_shards: tuple[int, ...] = ()  # data shards no contributor of this round trained
+    # compute seconds / (contributors x round seconds): the run's share of wall time spent training
+    utilization: float = 0.0
+    # worker id -> its compute seconds / round seconds, one entry per contributor
+    worker_utilization: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # what synchronous data parallelism would have exchanged for the same tokens (see rounds.py)
+    bytes_data_parallel: int = 0
+
+    @property
+    def bytes_exchanged(self) -> int:
+        """Bytes that crossed the wire this round, both directions."""
+        return self.bytes_sent + self.bytes_received
+
+    def data_parallel_ratio(self) -> float | None:
+        """How many times fewer bytes than synchronous data parallelism (None if nothing moved)."""
+        if self.bytes_exchanged <= 0 or self.bytes_data_parallel <= 0:
+            return None
+        return self.bytes_data_parallel / self.bytes_exchanged
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["worker_ids"] = list(self.worker_ids)
+        data["worker_utilization"] = dict(self.worker_utilization)
         data["untrained_shards"] = list(self.untrained_shards)
         return {"event": "round", **data}
 

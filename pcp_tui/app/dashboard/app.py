@@ -47,7 +47,8 @@ HELP_PANELS = (
     ("Loss", "training loss per inner step (mean over workers, ━) and held-out loss per round (●)"),
     (
         "Round time",
-        "last round and mean: compute (slowest worker), communication, waiting for stragglers",
+        "last round and mean: compute (slowest worker), communication, waiting for stragglers;"
+        " util: compute / wall time; bytes vs data parallel (DP)",
     ),
     (
         "Workers",

@@ -143,6 +143,9 @@ def _run_description(state: RunState) -> list[tuple[str, str]]:
 class RoundTiming(Static):
     """Last and mean round time, split into compute / communication / waiting for stragglers.
 
+    Then `util` (the contributors' compute / their wall time), throughput, bytes,
+    and how many times fewer bytes than synchronous data parallelism (DP).
+
     Rows are in order of importance: a short panel (80x24) cuts the bottom ones.
     """
 
@@ -192,19 +195,7 @@ class RoundTiming(Static):
                 f"{value:.2f}s",
                 f"{mean(field):.2f}s",
             )
-        grid.add_row("round", f"{last.round_seconds:.2f}s", f"{mean('round_seconds'):.2f}s")
-        grid.add_row(
-            "tokens/s",
-            compact_count(last.tokens_per_second),
-            compact_count(mean("tokens_per_second")),
-        )
-        grid.add_row(
-            "bytes",
-            short_bytes(last.bytes_sent + last.bytes_received),
-            short_bytes(mean("bytes_sent") + mean("bytes_received")),
-        )
-        if last.bytes_saved:
-            grid.add_row("saved", short_bytes(last.bytes_saved), short_bytes(mean("bytes_saved")))
+        _add_totals(grid, history)
         room = max((self.content_size.width or 30) - 7, 1)
         spark = _sparkline([r.round_seconds for r in history[-room:]])
         self.update(
@@ -215,6 +206,35 @@ class RoundTiming(Static):
                 ),
             )
         )
+
+
+def _add_totals(grid: Table, history: Sequence[RoundRecord]) -> None:
+    """Rows under the timing bars, last round and mean: round time, utilization, tokens, bytes."""
+    last, n = history[-1], len(history)
+
+    def mean(field: str) -> float:
+        return sum(getattr(r, field) for r in history) / n
+
+    grid.add_row("round", f"{last.round_seconds:.2f}s", f"{mean('round_seconds'):.2f}s")
+    grid.add_row("util", f"{last.utilization:.0%}", f"{mean('utilization'):.0%}")
+    grid.add_row(
+        "tokens/s", compact_count(last.tokens_per_second), compact_count(mean("tokens_per_second"))
+    )
+    grid.add_row(
+        "bytes",
+        short_bytes(last.bytes_exchanged),
+        short_bytes(mean("bytes_sent") + mean("bytes_received")),
+    )
+    ratios = [r for r in (record.data_parallel_ratio() for record in history) if r is not None]
+    if last.data_parallel_ratio() is not None:  # then `ratios` ends with the last round's
+        grid.add_row("fewer than DP", _times(ratios[-1]), _times(sum(ratios) / len(ratios)))
+    if last.bytes_saved:
+        grid.add_row("saved", short_bytes(last.bytes_saved), short_bytes(mean("bytes_saved")))
+
+
+def _times(ratio: float) -> str:
+    """x84: data-parallel bytes / bytes exchanged (below x1, DiLoCo moved more)."""
+    return f"x{ratio:,.0f}" if ratio >= 10 else f"x{ratio:.1f}"
 
 
 def _sparkline(values: Sequence[float]) -> str:
