@@ -110,6 +110,18 @@ def _run_with_signals(
             await body()
             nursery.cancel_scope.cancel()
 
+    return run_unwrapped(main, expected)
+
+
+def run_unwrapped(
+    main: Callable[[], Awaitable[object]],
+    expected: type[BaseException] | tuple[type[BaseException], ...],
+) -> BaseException | None:
+    """`trio.run(main)`; the `expected` error it ended with, if any, out of its groups.
+
+    Nurseries wrap errors in groups: a group of only `expected` errors is
+    unwrapped to its first, anything else (a bug) propagates with its traceback.
+    """
     try:
         trio.run(main)
     except BaseExceptionGroup as group:

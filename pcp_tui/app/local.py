@@ -7,7 +7,8 @@ import sys
 import trio
 
 from pcp_tui.app.headless import HeadlessPrinter
-from pcp_tui.app.launch import _worker_process, preflight
+from pcp_tui.app.launch import _worker_process, run_unwrapped
+from pcp_tui.app.preflight import preflight
 from pcp_tui.config import RunConfig
 from pcp_tui.contract.auth import new_token
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
@@ -49,13 +50,7 @@ def train(
             for index in range(config.workers):
                 await nursery.start(_worker_process, shepherd, port, backend, index)
 
-    try:
-        trio.run(shepherd_and_workers)
-    except BaseExceptionGroup as group:
-        failed, rest = group.split(RunFailed)
-        if failed is None or rest is not None:
-            raise
-        while isinstance(failed, BaseExceptionGroup):
-            failed = failed.exceptions[0]
-        raise failed from None
+    failed = run_unwrapped(shepherd_and_workers, RunFailed)
+    if failed is not None:
+        raise failed
     return shepherd.state
