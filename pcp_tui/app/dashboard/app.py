@@ -163,6 +163,8 @@ class DashboardApp(App[None]):
             self.state.status = "failed"
         elif self.state.status not in _FINISHED:  # cancelled by a second q
             self.state.status = "stopped"
+        if not self.screen_stack:  # the app is already gone (its terminal closed): nothing to draw
+            return
         self.refresh_bindings()
         self.refresh_from_state()
         if self.failure:
