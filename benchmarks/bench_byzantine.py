@@ -3,7 +3,7 @@
 Real `pcp-tui worker` processes on 127.0.0.1, the tiny model, one seed. Four
 honest workers start first (indices and data shards 0..3 in every run); then
 the attacker, a real worker that trains honestly and tampers with the
-pseudo-gradient it returns (tests/byzantine_worker.py):
+pseudo-gradient it returns (`pcp_tui.testing.faulty_worker`):
 
 - ``sign flip``: −Δ.
 - ``scaled x100``: 100·Δ.
@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcp_tui.config import RunConfig  # noqa: E402
 from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
+from pcp_tui.testing import faulty_worker_command, worker_command  # noqa: E402
 from pcp_tui.training.build import build_workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,13 +46,13 @@ ENV = dict(
     PYTHONUNBUFFERED="1",
     XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
 )
-ATTACKS = {  # row label: (tests/byzantine_worker.py attack, how many ids send it)
+ATTACKS = {  # row label: (pcp_tui.testing.faulty_worker fault and parameters, how many ids send it)
     "none (honest only)": (None, 0),
-    "sign flip": ("sign-flip", 1),
-    "scaled x100": ("scaled", 1),
-    "norm ratchet": ("ratchet", 1),
-    "tiny, 3 ids": ("tiny", 3),
-    "first round 1e6": ("first-blowup", 1),
+    "sign flip": (("scale", {"factor": -1.0}), 1),
+    "scaled x100": (("scale", {"factor": 100.0}), 1),
+    "norm ratchet": (("ratchet", {"factor": 3.0}), 1),
+    "tiny, 3 ids": (("scale", {"factor": 1e-6}), 3),
+    "first round 1e6": (("scale", {"factor": 1e6, "results": 1}), 1),
 }
 
 
@@ -89,12 +90,16 @@ def config(args: argparse.Namespace, aggregate: str, attackers: int) -> RunConfi
     )
 
 
-def worker_command(port: int, worker_id: str, attack: str | None) -> list[str]:
-    arguments = ["--connect", f"127.0.0.1:{port}", "--token", TOKEN, "--backend", "cpu"]
-    arguments += ["--id", worker_id, "--quiet"]
+def attacker_or_honest_command(
+    port: int, worker_id: str, attack: tuple[str, dict[str, float]] | None
+) -> list[str]:
+    """argv of one worker: honest, or the faulty worker running `attack` (a fault, its parameters)."""
     if attack is None:
-        return [sys.executable, "-m", "pcp_tui", "worker", *arguments]
-    return [sys.executable, "-m", "tests.byzantine_worker", attack, *arguments]
+        return worker_command(port, "--id", worker_id, "--quiet", token=TOKEN)
+    fault, parameters = attack
+    return faulty_worker_command(
+        port, fault, "--id", worker_id, "--quiet", token=TOKEN, **parameters
+    )
 
 
 async def _joined(shepherd: Shepherd, worker_id: str) -> None:
@@ -114,7 +119,9 @@ def run(args: argparse.Namespace, label: str, aggregate: str, logs: Path) -> Row
             port = await nursery.start(shepherd.run)
             for name in names:  # one by one, so honest workers always get shards 0..3
                 log = open(logs / f"{aggregate}-{label}-{name}.log".replace(" ", "_"), "w")  # noqa: SIM115
-                command = worker_command(port, name, attack if name.startswith("a") else None)
+                command = attacker_or_honest_command(
+                    port, name, attack if name.startswith("a") else None
+                )
                 processes.append(
                     subprocess.Popen(command, cwd=REPO, env=ENV, stdout=log, stderr=log)
                 )

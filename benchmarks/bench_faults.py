@@ -12,7 +12,7 @@ the same three data shards in every scenario:
   marked lost: it reconnects by itself and trains again from a later round.
 - ``late join``: two workers start; the run is held at the round-2 boundary
   while a third starts, joins and compiles, so it trains from round 3.
-- ``straggler``: one of three stalls round 2 (tests/slow_worker.py) past
+- ``straggler``: one of three stalls round 2 (`pcp_tui.testing.faulty_worker`) past
   --round-timeout; the round closes without it and its late result is dropped.
 - ``shepherd kill -9``: the shepherd process (checkpoint every 2 rounds) is
   SIGKILLed mid-round 4 and started again with --resume; the workers find it by
@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcp_tui.config import RunConfig  # noqa: E402
 from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
+from pcp_tui.testing import faulty_worker_command, free_port, worker_command  # noqa: E402
 from pcp_tui.training.build import build_workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,14 +93,22 @@ class Processes:
         return process
 
     def worker(self, port: int, worker_id: str, stall: tuple[int, float] | None = None):
-        arguments = ["--connect", f"127.0.0.1:{port}", "--token", TOKEN, "--backend", "cpu"]
-        arguments += ["--id", worker_id, "--quiet"]
+        """Start `worker_id`; with `stall` (round, seconds), one that stalls that round."""
         if stall is None:
-            return self.start(worker_id, [sys.executable, "-m", "pcp_tui", "worker", *arguments])
-        stall_args = [str(stall[0]), str(stall[1]), "--"]
-        return self.start(
-            worker_id, [sys.executable, "-m", "tests.slow_worker", *stall_args, *arguments]
-        )
+            command = worker_command(port, "--id", worker_id, "--quiet", token=TOKEN)
+        else:
+            round_number, seconds = stall
+            command = faulty_worker_command(
+                port,
+                "stall",
+                "--id",
+                worker_id,
+                "--quiet",
+                token=TOKEN,
+                round=round_number,
+                seconds=seconds,
+            )
+        return self.start(worker_id, command)
 
     def kill(self, process: subprocess.Popen) -> float:
         """SIGKILL on purpose; returns the wall-clock time right after the signal."""
@@ -373,12 +381,6 @@ def straggler(config, processes, timeout, stall: float) -> Outcome:
 # -- the shepherd restart: a shepherd process, read through its metrics file -------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def shepherd_command(config: RunConfig) -> list[str]:
     """`pcp-tui shepherd --headless` with every option that differs from the defaults."""
     default, flags = RunConfig(), []
@@ -418,7 +420,7 @@ def _wait_for_row(path: Path, predicate: Callable[[dict], bool], timeout: float 
 def shepherd_restart(config, processes, timeout, workdir: Path) -> Outcome:
     metrics, checkpoints = workdir / "restart.jsonl", workdir / "checkpoints"
     config = config.replace(
-        port=_free_port(), metrics=str(metrics), checkpoint_dir=str(checkpoints), checkpoint_every=2
+        port=free_port(), metrics=str(metrics), checkpoint_dir=str(checkpoints), checkpoint_every=2
     )
     first = processes.start("shepherd-1", shepherd_command(config))
     _wait_for_row(metrics, lambda r: r["event"] == "listening")

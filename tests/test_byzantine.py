@@ -1,19 +1,19 @@
 """A token-holding worker that sends a huge pseudo-gradient from round 1 on cannot wreck the run.
 
 Real shepherd, real worker processes on 127.0.0.1; the attacker is
-tests/evil_worker.py (the real worker, its result scaled by 1e6 before sending).
+pcp_tui.testing.faulty_worker (the real worker, its result scaled by 1e6 before sending).
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import trio
 
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.testing import faulty_worker_command
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_command, worker_env
@@ -42,8 +42,10 @@ def _train(attacker: bool) -> Shepherd:
             port = await nursery.start(shepherd.run)
             for name in ("honest0", "honest1", *(["evil"] if attacker else [])):
                 command = worker_command(port, "--id", name, "--quiet")
-                if name == "evil":  # `python -m tests.evil_worker huge <the same worker args>`
-                    command = [sys.executable, "-m", "tests.evil_worker", "huge", *command[4:]]
+                if name == "evil":  # the same worker, its results times 1e6
+                    command = faulty_worker_command(
+                        port, "scale", "--id", name, "--quiet", factor=1e6
+                    )
                 processes.append(
                     subprocess.Popen(
                         command,

@@ -23,8 +23,9 @@ import pytest
 
 from pcp_tui.backends import BackendUnavailable, select_backend
 from pcp_tui.shepherd import checkpoint
+from pcp_tui.testing import faulty_worker_command
 
-from .conftest import worker_command, worker_env
+from .conftest import worker_env
 
 pytestmark = pytest.mark.e2e
 
@@ -232,9 +233,8 @@ def test_a_second_sigint_stops_at_once(tmp_path, background):
     )
     # a real worker that stalls in round 2, so the first SIGINT finds a round that cannot
     # finish (a SIGSTOP raced the worker, which often had the round done already)
-    stalled = [sys.executable, "-m", "tests.slow_worker", "2", "600", "--"]
     worker = subprocess.Popen(
-        [*stalled, *worker_command(shepherd.port(), token=TOKEN)[4:]],
+        faulty_worker_command(shepherd.port(), "stall", token=TOKEN, round=2, seconds=600),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=worker_env(),

@@ -6,7 +6,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -15,10 +14,10 @@ import trio
 
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import free_port, shepherd_command
+from pcp_tui.testing import faulty_worker_command, free_port, shepherd_command
 from pcp_tui.training.build import build_workload
 
-from .conftest import small_config, worker_command, worker_env
+from .conftest import small_config, worker_env
 
 pytestmark = pytest.mark.e2e
 
@@ -101,15 +100,7 @@ def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
 
     async def scenario(port):
         spawn_worker(port, "--id", "steady")
-        command = [
-            sys.executable,
-            "-m",
-            "tests.slow_worker",
-            "2",
-            "5",
-            "--",
-            *worker_command(port, "--id", "slow")[4:],
-        ]
+        command = faulty_worker_command(port, "stall", "--id", "slow", round=2, seconds=5)
         slow = subprocess.Popen(
             command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )

@@ -1,7 +1,7 @@
 """Attacks on a live shepherd process over 127.0.0.1: who gets in, what it survives.
 
 Real processes and sockets. The hostile peers are trio tasks in this test
-process speaking raw TCP; the poisoning worker is tests/evil_worker.py.
+process speaking raw TCP; the poisoning worker is pcp_tui.testing.faulty_worker.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.tls import normalize_fingerprint
+from pcp_tui.testing import faulty_worker_command
 
-from .conftest import worker_command, worker_env
+from .conftest import worker_env
 
 pytestmark = pytest.mark.e2e
 
@@ -295,13 +296,7 @@ def test_a_worker_sending_nan_is_refused_and_the_model_stays_finite(
     )
     honest = [spawn_worker(shepherd.port, token="s3cret") for _ in range(2)]
     evil = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.evil_worker",
-            "nan",
-            *worker_command(shepherd.port, "--quiet", token="s3cret")[4:],
-        ],
+        faulty_worker_command(shepherd.port, "nan", "--quiet", token="s3cret"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

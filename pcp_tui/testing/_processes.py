@@ -1,12 +1,6 @@
-"""Harness for tests and benchmarks that run the real thing: free ports, worker processes, small runs.
+"""Free ports, the argv of real shepherd and worker processes, and their cleanup.
 
-What the test suite, the benchmarks and a user's own integration tests would
-otherwise each write again (as trio ships `trio.testing`). Everything here
-starts real processes and real sockets on 127.0.0.1; nothing is mocked.
-
-    with WorkerProcesses() as workers:
-        workers.spawn(port, "--id", "w0")
-        ...                              # leftovers are killed on exit
+The machinery behind `pcp_tui.testing`, which re-exports what is public here.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ from pcp_tui.config import RunConfig
 __all__ = [
     "SMALL_RUN",
     "WorkerProcesses",
+    "faulty_worker_command",
     "free_port",
     "shepherd_command",
     "small_config",
@@ -73,6 +68,37 @@ def worker_env() -> dict[str, str]:
 def worker_command(port: int, *extra: str, token: str = "test-token") -> list[str]:
     """argv of a `pcp-tui worker` joining 127.0.0.1:`port` on the CPU backend."""
     return local_worker_command(port, token=token, extra=extra)
+
+
+def faulty_worker_command(
+    port: int, fault: str, *extra: str, token: str = "test-token", **parameters: float
+) -> list[str]:
+    """argv of `worker_command(port, *extra)` run as `pcp_tui.testing.faulty_worker` `fault`.
+
+    `parameters` are the fault's (`faulty_worker_command(port, "stall", round=2,
+    seconds=5)`); an unknown fault or parameter raises `ValueError` here rather
+    than as a usage error in the worker's output.
+    """
+    # imported here: `python -m pcp_tui.testing.faulty_worker` imports this package first,
+    # and runpy warns when the module it is about to run is already in sys.modules
+    from pcp_tui.testing.faulty_worker import FAULTS
+
+    if fault not in FAULTS:
+        raise ValueError(f"no fault {fault!r}; choose one of {', '.join(FAULTS)}")
+    unknown = set(parameters) - set(FAULTS[fault].parameters)
+    if unknown:
+        raise ValueError(f"fault {fault!r} takes no {', '.join(sorted(unknown))}")
+    options = [str(part) for name, value in parameters.items() for part in (f"--{name}", value)]
+    arguments = worker_command(port, *extra, token=token)[4:]  # after `python -m pcp_tui worker`
+    return [
+        sys.executable,
+        "-m",
+        "pcp_tui.testing.faulty_worker",
+        fault,
+        *options,
+        "--",
+        *arguments,
+    ]
 
 
 def shepherd_command(port: int, *extra: str, token: str = "test-token") -> list[str]:

@@ -1,0 +1,37 @@
+"""Harness for tests and benchmarks that run the real thing: free ports, worker processes, small runs.
+
+What the test suite, the benchmarks and a user's own integration tests would
+otherwise each write again (as trio ships `trio.testing`). Everything here
+starts real processes and real sockets on 127.0.0.1; nothing is mocked.
+
+    with WorkerProcesses() as workers:
+        workers.spawn(port, "--id", "w0")
+        workers.start(faulty_worker_command(port, "stall", "--id", "w1", round=2, seconds=5))
+        ...                              # leftovers are killed on exit
+
+Workers that misbehave on purpose (stall a round, send NaN or a scaled
+pseudo-gradient) are `pcp_tui.testing.faulty_worker`; its docstring lists the
+faults and their parameters.
+"""
+
+from pcp_tui.testing._processes import (
+    SMALL_RUN,
+    WorkerProcesses,
+    faulty_worker_command,
+    free_port,
+    shepherd_command,
+    small_config,
+    worker_command,
+    worker_env,
+)
+
+__all__ = [
+    "SMALL_RUN",
+    "WorkerProcesses",
+    "faulty_worker_command",
+    "free_port",
+    "shepherd_command",
+    "small_config",
+    "worker_command",
+    "worker_env",
+]

@@ -1,0 +1,172 @@
+"""A real `pcp-tui worker` that misbehaves in one chosen way, for tests and benchmarks.
+
+    python -m pcp_tui.testing.faulty_worker FAULT [--PARAMETER VALUE ...] -- <pcp-tui worker arguments>
+
+The product has no "be faulty" switch, on purpose: this module wraps the real
+`pcp_tui.worker.client.Worker` from outside (it patches one method before the
+ordinary `pcp-tui worker` entry point runs), so everything a fault does not
+touch (handshake, heartbeats, training, compression) is the shipped code.
+`pcp_tui.testing.faulty_worker_command` builds the command line.
+
+FAULTS, the registry, names each fault and its parameters (defaults in brackets):
+
+  stall    --round [2] --seconds [10]: sleep SECONDS before training round ROUND
+           (the round number the shepherd sends, from 1). Heartbeats go on, so
+           only a round timeout or the operator can tell it from a slow machine.
+  nan      every value of every result it sends is NaN.
+  scale    --factor [100] --results [0]: its r-th result is FACTOR·Δ for r < RESULTS,
+           honest after (0: every result). The attacks of a token holder that trains
+           honestly and tampers with its pseudo-gradient Δ (token count and losses
+           stay honest): --factor 1e6 is a blow-up, -1 a sign flip (it pushes the
+           model back the way honest workers move it), 1e-6 a vanishing result
+           (several ids of it drag a median of norms down), --factor 1e6 --results 1
+           a blow-up in the first result only.
+  ratchet  --factor [3]: its r-th result (from 0) is FACTOR^r·Δ, which walks up any
+           bound the shepherd learns from history.
+
+A result fault counts the results this process has sent, across reconnects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.app.cli import main as pcp_tui_main
+from pcp_tui.worker import client
+
+__all__ = ["FAULTS", "Fault", "Parameter", "main"]
+
+#: How a result fault changes one tensor: (r, the r-th result's array) → what is sent.
+Tamper = Callable[[int, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One `--name VALUE` of a fault: its default (whose type parses the value) and help."""
+
+    default: int | float
+    help: str
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One named misbehaviour: what it does, its parameters, and `inject(**parameters)`.
+
+    `inject` patches the worker class in this process; call it once, before the
+    worker starts.
+    """
+
+    summary: str
+    parameters: dict[str, Parameter]
+    inject: Callable[..., None]
+
+
+def stall(*, round: int, seconds: float) -> None:
+    """Sleep `seconds` before training round `round`, in the round's own task."""
+    honest_train_round = client.Worker._train_round
+
+    async def train_round(self, sender, message):
+        if message.body.round == round:
+            await trio.sleep(seconds)
+        await honest_train_round(self, sender, message)
+
+    client.Worker._train_round = train_round
+
+
+def tamper_results(tamper: Tamper) -> None:
+    """Pass every tensor of every round result this worker sends through `tamper`."""
+    honest_send = client._Sender.send
+    sent = 0
+
+    async def send(self, body, tensors=None, **options):
+        nonlocal sent
+        if isinstance(body, protocol.RoundResult):
+            tensors = {name: tamper(sent, array) for name, array in tensors.items()}
+            sent += 1
+        return await honest_send(self, body, tensors, **options)
+
+    client._Sender.send = send
+
+
+def poison_with_nan() -> None:
+    """Every value of every result is NaN."""
+    tamper_results(lambda r, array: np.full_like(array, np.nan))
+
+
+def scale(*, factor: float, results: int) -> None:
+    """The first `results` results (every one if 0) times `factor`."""
+    scaled = np.float32(factor)
+    tamper_results(lambda r, array: array * scaled if results == 0 or r < results else array)
+
+
+def ratchet(*, factor: float) -> None:
+    """The r-th result (from 0) times `factor`**r."""
+    tamper_results(lambda r, array: array * np.float32(factor**r))
+
+
+FAULTS: dict[str, Fault] = {
+    "stall": Fault(
+        "sleep before training one round; heartbeats go on",
+        {
+            "round": Parameter(2, "the round to stall (the shepherd's number, from 1)"),
+            "seconds": Parameter(10.0, "how long to sleep before training it"),
+        },
+        stall,
+    ),
+    "nan": Fault("send results whose every value is NaN", {}, poison_with_nan),
+    "scale": Fault(
+        "send FACTOR·Δ instead of the pseudo-gradient Δ",
+        {
+            "factor": Parameter(100.0, "1e6: blow-up, -1: sign flip, 1e-6: vanishing"),
+            "results": Parameter(0, "tamper with the first RESULTS results only (0: all)"),
+        },
+        scale,
+    ),
+    "ratchet": Fault(
+        "send FACTOR^r·Δ in the r-th result (from 0)",
+        {"factor": Parameter(3.0, "the growth per result")},
+        ratchet,
+    ),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pcp_tui.testing.faulty_worker",
+        description=__doc__.splitlines()[0],
+        epilog="after the fault and its parameters: -- <pcp-tui worker arguments>",
+    )
+    faults = parser.add_subparsers(dest="fault", required=True, metavar="FAULT")
+    for name, fault in FAULTS.items():
+        options = faults.add_parser(name, help=fault.summary, description=fault.summary)
+        for parameter, spec in fault.parameters.items():
+            options.add_argument(
+                f"--{parameter}",
+                type=type(spec.default),
+                default=spec.default,
+                help=f"{spec.help} (default {spec.default})",
+            )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Inject the fault named before `--`, then run `pcp-tui worker` with what follows it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    split = argv.index("--") if "--" in argv else len(argv)
+    chosen = vars(parser.parse_args(argv[:split]))  # --help stops here
+    if split == len(argv):
+        parser.error("put the pcp-tui worker arguments after `--`")
+    FAULTS[chosen.pop("fault")].inject(**chosen)
+    return pcp_tui_main(["worker", *argv[split + 1 :]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
