@@ -255,25 +255,8 @@ def test_a_second_sigint_stops_at_once(tmp_path, background):
 
 def test_ctrl_c_at_the_terminal_stops_the_demo_and_its_workers_cleanly(tmp_path, background):
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    demo = background(
-        "demo",
-        "--headless",
-        "--workers",
-        "1",
-        "--rounds",
-        "1000",
-        "--inner-steps",
-        "5",
-        *SMALL,
-        "--checkpoint-dir",
-        str(checkpoints),
-        "--checkpoint-every",
-        "1000",
-        "--metrics",
-        str(metrics),
-        start_new_session=True,  # its own process group, as a terminal gives a command
-    )
-    demo.wait_for(metrics, r'"event": "round"')
+    # its own process group, as a terminal gives a command
+    demo = _demo(background, checkpoints, metrics, start_new_session=True)
     os.killpg(demo.process.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
     assert demo.wait() == 130, demo.err.read_text()
     assert one_error_line(demo.err.read_text()).startswith("pcp-tui: SIGINT: stopping")
@@ -291,7 +274,8 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
-def _demo(background, checkpoints: Path, metrics: Path) -> Background:
+def _demo(background, checkpoints: Path, metrics: Path, **options) -> Background:
+    """A headless one-worker demo of many short rounds, once its first round is done."""
     demo = background(
         "demo",
         "--headless",
@@ -308,6 +292,7 @@ def _demo(background, checkpoints: Path, metrics: Path) -> Background:
         "1000",
         "--metrics",
         str(metrics),
+        **options,
     )
     demo.wait_for(metrics, r'"event": "round"')
     return demo
