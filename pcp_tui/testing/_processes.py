@@ -15,7 +15,6 @@ from types import TracebackType
 from pcp_tui.app.launch import local_worker_command
 from pcp_tui.config import RunConfig
 
-
 #: Options of a run small enough to train in seconds on 2 cores; everything else is the real thing.
 SMALL_RUN = dict(
     model="tiny",
