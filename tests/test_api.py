@@ -8,19 +8,23 @@ malformed requests, and prometheus_client's own parser for /metrics.
 from __future__ import annotations
 
 import contextlib
-import re
 import shutil
 import socket
 import ssl
 import subprocess
-import threading
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pcp_tui.testing import WorkerProcesses, free_port, shepherd_command, worker_env
+from pcp_tui.testing import (
+    OutputProcess,
+    WorkerProcesses,
+    free_port,
+    shepherd_command,
+    worker_env,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -29,57 +33,11 @@ HANG_GUARD = 180  # seconds; only so that a broken shepherd fails the test inste
 QUICK = ["--inner-steps", "10", "--chunk-steps", "5", "--warmup-steps", "5"]
 
 
-class ShepherdProcess:
+class ShepherdProcess(OutputProcess):
     """A headless `pcp-tui shepherd` whose merged output is collected line by line."""
 
     def __init__(self, *flags: str, env: dict[str, str]):
-        self.process = subprocess.Popen(
-            shepherd_command(0, *flags),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    def wait_for(self, pattern: str) -> re.Match:
-        """The first output line matching `pattern`, waiting for it (fails if the process ends)."""
-
-        def found() -> re.Match | None:
-            return next((m for m in map(re.compile(pattern).search, self.lines) if m), None)
-
-        with self._changed:
-            self._changed.wait_for(
-                lambda: found() or self.process.poll() is not None, timeout=HANG_GUARD
-            )
-            match = found()
-        assert match, self.output
-        return match
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def finish(self) -> int:
-        code = self.process.wait(timeout=HANG_GUARD * 3)
-        self._reader.join(timeout=10)
-        return code
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=30)
+        super().__init__(shepherd_command(0, *flags), env=env, hang_guard=HANG_GUARD)
 
 
 @pytest.fixture

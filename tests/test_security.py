@@ -14,7 +14,6 @@ import secrets
 import struct
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.tls import normalize_fingerprint
-from pcp_tui.testing import faulty_worker_command
+from pcp_tui.testing import OutputProcess, faulty_worker_command
 
 from .conftest import worker_env
 
@@ -50,63 +49,21 @@ SMALL_FLAGS = [
 HANG_GUARD = 120  # seconds; only so that a broken shepherd fails the test instead of hanging it
 
 
-class Shepherd:
+class Shepherd(OutputProcess):
     """A `pcp-tui shepherd` process whose output is collected line by line."""
 
     def __init__(self, *flags: str, token: str = "s3cret"):
-        self.process = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "pcp_tui", "shepherd", *SMALL_FLAGS, "--token", token, *flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
             env=worker_env(),
-            cwd=REPO,
+            hang_guard=HANG_GUARD,
         )
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
         found = self.wait_for(r"listening on 127\.0\.0\.1:(\d+); join with: (.*)")
         self.port, self.join_command = int(found.group(1)), found.group(2)
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    def wait_for(self, pattern: str, count: int = 1) -> re.Match:
-        with self._changed:
-            ok = self._changed.wait_for(
-                lambda: len(self.matches(pattern)) >= count or self.process.poll() is not None,
-                timeout=HANG_GUARD,
-            )
-            found = self.matches(pattern)
-        assert ok and len(found) >= count, self.output
-        return found[count - 1]
-
-    def matches(self, pattern: str) -> list[re.Match]:
-        return [m for m in (re.search(pattern, line) for line in self.lines) if m]
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
 
     def rss_kib(self) -> int:
         status = Path(f"/proc/{self.process.pid}/status").read_text()
         return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
-
-    def finish(self) -> int:
-        code = self.process.wait(timeout=HANG_GUARD * 3)
-        self._reader.join(timeout=10)
-        return code
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=30)
 
 
 @pytest.fixture

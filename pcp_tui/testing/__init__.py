@@ -16,6 +16,7 @@ faults and their parameters.
 
 from pcp_tui.testing._processes import (
     SMALL_RUN,
+    OutputProcess,
     WorkerProcesses,
     faulty_worker_command,
     free_port,
@@ -27,6 +28,7 @@ from pcp_tui.testing._processes import (
 
 __all__ = [
     "SMALL_RUN",
+    "OutputProcess",
     "WorkerProcesses",
     "faulty_worker_command",
     "free_port",

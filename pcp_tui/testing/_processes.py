@@ -6,9 +6,11 @@ The machinery behind `pcp_tui.testing`, which re-exports what is public here.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -165,3 +167,65 @@ class WorkerProcesses:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class OutputProcess:
+    """A process whose merged stdout and stderr are collected line by line, as they come.
+
+    A test waits for a line (`wait_for`) instead of sleeping; `hang_guard` seconds
+    only turn a broken process into a failed test instead of a hung one.
+    """
+
+    def __init__(
+        self, command: Sequence[str], *, env: dict[str, str] | None = None, hang_guard: float = 120
+    ):
+        self.hang_guard = hang_guard
+        self.process = subprocess.Popen(
+            list(command),
+            env=env if env is not None else worker_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def matches(self, pattern: str) -> list[re.Match]:
+        """Every output line so far that matches `pattern`."""
+        return [m for m in (re.search(pattern, line) for line in self.lines) if m]
+
+    def wait_for(self, pattern: str, count: int = 1) -> re.Match:
+        """The `count`-th line matching `pattern`, waiting for it; AssertionError if the process ends first."""
+        with self._changed:
+            ok = self._changed.wait_for(
+                lambda: len(self.matches(pattern)) >= count or self.process.poll() is not None,
+                timeout=self.hang_guard,
+            )
+            found = self.matches(pattern)
+        assert ok and len(found) >= count, self.output
+        return found[count - 1]
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def finish(self) -> int:
+        """Wait for the process to end (3 x `hang_guard` at most) and all its output; its exit code."""
+        code = self.process.wait(timeout=self.hang_guard * 3)
+        self._reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
