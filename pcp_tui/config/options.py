@@ -31,7 +31,9 @@ class Option:
     `flat` is the option's name outside its section (keyword arguments, flags,
     flat TOML keys); by default the field's own name. `flag` overrides the
     command-line spelling (`--id` for `worker_id`). The range rules are checked by
-    `Sections.validate` and name the flag in their error.
+    `Sections.validate` and name the flag in their error. A bool is a switch:
+    `--quiet` when it defaults to False, `--no-reconnect` when it defaults to
+    True (its help then says what the switch does).
     """
 
     help: str

@@ -58,8 +58,8 @@ class ConnectionConfig:
     worker_id: str | None = option(
         None, flag="id", help="stable worker id (default: host-pid-random)"
     )
-    reconnect: bool = option(
-        True, help="reconnect when the link breaks (--no-reconnect: exit instead)"
+    reconnect: bool = option(  # a switch on by default: its help describes --no-reconnect
+        True, help="exit instead of reconnecting when the link breaks"
     )
     give_up_after: float = option(
         1800.0,
