@@ -2,7 +2,9 @@
 
 A file holds sections named as RunConfig's (``[inner]`` then ``steps = 50``),
 top-level flat names (``inner_steps = 50``, as files written before the
-sections were), or both; dashes may stand for underscores. Anything else is an
+sections were), or both; dashes may stand for underscores. (TOML allows no
+``model = "small"`` beside a ``[model]`` table: such a file writes ``name``
+inside ``[model]``, and ``path`` inside ``[data]``.) Anything else is an
 error that names the key and the closest valid one: a typo must not silently
 fall back to a default and waste a training run. Flags given on the command
 line win over the file.
