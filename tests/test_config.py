@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcp_tui.app.cli import _config_from, build_parser, worker_config_from
+from pcp_tui.app.cli import _config_from, build_parser, main, worker_config_from
 from pcp_tui.config import FLAT_PATHS, ConfigError, InnerConfig, RunConfig, WorkerConfig, specs
 
 
@@ -84,3 +84,10 @@ def test_worker_flags_build_a_worker_config():
     ).replace(compile_cache=config.compute.compile_cache)
     with pytest.raises(ConfigError, match="--backend must be one of auto, cpu"):
         worker_config_from(build_parser().parse_args([*argv, "--backend", "tpu"]))
+
+
+def test_a_bad_log_level_is_a_config_error_before_logging_is_set_up(capsys):
+    assert main(["shepherd", "--log-level", "verbose"]) == 2
+    assert capsys.readouterr().err == (
+        "pcp-tui: error: --log-level must be one of debug, info, warning, error, got 'verbose'\n"
+    )

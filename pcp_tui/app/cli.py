@@ -14,7 +14,8 @@ from pcp_tui import __version__
 from pcp_tui.app import link_emulator
 from pcp_tui.app.config_file import load_config_file
 from pcp_tui.app.options_cli import add_flags, passed_values
-from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
+from pcp_tui.config import ConfigError, LogConfig, RunConfig, WorkerConfig
+from pcp_tui.config.options import validate_section
 
 
 def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
@@ -165,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "log_level", None):
+            validate_section(LogConfig(level=args.log_level, file=args.log_file), "log")
             try:
                 configure_logging(args.log_level, args.log_file)
             except OSError as exc:

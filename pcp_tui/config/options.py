@@ -137,21 +137,42 @@ def section_types(root: type) -> dict[str, type]:
 
 
 @functools.cache
+def section_specs(section: str, kind: type) -> tuple[Spec, ...]:
+    """The options of one section class, named `section` in its root."""
+    hints = typing.get_type_hints(kind)
+    found = []
+    for f in dataclasses.fields(kind):
+        plain, optional = _plain_type(hints[f.name])
+        default = f.default_factory() if f.default is MISSING else f.default
+        found.append(Spec(section, f.name, plain, optional, default, f.metadata["option"]))
+    return tuple(found)
+
+
+@functools.cache
 def specs(root: type) -> tuple[Spec, ...]:
     """Every option of `root`, section by section; refuses two options with one flat name."""
-    found = []
-    for section, kind in section_types(root).items():
-        hints = typing.get_type_hints(kind)
-        for f in dataclasses.fields(kind):
-            plain, optional = _plain_type(hints[f.name])
-            default = f.default_factory() if f.default is MISSING else f.default
-            found.append(Spec(section, f.name, plain, optional, default, f.metadata["option"]))
+    found = [s for name, kind in section_types(root).items() for s in section_specs(name, kind)]
     seen: dict[str, Spec] = {}
     for spec in found:
         if spec.flat in seen:
             raise TypeError(f"{root.__name__}: two options are named {spec.flat!r}")
         seen[spec.flat] = spec
     return tuple(found)
+
+
+def _check_range(spec: Spec, section: object) -> None:
+    value = getattr(section, spec.name)
+    if value is not None and not spec.option.allows(value):
+        raise ConfigError(f"{spec.flag} {spec.option.rule()}, got {value!r}")
+
+
+def validate_section(section: object, name: str) -> None:
+    """One section's declared ranges, then its `check()`: for a section used on its own."""
+    for spec in section_specs(name, type(section)):
+        _check_range(spec, section)
+    check = getattr(section, "check", None)
+    if check:
+        check()
 
 
 @functools.cache
@@ -227,10 +248,7 @@ class Sections:
         `check()` (rules across its options), then the root's `check()`.
         """
         for spec in specs(type(self)):
-            value = getattr(getattr(self, spec.section), spec.name)
-            if value is None or spec.option.allows(value):
-                continue
-            raise ConfigError(f"{spec.flag} {spec.option.rule()}, got {value!r}")
+            _check_range(spec, getattr(self, spec.section))
         for name in section_types(type(self)):
             check = getattr(getattr(self, name), "check", None)
             if check:
