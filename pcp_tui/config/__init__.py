@@ -12,26 +12,32 @@ That line gives its type, default, range and help. Generated from it:
   reference file `examples/run.toml` (`pcp_tui.app.config_file`; regenerate with
   `python -m pcp_tui.app.config_file > examples/run.toml`, a test keeps it equal);
 - validation of its range (`RunConfig.validate`); rules across options are the
-  `check()` methods of the sections (`NetworkConfig.check`: heartbeat timeout
-  and min workers) and of the root;
+  `check()` methods of the sections: cudnn needs bfloat16 (`ModelConfig`), the
+  heartbeat timeout spans 3 heartbeats and --min-workers <= --workers
+  (`NetworkConfig`), --tls-cert and --tls-key go together (`SecurityConfig`);
+  a rule across sections would be `RunConfig.check`;
 - the keyword `RunConfig(inner_steps=5)` / `config.replace(inner_steps=5)`.
 
 Code reads options nested: `config.inner.steps`. `FLAT_PATHS` maps each flat
 name to its nested path.
 
 To add an option: add one `option(...)` field to the section it belongs to
-(with `flat=` if the field name alone would be ambiguous outside its section),
-read it as `config.section.field`, and regenerate examples/run.toml. Nothing else.
+(with `flat=` when the field's name alone would be unclear outside its section:
+`steps` is `inner_steps`), read it as `config.section.field`, and regenerate
+examples/run.toml. Nothing else: flag, help group, TOML key and range check follow.
+A new section is a frozen dataclass of such fields plus one field of RunConfig.
 
-Why not a library: draccus (levanter's) and tyro derive nested flags
-(`--inner.steps`) and would break every existing command line unless each
-option were renamed back by hand; tyro also brings rich, docstring-parser and
-typeguard, draccus PyYAML and its own argparse subclass. pydantic-settings has
-a TOML source and a CLI, but swaps frozen dataclasses for pydantic models, its
-own error texts and nested flags, for a large compiled dependency. What we need
-(flat flags, sections, ranges with errors that name the flag, a TOML reader
-that names the close match, a generated reference file) is ~200 lines over
-`dataclasses.fields`, in `pcp_tui.config.options`.
+Why not a library: tyro and draccus (levanter's parser) prefix a nested field
+with its section (`--inner.steps`); tyro's OmitArgPrefixes drops the section
+instead (`--steps`, which then clashes between inner and outer). Neither spells
+today's `--inner-steps`, so every command line, README line, test and benchmark
+would change, and their help and error texts are their own (tyro's in rich
+boxes). pydantic-settings has a TOML source and a CLI, but swaps frozen
+dataclasses for pydantic models with nested flags and its own errors, for a
+large compiled dependency. What we need (flat flags, sections, ranges whose
+errors name the flag, a TOML reader that names the close match, a generated
+reference file) is ~250 lines over `dataclasses.fields`, in
+`pcp_tui.config.options` and the two generators in `pcp_tui.app`.
 """
 
 from pcp_tui.config.options import ConfigError, Option, Sections, Spec, flat_names, option, specs
