@@ -4,8 +4,8 @@ The shepherd (`pcp_tui.shepherd.connection.WorkerLink`, one per worker) and the
 worker (one per session with its shepherd) speak the same conversation after the
 handshake, so they share one class for it:
 
-- `send`: one lock serialises the heartbeat, progress, round and result tasks
-  (a message's bytes never interleave with another's);
+- `send`: from any task (heartbeat, progress, round, result): the stream's one
+  send lock keeps a message's bytes from interleaving with another's;
 - `receive`: enforces `contract.RECEIVES` from each message's header, before any
   payload byte is read: a peer that speaks out of turn ends its connection;
 - `alive`: heartbeats on the run's interval (the shepherd's config; the worker
@@ -132,7 +132,6 @@ class Connection:
         # Extra header check (after the stage's): body, tensor specs, frame bytes -> raise.
         self.check_tensors: protocol.HeaderCheck | None = None
         self._clock = clock
-        self._send_lock = trio.Lock()
         self._heard = clock()
         self._activity = stream.last_activity
         self._paused = 0
@@ -152,10 +151,10 @@ class Connection:
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """Send one message (options as `MessageStream.send`); the bytes written.
 
-        Raises one of `LINK_ERRORS` when the link is gone.
+        Raises one of `LINK_ERRORS` when the link is gone. Safe from concurrent tasks:
+        `MessageStream.send` holds its lock while it writes, and there is no other.
         """
-        async with self._send_lock:
-            sent = await self.stream.send(body, tensors, **options)
+        sent = await self.stream.send(body, tensors, **options)
         self.on_sent(sent)
         return sent
 

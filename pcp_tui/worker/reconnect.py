@@ -6,7 +6,9 @@ twice as long each time up to `max_backoff`, each wait drawn from [w/2, w] so th
 workers cut off together do not come back together (and the waits still grow).
 `give_up_after` is the total time spent trying: the waits are cut to fit it, and
 `deadline` (trio's clock) tells the attempt when its connect and handshake must
-give up too, so a black-holed address cannot stretch the budget. Once it is spent
+give up too, so a black-holed address cannot stretch the budget (an attempt gets at
+least LAST_TRY_SECONDS, so the last one, at the end of the budget, is a real try:
+that is the most the budget can be overrun by). Once it is spent
 the last attempt's ConnectionLost is raised, saying so and naming --give-up-after.
 
 The retry loop is tenacity's `AsyncRetrying` with `sleep=trio.sleep`: a well-kept
@@ -32,6 +34,7 @@ import trio
 from pcp_tui.contract.connection import ConnectionLost
 
 FIRST_WAIT = 1.0  # seconds, at most, before the second attempt; doubles after each failure
+LAST_TRY_SECONDS = 2.0  # the least time an attempt gets to connect and be welcomed
 DOUBLINGS = 8  # 2**8 s is far above any sensible max_backoff
 
 log = logging.getLogger(__name__)
@@ -97,8 +100,12 @@ class Reconnect:
             wait=wait,
             before_sleep=before_sleep,
         )
+
+        async def attempt_in_budget() -> T:
+            return await attempt(max(deadline, trio.current_time() + LAST_TRY_SECONDS))
+
         try:
-            return await retrying(attempt, deadline)
+            return await retrying(attempt_in_budget)
         except tenacity.RetryError as exc:
             last = exc.last_attempt.exception()
             if not self.retry:
