@@ -25,6 +25,7 @@ the worker's shard on), `RunOver` is the shepherd's goodbye.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -37,6 +38,8 @@ from pcp_tui.contract.plan import Stage, out_of_turn
 LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
 CLOSE_SECONDS = 2.0  # a goodbye waits at most this long for a peer that does not read
 WATCHDOG_POLLS = 4  # the watchdog looks this many times per timeout (at least once a second)
+
+log = logging.getLogger(__name__)
 
 # Error codes the peer will send again on every reconnect: stop and tell the person why.
 _FINAL_ERRORS = frozenset(
@@ -112,7 +115,8 @@ class Connection:
 
     `side` ("shepherd" or "worker") names the receiving side's row of
     `contract.RECEIVES`; `stage` says where the conversation is (set it to READY
-    when the worker's graphs are compiled). `clock` is for tests on trio's
+    when the worker's graphs are compiled). Heartbeats are logged (debug) to the
+    owner's `log`, after `name` ("worker 3: "). `clock` is for tests on trio's
     virtual clock (`trio.current_time`).
 
     Subclasses count what passes through `on_sent` and `on_received`.
@@ -123,10 +127,13 @@ class Connection:
         stream: protocol.MessageStream,
         side: str,
         *,
+        log: logging.Logger = log,
+        name: str = "",
         clock: Callable[[], float] = time.monotonic,
     ):
         self.stream = stream
         self.side = side
+        self._log, self._name = log, name
         self.stage = Stage.PLANNED
         self.closed = False  # no longer in use (the shepherd marks a replaced link so too)
         # Extra header check (after the stage's): body, tensor specs, frame bytes -> raise.
@@ -247,7 +254,8 @@ class Connection:
         with contextlib.suppress(*LINK_ERRORS):  # the receiving task reports a broken link
             while True:
                 await trio.sleep(interval)
-                await self.send(protocol.Heartbeat(time.time()))
+                sent = await self.send(protocol.Heartbeat(time.time()))
+                self._log.debug("%ssent heartbeat (%d bytes)", self._name, sent)
 
     async def _watchdog(
         self,

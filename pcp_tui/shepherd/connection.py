@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import LINK_ERRORS, Connection, Refused
 from pcp_tui.shepherd.state import RunState, WorkerView
+
+log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
 
 HANDSHAKE_SECONDS = 10.0
 CONNECTION_ERRORS = LINK_ERRORS  # the name the coordinator knows them by
@@ -35,7 +38,7 @@ class WorkerLink(Connection):
         state: RunState,
         platform: protocol.Platform,
     ):
-        super().__init__(stream, "shepherd")
+        super().__init__(stream, "shepherd", log=log, name=f"worker {view.index}: ")
         self.view = view
         self.platform = platform
         self._state = state

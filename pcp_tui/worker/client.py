@@ -194,7 +194,7 @@ class Worker:
         RunOver when the shepherd ends the run, ConnectionLost when the link breaks
         or goes silent, Refused when the shepherd turns this worker away for good.
         """
-        connection = Connection(stream, "worker")
+        connection = Connection(stream, "worker", log=log)
         ended: ConnectionEnded | None = None
         try:
             async with connection.alive(
