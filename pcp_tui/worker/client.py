@@ -43,6 +43,7 @@ from pcp_tui.training import shards
 from pcp_tui.worker.reconnect import Reconnect
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
+MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level, --log-file)
 
 
@@ -139,7 +140,7 @@ class Worker:
             self.status.update(state="done", message="the shepherd ended the run")
             return True
         except _LostAfterWelcome as exc:
-            log.info("connection to %s:%d lost: %s", self.host, self.port, exc)
+            log.info("connection to %s:%d lost: %s", self.host, self.port, exc.__cause__)
             if not self.reconnect.retry:
                 raise ConnectionLost(str(exc)) from exc
             self.status.update(state="connecting", message=str(exc))
@@ -253,7 +254,8 @@ class Worker:
             )
         )
         welcome = await _expect(stream, "welcome")
-        self.heartbeat_seconds = welcome.body.heartbeat_seconds
+        interval = welcome.body.heartbeat_seconds  # the run's; a broken shepherd's is bounded
+        self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
         self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
         log.info(
             "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
