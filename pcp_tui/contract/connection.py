@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Literal
 
 import trio
 
@@ -93,9 +94,9 @@ def lost(exc: BaseException) -> ConnectionLost:
         return exc
     code = getattr(exc, "code", "")
     code = "" if code == "unknown" or not isinstance(exc, protocol.ProtocolError) else code
-    lost_ = ConnectionLost(str(exc) or type(exc).__name__, code=code)
-    lost_.__cause__ = exc
-    return lost_
+    error = ConnectionLost(str(exc) or type(exc).__name__, code=code)
+    error.__cause__ = exc
+    return error
 
 
 def ended_by(error: protocol.Error, peer: str = "the shepherd") -> ConnectionEnded:
@@ -125,7 +126,7 @@ class Connection:
     def __init__(
         self,
         stream: protocol.MessageStream,
-        side: str,
+        side: Literal["shepherd", "worker"],
         *,
         log: logging.Logger = log,
         name: str = "",
