@@ -65,10 +65,11 @@ class ConnectionConfig:
         1800.0,
         at_least=0,
         metavar="SECONDS",
-        help="stop reconnecting (exit 1) after this long without being admitted by the shepherd "
-        "(a TCP connect that is then refused does not count); retries wait about 1 s, then "
-        "twice as long each time, up to 30 s: a run that ended while this worker was cut off "
-        "never says goodbye to it",
+        help="the total time to spend trying to get in, or back in after a lost connection, "
+        "before giving up (exit 1): connects, handshakes and the waits between them all count, "
+        "and a connect that is then refused is no welcome; retries wait about 1 s, then twice "
+        "as long each time, up to 30 s, jittered: a run that ended while this worker was cut "
+        "off never says goodbye to it",
     )
     tls_ca: str | None = option(
         None,
