@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from pcp_tui.training.sharding import ShardingConfig
+
 QUANTIZATIONS = ("none", "bfloat16", "int8Block")
 # A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
 HEARTBEATS_PER_TIMEOUT = 3
@@ -110,6 +112,8 @@ class RunConfig:
     api_token_env: str = "PCP_API_TOKEN"  # environment variable holding the API's bearer token
     trace: str | None = None  # JSON Lines, one per message (see pcp_tui/contract/trace.py)
     platforms: tuple[str, ...] = field(default=("cpu", "cuda", "rocm"))
+    # where a worker of several devices puts parameters (config file's [sharding] only)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)
@@ -181,6 +185,8 @@ class RunConfig:
         _require(
             self.min_upload_rate > 0, "min_upload_rate", "must be positive", self.min_upload_rate
         )
+        if self.sharding.problem():
+            raise ConfigError(self.sharding.problem())
         return self
 
     @property

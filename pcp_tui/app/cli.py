@@ -66,7 +66,7 @@ _HELP = {
     "api_token_env": "environment variable that holds the API's bearer token (required when --api-port is set)",
     "trace": "append one JSON line per protocol message sent or received to this file (rotated at 64 MiB)",
 }
-_SKIP = {"platforms"}
+_SKIP = {"platforms", "sharding"}  # config file only
 
 
 def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
@@ -146,6 +146,17 @@ def _config_from(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**values).validate()
 
 
+def _devices(text: str) -> int | None:
+    """--devices: `all` (None) or a positive count."""
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected all or a positive number of devices, got {text!r}"
+        )
+    return int(text)
+
+
 def _default_cache() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get("PCP_COMPILE_CACHE", os.path.join(base, "pcp-tui", "xla"))
@@ -194,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "cpu", "cuda", "rocm", "metal"],
         help="where to run the graphs; auto picks cuda, rocm or metal when present, else cpu (default: auto)",
+    )
+    worker.add_argument(
+        "--devices",
+        type=_devices,
+        default=None,
+        metavar="all|N",
+        help="train on all (or the first N) local devices of the backend as one worker: the "
+        "batch is split across them and the run's [sharding] places the parameters; the run's "
+        "--batch-size must be a multiple of N (default: all)",
     )
     worker.add_argument(
         "--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)"

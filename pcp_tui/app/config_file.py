@@ -1,7 +1,8 @@
 """Run options from a TOML file (`--config run.toml`); flags given on the command line win.
 
 The file holds top-level ``key = value`` lines whose keys are RunConfig field
-names (``inner_steps`` or ``inner-steps``). Anything else is an error that
+names (``inner_steps`` or ``inner-steps``), and one section, ``[sharding]``
+(see `pcp_tui.training.sharding`). Anything else is an error that
 names the key and lists the valid ones: a typo must not silently fall back to a
 default and waste a training run.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pcp_tui.config import ConfigError, RunConfig
+from pcp_tui.training.sharding import ShardingConfig
 
 _DEFAULTS = RunConfig()
 
@@ -27,8 +29,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read --config {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path} is not valid TOML: {exc}") from None
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {}
+    if "sharding" in table:  # the one section (a TOML table): see pcp_tui.training.sharding
+        try:
+            values["sharding"] = ShardingConfig.from_table(table.pop("sharding"), str(path))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"sharding"}
     for key, value in table.items():
         name = key.replace("-", "_")
         if name not in fields:

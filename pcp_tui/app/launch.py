@@ -281,6 +281,7 @@ def run_worker(args: argparse.Namespace) -> int:
             port,
             token=token,
             backend=args.backend,
+            devices=args.devices,
             worker_id=args.worker_id,
             reconnect=not args.no_reconnect,
             give_up_after=args.give_up_after,

@@ -38,7 +38,9 @@ def sample_text(
             f"(--model {options.get('model')}): load its params.safetensors with your own code"
         )
     known = {
-        k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__ and k != "platforms"
+        k: v
+        for k, v in options.items()
+        if k in RunConfig.__dataclass_fields__ and k not in ("platforms", "sharding")
     }
     config = RunConfig(**known)
     vocab = int(saved.params["wte"].shape[0])

@@ -170,6 +170,7 @@ class WorkerPool:
             index=index,
             host=hello.hostname or peer,
             backend=hello.backend,
+            devices=hello.devices,
             shard=shard,
         )
         self.state.workers[hello.worker_id] = view
@@ -185,6 +186,8 @@ class WorkerPool:
             f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
             worker=hello.worker_id,
             shard=shard,
+            platform=hello.platform.value,
+            devices=hello.devices,
         )
         if adopted:
             self.state.emit(

@@ -33,6 +33,7 @@ class WorkerView:
     index: int
     host: str
     backend: str = ""
+    devices: int = 1  # local devices it trains on as one worker (pcp-tui worker --devices)
     state: str = "connecting"
     round: int = 0
     step: int = 0

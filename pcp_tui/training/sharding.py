@@ -1,0 +1,143 @@
+"""How a worker with several local devices places a run's arrays on them: the `[sharding]` section.
+
+A worker with N devices (`pcp-tui worker --devices N`) runs the same portable,
+single-device `train_chunk` artifact as every other worker; it only chooses
+where each input and output lives on a one-axis mesh of its devices, and
+XLA's SPMD partitioner splits the graph accordingly:
+
+- the batch is always split over the devices (data parallel): each device
+  runs B/N rows and the gradients are all-reduced before the optimizer step;
+- a parameter, and the optimizer state that has its shape, is either
+  replicated (a copy on every device: mode `data`, the default) or split on
+  one axis (`fsdp`: each device holds 1/N of it, and the partitioner gathers
+  it where it is used), chosen per parameter by name patterns:
+
+    [sharding]
+    mode = "fsdp"                      # default of parameters no rule names
+    rules = { "wte" = "replicated", "h.*.mlp.*" = "fsdp" }   # first match wins
+
+This is GT2's per-layer sharding signal, done as a JAX mesh layout. A layout
+moves arrays, never changes what is computed: a wrong guess costs memory or
+communication inside the worker, not correctness (the values equal the
+one-device run up to the order of float sums).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MODES = ("data", "fsdp")
+LAYOUTS = ("replicated", "fsdp")
+
+Shape = tuple[int, ...]
+Axis = int | None  # as `pcp_tui.backends.Axis`: split over the devices, or None for a copy on each
+
+
+class LayoutError(ValueError):
+    """This worker's devices cannot run the plan as laid out; the message says which option to change."""
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """The run's `[sharding]` section: a default `mode` and (pattern, layout) rules, in order."""
+
+    mode: str = "data"  # data | fsdp
+    rules: tuple[tuple[str, str], ...] = ()  # (fnmatch pattern of parameter names, layout)
+
+    def problem(self) -> str | None:
+        """Why this section cannot work, or None."""
+        if self.mode not in MODES:
+            return f"[sharding] mode must be one of {', '.join(MODES)}, got {self.mode!r}"
+        for pattern, layout in self.rules:
+            if layout not in LAYOUTS:
+                return (
+                    f"[sharding] rule {pattern!r} = {layout!r}: a layout is one of "
+                    f"{', '.join(LAYOUTS)}"
+                )
+        return None
+
+    @classmethod
+    def from_table(cls, table: object, where: str) -> ShardingConfig:
+        """The section from a parsed TOML table; ValueError names what is wrong in `where`."""
+        if not isinstance(table, dict):
+            raise ValueError(f"[sharding] in {where} must be a table, got {table!r}")
+        unknown = set(table) - {"mode", "rules"}
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {sorted(unknown)} in [sharding] of {where}; valid: mode, rules"
+            )
+        mode, rules = table.get("mode", "data"), table.get("rules", {})
+        if not isinstance(mode, str) or not isinstance(rules, dict):
+            raise ValueError(
+                f'[sharding] in {where}: mode is a string and rules a table ("pattern" = "layout")'
+            )
+        if not all(isinstance(layout, str) for layout in rules.values()):
+            raise ValueError(f"[sharding] rules in {where}: each layout is a string")
+        section = cls(mode, tuple(rules.items()))
+        problem = section.problem()
+        if problem:
+            raise ValueError(f"{problem} (in {where})")
+        return section
+
+    def to_wire(self):
+        """The plan's `protocol.Sharding` for this section."""
+        from pcp_tui import protocol
+
+        return protocol.Sharding(
+            mode=protocol.ShardingMode(self.mode),
+            rules=tuple(
+                protocol.ShardingRule(pattern, protocol.ParamLayout(layout))
+                for pattern, layout in self.rules
+            ),
+        )
+
+
+def param_layout(name: str, ndim: int, mode: str, rules: Sequence[tuple[str, str]]) -> str:
+    """`replicated` or `fsdp` for the parameter `name`: the first rule that matches, else `mode`.
+
+    Mode `fsdp` splits matrices only: vectors (biases, norm scales) are small,
+    and splitting them would add a gather per use for little memory.
+    """
+    for pattern, layout in rules:
+        if fnmatch.fnmatchcase(name, pattern):
+            return str(layout)
+    return "fsdp" if mode == "fsdp" and ndim >= 2 else "replicated"
+
+
+def split_axis(shape: Shape, devices: int) -> Axis:
+    """The axis an `fsdp` parameter is split on: its largest one that `devices` divides, or None."""
+    divisible = [axis for axis, size in enumerate(shape) if size % devices == 0]
+    return max(divisible, key=lambda axis: shape[axis], default=None)
+
+
+def param_axes(
+    names: Sequence[str], shapes: Sequence[Shape], sharding, devices: int
+) -> tuple[Axis, ...]:
+    """Per parameter, the axis split over `devices` (None: replicated), from a plan's sharding."""
+    rules = [(rule.pattern, rule.layout) for rule in sharding.rules]
+    axes = []
+    for name, shape in zip(names, shapes, strict=True):
+        layout = param_layout(name, len(shape), sharding.mode, rules)
+        axes.append(split_axis(shape, devices) if layout == "fsdp" else None)
+    return tuple(axes)
+
+
+def state_axes(state: Sequence[Shape], params: Sequence[Shape], axes: Sequence[Axis]) -> list[Axis]:
+    """Axes of the optimizer state's flat leaves: each placed like the parameter it belongs to.
+
+    Optimizers keep per-parameter state as trees in parameter order (Adam: a
+    step count, then the first moments, then the second), so walking the
+    leaves while cycling through the parameters pairs each moment with its
+    parameter by shape. A leaf that does not pair (a count) is replicated:
+    a placement, never a value, so a miss costs memory, not correctness.
+    """
+    placed, next_param = [], 0
+    for shape in state:
+        if params and shape == params[next_param % len(params)]:
+            placed.append(axes[next_param % len(params)])
+            next_param += 1
+        else:
+            placed.append(None)
+    return placed
