@@ -290,6 +290,7 @@ class WorkerPool:
             batch_kind=shipped.batch_kind,
             data_tensors=shipped.data_tensors,
             tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.seq_len),
+            sharding=cfg.sharding.to_wire(),
         )
         return plan, tensors
 
