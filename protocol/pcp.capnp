@@ -136,6 +136,7 @@ struct Plan {
 
 # How a worker with several local devices (one JAX mesh axis) places parameters and optimizer
 # state; the batch is always split over the devices. A worker with one device ignores it.
+# Added within version 2: a peer that predates it reads `data`, which computes the same values.
 enum ShardingMode {
   data @0;   # parameters not matched by a rule are copied to every device
   fsdp @1;   # parameters not matched by a rule are split across the devices if matrices
