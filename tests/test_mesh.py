@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from pcp_tui.config import ConfigError
 from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
 from pcp_tui.testing import worker_env as base_env
 from pcp_tui.training.sharding import ShardingConfig, param_layout, split_axis, state_axes
+from pcp_tui.worker.client import Refused, Worker
 from pcp_tui.worker.mesh import GraphLayouts
 
 DEVICES = 4
@@ -82,6 +84,9 @@ def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
     plan = protocol.Plan(param_names=("w",), batch_size=6)
     with pytest.raises(ValueError, match="--devices set to a divisor of 6.*--batch-size"):
         GraphLayouts(plan, DEVICES)
+    four = SimpleNamespace(info=SimpleNamespace(device_count=4))  # only its device count is read
+    with pytest.raises(Refused, match="batch size 6 does not split over this worker.s 4 devices"):
+        Worker("127.0.0.1", 1, token="t", backend=four)._layouts(plan)  # final: not retried
     with pytest.raises(BackendUnavailable, match="--devices 64: this host has"):
         JaxBackend("cpu", 64)
     parser = build_parser()
