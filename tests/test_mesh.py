@@ -241,7 +241,7 @@ def test_a_mesh_worker_and_a_one_device_worker_train_one_run(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     joined = {row["worker"]: row for row in rows if row["event"] == "joined"}
     assert {w: row["devices"] for w, row in joined.items()} == {"mesh": 4, "single": 1}
-    assert "cpu x4" in joined["mesh"]["message"]
+    assert "cpu x4" in joined["mesh"]["message"]  # the backend as the dashboard's table shows it
     rounds = [row for row in rows if row["event"] == "round"]
     assert [r["workers"] for r in rounds] == [2, 2]
     assert sorted(rounds[-1]["worker_ids"]) == ["mesh", "single"]
