@@ -20,9 +20,17 @@ from pcp_tui.app.cli import build_parser
 from pcp_tui.app.config_file import load_config_file
 from pcp_tui.backends import BackendUnavailable, JaxBackend
 from pcp_tui.config import ConfigError
+from pcp_tui.protocol import _messages as wire
 from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
 from pcp_tui.testing import worker_env as base_env
-from pcp_tui.training.sharding import ShardingConfig, param_layout, split_axis, state_axes
+from pcp_tui.training.sharding import (
+    MAX_PATTERN_CHARS,
+    MAX_RULES,
+    ShardingConfig,
+    param_layout,
+    split_axis,
+    state_axes,
+)
 from pcp_tui.worker.client import Refused, Worker
 from pcp_tui.worker.mesh import GraphLayouts
 
@@ -54,6 +62,8 @@ def test_sharding_section_reads_from_toml_in_order(tmp_path):
     path.write_text('[sharding]\nrules = { "h.*" = "tensor" }\n')
     with pytest.raises(ConfigError, match=r"'h\.\*' = 'tensor'.*replicated, fsdp"):
         load_config_file(path)
+    assert ShardingConfig(rules=(("x", "fsdp"),) * 257).problem().endswith("at most 256")
+    assert (MAX_RULES, MAX_PATTERN_CHARS) == (wire.MAX_SHARDING_RULES, wire.TENSOR_NAME_CHARS)
     path.write_text('[sharding]\nmodes = "fsdp"\n')
     with pytest.raises(ConfigError, match="unknown key.*modes.*valid: mode, rules"):
         load_config_file(path)

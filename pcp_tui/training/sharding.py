@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 MODES = ("data", "fsdp")
 LAYOUTS = ("replicated", "fsdp")
+# What a plan carries (protocol.MAX_SHARDING_RULES, TENSOR_NAME_CHARS), checked before a run starts.
+MAX_RULES, MAX_PATTERN_CHARS = 256, 256
 
 Shape = tuple[int, ...]
 Axis = int | None  # as `pcp_tui.backends.Axis`: split over the devices, or None for a copy on each
@@ -50,7 +52,13 @@ class ShardingConfig:
         """Why this section cannot work, or None."""
         if self.mode not in MODES:
             return f"[sharding] mode must be one of {', '.join(MODES)}, got {self.mode!r}"
+        if len(self.rules) > MAX_RULES:
+            return f"[sharding] has {len(self.rules)} rules; a plan carries at most {MAX_RULES}"
         for pattern, layout in self.rules:
+            if not 1 <= len(pattern) <= MAX_PATTERN_CHARS:
+                return (
+                    f"[sharding] rule patterns are 1 to {MAX_PATTERN_CHARS} characters: {pattern!r}"
+                )
             if layout not in LAYOUTS:
                 return (
                     f"[sharding] rule {pattern!r} = {layout!r}: a layout is one of "
