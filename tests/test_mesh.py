@@ -21,6 +21,8 @@ from pcp_tui.app.config_file import load_config_file
 from pcp_tui.backends import BackendUnavailable, JaxBackend
 from pcp_tui.config import ConfigError
 from pcp_tui.protocol import _messages as wire
+from pcp_tui.shepherd.api_bodies import worker_json
+from pcp_tui.shepherd.state import WorkerView
 from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
 from pcp_tui.testing import worker_env as base_env
 from pcp_tui.training.sharding import (
@@ -254,6 +256,8 @@ def test_a_mesh_worker_and_a_one_device_worker_train_one_run(tmp_path):
     joined = {row["worker"]: row for row in rows if row["event"] == "joined"}
     assert {w: row["devices"] for w, row in joined.items()} == {"mesh": 4, "single": 1}
     assert "cpu x4" in joined["mesh"]["message"]  # the backend as the dashboard's table shows it
+    view = WorkerView("mesh", 0, "host", backend="cpu x4", devices=joined["mesh"]["devices"])
+    assert worker_json(view, now=0.0)["devices"] == 4  # /v1/workers
     rounds = [row for row in rows if row["event"] == "round"]
     assert [r["workers"] for r in rounds] == [2, 2]
     assert sorted(rounds[-1]["worker_ids"]) == ["mesh", "single"]
