@@ -33,7 +33,6 @@ class WorkerView:
     index: int
     host: str
     backend: str = ""
-    devices: int = 1  # local devices it trains on as one worker (pcp-tui worker --devices)
     state: str = "connecting"
     round: int = 0
     step: int = 0
@@ -46,6 +45,7 @@ class WorkerView:
     rounds_contributed: int = 0
     reason: str = ""
     shard: int | None = None  # the data shard it trains (see ShardLedger)
+    devices: int = 1  # local devices it trains on as one worker (pcp-tui worker --devices)
 
 
 @dataclass(frozen=True)
