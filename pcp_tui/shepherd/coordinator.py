@@ -533,6 +533,7 @@ def _settings(config: RunConfig) -> dict:
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "compression": config.compression,
+        "sharding": config.sharding.mode,  # inside multi-device workers: data | fsdp
     }
 
 
