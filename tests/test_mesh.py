@@ -236,7 +236,7 @@ def test_a_four_device_worker_trains_as_a_one_device_worker(mesh_runs, mode):
 def test_a_mesh_worker_and_a_one_device_worker_train_one_run(tmp_path):
     """One shepherd (FSDP [sharding]), a 4-device worker and a 1-device worker: both contribute."""
     port, metrics, config = free_port(), tmp_path / "run.jsonl", tmp_path / "run.toml"
-    config.write_text('[sharding]\nmode = "fsdp"\n')
+    config.write_text('platforms = ["cpu"]\n[sharding]\nmode = "fsdp"\n')
     shepherd = OutputProcess(
         shepherd_command(
             port, "--workers", "2", "--rounds", "2", "--inner-steps", "4", "--chunk-steps", "4",
