@@ -102,11 +102,29 @@ class ComputeConfig:
         choices=BACKENDS,
         help="where to run the graphs; auto picks cuda, rocm or metal when present, else cpu",
     )
+    devices: str = option(
+        "all",
+        metavar="all|N",
+        help="train on all (or the first N) local devices of the backend as one worker: the "
+        "batch is split across them and the run's [sharding] places the parameters; the run's "
+        "--batch-size must be a multiple of N",
+    )
     compile_cache: str = option(
         factory=default_compile_cache,
         metavar="DIR",
         help="keep compiled graphs here so a restart does not recompile ('' to disable)",
     )
+
+    @property
+    def device_count(self) -> int | None:
+        """--devices as a count: None for all."""
+        return None if self.devices == "all" else int(self.devices)
+
+    def check(self) -> None:
+        if self.devices != "all" and not (self.devices.isdigit() and int(self.devices) >= 1):
+            raise ConfigError(
+                f"--devices must be all or a positive number of devices, got {self.devices!r}"
+            )
 
 
 @dataclass(frozen=True)

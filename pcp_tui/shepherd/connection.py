@@ -23,8 +23,9 @@ CONNECTION_ERRORS = LINK_ERRORS  # the name the coordinator knows them by
 class Hello:
     worker_id: str
     hostname: str
-    backend: str  # described for people: "cpu", "cuda NVIDIA H100 ..."
+    backend: str  # described for people: "cpu", "cuda NVIDIA H100 ...", "cpu x4"
     platform: protocol.Platform
+    devices: int = 1  # local devices the worker trains on as one (a JAX mesh)
 
 
 class WorkerLink(Connection):
@@ -94,10 +95,13 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
         )
         raise Refused(reason, code="authFailed")
     platform = body.backend.platform
+    devices = max(body.backend.device_count, 1)  # a worker that does not say runs on one
     described = platform.value
     if platform != protocol.Platform.CPU:
         described = f"{platform.value} {body.backend.device_kind}".strip()
-    return Hello(worker_id=worker_id, hostname=body.hostname, backend=described, platform=platform)
+    if devices > 1:
+        described = f"{described} x{devices}"
+    return Hello(worker_id, body.hostname, described, platform, devices)
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

@@ -510,6 +510,7 @@ def _settings(config: RunConfig) -> dict:
         "batch_size": config.data.batch_size,
         "seq_len": config.data.seq_len,
         "compression": config.outer.compression,
+        "sharding": config.sharding.mode,  # inside multi-device workers: data | fsdp
     }
 
 

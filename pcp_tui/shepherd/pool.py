@@ -165,6 +165,7 @@ class WorkerPool:
             index=index,
             host=hello.hostname or peer,
             backend=hello.backend,
+            devices=hello.devices,
             shard=shard,
         )
         self.state.workers[hello.worker_id] = view
@@ -180,6 +181,8 @@ class WorkerPool:
             f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
             worker=hello.worker_id,
             shard=shard,
+            platform=hello.platform.value,
+            devices=hello.devices,
         )
         if adopted:
             self.state.emit(
@@ -273,6 +276,7 @@ class WorkerPool:
             batch_kind=shipped.batch_kind,
             data_tensors=shipped.data_tensors,
             tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.data.seq_len),
+            sharding=cfg.sharding.to_wire(),
         )
         return plan, tensors
 

@@ -41,6 +41,8 @@ from pcp_tui.contract.connection import (
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
+from pcp_tui.training.sharding import LayoutError
+from pcp_tui.worker.mesh import GraphLayouts
 from pcp_tui.worker.reconnect import Reconnect
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
@@ -78,6 +80,7 @@ class Training:
     shard: np.ndarray | tuple[np.ndarray, ...]  # token windows, or row-indexed arrays
     train_chunk: Callable
     init_opt_state: Callable
+    param_axes: tuple | None = None  # on a worker of several devices: see worker.mesh
 
 
 class Worker:
@@ -101,7 +104,9 @@ class Worker:
         self.host, self.port, self.token = host, port, connection.token
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
-        self.backend = backend or select_backend(config.compute.backend)
+        self.backend = backend or select_backend(
+            config.compute.backend, config.compute.device_count
+        )
         self.worker_id = connection.worker_id or (
             f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         )
@@ -116,7 +121,7 @@ class Worker:
         self.heartbeat_timeout = 30.0
         self._plan: Training | None = None
         self._opt_state = None
-        self._compiled: dict[bytes, tuple[Callable, Callable]] = {}
+        self._compiled: dict[bytes, tuple[Callable, Callable, tuple | None]] = {}
 
     async def run(self) -> None:
         """Train until the shepherd says goodbye. Raises Refused on a final refusal.
@@ -278,17 +283,32 @@ class Worker:
         graphs = {g.name: tensors[g.tensor].tobytes() for g in plan.graphs}
         key = graphs["train_chunk"] + graphs["init_opt_state"]
         if key not in self._compiled:  # a reconnect to the same run reuses compiled graphs
+            layouts = self._layouts(plan)
             try:
-                train = self.backend.load(
-                    "train_chunk", graphs["train_chunk"], donate_argnums=(0, 1)
-                )
-                init = self.backend.load("init_opt_state", graphs["init_opt_state"])
-            except GraphError as exc:
+                train = self._load(graphs, "train_chunk", layouts, donate_argnums=(0, 1))
+                init = self._load(graphs, "init_opt_state", layouts)
+            except (GraphError, LayoutError) as exc:
                 raise protocol.MalformedMessage(str(exc)) from None
-            self._compiled = {key: (train.call, init.call)}
+            axes = layouts.param_axes if layouts is not None else None
+            self._compiled = {key: (train.call, init.call, axes)}
             self._opt_state = None
-        train_chunk, init_opt_state = self._compiled[key]
-        return Training(plan, shard, train_chunk, init_opt_state)
+        train_chunk, init_opt_state, axes = self._compiled[key]
+        return Training(plan, shard, train_chunk, init_opt_state, axes)
+
+    def _layouts(self, plan: protocol.Plan) -> GraphLayouts | None:
+        """Where the graphs' arrays go on this worker's devices; None with one device."""
+        devices = self.backend.info.device_count
+        if devices == 1:
+            return None
+        try:
+            return GraphLayouts(plan, devices)
+        except LayoutError as exc:  # this worker's --devices cannot run this run's batches
+            raise Refused(str(exc)) from None
+
+    def _load(self, graphs: dict[str, bytes], name: str, layouts: GraphLayouts | None, **options):
+        if layouts is not None:  # only then: a one-device backend need not know layouts
+            options["layout"] = layouts.of(name)
+        return self.backend.load(name, graphs[name], **options)
 
     async def _receive_loop(self, connection: Connection, rounds: trio.MemorySendChannel) -> None:
         """Hand round starts to the training task; end on the shepherd's goodbye or error.
@@ -360,7 +380,10 @@ class Worker:
     def _upload(self, tensors: dict[str, np.ndarray]) -> tuple[list, object]:
         """The round's parameters on the device (donated to training) and θ kept for Δ = θ − θ_k."""
         host = [np.asarray(tensors[n], np.float32) for n in self._plan.plan.param_names]
-        params = self.backend.to_device(host)
+        axes = self._plan.param_axes
+        params = (
+            self.backend.to_device(host) if axes is None else self.backend.to_device(host, axes)
+        )
         return params, self.backend.keep(host, params)
 
     async def _train_chunks(
