@@ -10,6 +10,7 @@ inside trio through the guest run's token.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,6 +25,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 
 from pcp_tui.app.dashboard.loss_chart import StepMeans
+from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 from pcp_tui.shepherd.state import Event, RunState
 
@@ -111,6 +113,8 @@ class DashboardApp(App[None]):
         self.guest_running = False
         self.failure: str | None = None
         self._quitting = False
+        self._signals: StopSignals | None = None
+        self.signal_received: int | None = None
         self._pause_wanted = False
         self._step_means = StepMeans()
         self._evals_shown = -1
@@ -139,9 +143,11 @@ class DashboardApp(App[None]):
         self.set_interval(REFRESH_SECONDS, self.refresh_from_state)
         if self.shepherd is not None:
             self.guest_running = True
+            loop = asyncio.get_running_loop()
+            self._signals = StopSignals(loop, self._on_stop_signal).__enter__()
             trio.lowlevel.start_guest_run(
                 self._trio_main,
-                run_sync_soon_threadsafe=asyncio.get_running_loop().call_soon_threadsafe,
+                run_sync_soon_threadsafe=loop.call_soon_threadsafe,
                 done_callback=self._guest_done,
                 host_uses_signal_set_wakeup_fd=True,
             )
@@ -178,14 +184,48 @@ class DashboardApp(App[None]):
         A guest run outliving its host loop keeps trio's run state on this thread
         (a later `trio.run` would refuse to start): cancel it and let it unwind on
         this loop first. Its goodbyes are bounded, so this ends in seconds.
+
+        After SIGHUP the app ends as soon as its terminal is gone, but the stop
+        the signal asked for is still under way: wait for it (the final
+        checkpoint, the goodbyes); another SIGHUP or SIGTERM cancels it.
         """
-        if not self.guest_running or self._cancel_scope is None:
-            return
-        self._in_trio(self._cancel_scope.cancel)
-        for _ in range(200):
-            if not self.guest_running:
+        try:
+            if self.signal_received is not None:
+                while self.guest_running:
+                    await asyncio.sleep(0.05)
+            if not self.guest_running or self._cancel_scope is None:
                 return
-            await asyncio.sleep(0.05)
+            self._in_trio(self._cancel_scope.cancel)
+            for _ in range(200):
+                if not self.guest_running:
+                    return
+                await asyncio.sleep(0.05)
+        finally:
+            if self._signals is not None:
+                self._signals.__exit__(None, None, None)
+
+    def _on_stop_signal(self, signum: int) -> None:
+        """SIGHUP / SIGTERM: the first stops the run as `q` does, the next stops it at once.
+
+        The process then exits with 128 + the signal's number, as in headless mode.
+        """
+        first = self.signal_received is None
+        self.signal_received = signum
+        if not self.guest_running:
+            self.exit(return_code=self.exit_code)
+        elif first and not self._quitting:
+            name = signal.Signals(signum).name
+            self._quitting = True
+            self.state.emit(
+                "stop_requested",
+                f"{name}: stopping after the current round, writing the checkpoint and telling "
+                f"workers goodbye ({name} again: stop at once)",
+            )
+            self._in_trio(lambda: self.shepherd.request_stop(f"interrupted ({name})"))
+            if self.screen_stack:  # after a hang-up the app may already be closing
+                self._after_command()
+        elif self._cancel_scope is not None:
+            self._in_trio(self._cancel_scope.cancel)
 
     def _in_trio(self, command: Callable[[], None]) -> bool:
         """Run a shepherd command inside the guest run (its trio.Events need trio context)."""
@@ -196,7 +236,10 @@ class DashboardApp(App[None]):
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failure or self.state.status == "failed" else 0
+        """1 for a failed run, 128 + the signal's number after SIGHUP / SIGTERM, else 0."""
+        if self.failure or self.state.status == "failed":
+            return 1
+        return 0 if self.signal_received is None else 128 + self.signal_received
 
     # -- keys -------------------------------------------------------------------
 
