@@ -1,6 +1,14 @@
 """Where graphs run: one small interface and its JAX implementation."""
 
-from ._base import PLATFORMS, Backend, BackendInfo, BackendUnavailable, GraphError, LoadedGraph
+from ._base import (
+    PLATFORMS,
+    Backend,
+    BackendInfo,
+    BackendUnavailable,
+    GraphError,
+    LoadedGraph,
+    MemoryUse,
+)
 from ._jax import JaxBackend, enable_compilation_cache, select_backend
 
 __all__ = [
@@ -11,6 +19,7 @@ __all__ = [
     "GraphError",
     "JaxBackend",
     "LoadedGraph",
+    "MemoryUse",
     "enable_compilation_cache",
     "select_backend",
 ]

@@ -54,6 +54,7 @@ from ._messages import (
     RoundStart,
     Welcome,
     WorkerHello,
+    WorkerStats,
 )
 from ._schema import ERROR_CODES, KINDS
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
@@ -90,6 +91,7 @@ __all__ = [
     "TensorSpec",
     "Welcome",
     "WorkerHello",
+    "WorkerStats",
     "FrameTooLarge",
     "Limits",
     "MalformedMessage",

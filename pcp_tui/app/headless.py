@@ -124,6 +124,7 @@ class MetricsWriter:
                 param_count=self._state.param_count,
                 bytes_sent=self._state.bytes_sent,
                 bytes_received=self._state.bytes_received,
+                worker_stats={w.worker_id: w.stats_json() for w in self._state.workers.values()},
             )
         row["time"] = round(event.at, 3)
         row = {k: self._redacted(v) if isinstance(v, str) else v for k, v in row.items()}

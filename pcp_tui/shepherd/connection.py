@@ -36,6 +36,8 @@ class Hello:
     hostname: str
     backend: str  # described for people: "cpu", "cuda NVIDIA H100 ..."
     platform: protocol.Platform
+    runtime: str = ""  # "xla", "iree"; empty from a protocol-2 worker
+    devices: int = 0
 
 
 class WorkerLink:
@@ -133,7 +135,14 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
     described = platform.value
     if platform != protocol.Platform.CPU:
         described = f"{platform.value} {body.backend.device_kind}".strip()
-    return Hello(worker_id=worker_id, hostname=body.hostname, backend=described, platform=platform)
+    return Hello(
+        worker_id=worker_id,
+        hostname=body.hostname,
+        backend=described,
+        platform=platform,
+        runtime=body.backend.runtime,
+        devices=body.backend.device_count,
+    )
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

@@ -171,6 +171,8 @@ class WorkerPool:
             host=hello.hostname or peer,
             backend=hello.backend,
             shard=shard,
+            runtime=hello.runtime,
+            devices=hello.devices,
         )
         self.state.workers[hello.worker_id] = view
         link = WorkerLink(stream, view, self.state, hello.platform)
@@ -338,6 +340,7 @@ class WorkerPool:
         log.debug("worker %d: received %s (%d bytes)", view.index, message.kind, message.wire_bytes)
         if isinstance(body, protocol.Ready):
             view.state = "idle"
+            view.compile_seconds = body.compile_seconds
             link.ready.set()
             self.state.emit(
                 "compiled",
@@ -357,6 +360,9 @@ class WorkerPool:
 
     def _on_progress(self, view: WorkerView, body: protocol.Progress) -> None:
         view.state = body.phase.value
+        view.record_stats(body.stats)
+        if body.phase is not protocol.Phase.TRAINING:
+            return  # e.g. the statistics a worker sends once it has compiled: no step, no loss
         view.step = body.step
         view.total_steps = body.total_steps
         view.loss = body.loss

@@ -31,6 +31,7 @@ from pcp_tui.contract.checks import expected_shapes, round_start_problem
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
+from pcp_tui.worker.stats import WorkerCounters
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 _LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -105,6 +106,7 @@ class Worker:
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        self.counters = WorkerCounters(self.backend)  # steps, tokens, memory: sent with progress
         self.worker_id = (
             worker_id or f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         )
@@ -221,6 +223,8 @@ class Worker:
         self._plan = await trio.to_thread.run_sync(self._load_plan, plan_message)
         seconds = time.perf_counter() - started
         await sender.send(protocol.Ready(seconds, protocol.Platform(self.backend.info.platform)))
+        stats = self.counters.snapshot()  # memory after compiling, before any round
+        await sender.send(protocol.Progress(phase=protocol.Phase.IDLE, stats=stats))
         self.status.update(
             state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round"
         )
@@ -235,6 +239,7 @@ class Worker:
             device_count=info.device_count,
             memory_bytes=info.memory_bytes,
             jax_version=info.jax_version,
+            runtime=info.runtime,
         )
         await stream.send(
             protocol.WorkerHello(
@@ -401,6 +406,9 @@ class Worker:
                 _run_chunk, training.train_chunk, params, opt_state, batches, first_step
             )
             losses.extend(float(x) for x in chunk_losses)
+            self.counters.trained(
+                len(chunk_losses), len(chunk_losses) * plan.batch_size * plan.tokens_per_row
+            )
             elapsed = time.perf_counter() - started
             tps = len(losses) * plan.batch_size * plan.tokens_per_row / elapsed
             self.status.update(step=len(losses), loss=losses[-1], tokens_per_second=tps)
@@ -410,7 +418,13 @@ class Worker:
             if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks - 1:
                 last_progress = now
                 progress = protocol.Progress(
-                    number, len(losses), steps, losses[-1], tps, protocol.Phase.TRAINING
+                    number,
+                    len(losses),
+                    steps,
+                    losses[-1],
+                    tps,
+                    protocol.Phase.TRAINING,
+                    self.counters.snapshot(),
                 )
                 await sender.send(progress)
         self._opt_state = opt_state
