@@ -109,6 +109,9 @@ class RunConfig:
     api_port: int = 0  # 0: no API
     api_token_env: str = "PCP_API_TOKEN"  # environment variable holding the API's bearer token
     trace: str | None = None  # JSON Lines, one per message (see pcp_tui/contract/trace.py)
+    # experiment tracking (see pcp_tui/app/tracking.py; optional extras)
+    wandb: str | None = None  # W&B project; WANDB_MODE=offline writes ./wandb for a later sync
+    tensorboard: str | None = None  # directory for TensorBoard event files
     platforms: tuple[str, ...] = field(default=("cpu", "cuda", "rocm"))
 
     def replace(self, **changes) -> RunConfig:

@@ -65,6 +65,8 @@ _HELP = {
     "api_port": "serve the operator HTTP API and Prometheus /metrics on this port (0: no API; HTTPS with --tls-cert)",
     "api_token_env": "environment variable that holds the API's bearer token (required when --api-port is set)",
     "trace": "append one JSON line per protocol message sent or received to this file (rotated at 64 MiB)",
+    "wandb": "log round metrics to this Weights & Biases project (extra: pcp-tui[wandb]; WANDB_MODE=offline: no network)",
+    "tensorboard": "write round metrics as TensorBoard event files into this directory (extra: pcp-tui[tensorboard])",
 }
 _SKIP = {"platforms"}
 
