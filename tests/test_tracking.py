@@ -168,3 +168,56 @@ def test_scalars_are_the_files_numbers_by_its_names():
         "worker_utilization/a": 0.5,
         "worker_utilization/b": 0.25,
     }
+
+
+# --------------------------------------------------------------------------- pcp-tui plot
+
+
+def test_plot_draws_runs_from_real_metrics_files(tracked_run, tmp_path):
+    matplotlib_image = pytest.importorskip("matplotlib.image", reason="extra: plot")
+    metrics = tracked_run / "run.jsonl"
+    appended = tmp_path / "twice.jsonl"  # a file the next run appended to, its last line cut off
+    text = metrics.read_text()
+    appended.write_text(text + text + '{"event": "round", "round": 1, "train_lo')
+    output = tmp_path / "runs.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "pcp_tui", "plot", str(metrics), str(appended), "-o", str(output)]
+        + ["--x", "tokens"],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env=worker_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"wrote {output} (3 runs)"
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib_image.imread(output).shape == (1000, 900, 4)
+
+
+def test_plot_reads_each_run_of_a_file_with_cumulative_tokens(tracked_run, tmp_path):
+    from pcp_tui.app.plot import read_runs
+
+    rounds = _rounds(tracked_run)
+    appended = tmp_path / "twice.jsonl"
+    appended.write_text((tracked_run / "run.jsonl").read_text() * 2)
+    first, second = read_runs(appended)
+    assert (first.label, second.label) == ("twice", "twice #2")
+    assert first.rounds == second.rounds == [1, 2, 3]
+    assert first.tokens == list(np.cumsum([r["tokens"] for r in rounds]))
+    assert first.train_loss == [r["train_loss"] for r in rounds]
+
+
+def test_plot_says_what_is_wrong_in_one_line(tmp_path, monkeypatch):
+    from pcp_tui.app import plot
+
+    not_metrics = tmp_path / "notes.jsonl"
+    not_metrics.write_text('{"event": "listening"}\n')
+    with pytest.raises(
+        plot.PlotError, match="has no round rows: is it a file written by --metrics"
+    ):
+        plot.read_runs(not_metrics)
+    with pytest.raises(plot.PlotError, match="cannot read"):
+        plot.read_runs(tmp_path / "missing.jsonl")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(plot.PlotError, match=r"pip install 'pcp-tui\[plot\]'"):
+        plot.draw([], tmp_path / "x.png")

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from pcp_tui import __version__
-from pcp_tui.app import link_emulator
+from pcp_tui.app import link_emulator, plot
 from pcp_tui.app.config_file import load_config_file
 from pcp_tui.config import ConfigError, RunConfig
 
@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep compiled graphs here so a restart does not recompile ('' to disable)",
     )
     link_emulator.add_parser(commands)
+    plot.add_parser(commands)
     sample = _command(commands, "sample", help="generate text from a GPT-2 checkpoint")
     sample.add_argument(
         "--checkpoint",
@@ -346,6 +347,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _sample(args)
     if args.command == "emulate-link":
         return link_emulator.run(args)
+    if args.command == "plot":
+        return plot.run(args)
     if args.command == "worker":
         from pcp_tui.app.launch import run_worker
 
