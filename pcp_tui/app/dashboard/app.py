@@ -131,7 +131,18 @@ class DashboardApp(App[None]):
         yield EventLog(id="events")
         yield Footer()
 
+    def on_resize(self) -> None:
+        self._fit_layout()
+
+    def _fit_layout(self) -> None:
+        """Panels give way on small terminals (see app.tcss): the chart never shrinks to a strip."""
+        width, height = self.size
+        self.screen.set_class(width < 72, "-narrow")
+        self.screen.set_class(height < 20, "-short")
+        self.screen.set_class(height < 14, "-tiny")
+
     def on_mount(self) -> None:
+        self._fit_layout()
         for widget_id, title in (
             ("loss", "Loss"),
             ("timing", "Round time"),
@@ -326,7 +337,9 @@ class DashboardApp(App[None]):
             self._evals_shown = len(evals)
             inner_steps = int(state.settings.get("inner_steps", 1) or 1)
             self.query_one(LossChart).set_data(
-                self._step_means.points(), [(r.round * inner_steps, r.eval_loss) for r in evals]
+                self._step_means.points(),
+                [(r.round * inner_steps, r.eval_loss) for r in evals],
+                inner_steps=inner_steps,
             )
         self.query_one(RoundTiming).show(state.history)
         self.query_one(WorkerTable).show(

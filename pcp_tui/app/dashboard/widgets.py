@@ -87,8 +87,9 @@ class RunHeader(Static):
         eta = None if state.finished_at is not None else state.eta_seconds()
         head = f"round {state.round}/{state.rounds_total} "
         times = f" elapsed {duration(elapsed)}  ETA {duration(eta)}"
+        wanted = state.settings.get("workers") or len(state.workers)
         traffic = (
-            f"  workers {len(state.active_workers())}/{len(state.workers)}"
+            f"  workers {len(state.active_workers())}/{wanted}"  # connected / wanted
             f"  ↑{human_bytes(state.bytes_sent)} ↓{human_bytes(state.bytes_received)}"
         )
         bar = max(6, min(24, width - len(head) - len(times) - len(traffic)))
@@ -146,6 +147,9 @@ class RoundTiming(Static):
     Then `util` (the contributors' compute / their wall time), throughput, bytes,
     and how many times fewer bytes than synchronous data parallelism (DP).
 
+    Under them, one sparkline per round for throughput, utilization and round
+    time: how the run has been going, not only its last round.
+
     Rows are in order of importance: a short panel (80x24) cuts the bottom ones.
     """
 
@@ -197,15 +201,19 @@ class RoundTiming(Static):
             )
         _add_totals(grid, history)
         room = max((self.content_size.width or 30) - 7, 1)
-        spark = _sparkline([r.round_seconds for r in history[-room:]])
-        self.update(
-            Group(
-                grid,
-                Text.assemble(
-                    ("rounds ", style("round-timing--dim")), (spark, style("round-timing--compute"))
-                ),
+        recent = history[-room:]
+        trends = [
+            Text.assemble(
+                (f"{label:<7}", style("round-timing--dim")),
+                (_sparkline([getattr(r, field) for r in recent]), style(f"round-timing--{part}")),
             )
-        )
+            for label, field, part in (
+                ("tok/s", "tokens_per_second", "compute"),
+                ("util", "utilization", "compute"),
+                ("time", "round_seconds", "comm"),
+            )
+        ]
+        self.update(Group(grid, *trends))
 
 
 def _add_totals(grid: Table, history: Sequence[RoundRecord]) -> None:
