@@ -22,11 +22,12 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Static
+from textual.widgets import Footer, Input, Static
 
 from pcp_tui.app.dashboard.loss_chart import StepMeans
 from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
+from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory
 from pcp_tui.shepherd.state import Event, RunState
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
@@ -43,6 +44,11 @@ HELP_KEYS = (
     ("l", "loss chart: log or linear y axis"),
     ("z", "loss chart: all steps, the latest half, the latest quarter"),
     ("c", "copy the join command to the clipboard (OSC 52)"),
+    (
+        "↑↓ enter",
+        "pick a worker in the table; enter opens its detail (memory, statistics, history)",
+    ),
+    ("/", "filter the event log: only lines holding the text (escape clears it)"),
     ("?", "this help; escape closes it"),
 )
 HELP_PANELS = (
@@ -88,6 +94,8 @@ class DashboardApp(App[None]):
         Binding("l", "log_scale", "log y"),
         Binding("z", "zoom", "zoom"),
         Binding("c", "copy_join", "copy join"),
+        Binding("slash", "filter_events", "filter", key_display="/"),
+        Binding("escape", "clear_filter", "clear filter", show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
     ]
@@ -117,6 +125,7 @@ class DashboardApp(App[None]):
         self.signal_received: int | None = None
         self._pause_wanted = False
         self._step_means = StepMeans()
+        self.worker_history: dict[str, WorkerHistory] = {}
         self._evals_shown = -1
         self._phase_note = ""
         self._shown_status = ""
@@ -128,14 +137,15 @@ class DashboardApp(App[None]):
             yield LossChart(id="loss")
             yield RoundTiming(id="timing")
         yield WorkerTable(id="workers")
+        yield Input(placeholder="filter events (enter keeps it, escape clears)", id="event-filter")
         yield EventLog(id="events")
         yield Footer()
 
-    def on_resize(self) -> None:
-        self._fit_layout()
-
     def _fit_layout(self) -> None:
-        """Panels give way on small terminals (see app.tcss): the chart never shrinks to a strip."""
+        """Panels give way on small terminals (see app.tcss): the chart never shrinks to a strip.
+
+        Run on mount and on every refresh tick (a resize is followed within one tick).
+        """
         width, height = self.size
         self.screen.set_class(width < 72, "-narrow")
         self.screen.set_class(height < 20, "-short")
@@ -310,10 +320,43 @@ class DashboardApp(App[None]):
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
+    def action_filter_events(self) -> None:
+        box = self.query_one("#event-filter", Input)
+        box.add_class("-open")
+        box.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#event-filter", Input)
+        box.value = ""
+        box.remove_class("-open")
+        self.query_one(EventLog).set_filter("")
+        self.set_focus(None)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "event-filter":
+            self.query_one(EventLog).set_filter(event.value)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "event-filter":
+            if not event.value.strip():
+                event.input.remove_class("-open")
+            self.set_focus(None)
+
+    def on_data_table_row_selected(self, event: WorkerTable.RowSelected) -> None:
+        """Enter on a worker's row: its detail view (a refused connection has none)."""
+        key = event.row_key.value
+        if key in self.state.workers:
+            self.push_screen(WorkerDetail(key, self._worker_detail))
+
+    def _worker_detail(self, worker_id: str) -> tuple:
+        now = self.state.finished_at if self.state.finished_at is not None else self._clock()
+        return self.state.workers.get(worker_id), self.worker_history.get(worker_id), now
+
     # -- state -> widgets (the one adapter) -------------------------------------
 
     def refresh_from_state(self) -> None:
         """One refresh tick: read the state, hand each panel what changed. Never per message."""
+        self._fit_layout()
         state = self.state
         now = self._clock()
         if state.finished_at is not None:
@@ -342,6 +385,8 @@ class DashboardApp(App[None]):
                 inner_steps=inner_steps,
             )
         self.query_one(RoundTiming).show(state.history)
+        for view in state.workers.values():
+            self.worker_history.setdefault(view.worker_id, WorkerHistory()).sample(view)
         self.query_one(WorkerTable).show(
             list(state.workers.values()),
             sorted(self._refused.items()),

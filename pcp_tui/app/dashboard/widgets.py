@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable, Sequence
 
@@ -256,6 +257,9 @@ def _sparkline(values: Sequence[float]) -> str:
 class EventLog(RichLog):
     """What happened, newest at the bottom; appended incrementally by the app.
 
+    `set_filter` narrows it to the lines holding a text (the `/` key), redrawn
+    from the events it keeps; new events that match keep arriving.
+
     Long messages wrap under their own text (not under the time), so a lost
     worker's reason is readable at 80 columns.
     """
@@ -285,14 +289,31 @@ class EventLog(RichLog):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(wrap=True, markup=False, max_lines=2_000, min_width=20, **kwargs)
+        self._events: collections.deque[Event] = collections.deque(maxlen=2_000)
+        self.filter_text = ""
+
+    def set_filter(self, text: str) -> None:
+        """Show only the events whose line holds `text` (any case); "" shows them all again."""
+        self.filter_text = text.strip().lower()
+        self.border_subtitle = f"filter: {text.strip()}" if self.filter_text else ""
+        self.clear()
+        self._write(self._events)
 
     def on_resize(self) -> None:
         # Lines written before the first layout are rendered now (by RichLog); show the newest.
         self.call_after_refresh(self.scroll_end, animate=False)
 
     def add_events(self, events: Iterable[Event]) -> None:
+        events = list(events)
+        self._events.extend(events)
+        self._write(events)
+
+    def _write(self, events: Iterable[Event]) -> None:
         style = self.get_component_rich_style
         for event in events:
+            text = _describe(event)
+            if self.filter_text and self.filter_text not in f"{event.kind} {text}".lower():
+                continue
             if event.kind in self._BAD:
                 kind_style = style("event-log--bad")
             elif event.kind in self._GOOD:
@@ -304,7 +325,7 @@ class EventLog(RichLog):
             line.add_column(ratio=1, overflow="fold")
             line.add_row(
                 Text(time.strftime("%H:%M:%S", time.localtime(event.at)), style("event-log--time")),
-                Text(_describe(event), kind_style),
+                Text(text, kind_style),
             )
             self.write(line, expand=True)
 

@@ -48,8 +48,8 @@ class WorkerTable(DataTable):
     }
 
     def __init__(self, **kwargs) -> None:
-        # No cursor: rows are not things to pick, and a highlighted row would look selected.
-        super().__init__(cursor_type="none", zebra_stripes=True, cell_padding=0, **kwargs)
+        # A row cursor: Enter on a worker opens its detail view (see WorkerDetail).
+        super().__init__(cursor_type="row", zebra_stripes=True, cell_padding=0, **kwargs)
         self._shown: dict[str, list[str]] = {}  # row key -> each cell's text as shown
         self._shown_with: tuple | None = None
         self._layout: tuple = ()
