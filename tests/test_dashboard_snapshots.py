@@ -207,3 +207,15 @@ def test_dashboard_waiting_for_workers_80x24(snap_compare):
 
 def test_help_screen(snap_compare):
     assert snap_compare(_app(fake_state()), terminal_size=(80, 24), press=["question_mark"])
+
+
+def test_dashboard_60x15_drops_panels(snap_compare):
+    assert snap_compare(_app(fake_state()), terminal_size=(60, 15))
+
+
+def test_worker_detail(snap_compare):
+    async def open_first_worker(pilot):
+        pilot.app.query_one("#workers").focus()
+        await pilot.press("enter")
+
+    assert snap_compare(_app(fake_state()), terminal_size=(100, 30), run_before=open_first_worker)

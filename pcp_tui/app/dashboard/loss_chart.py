@@ -208,13 +208,14 @@ def _nice_stride(span: float, count: int) -> float:
 
 def _y_labels(low: float, high: float, rows: int, y_pixel) -> dict[int, str]:
     """Row -> label for round values (…, 2.5, 3, 3.5, …) between `low` and `high`, one row apart at least."""
-    step = _nice_stride(high - low, max(rows // 2, 1))
+    step = _nice_stride(high - low, max(rows // 2, 4))
+    gap = {-1, 0, 1} if rows >= 6 else {0}  # a short chart labels neighbouring rows too
     decimals = max(0, -math.floor(math.log10(step))) if step < 1 else 0
     labels: dict[int, str] = {}
     value = math.ceil(low / step) * step
     while value <= high:
         row = y_pixel(value) // 4
-        if 0 <= row < rows and not {row - 1, row, row + 1} & labels.keys():
+        if 0 <= row < rows and not {row + d for d in gap} & labels.keys():
             labels[row] = _fmt_axis(value, decimals)
         value += step
     return labels
