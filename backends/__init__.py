@@ -10,6 +10,7 @@ from ._base import (
     Layout,
     LayoutFor,
     LoadedGraph,
+    MemoryUse,
 )
 from ._jax import JaxBackend, enable_compilation_cache, select_backend
 
@@ -24,6 +25,7 @@ __all__ = [
     "Layout",
     "LayoutFor",
     "LoadedGraph",
+    "MemoryUse",
     "enable_compilation_cache",
     "select_backend",
 ]

@@ -27,6 +27,7 @@ class BackendInfo:
     device_count: int
     memory_bytes: int
     jax_version: str
+    runtime: str = "xla"  # what compiles and runs the graphs
 
     def describe(self) -> str:
         if self.platform == "cpu":
@@ -55,6 +56,15 @@ class Layout:
 
 # Chooses a graph's Layout from the shapes of its flat inputs and outputs (known once it is read).
 LayoutFor = Callable[[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], Layout]
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Device memory now, at its peak, and in all (bytes); 0 where the device cannot say."""
+
+    in_use: int = 0
+    peak: int = 0
+    limit: int = 0
 
 
 @dataclass
@@ -97,6 +107,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]: ...
+
+    def memory_use(self) -> MemoryUse:
+        """How much device memory the worker uses; all zero where it cannot be measured."""
+        return MemoryUse()
 
     def keep(self, host: Sequence[np.ndarray], device: Sequence[Any]) -> Any:
         """Hold on to a round's starting parameters (`device` is about to be donated to training).

@@ -16,6 +16,7 @@ from ._base import (
     GraphError,
     LayoutFor,
     LoadedGraph,
+    MemoryUse,
 )
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
@@ -149,6 +150,27 @@ class JaxBackend(Backend):
             call=compiled,
         )
 
+    def memory_use(self) -> MemoryUse:
+        """The device allocator's numbers (`memory_stats()`); on CPU, this process's resident memory.
+
+        XLA's CPU client keeps no allocator statistics (`memory_stats()` is
+        None there): the CPU "device" is host memory, so the process's own
+        resident set (now, and its peak from `getrusage`) is the honest stand-in.
+        """
+        try:
+            stats = self._device.memory_stats() or {}
+        except Exception:  # CPU and some plugins do not implement memory_stats
+            stats = {}
+        if "bytes_in_use" in stats:
+            return MemoryUse(
+                in_use=int(stats["bytes_in_use"]),
+                peak=int(stats.get("peak_bytes_in_use", stats["bytes_in_use"])),
+                limit=int(stats.get("bytes_limit", 0)),
+            )
+        if self._platform != "cpu":
+            return MemoryUse()
+        return _process_memory(self._info.memory_bytes)
+
     def _on_mesh(
         self, name: str, exported: Any, donate_argnums: Sequence[int], layout_for: LayoutFor
     ) -> tuple[Any, list[Any]]:
@@ -262,6 +284,19 @@ def _pinned_host(device: Any) -> Any:
     if "pinned_host" not in kinds:
         return None
     return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
+def _process_memory(limit: int) -> MemoryUse:
+    """This process's resident memory now and at its peak (Linux and macOS; zeros elsewhere)."""
+    try:
+        import resource
+
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            in_use = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    except (ImportError, OSError, ValueError, IndexError):
+        return MemoryUse(limit=limit)
+    return MemoryUse(in_use=in_use, peak=max(peak_kib * 1024, in_use), limit=limit)
 
 
 def _device_memory(device: Any) -> int:

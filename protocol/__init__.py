@@ -58,6 +58,7 @@ from ._messages import (
     ShardingRule,
     Welcome,
     WorkerHello,
+    WorkerStats,
 )
 from ._schema import ERROR_CODES, KINDS
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
@@ -98,6 +99,7 @@ __all__ = [
     "TensorSpec",
     "Welcome",
     "WorkerHello",
+    "WorkerStats",
     "FrameTooLarge",
     "Limits",
     "MalformedMessage",

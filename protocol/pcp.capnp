@@ -80,6 +80,7 @@ struct BackendInfo {
   deviceCount @2 :UInt32;
   memoryBytes @3 :UInt64;
   jaxVersion @4 :Text;
+  runtime @5 :Text;            # what compiles and runs the graphs: "xla" (through JAX), "iree"
 }
 
 # shepherd -> worker, the first message on a connection.
@@ -175,6 +176,17 @@ struct Progress {
   loss @3 :Float32;
   tokensPerSecond @4 :Float32;
   phase @5 :Phase;
+  stats @6 :WorkerStats;       # protocol 3; a version-2 peer leaves it out (all zero)
+}
+
+# What a worker measures about itself; rides on every progress message.
+struct WorkerStats {
+  steps @0 :UInt64;            # inner steps trained since the worker started
+  tokens @1 :UInt64;           # tokens trained on since the worker started
+  memoryInUseBytes @2 :UInt64; # device memory in use (the process's resident memory on CPU); 0: unknown
+  memoryPeakBytes @3 :UInt64;  # the most it has used; 0: unknown
+  memoryLimitBytes @4 :UInt64; # what the device offers; 0: unknown
+  gpuUtilization @5 :Float32 = -1;  # 0..1, the device's busy share (NVML); -1: not measured
 }
 
 # worker -> shepherd; the pseudo-gradient (global - local) rides as tensors.

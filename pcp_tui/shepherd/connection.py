@@ -25,6 +25,7 @@ class Hello:
     hostname: str
     backend: str  # described for people: "cpu", "cuda NVIDIA H100 ...", "cpu x4"
     platform: protocol.Platform
+    runtime: str = ""  # "xla", "iree"; empty from a protocol-2 worker
     devices: int = 1  # local devices the worker trains on as one (a JAX mesh)
 
 
@@ -101,7 +102,14 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
         described = f"{platform.value} {body.backend.device_kind}".strip()
     if devices > 1:
         described = f"{described} x{devices}"
-    return Hello(worker_id, body.hostname, described, platform, devices)
+    return Hello(
+        worker_id=worker_id,
+        hostname=body.hostname,
+        backend=described,
+        platform=platform,
+        runtime=body.backend.runtime,
+        devices=devices,
+    )
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

@@ -167,6 +167,8 @@ class WorkerPool:
             backend=hello.backend,
             devices=hello.devices,
             shard=shard,
+            runtime=hello.runtime,
+            devices=hello.devices,
         )
         self.state.workers[hello.worker_id] = view
         link = WorkerLink(stream, view, self.state, hello.platform)
@@ -325,6 +327,7 @@ class WorkerPool:
         if isinstance(body, protocol.Ready):
             view.state = "idle"
             link.stage = contract.Stage.READY
+            view.compile_seconds = body.compile_seconds
             link.ready.set()
             self.state.emit(
                 "compiled",
@@ -344,6 +347,9 @@ class WorkerPool:
 
     def _on_progress(self, view: WorkerView, body: protocol.Progress) -> None:
         view.state = body.phase.value
+        view.record_stats(body.stats)
+        if body.phase is not protocol.Phase.TRAINING:
+            return  # e.g. the statistics a worker sends once it has compiled: no step, no loss
         view.step = body.step
         view.total_steps = body.total_steps
         view.loss = body.loss

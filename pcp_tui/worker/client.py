@@ -44,6 +44,7 @@ from pcp_tui.training import shards
 from pcp_tui.training.sharding import LayoutError
 from pcp_tui.worker.mesh import GraphLayouts
 from pcp_tui.worker.reconnect import Reconnect
+from pcp_tui.worker.stats import WorkerCounters
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
@@ -107,6 +108,7 @@ class Worker:
         self.backend = backend or select_backend(
             config.compute.backend, config.compute.device_count
         )
+        self.counters = WorkerCounters(self.backend)  # steps, tokens, memory: sent with progress
         self.worker_id = connection.worker_id or (
             f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         )
@@ -237,6 +239,8 @@ class Worker:
         await connection.send(
             protocol.Ready(seconds, protocol.Platform(self.backend.info.platform))
         )
+        stats = self.counters.snapshot()  # memory after compiling, before any round
+        await connection.send(protocol.Progress(phase=protocol.Phase.IDLE, stats=stats))
         self.status.update(
             state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round"
         )
@@ -251,6 +255,7 @@ class Worker:
             device_count=info.device_count,
             memory_bytes=info.memory_bytes,
             jax_version=info.jax_version,
+            runtime=info.runtime,
         )
         await stream.send(
             protocol.WorkerHello(
@@ -411,6 +416,9 @@ class Worker:
                 _run_chunk, training.train_chunk, params, opt_state, batches, first_step
             )
             losses.extend(float(x) for x in chunk_losses)
+            self.counters.trained(
+                len(chunk_losses), len(chunk_losses) * plan.batch_size * plan.tokens_per_row
+            )
             elapsed = time.perf_counter() - started
             tps = len(losses) * plan.batch_size * plan.tokens_per_row / elapsed
             self.status.update(step=len(losses), loss=losses[-1], tokens_per_second=tps)
@@ -420,7 +428,13 @@ class Worker:
             if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks - 1:
                 last_progress = now
                 progress = protocol.Progress(
-                    number, len(losses), steps, losses[-1], tps, protocol.Phase.TRAINING
+                    number,
+                    len(losses),
+                    steps,
+                    losses[-1],
+                    tps,
+                    protocol.Phase.TRAINING,
+                    self.counters.snapshot(),
                 )
                 await connection.send(progress)
         self._opt_state = opt_state
