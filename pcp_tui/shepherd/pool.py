@@ -168,7 +168,6 @@ class WorkerPool:
             devices=hello.devices,
             shard=shard,
             runtime=hello.runtime,
-            devices=hello.devices,
         )
         self.state.workers[hello.worker_id] = view
         link = WorkerLink(stream, view, self.state, hello.platform)
