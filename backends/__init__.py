@@ -1,10 +1,22 @@
-"""Where graphs run: one small interface and its JAX implementation."""
+"""Where graphs run: one small interface, run by XLA (through JAX) or by IREE."""
 
-from ._base import PLATFORMS, Backend, BackendInfo, BackendUnavailable, GraphError, LoadedGraph
+from ._base import (
+    PLATFORMS,
+    RUNTIMES,
+    Backend,
+    BackendInfo,
+    BackendUnavailable,
+    GraphError,
+    LoadedGraph,
+)
+from ._iree import SOURCE_PLATFORM, IreeBackend
 from ._jax import JaxBackend, enable_compilation_cache, select_backend
 
 __all__ = [
     "PLATFORMS",
+    "RUNTIMES",
+    "SOURCE_PLATFORM",
+    "IreeBackend",
     "Backend",
     "BackendInfo",
     "BackendUnavailable",

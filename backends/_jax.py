@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ._base import Backend, BackendInfo, BackendUnavailable, GraphError, LoadedGraph
+from ._base import RUNTIMES, Backend, BackendInfo, BackendUnavailable, GraphError, LoadedGraph
+from ._iree import IreeBackend
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
 _JAX_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "METAL"}
@@ -65,6 +66,8 @@ class JaxBackend(Backend):
             device_count=len(devices),
             memory_bytes=_device_memory(self._device),
             jax_version=jax.__version__,
+            runtime="xla",
+            target=platform,
         )
 
     @property
@@ -155,13 +158,35 @@ def _device_memory(device: Any) -> int:
         return 0
 
 
-def select_backend(name: str = "auto") -> JaxBackend:
-    """Pick a backend: `auto` prefers cuda, rocm, metal, then cpu."""
-    if name != "auto":
-        return JaxBackend(name)
-    for platform in ("cuda", "rocm", "metal"):
+def select_backend(
+    name: str = "auto", runtime: str = "auto", *, cache_dir: str | os.PathLike | None = None
+) -> Backend:
+    """Pick a backend and the runtime that runs graphs on it.
+
+    `name` auto prefers cuda, rocm, metal, then cpu through XLA (with `runtime`
+    iree: vulkan, metal, then cpu). `runtime` auto is XLA where JAX serves the
+    platform and IREE where only IREE does (vulkan; metal without a JAX plugin).
+    `cache_dir` holds IREE's compiled modules (XLA's cache is global:
+    `enable_compilation_cache`).
+    """
+    if runtime not in ("auto", *RUNTIMES):
+        raise BackendUnavailable(f"unknown runtime {runtime!r}; choose one of {RUNTIMES}")
+    if name == "auto":
+        order = ("vulkan", "metal") if runtime == "iree" else ("cuda", "rocm", "metal")
+        for platform in order:
+            try:
+                return select_backend(platform, runtime, cache_dir=cache_dir)
+            except BackendUnavailable:
+                continue
+        return select_backend("cpu", runtime, cache_dir=cache_dir)
+    if runtime == "iree" or (runtime == "auto" and name not in _JAX_PLATFORM):
+        return IreeBackend(name, cache_dir=cache_dir)
+    if runtime == "auto" and name == "metal":
         try:
-            return JaxBackend(platform)
-        except BackendUnavailable:
-            continue
-    return JaxBackend("cpu")
+            return JaxBackend(name)
+        except BackendUnavailable as exc:
+            try:
+                return IreeBackend(name, cache_dir=cache_dir)
+            except BackendUnavailable:
+                raise exc from None
+    return JaxBackend(name)

@@ -1,0 +1,95 @@
+"""IREE runs the exported graphs with XLA's numbers: GPT-2 tiny and the MLP example, on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from pcp_tui.backends import GraphError, IreeBackend, select_backend
+from pcp_tui.training.build import build_workload
+from pcp_tui.training.export import InnerOptimizer, build_graphs
+from pcp_tui.training.shards import sample_shard
+
+from .conftest import small_config
+
+pytest.importorskip("iree.compiler", reason="IREE is the optional extra pcp-tui[iree]")
+
+MLP = f"{Path(__file__).parents[1] / 'examples' / 'mlp_model.py'}:build"
+CHUNK = 3
+LR = 3e-3
+# Measured worst cases (GPT-2 tiny): losses 2e-7 relative, Adam's moments 3e-7, parameters 8.5e-5.
+# Adam divides by sqrt(v): a weight whose gradient is mostly float32 rounding moves by up to the
+# learning rate either way, so parameters agree to a fraction of LR, not to float32's epsilon.
+LOSS_RTOL, STATE_ATOL, PARAM_ATOL = 1e-6, 1e-6, LR / 30
+
+
+def _graphs(workload, platforms=("cpu",)):
+    return build_graphs(
+        workload.loss_fn,
+        workload.params,
+        workload.batch_spec,
+        inner=InnerOptimizer(name="adamw", lr=LR, warmup_steps=2, decay_steps=20),
+        chunk_steps=CHUNK,
+        eval_batches=len(jax.tree.leaves(workload.eval_tokens)[0]),
+        platforms=platforms,
+    )
+
+
+def _run(backend, graphs, workload, batches):
+    """One train_chunk from the initial parameters, then eval_loss of its result."""
+    init = backend.load("init_opt_state", graphs.init_opt_state)
+    train = backend.load("train_chunk", graphs.train_chunk)
+    evaluate = backend.load("eval_loss", graphs.eval_loss)
+    params = tuple(backend.to_device([workload.params[n] for n in graphs.param_names]))
+    opt_state = init.call(params)
+    params, opt_state, losses = train.call(params, opt_state, batches, np.int32(5))
+    loss = evaluate.call(params, workload.eval_tokens)
+    host = backend.to_host
+    return host(params), host(opt_state), host([losses])[0], float(host([loss])[0])
+
+
+@pytest.mark.parametrize("model", ["tiny", MLP])
+def test_iree_train_chunk_and_eval_loss_equal_xla(model, tmp_path):
+    config = small_config(model=model, batch_size=8 if model == MLP else 4)
+    workload = build_workload(config, shards=2)
+    graphs = _graphs(workload)
+    shard = workload.shards[0]
+    batches = sample_shard(
+        "rows" if model == MLP else "windows",
+        tuple(shard.values()) if model == MLP else shard,
+        steps=CHUNK,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        seed=0,
+        stream=(0, 1, 0),
+    )
+    xla = _run(select_backend("cpu", "xla"), graphs, workload, batches)
+    iree = _run(IreeBackend("cpu", cache_dir=tmp_path), graphs, workload, batches)
+    for ours, theirs in zip(xla[0], iree[0], strict=True):
+        np.testing.assert_allclose(theirs, ours, rtol=0, atol=PARAM_ATOL)
+    for ours, theirs in zip(xla[1], iree[1], strict=True):
+        np.testing.assert_allclose(theirs, ours, rtol=0, atol=STATE_ATOL)
+    np.testing.assert_allclose(iree[2], xla[2], rtol=LOSS_RTOL)
+    assert iree[3] == pytest.approx(xla[3], rel=LOSS_RTOL)
+    moved = max(
+        float(np.max(np.abs(p - workload.params[n])))
+        for p, n in zip(xla[0], graphs.param_names, strict=True)
+    )
+    assert moved > 10 * PARAM_ATOL  # the chunk trained: equal numbers are not equal garbage
+    assert any((tmp_path / "iree").glob("*.vmfb"))  # compiled modules went to the cache
+
+
+def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
+    """eigh lowers to a LAPACK custom call on CPU: IREE has no lowering, and the error says so."""
+    exported = jax.export.export(
+        jax.jit(lambda a: jax.numpy.linalg.eigh(a)[0]), platforms=("cpu",)
+    )(jax.ShapeDtypeStruct((4, 4), np.float32))
+    with pytest.raises(GraphError) as caught:
+        IreeBackend("cpu", cache_dir=tmp_path).load("eigh", exported.serialize())
+    assert str(caught.value) == (
+        "graph 'eigh' does not compile with IREE for llvm-cpu: op stablehlo.custom_call "
+        "'lapack_ssyevd_ffi' has no IREE lowering (export the graph without it)"
+    )
