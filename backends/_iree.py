@@ -55,6 +55,7 @@ _OP_ERROR = re.compile(r"error: '([\w.]+)' op ([^\n]*)")
 _ILLEGAL_OP = re.compile(r"error: failed to legalize operation '([\w.]+)'")
 _CALL_TARGET = re.compile(r'call_target_name = "([^"]+)"')
 _ANY_ERROR = re.compile(r"error: ([^\n]*)")
+_LOCATION_ALIAS = re.compile(r"^#loc\d* = $\n?", re.MULTILINE)  # what is left of `#loc3 = loc(...)`
 
 
 def compile_problem(diagnostics: str) -> str:
@@ -166,9 +167,8 @@ class IreeBackend(Backend):
         )
 
     def _compiled(self, text: str) -> bytes:
-        key = hashlib.sha256(
-            "\0".join([text, self.target, *self._target.flags, *self._flags, _version()]).encode()
-        ).hexdigest()
+        parts = [_without_locations(text), self.target, *self._target.flags, *self._flags]
+        key = hashlib.sha256("\0".join([*parts, _version()]).encode()).hexdigest()
         path = self._cache / f"{key}.vmfb" if self._cache else None
         if path is not None and path.exists():
             return path.read_bytes()
@@ -248,6 +248,35 @@ def _deserialize(name: str, serialized: bytes) -> Any:
     if any(not isinstance(d, int) for a in exported.in_avals for d in a.shape):
         raise GraphError(f"graph {name!r} has symbolic shapes; export it with concrete shapes")
     return exported
+
+
+def _without_locations(text: str) -> str:
+    """The module without its `loc(...)` source locations, which name the exporting script's files.
+
+    Two exports of one graph from different call sites compile to the same code:
+    the cache key ignores where the graph was traced. Quoted strings may hold
+    parentheses, so they are skipped whole.
+    """
+    kept, at = [], 0
+    while (start := text.find("loc(", at)) >= 0:
+        kept.append(text[at:start])
+        depth, index = 0, start + 3
+        while index < len(text):
+            char = text[index]
+            if char == '"':
+                index = text.find('"', index + 1)  # locations' strings hold no escaped quotes
+                if index < 0:
+                    return text
+            elif char == "(":
+                depth += 1
+            elif char == ")":
+                depth -= 1
+                if depth == 0:
+                    break
+            index += 1
+        at = index + 1
+    kept.append(text[at:])
+    return _LOCATION_ALIAS.sub("", "".join(kept))
 
 
 def _host(array: Any) -> np.ndarray:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ._base import RUNTIMES, Backend, BackendInfo, BackendUnavailable, GraphError, LoadedGraph
-from ._iree import IreeBackend
+from ._iree import INSTALL_HINT, IreeBackend
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
 _JAX_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "METAL"}
@@ -189,4 +189,9 @@ def select_backend(
                 return IreeBackend(name, cache_dir=cache_dir)
             except BackendUnavailable:
                 raise exc from None
+    if name not in _JAX_PLATFORM:
+        raise BackendUnavailable(
+            f"JAX (--runtime xla) has no {name} platform; run {name} with --runtime iree "
+            f"({INSTALL_HINT})"
+        )
     return JaxBackend(name)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+import trio
 
+from pcp_tui import protocol
 from pcp_tui.backends import GraphError, IreeBackend, select_backend
+from pcp_tui.contract import auth
+from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.export import InnerOptimizer, build_graphs
 from pcp_tui.training.shards import sample_shard
 
-from .conftest import small_config
+from .conftest import small_config, worker_command, worker_env
 
 pytest.importorskip("iree.compiler", reason="IREE is the optional extra pcp-tui[iree]")
 
@@ -51,11 +56,21 @@ def _run(backend, graphs, workload, batches):
     return host(params), host(opt_state), host([losses])[0], float(host([loss])[0])
 
 
+@pytest.fixture(scope="module")
+def iree_cache(tmp_path_factory):
+    """One compile cache for the module: the e2e run's IREE worker finds GPT-2's graphs compiled."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+# The e2e run's shape; the numbers test exports the very same graphs (see iree_cache).
+RUN = dict(workers=2, rounds=3, inner_steps=6, chunk_steps=CHUNK, inner_lr=LR, warmup_steps=2)
+
+
 @pytest.mark.parametrize("model", ["tiny", MLP])
-def test_iree_train_chunk_and_eval_loss_equal_xla(model, tmp_path):
-    config = small_config(model=model, batch_size=8 if model == MLP else 4)
+def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
+    config = small_config(model=model, batch_size=8 if model == MLP else 4, **RUN)
     workload = build_workload(config, shards=2)
-    graphs = _graphs(workload)
+    graphs = _graphs(workload) if model == MLP else Shepherd(config, workload).library.export_main()
     shard = workload.shards[0]
     batches = sample_shard(
         "rows" if model == MLP else "windows",
@@ -67,7 +82,7 @@ def test_iree_train_chunk_and_eval_loss_equal_xla(model, tmp_path):
         stream=(0, 1, 0),
     )
     xla = _run(select_backend("cpu", "xla"), graphs, workload, batches)
-    iree = _run(IreeBackend("cpu", cache_dir=tmp_path), graphs, workload, batches)
+    iree = _run(IreeBackend("cpu", cache_dir=iree_cache), graphs, workload, batches)
     for ours, theirs in zip(xla[0], iree[0], strict=True):
         np.testing.assert_allclose(theirs, ours, rtol=0, atol=PARAM_ATOL)
     for ours, theirs in zip(xla[1], iree[1], strict=True):
@@ -79,7 +94,7 @@ def test_iree_train_chunk_and_eval_loss_equal_xla(model, tmp_path):
         for p, n in zip(xla[0], graphs.param_names, strict=True)
     )
     assert moved > 10 * PARAM_ATOL  # the chunk trained: equal numbers are not equal garbage
-    assert any((tmp_path / "iree").glob("*.vmfb"))  # compiled modules went to the cache
+    assert any((iree_cache / "iree").glob("*.vmfb"))  # compiled modules went to the cache
 
 
 def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
@@ -93,3 +108,70 @@ def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
         "graph 'eigh' does not compile with IREE for llvm-cpu: op stablehlo.custom_call "
         "'lapack_ssyevd_ffi' has no IREE lowering (export the graph without it)"
     )
+
+
+@pytest.mark.e2e
+def test_an_xla_worker_and_an_iree_worker_train_one_run(iree_cache, spawn_worker):
+    """Real processes: both workers' results are averaged each round and the loss falls.
+
+    In the same run a peer that says it runs Vulkan through XLA is refused with
+    unsupportedBackend naming what would work.
+    """
+    config = small_config(**RUN)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    workers = {}
+    refusal = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            cache = ("--compile-cache", str(iree_cache))
+            workers["xla"] = spawn_worker(port, "--runtime", "xla", "--id", "xla", "--quiet")
+            workers["iree"] = spawn_worker(port, "--runtime", "iree", "--id", "iree", *cache)
+            refusal.append(await _join_as(port, protocol.Platform.VULKAN, protocol.Runtime.XLA))
+
+    trio.run(main)
+    for name, process in workers.items():
+        assert process.wait(timeout=60) == 0, f"{name}: {process.stdout.read()}"
+    history = shepherd.state.history
+    assert [r.workers for r in history] == [2, 2, 2]
+    assert history[-1].eval_loss < history[0].eval_loss
+    views = shepherd.state.workers
+    assert views["xla"].rounds_contributed == views["iree"].rounds_contributed == 3
+    assert (views["xla"].backend, views["iree"].backend) == ("cpu", "cpu (iree llvm-cpu)")
+    assert refusal == [
+        protocol.Error(
+            protocol.ErrorCode.UNSUPPORTED_BACKEND,
+            "JAX has no Vulkan platform; join with --runtime iree --backend vulkan",
+        )
+    ]
+
+
+async def _join_as(port: int, platform: protocol.Platform, runtime: protocol.Runtime):
+    """A peer's handshake reporting `platform` and `runtime`; what the shepherd answers it."""
+    stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
+    hello = (await stream.receive()).body
+    backend = protocol.BackendInfo(platform=platform, device_kind="GPU", runtime=runtime)
+    await stream.send(
+        protocol.WorkerHello(
+            supported_versions=protocol.SUPPORTED_VERSIONS,
+            worker_id="vulkan-through-xla",
+            backend=backend,
+            proof=auth.proof("test-token", hello.nonce, "vulkan-through-xla"),
+        )
+    )
+    answer = (await stream.receive()).body
+    await stream.aclose()
+    return answer
+
+
+def test_a_backend_xla_does_not_serve_exits_naming_iree():
+    result = subprocess.run(
+        worker_command(1, "--backend", "vulkan", "--runtime", "xla"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=worker_env(),
+    )
+    assert result.returncode == 1
+    assert "has no vulkan platform; run vulkan with --runtime iree" in result.stderr

@@ -192,8 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--backend",
         default="auto",
-        choices=["auto", "cpu", "cuda", "rocm", "metal"],
-        help="where to run the graphs; auto picks cuda, rocm or metal when present, else cpu (default: auto)",
+        choices=["auto", "cpu", "cuda", "rocm", "metal", "vulkan"],
+        help="where to run the graphs; auto picks cuda, rocm or metal when present, else cpu "
+        "(with --runtime iree: vulkan, metal, else cpu) (default: auto)",
+    )
+    worker.add_argument(
+        "--runtime",
+        default="auto",
+        choices=["auto", "xla", "iree"],
+        help="what compiles the graphs: xla (through JAX) or iree (pip install 'pcp-tui[iree]'; "
+        "any Vulkan GPU, Apple GPUs, CPUs); auto is xla where JAX serves the backend, iree where "
+        "only IREE does, e.g. vulkan (default: auto)",
     )
     worker.add_argument(
         "--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)"

@@ -281,6 +281,8 @@ def run_worker(args: argparse.Namespace) -> int:
             port,
             token=token,
             backend=args.backend,
+            runtime=args.runtime,
+            compile_cache=args.compile_cache or None,
             worker_id=args.worker_id,
             reconnect=not args.no_reconnect,
             give_up_after=args.give_up_after,

@@ -34,8 +34,11 @@ class WorkerLost(Exception):
 class Hello:
     worker_id: str
     hostname: str
-    backend: str  # described for people: "cpu", "cuda NVIDIA H100 ..."
+    backend: (
+        str  # described for people: "cpu", "cuda NVIDIA H100 ...", "vulkan ... (iree vulkan-spirv)"
+    )
     platform: protocol.Platform
+    runtime: protocol.Runtime = protocol.Runtime.XLA
 
 
 class WorkerLink:
@@ -47,10 +50,12 @@ class WorkerLink:
         view: WorkerView,
         state: RunState,
         platform: protocol.Platform,
+        runtime: protocol.Runtime = protocol.Runtime.XLA,
     ):
         self.stream = stream
         self.view = view
         self.platform = platform
+        self.runtime = runtime  # with platform: which export this worker's plan carries
         self._state = state
         self._send_lock = trio.Lock()
         self.ready = trio.Event()
@@ -129,11 +134,19 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
             f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
         raise Refused("authFailed", reason)
-    platform = body.backend.platform
-    described = platform.value
-    if platform != protocol.Platform.CPU:
-        described = f"{platform.value} {body.backend.device_kind}".strip()
-    return Hello(worker_id=worker_id, hostname=body.hostname, backend=described, platform=platform)
+    backend = body.backend
+    described = backend.platform.value
+    if backend.platform != protocol.Platform.CPU:
+        described = f"{backend.platform.value} {backend.device_kind}".strip()
+    if backend.runtime != protocol.Runtime.XLA:
+        described += f" ({backend.runtime.value} {backend.target})".replace(" )", ")")
+    return Hello(
+        worker_id=worker_id,
+        hostname=body.hostname,
+        backend=described,
+        platform=backend.platform,
+        runtime=backend.runtime,
+    )
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

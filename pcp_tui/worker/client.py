@@ -50,6 +50,13 @@ class IdInUse(Refused):
     """
 
 
+class CannotRun(Refused):
+    """This worker cannot compile or run the plan's graphs: it tells the shepherd and leaves.
+
+    Reconnecting would fetch the same graphs and fail the same way.
+    """
+
+
 class RunOver(Exception):
     """The shepherd said goodbye: the run is finished."""
 
@@ -94,6 +101,8 @@ class Worker:
         *,
         token: str,
         backend: str | Backend = "auto",
+        runtime: str = "auto",
+        compile_cache: str | None = None,
         worker_id: str | None = None,
         reconnect: bool = True,
         max_backoff: float = 30.0,
@@ -104,7 +113,11 @@ class Worker:
         self.host, self.port, self.token = host, port, token
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
-        self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        self.backend = (
+            select_backend(backend, runtime, cache_dir=compile_cache)
+            if isinstance(backend, str)
+            else backend
+        )
         self.worker_id = (
             worker_id or f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         )
@@ -214,6 +227,9 @@ class Worker:
         if isinstance(ended, protocol.ProtocolError) and ended.code != "unknown":
             with trio.move_on_after(2):  # tell the shepherd what it sent wrong; it may be gone
                 await stream.send_error(ended.code, str(ended))
+        elif isinstance(ended, CannotRun):
+            with trio.move_on_after(2):
+                await stream.send_error(protocol.ErrorCode.UNSUPPORTED_BACKEND, str(ended))
         raise ended or ConnectionLost(silent[0] if silent else "the session ended")
 
     async def _compile(self, sender: _Sender, plan_message: protocol.Message) -> None:
@@ -235,6 +251,8 @@ class Worker:
             device_count=info.device_count,
             memory_bytes=info.memory_bytes,
             jax_version=info.jax_version,
+            runtime=protocol.Runtime(info.runtime),
+            target=info.target[: protocol.ID_CHARS],
         )
         await stream.send(
             protocol.WorkerHello(
@@ -273,7 +291,11 @@ class Worker:
                 )
                 init = self.backend.load("init_opt_state", graphs["init_opt_state"])
             except GraphError as exc:
-                raise protocol.MalformedMessage(str(exc)) from None
+                info = self.backend.info
+                raise CannotRun(
+                    f"{exc}; this worker runs {info.describe()} ({info.runtime}): "
+                    "try another --runtime or --backend"
+                ) from None
             self._compiled = {key: (train.call, init.call)}
             self._opt_state = None
         train_chunk, init_opt_state = self._compiled[key]
