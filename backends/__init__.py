@@ -9,14 +9,17 @@ from ._base import (
     GraphError,
     LoadedGraph,
 )
-from ._iree import SOURCE_PLATFORM, IreeBackend
+from ._iree import SOURCE_PLATFORM, IreeBackend, compile_stablehlo
+from ._iree import TARGETS as IREE_TARGETS
 from ._jax import JaxBackend, enable_compilation_cache, select_backend
 
 __all__ = [
     "PLATFORMS",
     "RUNTIMES",
     "SOURCE_PLATFORM",
+    "IREE_TARGETS",
     "IreeBackend",
+    "compile_stablehlo",
     "Backend",
     "BackendInfo",
     "BackendUnavailable",

@@ -11,7 +11,13 @@ import pytest
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.backends import GraphError, IreeBackend, select_backend
+from pcp_tui.backends import (
+    IREE_TARGETS,
+    GraphError,
+    IreeBackend,
+    compile_stablehlo,
+    select_backend,
+)
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.training.build import build_workload
@@ -175,3 +181,25 @@ def test_a_backend_xla_does_not_serve_exits_naming_iree():
     )
     assert result.returncode == 1
     assert "has no vulkan platform; run vulkan with --runtime iree" in result.stderr
+
+
+def test_the_gpt2_step_compiles_for_metal(tmp_path):
+    """No Mac here: compiling for metal-spirv is what shows a regression in CI.
+
+    The layer norm's gradient once made IREE reject the step ("Failed to get an identity
+    value for the reduction operation"); see gpt2._layer_norm.
+    """
+    config = small_config(chunk_steps=1)
+    workload = build_workload(config, shards=1)
+    graphs = build_graphs(
+        workload.loss_fn,
+        workload.params,
+        workload.batch_spec,
+        inner=InnerOptimizer(),
+        chunk_steps=1,
+        eval_batches=1,
+        platforms=("cpu",),
+    )
+    text = jax.export.deserialize(bytearray(graphs.train_chunk)).mlir_module()
+    module = compile_stablehlo(text, IREE_TARGETS["metal"])
+    assert len(module) > 1000

@@ -1,0 +1,114 @@
+"""Tokens/s of one exported train_chunk run by IREE against the same step run by XLA.
+
+Both runtimes get the same artifact bytes (GPT-2 exported with `jax.export` for
+the XLA platform and for cpu, the StableHLO IREE compiles), the same initial
+parameters and the same batches, and run them the way a worker does: chunk after
+chunk, parameters and optimizer state staying on the device, the chunk's losses
+read back each time. The first chunk (compile, warm-up) is not timed; the final
+losses of both runs are printed, so a fast wrong run shows.
+
+    python benchmarks/bench_iree.py                        # CPU: IREE llvm-cpu vs XLA-CPU
+    python benchmarks/bench_iree.py --xla cuda --iree vulkan --iree-flag=--iree-vulkan-target=hopper
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pcp_tui.backends import IreeBackend, select_backend  # noqa: E402
+from pcp_tui.config import RunConfig  # noqa: E402
+from pcp_tui.training.build import build_workload  # noqa: E402
+from pcp_tui.training.export import InnerOptimizer, build_graphs  # noqa: E402
+from pcp_tui.training.shards import sample_batches  # noqa: E402
+
+
+def _time(backend, graphs, workload, batches, chunks: int) -> tuple[float, float, float]:
+    """(compile seconds, seconds per chunk, last loss) of `chunks` timed chunks after one warm-up."""
+    started = time.perf_counter()
+    train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
+    init = backend.load("init_opt_state", graphs.init_opt_state)
+    compiled = time.perf_counter() - started
+    params = tuple(backend.to_device([workload.params[n] for n in graphs.param_names]))
+    opt_state = init.call(params)
+    losses = None
+    for chunk in range(chunks + 1):
+        if chunk == 1:
+            started = time.perf_counter()
+        params, opt_state, losses = train.call(params, opt_state, batches, np.int32(chunk))
+        losses = np.asarray(backend.to_host([losses])[0])  # waits for the device, as a worker does
+    return compiled, (time.perf_counter() - started) / chunks, float(losses[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="GPT-2 preset (default: tiny)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=5, help="inner steps per call (default: 5)")
+    parser.add_argument("--chunks", type=int, default=5, help="timed calls (default: 5)")
+    parser.add_argument("--xla", default="cpu", help="XLA backend, the baseline (default: cpu)")
+    parser.add_argument("--iree", default="cpu", help="IREE backend (default: cpu)")
+    parser.add_argument(
+        "--iree-flag", action="append", default=[], help="extra iree-compile flag (repeatable)"
+    )
+    args = parser.parse_args()
+    config = RunConfig(
+        model=args.model,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        data_max_bytes=2_000_000,
+        eval_batches=1,
+        platforms=("cpu",),
+    )
+    workload = build_workload(config, shards=1)
+    platforms = tuple(dict.fromkeys(("cpu", args.xla)))  # cpu: the lowering IREE compiles
+    graphs = {
+        p: build_graphs(
+            workload.loss_fn,
+            workload.params,
+            workload.batch_spec,
+            inner=InnerOptimizer(lr=1e-3),
+            chunk_steps=args.chunk,
+            eval_batches=1,
+            platforms=(p,),
+        )
+        for p in platforms
+    }
+    batches = sample_batches(
+        workload.shards[0],
+        steps=args.chunk,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        seed=0,
+        stream=(0,),
+    )
+    tokens = args.chunk * args.batch_size * args.seq_len
+    runs = {
+        f"XLA {args.xla}": (select_backend(args.xla, "xla"), graphs[args.xla]),
+        f"IREE {args.iree} {' '.join(args.iree_flag)}".strip(): (
+            IreeBackend(args.iree, flags=args.iree_flag),
+            graphs["cpu"],
+        ),
+    }
+    print(f"GPT-2 {args.model}, batch {args.batch_size}x{args.seq_len}, {args.chunk} steps a call")
+    print(f"{'runtime':<44} {'compile s':>9} {'s/chunk':>9} {'tokens/s':>10} {'ratio':>6} loss")
+    baseline = None
+    for label, (backend, graph) in runs.items():
+        compiled, seconds, loss = _time(backend, graph, workload, batches, args.chunks)
+        rate = tokens / seconds
+        baseline = baseline or rate
+        print(
+            f"{label:<44} {compiled:>9.1f} {seconds:>9.4f} {rate:>10,.0f} "
+            f"{rate / baseline:>6.2f} {loss:.6f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
