@@ -4,8 +4,9 @@ Both runtimes get the same artifact bytes (GPT-2 exported with `jax.export` for
 the XLA platform and for cpu, the StableHLO IREE compiles), the same initial
 parameters and the same batches, and run them the way a worker does: chunk after
 chunk, parameters and optimizer state staying on the device, the chunk's losses
-read back each time. The first chunk (compile, warm-up) is not timed; the final
-losses of both runs are printed, so a fast wrong run shows.
+read back each time. The first chunk (compile, warm-up) is not timed; the timed
+chunks alternate between the runtimes and the median counts; the final losses of
+both runs are printed (equal steps, equal data), so a fast wrong run shows.
 
     python benchmarks/bench_iree.py                        # CPU: IREE llvm-cpu vs XLA-CPU
     python benchmarks/bench_iree.py --xla cuda --iree vulkan --iree-flag=--iree-vulkan-target=hopper
@@ -29,21 +30,29 @@ from pcp_tui.training.export import InnerOptimizer, build_graphs  # noqa: E402
 from pcp_tui.training.shards import sample_batches  # noqa: E402
 
 
-def _time(backend, graphs, workload, batches, chunks: int) -> tuple[float, float, float]:
-    """(compile seconds, seconds per chunk, last loss) of `chunks` timed chunks after one warm-up."""
-    started = time.perf_counter()
-    train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
-    init = backend.load("init_opt_state", graphs.init_opt_state)
-    compiled = time.perf_counter() - started
-    params = tuple(backend.to_device([workload.params[n] for n in graphs.param_names]))
-    opt_state = init.call(params)
-    losses = None
-    for chunk in range(chunks + 1):
-        if chunk == 1:
-            started = time.perf_counter()
-        params, opt_state, losses = train.call(params, opt_state, batches, np.int32(chunk))
-        losses = np.asarray(backend.to_host([losses])[0])  # waits for the device, as a worker does
-    return compiled, (time.perf_counter() - started) / chunks, float(losses[-1])
+class Run:
+    """One runtime's graphs, loaded, with parameters and optimizer state kept on its device."""
+
+    def __init__(self, backend, graphs, workload, batches):
+        started = time.perf_counter()
+        self.backend, self.batches = backend, batches
+        self.train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
+        init = backend.load("init_opt_state", graphs.init_opt_state)
+        self.compile_seconds = time.perf_counter() - started
+        self.params = tuple(backend.to_device([workload.params[n] for n in graphs.param_names]))
+        self.opt_state = init.call(self.params)
+        self.step, self.loss, self.seconds = 0, float("nan"), []
+        self.chunk()  # warm-up: not timed
+
+    def chunk(self) -> float:
+        """Seconds of one call, its losses read back (waiting for the device, as a worker does)."""
+        started = time.perf_counter()
+        self.params, self.opt_state, losses = self.train.call(
+            self.params, self.opt_state, self.batches, np.int32(self.step)
+        )
+        self.loss = float(np.asarray(self.backend.to_host([losses])[0])[-1])
+        self.step += 1
+        return time.perf_counter() - started
 
 
 def main() -> None:
@@ -99,14 +108,20 @@ def main() -> None:
     }
     print(f"GPT-2 {args.model}, batch {args.batch_size}x{args.seq_len}, {args.chunk} steps a call")
     print(f"{'runtime':<44} {'compile s':>9} {'s/chunk':>9} {'tokens/s':>10} {'ratio':>6} loss")
+    loaded = {
+        label: Run(backend, graph, workload, batches) for label, (backend, graph) in runs.items()
+    }
+    for _ in range(args.chunks):  # alternate, so that load from other work hits both alike
+        for run in loaded.values():
+            run.seconds.append(run.chunk())
     baseline = None
-    for label, (backend, graph) in runs.items():
-        compiled, seconds, loss = _time(backend, graph, workload, batches, args.chunks)
+    for label, run in loaded.items():
+        seconds = float(np.median(run.seconds))
         rate = tokens / seconds
         baseline = baseline or rate
         print(
-            f"{label:<44} {compiled:>9.1f} {seconds:>9.4f} {rate:>10,.0f} "
-            f"{rate / baseline:>6.2f} {loss:.6f}"
+            f"{label:<44} {run.compile_seconds:>9.1f} {seconds:>9.4f} {rate:>10,.0f} "
+            f"{rate / baseline:>6.2f} {run.loss:.6f}"
         )
 
 
