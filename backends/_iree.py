@@ -117,8 +117,9 @@ class IreeBackend(Backend):
         try:
             self._device = runtime.get_device(self._target.driver)
         except (ValueError, RuntimeError) as exc:
+            first = str(exc).splitlines()[0][:300]
             raise BackendUnavailable(
-                f"IREE cannot open a {self._target.driver} device here ({exc}); "
+                f"IREE cannot open a {self._target.driver} device here ({first}); "
                 f"install the {platform} driver (for vulkan: the Vulkan loader, e.g. libvulkan1, "
                 "and the GPU vendor's driver), or run with --backend cpu"
             ) from None

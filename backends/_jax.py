@@ -12,12 +12,14 @@ from ._base import RUNTIMES, Backend, BackendInfo, BackendUnavailable, GraphErro
 from ._iree import INSTALL_HINT, IreeBackend
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
-_JAX_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "METAL"}
+# Metal plugins name their platform differently: Apple's jax-metal and metaljax "METAL"/"metal",
+# jax-mps and its forks "mps"; the first one installed wins.
+_JAX_PLATFORM = {"cpu": ("cpu",), "cuda": ("cuda",), "rocm": ("rocm",), "metal": ("METAL", "mps")}
 _INSTALL_HINT = {
     "cpu": "pip install jax jaxlib",
     "cuda": "pip install 'jax[cuda12]' (or jax[cuda13]) on a machine with an NVIDIA GPU and driver",
     "rocm": "pip install jax-rocm7-plugin jax-rocm7-pjrt (see JAX's ROCm install notes) on an AMD GPU",
-    "metal": "pip install jax-metal on an Apple-silicon Mac",
+    "metal": "pip install metaljax (or jax-mps) on an Apple-silicon Mac, or run --runtime iree",
 }
 # The name jax.export uses for a platform when lowering.
 _EXPORT_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "metal"}
@@ -43,12 +45,18 @@ class JaxBackend(Backend):
             raise BackendUnavailable(
                 f"unknown backend {platform!r}; choose one of {sorted(_JAX_PLATFORM)}"
             )
-        try:
-            devices = jax.devices(_JAX_PLATFORM[platform])
-        except RuntimeError as exc:
+        devices, problem = [], ""
+        for name in _JAX_PLATFORM[platform]:
+            try:
+                devices = jax.devices(name)
+                break
+            except RuntimeError as exc:
+                problem = problem or str(exc)
+        if not devices:
             raise BackendUnavailable(
-                f"backend {platform!r} is not available here ({exc}). To use it: {_INSTALL_HINT[platform]}"
-            ) from None
+                f"backend {platform!r} is not available here ({problem}). "
+                f"To use it: {_INSTALL_HINT[platform]}"
+            )
         self._jax = jax
         self._platform = platform
         self._device = devices[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from pcp_tui.backends import (
 )
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.training.build import build_workload
-from pcp_tui.training.export import InnerOptimizer, build_graphs
+from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 from pcp_tui.training.shards import sample_shard
 
 from .conftest import small_config, worker_command, worker_env
@@ -31,6 +33,7 @@ pytest.importorskip("iree.compiler", reason="IREE is the optional extra pcp-tui[
 MLP = f"{Path(__file__).parents[1] / 'examples' / 'mlp_model.py'}:build"
 CHUNK = 3
 LR = 3e-3
+_NO_GRAPHS = TrainingGraphs((), b"", b"", b"", ("cpu",), CHUNK, 0.0)
 # Measured worst cases (GPT-2 tiny): losses 2e-7 relative, Adam's moments 3e-7, parameters 8.5e-5.
 # Adam divides by sqrt(v): a weight whose gradient is mostly float32 rounding moves by up to the
 # learning rate either way, so parameters agree to a fraction of LR, not to float32's epsilon.
@@ -203,3 +206,19 @@ def test_the_gpt2_step_compiles_for_metal(tmp_path):
     text = jax.export.deserialize(bytearray(graphs.train_chunk)).mlir_module()
     module = compile_stablehlo(text, IREE_TARGETS["metal"])
     assert len(module) > 1000
+
+
+def test_iree_workers_get_the_cpu_export_and_cudnn_runs_refuse_them():
+    """Which export serves whom (no export runs: platforms_for only decides)."""
+    P, R = protocol.Platform, protocol.Runtime
+    library = GraphLibrary(lambda platforms: None, ("cpu", "cuda", "rocm"))
+    library.main = dataclasses.replace(_NO_GRAPHS, platforms=library.main_platforms)
+    assert library.platforms_for(P.CUDA, R.XLA) == ("cpu", "cuda", "rocm")
+    assert library.platforms_for(P.METAL, R.XLA) == ("metal",)  # exported when one joins
+    for platform in (P.VULKAN, P.METAL, P.CPU, P.CUDA):  # one portable export, no platform index
+        assert library.platforms_for(platform, R.IREE) == ("cpu",)
+    cudnn = GraphLibrary(lambda platforms: None, ("cuda",), cuda_only="this run uses cuDNN")
+    with pytest.raises(Unservable, match="this run uses cuDNN, which IREE workers cannot run"):
+        cudnn.platforms_for(P.VULKAN, R.IREE)
+    with pytest.raises(Unservable, match="this run uses cuDNN; join with --backend cuda"):
+        cudnn.platforms_for(P.ROCM, R.XLA)
