@@ -218,7 +218,8 @@ class _IreeCall:
             if len(exported.platforms) > 1
             else ()
         )
-        self._in_dtypes = [np.dtype(a.dtype) for a in exported.in_avals]
+        self.in_avals = tuple(exported.in_avals)  # as jax's Compiled has: the round's shape checks
+        self._in_dtypes = [np.dtype(a.dtype) for a in self.in_avals]
         self._function = backend.function(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -20,6 +20,7 @@ from pcp_tui.backends import (
     select_backend,
 )
 from pcp_tui.contract import auth
+from pcp_tui.contract.checks import expected_shapes
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.training.build import build_workload
@@ -104,6 +105,10 @@ def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
     )
     assert moved > 10 * PARAM_ATOL  # the chunk trained: equal numbers are not equal garbage
     assert any((iree_cache / "iree").glob("*.vmfb"))  # compiled modules went to the cache
+    # a worker checks each round's parameters against the shapes its graph expects
+    init = IreeBackend("cpu", cache_dir=iree_cache).load("init_opt_state", graphs.init_opt_state)
+    shapes = {n: workload.params[n].shape for n in graphs.param_names}
+    assert expected_shapes(init.call, graphs.param_names) == shapes
 
 
 def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
