@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 from pathlib import Path
 
@@ -179,16 +180,32 @@ async def _join_as(port: int, platform: protocol.Platform, runtime: protocol.Run
     return answer
 
 
-def test_a_backend_xla_does_not_serve_exits_naming_iree():
+@pytest.mark.parametrize(
+    ("options", "without_iree", "says"),
+    [
+        (
+            ("--backend", "vulkan", "--runtime", "xla"),
+            False,
+            "has no vulkan platform; run vulkan with --runtime iree",
+        ),
+        (
+            ("--backend", "cpu", "--runtime", "iree"),
+            True,
+            "--runtime iree needs IREE's compiler and runtime: pip install 'pcp-tui[iree]'",
+        ),
+    ],
+)
+def test_a_worker_that_cannot_run_exits_saying_what_to_do(options, without_iree, says, tmp_path):
+    env = worker_env()
+    if without_iree:  # an `iree` package without the compiler and runtime shadows the real one
+        (tmp_path / "iree").mkdir()
+        (tmp_path / "iree" / "__init__.py").write_text("")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     result = subprocess.run(
-        worker_command(1, "--backend", "vulkan", "--runtime", "xla"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=worker_env(),
+        worker_command(1, *options), capture_output=True, text=True, timeout=60, env=env
     )
     assert result.returncode == 1
-    assert "has no vulkan platform; run vulkan with --runtime iree" in result.stderr
+    assert says in result.stderr
 
 
 def test_the_gpt2_step_compiles_for_metal(tmp_path):
