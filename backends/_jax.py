@@ -167,7 +167,11 @@ def _device_memory(device: Any) -> int:
 
 
 def select_backend(
-    name: str = "auto", runtime: str = "auto", *, cache_dir: str | os.PathLike | None = None
+    name: str = "auto",
+    runtime: str = "auto",
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    iree_flags: Sequence[str] = (),
 ) -> Backend:
     """Pick a backend and the runtime that runs graphs on it.
 
@@ -175,7 +179,8 @@ def select_backend(
     iree: vulkan, metal, then cpu). `runtime` auto is XLA where JAX serves the
     platform and IREE where only IREE does (vulkan; metal without a JAX plugin).
     `cache_dir` holds IREE's compiled modules (XLA's cache is global:
-    `enable_compilation_cache`).
+    `enable_compilation_cache`); `iree_flags` go to IREE's compiler (e.g.
+    `--iree-vulkan-target=ampere` for GPU-specific code).
     """
     if runtime not in ("auto", *RUNTIMES):
         raise BackendUnavailable(f"unknown runtime {runtime!r}; choose one of {RUNTIMES}")
@@ -183,18 +188,18 @@ def select_backend(
         order = ("vulkan", "metal") if runtime == "iree" else ("cuda", "rocm", "metal")
         for platform in order:
             try:
-                return select_backend(platform, runtime, cache_dir=cache_dir)
+                return select_backend(platform, runtime, cache_dir=cache_dir, iree_flags=iree_flags)
             except BackendUnavailable:
                 continue
-        return select_backend("cpu", runtime, cache_dir=cache_dir)
+        return select_backend("cpu", runtime, cache_dir=cache_dir, iree_flags=iree_flags)
     if runtime == "iree" or (runtime == "auto" and name not in _JAX_PLATFORM):
-        return IreeBackend(name, cache_dir=cache_dir)
+        return IreeBackend(name, cache_dir=cache_dir, flags=iree_flags)
     if runtime == "auto" and name == "metal":
         try:
             return JaxBackend(name)
         except BackendUnavailable as exc:
             try:
-                return IreeBackend(name, cache_dir=cache_dir)
+                return IreeBackend(name, cache_dir=cache_dir, flags=iree_flags)
             except BackendUnavailable:
                 raise exc from None
     if name not in _JAX_PLATFORM:

@@ -205,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
         "only IREE does, e.g. vulkan (default: auto)",
     )
     worker.add_argument(
+        "--iree-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra iree-compile flag for --runtime iree (repeatable), e.g. "
+        "--iree-flag=--iree-vulkan-target=ampere for code made for the GPU (IREE's generic "
+        "Vulkan target is much slower)",
+    )
+    worker.add_argument(
         "--id", dest="worker_id", default=None, help="stable worker id (default: host-pid-random)"
     )
     worker.add_argument(

@@ -283,6 +283,7 @@ def run_worker(args: argparse.Namespace) -> int:
             backend=args.backend,
             runtime=args.runtime,
             compile_cache=args.compile_cache or None,
+            iree_flags=tuple(args.iree_flag),
             worker_id=args.worker_id,
             reconnect=not args.no_reconnect,
             give_up_after=args.give_up_after,

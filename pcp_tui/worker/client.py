@@ -103,6 +103,7 @@ class Worker:
         backend: str | Backend = "auto",
         runtime: str = "auto",
         compile_cache: str | None = None,
+        iree_flags: tuple[str, ...] = (),
         worker_id: str | None = None,
         reconnect: bool = True,
         max_backoff: float = 30.0,
@@ -114,7 +115,7 @@ class Worker:
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
         self.backend = (
-            select_backend(backend, runtime, cache_dir=compile_cache)
+            select_backend(backend, runtime, cache_dir=compile_cache, iree_flags=iree_flags)
             if isinstance(backend, str)
             else backend
         )
