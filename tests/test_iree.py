@@ -244,3 +244,52 @@ def test_iree_workers_get_the_cpu_export_and_cudnn_runs_refuse_them():
         cudnn.platforms_for(P.VULKAN, R.IREE)
     with pytest.raises(Unservable, match="this run uses cuDNN; join with --backend cuda"):
         cudnn.platforms_for(P.ROCM, R.XLA)
+
+
+EIGH_MODEL = """
+import jax.numpy as jnp
+import numpy as np
+import pcp_tui
+
+
+def init(key):
+    return {"w": jnp.eye(4)}
+
+
+def loss(params, batch):
+    # eigvalsh lowers to a LAPACK custom call on the CPU: XLA runs it, IREE has no lowering
+    return jnp.mean(jnp.linalg.eigvalsh(params["w"] @ params["w"].T)) + jnp.mean(batch["x"] @ params["w"])
+
+
+def build(config):
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    return pcp_tui.ModelSpec("eigh", init, loss, pcp_tui.Dataset(train={"x": x}, val={"x": x[:16]}))
+"""
+
+
+@pytest.mark.e2e
+def test_a_worker_whose_iree_cannot_compile_the_graphs_tells_the_shepherd_and_leaves(
+    tmp_path, spawn_worker
+):
+    model = tmp_path / "eigh_model.py"
+    model.write_text(EIGH_MODEL)
+    config = small_config(model=f"{model}:build", batch_size=8, workers=1, rounds=1)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    exits = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            worker = spawn_worker(port, "--runtime", "iree", "--id", "eigh", "--quiet")
+            exits.append(await trio.to_thread.run_sync(worker.wait, 60))  # reconnect is on
+            exits.append(worker.stdout.read())
+            shepherd.request_stop("the test is over")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    returncode, output = exits
+    op = "op stablehlo.custom_call 'lapack_ssyevd_ffi' has no IREE lowering"
+    assert returncode == 1 and op in output and "(not retrying)" in output
+    reason = shepherd.state.workers["eigh"].reason
+    assert reason.startswith("the worker reported unsupportedBackend: graph 'train_chunk'")
+    assert op in reason and "try another --runtime or --backend" in reason
