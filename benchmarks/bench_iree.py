@@ -9,7 +9,7 @@ chunks alternate between the runtimes and the median counts; the final losses of
 both runs are printed (equal steps, equal data), so a fast wrong run shows.
 
     python benchmarks/bench_iree.py                        # CPU: IREE llvm-cpu vs XLA-CPU
-    python benchmarks/bench_iree.py --xla cuda --iree vulkan --iree-flag=--iree-vulkan-target=hopper
+    python benchmarks/bench_iree.py --xla cuda --iree vulkan --iree-flag=--iree-vulkan-target=ampere
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class GraphLibrary:
     @classmethod
     def for_run(cls, config: RunConfig, workload: Workload, inner: InnerOptimizer) -> GraphLibrary:
         """The graphs of `workload` trained with `inner` as `config` says (chunk, attention)."""
-        cudnn = config.attention == "cudnn"
+        cudnn = config.model.attention == "cudnn"
 
         def export(platforms: tuple[str, ...]) -> TrainingGraphs:
             return build_graphs(
@@ -61,7 +61,7 @@ class GraphLibrary:
                 workload.params,  # for shapes only
                 workload.batch_spec,
                 inner=inner,
-                chunk_steps=config.chunk,
+                chunk_steps=config.inner.chunk,
                 eval_batches=workload.eval_batch_count,
                 platforms=platforms,
                 custom_calls=CUDNN_ATTENTION_CALLS if cudnn else (),
@@ -70,7 +70,7 @@ class GraphLibrary:
         # cuDNN attention exists only on CUDA, and its kernels are custom calls
         return cls(
             export,
-            ("cuda",) if cudnn else tuple(config.platforms),
+            ("cuda",) if cudnn else tuple(config.model.platforms),
             cuda_only="this run uses --attention cudnn" if cudnn else "",
         )
 

@@ -129,7 +129,7 @@ class WorkerPool:
         holding the token cannot tie up the shepherd with idle or slow connections.
         """
         previous = self._links.get(worker_id)
-        timeout = self.config.heartbeat_timeout
+        timeout = self.config.network.heartbeat_timeout
         alive = previous is not None and not previous.closed
         if alive and (previous.admitting or previous.silent_for() <= timeout):
             return protocol.ErrorCode.ID_IN_USE, (
@@ -230,7 +230,7 @@ class WorkerPool:
         except Unservable as exc:
             await link.stream.send_error(protocol.ErrorCode.UNSUPPORTED_BACKEND, str(exc))
             raise WorkerLost(str(exc)) from None
-        welcome = protocol.Welcome(link.view.index, self.run_id, cfg.heartbeat_seconds)
+        welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
         sent = await link.send(welcome)
         log.debug("worker %d: sent welcome (%d bytes)", link.view.index, sent)
         link.view.state = "compiling"
@@ -274,18 +274,18 @@ class WorkerPool:
                 for name in ("train_chunk", "init_opt_state")
             ),
             param_names=tuple(graphs.param_names),
-            inner_steps=cfg.inner_steps,
+            inner_steps=cfg.inner.steps,
             chunk_steps=graphs.chunk_steps,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            seed=cfg.seed,
+            batch_size=cfg.data.batch_size,
+            seq_len=cfg.data.seq_len,
+            seed=cfg.model.seed,
             shard_tensor=shipped.shard_tensor,
             shard_fingerprint=shipped.fingerprint,
             worker_slot=slot,
-            compression=protocol.Quantization(cfg.compression),
+            compression=protocol.Quantization(cfg.outer.compression),
             batch_kind=shipped.batch_kind,
             data_tensors=shipped.data_tensors,
-            tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.seq_len),
+            tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.data.seq_len),
         )
         return plan, tensors
 
@@ -359,7 +359,7 @@ class WorkerPool:
         view.step = body.step
         view.total_steps = body.total_steps
         view.loss = body.loss
-        global_step = (max(body.round, 1) - 1) * self.config.inner_steps + view.step
+        global_step = (max(body.round, 1) - 1) * self.config.inner.steps + view.step
         self.state.step_losses.append((global_step, body.loss, view.index))
         view.tokens_per_second = body.tokens_per_second
 
@@ -400,14 +400,14 @@ class WorkerPool:
     async def _heartbeats(self, link: WorkerLink) -> None:
         try:
             while True:
-                await trio.sleep(self.config.heartbeat_seconds)
+                await trio.sleep(self.config.network.heartbeat_seconds)
                 sent = await link.send(protocol.Heartbeat(time.time()))
                 log.debug("worker %d: sent heartbeat (%d bytes)", link.view.index, sent)
         except CONNECTION_ERRORS:
             return  # the receive loop sees the broken connection and reports it
 
     async def _watchdog(self, link: WorkerLink, scope: trio.CancelScope) -> None:
-        timeout = self.config.heartbeat_timeout
+        timeout = self.config.network.heartbeat_timeout
         while True:
             await trio.sleep(min(1.0, timeout / 4))
             if link.admitting:  # waiting for a result slot is neither silence nor slowness
@@ -435,7 +435,7 @@ class WorkerPool:
             return ""
         started, received = partial
         elapsed = time.monotonic() - max(started, link.view.last_heard)
-        rate, grace = self.config.min_upload_rate, self.config.upload_grace
+        rate, grace = self.config.security.min_upload_rate, self.config.security.upload_grace
         if received >= rate * (elapsed - grace):
             return ""
         return (

@@ -15,6 +15,7 @@ import os
 import platform as host_platform
 import random
 import secrets
+import shlex
 import socket
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ import trio
 
 from pcp_tui import __version__, protocol
 from pcp_tui.backends import Backend, GraphError, select_backend
+from pcp_tui.config import WorkerConfig
 from pcp_tui.contract import auth
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import expected_shapes, round_start_problem
@@ -96,35 +98,37 @@ class Training:
 class Worker:
     def __init__(
         self,
-        host: str,
-        port: int,
+        config: WorkerConfig,
         *,
-        token: str,
-        backend: str | Backend = "auto",
-        runtime: str = "auto",
-        compile_cache: str | None = None,
-        iree_flags: tuple[str, ...] = (),
-        worker_id: str | None = None,
-        reconnect: bool = True,
-        max_backoff: float = 30.0,
-        give_up_after: float = 1800.0,
+        backend: Backend | None = None,
         tls: ClientTLS | None = None,
         trace: MessageTrace | None = None,
+        max_backoff: float = 30.0,
     ):
-        self.host, self.port, self.token = host, port, token
+        """A worker with `config`'s settings; `config.connection.token` must be set.
+
+        `backend` overrides `config.compute.backend` with one already built;
+        `tls` and `trace` are built from the config by the caller (`launch.run_worker`),
+        which turns their errors into exit codes.
+        """
+        connection = config.connection
+        host, port = connection.address
+        self.host, self.port, self.token = host, port, connection.token
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
-        self.backend = (
-            select_backend(backend, runtime, cache_dir=compile_cache, iree_flags=iree_flags)
-            if isinstance(backend, str)
-            else backend
+        compute = config.compute
+        self.backend = backend or select_backend(
+            compute.backend,
+            compute.runtime,
+            cache_dir=compute.compile_cache or None,
+            iree_flags=tuple(shlex.split(compute.iree_flags)),
         )
-        self.worker_id = (
-            worker_id or f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.worker_id = connection.worker_id or (
+            f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         )
-        self.reconnect = reconnect
+        self.reconnect = connection.reconnect
         self.max_backoff = max_backoff
-        self.give_up_after = give_up_after  # seconds without being admitted before exiting
+        self.give_up_after = connection.give_up_after  # seconds without being admitted
         self._last_contact = time.monotonic()  # of a welcome (or the start); see _backoff
         self._attempts = 0  # failed connects or sessions since then
         self._admitted = False  # the current session got its welcome
