@@ -87,8 +87,8 @@ def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
         "rows" if model == MLP else "windows",
         tuple(shard.values()) if model == MLP else shard,
         steps=CHUNK,
-        batch_size=config.batch_size,
-        seq_len=config.seq_len,
+        batch_size=config.data.batch_size,
+        seq_len=config.data.seq_len,
         seed=0,
         stream=(0, 1, 0),
     )
