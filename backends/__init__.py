@@ -3,10 +3,13 @@
 from ._base import (
     PLATFORMS,
     RUNTIMES,
+    Axis,
     Backend,
     BackendInfo,
     BackendUnavailable,
     GraphError,
+    Layout,
+    LayoutFor,
     LoadedGraph,
 )
 from ._iree import SOURCE_PLATFORM, IreeBackend, compile_stablehlo
@@ -20,11 +23,14 @@ __all__ = [
     "IREE_TARGETS",
     "IreeBackend",
     "compile_stablehlo",
+    "Axis",
     "Backend",
     "BackendInfo",
     "BackendUnavailable",
     "GraphError",
     "JaxBackend",
+    "Layout",
+    "LayoutFor",
     "LoadedGraph",
     "enable_compilation_cache",
     "select_backend",

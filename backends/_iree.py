@@ -26,7 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from ._base import Backend, BackendInfo, BackendUnavailable, GraphError, LoadedGraph
+from ._base import (
+    Axis,
+    Backend,
+    BackendInfo,
+    BackendUnavailable,
+    GraphError,
+    LayoutFor,
+    LoadedGraph,
+)
 
 INSTALL_HINT = "pip install 'pcp-tui[iree]'"
 
@@ -143,9 +151,17 @@ class IreeBackend(Backend):
         return self._target.compiler_backend
 
     def load(
-        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
+        self,
+        name: str,
+        serialized: bytes,
+        *,
+        donate_argnums: Sequence[int] = (),
+        layout: LayoutFor | None = None,
     ) -> LoadedGraph:
-        """Compile the artifact's StableHLO for this device (or read it from the cache)."""
+        """Compile the artifact's StableHLO for this device (or read it from the cache).
+
+        One device: `layout` (for backends of several devices) is never passed here.
+        """
         exported = _deserialize(name, serialized)
         if SOURCE_PLATFORM not in exported.platforms:
             raise GraphError(
@@ -193,7 +209,9 @@ class IreeBackend(Backend):
         context.add_vm_module(vm_module)
         return context.modules[vm_module.name][entry]
 
-    def to_device(self, arrays: Sequence[np.ndarray]) -> list[Any]:
+    def to_device(
+        self, arrays: Sequence[np.ndarray], axes: Sequence[Axis] | None = None
+    ) -> list[Any]:
         return [self._runtime.asdevicearray(self._device, np.asarray(a)) for a in arrays]
 
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:

@@ -100,7 +100,7 @@ def main() -> None:
     )
     tokens = args.chunk * args.batch_size * args.seq_len
     runs = {
-        f"XLA {args.xla}": (select_backend(args.xla, "xla"), graphs[args.xla]),
+        f"XLA {args.xla}": (select_backend(args.xla, 1, runtime="xla"), graphs[args.xla]),
         f"IREE {args.iree} {' '.join(args.iree_flag)}".strip(): (
             IreeBackend(args.iree, flags=args.iree_flag),
             graphs["cpu"],

@@ -92,7 +92,7 @@ def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
         seed=0,
         stream=(0, 1, 0),
     )
-    xla = _run(select_backend("cpu", "xla"), graphs, workload, batches)
+    xla = _run(select_backend("cpu", runtime="xla"), graphs, workload, batches)
     iree = _run(IreeBackend("cpu", cache_dir=iree_cache), graphs, workload, batches)
     for ours, theirs in zip(xla[0], iree[0], strict=True):
         np.testing.assert_allclose(theirs, ours, rtol=0, atol=PARAM_ATOL)

@@ -53,7 +53,11 @@ def load_config_file(path: str | Path, root: type[Sections] = RunConfig) -> dict
 
 def _checked(spec: Spec, value: Any, key: str, path: Path) -> Any:
     """`value` if it has the option's type (an int is a float too); else a ConfigError."""
-    if spec.type is tuple:
+    if spec.option.table:
+        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+            return tuple(value.items())
+        wanted = 'a table of "pattern" = "layout"'
+    elif spec.type is tuple:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)
         wanted = "a list of strings"
@@ -95,8 +99,14 @@ def reference_toml(root: type[Sections] = RunConfig) -> str:
             value = getattr(getattr(defaults, section), spec.name)
             shown = spec.option.example if value is None else value
             flag = f"{spec.flag}: " if spec.option.cli else ""
-            lines += [f"# {flag}{spec.description}", f"# {spec.name} = {_toml(shown)}"]
+            written = _table(shown) if spec.option.table else _toml(shown)
+            lines += [f"# {flag}{spec.description}", f"# {spec.name} = {written}"]
     return "\n".join(lines) + "\n"
+
+
+def _table(pairs: tuple[tuple[str, str], ...]) -> str:
+    """A TOML inline table for (key, value) string pairs."""
+    return "{" + ", ".join(f"{_toml(k)} = {_toml(v)}" for k, v in pairs) + "}"
 
 
 def _toml(value: Any) -> str:

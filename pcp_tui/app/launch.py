@@ -209,6 +209,8 @@ async def _worker_process(
             "--id",
             f"local-{index}",
             "--quiet",
+            "--devices",  # the demo's workers share this host: one device each
+            "1",
             *(("--parent-fd", str(parent_end)) if posix else ()),
             *(shepherd.tls.worker_flags() if shepherd.tls else ()),
         ),

@@ -54,6 +54,7 @@ from pcp_tui.config.run import (
     OuterConfig,
     RunConfig,
     SecurityConfig,
+    ShardingConfig,
 )
 from pcp_tui.config.worker import (
     BACKENDS,
@@ -90,6 +91,7 @@ __all__ = [
     "RunConfig",
     "Sections",
     "SecurityConfig",
+    "ShardingConfig",
     "Spec",
     "WorkerConfig",
     "flat_names",

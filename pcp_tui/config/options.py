@@ -49,6 +49,7 @@ class Option:
     hidden: bool = False  # a flag left out of --help (for pcp-tui's own use)
     required: bool = False  # on the command line
     metavar: str | None = None
+    table: bool = False  # a tuple of (key, value) strings, written as a TOML table
 
     def rule(self) -> str | None:
         """The range or choice as the error states it, e.g. 'must be at least 1'."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pcp_tui.config.options import ConfigError, Sections, option
+from pcp_tui.training import sharding
 
 QUANTIZATIONS = ("none", "bfloat16", "int8Block")
 # A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
@@ -291,6 +292,48 @@ class OperatorConfig:
             )
 
 
+@dataclass(frozen=True)
+class ShardingConfig:
+    """sharding: where a worker of several devices puts each parameter (pcp_tui.training.sharding)"""
+
+    mode: str = option(
+        "data",
+        flat="sharding_mode",
+        choices=sharding.MODES,
+        cli=False,
+        help="layout of parameters no rule names: data (a copy on each device) or fsdp "
+        "(matrices split over the devices)",
+    )
+    rules: tuple[tuple[str, str], ...] = option(
+        (),
+        flat="sharding_rules",
+        cli=False,
+        table=True,
+        help='parameter-name patterns and their layout, first match wins: {"h.*.mlp.*" = "fsdp"}',
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rules, dict):  # a TOML table: {"pattern" = "layout"}
+            object.__setattr__(self, "rules", tuple(self.rules.items()))
+
+    def check(self) -> None:
+        problem = sharding.problem(self.mode, self.rules)
+        if problem:
+            raise ConfigError(problem)
+
+    def to_wire(self):
+        """The plan's `protocol.Sharding` for this section."""
+        from pcp_tui import protocol
+
+        return protocol.Sharding(
+            mode=protocol.ShardingMode(self.mode),
+            rules=tuple(
+                protocol.ShardingRule(pattern, protocol.ParamLayout(layout))
+                for pattern, layout in self.rules
+            ),
+        )
+
+
 @dataclass(frozen=True, init=False)
 class RunConfig(Sections):
     """Every option of a run. Read nested (`config.inner.steps`); build with flat names too.
@@ -309,6 +352,7 @@ class RunConfig(Sections):
     security: SecurityConfig = field(default_factory=SecurityConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     operator: OperatorConfig = field(default_factory=OperatorConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
     @property
     def worker_connections(self) -> int:

@@ -66,10 +66,11 @@ class ConnectionConfig:
         1800.0,
         at_least=0,
         metavar="SECONDS",
-        help="stop reconnecting (exit 1) after this long without being admitted by the shepherd "
-        "(a TCP connect that is then refused does not count); retries wait about 1 s, then "
-        "twice as long each time, up to 30 s: a run that ended while this worker was cut off "
-        "never says goodbye to it",
+        help="the total time to spend trying to get in, or back in after a lost connection, "
+        "before giving up (exit 1): connects, handshakes and the waits between them all count, "
+        "and a connect that is then refused is no welcome; retries wait about 1 s, then twice "
+        "as long each time, up to 30 s, jittered: a run that ended while this worker was cut "
+        "off never says goodbye to it",
     )
     tls_ca: str | None = option(
         None,
@@ -117,11 +118,29 @@ class ComputeConfig:
         "--iree-flags=--iree-vulkan-target=ampere for code made for the GPU (IREE's generic "
         "Vulkan target is much slower)",
     )
+    devices: str = option(
+        "all",
+        metavar="all|N",
+        help="train on all (or the first N) local devices of the backend as one worker: the "
+        "batch is split across them and the run's [sharding] places the parameters; the run's "
+        "--batch-size must be a multiple of N",
+    )
     compile_cache: str = option(
         factory=default_compile_cache,
         metavar="DIR",
         help="keep compiled graphs here so a restart does not recompile ('' to disable)",
     )
+
+    @property
+    def device_count(self) -> int | None:
+        """--devices as a count: None for all."""
+        return None if self.devices == "all" else int(self.devices)
+
+    def check(self) -> None:
+        if self.devices != "all" and not (self.devices.isdigit() and int(self.devices) >= 1):
+            raise ConfigError(
+                f"--devices must be all or a positive number of devices, got {self.devices!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
+from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.graphs import GraphLibrary
 from pcp_tui.shepherd.ledger import ShardLedger
@@ -80,8 +81,7 @@ class Shepherd:
         )
         self._stop_reason: str | None = None
         self._failure: str | None = None
-        self._checkpoint_written = trio.Event()  # set while no checkpoint write is in flight
-        self._checkpoint_written.set()
+        self._checkpoints = CheckpointWriter(config.checkpoints.dir, self.state)
         self._paused = False
         self._resumed = trio.Event()
         self._eval = None
@@ -316,7 +316,7 @@ class Shepherd:
             and self.state.history[-1].round % cfg.checkpoints.every
         ):
             await self._checkpoint(self.state.history[-1].round, nursery)
-        await self._checkpoint_written.wait()
+        await self._checkpoints.idle()
         if self._failure:
             raise RunFailed(self._failure)
         self.state.status = "stopped" if self._stop_reason else "done"
@@ -329,15 +329,7 @@ class Shepherd:
         )
 
     async def _checkpoint(self, number: int, nursery: trio.Nursery) -> None:
-        """Save the run after round `number` off the round's path; a failed write is reported.
-
-        The parameters and optimizer state are copied here (the next round's outer
-        step updates them in place) and written by a task in the run's `nursery`
-        while the next round trains; at most one write is in flight, so a second
-        checkpoint waits for the first. Whatever the writer raises ends as a
-        `checkpoint_failed` event, and the previous checkpoint stays the latest.
-        """
-        await self._checkpoint_written.wait()
+        """Save the run after round `number` off the round's path (see CheckpointWriter)."""
         meta = {
             "run_id": self.run_id,
             "model": self.workload.name,
@@ -348,38 +340,13 @@ class Shepherd:
             "shard_ledger": self.state.shards.as_meta(),
             "eval_loss": _last_eval(self.state),
         }
-        params, state = await trio.to_thread.run_sync(self._snapshot)
-        self._checkpoint_written = trio.Event()
-        nursery.start_soon(self._write_checkpoint, number, params, state, meta)
+        await self._checkpoints.save(number, meta, self._snapshot, nursery)
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         state = {**self.outer.state_arrays(), **self._mean.state_arrays()}
         return (
             {n: p.copy() for n, p in self.params.items()},
             {n: np.array(v, copy=True) for n, v in state.items()},
-        )
-
-    async def _write_checkpoint(self, number: int, params: dict, state: dict, meta: dict) -> None:
-        try:
-            path = await trio.to_thread.run_sync(
-                lambda: checkpoint.save(
-                    self.config.checkpoints.dir,
-                    round=number,
-                    params=params,
-                    outer_state=state,
-                    meta=meta,
-                )
-            )
-        except checkpoint.CheckpointError as exc:
-            self.state.emit("checkpoint_failed", str(exc), round=number)
-            return
-        finally:
-            self._checkpoint_written.set()
-        self.state.emit(
-            "checkpoint",
-            f"checkpoint of round {number} saved to {path}",
-            round=number,
-            path=str(path),
         )
 
     async def _wait_for_workers(self, count: int, message: str) -> None:
@@ -528,6 +495,7 @@ def _settings(config: RunConfig) -> dict:
         "batch_size": config.data.batch_size,
         "seq_len": config.data.seq_len,
         "compression": config.outer.compression,
+        "sharding": config.sharding.mode,  # inside multi-device workers: data | fsdp
     }
 
 
