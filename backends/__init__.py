@@ -1,7 +1,8 @@
-"""Where graphs run: one small interface and its JAX implementation."""
+"""Where graphs run: one small interface, run by XLA (through JAX) or by IREE."""
 
 from ._base import (
     PLATFORMS,
+    RUNTIMES,
     Axis,
     Backend,
     BackendInfo,
@@ -12,10 +13,17 @@ from ._base import (
     LoadedGraph,
     MemoryUse,
 )
+from ._iree import SOURCE_PLATFORM, IreeBackend, compile_stablehlo
+from ._iree import TARGETS as IREE_TARGETS
 from ._jax import JaxBackend, enable_compilation_cache, select_backend
 
 __all__ = [
     "PLATFORMS",
+    "RUNTIMES",
+    "SOURCE_PLATFORM",
+    "IREE_TARGETS",
+    "IreeBackend",
+    "compile_stablehlo",
     "Axis",
     "Backend",
     "BackendInfo",

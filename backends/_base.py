@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-PLATFORMS = ("cpu", "cuda", "rocm", "metal")
+PLATFORMS = ("cpu", "cuda", "rocm", "metal", "vulkan")
+RUNTIMES = ("xla", "iree")  # XLA through JAX, or IREE compiling the graph's StableHLO
 
 
 class BackendUnavailable(RuntimeError):
@@ -22,18 +23,22 @@ class GraphError(RuntimeError):
 
 @dataclass(frozen=True)
 class BackendInfo:
-    platform: str  # cpu | cuda | rocm | metal
+    platform: str  # cpu | cuda | rocm | metal | vulkan
     device_kind: str  # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
     device_count: int
     memory_bytes: int
     jax_version: str
-    runtime: str = "xla"  # what compiles and runs the graphs
+    runtime: str = "xla"  # xla | iree
+    target: str = (
+        ""  # what the runtime compiles for: the XLA platform, or IREE's e.g. "vulkan-spirv"
+    )
 
     def describe(self) -> str:
+        via = f" ({self.runtime} {self.target})" if self.runtime != "xla" else ""
         if self.platform == "cpu":
-            return "cpu"
+            return f"cpu{via}"
         count = f" x{self.device_count}" if self.device_count > 1 else ""
-        return f"{self.platform} {self.device_kind}{count}"
+        return f"{self.platform} {self.device_kind}{count}{via}"
 
 
 Axis = int | None  # the axis of an array split over a backend's devices; None: a copy on each

@@ -9,7 +9,7 @@ turns it into bytes and back. It never imports `pcp_tui` or `backends`.
     if isinstance(message.body, protocol.RoundResult): ...
 
 Message bodies are frozen dataclasses (`_messages`), checked field by field at
-decode; closed sets (`Phase`, `Platform`, `BatchKind`, `ErrorCode`,
+decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,
 `Quantization`) are enums in the schema and here.
 """
 
@@ -53,6 +53,7 @@ from ._messages import (
     Ready,
     RoundResult,
     RoundStart,
+    Runtime,
     Sharding,
     ShardingMode,
     ShardingRule,
@@ -88,6 +89,7 @@ __all__ = [
     "Phase",
     "Plan",
     "Platform",
+    "Runtime",
     "Progress",
     "Quantization",
     "Ready",

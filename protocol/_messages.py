@@ -40,6 +40,13 @@ class Platform(enum.StrEnum):
     VULKAN = "vulkan"
 
 
+class Runtime(enum.StrEnum):
+    """What compiles and runs a worker's graphs: XLA through JAX, or IREE from their StableHLO."""
+
+    XLA = "xla"
+    IREE = "iree"
+
+
 class Phase(enum.StrEnum):
     """What a worker says it is doing; the only states its progress can show."""
 
@@ -98,6 +105,7 @@ class ErrorCode(enum.StrEnum):
 # Python enum -> its schema enum; checked below so that the two never drift apart.
 _SCHEMA_ENUMS: dict[type[enum.Enum], Any] = {
     Platform: SCHEMA.Platform,
+    Runtime: SCHEMA.Runtime,
     Phase: SCHEMA.Phase,
     BatchKind: SCHEMA.BatchKind,
     ShardingMode: SCHEMA.ShardingMode,
@@ -145,7 +153,8 @@ class BackendInfo:
     device_count: int = 0
     memory_bytes: int = 0
     jax_version: str = _text()
-    runtime: str = _text()
+    runtime: Runtime = Runtime.XLA
+    target: str = _text()
 
 
 @dataclass(frozen=True)

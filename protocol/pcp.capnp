@@ -62,6 +62,11 @@ enum Platform {
   vulkan @4;
 }
 
+enum Runtime {
+  xla @0;   # XLA through JAX, on the platform's JAX plugin
+  iree @1;  # IREE, compiling the graph's StableHLO on the worker
+}
+
 enum Phase {
   compiling @0;
   training @1;
@@ -80,7 +85,8 @@ struct BackendInfo {
   deviceCount @2 :UInt32;
   memoryBytes @3 :UInt64;
   jaxVersion @4 :Text;
-  runtime @5 :Text;            # what compiles and runs the graphs: "xla" (through JAX), "iree"
+  runtime @5 :Runtime;         # what compiles and runs the graphs on this worker
+  target @6 :Text;             # what it compiles for: the XLA platform, or IREE's e.g. "vulkan-spirv"
 }
 
 # shepherd -> worker, the first message on a connection.

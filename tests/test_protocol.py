@@ -27,7 +27,8 @@ BACKEND = protocol.BackendInfo(
     device_count=1,
     memory_bytes=80 * 2**30,
     jax_version="0.11.2",
-    runtime="xla",
+    runtime=protocol.Runtime.IREE,  # not the default: the round trip shows it crossed the wire
+    target="cuda",
 )
 
 # One realistic typed body (and tensors) per message kind; floats are float32-exact.

@@ -48,7 +48,7 @@ class WorkerView:
     rounds_contributed: int = 0
     reason: str = ""
     shard: int | None = None  # the data shard it trains (see ShardLedger)
-    runtime: str = ""  # what runs its graphs: "xla" (JAX), "iree"; "" if it did not say
+    runtime: str = "xla"  # what runs its graphs: "xla" (JAX) or "iree"
     devices: int = 1  # local devices it trains on as one worker (pcp-tui worker --devices)
     compile_seconds: float | None = None
     # its own statistics, from its latest progress message (WorkerStats)
