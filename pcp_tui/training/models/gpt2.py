@@ -107,7 +107,7 @@ def _attention(config: GPTConfig, p: Params, prefix: str, x: jax.Array) -> jax.A
     b, t, c = x.shape
     qkv = x @ p[prefix + "c_attn.w"] + p[prefix + "c_attn.b"]
     q, k, v = (qkv.reshape(b, t, 3, config.n_head, c // config.n_head)[:, :, i] for i in range(3))
-    implementation = None if config.model.attention == "xla" else config.model.attention
+    implementation = None if config.attention == "xla" else config.attention
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return y.reshape(b, t, c) @ p[prefix + "c_proj.w"] + p[prefix + "c_proj.b"]
 
@@ -122,13 +122,13 @@ def _logits(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
     t = tokens.shape[1]
     if t > config.block_size:
         raise ValueError(f"sequence length {t} is longer than block_size {config.block_size}")
-    if config.model.attention not in ("xla", "cudnn"):
-        raise ValueError(f"attention must be 'xla' or 'cudnn', got {config.model.attention!r}")
-    if config.model.attention == "cudnn" and config.model.compute_dtype == "float32":
+    if config.attention not in ("xla", "cudnn"):
+        raise ValueError(f"attention must be 'xla' or 'cudnn', got {config.attention!r}")
+    if config.attention == "cudnn" and config.compute_dtype == "float32":
         raise ValueError(
             "cuDNN attention needs compute_dtype='bfloat16' (it has no float32 kernel)"
         )
-    dtype = jnp.dtype(config.model.compute_dtype)
+    dtype = jnp.dtype(config.compute_dtype)
     p = {name: value.astype(dtype) for name, value in params.items()}
     x = p["wte"][tokens] + p["wpe"][:t]
     for i in range(config.n_layer):
