@@ -54,6 +54,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         compute_dtype=args.compute_dtype,
         attention=args.attention,
         data=args.data,
+        aggregate=args.aggregate,
     )
 
 
@@ -171,6 +172,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--compute-dtype", default="float32")
     parser.add_argument("--attention", default="xla")
+    parser.add_argument(
+        "--aggregate", default="centered-clip", help="how results combine (the run's default)"
+    )
     parser.add_argument(
         "--peak-flops",
         dest="flops_per_token_peak",

@@ -135,7 +135,9 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
             answers["replay"], _ = await handshake_answer(shepherd.port, lambda n: captured)
             answers["v2"], _ = await handshake_answer(
                 shepherd.port,
-                lambda n: worker_hello(n, "s3cret", worker_id="from-the-future", version=3),
+                lambda n: worker_hello(
+                    n, "s3cret", worker_id="from-the-future", version=protocol.PROTOCOL_VERSION + 1
+                ),
             )
         return answers
 
@@ -149,8 +151,8 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
     mismatch = answers["v2"].body
     assert mismatch.code == "versionMismatch"
     assert (
-        "speaks protocol version 2, this worker speaks 3; upgrade pcp-tui on this shepherd"
-        in mismatch.message
+        "speaks protocol versions 2 and 3, this worker speaks version 4; upgrade pcp-tui on this "
+        "shepherd" in mismatch.message
     )
 
     honest = spawn_worker(shepherd.port, token="s3cret")

@@ -34,12 +34,29 @@ def _add_log_options(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, WorkerConfig, WorkerConfig(), sections=["log"])
 
 
+class _StandardError(logging.StreamHandler):
+    """Standard error as it is when a record is written, not when logging was set up.
+
+    The dashboard points stderr at the null device when its terminal closes, and
+    a test's captured stream is closed after it: a handler that kept the old
+    stream would write to a closed file.
+    """
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it; stderr is read live
+        pass
+
+
 def configure_logging(level: str, path: str | None) -> None:
     """Send `pcp_tui` loggers at `level` to `path` (appended) or standard error.
 
     Only pcp-tui's own loggers get the level: debug for JAX would flood the log.
     """
-    handler = logging.FileHandler(path, encoding="utf-8") if path else logging.StreamHandler()
+    handler = logging.FileHandler(path, encoding="utf-8") if path else _StandardError()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("pcp_tui")
     logger.handlers[:] = [handler]

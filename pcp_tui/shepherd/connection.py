@@ -111,14 +111,22 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:
     """The mismatch told from the worker's side: both versions, and which side to upgrade."""
-    ours = ", ".join(map(str, exc.supported))
-    theirs = ", ".join(map(str, exc.peer_versions)) or "none"
+    ours, theirs = _versions(exc.supported), _versions(exc.peer_versions)
     older = (
         "this shepherd"
         if exc.peer_versions and min(exc.peer_versions) > max(exc.supported)
         else "this worker"
     )
     return (
-        f"protocol version mismatch: the shepherd (pcp-tui {__version__}) speaks protocol version {ours}, "
+        f"protocol version mismatch: the shepherd (pcp-tui {__version__}) speaks protocol {ours}, "
         f"this worker speaks {theirs}; upgrade pcp-tui on {older} (reinstall it from a newer checkout)"
     )
+
+
+def _versions(numbers: tuple[int, ...]) -> str:
+    """'version 3', 'versions 2 and 3', or 'no version'."""
+    if not numbers:
+        return "no version"
+    if len(numbers) == 1:
+        return f"version {numbers[0]}"
+    return f"versions {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
