@@ -6,14 +6,19 @@ help. Section docstrings title the `--help` groups and run.toml's sections.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pcp_tui.config.options import ConfigError, Sections, option
-from pcp_tui.training import sharding
 
 QUANTIZATIONS = ("none", "bfloat16", "int8Block")
 # A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
 HEARTBEATS_PER_TIMEOUT = 3
+# The [sharding] section (pcp_tui.training.sharding applies it on a worker's devices).
+MODES = ("data", "fsdp")
+LAYOUTS = ("replicated", "fsdp")
+# What a plan carries (protocol.MAX_SHARDING_RULES, TENSOR_NAME_CHARS), checked before a run starts.
+MAX_RULES, MAX_PATTERN_CHARS = 256, 256
 
 
 @dataclass(frozen=True)
@@ -304,6 +309,22 @@ class OperatorConfig:
             )
 
 
+def sharding_problem(mode: str, rules: Sequence[tuple[str, str]]) -> str | None:
+    """Why a `[sharding]` section of `mode` and `rules` cannot work, or None."""
+    if mode not in MODES:
+        return f"[sharding] mode must be one of {', '.join(MODES)}, got {mode!r}"
+    if len(rules) > MAX_RULES:
+        return f"[sharding] has {len(rules)} rules; a plan carries at most {MAX_RULES}"
+    for pattern, layout in rules:
+        if not 1 <= len(pattern) <= MAX_PATTERN_CHARS:
+            return f"[sharding] rule patterns are 1 to {MAX_PATTERN_CHARS} characters: {pattern!r}"
+        if layout not in LAYOUTS:
+            return (
+                f"[sharding] rule {pattern!r} = {layout!r}: a layout is one of {', '.join(LAYOUTS)}"
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class ShardingConfig:
     """sharding: where a worker of several devices puts each parameter (pcp_tui.training.sharding)"""
@@ -311,7 +332,7 @@ class ShardingConfig:
     mode: str = option(
         "data",
         flat="sharding_mode",
-        choices=sharding.MODES,
+        choices=MODES,
         cli=False,
         help="layout of parameters no rule names: data (a copy on each device) or fsdp "
         "(matrices split over the devices)",
@@ -329,7 +350,7 @@ class ShardingConfig:
             object.__setattr__(self, "rules", tuple(self.rules.items()))
 
     def check(self) -> None:
-        problem = sharding.problem(self.mode, self.rules)
+        problem = sharding_problem(self.mode, self.rules)
         if problem:
             raise ConfigError(problem)
 

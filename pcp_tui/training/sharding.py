@@ -27,10 +27,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
-MODES = ("data", "fsdp")
-LAYOUTS = ("replicated", "fsdp")
-# What a plan carries (protocol.MAX_SHARDING_RULES, TENSOR_NAME_CHARS), checked before a run starts.
-MAX_RULES, MAX_PATTERN_CHARS = 256, 256
+from pcp_tui.config.run import LAYOUTS, MAX_PATTERN_CHARS, MAX_RULES, MODES  # noqa: F401
 
 Shape = tuple[int, ...]
 Axis = int | None  # as `pcp_tui.backends.Axis`: split over the devices, or None for a copy on each
@@ -38,22 +35,6 @@ Axis = int | None  # as `pcp_tui.backends.Axis`: split over the devices, or None
 
 class LayoutError(ValueError):
     """This worker's devices cannot run the plan as laid out; the message says which option to change."""
-
-
-def problem(mode: str, rules: Sequence[tuple[str, str]]) -> str | None:
-    """Why a `[sharding]` section of `mode` and `rules` cannot work, or None."""
-    if mode not in MODES:
-        return f"[sharding] mode must be one of {', '.join(MODES)}, got {mode!r}"
-    if len(rules) > MAX_RULES:
-        return f"[sharding] has {len(rules)} rules; a plan carries at most {MAX_RULES}"
-    for pattern, layout in rules:
-        if not 1 <= len(pattern) <= MAX_PATTERN_CHARS:
-            return f"[sharding] rule patterns are 1 to {MAX_PATTERN_CHARS} characters: {pattern!r}"
-        if layout not in LAYOUTS:
-            return (
-                f"[sharding] rule {pattern!r} = {layout!r}: a layout is one of {', '.join(LAYOUTS)}"
-            )
-    return None
 
 
 def param_layout(name: str, ndim: int, mode: str, rules: Sequence[tuple[str, str]]) -> str:
