@@ -38,6 +38,7 @@ _NOT_NEGATIVE = (
     "seed",
     "max_worker_connections",
     "upload_grace",
+    "overlap_steps",
 )
 _CHOICES = {
     "inner_optimizer": ("adamw", "sgd"),
@@ -79,6 +80,10 @@ class RunConfig:
     aggregate: str = "centered-clip"  # mean | trimmed-mean | median | centered-clip
     compression: str = "none"  # pseudo-gradient quantization: none | bfloat16 | int8Block
     seed: int = 0
+    # Streaming DiLoCo (pcp_tui/diloco/streaming.py); 1 fragment is plain DiLoCo
+    streaming_fragments: int = 1  # F: fragments synced on a staggered schedule each round
+    overlap_steps: int = 1  # τ: inner steps a fragment's exchange overlaps before its merge
+    mix_alpha: float = 0.5  # α: a merge keeps α of the local fragment, takes 1 − α of the global
     # evaluation
     eval_every: int = 1
     eval_batches: int = 8
@@ -158,6 +163,7 @@ class RunConfig:
                 "--attention cudnn needs --compute-dtype bfloat16 (cuDNN fused attention has "
                 "no float32 kernel); pass both, or --attention xla"
             )
+        self._validate_streaming()
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
         _require(
@@ -183,6 +189,27 @@ class RunConfig:
         )
         return self
 
+    def _validate_streaming(self) -> None:
+        from pcp_tui.diloco.streaming import schedule_problem  # numpy only; keeps config light
+
+        _require(
+            self.streaming_fragments >= 1,
+            "streaming_fragments",
+            "must be at least 1 (1: plain DiLoCo)",
+            self.streaming_fragments,
+        )
+        _require(0 <= self.mix_alpha <= 1, "mix_alpha", "must be in [0, 1]", self.mix_alpha)
+        problem = schedule_problem(
+            self.inner_steps, self.streaming_fragments, self.overlap_steps, self.chunk
+        )
+        if problem is not None:
+            raise ConfigError(problem)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether rounds sync the model in fragments (Streaming DiLoCo), not all at once."""
+        return self.streaming_fragments > 1
+
     @property
     def worker_connections(self) -> int:
         """Admitted connections the shepherd holds at once: the option, or --workers + 2.
@@ -193,8 +220,16 @@ class RunConfig:
 
     @property
     def chunk(self) -> int:
-        """Inner steps per compiled call: the largest divisor of H not above chunk_steps."""
+        """Inner steps per compiled call: the largest divisor of H not above chunk_steps.
+
+        Streaming also needs every send and merge point between two chunks: k then
+        divides H / F and τ as well (τ = 1 means chunks of one step).
+        """
         k = min(self.chunk_steps, self.inner_steps)
-        while self.inner_steps % k:
+        share = self.inner_steps // max(self.streaming_fragments, 1) or 1
+        steps = (
+            (self.inner_steps, share, self.overlap_steps) if self.streaming else (self.inner_steps,)
+        )
+        while k > 1 and any(n % k for n in steps if n):
             k -= 1
-        return k
+        return max(k, 1)

@@ -37,8 +37,8 @@ from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, read, w
 from ._schema import Envelope
 from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
-PROTOCOL_VERSION = 2  # 2: typed messages, enums for phase / batch kind / platform
-SUPPORTED_VERSIONS: tuple[int, ...] = (2,)
+PROTOCOL_VERSION = 3  # 2: typed messages, enums; 3: Streaming DiLoCo (fragments in the plan)
+SUPPORTED_VERSIONS: tuple[int, ...] = (3,)
 _SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
 # awaited with (kind, payload bytes) before a message's tensor payload is read
 PayloadGate = Callable[[str, int], Awaitable[None]]

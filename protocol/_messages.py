@@ -169,6 +169,13 @@ class GraphInfo:
 
 
 @dataclass(frozen=True)
+class Fragment:
+    """Streaming DiLoCo: the tensors of one fragment, synced together."""
+
+    tensors: tuple[str, ...] = _items("max_tensors", chars=TENSOR_NAME_CHARS)
+
+
+@dataclass(frozen=True)
 class Plan(Body):
     """shepherd -> worker: everything a worker needs to train, no model code.
 
@@ -195,6 +202,9 @@ class Plan(Body):
     batch_kind: BatchKind = BatchKind.WINDOWS
     data_tensors: tuple[str, ...] = _items(64, chars=TENSOR_NAME_CHARS)
     tokens_per_row: int = 0
+    fragments: tuple[Fragment, ...] = _items("max_tensors")  # empty: plain DiLoCo
+    overlap_steps: int = 0
+    mix_alpha: float = _finite(0.0)
 
 
 @dataclass(frozen=True)
@@ -213,6 +223,7 @@ class RoundStart(Body):
     KIND: ClassVar[str] = "roundStart"
     round: int = 0
     inner_steps: int = 0
+    continued: bool = False  # streaming: no tensors; go on from the worker's own parameters
 
 
 @dataclass(frozen=True)
@@ -242,6 +253,33 @@ class RoundResult(Body):
     losses: tuple[float, ...] = _items("max_losses")
     compute_seconds: float = _finite()
     inner_steps: int = 0
+
+
+@dataclass(frozen=True)
+class FragmentResult(Body):
+    """Streaming, worker -> shepherd: one fragment's pseudo-gradient rides as tensors.
+
+    `tokens` is what the pseudo-gradient trained on (its weight in the mean);
+    `losses`, `compute_seconds` and `inner_steps` cover the steps since the
+    worker's previous fragmentResult, so a run's results count each step once.
+    """
+
+    KIND: ClassVar[str] = "fragmentResult"
+    round: int = 0
+    fragment: int = 0
+    tokens: int = 0
+    losses: tuple[float, ...] = _items("max_losses")
+    compute_seconds: float = _finite()
+    inner_steps: int = 0
+
+
+@dataclass(frozen=True)
+class FragmentUpdate(Body):
+    """Streaming, shepherd -> worker: one fragment's new global value rides as tensors."""
+
+    KIND: ClassVar[str] = "fragmentUpdate"
+    round: int = 0
+    fragment: int = 0
 
 
 @dataclass(frozen=True)
@@ -350,6 +388,8 @@ def _read_value(hint, raw, meta, limits, where: str):
         if len(data) > meta["bytes"]:
             raise MalformedMessage(f"{where} is {len(data)} bytes; the limit is {meta['bytes']}")
         return data
+    if hint is bool:
+        return bool(raw)
     if hint is float:
         number = float(raw)
         if meta.get("finite") and not math.isfinite(number):
@@ -379,5 +419,7 @@ BODY_TYPES: dict[str, type] = {
         Heartbeat,
         Error,
         Goodbye,
+        FragmentResult,
+        FragmentUpdate,
     )
 }

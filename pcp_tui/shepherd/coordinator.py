@@ -33,6 +33,7 @@ from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
+from pcp_tui.shepherd.fragments import FragmentSync
 from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.rounds import Round
@@ -110,6 +111,11 @@ class Shepherd:
             run_id=self.run_id,
             stopping=lambda: self._stop_reason is not None,
         )
+        self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
+        if config.streaming:
+            self.fragment_sync = FragmentSync(config, self._shapes, self._screen.max_tokens)
+            self.outer = self.fragment_sync.outer  # per-fragment optax states, one checkpoint
+            self.pool.fragments = self.fragment_sync.fragments
         if config.resume:
             self._resume(config.resume)
         self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
@@ -399,6 +405,11 @@ class Shepherd:
 
     async def _run_round(self, number: int) -> RoundRecord | None:
         cfg = self.config
+        if self.fragment_sync is not None:  # Streaming DiLoCo: shepherd/fragments.py
+            current = await self.fragment_sync.run_round(self, number)
+            if current is None:
+                return None
+            return self._record(current, await self._round_eval(number))
         links = self.pool.ready_links()
         self._screen.bound = await trio.to_thread.run_sync(self._update_bound)
         if isinstance(self._mean, CenteredClip):  # warm-up and decay move its radius
@@ -438,10 +449,13 @@ class Shepherd:
                 scale=clip,
             )
         await trio.to_thread.run_sync(self.outer.apply, self.params, mean.sums, mean.scale)
-        eval_loss = None
-        if number % cfg.eval_every == 0 or number == cfg.rounds:
-            eval_loss = await trio.to_thread.run_sync(self.evaluate)
-        return self._record(current, eval_loss)
+        return self._record(current, await self._round_eval(number))
+
+    async def _round_eval(self, number: int) -> float | None:
+        """The eval loss after round `number`, on the rounds --eval-every asks for (and the last)."""
+        if number % self.config.eval_every == 0 or number == self.config.rounds:
+            return await trio.to_thread.run_sync(self.evaluate)
+        return None
 
     async def _send_round_start(
         self, link: WorkerLink, body: protocol.RoundStart, tensors: dict, current: Round
@@ -533,6 +547,15 @@ def _settings(config: RunConfig) -> dict:
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "compression": config.compression,
+        **(
+            {
+                "streaming_fragments": config.streaming_fragments,
+                "overlap_steps": config.overlap_steps,
+                "mix_alpha": config.mix_alpha,
+            }
+            if config.streaming
+            else {}
+        ),
     }
 
 

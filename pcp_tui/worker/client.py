@@ -31,6 +31,7 @@ from pcp_tui.contract.checks import expected_shapes, round_start_problem
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
+from pcp_tui.worker.streaming import StreamingRounds
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 _LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -120,6 +121,7 @@ class Worker:
         self._plan: Training | None = None
         self._opt_state = None
         self._compiled: dict[bytes, tuple[Callable, Callable]] = {}
+        self._streaming: StreamingRounds | None = None  # the plan names fragments
 
     async def run(self) -> None:
         """Train until the shepherd says goodbye. Raises Refused on a final refusal.
@@ -277,6 +279,7 @@ class Worker:
             self._compiled = {key: (train.call, init.call)}
             self._opt_state = None
         train_chunk, init_opt_state = self._compiled[key]
+        self._streaming = StreamingRounds(self, plan) if plan.fragments else None
         return Training(plan, shard, train_chunk, init_opt_state)
 
     async def _receive_loop(
@@ -290,6 +293,12 @@ class Worker:
                 raise protocol.MalformedMessage(f"{problem} (from the shepherd)")
             if isinstance(body, protocol.RoundStart):
                 await rounds.send(message)
+            elif isinstance(body, protocol.FragmentUpdate):  # Streaming DiLoCo
+                if self._streaming is None:
+                    raise protocol.MalformedMessage(
+                        "a fragmentUpdate, but the plan has no fragments"
+                    )
+                self._streaming.updates.deliver(message)
             elif isinstance(body, protocol.Goodbye):
                 raise RunOver(body.reason)
             elif isinstance(body, protocol.Error):
@@ -328,15 +337,20 @@ class Worker:
             async for message in rounds:
                 await self._train_round(sender, message)
 
+    async def refuse(self, sender: _Sender, reason: str) -> None:
+        """A broken or tampered shepherd: say why and hang up (the receive loop sees it)."""
+        self.status.update(message=f"refused: {reason}")
+        await sender.send(protocol.Error(protocol.ErrorCode.MALFORMED, reason))
+        await sender._stream.aclose()
+
     async def _train_round(self, sender: _Sender, message: protocol.Message) -> None:
+        if self._streaming is not None:  # Streaming DiLoCo: worker/streaming.py
+            await self._streaming.train_round(sender, message)
+            return
         training, plan = self._plan, self._plan.plan
         problem = await trio.to_thread.run_sync(self._round_start_problem, message.tensors)
         if problem is not None:
-            # a broken or tampered shepherd: say why and hang up (the receive loop sees it)
-            self.status.update(message=f"refused a roundStart: {problem}")
-            refusal = protocol.Error(protocol.ErrorCode.MALFORMED, f"roundStart refused: {problem}")
-            await sender.send(refusal)
-            await sender._stream.aclose()
+            await self.refuse(sender, f"roundStart refused: {problem}")
             return
         number = message.body.round
         steps = message.body.inner_steps or plan.inner_steps
@@ -377,16 +391,28 @@ class Worker:
         return params, self.backend.keep(host, params)
 
     async def _train_chunks(
-        self, sender: _Sender, number: int, steps: int, params: list, started: float
+        self,
+        sender: _Sender,
+        number: int,
+        steps: int,
+        params: list,
+        started: float,
+        chunks: range | None = None,
     ) -> tuple[list, list[float]]:
-        """Run the round's inner steps chunk by chunk, reporting progress; (params, losses)."""
+        """Run the round's inner steps chunk by chunk, reporting progress; (params, losses).
+
+        `chunks`: which of the round's chunks (streaming trains a round in parts; then
+        a progress message that would wait behind a fragment upload is skipped).
+        """
         training, plan = self._plan, self._plan.plan
         opt_state = self._opt_state
         self._opt_state = None  # donated to the chunks below; set again when they are done
         losses: list[float] = []
         last_progress = 0.0
-        chunks = max(steps // plan.chunk_steps, 1)
-        for chunk in range(chunks):
+        streaming = chunks is not None
+        chunks = chunks if streaming else range(max(steps // plan.chunk_steps, 1))
+        done_before = chunks.start * plan.chunk_steps
+        for chunk in chunks:
             batches = shards.sample_shard(
                 plan.batch_kind,
                 training.shard,
@@ -403,14 +429,23 @@ class Worker:
             losses.extend(float(x) for x in chunk_losses)
             elapsed = time.perf_counter() - started
             tps = len(losses) * plan.batch_size * plan.tokens_per_row / elapsed
-            self.status.update(step=len(losses), loss=losses[-1], tokens_per_second=tps)
+            self.status.update(
+                step=done_before + len(losses), loss=losses[-1], tokens_per_second=tps
+            )
             now = time.monotonic()
             if not math.isfinite(losses[-1]):
                 continue  # a diverged loss is for the round result (the shepherd refuses it)
-            if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks - 1:
+            if streaming and sender.busy:
+                continue  # a fragment is uploading: training does not wait for a progress line
+            if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks[-1]:
                 last_progress = now
                 progress = protocol.Progress(
-                    number, len(losses), steps, losses[-1], tps, protocol.Phase.TRAINING
+                    number,
+                    done_before + len(losses),
+                    steps,
+                    losses[-1],
+                    tps,
+                    protocol.Phase.TRAINING,
                 )
                 await sender.send(progress)
         self._opt_state = opt_state
@@ -427,6 +462,11 @@ class _Sender:
     def __init__(self, stream: protocol.MessageStream):
         self._stream = stream
         self._lock = trio.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a send is under way (e.g. a fragment's upload)."""
+        return self._lock.locked()
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         async with self._lock:

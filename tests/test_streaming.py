@@ -1,0 +1,190 @@
+"""Streaming DiLoCo: the partition and schedule, and a real 2-worker run against the one-page reference.
+
+The run trains two real worker processes through real sockets with F = 2,
+τ = 1, α = 0.5 and outer Nesterov (one optax state per fragment); the
+shepherd's final parameters must equal `reference.streaming_diloco` on the
+same batches. Both sides compute in float32 with the same operations, except
+that the shepherd forms a mean as (Σ n_k Δ_k) · float32(1 / Σ n_k) where the
+reference divides, and XLA runs the worker's SGD step where the reference runs
+jax.grad op by op: an ulp or two per round, hence the tolerance of
+tests/test_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+import pytest
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.config import ConfigError
+from pcp_tui.contract import plan as contract
+from pcp_tui.diloco import reference, streaming
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.training.build import build_workload
+from pcp_tui.training.shards import sample_batches
+
+from .conftest import small_config
+
+SHAPES = {"wte": (256, 128), "wpe": (128, 128), "h.0.w": (128, 512), "h.0.b": (512,), "ln": (128,)}
+
+
+def test_partition_covers_every_tensor_once_and_balances_sizes():
+    fragments = streaming.partition(SHAPES, 2)
+    assert streaming.partition_problem(fragments, list(SHAPES)) is None
+    sizes = [sum(int(np.prod(SHAPES[n])) for n in f) for f in fragments]
+    assert fragments[0] == ("h.0.w",)  # the largest tensor alone, everything else beside it
+    assert sizes == [65536, 32768 + 16384 + 512 + 128]
+    assert streaming.partition(dict(reversed(SHAPES.items())), 2) == fragments  # order-free
+    assert sorted(len(f) for f in streaming.partition(SHAPES, 5)) == [1] * 5
+    with pytest.raises(ValueError, match="between 1 and the model's tensor count"):
+        streaming.partition(SHAPES, 6)
+
+
+def test_partition_problem_names_what_is_wrong():
+    names = list(SHAPES)
+    assert "more than one" in streaming.partition_problem([names, ["wte"]], names)
+    assert "missing ['wte']" in streaming.partition_problem([names[1:]], names)
+    assert "no tensor" in streaming.partition_problem([names, []], names)
+
+
+def test_schedule_staggers_fragments_and_overlaps_tau_steps():
+    schedule = streaming.Schedule(inner_steps=12, fragments=3, overlap=2)
+    send, merge = streaming.Event.SEND, streaming.Event.MERGE
+    assert schedule.events() == [
+        (2, send, 0),
+        (4, merge, 0),
+        (6, send, 1),
+        (8, merge, 1),
+        (10, send, 2),
+        (12, merge, 2),
+    ]
+    assert streaming.Schedule(4, 2, 0).events() == [
+        (2, send, 0),
+        (2, merge, 0),
+        (4, send, 1),
+        (4, merge, 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(inner_steps=10, streaming_fragments=3), "multiple of --streaming-fragments"),
+        (dict(inner_steps=8, streaming_fragments=4, overlap_steps=2), "below --inner-steps"),
+        (dict(mix_alpha=1.5, streaming_fragments=2), "--mix-alpha must be in"),
+    ],
+)
+def test_config_refuses_unschedulable_streaming(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        small_config(**changes).validate()
+
+
+def test_chunks_end_at_every_send_and_merge_point():
+    assert small_config(inner_steps=40, chunk_steps=10).chunk == 10  # plain: unchanged
+    assert (
+        small_config(inner_steps=40, chunk_steps=10, streaming_fragments=4, overlap_steps=5).chunk
+        == 5
+    )
+    assert (
+        small_config(inner_steps=40, chunk_steps=10, streaming_fragments=4, overlap_steps=0).chunk
+        == 10
+    )
+
+
+def test_mix_keeps_alpha_of_the_local_value():
+    local, global_ = np.array([1.0, 3.0], np.float32), np.array([3.0, 7.0], np.float32)
+    np.testing.assert_array_equal(streaming.mix(local, global_, 0.5), [2.0, 5.0])
+    np.testing.assert_array_equal(streaming.mix(local, global_, 0.0), global_)
+
+
+def test_worker_refuses_a_plan_whose_fragments_are_not_its_parameters():
+    plan = protocol.Plan(
+        param_names=("a", "b"),
+        inner_steps=4,
+        chunk_steps=1,
+        fragments=(protocol.Fragment(("a",)), protocol.Fragment(("a", "b"))),
+        overlap_steps=1,
+    )
+    assert "more than one fragment" in contract.streaming_problem(plan)
+    fine = protocol.Plan(
+        param_names=("a", "b"),
+        inner_steps=4,
+        chunk_steps=1,
+        fragments=(protocol.Fragment(("a",)), protocol.Fragment(("b",))),
+        overlap_steps=2,
+    )
+    assert "--overlap-steps 2" in contract.streaming_problem(fine)
+
+
+LR = 0.1
+ROUNDS = 2
+H = 4
+
+
+def _batches(workload, config, slot: int, number: int) -> list[np.ndarray]:
+    """Worker `slot`'s H batches of round `number`, as the worker samples them (chunks of 1)."""
+    return [
+        sample_batches(
+            workload.shards[slot],
+            steps=1,
+            batch_size=config.batch_size,
+            seq_len=config.seq_len,
+            seed=config.seed,
+            stream=(slot, number, step),
+        )[0]
+        for step in range(H)
+    ]
+
+
+@pytest.mark.e2e
+def test_two_workers_streaming_equal_the_reference(spawn_worker):
+    config = small_config(
+        rounds=ROUNDS,
+        inner_steps=H,
+        chunk_steps=1,
+        inner_optimizer="sgd",
+        inner_lr=LR,
+        warmup_steps=0,
+        grad_clip=0.0,
+        outer_optimizer="nesterov",
+        aggregate="mean",
+        workers=2,
+        eval_every=ROUNDS,
+        streaming_fragments=2,
+        overlap_steps=1,
+        mix_alpha=0.5,
+    )
+    workload = build_workload(config, shards=2)
+    shepherd = Shepherd(config, workload)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            spawn_worker(port)
+            spawn_worker(port)
+
+    trio.run(main)
+    history = shepherd.state.history
+    assert [r.fragment_results for r in history] == [(2, 2)] * ROUNDS
+    tokens = float(H * config.batch_size * config.seq_len)
+    rounds = [
+        [(_batches(workload, config, slot, number), tokens) for slot in range(2)]
+        for number in range(1, ROUNDS + 1)
+    ]
+    expected = reference.streaming_diloco(
+        workload.loss_fn,
+        workload.params,
+        rounds,
+        inner=optax.sgd(LR),
+        outer=reference.outer_optimizer("nesterov"),
+        fragments=shepherd.fragment_sync.fragments,
+        overlap=1,
+        alpha=0.5,
+    )
+    moved = 0.0
+    for name, value in expected.items():
+        np.testing.assert_allclose(shepherd.params[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+        moved = max(moved, float(np.abs(value - workload.params[name]).max()))
+    assert moved > 1e-3  # the parameters really changed: the check is not vacuous
