@@ -6,8 +6,8 @@ shepherd's final parameters must equal `reference.streaming_diloco` on the
 same batches. Both sides compute in float32 with the same operations, except
 that the shepherd forms a mean as (Σ n_k Δ_k) · float32(1 / Σ n_k) where the
 reference divides, and XLA runs the worker's SGD step where the reference runs
-jax.grad op by op: an ulp or two per round, hence the tolerance of
-tests/test_equivalence.py.
+jax.grad op by op: measured, the two differ by at most an ulp (1.2e-7 on a
+layer-norm scale of about 1), hence rtol 1e-6, atol 1e-7.
 """
 
 from __future__ import annotations
@@ -185,6 +185,50 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker):
     )
     moved = 0.0
     for name, value in expected.items():
-        np.testing.assert_allclose(shepherd.params[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+        np.testing.assert_allclose(shepherd.params[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
         moved = max(moved, float(np.abs(value - workload.params[name]).max()))
     assert moved > 1e-3  # the parameters really changed: the check is not vacuous
+
+
+@pytest.mark.e2e
+def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_worker, tmp_path):
+    """F = 2, τ = 2, int8 pseudo-gradients, AdamW: the loss falls, each round syncs both
+    fragments from both workers, a result is about half the model, and the checkpoint's
+    per-fragment outer states load back into a resumed shepherd."""
+    config = small_config(
+        rounds=3,
+        inner_steps=8,
+        chunk_steps=2,
+        inner_lr=3e-3,
+        warmup_steps=0,
+        workers=2,
+        compression="int8Block",
+        streaming_fragments=2,
+        overlap_steps=2,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=3,
+    )
+    workload = build_workload(config, shards=2)
+    shepherd = Shepherd(config, workload)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            spawn_worker(port)
+            spawn_worker(port)
+
+    trio.run(main)
+    history = shepherd.state.history
+    assert [r.fragment_results for r in history] == [(2, 2)] * 3
+    assert history[-1].eval_loss < history[0].eval_loss < shepherd.evaluate(workload.params)
+    assert all(r.tokens == 2 * 8 * config.batch_size * config.seq_len for r in history[1:])
+    model_bytes = sum(p.size for p in workload.params.values())  # int8: a byte a parameter
+    largest = max(int(np.prod(workload.params[n].shape)) for n in workload.params)
+    assert largest < max(r.largest_result_bytes for r in history) < 0.7 * model_bytes
+
+    resumed = Shepherd(config.replace(resume=str(tmp_path), rounds=4), workload)
+    saved = shepherd.outer.state_arrays()
+    assert saved and set(resumed.outer.state_arrays()) == set(saved)
+    for name, value in saved.items():
+        np.testing.assert_array_equal(resumed.outer.state_arrays()[name], value, err_msg=name)
+    assert resumed.start_round == 4
