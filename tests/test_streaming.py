@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 import trio
+import trio.testing
 
 from pcp_tui import protocol
 from pcp_tui.config import ConfigError
@@ -232,3 +233,55 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
     for name, value in saved.items():
         np.testing.assert_array_equal(resumed.outer.state_arrays()[name], value, err_msg=name)
     assert resumed.start_round == 4
+
+
+def _decoded(body: protocol.Body, tensors: dict) -> protocol.Message:
+    """`body` and `tensors` as a peer's bytes decode them."""
+    return protocol.decode(b"".join(bytes(b) for b in protocol.encode(body, tensors)))
+
+
+def test_shepherd_refuses_fragment_headers_that_are_not_the_fragment():
+    shapes = {"a": (2,), "b": (3,)}
+    fragments = (("a",), ("b",))
+    good = _decoded(protocol.FragmentResult(fragment=1), {"b": np.zeros(3, np.float32)})
+    specs = [
+        protocol.TensorSpec(n, "float32", t.shape, "none", t.nbytes, 0)
+        for n, t in good.tensors.items()
+    ]
+    assert contract.fragment_header_problem(shapes, fragments, good.body, specs) is None
+    assert "does not exist" in contract.fragment_header_problem(
+        shapes, fragments, protocol.FragmentResult(fragment=2), specs
+    )
+    assert "missing ['a']" in contract.fragment_header_problem(
+        shapes, fragments, protocol.FragmentResult(fragment=0), specs
+    )
+
+
+def test_worker_holds_fragment_updates_until_their_merge_and_refuses_strangers():
+    from pcp_tui.worker.streaming import FragmentUpdates
+
+    updates = FragmentUpdates((("a",), ("b",)))
+    a = np.arange(2, dtype=np.float32)
+    with pytest.raises(protocol.MalformedMessage, match="fragment 2"):
+        updates.deliver(_decoded(protocol.FragmentUpdate(round=1, fragment=2), {"a": a}))
+    with pytest.raises(protocol.MalformedMessage, match="exactly its fragment's tensors"):
+        updates.deliver(_decoded(protocol.FragmentUpdate(round=1, fragment=1), {"a": a}))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            taken = []
+
+            async def merge():
+                taken.append(await updates.take(1, 0))
+
+            nursery.start_soon(merge)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not taken  # waits for its update
+            updates.deliver(_decoded(protocol.FragmentUpdate(round=1, fragment=0), {"a": a}))
+        np.testing.assert_array_equal(taken[0]["a"], a)
+
+    trio.run(main)
+    for round_number in range(1, 5):  # nobody takes them: a flood ends the connection
+        updates.deliver(_decoded(protocol.FragmentUpdate(round=round_number, fragment=0), {"a": a}))
+    with pytest.raises(protocol.MalformedMessage, match="nobody asked for"):
+        updates.deliver(_decoded(protocol.FragmentUpdate(round=9, fragment=0), {"a": a}))
