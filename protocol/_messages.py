@@ -280,6 +280,7 @@ class FragmentUpdate(Body):
     KIND: ClassVar[str] = "fragmentUpdate"
     round: int = 0
     fragment: int = 0
+    change: bool = False  # tensors: the change since the fragment's last global value
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,7 @@ struct FragmentResult {
 struct FragmentUpdate {
   round @0 :UInt32;
   fragment @1 :UInt32;
+  change @2 :Bool;             # tensors are the change since the fragment's last global value
 }
 
 struct Heartbeat {

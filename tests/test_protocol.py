@@ -120,7 +120,7 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
         {name: -value for name, value in list(PARAMS.items())[1:]},
     ),
     "fragmentUpdate": (
-        protocol.FragmentUpdate(round=3, fragment=1),
+        protocol.FragmentUpdate(round=3, fragment=1, change=True),
         dict(list(PARAMS.items())[1:]),
     ),
 }

@@ -278,7 +278,7 @@ def test_worker_holds_fragment_updates_until_their_merge_and_refuses_strangers()
             await trio.testing.wait_all_tasks_blocked()
             assert not taken  # waits for its update
             updates.deliver(_decoded(protocol.FragmentUpdate(round=1, fragment=0), {"a": a}))
-        np.testing.assert_array_equal(taken[0]["a"], a)
+        np.testing.assert_array_equal(taken[0].tensors["a"], a)
 
     trio.run(main)
     for round_number in range(1, 5):  # nobody takes them: a flood ends the connection

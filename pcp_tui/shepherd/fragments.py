@@ -7,8 +7,9 @@ fragment p arrive at p's point of the workers' rounds
 (`diloco/streaming.Schedule`), are screened and averaged as plain rounds'
 are, and p's outer step runs as soon as they are in (or the round timeout
 closes p), while the workers keep training; the new global value of p goes
-back to every worker of the round. A fragment with no result keeps its
-global value, and is sent back as it is.
+back to every worker of the round (with --compression, as its change encoded
+the same way: see `_change`). A fragment with no result keeps its global
+value, and is sent back as it is.
 
 A worker that received every fragment of the last round holds the global
 parameters (mixed into its own) and starts the next round with a bare
@@ -101,6 +102,7 @@ class FragmentSync:
             for names in self.fragments
         ]
         self.in_sync: set[WorkerLink] = set()  # hold every fragment's current global value
+        self.compression = config.compression
 
     async def run_round(self, shepherd, number: int) -> Round | None:
         """Run round `number` fragment by fragment; the combined Round, or None without results."""
@@ -150,23 +152,45 @@ class FragmentSync:
         """Fragment p: collect its results, take its outer step, send its global value back."""
         await shepherd._collect(current)
         await current.close()
+        names, params = self.fragments[p], shepherd.params
+        old = {n: params[n].copy() for n in names} if self.compression != "none" else {}
         if current.contributors:
             mean = current.mean
             await trio.to_thread.run_sync(mean.finish)
-            await trio.to_thread.run_sync(
-                self.outer.apply, p, shepherd.params, mean.sums, mean.scale
+            await trio.to_thread.run_sync(self.outer.apply, p, params, mean.sums, mean.scale)
+        if old:
+            body, update = await trio.to_thread.run_sync(
+                self._change, p, current.number, old, params
             )
-        body = protocol.FragmentUpdate(round=current.number, fragment=p)
-        update = {n: shepherd.params[n] for n in self.fragments[p]}
+        else:
+            body = protocol.FragmentUpdate(round=current.number, fragment=p)
+            update = {n: params[n] for n in names}
         async with trio.open_nursery() as nursery:
             for link in links:
                 if link not in failed:
-                    nursery.start_soon(_send_update, link, body, update, failed)
+                    nursery.start_soon(_send_update, link, body, update, failed, self.compression)
+
+    def _change(self, p: int, number: int, old: dict, params: dict):
+        """The compressed form of fragment p's outer step, and the global value made exactly it.
+
+        With --compression the update travels as its change since the fragment's
+        last global value, encoded like the pseudo-gradients (the paper's
+        compressed outer exchange). The shepherd keeps old + decode(encode(change)),
+        the very float32 sum every worker forms, so both sides hold the same bits.
+        """
+        names = self.fragments[p]
+        change = {n: params[n] - old[n] for n in names}
+        body = protocol.FragmentUpdate(round=number, fragment=p, change=True)
+        wire = protocol.encode(body, change, quantization=self.compression)
+        decoded = protocol.decode(b"".join(bytes(b) for b in wire)).tensors
+        for n in names:
+            np.add(old[n], decoded[n], out=params[n])
+        return body, change
 
 
-async def _send_update(link: WorkerLink, body, update, failed: set) -> None:
+async def _send_update(link: WorkerLink, body, update, failed: set, compression: str) -> None:
     try:
-        await link.send(body, update)
+        await link.send(body, update, quantization=compression if body.change else "none")
     except CONNECTION_ERRORS:
         failed.add(link)  # the connection task reports the loss; next round: full parameters
 

@@ -39,7 +39,7 @@ class FragmentUpdates:
 
     def __init__(self, fragments: tuple[tuple[str, ...], ...]):
         self.fragments = fragments
-        self._held: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._held: dict[tuple[int, int], protocol.Message] = {}
         self._arrived = trio.Event()
 
     def deliver(self, message: protocol.Message) -> None:
@@ -54,10 +54,10 @@ class FragmentUpdates:
             )
         if len(self._held) >= 2 * len(self.fragments):
             raise protocol.MalformedMessage("the shepherd sent fragment updates nobody asked for")
-        self._held[(body.round, body.fragment)] = message.tensors
+        self._held[(body.round, body.fragment)] = message
         self._arrived.set()
 
-    async def take(self, number: int, fragment: int) -> dict[str, np.ndarray]:
+    async def take(self, number: int, fragment: int) -> protocol.Message:
         """Fragment `fragment`'s update for round `number`, once it is here."""
         while (number, fragment) not in self._held:
             self._arrived = trio.Event()
@@ -100,7 +100,7 @@ class StreamingRounds:
                     sends.start_soon(self._send, sender, self._result(number, p), delta)
                 else:
                     update = await self.updates.take(number, p)
-                    problem = await trio.to_thread.run_sync(self._update_problem, p, update)
+                    problem = await trio.to_thread.run_sync(self._update_problem, p, update.tensors)
                     if problem is not None:
                         await self.worker.refuse(sender, f"fragmentUpdate refused: {problem}")
                         return
@@ -179,14 +179,22 @@ class StreamingRounds:
         shapes = {n: tuple(self.last_global[n].shape) for n in names}
         return round_start_problem(update, names, shapes)
 
-    def _merge(self, p: int, params: list, update: Mapping[str, np.ndarray]) -> list:
-        """θ_p ← α θ_p + (1 − α) G_p on the device; G_p becomes fragment p's last global value."""
+    def _merge(self, p: int, params: list, update: protocol.Message) -> list:
+        """θ_p ← α θ_p + (1 − α) G_p on the device; G_p becomes fragment p's last global value.
+
+        G_p is the update itself, or (`change`, compressed runs) the last global
+        value plus the decoded change: the very sum the shepherd keeps.
+        """
         names = self.fragments[p]
         backend, alpha = self.worker.backend, self.plan.mix_alpha
+        if update.body.change:
+            new = {n: self.last_global[n] + update.tensors[n] for n in names}
+        else:
+            new = {n: np.asarray(update.tensors[n], np.float32) for n in names}
         local = backend.to_host([params[self._index[n]] for n in names])
-        mixed = [mix(value, update[n], alpha) for n, value in zip(names, local, strict=True)]
+        mixed = [mix(value, new[n], alpha) for n, value in zip(names, local, strict=True)]
         params = list(params)
         for name, array in zip(names, backend.to_device(mixed), strict=True):
             params[self._index[name]] = array
-            self.last_global[name] = np.array(update[name], np.float32)
+            self.last_global[name] = new[name]
         return params
