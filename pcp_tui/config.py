@@ -84,6 +84,8 @@ class RunConfig:
     streaming_fragments: int = 1  # F: fragments synced on a staggered schedule each round
     overlap_steps: int = 1  # τ: inner steps a fragment's exchange overlaps before its merge
     mix_alpha: float = 0.5  # α: a merge keeps α of the local fragment, takes 1 − α of the global
+    # workers of different speeds (pcp_tui/shepherd/pacing.py)
+    adaptive_steps: bool = False  # inner steps per worker in proportion to its measured speed
     # evaluation
     eval_every: int = 1
     eval_batches: int = 8
@@ -204,6 +206,11 @@ class RunConfig:
         )
         if problem is not None:
             raise ConfigError(problem)
+        if self.adaptive_steps and self.streaming:
+            raise ConfigError(
+                "--adaptive-steps works with plain DiLoCo only (a streaming round's fragment "
+                "schedule assumes every worker trains H steps); drop one of the two"
+            )
 
     @property
     def streaming(self) -> bool:

@@ -41,6 +41,7 @@ _HELP = {
     "seed": "seed for initialisation and data order",
     "streaming_fragments": "Streaming DiLoCo: F fragments of whole tensors, each synced once a round on a staggered schedule (1: plain DiLoCo)",
     "overlap_steps": "Streaming DiLoCo: τ inner steps a fragment's exchange overlaps with training before it merges",
+    "adaptive_steps": "size each worker's round to its measured speed (the fastest trains H), so a round does not wait for the slowest; results count by tokens",
     "mix_alpha": "Streaming DiLoCo: a merge keeps α of the local fragment and takes 1 − α of the new global one",
     "eval_every": "evaluate on the held-out split every N rounds",
     "eval_batches": "held-out batches per evaluation",
@@ -90,6 +91,15 @@ def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> No
         text = _HELP.get(field.name, "")
         if default is not None and "(default:" not in text:  # None: the help says what happens
             text = f"{text} (default: {default})"
+        if kind is bool:  # a switch: --adaptive-steps, not --adaptive-steps true
+            group.add_argument(
+                f"--{field.name.replace('_', '-')}",
+                dest=field.name,
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help=text,
+            )
+            continue
         group.add_argument(
             f"--{field.name.replace('_', '-')}",
             dest=field.name,

@@ -35,6 +35,7 @@ from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.fragments import FragmentSync
 from pcp_tui.shepherd.ledger import ShardLedger
+from pcp_tui.shepherd.pacing import StepPacing
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.rounds import Round
 from pcp_tui.shepherd.state import RoundRecord, RunState
@@ -112,6 +113,9 @@ class Shepherd:
             stopping=lambda: self._stop_reason is not None,
         )
         self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
+        self.pacing = (
+            StepPacing(config.inner_steps, config.chunk) if config.adaptive_steps else None
+        )
         if config.streaming:
             self.fragment_sync = FragmentSync(config, self._shapes, self._screen.max_tokens)
             self.outer = self.fragment_sync.outer  # per-fragment optax states, one checkpoint
@@ -425,16 +429,21 @@ class Shepherd:
         self.pool.round = current
         self.state.round = number
         tensors = {name: self.params[name] for name in self.graphs.param_names}
-        body = protocol.RoundStart(round=number, inner_steps=cfg.inner_steps)
+        steps = self.pacing.steps_for(current.participants) if self.pacing else {}
         async with trio.open_nursery() as nursery:
             for link in links:
                 link.view.state, link.view.round, link.view.step = "syncing", number, 0
+                body = protocol.RoundStart(
+                    round=number, inner_steps=steps.get(link.worker_id, cfg.inner_steps)
+                )
                 nursery.start_soon(self._send_round_start, link, body, tensors, current)
         await self._collect(current)
         await current.close()  # a result still being folded in finishes first
         self.pool.round = None
         if not current.contributors:
             return None
+        if self.pacing is not None:
+            self.pacing.observe(current)
         mean = current.mean  # the outer step forms the mean from the sums as it goes
         scales = await trio.to_thread.run_sync(mean.finish)
         for worker_id, clip in zip(current.contributors, scales, strict=False):

@@ -422,7 +422,8 @@ class Worker:
                 seed=plan.seed,
                 stream=(self.status.worker_index, number, chunk),  # unique per worker and chunk
             )
-            first_step = (number - 1) * steps + chunk * plan.chunk_steps  # the run's step
+            # the run's step: rounds are H steps apart in the schedule, however many this one has
+            first_step = (number - 1) * plan.inner_steps + chunk * plan.chunk_steps
             params, opt_state, chunk_losses = await trio.to_thread.run_sync(
                 _run_chunk, training.train_chunk, params, opt_state, batches, first_step
             )
