@@ -35,6 +35,28 @@ class BackendInfo:
         return f"{self.platform} {self.device_kind}{count}"
 
 
+Axis = int | None  # the axis of an array split over a backend's devices; None: a copy on each
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a graph's flat inputs and outputs live on a backend with several devices.
+
+    One entry per flat input (output) of the graph, in order: the axis split
+    evenly over the devices, or None for a full copy on every device. A layout
+    says only where arrays live, never what the graph computes: the same graph
+    under any layout computes the same values (up to the order of float sums).
+    A backend with one device needs none and ignores it.
+    """
+
+    inputs: tuple[Axis, ...]
+    outputs: tuple[Axis, ...]
+
+
+# Chooses a graph's Layout from the shapes of its flat inputs and outputs (known once it is read).
+LayoutFor = Callable[[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], Layout]
+
+
 @dataclass
 class LoadedGraph:
     """A compiled-on-first-call graph and what it expects."""
@@ -55,12 +77,23 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def load(
-        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
+        self,
+        name: str,
+        serialized: bytes,
+        *,
+        donate_argnums: Sequence[int] = (),
+        layout: LayoutFor | None = None,
     ) -> LoadedGraph:
-        """Deserialize a graph; raises GraphError if it was not lowered for this platform."""
+        """Deserialize a graph; raises GraphError if it was not lowered for this platform.
+
+        `layout` (only passed to a backend of several devices) places it over them.
+        """
 
     @abc.abstractmethod
-    def to_device(self, arrays: Sequence[np.ndarray]) -> list[Any]: ...
+    def to_device(
+        self, arrays: Sequence[np.ndarray], axes: Sequence[Axis] | None = None
+    ) -> list[Any]:
+        """Host arrays onto the device(s); `axes` (several devices only) as a Layout's."""
 
     @abc.abstractmethod
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]: ...

@@ -8,7 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from ._base import Backend, BackendInfo, BackendUnavailable, GraphError, LoadedGraph
+from ._base import (
+    Axis,
+    Backend,
+    BackendInfo,
+    BackendUnavailable,
+    GraphError,
+    LayoutFor,
+    LoadedGraph,
+)
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
 _JAX_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "METAL"}
@@ -18,6 +26,8 @@ _INSTALL_HINT = {
     "rocm": "pip install jax-rocm7-plugin jax-rocm7-pjrt (see JAX's ROCm install notes) on an AMD GPU",
     "metal": "pip install jax-metal on an Apple-silicon Mac",
 }
+# The name of the device axis of a multi-device backend's mesh (data parallel and FSDP both use it).
+MESH_AXIS = "data"
 # The name jax.export uses for a platform when lowering.
 _EXPORT_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "metal"}
 
@@ -33,9 +43,15 @@ def enable_compilation_cache(path: str | os.PathLike) -> None:
 
 
 class JaxBackend(Backend):
-    """One JAX platform; uses its first device."""
+    """One JAX platform, over `devices` of its local devices (None: all of them).
 
-    def __init__(self, platform: str):
+    With one device, graphs run there exactly as exported. With several, they
+    form a one-axis mesh (`MESH_AXIS`) and a graph loaded with a `layout` runs
+    on all of them: XLA's SPMD partitioner splits the single-device graph by
+    the layout's input and output placements and inserts the collectives.
+    """
+
+    def __init__(self, platform: str, devices: int | None = None):
         import jax
 
         if platform not in _JAX_PLATFORM:
@@ -43,14 +59,24 @@ class JaxBackend(Backend):
                 f"unknown backend {platform!r}; choose one of {sorted(_JAX_PLATFORM)}"
             )
         try:
-            devices = jax.devices(_JAX_PLATFORM[platform])
+            found = jax.devices(_JAX_PLATFORM[platform])
         except RuntimeError as exc:
             raise BackendUnavailable(
                 f"backend {platform!r} is not available here ({exc}). To use it: {_INSTALL_HINT[platform]}"
             ) from None
+        if devices is not None and not 1 <= devices <= len(found):
+            raise BackendUnavailable(
+                f"--devices {devices}: this host has {len(found)} {platform} device(s); "
+                f"pass --devices {len(found)} or fewer, or --devices all"
+            )
+        devices = found[: devices or len(found)]
         self._jax = jax
         self._platform = platform
         self._device = devices[0]
+        # several devices: one mesh axis; graphs loaded with a layout are split over it
+        self._mesh = (
+            jax.sharding.Mesh(np.array(devices), (MESH_AXIS,)) if len(devices) > 1 else None
+        )
         # Device-to-host copies land in page-locked host memory where the device has it:
         # several times faster than into pageable memory, and numpy reads it in place.
         self._pinned_host = _pinned_host(self._device) if platform != "cpu" else None
@@ -75,10 +101,23 @@ class JaxBackend(Backend):
     def device(self) -> Any:
         return self._device
 
+    @property
+    def mesh(self) -> Any:
+        """The `jax.sharding.Mesh` of this backend's devices, or None for one device."""
+        return self._mesh
+
     def load(
-        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
+        self,
+        name: str,
+        serialized: bytes,
+        *,
+        donate_argnums: Sequence[int] = (),
+        layout: LayoutFor | None = None,
     ) -> LoadedGraph:
-        """Deserialize and compile ahead of time, so the first call runs at full speed."""
+        """Deserialize and compile ahead of time, so the first call runs at full speed.
+
+        `layout` places the graph on this backend's mesh (ignored with one device).
+        """
         from jax import export
 
         try:
@@ -91,8 +130,11 @@ class JaxBackend(Backend):
                 f"graph {name!r} was lowered for {', '.join(exported.platforms)}, not {wanted}; "
                 f"the shepherd must export for this worker's platform"
             )
-        jitted = self._jax.jit(exported.call, donate_argnums=tuple(donate_argnums))
-        specs = [self._jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
+        if self._mesh is not None and layout is not None:
+            jitted, specs = self._on_mesh(name, exported, donate_argnums, layout)
+        else:
+            jitted = self._jax.jit(exported.call, donate_argnums=tuple(donate_argnums))
+            specs = [self._jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
         args, kwargs = self._jax.tree.unflatten(exported.in_tree, specs)
         try:
             with self._jax.default_device(self._device):
@@ -107,23 +149,103 @@ class JaxBackend(Backend):
             call=compiled,
         )
 
-    def to_device(self, arrays: Sequence[np.ndarray]) -> list[Any]:
-        # one call per array: measured faster on an H100 than one batched call for GPT-2's 148
-        return [self._jax.device_put(a, self._device) for a in arrays]
+    def _on_mesh(
+        self, name: str, exported: Any, donate_argnums: Sequence[int], layout_for: LayoutFor
+    ) -> tuple[Any, list[Any]]:
+        """A jit of `exported` with the layout's shardings, and its sharded input specs.
+
+        The artifact was exported for one device; given shardings for its
+        inputs and outputs, XLA's SPMD partitioner splits it over the mesh
+        (per-device shards of the batch, all-reduced gradients; all-gathers
+        before the use of an FSDP-sharded parameter).
+        """
+        jax = self._jax
+        shapes = lambda avals: tuple(tuple(a.shape) for a in avals)  # noqa: E731
+        layout = layout_for(shapes(exported.in_avals), shapes(exported.out_avals))
+        sides = (
+            ("input", exported.in_avals, layout.inputs),
+            ("output", exported.out_avals, layout.outputs),
+        )
+        placed: dict[str, list[Any]] = {}
+        for side, avals, axes in sides:
+            if len(axes) != len(avals):
+                raise GraphError(
+                    f"graph {name!r} has {len(avals)} {side}s; its layout places {len(axes)}"
+                )
+            for index, (aval, axis) in enumerate(zip(avals, axes, strict=True)):
+                problem = self._axis_problem(tuple(aval.shape), axis)
+                if problem:
+                    raise GraphError(f"graph {name!r}: {side} {index} {problem}")
+            placed[side] = [
+                self._sharding(axis, len(a.shape)) for a, axis in zip(avals, axes, strict=True)
+            ]
+        specs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+            for a, sharding in zip(exported.in_avals, placed["input"], strict=True)
+        ]
+        args, _ = jax.tree.unflatten(exported.in_tree, placed["input"])
+        outputs = jax.tree.unflatten(exported.out_tree, placed["output"])
+        jitted = jax.jit(
+            exported.call,
+            in_shardings=tuple(args),
+            out_shardings=outputs,
+            donate_argnums=tuple(donate_argnums),
+        )
+        return jitted, specs
+
+    def _axis_problem(self, shape: tuple[int, ...], axis: Axis) -> str | None:
+        """Why `shape` cannot be split on `axis` over this mesh, or None."""
+        if axis is None:
+            return None
+        if not 0 <= axis < len(shape):
+            return f"of shape {list(shape)} has no axis {axis} to split over the devices"
+        if shape[axis] % self._mesh.size:
+            return (
+                f"of shape {list(shape)} cannot be split evenly on axis {axis} "
+                f"over {self._mesh.size} devices"
+            )
+        return None
+
+    def _sharding(self, axis: Axis, ndim: int) -> Any:
+        """The mesh sharding that splits `axis` (None: a full copy on every device)."""
+        P = self._jax.sharding.PartitionSpec
+        spec = (
+            P() if axis is None else P(*([None] * axis), MESH_AXIS, *([None] * (ndim - axis - 1)))
+        )
+        return self._jax.sharding.NamedSharding(self._mesh, spec)
+
+    def to_device(
+        self, arrays: Sequence[np.ndarray], axes: Sequence[Axis] | None = None
+    ) -> list[Any]:
+        """Host arrays onto the first device, or with `axes` over the mesh, each split on its axis.
+
+        Without `axes` they are for a graph loaded without a layout, which runs on the first device.
+        """
+        if self._mesh is None or axes is None:
+            # one call per array: measured faster on an H100 than one batched call for GPT-2's 148
+            return [self._jax.device_put(a, self._device) for a in arrays]
+        return [
+            self._jax.device_put(a, self._sharding(axis, np.ndim(a)))
+            for a, axis in zip(arrays, axes, strict=True)
+        ]
 
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        if self._pinned_host is None:
+        if self._pinned_host is None or self._mesh is not None:  # a mesh gathers its shards
             return [np.asarray(a) for a in self._jax.device_get(list(arrays))]
         return [np.asarray(a) for a in self._jax.device_put(list(arrays), self._pinned_host)]
 
     def keep(self, host: Sequence[np.ndarray], device: Sequence[Any]) -> Any:
         if self._platform == "cpu":  # the host arrays are as close as a device copy, and free
             return super().keep(host, device)
+        if self._mesh is not None:  # a copy placed as the original, shard by shard
+            return [self._jax.device_put(a, a.sharding, may_alias=False) for a in device]
         return list(self._jax.device_put(list(device), self._device, may_alias=False))
 
     def difference(self, kept: Any, after: Sequence[Any]) -> list[np.ndarray]:
         if self._platform == "cpu":
             return super().difference(kept, after)
+        if self._mesh is not None:  # shard by shard where the arrays live, then gathered
+            return self.to_host(self._subtract(kept, list(after)))
         # on the device, so that only the difference crosses to the host
         with self._jax.default_device(self._device):
             return self.to_host(self._subtract(kept, list(after)))
@@ -155,13 +277,13 @@ def _device_memory(device: Any) -> int:
         return 0
 
 
-def select_backend(name: str = "auto") -> JaxBackend:
-    """Pick a backend: `auto` prefers cuda, rocm, metal, then cpu."""
+def select_backend(name: str = "auto", devices: int | None = None) -> JaxBackend:
+    """Pick a backend over `devices` local devices (None: all): `auto` prefers cuda, rocm, metal, cpu."""
     if name != "auto":
-        return JaxBackend(name)
+        return JaxBackend(name, devices)
     for platform in ("cuda", "rocm", "metal"):
         try:
-            return JaxBackend(platform)
+            return JaxBackend(platform, devices)
         except BackendUnavailable:
             continue
-    return JaxBackend("cpu")
+    return JaxBackend("cpu", devices)

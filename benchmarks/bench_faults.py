@@ -236,7 +236,7 @@ def _outcome(fault: str, shepherd: Shepherd, notice: str, measured: dict) -> Out
         notice=notice,
         rounds=_rounds_cell(
             [r.round for r in history],
-            shepherd.config.rounds,
+            shepherd.config.outer.rounds,
             len(_events(shepherd, "round_repeated")),
         ),
         final_eval_loss=history[-1].eval_loss,
@@ -317,7 +317,7 @@ def silenced_worker(config, processes, timeout) -> Outcome:
         }
 
     shepherd, found = run_in_process(config, processes, scenario, timeout)
-    limit = config.heartbeat_timeout
+    limit = config.network.heartbeat_timeout
     outcome = _outcome(
         "worker SIGSTOPped mid-round 2, SIGCONT after it is lost",
         shepherd,
@@ -370,9 +370,7 @@ def straggler(config, processes, timeout, stall: float) -> Outcome:
 
     shepherd, found = run_in_process(config, processes, scenario, timeout)
     late = [e.data["round"] for e in _events(shepherd, "late_result")]
-    notice = (
-        f"{found['notice']:.2f} (round start → closed; --round-timeout {config.round_timeout:g})"
-    )
+    notice = f"{found['notice']:.2f} (round start → closed; --round-timeout {config.network.round_timeout:g})"
     outcome = _outcome(f"straggler: round 2 stalled {stall:g} s", shepherd, notice, found)
     outcome.rounds += f"; late result of round {', '.join(map(str, late))} dropped"
     return outcome
@@ -383,15 +381,10 @@ def straggler(config, processes, timeout, stall: float) -> Outcome:
 
 def shepherd_command(config: RunConfig) -> list[str]:
     """`pcp-tui shepherd --headless` with every option that differs from the defaults."""
-    default, flags = RunConfig(), []
-    for option in dataclasses.fields(RunConfig):
-        value = getattr(config, option.name)
-        if (
-            option.name != "platforms"
-            and value is not None
-            and value != getattr(default, option.name)
-        ):
-            flags += [f"--{option.name.replace('_', '-')}", str(value)]
+    default, flags = RunConfig().flat(), []
+    for name, value in config.flat().items():
+        if name != "platforms" and value is not None and value != default[name]:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
     return [sys.executable, "-m", "pcp_tui", "shepherd", "--headless", *flags]
 
 
@@ -426,7 +419,7 @@ def shepherd_restart(config, processes, timeout, workdir: Path) -> Outcome:
     _wait_for_row(metrics, lambda r: r["event"] == "listening")
     workers = []
     for worker_id in ("w0", "w1", "w2"):  # one by one: w0, w1, w2 get indices 0, 1, 2
-        workers.append(processes.worker(config.port, worker_id))
+        workers.append(processes.worker(config.network.port, worker_id))
         _wait_for_row(metrics, lambda r, w=worker_id: r["event"] == "joined" and r["worker"] == w)
     three = _wait_for_row(metrics, lambda r: r["event"] == "round" and r["round"] == 3)
     time.sleep(max(0.0, three["time"] + 0.5 * three["round_seconds"] - time.time()))  # mid-round 4
@@ -475,7 +468,7 @@ def _restart_outcome(config: RunConfig, rows: list[dict], restarted: float) -> O
         notice="—" if training is None else f"{training:.2f} (restart → next round starts)",
         rounds=_rounds_cell(
             numbers,
-            config.rounds,
+            config.outer.rounds,
             sum(r["event"] == "round_repeated" for r in rows),
             redone=len(redone),
         ),

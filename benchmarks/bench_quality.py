@@ -59,7 +59,7 @@ class Result:
 
 def run(label: str, config: RunConfig) -> Result:
     """One run through shepherd + worker processes; returns what the table and plot need."""
-    workload = build_workload(config, shards=config.workers)
+    workload = build_workload(config, shards=config.network.workers)
     shepherd = Shepherd(config, workload)
     env = dict(
         os.environ,
@@ -72,9 +72,9 @@ def run(label: str, config: RunConfig) -> Result:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(shepherd.run)
-            for i in range(config.workers):
+            for i in range(config.network.workers):
                 command = local_worker_command(
-                    port, token=config.token, extra=("--id", f"bench-{i}", "--quiet")
+                    port, token=config.security.token, extra=("--id", f"bench-{i}", "--quiet")
                 )
                 workers.append(subprocess.Popen(command, env=env))
 
@@ -97,8 +97,8 @@ def run(label: str, config: RunConfig) -> Result:
             curve.append((tokens, record.eval_loss))
     result = Result(
         label=label,
-        workers=config.workers,
-        inner_steps=config.inner_steps,
+        workers=config.network.workers,
+        inner_steps=config.inner.steps,
         rounds=len(history),
         tokens=tokens,
         final_eval_loss=curve[-1][1],

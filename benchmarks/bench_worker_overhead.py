@@ -72,13 +72,13 @@ def bare_loop(args: argparse.Namespace) -> None:
     init = backend.load("init_opt_state", graphs.init_opt_state)
     params = tuple(backend.to_device([workload.params[n] for n in graphs.param_names]))
     opt_state = init.call(params)
-    chunks = config.inner_steps // graphs.chunk_steps
+    chunks = config.inner.steps // graphs.chunk_steps
     batches = [
         sample_batches(
             workload.shards[0],
             steps=graphs.chunk_steps,
-            batch_size=config.batch_size,
-            seq_len=config.seq_len,
+            batch_size=config.data.batch_size,
+            seq_len=config.data.seq_len,
             seed=0,
             stream=(0, 0, c),
         )
@@ -126,7 +126,7 @@ async def interleaved(
     round_done = trio.Event()
 
     def on_event(event) -> None:
-        if event.kind == "round" and event.data["record"].round < config.rounds:
+        if event.kind == "round" and event.data["record"].round < config.outer.rounds:
             shepherd.pause()  # takes effect before the next round starts
             round_done.set()
 
@@ -138,7 +138,7 @@ async def interleaved(
             port, token="bench", backend=args.backend, extra=("--quiet",)
         )
         nursery.start_soon(lambda: trio.run_process(command, env=env))
-        for _ in range(config.rounds - 1):
+        for _ in range(config.outer.rounds - 1):
             await round_done.wait()
             round_done = trio.Event()
             bare_rates.append(await trio.to_thread.run_sync(bare_round))

@@ -95,6 +95,7 @@ async def measure(args: argparse.Namespace) -> dict:
     import jax
 
     from pcp_tui import protocol
+    from pcp_tui.config import WorkerConfig
     from pcp_tui.training.models import gpt2
     from pcp_tui.worker.client import Training, Worker
 
@@ -104,7 +105,8 @@ async def measure(args: argparse.Namespace) -> dict:
         for n, s in jax.eval_shape(lambda: gpt2.init(config, jax.random.PRNGKey(0))).items()
     }
     names = tuple(sorted(shapes))
-    worker = Worker("127.0.0.1", 0, token="bench", backend=args.backend)
+    # never connects: the rounds are fed to it directly
+    worker = Worker(WorkerConfig(connect="127.0.0.1:1", token="bench", backend=args.backend))
     train, init = stand_in_graphs(names, shapes, worker.backend)
     plan = protocol.Plan(
         param_names=names, inner_steps=1, chunk_steps=1, batch_size=1, seq_len=8, tokens_per_row=8

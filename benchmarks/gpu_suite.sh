@@ -12,3 +12,11 @@ python3 benchmarks/bench_worker_overhead.py --model gpt2 --data "$tokens" --back
   --attention cudnn --seq-len 1024 --batch-size 16 --inner-steps ${H:-300} --chunk-steps 50 --rounds 4 \
   --peak-flops 989e12 2>&1 | grep -v -i warning | tee "$out/worker_overhead_gpu.txt"
 python3 benchmarks/bench_tensor_transfer.py --mb 498 --repeats 3 2>&1 | tee "$out/tensor_transfer_gpu_host.txt"
+# one worker over N GPUs vs N one-GPU workers (docs/performance.md section 6): hosts with 2+ GPUs only
+gpus=$(nvidia-smi -L | wc -l)
+for n in 2 4 8; do
+  [ "$n" -le "$gpus" ] || break
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 python3 benchmarks/bench_mesh.py --backend cuda --devices "$n" \
+    --model gpt2 --data "$tokens" --compute-dtype bfloat16 --attention cudnn --seq-len 1024 \
+    --batch-per-device 16 --chunk-steps 20 2>&1 | grep -v -i warning | tee "$out/mesh_${n}gpu.txt"
+done

@@ -50,5 +50,5 @@ def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array
 def build(config) -> pcp_tui.ModelSpec:
     """config: the run's pcp_tui RunConfig (seed, batch_size, ...)."""
     return pcp_tui.ModelSpec(
-        name="mlp-16x64x4", init=init, loss=loss, data=synthetic_data(config.seed)
+        name="mlp-16x64x4", init=init, loss=loss, data=synthetic_data(config.model.seed)
     )

@@ -7,7 +7,8 @@ What a user imports is here; everything else is machinery that may change.
     config = pcp_tui.RunConfig(model="examples/mlp_model.py", rounds=10)
 
 A model file returns a `ModelSpec` (with a `Dataset`); `Shepherd` and `Worker`
-are the two sides when you wire a run yourself; `pcp_tui.testing` holds the
+are the two sides when you wire a run yourself (`Worker(WorkerConfig(connect=...,
+token=...))`); `pcp_tui.testing` holds the
 process harness the project's own tests use.
 
 Names load lazily: `import pcp_tui` (every worker does) imports neither JAX
@@ -26,6 +27,7 @@ _EXPORTS = {
     "RunState": "pcp_tui.shepherd.state",
     "Shepherd": "pcp_tui.shepherd.coordinator",
     "Worker": "pcp_tui.worker.client",
+    "WorkerConfig": "pcp_tui.config",
     "train": "pcp_tui.app.local",
 }
 

@@ -367,6 +367,11 @@ class MessageStream:
         return message
 
     @property
+    def sending(self) -> bool:
+        """Whether a message is being written now (e.g. a long upload)."""
+        return self._send_lock.locked()
+
+    @property
     def last_activity(self) -> float:
         """`time.monotonic()` when bytes last arrived, also in the middle of a message.
 

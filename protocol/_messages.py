@@ -27,6 +27,7 @@ from ._schema import SCHEMA
 ID_CHARS = 128  # ids, names, versions, host names
 REASON_CHARS = 4096  # human-readable reasons and error messages
 TENSOR_NAME_CHARS = 256
+MAX_SHARDING_RULES = 256  # rules of a plan's sharding section
 
 
 class Platform(enum.StrEnum):
@@ -53,6 +54,20 @@ class BatchKind(enum.StrEnum):
 
     WINDOWS = "windows"
     ROWS = "rows"
+
+
+class ShardingMode(enum.StrEnum):
+    """Where a multi-device worker puts parameters no sharding rule names."""
+
+    DATA = "data"  # a copy on every device (data parallel)
+    FSDP = "fsdp"  # matrices split across the devices, vectors copied
+
+
+class ParamLayout(enum.StrEnum):
+    """How a multi-device worker places one parameter (and its optimizer state)."""
+
+    REPLICATED = "replicated"
+    FSDP = "fsdp"
 
 
 class Quantization(enum.StrEnum):
@@ -85,6 +100,8 @@ _SCHEMA_ENUMS: dict[type[enum.Enum], Any] = {
     Platform: SCHEMA.Platform,
     Phase: SCHEMA.Phase,
     BatchKind: SCHEMA.BatchKind,
+    ShardingMode: SCHEMA.ShardingMode,
+    ParamLayout: SCHEMA.ParamLayout,
     Quantization: SCHEMA.Quantization,
     ErrorCode: SCHEMA.ErrorCode,
 }
@@ -169,6 +186,22 @@ class GraphInfo:
 
 
 @dataclass(frozen=True)
+class ShardingRule:
+    """Parameters whose names match `pattern` (fnmatch) get `layout`."""
+
+    pattern: str = _text(TENSOR_NAME_CHARS)
+    layout: ParamLayout = ParamLayout.REPLICATED
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a worker with several devices places parameters: the first matching rule, else `mode`."""
+
+    mode: ShardingMode = ShardingMode.DATA
+    rules: tuple[ShardingRule, ...] = _items(MAX_SHARDING_RULES)
+
+
+@dataclass(frozen=True)
 class Fragment:
     """Streaming DiLoCo: the tensors of one fragment, synced together."""
 
@@ -202,6 +235,7 @@ class Plan(Body):
     batch_kind: BatchKind = BatchKind.WINDOWS
     data_tensors: tuple[str, ...] = _items(64, chars=TENSOR_NAME_CHARS)
     tokens_per_row: int = 0
+    sharding: Sharding = field(default_factory=Sharding)
     fragments: tuple[Fragment, ...] = _items("max_tensors")  # empty: plain DiLoCo
     overlap_steps: int = 0
     mix_alpha: float = _finite(0.0)

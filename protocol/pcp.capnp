@@ -133,14 +133,38 @@ struct Plan {
   batchKind @14 :BatchKind;
   dataTensors @15 :List(Text); # rows only: tensors [N, ...] sampled by row, in the graph's batch order
   tokensPerRow @16 :UInt32;    # tokens one batch row counts for: seqLen for windows, 1 for rows
-  fragments @17 :List(Fragment);  # Streaming DiLoCo: empty for plain DiLoCo
-  overlapSteps @18 :UInt32;    # streaming: inner steps between a fragment's send and its merge
-  mixAlpha @19 :Float64;       # streaming: a merge keeps mixAlpha of the local fragment
+  sharding @17 :Sharding;      # how a worker with several devices places the parameters
+  fragments @18 :List(Fragment);  # Streaming DiLoCo: empty for plain DiLoCo
+  overlapSteps @19 :UInt32;    # streaming: inner steps between a fragment's send and its merge
+  mixAlpha @20 :Float64;       # streaming: a merge keeps mixAlpha of the local fragment
 }
 
 # Streaming DiLoCo: the tensors of one fragment, synced together (a partition of paramNames).
 struct Fragment {
   tensors @0 :List(Text);
+}
+
+# How a worker with several local devices (one JAX mesh axis) places parameters and optimizer
+# state; the batch is always split over the devices. A worker with one device ignores it.
+# Added within version 2: a peer that predates it reads `data`, which computes the same values.
+enum ShardingMode {
+  data @0;   # parameters not matched by a rule are copied to every device
+  fsdp @1;   # parameters not matched by a rule are split across the devices if matrices
+}
+
+enum ParamLayout {
+  replicated @0;  # a full copy on every device
+  fsdp @1;        # split across the devices on its largest evenly divisible axis
+}
+
+struct ShardingRule {
+  pattern @0 :Text;            # fnmatch pattern of parameter names, e.g. "h.*.mlp.*.w"
+  layout @1 :ParamLayout;
+}
+
+struct Sharding {
+  mode @0 :ShardingMode;
+  rules @1 :List(ShardingRule);  # the first rule whose pattern matches a name decides
 }
 
 struct Ready {

@@ -16,23 +16,28 @@ def _config(*argv: str):
 def test_file_fills_options_and_passed_flags_win(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(
-        'rounds = 3\ninner-steps = 7\ninner_lr = 1\nplatforms = ["cpu"]\nmodel = "small"\n'
+        "rounds = 3\ninner-steps = 7\ninner_lr = 1\n"
+        '[model]\nname = "small"\nplatforms = ["cpu"]\n[network]\nmin-workers = 2\n'
     )
     config = _config("shepherd", "--config", str(path), "--rounds", "5")
-    assert (config.rounds, config.inner_steps, config.inner_lr, config.platforms) == (
-        5,
-        7,
-        1.0,
-        ("cpu",),
-    )
-    assert (
-        config.model == "small" and config.port == 8080
-    )  # untouched options keep the command's defaults
+    assert (config.outer.rounds, config.inner.steps, config.inner.lr) == (5, 7, 1.0)
+    assert (config.model.platforms, config.network.min_workers) == (("cpu",), 2)
+    assert config.model.name == "small"
+    assert config.network.port == 8080  # untouched options keep the command's defaults
     demo = _config("demo", "--config", str(path))
-    assert demo.rounds == 3 and demo.port == 0  # demo's own defaults under the file
-    assert (
-        _config("demo", "--rounds", "12").rounds == 12
-    )  # a flag equal to the default still counts
+    assert demo.outer.rounds == 3 and demo.network.port == 0  # demo's own defaults under the file
+    assert _config("demo", "--rounds", "12").outer.rounds == 12  # a flag equal to the default
+
+
+def test_a_sectioned_file_and_flat_keys_give_the_same_config(tmp_path):
+    flat, sectioned = tmp_path / "flat.toml", tmp_path / "sectioned.toml"
+    flat.write_text('inner_steps = 7\ndata = "corpus.txt"\ncheckpoint_every = 2\n')
+    sectioned.write_text(
+        '[inner]\nsteps = 7\n[data]\npath = "corpus.txt"\n[checkpoints]\nevery = 2\n'
+    )
+    assert load_config_file(flat) == load_config_file(sectioned)
+    config = RunConfig(**load_config_file(sectioned))
+    assert (config.inner.steps, config.data.path, config.checkpoints.every) == (7, "corpus.txt", 2)
 
 
 def test_unknown_key_names_it_and_the_valid_ones(tmp_path, capsys):
@@ -42,6 +47,9 @@ def test_unknown_key_names_it_and_the_valid_ones(tmp_path, capsys):
         load_config_file(path)
     assert main(["shepherd", "--config", str(path)]) == 2
     assert "unknown option 'round'" in capsys.readouterr().err
+    path.write_text("[inner]\nstep = 3\n")
+    with pytest.raises(ConfigError, match=r"'step' in section \[inner\].*did you mean 'steps'"):
+        load_config_file(path)
 
 
 @pytest.mark.parametrize(
@@ -133,6 +141,6 @@ def test_a_bad_value_on_the_command_line_exits_2_naming_it(capsys):
 
 
 def test_resume_keeps_checkpointing_where_it_resumed_from():
-    assert _config("shepherd", "--resume", "ckpt").checkpoint_dir == "ckpt"
-    assert _config("shepherd", "--resume", "a", "--checkpoint-dir", "b").checkpoint_dir == "b"
-    assert _config("shepherd").checkpoint_dir is None
+    assert _config("shepherd", "--resume", "ckpt").checkpoints.dir == "ckpt"
+    assert _config("shepherd", "--resume", "a", "--checkpoint-dir", "b").checkpoints.dir == "b"
+    assert _config("shepherd").checkpoints.dir is None

@@ -224,11 +224,13 @@ def test_shepherd_killed_and_resumed_equals_an_uninterrupted_run(tmp_path, spawn
 def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever():
     """A run that ended while a worker was cut off never says goodbye to it: after
     --give-up-after seconds of failed reconnects the worker stops and says why."""
+    from pcp_tui.config import WorkerConfig
     from pcp_tui.worker.client import ConnectionLost, Worker
 
-    worker = Worker(
-        "127.0.0.1", free_port(), token="t", backend="cpu", max_backoff=0.02, give_up_after=0.2
+    config = WorkerConfig(
+        connect=f"127.0.0.1:{free_port()}", token="t", backend="cpu", give_up_after=0.2
     )
+    worker = Worker(config, max_backoff=0.02)
     with pytest.raises(ConnectionLost, match=r"gave up after \d+ s of retrying"):
         trio.run(worker.run)
     assert worker.status.state == "connecting"

@@ -33,9 +33,9 @@ def _batch(workload, config, slot: int, number: int) -> np.ndarray:
     return sample_batches(
         workload.shards[slot],
         steps=1,
-        batch_size=config.batch_size,
-        seq_len=config.seq_len,
-        seed=config.seed,
+        batch_size=config.data.batch_size,
+        seq_len=config.data.seq_len,
+        seed=config.model.seed,
         stream=(slot, number, 0),
     )[0]
 
@@ -51,7 +51,7 @@ def _synchronous_sgd(workload, config) -> dict[str, np.ndarray]:
 
 
 def _reference_diloco(workload, config) -> dict[str, np.ndarray]:
-    tokens = float(config.batch_size * config.seq_len)
+    tokens = float(config.data.batch_size * config.data.seq_len)
     rounds = [
         [([_batch(workload, config, slot, number)], tokens) for slot in range(2)]
         for number in range(1, ROUNDS + 1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
@@ -13,7 +12,7 @@ import jax
 import pytest
 
 from pcp_tui.app.cli import _config_from, build_parser
-from pcp_tui.app.config_file import load_config_file
+from pcp_tui.app.config_file import load_config_file, reference_toml
 from pcp_tui.config import RunConfig
 from pcp_tui.training.build import model_config, preset_name
 from pcp_tui.training.model_file import load_spec
@@ -32,14 +31,17 @@ def test_run_toml_loads_and_lists_every_option(tmp_path):
     switched = tmp_path / "all.toml"
     switched.write_text(_uncommented((EXAMPLES / "run.toml").read_text()))
     values = load_config_file(switched)
-    assert set(values) == {f.name for f in dataclasses.fields(RunConfig)}, (
-        "run.toml must list every option"
-    )
-    defaults = RunConfig()
+    defaults = RunConfig().flat()
+    assert set(values) == set(defaults), "run.toml must list every option"
     RunConfig(**values).validate()
-    shown = {name: value for name, value in values.items() if getattr(defaults, name) is not None}
-    assert shown == {name: getattr(defaults, name) for name in shown}, (
-        "run.toml must show the defaults"
+    shown = {name: value for name, value in values.items() if defaults[name] is not None}
+    assert shown == {name: defaults[name] for name in shown}, "run.toml must show the defaults"
+
+
+def test_run_toml_is_the_generated_reference():
+    """It is generated from the declarations in pcp_tui/config, so it cannot drift from them."""
+    assert (EXAMPLES / "run.toml").read_text() == reference_toml(), (
+        "examples/run.toml is stale: python -m pcp_tui.app.config_file > examples/run.toml"
     )
 
 
@@ -70,7 +72,7 @@ def test_multi_host_commands_parse_with_the_real_cli(argv, monkeypatch):
     args = build_parser().parse_args(argv)
     if args.command in ("shepherd", "demo"):
         config = _config_from(args)
-        assert config.workers == 2
+        assert config.network.workers == 2
     else:
         host, _, port = args.connect.rpartition(":")
         assert host == "10.0.0.5" and port.isdigit()

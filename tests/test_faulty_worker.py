@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from pcp_tui import protocol
+from pcp_tui.contract.connection import Connection
 from pcp_tui.testing import faulty_worker, faulty_worker_command, worker_command
-from pcp_tui.worker import client
 
 
 def test_the_command_is_the_worker_command_after_the_fault_and_its_parameters():
@@ -32,9 +32,11 @@ def test_an_unknown_fault_or_parameter_is_refused_before_any_process_starts():
         faulty_worker_command(4000, "scale", round=2)
 
 
-class RecordingStream:
+class RecordingStream:  # what a Connection touches on its MessageStream, recording sends
     def __init__(self):
         self.sent: list[tuple[protocol.Body, dict | None]] = []
+        self.last_activity = 0.0
+        self.check_header = None
 
     async def send(self, body, tensors=None, **options):
         self.sent.append((body, tensors))
@@ -44,7 +46,7 @@ class RecordingStream:
 def _send_results(results: int) -> list[np.ndarray]:
     """Send a heartbeat, then `results` round results of Δ = 1; the Δ each one carried."""
     stream = RecordingStream()
-    sender = client._Sender(stream)
+    sender = Connection(stream, "worker")
 
     async def send_all():
         await sender.send(protocol.Heartbeat(0.0))
@@ -59,7 +61,7 @@ def _send_results(results: int) -> list[np.ndarray]:
 @pytest.fixture
 def fresh_sender(monkeypatch):
     """Undo the fault's patch of the worker's sender when the test ends."""
-    monkeypatch.setattr(client._Sender, "send", client._Sender.send)
+    monkeypatch.setattr(Connection, "send", Connection.send)
 
 
 @pytest.mark.parametrize(

@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import trio
 import trio.testing
 
-from pcp_tui.shepherd.pool import _ResultSlot
 from pcp_tui.shepherd.state import WorkerView
+from pcp_tui.shepherd.uploads import ResultSlot
 
 
-class _Link:  # the two attributes a slot touches on a WorkerLink
+class _Link:  # what a slot touches on a WorkerLink: its view, and `paused`
     def __init__(self, name: str):
         self.view = WorkerView(worker_id=name, index=0, host="h", backend="cpu")
-        self.admitting = False
+        self.is_paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.is_paused = True
+        try:
+            yield
+        finally:
+            self.is_paused = False
 
 
 def test_results_beyond_the_slots_wait_and_small_messages_never_do():
     async def main():
         slots = trio.Semaphore(1)
         first, second = _Link("a"), _Link("b")
-        held = _ResultSlot(slots, first)
+        held = ResultSlot(slots, first)
         await held.admit("roundResult", 10**9)
-        await _ResultSlot(slots, second).admit("progress", 10)  # no payload budget needed
-        waiting = _ResultSlot(slots, second)
+        await ResultSlot(slots, second).admit("progress", 10)  # no payload budget needed
+        waiting = ResultSlot(slots, second)
         admitted = trio.Event()
 
         async def second_result():
@@ -32,11 +42,11 @@ def test_results_beyond_the_slots_wait_and_small_messages_never_do():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(second_result)
             await trio.testing.wait_all_tasks_blocked()
-            assert not admitted.is_set() and second.admitting  # waiting, and not "silent"
+            assert not admitted.is_set() and second.is_paused  # waiting, and not "silent"
             held.release()
             held.release()  # a second release is a no-op, not a second free slot
             await admitted.wait()
-        assert not second.admitting and slots.value == 0
+        assert not second.is_paused and slots.value == 0
         waiting.release()
         assert slots.value == 1
 

@@ -158,6 +158,7 @@ def test_a_worker_whose_id_is_held_retries_only_if_it_was_admitted_before():
     """Never admitted: two workers share an --id by mistake, the refusal is final. Admitted
     before: the live connection is likely its own, cut off; it retries until that one is
     dropped as silent, then trains."""
+    from pcp_tui.config import WorkerConfig
     from pcp_tui.worker.client import IdInUse, Worker
 
     config = small_config(workers=1, rounds=2, inner_steps=5, heartbeat_timeout=2.0)
@@ -167,12 +168,13 @@ def test_a_worker_whose_id_is_held_retries_only_if_it_was_admitted_before():
     async def scenario(port):
         held, welcome = await join_as(port, "w")  # holds "w", then falls silent
         assert welcome.kind == "welcome"
-        twin = Worker("127.0.0.1", port, token="test-token", backend="cpu", worker_id="w")
+        as_w = WorkerConfig(
+            connect=f"127.0.0.1:{port}", token="test-token", backend="cpu", worker_id="w"
+        )
+        twin = Worker(as_w)
         with pytest.raises(IdInUse, match="another --id"):
             await twin.run()
-        returning = Worker(
-            "127.0.0.1", port, token="test-token", backend="cpu", worker_id="w", max_backoff=0.5
-        )
+        returning = Worker(as_w, max_backoff=0.5)
         returning.status.worker_index = 0  # as after its first welcome
         await returning.run()
         seen["state"] = returning.status.state

@@ -68,7 +68,7 @@ def test_a_slow_worker_trains_fewer_steps_and_still_counts(spawn_worker):
 
     trio.run(main)
     history = shepherd.state.history
-    full = H * config.batch_size * config.seq_len
+    full = H * config.data.batch_size * config.data.seq_len
     assert [r.workers for r in history] == [2] * 3  # the slow worker is never dropped
     assert history[0].tokens == 2 * full  # round 1: nobody measured, both train H
     assert all(full < r.tokens < 2 * full for r in history[1:])  # then the slow one trains less

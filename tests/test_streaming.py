@@ -83,13 +83,17 @@ def test_config_refuses_unschedulable_streaming(changes, message):
 
 
 def test_chunks_end_at_every_send_and_merge_point():
-    assert small_config(inner_steps=40, chunk_steps=10).chunk == 10  # plain: unchanged
+    assert small_config(inner_steps=40, chunk_steps=10).inner.chunk == 10  # plain: unchanged
     assert (
-        small_config(inner_steps=40, chunk_steps=10, streaming_fragments=4, overlap_steps=5).chunk
+        small_config(
+            inner_steps=40, chunk_steps=10, streaming_fragments=4, overlap_steps=5
+        ).inner.chunk
         == 5
     )
     assert (
-        small_config(inner_steps=40, chunk_steps=10, streaming_fragments=4, overlap_steps=0).chunk
+        small_config(
+            inner_steps=40, chunk_steps=10, streaming_fragments=4, overlap_steps=0
+        ).inner.chunk
         == 10
     )
 
@@ -130,9 +134,9 @@ def _batches(workload, config, slot: int, number: int) -> list[np.ndarray]:
         sample_batches(
             workload.shards[slot],
             steps=1,
-            batch_size=config.batch_size,
-            seq_len=config.seq_len,
-            seed=config.seed,
+            batch_size=config.data.batch_size,
+            seq_len=config.data.seq_len,
+            seed=config.model.seed,
             stream=(slot, number, step),
         )[0]
         for step in range(H)
@@ -169,7 +173,7 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker):
     trio.run(main)
     history = shepherd.state.history
     assert [r.fragment_results for r in history] == [(2, 2)] * ROUNDS
-    tokens = float(H * config.batch_size * config.seq_len)
+    tokens = float(H * config.data.batch_size * config.data.seq_len)
     rounds = [
         [(_batches(workload, config, slot, number), tokens) for slot in range(2)]
         for number in range(1, ROUNDS + 1)
@@ -222,7 +226,9 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
     history = shepherd.state.history
     assert [r.fragment_results for r in history] == [(2, 2)] * 3
     assert history[-1].eval_loss < history[0].eval_loss < shepherd.evaluate(workload.params)
-    assert all(r.tokens == 2 * 8 * config.batch_size * config.seq_len for r in history[1:])
+    assert all(
+        r.tokens == 2 * 8 * config.data.batch_size * config.data.seq_len for r in history[1:]
+    )
     model_bytes = sum(p.size for p in workload.params.values())  # int8: a byte a parameter
     largest = max(int(np.prod(workload.params[n].shape)) for n in workload.params)
     assert largest < max(r.largest_result_bytes for r in history) < 0.7 * model_bytes

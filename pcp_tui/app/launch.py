@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import socket
@@ -14,7 +13,7 @@ import trio
 from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop
 from pcp_tui.app.preflight import preflight
 from pcp_tui.backends import BackendUnavailable
-from pcp_tui.config import ConfigError, RunConfig
+from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
 from pcp_tui.contract.auth import new_token
 from pcp_tui.shepherd.checkpoint import CheckpointError
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
@@ -31,9 +30,9 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
     """Build the workload and the shepherd, attach headless printer and metrics."""
     from pcp_tui.training.build import build_workload
 
-    if not config.token:
+    if not config.security.token:
         config = config.replace(token=new_token())
-    print(f"loading data and model ({config.model})...", flush=True)
+    print(f"loading data and model ({config.model.name})...", flush=True)
     workload = build_workload(config, shards=shards)
     print(
         f"{workload.data_summary}; model {workload.name}: {workload.param_count:,} parameters",
@@ -41,8 +40,8 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
     )
     shepherd = Shepherd(config, workload)  # a resumed checkpoint is checked against workload here
     metrics = (
-        MetricsWriter(config.metrics, shepherd.state, token=config.token)
-        if config.metrics
+        MetricsWriter(config.operator.metrics, shepherd.state, token=config.security.token)
+        if config.operator.metrics
         else None
     )
     if metrics:
@@ -54,7 +53,7 @@ def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
     """Preflight and prepare; an exit code (after a one-line reason) if that fails."""
     try:
         preflight(config)
-        return prepare(config, shards=config.workers)
+        return prepare(config, shards=config.network.workers)
     except ConfigError as exc:
         return _fail(str(exc), 2)
     except (DataError, CheckpointError, RunFailed, ModelFileError, OSError, ValueError) as exc:
@@ -148,7 +147,7 @@ def _launch_dashboard(shepherd: Shepherd, spawn_workers=None) -> int | None:
 
 
 def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
-    """A shepherd and `config.workers` local worker processes on this machine."""
+    """A shepherd and `config.network.workers` local worker processes on this machine."""
     started = _start(config)
     if isinstance(started, int):
         return started
@@ -157,7 +156,7 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
     async def spawn(nursery: trio.Nursery, port: int) -> list[trio.Process]:
         return [
             await nursery.start(_worker_process, shepherd, port, backend, i)
-            for i in range(config.workers)
+            for i in range(config.network.workers)
         ]
 
     if not headless:
@@ -210,11 +209,15 @@ async def _worker_process(
             "--id",
             f"local-{index}",
             "--quiet",
+            "--devices",  # the demo's workers share this host: one device each
+            "1",
             *(("--parent-fd", str(parent_end)) if posix else ()),
             *(shepherd.tls.worker_flags() if shepherd.tls else ()),
         ),
     )
-    env = dict(os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.workers))
+    env = dict(
+        os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.network.workers)
+    )
     options = {"start_new_session": True, "pass_fds": (parent_end,)} if posix else {}
     try:
         async with trio.open_nursery() as nursery:
@@ -248,52 +251,37 @@ def _cpu_threads_env(workers: int) -> dict[str, str]:
     )
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def run_worker(config: WorkerConfig) -> int:
+    """Join the shepherd at `config.connection.connect` and train until it says goodbye."""
     from pcp_tui.app.worker_view import WorkerStatusView
     from pcp_tui.contract.tls import ClientTLS
     from pcp_tui.contract.trace import MessageTrace
     from pcp_tui.worker.client import ConnectionLost, Refused, Worker
 
-    token = args.token or os.environ.get("PCP_TOKEN")
+    connection, output = config.connection, config.output
+    token = connection.token or os.environ.get("PCP_TOKEN")
     if not token:
         return _fail(
             "no join token: pass --token (the shepherd prints it in its join command) or set PCP_TOKEN"
         )
     try:
-        host, port = parse_connect(args.connect)
+        host, port = connection.address
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    _warn_if_unresolved(host, port, retrying=not args.no_reconnect)
-    if args.compile_cache:
-        from pcp_tui.backends import enable_compilation_cache
-
-        try:
-            enable_compilation_cache(args.compile_cache)
-        except OSError as exc:
-            print(
-                f"pcp-tui: warning: no compile cache at {args.compile_cache} ({exc.strerror})",
-                file=sys.stderr,
-            )
+    _warn_if_unresolved(host, port, retrying=connection.reconnect)
+    _enable_compile_cache(config.compute.compile_cache)
     try:
-        tls = ClientTLS.from_options(args.tls_ca, args.tls_fingerprint)
-        worker = Worker(
-            host,
-            port,
-            token=token,
-            backend=args.backend,
-            worker_id=args.worker_id,
-            reconnect=not args.no_reconnect,
-            give_up_after=args.give_up_after,
-            tls=tls,
-            trace=MessageTrace(args.trace) if args.trace else None,
-        )
+        tls = ClientTLS.from_options(connection.tls_ca, connection.tls_fingerprint)
+        trace = MessageTrace(output.trace) if output.trace else None
+        worker = Worker(config.replace(token=token), tls=tls, trace=trace)
     except OSError as exc:
-        return _fail(f"cannot write --trace {args.trace} ({exc.strerror or exc})", 2)
+        return _fail(f"cannot write --trace {output.trace} ({exc.strerror or exc})", 2)
     except (BackendUnavailable, ValueError) as exc:
         return _fail(str(exc))
-    view = contextlib.nullcontext() if args.quiet else WorkerStatusView(worker.status)
+    view = contextlib.nullcontext() if output.quiet else WorkerStatusView(worker.status)
     stop = SignalStop()  # the first SIGINT/SIGTERM ends the worker; the shepherd sees it leave
-    body = worker.run if args.parent_fd is None else _until_closed(args.parent_fd, worker.run)
+    fd = output.parent_fd
+    body = worker.run if fd is None else _until_closed(fd, worker.run)
     with view:
         ended = _run_with_signals(stop, body, (Refused, ConnectionLost, ParentGone))
     if isinstance(ended, Refused):
@@ -301,6 +289,21 @@ def run_worker(args: argparse.Namespace) -> int:
     if ended is not None:
         return _fail(str(ended))
     return stop.exit_code or 0
+
+
+def _enable_compile_cache(directory: str) -> None:
+    """Keep compiled graphs in `directory` ('' : none); a warning if it cannot be used."""
+    if not directory:
+        return
+    from pcp_tui.backends import enable_compilation_cache
+
+    try:
+        enable_compilation_cache(directory)
+    except OSError as exc:
+        print(
+            f"pcp-tui: warning: no compile cache at {directory} ({exc.strerror})",
+            file=sys.stderr,
+        )
 
 
 class ParentGone(Exception):
@@ -331,34 +334,6 @@ def _until_closed(fd: int, body: Callable[[], Awaitable[object]]) -> Callable[[]
             raise ParentGone("the demo that started this worker has exited; stopping")
 
     return watched
-
-
-def parse_connect(text: str) -> tuple[str, int]:
-    """`HOST:PORT` or `[IPv6]:PORT` -> (host, port); ConfigError says what is wrong and how."""
-    example = "e.g. 10.0.0.5:8080 or [::1]:8080"
-    if "://" in text:
-        scheme = text.partition("://")[0]
-        raise ConfigError(
-            f"--connect wants HOST:PORT, got {text!r}: leave out {scheme}:// "
-            f"(workers speak PCP over TCP, not {scheme}), {example}"
-        )
-    if text.startswith("["):
-        host, bracket, port_text = text[1:].partition("]:")
-        if not bracket or not host:
-            raise ConfigError(f"--connect wants [IPv6]:PORT, got {text!r} ({example})")
-    else:
-        host, colon, port_text = text.rpartition(":")
-        if ":" in host:
-            raise ConfigError(
-                f"--connect {text!r}: put an IPv6 address in brackets, e.g. [{host}]:{port_text}"
-            )
-        if not colon or not host:
-            raise ConfigError(f"--connect wants HOST:PORT, got {text!r} ({example})")
-    if not (port_text.isascii() and port_text.isdigit() and 1 <= int(port_text) <= 65535):
-        raise ConfigError(f"--connect {text!r}: the port must be a number in 1..65535")
-    if any(c.isspace() or c in "/?#@[]" for c in host):
-        raise ConfigError(f"--connect {text!r}: {host!r} is not a host name or address")
-    return host, int(port_text)
 
 
 def _warn_if_unresolved(host: str, port: int, *, retrying: bool) -> None:

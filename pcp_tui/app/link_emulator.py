@@ -187,7 +187,7 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     """Serve until interrupted; exit 1 with a reason when the listening address is unusable."""
-    from pcp_tui.app.launch import parse_connect
+    from pcp_tui.config.worker import parse_connect
 
     listen_host, listen_port = parse_connect(args.listen)
     upstream, downstream = profiles(args.bandwidth, args.rtt, args.jitter)

@@ -22,7 +22,7 @@ def train(
     progress: bool = False,
     **options,
 ) -> RunState:
-    """Train `config` (or the defaults with `options` applied) with `config.workers` local workers.
+    """Train `config` (or the defaults with `options` applied) with `config.network.workers` local workers.
 
     The workers are real `pcp-tui worker` processes on this machine, joined over
     127.0.0.1; the shepherd runs in this process under `trio.run`, so this call
@@ -37,17 +37,17 @@ def train(
     from pcp_tui.training.build import build_workload
 
     config = (config or RunConfig(host="127.0.0.1", port=0)).replace(**options)
-    if not config.token:
+    if not config.security.token:
         config = config.replace(token=new_token())
     preflight(config)
-    shepherd = Shepherd(config, build_workload(config, shards=config.workers))
+    shepherd = Shepherd(config, build_workload(config, shards=config.network.workers))
     if progress:
         shepherd.state.subscribe(HeadlessPrinter(shepherd.state, sys.stdout))
 
     async def shepherd_and_workers() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(shepherd.run)
-            for index in range(config.workers):
+            for index in range(config.network.workers):
                 await nursery.start(_worker_process, shepherd, port, backend, index)
 
     failed = run_unwrapped(shepherd_and_workers, RunFailed)

@@ -27,27 +27,27 @@ def preflight(config: RunConfig) -> None:
     ConfigError (exit 2) for an option that cannot work, RunFailed for a busy port,
     CheckpointError for a missing or unreadable checkpoint.
     """
-    _check_model(config.model)
-    if config.attention == "cudnn":
+    _check_model(config.model.name)
+    if config.model.attention == "cudnn":
         _check_cudnn()
-    _check_listen(config.host, config.port)
-    if config.api_port:
+    _check_listen(config.network.host, config.network.port)
+    if config.operator.api_port:
         bearer_token(config)  # no token, no API: say so before the data loads
-    if config.checkpoint_dir:
-        _check_writable(config.checkpoint_dir)
-    if config.metrics:
+    if config.checkpoints.dir:
+        _check_writable(config.checkpoints.dir)
+    if config.operator.metrics:
         try:
-            with open(config.metrics, "a", encoding="utf-8"):
+            with open(config.operator.metrics, "a", encoding="utf-8"):
                 pass
         except OSError as exc:
             raise ConfigError(
-                f"cannot write --metrics {config.metrics} ({exc.strerror or exc})"
+                f"cannot write --metrics {config.operator.metrics} ({exc.strerror or exc})"
             ) from None
-    if config.resume:
-        saved = checkpoint.inspect(config.resume)
-        if saved.round >= config.rounds:
+    if config.checkpoints.resume:
+        saved = checkpoint.inspect(config.checkpoints.resume)
+        if saved.round >= config.outer.rounds:
             raise ConfigError(
-                f"checkpoint {saved.path} is at round {saved.round} of {config.rounds}; "
+                f"checkpoint {saved.path} is at round {saved.round} of {config.outer.rounds}; "
                 "pass a larger --rounds to train further"
             )
 

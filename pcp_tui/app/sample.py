@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from pcp_tui.config import ConfigError, RunConfig
+from pcp_tui.config import ConfigError, RunConfig, flat_names
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.training.build import model_config
 from pcp_tui.training.corpus import decode_tokens, encode_text
@@ -37,9 +37,7 @@ def sample_text(
             f"{saved.meta.get('model') or options.get('model') or 'unknown'} "
             f"(--model {options.get('model')}): load its params.safetensors with your own code"
         )
-    known = {
-        k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__ and k != "platforms"
-    }
+    known = {k: v for k, v in options.items() if k in flat_names(RunConfig) and k != "platforms"}
     config = RunConfig(**known)
     vocab = int(saved.params["wte"].shape[0])
     if vocab != 256:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import trio
 
 from pcp_tui import protocol
+from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.shepherd.connection import Hello, Refused, handshake
+from pcp_tui.shepherd.connection import Hello, handshake
 from pcp_tui.shepherd.state import RunState
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.

@@ -72,16 +72,16 @@ class Route(NamedTuple):
 
 
 def bearer_token(config: RunConfig, environ: Mapping[str, str] = os.environ) -> str:
-    """The API's bearer token, from the variable `config.api_token_env` names.
+    """The API's bearer token, from the variable `config.operator.api_token_env` names.
 
     Raises ConfigError when it is unset or empty: an operator API that can
     cancel the run is never served without a token.
     """
-    token = environ.get(config.api_token_env, "")
+    token = environ.get(config.operator.api_token_env, "")
     if not token:
         raise ConfigError(
-            f"--api-port {config.api_port} needs a bearer token: set the environment variable "
-            f"{config.api_token_env} (or name another one with --api-token-env)"
+            f"--api-port {config.operator.api_port} needs a bearer token: set the environment variable "
+            f"{config.operator.api_token_env} (or name another one with --api-token-env)"
         )
     return token
 
@@ -132,15 +132,17 @@ class OperatorAPI:
         cls, config: RunConfig, state: RunState, request_stop: Callable[[str], None]
     ) -> OperatorAPI | None:
         """The API `config` asks for (None with `api_port` 0); ConfigError without a token."""
-        if not config.api_port:
+        if not config.operator.api_port:
             return None
         return cls(
             state,
             request_stop,
             token=bearer_token(config),
-            host=config.api_host,
-            port=config.api_port,
-            tls=(config.tls_cert, config.tls_key) if config.tls_cert else None,
+            host=config.operator.api_host,
+            port=config.operator.api_port,
+            tls=(config.security.tls_cert, config.security.tls_key)
+            if config.security.tls_cert
+            else None,
         )
 
     @property

@@ -88,6 +88,7 @@ def worker_json(view: WorkerView, now: float, utilization: float | None = None) 
         "index": view.index,
         "host": view.host,
         "backend": view.backend,
+        "devices": view.devices,
         "state": view.state,
         "round": view.round,
         "step": view.step,

@@ -1,8 +1,8 @@
-"""The shepherd's side of one worker connection: handshake, sends, liveness."""
+"""The shepherd's side of one worker connection: the handshake, and the link it opens."""
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -10,36 +10,27 @@ import trio
 
 from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
+from pcp_tui.contract.connection import LINK_ERRORS, Connection, Refused
 from pcp_tui.shepherd.state import RunState, WorkerView
 
+log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
+
 HANDSHAKE_SECONDS = 10.0
-# What a send or receive raises when the peer broke the protocol or the connection is gone.
-CONNECTION_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
-
-
-class Refused(Exception):
-    """A peer was turned away for good (bad token, wrong version, bad hello)."""
-
-    def __init__(self, code: str, reason: str):
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-
-
-class WorkerLost(Exception):
-    """A connected worker went away or broke the protocol."""
+CONNECTION_ERRORS = LINK_ERRORS  # the name the coordinator knows them by
 
 
 @dataclass
 class Hello:
     worker_id: str
     hostname: str
-    backend: str  # described for people: "cpu", "cuda NVIDIA H100 ..."
+    backend: str  # described for people: "cpu", "cuda NVIDIA H100 ...", "cpu x4"
     platform: protocol.Platform
+    devices: int = 1  # local devices the worker trains on as one (a JAX mesh)
 
 
-class WorkerLink:
-    """One admitted worker: its stream, its view in RunState, a send lock."""
+class WorkerLink(Connection):
+    """One admitted worker: its connection, its view in RunState (whose bytes and
+    last-heard time it keeps), and whether it is ready for rounds."""
 
     def __init__(
         self,
@@ -48,50 +39,24 @@ class WorkerLink:
         state: RunState,
         platform: protocol.Platform,
     ):
-        self.stream = stream
+        super().__init__(stream, "shepherd", log=log, name=f"worker {view.index}: ")
         self.view = view
         self.platform = platform
         self._state = state
-        self._send_lock = trio.Lock()
         self.ready = trio.Event()
-        self.closed = False
-        self.lost_reason = ""
-        self.error_code: str = ""  # sent to the peer with lost_reason when its fault ends the link
-        self.admitting = False  # a round result's header is in; its payload waits for memory
 
     @property
     def worker_id(self) -> str:
         return self.view.worker_id
 
-    async def send(self, body: protocol.Body, tensors=None, **options) -> int:
-        async with self._send_lock:
-            sent = await self.stream.send(body, tensors, **options)
-        self.view.bytes_out += sent
-        self._state.bytes_sent += sent
-        return sent
+    def on_sent(self, nbytes: int) -> None:
+        self.view.bytes_out += nbytes
+        self._state.bytes_sent += nbytes
 
-    async def receive(
-        self, *, before_payload: protocol.PayloadGate | None = None
-    ) -> protocol.Message:
-        message = await self.stream.receive(before_payload=before_payload)
+    def on_received(self, message: protocol.Message) -> None:
         self.view.bytes_in += message.wire_bytes
         self._state.bytes_received += message.wire_bytes
         self.view.last_heard = time.monotonic()
-        return message
-
-    def silent_for(self) -> float:
-        """Seconds since the worker last sent a byte (a message may still be arriving)."""
-        return time.monotonic() - max(self.view.last_heard, self.stream.last_activity)
-
-    async def close(self, reason: str) -> None:
-        """Say goodbye (best effort, bounded in time) and close."""
-        if self.closed:
-            return
-        self.closed = True
-        with trio.move_on_after(2):
-            with contextlib.suppress(*CONNECTION_ERRORS):
-                await self.send(protocol.Goodbye(reason))
-        await self.stream.aclose()
 
 
 async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) -> Hello:
@@ -112,28 +77,31 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
         message = await stream.receive()
     except protocol.VersionMismatch as exc:
         await stream.send_error("versionMismatch", _version_advice(exc))
-        raise Refused("versionMismatch", str(exc)) from None
+        raise Refused(str(exc), code="versionMismatch") from None
     body = message.body
     if not isinstance(body, protocol.WorkerHello):
         reason = f"expected workerHello, got {message.kind}"
         await stream.send_error("malformed", reason)
-        raise Refused("malformed", reason)
+        raise Refused(reason, code="malformed")
     worker_id = body.worker_id
     if not worker_id:
         await stream.send_error("malformed", "workerHello has no workerId")
-        raise Refused("malformed", "workerHello has no workerId")
+        raise Refused("workerHello has no workerId", code="malformed")
     if not auth.verify(token, nonce, worker_id, body.proof):
         reason = "wrong or missing join token"
         await stream.send_error(
             "authFailed",
             f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
-        raise Refused("authFailed", reason)
+        raise Refused(reason, code="authFailed")
     platform = body.backend.platform
+    devices = max(body.backend.device_count, 1)  # a worker that does not say runs on one
     described = platform.value
     if platform != protocol.Platform.CPU:
         described = f"{platform.value} {body.backend.device_kind}".strip()
-    return Hello(worker_id=worker_id, hostname=body.hostname, backend=described, platform=platform)
+    if devices > 1:
+        described = f"{described} x{devices}"
+    return Hello(worker_id, body.hostname, described, platform, devices)
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

@@ -32,6 +32,7 @@ from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
+from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.fragments import FragmentSync
 from pcp_tui.shepherd.ledger import ShardLedger
@@ -56,12 +57,12 @@ class Shepherd:
     def __init__(self, config: RunConfig, workload: Workload, *, state: RunState | None = None):
         self.config = config.validate()
         self.workload = workload
-        self.token = config.token
+        self.token = config.security.token
         if not self.token:
             raise ValueError("the shepherd needs a join token (RunConfig.token)")
         self.run_id = secrets.token_hex(4)
         self.state = state or RunState(
-            run_id=self.run_id, rounds_total=config.rounds, settings=_settings(config)
+            run_id=self.run_id, rounds_total=config.outer.rounds, settings=_settings(config)
         )
         self.state.shards = ShardLedger(len(workload.shards))
         self.state.model_name = workload.name
@@ -70,39 +71,42 @@ class Shepherd:
         self.params: dict[str, np.ndarray] = {
             n: np.array(p, np.float32) for n, p in workload.params.items()
         }
-        self.outer = OuterOptimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
+        self.outer = OuterOptimizer(config.outer.optimizer, config.outer.lr, config.outer.momentum)
         self.graphs: TrainingGraphs | None = None
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        self._mean = make_aggregate(config.aggregate, tuple(sorted(self.params)))  # every round's
+        self._mean = make_aggregate(
+            config.outer.aggregate, tuple(sorted(self.params))
+        )  # every round's
         rows = not isinstance(workload.shards[0], np.ndarray)  # see training.shards.shard_plan
         batch_kind = protocol.BatchKind.ROWS if rows else protocol.BatchKind.WINDOWS
-        per_row = contract.tokens_per_row(batch_kind, config.seq_len)
+        per_row = contract.tokens_per_row(batch_kind, config.data.seq_len)
         self._screen = ResultScreen(
             self._shapes,
-            max_tokens=config.inner_steps * config.batch_size * per_row,
-            norms=None if config.aggregate == "mean" else NormGuard(factor=math.inf),
+            max_tokens=config.inner.steps * config.data.batch_size * per_row,
+            norms=None if config.outer.aggregate == "mean" else NormGuard(factor=math.inf),
         )
         self._stop_reason: str | None = None
         self._failure: str | None = None
-        self._checkpoint_written = trio.Event()  # set while no checkpoint write is in flight
-        self._checkpoint_written.set()
+        self._checkpoints = CheckpointWriter(config.checkpoints.dir, self.state)
         self._paused = False
         self._resumed = trio.Event()
         self._eval = None
         self._resumed_from: tuple[str, int] | None = None
         self.start_round = 1
         self.tls = (
-            tls.ServerTLS.from_files(config.tls_cert, config.tls_key) if config.tls_cert else None
+            tls.ServerTLS.from_files(config.security.tls_cert, config.security.tls_key)
+            if config.security.tls_cert
+            else None
         )
         self._admission = Admission(
             self.state,
             token=self.token,
             run_id=self.run_id,
             tls=self.tls,
-            timeout=config.handshake_timeout,
-            max_per_host=config.max_handshakes_per_host,
-            max_pending=config.max_handshakes,
-            trace=_open_trace(config.trace),
+            timeout=config.security.handshake_timeout,
+            max_per_host=config.security.max_handshakes_per_host,
+            max_pending=config.security.max_handshakes,
+            trace=_open_trace(config.operator.trace),
         )
         self.pool = WorkerPool(
             self.config,
@@ -113,15 +117,14 @@ class Shepherd:
             stopping=lambda: self._stop_reason is not None,
         )
         self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
-        self.pacing = (
-            StepPacing(config.inner_steps, config.chunk) if config.adaptive_steps else None
-        )
-        if config.streaming:
+        inner = config.inner
+        self.pacing = StepPacing(inner.steps, inner.chunk) if inner.adaptive_steps else None
+        if inner.streaming:
             self.fragment_sync = FragmentSync(config, self._shapes, self._screen.max_tokens)
             self.outer = self.fragment_sync.outer  # per-fragment optax states, one checkpoint
             self.pool.fragments = self.fragment_sync.fragments
-        if config.resume:
-            self._resume(config.resume)
+        if config.checkpoints.resume:
+            self._resume(config.checkpoints.resume)
         self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
 
     def _resume(self, directory: str) -> None:
@@ -141,13 +144,13 @@ class Shepherd:
         """The largest pseudo-gradient norm an honest worker can send this round."""
         cfg = self.config
         return inner_update_bound(
-            cfg.inner_optimizer,
-            cfg.inner_lr,
-            cfg.inner_steps,
+            cfg.inner.optimizer,
+            cfg.inner.lr,
+            cfg.inner.steps,
             sum(p.size for p in self.params.values()),
             distance(self.params, None),
-            weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip,
+            weight_decay=cfg.inner.weight_decay,
+            grad_clip=cfg.inner.grad_clip,
         )
 
     # -- commands (safe to call from the dashboard) -------------------------
@@ -176,7 +179,7 @@ class Shepherd:
     # -- the run ------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
-        """Listen, train for `config.rounds` rounds, say goodbye. Raises RunFailed.
+        """Listen, train for `config.outer.rounds` rounds, say goodbye. Raises RunFailed.
 
         With `--api-port`, the operator API serves from before the graphs are
         exported (so /healthz and /readyz answer during a long export) until the
@@ -205,7 +208,9 @@ class Shepherd:
         if self._resumed_from:
             path, number = self._resumed_from
             self.state.emit("resumed_from", f"resumed from {path} (round {number})", round=number)
-        self.state.emit("exporting", f"exporting training graphs for {', '.join(cfg.platforms)}")
+        self.state.emit(
+            "exporting", f"exporting training graphs for {', '.join(cfg.model.platforms)}"
+        )
         self.graphs = self.pool.graphs = await trio.to_thread.run_sync(self._export)
         self.state.emit(
             "exported",
@@ -213,18 +218,20 @@ class Shepherd:
             seconds=self.graphs.export_seconds,
         )
         try:
-            listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+            listeners = await trio.open_tcp_listeners(cfg.network.port, host=cfg.network.host)
         except OSError as exc:
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise RunFailed(
-                    f"cannot listen on {cfg.host}:{cfg.port}: {cfg.host} is not an address of "
+                    f"cannot listen on {cfg.network.host}:{cfg.network.port}: {cfg.network.host} is not an address of "
                     "this machine; use one of its addresses or 0.0.0.0"
                 ) from None
             raise RunFailed(
-                f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror}); pick another --port"
+                f"cannot listen on {cfg.network.host}:{cfg.network.port} ({exc.strerror}); pick another --port"
             ) from None
         port = listeners[0].socket.getsockname()[1]
-        shown_host = _address_for_others() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        shown_host = (
+            _address_for_others() if cfg.network.host in ("0.0.0.0", "::", "") else cfg.network.host
+        )
         self.state.address = f"{shown_host}:{port}"
         self.state.join_command = " ".join(
             [
@@ -270,17 +277,17 @@ class Shepherd:
     def _inner_optimizer(self) -> InnerOptimizer:
         cfg = self.config
         return InnerOptimizer(
-            name=cfg.inner_optimizer,
-            lr=cfg.inner_lr,
-            warmup_steps=cfg.warmup_steps,
-            decay_steps=cfg.rounds * cfg.inner_steps if cfg.inner_optimizer == "adamw" else 0,
-            weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip,
+            name=cfg.inner.optimizer,
+            lr=cfg.inner.lr,
+            warmup_steps=cfg.inner.warmup_steps,
+            decay_steps=cfg.outer.rounds * cfg.inner.steps if cfg.inner.optimizer == "adamw" else 0,
+            weight_decay=cfg.inner.weight_decay,
+            grad_clip=cfg.inner.grad_clip,
         )
 
     def _round_lr_sum(self, number: int) -> float:
         """Σ of the inner learning rate over round `number`'s steps: what its updates scale with."""
-        steps = self.config.inner_steps
+        steps = self.config.inner.steps
         schedule = self._inner_optimizer().schedule()
         return float(np.sum(schedule(np.arange((number - 1) * steps, number * steps))))
 
@@ -292,11 +299,11 @@ class Shepherd:
             self.params,
             self.workload.batch_spec,
             inner=inner,
-            chunk_steps=cfg.chunk,
+            chunk_steps=cfg.inner.chunk,
             eval_batches=self.workload.eval_batch_count,
             # cuDNN attention exists only on CUDA, and its kernels are custom calls
-            platforms=("cuda",) if cfg.attention == "cudnn" else cfg.platforms,
-            custom_calls=CUDNN_ATTENTION_CALLS if cfg.attention == "cudnn" else (),
+            platforms=("cuda",) if cfg.model.attention == "cudnn" else cfg.model.platforms,
+            custom_calls=CUDNN_ATTENTION_CALLS if cfg.model.attention == "cudnn" else (),
         )
         backend = select_backend("auto")
         self._eval = backend.load("eval_loss", graphs.eval_loss)
@@ -305,9 +312,11 @@ class Shepherd:
     async def _train(self, nursery: trio.Nursery) -> None:
         cfg = self.config
         self.state.status = "waiting"
-        await self._wait_for_workers(cfg.workers, f"waiting for {cfg.workers} worker(s)")
+        await self._wait_for_workers(
+            cfg.network.workers, f"waiting for {cfg.network.workers} worker(s)"
+        )
         number = self.start_round
-        while number <= cfg.rounds and self._stop_reason is None:
+        while number <= cfg.outer.rounds and self._stop_reason is None:
             if self._paused:
                 self.state.status = "paused"
                 await self._resumed.wait()
@@ -322,16 +331,16 @@ class Shepherd:
                     "round_repeated", f"round {number} got no result; repeating it", round=number
                 )
                 continue
-            if cfg.checkpoint_dir and number % cfg.checkpoint_every == 0:
+            if cfg.checkpoints.dir and number % cfg.checkpoints.every == 0:
                 await self._checkpoint(number, nursery)
             number += 1
         if (
-            cfg.checkpoint_dir
+            cfg.checkpoints.dir
             and self.state.history
-            and self.state.history[-1].round % cfg.checkpoint_every
+            and self.state.history[-1].round % cfg.checkpoints.every
         ):
             await self._checkpoint(self.state.history[-1].round, nursery)
-        await self._checkpoint_written.wait()
+        await self._checkpoints.idle()
         if self._failure:
             raise RunFailed(self._failure)
         self.state.status = "stopped" if self._stop_reason else "done"
@@ -344,57 +353,24 @@ class Shepherd:
         )
 
     async def _checkpoint(self, number: int, nursery: trio.Nursery) -> None:
-        """Save the run after round `number` off the round's path; a failed write is reported.
-
-        The parameters and optimizer state are copied here (the next round's outer
-        step updates them in place) and written by a task in the run's `nursery`
-        while the next round trains; at most one write is in flight, so a second
-        checkpoint waits for the first. Whatever the writer raises ends as a
-        `checkpoint_failed` event, and the previous checkpoint stays the latest.
-        """
-        await self._checkpoint_written.wait()
+        """Save the run after round `number` off the round's path (see CheckpointWriter)."""
         meta = {
             "run_id": self.run_id,
             "model": self.workload.name,
             "data_fingerprint": self.workload.corpus.fingerprint,
-            "config": {k: v for k, v in vars(self.config).items() if k != "token"},
-            "data_positions": {"seed": self.config.seed, "next_round": number + 1},
+            "config": {k: v for k, v in self.config.flat().items() if k != "token"},
+            "data_positions": {"seed": self.config.model.seed, "next_round": number + 1},
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
             "shard_ledger": self.state.shards.as_meta(),
             "eval_loss": _last_eval(self.state),
         }
-        params, state = await trio.to_thread.run_sync(self._snapshot)
-        self._checkpoint_written = trio.Event()
-        nursery.start_soon(self._write_checkpoint, number, params, state, meta)
+        await self._checkpoints.save(number, meta, self._snapshot, nursery)
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         state = {**self.outer.state_arrays(), **self._mean.state_arrays()}
         return (
             {n: p.copy() for n, p in self.params.items()},
             {n: np.array(v, copy=True) for n, v in state.items()},
-        )
-
-    async def _write_checkpoint(self, number: int, params: dict, state: dict, meta: dict) -> None:
-        try:
-            path = await trio.to_thread.run_sync(
-                lambda: checkpoint.save(
-                    self.config.checkpoint_dir,
-                    round=number,
-                    params=params,
-                    outer_state=state,
-                    meta=meta,
-                )
-            )
-        except checkpoint.CheckpointError as exc:
-            self.state.emit("checkpoint_failed", str(exc), round=number)
-            return
-        finally:
-            self._checkpoint_written.set()
-        self.state.emit(
-            "checkpoint",
-            f"checkpoint of round {number} saved to {path}",
-            round=number,
-            path=str(path),
         )
 
     async def _wait_for_workers(self, count: int, message: str) -> None:
@@ -434,7 +410,7 @@ class Shepherd:
             for link in links:
                 link.view.state, link.view.round, link.view.step = "syncing", number, 0
                 body = protocol.RoundStart(
-                    round=number, inner_steps=steps.get(link.worker_id, cfg.inner_steps)
+                    round=number, inner_steps=steps.get(link.worker_id, cfg.inner.steps)
                 )
                 nursery.start_soon(self._send_round_start, link, body, tensors, current)
         await self._collect(current)
@@ -462,7 +438,8 @@ class Shepherd:
 
     async def _round_eval(self, number: int) -> float | None:
         """The eval loss after round `number`, on the rounds --eval-every asks for (and the last)."""
-        if number % self.config.eval_every == 0 or number == self.config.rounds:
+        cfg = self.config
+        if number % cfg.evaluation.every == 0 or number == cfg.outer.rounds:
             return await trio.to_thread.run_sync(self.evaluate)
         return None
 
@@ -476,19 +453,19 @@ class Shepherd:
 
     async def _collect(self, current: Round) -> None:
         cfg = self.config
-        timeout = cfg.round_timeout if cfg.round_timeout > 0 else math.inf
+        timeout = cfg.network.round_timeout if cfg.network.round_timeout > 0 else math.inf
         with trio.move_on_after(timeout):
             await current.done.wait()
         if current.done.is_set():
             return
         late = sorted(current.pending)
-        if len(current.contributors) < cfg.min_workers:
+        if len(current.contributors) < cfg.network.min_workers:
             self.state.emit(
                 "round_waiting",
                 f"round {current.number}: timeout with {len(current.contributors)} result(s); "
-                f"waiting for --min-workers {cfg.min_workers}",
+                f"waiting for --min-workers {cfg.network.min_workers}",
             )
-            while len(current.contributors) < cfg.min_workers and not current.done.is_set():
+            while len(current.contributors) < cfg.network.min_workers and not current.done.is_set():
                 with trio.move_on_after(1):
                     await current.done.wait()
             late = sorted(current.pending)
@@ -507,7 +484,7 @@ class Shepherd:
             self.state.bytes_sent,
             self.state.bytes_received,
             parameter_count=self.state.param_count,
-            inner_steps=self.config.inner_steps,
+            inner_steps=self.config.inner.steps,
         )
         trained = set()
         for worker_id in current.contributors:
@@ -546,23 +523,24 @@ def _last_eval(state: RunState) -> float | None:
 def _settings(config: RunConfig) -> dict:
     return {
         "algorithm": "DiLoCo",
-        "workers": config.workers,
-        "inner_steps": config.inner_steps,
-        "inner_optimizer": config.inner_optimizer,
-        "inner_lr": config.inner_lr,
-        "outer_optimizer": config.outer_optimizer,
-        "outer_lr": config.outer_lr,
-        "outer_momentum": config.outer_momentum,
-        "batch_size": config.batch_size,
-        "seq_len": config.seq_len,
-        "compression": config.compression,
+        "workers": config.network.workers,
+        "inner_steps": config.inner.steps,
+        "inner_optimizer": config.inner.optimizer,
+        "inner_lr": config.inner.lr,
+        "outer_optimizer": config.outer.optimizer,
+        "outer_lr": config.outer.lr,
+        "outer_momentum": config.outer.momentum,
+        "batch_size": config.data.batch_size,
+        "seq_len": config.data.seq_len,
+        "compression": config.outer.compression,
+        "sharding": config.sharding.mode,  # inside multi-device workers: data | fsdp
         **(
             {
-                "streaming_fragments": config.streaming_fragments,
-                "overlap_steps": config.overlap_steps,
-                "mix_alpha": config.mix_alpha,
+                "streaming_fragments": config.inner.streaming_fragments,
+                "overlap_steps": config.inner.overlap_steps,
+                "mix_alpha": config.inner.mix_alpha,
             }
-            if config.streaming
+            if config.inner.streaming
             else {}
         ),
     }

@@ -47,7 +47,7 @@ class FragmentedOuter:
     def __init__(self, config: RunConfig, fragments: Fragments):
         self.fragments = fragments
         self.parts = [
-            OuterOptimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
+            OuterOptimizer(config.outer.optimizer, config.outer.lr, config.outer.momentum)
             for _ in fragments
         ]
 
@@ -89,10 +89,12 @@ class FragmentSync:
     """The shepherd's Streaming DiLoCo: partition, per-fragment state, and the round."""
 
     def __init__(self, config: RunConfig, shapes: Mapping[str, tuple[int, ...]], max_tokens: int):
-        self.fragments = partition(shapes, config.streaming_fragments)
+        self.fragments = partition(shapes, config.inner.streaming_fragments)
         self.outer = FragmentedOuter(config, self.fragments)
-        robust = config.aggregate != "mean"
-        self.aggregates = [make_aggregate(config.aggregate, names) for names in self.fragments]
+        robust = config.outer.aggregate != "mean"
+        self.aggregates = [
+            make_aggregate(config.outer.aggregate, names) for names in self.fragments
+        ]
         self.screens = [
             ResultScreen(
                 {n: shapes[n] for n in names},
@@ -102,7 +104,7 @@ class FragmentSync:
             for names in self.fragments
         ]
         self.in_sync: set[WorkerLink] = set()  # hold every fragment's current global value
-        self.compression = config.compression
+        self.compression = config.outer.compression
 
     async def run_round(self, shepherd, number: int) -> Round | None:
         """Run round `number` fragment by fragment; the combined Round, or None without results."""
@@ -131,13 +133,13 @@ class FragmentSync:
         self.in_sync = {link for link in links if link not in failed and not link.closed}
         if not any(r.contributors for r in rounds):
             return None
-        tokens_per_step = shepherd._screen.max_tokens // shepherd.config.inner_steps
+        tokens_per_step = shepherd._screen.max_tokens // shepherd.config.inner.steps
         return combined(number, rounds, started, at_start, tokens_per_step)
 
     async def _start(self, shepherd, link: WorkerLink, number: int, rounds, failed) -> None:
         continued = link in self.in_sync
         body = protocol.RoundStart(
-            round=number, inner_steps=shepherd.config.inner_steps, continued=continued
+            round=number, inner_steps=shepherd.config.inner.steps, continued=continued
         )
         tensors = {} if continued else {n: shepherd.params[n] for n in shepherd.graphs.param_names}
         link.view.state, link.view.round, link.view.step = "syncing", number, 0

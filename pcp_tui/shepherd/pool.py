@@ -2,8 +2,9 @@
 
 `WorkerPool.serve` takes a connection that `Admission` let in, welcomes the worker,
 sends it the plan (graphs, data shard), then reads what it sends: progress,
-round results (screened and folded into the current `Round`), heartbeats. A
-watchdog drops a worker that falls silent. The shepherd asks the pool who is
+round results (screened and folded into the current `Round`), heartbeats. The
+link's watchdog (`Connection.alive`) drops a worker that falls silent or uploads
+too slowly. The shepherd asks the pool who is
 ready and sets `pool.round` while a round runs; it never touches a socket.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -21,20 +21,15 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
+from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
 from pcp_tui.shepherd.admission import Admission, Admitted
-from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink, WorkerLost
+from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.rounds import BadResult, Round
 from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.shepherd.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
 from pcp_tui.training import shards
 from pcp_tui.training.export import TrainingGraphs
 from pcp_tui.training.workload import Workload
-
-# Round results received but not yet folded into the mean, across all workers: the
-# shepherd holds at most this many model-sized copies however many workers there are.
-# The others wait in TCP flow control, their headers read, their payloads not yet.
-# A slot is held from a result's header to its fold, so a slow uploader holds one for its
-# whole upload: enough slots that a few slow links do not queue the fast ones.
-RESULTS_IN_MEMORY = 8
 
 log = logging.getLogger(__name__)  # connection-level diagnostics; RunState has the run's events
 
@@ -102,12 +97,12 @@ class WorkerPool:
             await self._refuse(admitted, *refusal)
             return
         link = self._admit(admitted.stream, admitted.hello, admitted.peer)
+        ended: ConnectionLost | None = None
         try:
             await self._serve_worker(link)
-        except WorkerLost as exc:
-            self._mark_gone(link, "lost", str(exc))
-        except CONNECTION_ERRORS as exc:
-            self._mark_gone(link, "lost", str(exc) or type(exc).__name__)
+        except (ConnectionLost, *LINK_ERRORS) as exc:
+            ended = lost(exc)
+            self._mark_gone(link, "lost", ended.reason)
         except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
             reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
             self.state.emit(
@@ -117,8 +112,8 @@ class WorkerPool:
         else:
             self._mark_gone(link, "left", link.view.reason or "said goodbye")
         finally:
-            with trio.CancelScope(shield=True):
-                await link.close("connection closed")
+            with trio.CancelScope(shield=True):  # tells the peer what it did wrong, if it did
+                await link.close("connection closed", error=ended)
 
     def _refusal(self, worker_id: str) -> tuple[protocol.ErrorCode, str] | None:
         """(code, reason) if an authenticated connection may not join now, else None.
@@ -131,9 +126,9 @@ class WorkerPool:
         holding the token cannot tie up the shepherd with idle or slow connections.
         """
         previous = self._links.get(worker_id)
-        timeout = self.config.heartbeat_timeout
+        timeout = self.config.network.heartbeat_timeout
         alive = previous is not None and not previous.closed
-        if alive and (previous.admitting or previous.silent_for() <= timeout):
+        if alive and (previous.is_paused or previous.silent_for() <= timeout):
             return protocol.ErrorCode.ID_IN_USE, (
                 f"worker id {worker_id!r} is in use by a live connection from "
                 f"{previous.view.host}; start this worker with another --id, or stop the "
@@ -155,7 +150,7 @@ class WorkerPool:
         self.admission.refusals.refused(host, admitted.peer, reason, code=code.value)
         with trio.move_on_after(1):  # the peer may not read: do not wait on it
             await admitted.stream.send_error(code, reason)
-        with contextlib.suppress(*CONNECTION_ERRORS):
+        with contextlib.suppress(*LINK_ERRORS):
             await trio.aclose_forcefully(admitted.stream.stream)
 
     def _admit(self, stream: protocol.MessageStream, hello, peer: str) -> WorkerLink:
@@ -173,6 +168,7 @@ class WorkerPool:
             index=index,
             host=hello.hostname or peer,
             backend=hello.backend,
+            devices=hello.devices,
             shard=shard,
         )
         self.state.workers[hello.worker_id] = view
@@ -188,6 +184,8 @@ class WorkerPool:
             f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
             worker=hello.worker_id,
             shard=shard,
+            platform=hello.platform.value,
+            devices=hello.devices,
         )
         if adopted:
             self.state.emit(
@@ -226,6 +224,7 @@ class WorkerPool:
         self.wake()
 
     async def _serve_worker(self, link: WorkerLink) -> None:
+        """Welcome, plan, then the worker's messages until it leaves; raises ConnectionLost."""
         cfg = self.config
         slot = link.view.shard  # from the ledger: a lost worker's shard goes to the next joiner
         if link.platform not in self.graphs.platforms:
@@ -233,9 +232,8 @@ class WorkerPool:
                 f"platform {link.platform} is not among the exported ones "
                 f"({', '.join(self.graphs.platforms)}); restart the shepherd with it in --platforms"
             )
-            await link.stream.send_error(protocol.ErrorCode.UNSUPPORTED_BACKEND, reason)
-            raise WorkerLost(reason)
-        welcome = protocol.Welcome(link.view.index, self.run_id, cfg.heartbeat_seconds)
+            raise ConnectionLost(reason, code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value)
+        welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
         sent = await link.send(welcome)
         log.debug("worker %d: sent welcome (%d bytes)", link.view.index, sent)
         link.view.state = "compiling"
@@ -243,21 +241,12 @@ class WorkerPool:
         sent = await link.send(plan, tensors)
         log.debug("worker %d: sent plan (%d bytes)", link.view.index, sent)
         self._bound(link, plan)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._heartbeats, link)
-            nursery.start_soon(self._watchdog, link, nursery.cancel_scope)
-            try:
-                await self._receive_loop(link)
-            except CONNECTION_ERRORS as exc:
-                link.lost_reason = link.lost_reason or str(exc) or type(exc).__name__
-                if isinstance(exc, protocol.ProtocolError) and exc.code != "unknown":
-                    link.error_code = exc.code
-            nursery.cancel_scope.cancel()
-        if link.lost_reason:
-            if link.error_code:  # tell the peer what it did wrong before the close
-                with trio.move_on_after(2):
-                    await link.stream.send_error(link.error_code, link.lost_reason)
-            raise WorkerLost(link.lost_reason)
+        async with link.alive(
+            heartbeat_seconds=cfg.network.heartbeat_seconds,
+            timeout=cfg.network.heartbeat_timeout,
+            too_slow=lambda: upload_too_slow(link, self.config),
+        ):
+            await self._receive_loop(link)
 
     def _plan(
         self, slot: int, shard: np.ndarray | dict[str, np.ndarray]
@@ -279,21 +268,22 @@ class WorkerPool:
                 for name in ("train_chunk", "init_opt_state")
             ),
             param_names=tuple(graphs.param_names),
-            inner_steps=cfg.inner_steps,
+            inner_steps=cfg.inner.steps,
             chunk_steps=graphs.chunk_steps,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            seed=cfg.seed,
+            batch_size=cfg.data.batch_size,
+            seq_len=cfg.data.seq_len,
+            seed=cfg.model.seed,
             shard_tensor=shipped.shard_tensor,
             shard_fingerprint=shipped.fingerprint,
             worker_slot=slot,
-            compression=protocol.Quantization(cfg.compression),
+            compression=protocol.Quantization(cfg.outer.compression),
             batch_kind=shipped.batch_kind,
             data_tensors=shipped.data_tensors,
-            tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.seq_len),
+            tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.data.seq_len),
+            sharding=cfg.sharding.to_wire(),
             fragments=tuple(protocol.Fragment(names) for names in self.fragments),
-            overlap_steps=cfg.overlap_steps if self.fragments else 0,
-            mix_alpha=cfg.mix_alpha if self.fragments else 0.0,
+            overlap_steps=cfg.inner.overlap_steps if self.fragments else 0,
+            mix_alpha=cfg.inner.mix_alpha if self.fragments else 0.0,
         )
         return plan, tensors
 
@@ -302,7 +292,7 @@ class WorkerPool:
 
         Every message is checked from its header, before any payload byte is
         read: its kind against the stage of the connection (`contract.RECEIVES`),
-        its tensors against the plan's parameters.
+        its tensors against the plan's parameters (the stage check is the link's own).
         """
         shapes = {name: tuple(self.workload.params[name].shape) for name in plan.param_names}
         link.stream.limits = dataclasses.replace(
@@ -313,10 +303,6 @@ class WorkerPool:
         )
 
         def check(body: protocol.Body, specs, frame_bytes: int) -> None:
-            stage = contract.Stage.READY if link.ready.is_set() else contract.Stage.PLANNED
-            problem = contract.out_of_turn("shepherd", body.KIND, stage)
-            if problem is not None:
-                raise protocol.MalformedMessage(problem)
             if isinstance(body, protocol.RoundResult):
                 problem = contract.result_header_problem(shapes, specs)
                 if problem is not None:
@@ -331,17 +317,17 @@ class WorkerPool:
                     f"{contract.SMALL_MESSAGE_BYTES} bytes"
                 )
 
-        link.stream.check_header = check
+        link.check_tensors = check
 
     async def _receive_loop(self, link: WorkerLink) -> None:
         while True:
-            slot = _ResultSlot(self._result_slots, link)
+            slot = ResultSlot(self._result_slots, link)
             try:
                 message = await link.receive(before_payload=slot.admit)
                 await self._handle(link, message)
             finally:
                 slot.release()
-            if message.kind in ("goodbye", "error"):
+            if message.kind == "goodbye":
                 return
 
     async def _handle(self, link: WorkerLink, message: protocol.Message) -> None:
@@ -349,6 +335,7 @@ class WorkerPool:
         log.debug("worker %d: received %s (%d bytes)", view.index, message.kind, message.wire_bytes)
         if isinstance(body, protocol.Ready):
             view.state = "idle"
+            link.stage = contract.Stage.READY
             link.ready.set()
             self.state.emit(
                 "compiled",
@@ -364,14 +351,14 @@ class WorkerPool:
             view.reason = body.reason or "said goodbye"
         elif isinstance(body, protocol.Error):
             # the worker says why it stops (e.g. it refused a round's parameters): it is out
-            link.lost_reason = f"the worker reported {body.code.value}: {body.message}"
+            raise ConnectionLost(f"the worker reported {body.code.value}: {body.message}")
 
     def _on_progress(self, view: WorkerView, body: protocol.Progress) -> None:
         view.state = body.phase.value
         view.step = body.step
         view.total_steps = body.total_steps
         view.loss = body.loss
-        global_step = (max(body.round, 1) - 1) * self.config.inner_steps + view.step
+        global_step = (max(body.round, 1) - 1) * self.config.inner.steps + view.step
         self.state.step_losses.append((global_step, body.loss, view.index))
         view.tokens_per_second = body.tokens_per_second
 
@@ -394,7 +381,7 @@ class WorkerPool:
                 f"refused worker {view.index}'s round {number} result: {exc}",
                 worker=link.worker_id,
             )
-            with contextlib.suppress(*CONNECTION_ERRORS):
+            with contextlib.suppress(*LINK_ERRORS):
                 await link.send(
                     protocol.Error(protocol.ErrorCode.BAD_RESULT, f"result refused: {exc}")
                 )
@@ -410,74 +397,3 @@ class WorkerPool:
         view.state = "idle"
         view.step = view.total_steps
         view.reason = ""  # an earlier refusal no longer describes this worker
-
-    async def _heartbeats(self, link: WorkerLink) -> None:
-        try:
-            while True:
-                await trio.sleep(self.config.heartbeat_seconds)
-                sent = await link.send(protocol.Heartbeat(time.time()))
-                log.debug("worker %d: sent heartbeat (%d bytes)", link.view.index, sent)
-        except CONNECTION_ERRORS:
-            return  # the receive loop sees the broken connection and reports it
-
-    async def _watchdog(self, link: WorkerLink, scope: trio.CancelScope) -> None:
-        timeout = self.config.heartbeat_timeout
-        while True:
-            await trio.sleep(min(1.0, timeout / 4))
-            if link.admitting:  # waiting for a result slot is neither silence nor slowness
-                continue
-            silent = link.silent_for()
-            if silent > timeout:
-                link.lost_reason = f"silent for {silent:.0f} s (heartbeat timeout {timeout:.0f} s)"
-            else:
-                link.lost_reason = self._too_slow(link)
-            if link.lost_reason:
-                link.error_code = protocol.ErrorCode.TIMEOUT
-                scope.cancel()
-                return
-
-    def _too_slow(self, link: WorkerLink) -> str:
-        """Why the message arriving on `link` is too slow to wait for, or "".
-
-        After --upload-grace seconds a message must average --min-upload-rate, so an
-        upload of n bytes has grace + n / rate seconds at most: trickling bytes keeps a
-        connection active, not alive. The clock starts again when a result gets its
-        memory slot (`view.last_heard` is set then), as waiting for one is not slowness.
-        """
-        partial = link.stream.partial_message
-        if partial is None:
-            return ""
-        started, received = partial
-        elapsed = time.monotonic() - max(started, link.view.last_heard)
-        rate, grace = self.config.min_upload_rate, self.config.upload_grace
-        if received >= rate * (elapsed - grace):
-            return ""
-        return (
-            f"upload too slow: {received} bytes in {elapsed:.0f} s, under --min-upload-rate "
-            f"{rate:g} B/s after --upload-grace {grace:g} s"
-        )
-
-
-class _ResultSlot:
-    """One round result's claim on the shepherd's memory, from its header to its fold."""
-
-    def __init__(self, slots: trio.Semaphore, link: WorkerLink):
-        self._slots, self._link = slots, link
-        self._held = False
-
-    async def admit(self, kind: str, nbytes: int) -> None:
-        """`before_payload` hook: a round result's payload waits for a free slot."""
-        if kind not in ("roundResult", "fragmentResult"):
-            return
-        self._link.admitting = True  # waiting for a slot is not silence
-        try:
-            await self._slots.acquire()
-        finally:
-            self._link.admitting = False
-            self._link.view.last_heard = time.monotonic()
-        self._held = True
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._slots.release()

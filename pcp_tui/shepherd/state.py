@@ -45,6 +45,7 @@ class WorkerView:
     rounds_contributed: int = 0
     reason: str = ""
     shard: int | None = None  # the data shard it trains (see ShardLedger)
+    devices: int = 1  # local devices it trains on as one worker (pcp-tui worker --devices)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.app.cli import main as pcp_tui_main
+from pcp_tui.contract.connection import Connection
 from pcp_tui.worker import client
 
 __all__ = ["FAULTS", "Fault", "Parameter", "main"]
@@ -98,7 +99,7 @@ def slow(*, factor: float) -> None:
 
 def tamper_results(tamper: Tamper) -> None:
     """Pass every tensor of every round result this worker sends through `tamper`."""
-    honest_send = client._Sender.send
+    honest_send = Connection.send
     sent = 0
 
     async def send(self, body, tensors=None, **options):
@@ -108,7 +109,7 @@ def tamper_results(tamper: Tamper) -> None:
             sent += 1
         return await honest_send(self, body, tensors, **options)
 
-    client._Sender.send = send
+    Connection.send = send  # this process is the worker: only its connection uses it
 
 
 def poison_with_nan() -> None:

@@ -25,45 +25,47 @@ def preset_name(model: str) -> str:
 
 
 def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
-    if config.model not in gpt2.PRESETS:
+    if config.model.name not in gpt2.PRESETS:
         raise ValueError(
-            f"unknown model {config.model!r}; presets: {', '.join(gpt2.PRESETS)}, or a model file path.py:build"
+            f"unknown model {config.model.name!r}; presets: {', '.join(gpt2.PRESETS)}, or a model file path.py:build"
         )
-    preset = gpt2.PRESETS[config.model]
+    preset = gpt2.PRESETS[config.model.name]
     return dataclasses.replace(
         preset,
         vocab_size=max(vocab_size, preset.vocab_size) if vocab_size > 256 else vocab_size,
-        block_size=max(preset.block_size, config.seq_len),
-        compute_dtype=config.compute_dtype,
-        attention=config.attention,
+        block_size=max(preset.block_size, config.data.seq_len),
+        compute_dtype=config.model.compute_dtype,
+        attention=config.model.attention,
     )
 
 
 def build_workload(config: RunConfig, shards: int) -> Workload:
     """Load the corpus, cut `shards` disjoint training shards, initialise the model.
 
-    `config.model` is a GPT-2 preset or a model file (``path.py:build``, see `custom`).
+    `config.model.name` is a GPT-2 preset or a model file (``path.py:build``, see `custom`).
     """
-    if is_model_file(config.model):
+    if is_model_file(config.model.name):
         return build_custom_workload(config, shards)
-    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    corpus = load_corpus(config.data.path, max_bytes=config.data.max_bytes)
     gpt = model_config(config, corpus.vocab_size)
-    params = jax.jit(gpt2.init, static_argnums=0)(gpt, jax.random.PRNGKey(config.seed))
+    params = jax.jit(gpt2.init, static_argnums=0)(gpt, jax.random.PRNGKey(config.model.seed))
     host_params = {name: np.asarray(value, np.float32) for name, value in params.items()}
     evals = eval_batches(
         corpus.val,
-        batch_size=config.batch_size,
-        seq_len=config.seq_len,
-        max_batches=config.eval_batches,
+        batch_size=config.data.batch_size,
+        seq_len=config.data.seq_len,
+        max_batches=config.evaluation.batches,
     )
     return Workload(
-        name=preset_name(config.model),
+        name=preset_name(config.model.name),
         params=host_params,
         loss_fn=lambda p, tokens: gpt2.loss(gpt, p, tokens),
-        batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),
+        batch_spec=jax.ShapeDtypeStruct(
+            (config.data.batch_size, config.data.seq_len + 1), jnp.int32
+        ),
         corpus=corpus,
         shards=split_shards(corpus.train, shards),
         eval_tokens=evals,
-        tokens_per_step=config.batch_size * config.seq_len,
-        flops_per_token=gpt2.flops_per_token(gpt, config.seq_len),
+        tokens_per_step=config.data.batch_size * config.data.seq_len,
+        flops_per_token=gpt2.flops_per_token(gpt, config.data.seq_len),
     )

@@ -137,10 +137,10 @@ def _shapes(arrays: Mapping[str, Any]) -> str:
 
 def build_custom_workload(config: RunConfig, shards: int) -> Workload:
     """The Workload of a model file: parameters, wrapped loss, row (or window) shards, eval batches."""
-    spec = load_spec(config.model, config)
-    path = model_path(config.model)
+    spec = load_spec(config.model.name, config)
+    path = model_path(config.model.name)
     with user_code(path, "init(key)"):
-        params = spec.init(jax.random.PRNGKey(config.seed))
+        params = spec.init(jax.random.PRNGKey(config.model.seed))
     if not isinstance(params, Mapping) or not params:
         raise ConfigError(f"{spec.name}: init(key) must return a non-empty flat dict of arrays")
     host_params = {}
@@ -161,7 +161,7 @@ def build_custom_workload(config: RunConfig, shards: int) -> Workload:
         )
     rows = row_data(spec.name, source)
     keys = tuple(rows.train)
-    first = {k: a[: config.batch_size] for k, a in rows.train.items()}
+    first = {k: a[: config.data.batch_size] for k, a in rows.train.items()}
 
     def loss_fn(params: dict[str, jax.Array], batch: tuple[jax.Array, ...]) -> jax.Array:
         named = dict(zip(keys, batch, strict=True))
@@ -173,14 +173,15 @@ def build_custom_workload(config: RunConfig, shards: int) -> Workload:
         params=host_params,
         loss_fn=loss_fn,
         batch_spec=tuple(
-            jax.ShapeDtypeStruct((config.batch_size, *a.shape[1:]), a.dtype) for a in first.values()
+            jax.ShapeDtypeStruct((config.data.batch_size, *a.shape[1:]), a.dtype)
+            for a in first.values()
         ),
         corpus=rows,
         shards=corpus.split_rows(rows.train, shards),
         eval_tokens=corpus.eval_rows(
-            rows.val, batch_size=config.batch_size, max_batches=config.eval_batches
+            rows.val, batch_size=config.data.batch_size, max_batches=config.evaluation.batches
         ),
-        tokens_per_step=config.batch_size,  # a row counts as one token
+        tokens_per_step=config.data.batch_size,  # a row counts as one token
         flops_per_token=6.0 * sum(p.size for p in host_params.values()),
     )
 
@@ -204,7 +205,7 @@ def row_data(name: str, source: Dataset) -> corpus.RowData:
 def _window_workload(
     config: RunConfig, spec: ModelSpec, params: dict[str, np.ndarray], shards: int, path: Path
 ) -> Workload:
-    text = corpus.load_corpus(config.data, max_bytes=config.data_max_bytes)
+    text = corpus.load_corpus(config.data.path, max_bytes=config.data.max_bytes)
 
     def loss_fn(params: dict[str, jax.Array], batch: jax.Array) -> jax.Array:
         with user_code(path, "loss(params, batch)", lambda: f"batch {_shapes({'tokens': batch})}"):
@@ -214,15 +215,17 @@ def _window_workload(
         name=spec.name,
         params=params,
         loss_fn=loss_fn,
-        batch_spec=jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32),
+        batch_spec=jax.ShapeDtypeStruct(
+            (config.data.batch_size, config.data.seq_len + 1), jnp.int32
+        ),
         corpus=text,
         shards=corpus.split_shards(text.train, shards),
         eval_tokens=corpus.eval_batches(
             text.val,
-            batch_size=config.batch_size,
-            seq_len=config.seq_len,
-            max_batches=config.eval_batches,
+            batch_size=config.data.batch_size,
+            seq_len=config.data.seq_len,
+            max_batches=config.evaluation.batches,
         ),
-        tokens_per_step=config.batch_size * config.seq_len,
+        tokens_per_step=config.data.batch_size * config.data.seq_len,
         flops_per_token=6.0 * sum(p.size for p in params.values()),
     )

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import platform as host_platform
-import random
 import secrets
 import socket
 import time
@@ -25,34 +24,31 @@ import trio
 
 from pcp_tui import __version__, protocol
 from pcp_tui.backends import Backend, GraphError, select_backend
+from pcp_tui.config import WorkerConfig
 from pcp_tui.contract import auth
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import expected_shapes, round_start_problem
+from pcp_tui.contract.connection import (
+    LINK_ERRORS,
+    Connection,
+    ConnectionEnded,
+    ConnectionLost,
+    IdInUse,
+    Refused,
+    RunOver,
+    ended_by,
+)
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
+from pcp_tui.training.sharding import LayoutError
+from pcp_tui.worker.mesh import GraphLayouts
+from pcp_tui.worker.reconnect import Reconnect
 from pcp_tui.worker.streaming import StreamingRounds
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
-_LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
+MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level, --log-file)
-
-
-class Refused(Exception):
-    """The shepherd turned this worker away for good: do not retry."""
-
-
-class IdInUse(Refused):
-    """Another live connection holds this worker's id.
-
-    Final for a worker that was never admitted (two workers started with one --id);
-    a worker that was admitted before retries, as the live connection is likely its
-    own, cut off, until the shepherd notices it is silent.
-    """
-
-
-class RunOver(Exception):
-    """The shepherd said goodbye: the run is finished."""
 
 
 @dataclass
@@ -85,144 +81,164 @@ class Training:
     shard: np.ndarray | tuple[np.ndarray, ...]  # token windows, or row-indexed arrays
     train_chunk: Callable
     init_opt_state: Callable
+    param_axes: tuple | None = None  # on a worker of several devices: see worker.mesh
 
 
 class Worker:
     def __init__(
         self,
-        host: str,
-        port: int,
+        config: WorkerConfig,
         *,
-        token: str,
-        backend: str | Backend = "auto",
-        worker_id: str | None = None,
-        reconnect: bool = True,
-        max_backoff: float = 30.0,
-        give_up_after: float = 1800.0,
+        backend: Backend | None = None,
         tls: ClientTLS | None = None,
         trace: MessageTrace | None = None,
+        max_backoff: float = 30.0,
     ):
-        self.host, self.port, self.token = host, port, token
+        """A worker with `config`'s settings; `config.connection.token` must be set.
+
+        `backend` overrides `config.compute.backend` with one already built;
+        `tls` and `trace` are built from the config by the caller (`launch.run_worker`),
+        which turns their errors into exit codes.
+        """
+        connection = config.connection
+        host, port = connection.address
+        self.host, self.port, self.token = host, port, connection.token
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
-        self.backend = select_backend(backend) if isinstance(backend, str) else backend
-        self.worker_id = (
-            worker_id or f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.backend = backend or select_backend(
+            config.compute.backend, config.compute.device_count
         )
-        self.reconnect = reconnect
-        self.max_backoff = max_backoff
-        self.give_up_after = give_up_after  # seconds without being admitted before exiting
-        self._last_contact = time.monotonic()  # of a welcome (or the start); see _backoff
-        self._attempts = 0  # failed connects or sessions since then
-        self._admitted = False  # the current session got its welcome
+        self.worker_id = connection.worker_id or (
+            f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
+        )
+        self.reconnect = Reconnect(  # give_up_after: seconds of trying to get (back) in
+            give_up_after=connection.give_up_after,
+            max_backoff=max_backoff,
+            retry=connection.reconnect,
+            on_wait=self._show_wait,
+        )
         self.status = WorkerStatus(shepherd=f"{host}:{port}")
         self.heartbeat_seconds = 2.0  # the welcome says the run's interval
         self.heartbeat_timeout = 30.0
         self._plan: Training | None = None
         self._opt_state = None
-        self._compiled: dict[bytes, tuple[Callable, Callable]] = {}
+        self._compiled: dict[bytes, tuple[Callable, Callable, tuple | None]] = {}
         self._streaming: StreamingRounds | None = None  # the plan names fragments
 
     async def run(self) -> None:
         """Train until the shepherd says goodbye. Raises Refused on a final refusal.
 
-        Raises ConnectionLost once --give-up-after seconds pass without the
-        shepherd admitting this worker (see `_backoff`).
+        Raises ConnectionLost once --give-up-after seconds of trying to get in (or
+        back in, counted from the loss of an admitted connection) pass without a
+        welcome: see `Reconnect`.
         """
-        self._last_contact = time.monotonic()
-        while True:
-            try:
+        lost = False
+        while not await self.reconnect.run(self._attempt, pause_first=lost):
+            lost = True  # an admitted connection was lost: a fresh budget to get back
+
+    async def _attempt(self, deadline: float) -> bool:
+        """One connection: True once the run is over, False when it was lost after a
+        welcome; ConnectionLost when it failed before one (`deadline` bounds that part)."""
+        stream = await self._connect(deadline)
+        messages = protocol.MessageStream(stream)
+        if self.trace is not None:
+            messages.observer = self.trace.observer(f"{self.host}:{self.port}")
+        try:
+            await self._join(messages, deadline)  # a ConnectionLost here is retried in the budget
+            await self._session(messages)
+        except RunOver:
+            log.info("the shepherd ended the run")
+            self.status.update(state="done", message="the shepherd ended the run")
+            return True
+        except _LostAfterWelcome as exc:
+            log.info("connection to %s:%d lost: %s", self.host, self.port, exc.__cause__)
+            if not self.reconnect.retry:
+                raise ConnectionLost(str(exc)) from exc
+            self.status.update(state="connecting", message=str(exc))
+            return False
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    async def _connect(self, deadline: float) -> trio.abc.Stream:
+        """A TCP (or TLS) stream to the shepherd, or ConnectionLost (Refused: TLS)."""
+        self.status.update(state="connecting", message="connecting")
+        try:
+            with trio.fail_at(deadline):
                 stream = await trio.open_tcp_stream(self.host, self.port)
                 if self.tls is not None:
                     stream = await self.tls.connect(stream, self.host)
-            except TLSRefused as exc:
-                raise Refused(str(exc)) from None
-            except socket.gaierror as exc:
-                await self._backoff(
-                    f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
-                )
-                continue
-            except OSError as exc:
-                await self._backoff(f"cannot reach {self.host}:{self.port} ({exc.strerror or exc})")
-                continue
-            self._admitted = False
-            try:
-                messages = protocol.MessageStream(stream)
-                if self.trace is not None:
-                    messages.observer = self.trace.observer(f"{self.host}:{self.port}")
-                await self._session(messages)
-            except RunOver:
-                log.info("the shepherd ended the run")
-                self.status.update(state="done", message="the shepherd ended the run")
-                return
-            except IdInUse as exc:
-                if self.status.worker_index is None:  # never admitted: a twin, not a reconnect
-                    raise
-                await self._backoff(str(exc))
-            except protocol.VersionMismatch as exc:
-                raise Refused(str(exc)) from None
-            except (ConnectionLost, *_LINK_ERRORS) as exc:
-                log.info("connection to %s:%d lost: %s", self.host, self.port, exc)
-                if self._admitted:  # the link was useful until now: a fresh budget and back-off
-                    self._last_contact, self._attempts = time.monotonic(), 0
-                await self._backoff(f"connection lost ({exc})")
-            finally:
-                with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-                    await stream.aclose()
-
-    async def _backoff(self, reason: str) -> None:
-        """Wait before the next attempt, or raise ConnectionLost once the budget is spent.
-
-        The budget (`give_up_after`) runs from the last welcome, not the last TCP
-        connect: a shepherd that accepts and then drops or refuses every
-        connection must not keep a worker retrying forever. The wait doubles
-        with each failed attempt (about 1, 2, 4 ... s, up to `max_backoff`),
-        jittered so that workers cut off together do not return together.
-        """
-        if not self.reconnect:
-            raise ConnectionLost(reason)
-        self._attempts += 1
-        cut_off = time.monotonic() - self._last_contact
-        if cut_off >= self.give_up_after:
+                return stream
+        except TLSRefused as exc:
+            raise Refused(str(exc)) from None
+        except socket.gaierror as exc:
             raise ConnectionLost(
-                f"{reason}; gave up after {cut_off:.0f} s of retrying without a welcome "
-                "(the run may have ended while this worker was cut off; --give-up-after sets the limit)"
-            )
-        delay = min(self.max_backoff, 0.5 * 2 ** min(self._attempts, 8))
-        delay = min(delay * random.uniform(0.5, 1.0), self.give_up_after - cut_off)
-        log.info("%s; retrying in %.1f s (attempt %d)", reason, delay, self._attempts)
-        self.status.update(state="connecting", message=f"{reason}; retrying in {delay:.1f} s")
-        await trio.sleep(delay)
+                f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
+            ) from None
+        except (OSError, trio.TooSlowError) as exc:
+            why = "timed out" if isinstance(exc, trio.TooSlowError) else exc.strerror or exc
+            raise ConnectionLost(f"cannot reach {self.host}:{self.port} ({why})") from None
+
+    async def _join(self, stream: protocol.MessageStream, deadline: float) -> None:
+        """The handshake, until the welcome; ConnectionLost to retry, Refused if final."""
+        try:
+            with trio.fail_at(deadline):
+                await self._handshake(stream)
+        except trio.TooSlowError:
+            raise ConnectionLost(
+                f"connection lost (no welcome from {self.host}:{self.port} in time)"
+            ) from None
+        except IdInUse as exc:
+            if self.status.worker_index is None:  # never admitted: a twin, not a reconnect
+                raise
+            raise ConnectionLost(str(exc)) from None
+        except protocol.VersionMismatch as exc:
+            raise Refused(str(exc)) from None
+        except (ConnectionLost, *LINK_ERRORS) as exc:
+            raise ConnectionLost(f"connection lost ({exc})") from None
+
+    def _show_wait(self, reason: str, seconds: float) -> None:
+        self.status.update(state="connecting", message=f"{reason}; retrying in {seconds:.1f} s")
 
     async def _session(self, stream: protocol.MessageStream) -> None:
-        """One connection, from handshake to goodbye; always ends by raising why."""
-        await self._handshake(stream)
-        plan_message = await _expect(stream, "plan")
-        self.status.update(state="compiling", message="compiling the training graph")
-        sender = _Sender(stream)
-        silent: list[str] = []  # why the watchdog cancelled the session, if it did
-        ended: BaseException | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._heartbeats, sender)
-            try:
-                await self._compile(sender, plan_message)
-                rounds_out, rounds_in = trio.open_memory_channel(1)
-                nursery.start_soon(self._train_rounds, sender, rounds_in)
-                nursery.start_soon(self._watch_silence, stream, nursery.cancel_scope, silent)
-                await self._receive_loop(stream, rounds_out)
-            except (RunOver, Refused, ConnectionLost, *_LINK_ERRORS) as exc:
-                ended = exc  # re-raised below, outside the nursery, so it is not wrapped in a group
-            nursery.cancel_scope.cancel()
-        if isinstance(ended, protocol.ProtocolError) and ended.code != "unknown":
-            with trio.move_on_after(2):  # tell the shepherd what it sent wrong; it may be gone
-                await stream.send_error(ended.code, str(ended))
-        raise ended or ConnectionLost(silent[0] if silent else "the session ended")
+        """One admitted connection, from the plan to the goodbye; always ends by raising why.
 
-    async def _compile(self, sender: _Sender, plan_message: protocol.Message) -> None:
+        RunOver when the shepherd ends the run, ConnectionLost when the link breaks
+        or goes silent, Refused when the shepherd turns this worker away for good.
+        """
+        connection = Connection(stream, "worker", log=log)
+        ended: ConnectionEnded | None = None
+        try:
+            async with connection.alive(
+                heartbeat_seconds=self.heartbeat_seconds, timeout=self.heartbeat_timeout
+            ) as tasks:
+                plan_message = await _expect(connection, "plan")
+                connection.stage = contract.Stage.READY
+                self.status.update(state="compiling", message="compiling the training graph")
+                with connection.paused():  # compiling does not read the socket: not silence
+                    await self._compile(connection, plan_message)
+                rounds_out, rounds_in = trio.open_memory_channel(1)
+                tasks.start_soon(self._train_rounds, connection, rounds_in)
+                await self._receive_loop(connection, rounds_out)
+        except ConnectionLost as exc:
+            ended = exc
+            raise _LostAfterWelcome(f"connection lost ({exc})") from exc
+        except ConnectionEnded as exc:
+            ended = exc
+            raise
+        finally:
+            with trio.CancelScope(shield=True):  # tells the shepherd what it sent wrong, if it did
+                lost = ended if isinstance(ended, ConnectionLost) else None
+                await connection.close(str(ended or "the worker stopped"), error=lost)
+        raise _LostAfterWelcome("connection lost (the session ended)")
+
+    async def _compile(self, connection: Connection, plan_message: protocol.Message) -> None:
         started = time.perf_counter()
         self._plan = await trio.to_thread.run_sync(self._load_plan, plan_message)
         seconds = time.perf_counter() - started
-        await sender.send(protocol.Ready(seconds, protocol.Platform(self.backend.info.platform)))
+        await connection.send(
+            protocol.Ready(seconds, protocol.Platform(self.backend.info.platform))
+        )
         self.status.update(
             state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round"
         )
@@ -249,8 +265,8 @@ class Worker:
             )
         )
         welcome = await _expect(stream, "welcome")
-        self._admitted = True
-        self.heartbeat_seconds = welcome.body.heartbeat_seconds
+        interval = welcome.body.heartbeat_seconds  # the run's; a broken shepherd's is bounded
+        self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
         self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
         log.info(
             "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
@@ -269,28 +285,42 @@ class Worker:
         graphs = {g.name: tensors[g.tensor].tobytes() for g in plan.graphs}
         key = graphs["train_chunk"] + graphs["init_opt_state"]
         if key not in self._compiled:  # a reconnect to the same run reuses compiled graphs
+            layouts = self._layouts(plan)
             try:
-                train = self.backend.load(
-                    "train_chunk", graphs["train_chunk"], donate_argnums=(0, 1)
-                )
-                init = self.backend.load("init_opt_state", graphs["init_opt_state"])
-            except GraphError as exc:
+                train = self._load(graphs, "train_chunk", layouts, donate_argnums=(0, 1))
+                init = self._load(graphs, "init_opt_state", layouts)
+            except (GraphError, LayoutError) as exc:
                 raise protocol.MalformedMessage(str(exc)) from None
-            self._compiled = {key: (train.call, init.call)}
+            axes = layouts.param_axes if layouts is not None else None
+            self._compiled = {key: (train.call, init.call, axes)}
             self._opt_state = None
-        train_chunk, init_opt_state = self._compiled[key]
+        train_chunk, init_opt_state, axes = self._compiled[key]
         self._streaming = StreamingRounds(self, plan) if plan.fragments else None
-        return Training(plan, shard, train_chunk, init_opt_state)
+        return Training(plan, shard, train_chunk, init_opt_state, axes)
 
-    async def _receive_loop(
-        self, stream: protocol.MessageStream, rounds: trio.MemorySendChannel
-    ) -> None:
+    def _layouts(self, plan: protocol.Plan) -> GraphLayouts | None:
+        """Where the graphs' arrays go on this worker's devices; None with one device."""
+        devices = self.backend.info.device_count
+        if devices == 1:
+            return None
+        try:
+            return GraphLayouts(plan, devices)
+        except LayoutError as exc:  # this worker's --devices cannot run this run's batches
+            raise Refused(str(exc)) from None
+
+    def _load(self, graphs: dict[str, bytes], name: str, layouts: GraphLayouts | None, **options):
+        if layouts is not None:  # only then: a one-device backend need not know layouts
+            options["layout"] = layouts.of(name)
+        return self.backend.load(name, graphs[name], **options)
+
+    async def _receive_loop(self, connection: Connection, rounds: trio.MemorySendChannel) -> None:
+        """Hand round starts to the training task; end on the shepherd's goodbye or error.
+
+        The connection refuses kinds out of turn (`contract.RECEIVES`) from their header.
+        """
         while True:
-            message = await stream.receive()
+            message = await connection.receive()
             body = message.body
-            problem = contract.out_of_turn("worker", message.kind, contract.Stage.READY)
-            if problem is not None:
-                raise protocol.MalformedMessage(f"{problem} (from the shepherd)")
             if isinstance(body, protocol.RoundStart):
                 await rounds.send(message)
             elif isinstance(body, protocol.FragmentUpdate):  # Streaming DiLoCo
@@ -305,52 +335,29 @@ class Worker:
                 if body.code == protocol.ErrorCode.BAD_RESULT:
                     self.status.update(message=f"shepherd refused a result: {body.message}")
                     continue
-                _raise_for(body)
+                raise ended_by(body)
 
-    async def _watch_silence(
-        self, stream: protocol.MessageStream, scope: trio.CancelScope, silent: list[str]
+    async def _train_rounds(
+        self, connection: Connection, rounds: trio.MemoryReceiveChannel
     ) -> None:
-        """Cancel `scope` once no byte has come from the shepherd for `heartbeat_timeout`.
-
-        Bytes, not messages: parameters for a large model over a slow link take
-        minutes to arrive and are not silence.
-        """
-        since = time.monotonic()  # compiling does not read the socket: count from now
-        while True:
-            last = max(stream.last_activity, since)
-            left = last + self.heartbeat_timeout - time.monotonic()
-            if left <= 0:
-                silent.append(f"the shepherd was silent for {self.heartbeat_timeout:.0f} s")
-                scope.cancel()
-                return
-            await trio.sleep(left)
-
-    async def _heartbeats(self, sender: _Sender) -> None:
-        with contextlib.suppress(*_LINK_ERRORS):
-            while True:
-                sent = await sender.send(protocol.Heartbeat(time.time()))
-                log.debug("sent heartbeat (%d bytes)", sent)
-                await trio.sleep(self.heartbeat_seconds)  # the run's interval, from the welcome
-
-    async def _train_rounds(self, sender: _Sender, rounds: trio.MemoryReceiveChannel) -> None:
-        with contextlib.suppress(*_LINK_ERRORS):  # the receive loop reports a broken link
+        with contextlib.suppress(*LINK_ERRORS):  # the receive loop reports a broken link
             async for message in rounds:
-                await self._train_round(sender, message)
+                await self._train_round(connection, message)
 
-    async def refuse(self, sender: _Sender, reason: str) -> None:
+    async def refuse(self, connection: Connection, reason: str) -> None:
         """A broken or tampered shepherd: say why and hang up (the receive loop sees it)."""
         self.status.update(message=f"refused: {reason}")
-        await sender.send(protocol.Error(protocol.ErrorCode.MALFORMED, reason))
-        await sender._stream.aclose()
+        await connection.send(protocol.Error(protocol.ErrorCode.MALFORMED, reason))
+        await connection.stream.aclose()
 
-    async def _train_round(self, sender: _Sender, message: protocol.Message) -> None:
+    async def _train_round(self, connection: Connection, message: protocol.Message) -> None:
         if self._streaming is not None:  # Streaming DiLoCo: worker/streaming.py
-            await self._streaming.train_round(sender, message)
+            await self._streaming.train_round(connection, message)
             return
         training, plan = self._plan, self._plan.plan
         problem = await trio.to_thread.run_sync(self._round_start_problem, message.tensors)
         if problem is not None:
-            await self.refuse(sender, f"roundStart refused: {problem}")
+            await self.refuse(connection, f"roundStart refused: {problem}")
             return
         number = message.body.round
         steps = message.body.inner_steps or plan.inner_steps
@@ -359,7 +366,7 @@ class Worker:
         if self._opt_state is None:
             self._opt_state = await trio.to_thread.run_sync(training.init_opt_state, tuple(params))
         self.status.update(state="training", round=number, step=0, total_steps=steps, message="")
-        params, losses = await self._train_chunks(sender, number, steps, params, started)
+        params, losses = await self._train_chunks(connection, number, steps, params, started)
         compute = time.perf_counter() - started
         self.status.update(state="syncing")
         difference = await trio.to_thread.run_sync(self.backend.difference, kept, params)
@@ -371,7 +378,7 @@ class Worker:
             compute_seconds=compute,
             inner_steps=len(losses),
         )
-        await sender.send(
+        await connection.send(
             result,
             dict(zip(plan.param_names, difference, strict=True)),
             quantization=plan.compression,
@@ -387,12 +394,15 @@ class Worker:
     def _upload(self, tensors: dict[str, np.ndarray]) -> tuple[list, object]:
         """The round's parameters on the device (donated to training) and θ kept for Δ = θ − θ_k."""
         host = [np.asarray(tensors[n], np.float32) for n in self._plan.plan.param_names]
-        params = self.backend.to_device(host)
+        axes = self._plan.param_axes
+        params = (
+            self.backend.to_device(host) if axes is None else self.backend.to_device(host, axes)
+        )
         return params, self.backend.keep(host, params)
 
     async def _train_chunks(
         self,
-        sender: _Sender,
+        connection: Connection,
         number: int,
         steps: int,
         params: list,
@@ -436,7 +446,7 @@ class Worker:
             now = time.monotonic()
             if not math.isfinite(losses[-1]):
                 continue  # a diverged loss is for the round result (the shepherd refuses it)
-            if streaming and sender.busy:
+            if streaming and connection.stream.sending:
                 continue  # a fragment is uploading: training does not wait for a progress line
             if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks[-1]:
                 last_progress = now
@@ -448,30 +458,13 @@ class Worker:
                     tps,
                     protocol.Phase.TRAINING,
                 )
-                await sender.send(progress)
+                await connection.send(progress)
         self._opt_state = opt_state
         return params, losses
 
 
-class ConnectionLost(Exception):
-    """The link to the shepherd broke; the worker reconnects."""
-
-
-class _Sender:
-    """Serialises sends from the heartbeat, progress and result tasks."""
-
-    def __init__(self, stream: protocol.MessageStream):
-        self._stream = stream
-        self._lock = trio.Lock()
-
-    @property
-    def busy(self) -> bool:
-        """Whether a send is under way (e.g. a fragment's upload)."""
-        return self._lock.locked()
-
-    async def send(self, body: protocol.Body, tensors=None, **options) -> int:
-        async with self._lock:
-            return await self._stream.send(body, tensors, **options)
+class _LostAfterWelcome(Exception):
+    """An admitted connection was lost: the worker gets a fresh budget to come back."""
 
 
 def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray, first_step: int):
@@ -481,29 +474,13 @@ def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray, fi
     return list(params), list(opt_state), np.asarray(losses)  # np.asarray waits for the device
 
 
-async def _expect(stream: protocol.MessageStream, kind: str) -> protocol.Message:
+async def _expect(stream: protocol.MessageStream | Connection, kind: str) -> protocol.Message:
+    """The next message, which must be a `kind`: an error or goodbye instead says why not."""
     message = await stream.receive()
     if message.kind == kind:
         return message
     if isinstance(message.body, protocol.Error):
-        _raise_for(message.body)
+        raise ended_by(message.body)
+    if isinstance(message.body, protocol.Goodbye):
+        raise RunOver(message.body.reason)
     raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")
-
-
-# The shepherd will say the same again on every reconnect: stop and tell the person why.
-_FINAL_ERRORS = frozenset(
-    {
-        protocol.ErrorCode.AUTH_FAILED,
-        protocol.ErrorCode.VERSION_MISMATCH,
-        protocol.ErrorCode.UNSUPPORTED_BACKEND,
-    }
-)
-
-
-def _raise_for(error: protocol.Error):
-    """Refused for an error that reconnecting cannot fix, else ConnectionLost (reconnect)."""
-    if error.code == protocol.ErrorCode.ID_IN_USE:
-        raise IdInUse(f"the shepherd refused this worker ({error.code.value}): {error.message}")
-    if error.code in _FINAL_ERRORS:
-        raise Refused(f"the shepherd refused this worker ({error.code.value}): {error.message}")
-    raise ConnectionLost(f"the shepherd reported an error ({error.code.value}): {error.message}")

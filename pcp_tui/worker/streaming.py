@@ -193,8 +193,13 @@ class StreamingRounds:
             new = {n: np.asarray(update.tensors[n], np.float32) for n in names}
         local = backend.to_host([params[self._index[n]] for n in names])
         mixed = [mix(value, new[n], alpha) for n, value in zip(names, local, strict=True)]
+        axes = self.worker._plan.param_axes  # a mesh worker's layouts, or None
+        if axes is None:
+            placed = backend.to_device(mixed)
+        else:
+            placed = backend.to_device(mixed, [axes[self._index[n]] for n in names])
         params = list(params)
-        for name, array in zip(names, backend.to_device(mixed), strict=True):
+        for name, array in zip(names, placed, strict=True):
             params[self._index[name]] = array
             self.last_global[name] = new[name]
         return params

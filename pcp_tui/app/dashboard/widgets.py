@@ -124,6 +124,8 @@ def _run_description(state: RunState) -> list[tuple[str, str]]:
     )
     compression = s.get("compression") or "none"
     compressed = "" if compression == "none" else f" · {compression}"
+    if s.get("sharding", "data") != "data":  # FSDP inside multi-device workers
+        compressed += f" · {s['sharding']}"
     run = f"run {state.run_id}"
     return [
         (

@@ -1,0 +1,418 @@
+"""RunConfig: every option of a run (shepherd and demo), section by section.
+
+Each field is its option's one declaration: type, default, range or choices,
+help. Section docstrings title the `--help` groups and run.toml's sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pcp_tui.config.options import ConfigError, Sections, option
+from pcp_tui.training import sharding
+
+QUANTIZATIONS = ("none", "bfloat16", "int8Block")
+# A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
+HEARTBEATS_PER_TIMEOUT = 3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """model: what is trained, and how its graphs are compiled"""
+
+    name: str = option(
+        "tiny",
+        flat="model",
+        help="model preset: tiny (CPU demo), small, gpt2 (86M on bytes, 124M on GPT-2 tokens); "
+        "or a model file path/to/model.py:build",
+    )
+    compute_dtype: str = option(
+        "float32",
+        choices=("float32", "bfloat16"),
+        help="mixed precision with bfloat16: float32 params, bf16 matmuls",
+    )
+    attention: str = option(
+        "xla", choices=("xla", "cudnn"), help="attention kernel (cudnn: GPU workers only)"
+    )
+    platforms: tuple[str, ...] = option(
+        ("cpu", "cuda", "rocm"), cli=False, help="platforms the training graphs are exported for"
+    )
+    seed: int = option(0, at_least=0, help="seed for initialisation and data order")
+
+    def check(self) -> None:
+        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ConfigError(
+                "--attention cudnn needs --compute-dtype bfloat16 (cuDNN fused attention has "
+                "no float32 kernel); pass both, or --attention xla"
+            )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """data: the corpus and the batches cut from it"""
+
+    path: str | None = option(
+        None,
+        flat="data",
+        example="path/to/corpus",
+        help="text file, folder of text, or nanoGPT .bin tokens "
+        "(default: the embedded Python-stdlib corpus)",
+    )
+    max_bytes: int = option(
+        4 * 2**20,
+        flat="data_max_bytes",
+        at_least=1,
+        help="bytes of the embedded/text corpus to use",
+    )
+    seq_len: int = option(128, at_least=1, help="tokens per training sequence")
+    batch_size: int = option(16, at_least=1, help="sequences per inner step, per worker")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """inner: the H optimizer steps each worker runs per round (DiLoCo's inner loop)"""
+
+    steps: int = option(
+        50, flat="inner_steps", at_least=1, help="H: inner optimizer steps per worker per round"
+    )
+    chunk_steps: int = option(
+        10, at_least=1, help="inner steps per compiled call (progress granularity)"
+    )
+    optimizer: str = option(
+        "adamw", flat="inner_optimizer", choices=("adamw", "sgd"), help="inner optimizer"
+    )
+    lr: float = option(
+        1e-3, flat="inner_lr", above=0, help="inner learning rate (peak, after warm-up)"
+    )
+    warmup_steps: int = option(50, at_least=0, help="inner learning-rate warm-up steps")
+    weight_decay: float = option(0.1, at_least=0, help="inner AdamW weight decay (matrices only)")
+    grad_clip: float = option(
+        1.0, at_least=0, help="inner gradient clipping by global norm (0: off)"
+    )
+    # Streaming DiLoCo (pcp_tui/diloco/streaming.py): how the inner loop syncs in fragments
+    streaming_fragments: int = option(
+        1,
+        flat="streaming_fragments",
+        at_least=1,
+        help="Streaming DiLoCo: F fragments of whole tensors, each synced once a round on a "
+        "staggered schedule (1: plain DiLoCo)",
+    )
+    overlap_steps: int = option(
+        1,
+        flat="overlap_steps",
+        at_least=0,
+        help="Streaming DiLoCo: τ inner steps a fragment's exchange overlaps with training "
+        "before it merges",
+    )
+    mix_alpha: float = option(
+        0.5,
+        flat="mix_alpha",
+        at_least=0,
+        at_most=1,
+        help="Streaming DiLoCo: a merge keeps α of the local fragment and takes 1 − α of the "
+        "new global one",
+    )
+    # workers of different speeds (pcp_tui/shepherd/pacing.py)
+    adaptive_steps: bool = option(
+        False,
+        flat="adaptive_steps",
+        help="size each worker's round to its measured speed (the fastest trains H), so a "
+        "round does not wait for the slowest; results count by tokens (plain DiLoCo only)",
+    )
+
+    @property
+    def streaming(self) -> bool:
+        """Whether rounds sync the model in fragments (Streaming DiLoCo), not all at once."""
+        return self.streaming_fragments > 1
+
+    @property
+    def chunk(self) -> int:
+        """Inner steps per compiled call: the largest divisor of H not above chunk_steps.
+
+        Streaming also needs every send and merge point between two chunks: k then
+        divides H / F and τ as well (τ = 1 means chunks of one step).
+        """
+        k = min(self.chunk_steps, self.steps)
+        share = self.steps // self.streaming_fragments or 1
+        steps = (self.steps, share, self.overlap_steps) if self.streaming else (self.steps,)
+        while k > 1 and any(n % k for n in steps if n):
+            k -= 1
+        return max(k, 1)
+
+    def check(self) -> None:
+        from pcp_tui.diloco.streaming import schedule_problem  # numpy only
+
+        problem = schedule_problem(
+            self.steps, self.streaming_fragments, self.overlap_steps, self.chunk
+        )
+        if problem is not None:
+            raise ConfigError(problem)
+        if self.adaptive_steps and self.streaming:
+            raise ConfigError(
+                "--adaptive-steps works with plain DiLoCo only (a streaming round's fragment "
+                "schedule assumes every worker trains H steps); drop one of the two"
+            )
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """outer: the rounds, and how their results combine into one outer step"""
+
+    rounds: int = option(20, at_least=1, help="outer rounds (DiLoCo syncs) to run")
+    optimizer: str = option(
+        "nesterov", flat="outer_optimizer", choices=("nesterov", "sgd"), help="outer optimizer"
+    )
+    lr: float = option(0.7, flat="outer_lr", above=0, help="outer learning rate (DiLoCo: 0.7)")
+    momentum: float = option(
+        0.9,
+        flat="outer_momentum",
+        at_least=0,
+        below=1,
+        help="outer Nesterov momentum (DiLoCo: 0.9; 0: no momentum)",
+    )
+    aggregate: str = option(
+        "centered-clip",
+        choices=("mean", "trimmed-mean", "median", "centered-clip"),
+        help="how results combine (centered-clip is robust: a minority cannot steer)",
+    )
+    compression: str = option(
+        "none", choices=QUANTIZATIONS, help="pseudo-gradient encoding on the wire"
+    )
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """evaluation: loss on the held-out split"""
+
+    every: int = option(
+        1, flat="eval_every", at_least=1, help="evaluate on the held-out split every N rounds"
+    )
+    batches: int = option(
+        8, flat="eval_batches", at_least=1, help="held-out batches per evaluation"
+    )
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """network: where the shepherd listens, how many workers it waits for, when it gives up on one"""
+
+    host: str = option("0.0.0.0", help="address to listen on")
+    port: int = option(
+        8080, at_least=0, at_most=65535, help="TCP port to listen on (0: any free port)"
+    )
+    workers: int = option(2, at_least=1, help="workers to wait for before round 1")
+    min_workers: int = option(
+        1,
+        at_least=1,
+        help="fewest results a round needs before --round-timeout may close it (at most --workers)",
+    )
+    round_timeout: float = option(
+        0.0,
+        at_least=0,
+        help="close a round after this many seconds with the results it has (0: wait for all)",
+    )
+    heartbeat_seconds: float = option(
+        2.0,
+        above=0,
+        help="heartbeat interval, of the shepherd and (told in the welcome) its workers",
+    )
+    heartbeat_timeout: float = option(
+        20.0,
+        help="seconds of silence before a worker counts as lost (at least 3x --heartbeat-seconds)",
+    )
+
+    def check(self) -> None:
+        if self.heartbeat_timeout < HEARTBEATS_PER_TIMEOUT * self.heartbeat_seconds:
+            raise ConfigError(
+                f"--heartbeat-timeout ({self.heartbeat_timeout:g} s) must be at least "
+                f"{HEARTBEATS_PER_TIMEOUT}x --heartbeat-seconds ({self.heartbeat_seconds:g} s): "
+                "a worker counts as lost after that much silence, so it needs room for several "
+                "heartbeats (e.g. 10x)"
+            )
+        if self.min_workers > self.workers:
+            raise ConfigError(
+                f"--min-workers {self.min_workers} is more than --workers {self.workers}: "
+                "--min-workers is the fewest results a round needs before --round-timeout "
+                "may close it, so it cannot exceed the workers the run waits for"
+            )
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """security: who may join, over what, and how much an unproven or slow peer may hold"""
+
+    token: str | None = option(
+        None,
+        example="change-me",
+        help="join token workers must prove (default: $PCP_TOKEN or a random one; "
+        "prefer $PCP_TOKEN to keep secrets out of files you share)",
+    )
+    tls_cert: str | None = option(
+        None,
+        example="shepherd.pem",
+        help="PEM certificate: workers connect over TLS (the join command then pins its "
+        "fingerprint)",
+    )
+    tls_key: str | None = option(None, example="shepherd.key", help="PEM private key of --tls-cert")
+    handshake_timeout: float = option(
+        10.0, above=0, help="seconds a new connection has to prove the token before it is dropped"
+    )
+    max_handshakes_per_host: int = option(
+        8, at_least=1, help="unfinished handshakes one address may hold; more are closed at once"
+    )
+    max_handshakes: int = option(
+        64, at_least=1, help="unfinished handshakes in all; more are closed at once"
+    )
+    max_worker_connections: int = option(
+        0,
+        at_least=0,
+        help="admitted worker connections at once; more are refused as busy (0: --workers + 2)",
+    )
+    min_upload_rate: float = option(
+        1e6,
+        above=0,
+        help="bytes/s a round result upload must average after --upload-grace; "
+        "slower ones are dropped",
+    )
+    upload_grace: float = option(
+        10.0,
+        at_least=0,
+        help="seconds a round result upload may take before --min-upload-rate applies",
+    )
+
+    def check(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together: pass both or neither")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """checkpoints: where the run is saved, how often, and where it resumes from"""
+
+    dir: str | None = option(
+        None,
+        flat="checkpoint_dir",
+        example="checkpoints",
+        help="write checkpoints (safetensors + JSON) into this directory "
+        "(default: the --resume directory, if any)",
+    )
+    every: int = option(
+        5,
+        flat="checkpoint_every",
+        at_least=1,
+        help="checkpoint every N rounds (and when the run stops)",
+    )
+    resume: str | None = option(
+        None,
+        example="checkpoints",
+        help="continue the run from the latest checkpoint in this directory",
+    )
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """operator: what a person running the shepherd watches it through"""
+
+    api_host: str = option(
+        "127.0.0.1",
+        help="address the operator API listens on (0.0.0.0: every interface; keep it private)",
+    )
+    api_port: int = option(
+        0,
+        at_least=0,
+        at_most=65535,
+        help="serve the operator HTTP API and Prometheus /metrics on this port "
+        "(0: no API; HTTPS with --tls-cert)",
+    )
+    api_token_env: str = option(
+        "PCP_API_TOKEN",
+        help="environment variable that holds the API's bearer token "
+        "(required when --api-port is set)",
+    )
+    metrics: str | None = option(
+        None, example="run.jsonl", help="append JSON Lines metrics to this file"
+    )
+    trace: str | None = option(
+        None,
+        example="shepherd.trace",
+        help="append one JSON line per protocol message sent or received to this file "
+        "(rotated at 64 MiB)",
+    )
+
+    def check(self) -> None:
+        if not self.api_token_env.isidentifier():
+            raise ConfigError(
+                f"--api-token-env must name an environment variable (letters, digits, _), "
+                f"got {self.api_token_env!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """sharding: where a worker of several devices puts each parameter (pcp_tui.training.sharding)"""
+
+    mode: str = option(
+        "data",
+        flat="sharding_mode",
+        choices=sharding.MODES,
+        cli=False,
+        help="layout of parameters no rule names: data (a copy on each device) or fsdp "
+        "(matrices split over the devices)",
+    )
+    rules: tuple[tuple[str, str], ...] = option(
+        (),
+        flat="sharding_rules",
+        cli=False,
+        table=True,
+        help='parameter-name patterns and their layout, first match wins: {"h.*.mlp.*" = "fsdp"}',
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rules, dict):  # a TOML table: {"pattern" = "layout"}
+            object.__setattr__(self, "rules", tuple(self.rules.items()))
+
+    def check(self) -> None:
+        problem = sharding.problem(self.mode, self.rules)
+        if problem:
+            raise ConfigError(problem)
+
+    def to_wire(self):
+        """The plan's `protocol.Sharding` for this section."""
+        from pcp_tui import protocol
+
+        return protocol.Sharding(
+            mode=protocol.ShardingMode(self.mode),
+            rules=tuple(
+                protocol.ShardingRule(pattern, protocol.ParamLayout(layout))
+                for pattern, layout in self.rules
+            ),
+        )
+
+
+@dataclass(frozen=True, init=False)
+class RunConfig(Sections):
+    """Every option of a run. Read nested (`config.inner.steps`); build with flat names too.
+
+    `RunConfig(inner_steps=5)` and `config.replace(inner_steps=5)` take each
+    option's flat name (the flag without its dashes), or whole sections
+    (`inner={"steps": 5}`); see `pcp_tui.config.options.Sections`.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    operator: OperatorConfig = field(default_factory=OperatorConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+
+    @property
+    def worker_connections(self) -> int:
+        """Admitted connections the shepherd holds at once: the option, or --workers + 2.
+
+        The margin lets a replacement join before a lost worker's silence is noticed.
+        """
+        return self.security.max_worker_connections or self.network.workers + 2

@@ -1,0 +1,300 @@
+"""One admitted connection, as both sides hold it: sends, receives, liveness, goodbye.
+
+The shepherd (`pcp_tui.shepherd.connection.WorkerLink`, one per worker) and the
+worker (one per session with its shepherd) speak the same conversation after the
+handshake, so they share one class for it:
+
+- `send`: from any task (heartbeat, progress, round, result): the stream's one
+  send lock keeps a message's bytes from interleaving with another's;
+- `receive`: enforces `contract.RECEIVES` from each message's header, before any
+  payload byte is read: a peer that speaks out of turn ends its connection;
+- `alive`: heartbeats on the run's interval (the shepherd's config; the worker
+  takes it from the welcome) and a watchdog that ends the connection after the
+  silence timeout. Silence is counted in bytes, not messages: a 500 MB result
+  arriving over a slow link for minutes is not silence;
+- `close`: a best-effort goodbye (and the error that ended the connection, if the
+  peer should hear it), bounded in time, then the socket closes.
+
+The error taxonomy is the same for both sides (`ConnectionEnded` and its three
+kinds): `Refused` is final (bad token, wrong version, unusable plan or backend:
+retrying gets the same answer), `ConnectionLost` is not (the link broke, went
+silent or the peer broke the protocol: the worker reconnects, the shepherd hands
+the worker's shard on), `RunOver` is the shepherd's goodbye.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Literal
+
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.contract.plan import Stage, out_of_turn
+
+# What a send or receive raises when the peer broke the protocol or the link is gone.
+LINK_ERRORS = (protocol.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError)
+CLOSE_SECONDS = 2.0  # a goodbye waits at most this long for a peer that does not read
+WATCHDOG_POLLS = 4  # the watchdog looks this many times per timeout (at least once a second)
+
+log = logging.getLogger(__name__)
+
+# Error codes the peer will send again on every reconnect: stop and tell the person why.
+_FINAL_ERRORS = frozenset(
+    {
+        protocol.ErrorCode.AUTH_FAILED,
+        protocol.ErrorCode.VERSION_MISMATCH,
+        protocol.ErrorCode.UNSUPPORTED_BACKEND,
+    }
+)
+
+
+class ConnectionEnded(Exception):
+    """Why a connection ended; `reason` is the sentence to show a person."""
+
+    def __init__(self, reason: str, *, code: str = ""):
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code  # a protocol.ErrorCode value, or "" when there is none to name
+
+
+class Refused(ConnectionEnded):
+    """Final: the peer was turned away (or turned us away) for good; do not retry.
+
+    `code` is the protocol error code sent or received (authFailed, versionMismatch...).
+    """
+
+
+class IdInUse(Refused):
+    """Another live connection holds this worker's id.
+
+    Final for a worker that was never admitted (two workers started with one --id);
+    a worker that was admitted before retries, as the live connection is likely its
+    own, cut off, until the shepherd notices it is silent.
+    """
+
+
+class ConnectionLost(ConnectionEnded):
+    """The link broke, went silent, or the peer broke the protocol: reconnect.
+
+    `code`, when set, is what this side tells the peer on close (malformed, timeout...).
+    """
+
+
+class RunOver(ConnectionEnded):
+    """The shepherd said goodbye: the run is finished."""
+
+
+def lost(exc: BaseException) -> ConnectionLost:
+    """A `LINK_ERRORS` error as a ConnectionLost, keeping the protocol error's code."""
+    if isinstance(exc, ConnectionLost):
+        return exc
+    code = getattr(exc, "code", "")
+    code = "" if code == "unknown" or not isinstance(exc, protocol.ProtocolError) else code
+    error = ConnectionLost(str(exc) or type(exc).__name__, code=code)
+    error.__cause__ = exc
+    return error
+
+
+def ended_by(error: protocol.Error, peer: str = "the shepherd") -> ConnectionEnded:
+    """What an error message from the peer means: Refused if retrying cannot fix it."""
+    if error.code == protocol.ErrorCode.ID_IN_USE:
+        return IdInUse(f"{peer} refused this worker ({error.code.value}): {error.message}")
+    if error.code in _FINAL_ERRORS:
+        return Refused(
+            f"{peer} refused this worker ({error.code.value}): {error.message}",
+            code=error.code.value,
+        )
+    return ConnectionLost(f"{peer} reported an error ({error.code.value}): {error.message}")
+
+
+class Connection:
+    """One admitted peer's message stream, from the welcome to the goodbye.
+
+    `side` ("shepherd" or "worker") names the receiving side's row of
+    `contract.RECEIVES`; `stage` says where the conversation is (set it to READY
+    when the worker's graphs are compiled). Heartbeats are logged (debug) to the
+    owner's `log`, after `name` ("worker 3: "). `clock` is for tests on trio's
+    virtual clock (`trio.current_time`).
+
+    Subclasses count what passes through `on_sent` and `on_received`.
+    """
+
+    def __init__(
+        self,
+        stream: protocol.MessageStream,
+        side: Literal["shepherd", "worker"],
+        *,
+        log: logging.Logger = log,
+        name: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.stream = stream
+        self.side = side
+        self._log, self._name = log, name
+        self.stage = Stage.PLANNED
+        self.closed = False  # no longer in use (the shepherd marks a replaced link so too)
+        # Extra header check (after the stage's): body, tensor specs, frame bytes -> raise.
+        self.check_tensors: protocol.HeaderCheck | None = None
+        self._clock = clock
+        self._heard = clock()
+        self._activity = stream.last_activity
+        self._paused = 0
+        self._said_goodbye = False
+        stream.check_header = self._check_header
+
+    # -- accounting hooks ----------------------------------------------------
+
+    def on_sent(self, nbytes: int) -> None:
+        """Called after each whole message sent; `nbytes` on the wire."""
+
+    def on_received(self, message: protocol.Message) -> None:
+        """Called after each whole message received, before the caller sees it."""
+
+    # -- messages -------------------------------------------------------------
+
+    async def send(self, body: protocol.Body, tensors=None, **options) -> int:
+        """Send one message (options as `MessageStream.send`); the bytes written.
+
+        Raises one of `LINK_ERRORS` when the link is gone. Safe from concurrent tasks:
+        `MessageStream.send` holds its lock while it writes, and there is no other.
+        """
+        sent = await self.stream.send(body, tensors, **options)
+        self.on_sent(sent)
+        return sent
+
+    async def receive(
+        self, *, before_payload: protocol.PayloadGate | None = None
+    ) -> protocol.Message:
+        """The next message; one of `LINK_ERRORS` when the link broke or the peer broke the
+        protocol (a kind out of turn is a MalformedMessage, raised before its payload)."""
+        message = await self.stream.receive(before_payload=before_payload)
+        self.heard()
+        self.on_received(message)
+        return message
+
+    def _check_header(self, body: protocol.Body, specs, frame_bytes: int) -> None:
+        problem = out_of_turn(self.side, body.KIND, self.stage)
+        if problem is not None:
+            raise protocol.MalformedMessage(problem)
+        if self.check_tensors is not None:
+            self.check_tensors(body, specs, frame_bytes)
+
+    # -- liveness ---------------------------------------------------------------
+
+    def heard(self) -> None:
+        """The peer is alive now (a whole message came, or a wait we imposed ended)."""
+        self._heard = self._clock()
+
+    def silent_for(self) -> float:
+        """Seconds since the peer last sent a byte (a message may still be arriving).
+
+        Reads `MessageStream.last_activity` as a change marker, not as a time, so
+        the connection's clock may differ from the stream's.
+        """
+        activity = self.stream.last_activity
+        if activity != self._activity:
+            self._activity = activity
+            self.heard()
+        return self._clock() - self._heard
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused > 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within: this side holds the peer back on purpose (it does not read while it
+        compiles, or a result waits for memory), so the peer's silence is not counted.
+        On leaving, the silence clock starts again."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self.heard()
+
+    @contextlib.asynccontextmanager
+    async def alive(
+        self,
+        *,
+        heartbeat_seconds: float,
+        timeout: float,
+        too_slow: Callable[[], str] | None = None,
+    ) -> AsyncIterator[trio.Nursery]:
+        """Heartbeats every `heartbeat_seconds` and a watchdog around the body.
+
+        The watchdog ends the body once the peer is silent for `timeout` s, or
+        when `too_slow()` returns a reason (the shepherd's upload-rate rule); then
+        this raises ConnectionLost with code `timeout`. A `LINK_ERRORS` error from
+        the body comes out as ConnectionLost too; other errors pass unchanged (not
+        wrapped in an exception group). The body may start tasks of its own in the
+        nursery it gets: they end with it.
+        """
+        ended: Exception | None = None
+        watchdog: list[str] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats, heartbeat_seconds)
+            nursery.start_soon(self._watchdog, timeout, too_slow, nursery.cancel_scope, watchdog)
+            try:
+                yield nursery
+            except LINK_ERRORS as exc:
+                ended = lost(exc)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the nursery
+                ended = exc
+            nursery.cancel_scope.cancel()
+        if ended is not None:
+            raise ended
+        if watchdog:
+            raise ConnectionLost(watchdog[0], code=protocol.ErrorCode.TIMEOUT.value)
+
+    async def _heartbeats(self, interval: float) -> None:
+        with contextlib.suppress(*LINK_ERRORS):  # the receiving task reports a broken link
+            while True:
+                await trio.sleep(interval)
+                sent = await self.send(protocol.Heartbeat(time.time()))
+                self._log.debug("%ssent heartbeat (%d bytes)", self._name, sent)
+
+    async def _watchdog(
+        self,
+        timeout: float,
+        too_slow: Callable[[], str] | None,
+        scope: trio.CancelScope,
+        why: list[str],
+    ) -> None:
+        self.heard()  # count from the start of the watch, not from the handshake
+        while True:
+            await trio.sleep(min(1.0, timeout / WATCHDOG_POLLS))
+            if self.is_paused:
+                continue
+            silent = self.silent_for()
+            if silent > timeout:
+                why.append(f"silent for {silent:.0f} s (heartbeat timeout {timeout:.0f} s)")
+            elif too_slow is not None and (reason := too_slow()):
+                why.append(reason)
+            if why:
+                scope.cancel()
+                return
+
+    # -- the end ------------------------------------------------------------------
+
+    async def close(self, reason: str, *, error: ConnectionEnded | None = None) -> None:
+        """Say goodbye (after `error`, if it has a code the peer should hear) and close.
+
+        Best effort and bounded by CLOSE_SECONDS: a peer that is gone or does not
+        read cannot hold this side. Safe to call twice; call it shielded from
+        cancellation when the surrounding scope may be cancelled.
+        """
+        if self._said_goodbye:
+            return
+        self.closed = self._said_goodbye = True
+        with trio.move_on_after(CLOSE_SECONDS), contextlib.suppress(*LINK_ERRORS):
+            if error is not None and error.code:
+                why = error.reason[: protocol.REASON_CHARS]
+                await self.send(protocol.Error(protocol.ErrorCode(error.code), why))
+            await self.send(protocol.Goodbye(reason[: protocol.REASON_CHARS]))
+        with contextlib.suppress(*LINK_ERRORS):
+            await self.stream.aclose()

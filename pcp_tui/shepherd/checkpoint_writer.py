@@ -1,0 +1,68 @@
+"""Saving the run after a round, off the round's path: `CheckpointWriter`.
+
+The shepherd copies its parameters and optimizer state (the next round's outer
+step updates them in place) and hands the copies to a task in the run's nursery,
+which writes them (`checkpoint.save`) while the next round trains. At most one
+write is in flight: a second checkpoint waits for the first. A failed write never
+ends the run: it is a `checkpoint_failed` event, and the previous checkpoint stays
+the latest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import trio
+
+from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.state import RunState
+
+# (parameters, optimizer state arrays): copies the writer may keep while training goes on.
+Snapshot = Callable[[], tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
+
+
+class CheckpointWriter:
+    """Writes one run's checkpoints into `directory`, one at a time, reporting to `state`."""
+
+    def __init__(self, directory: str | None, state: RunState):
+        self.directory = directory
+        self._state = state
+        self._written = trio.Event()  # set while no checkpoint write is in flight
+        self._written.set()
+
+    async def save(
+        self, number: int, meta: dict[str, Any], snapshot: Snapshot, nursery: trio.Nursery
+    ) -> None:
+        """Take `snapshot()` (in a thread) and start writing it as round `number`'s checkpoint.
+
+        Returns once the copy is taken, not written: the write runs in `nursery`.
+        """
+        await self._written.wait()
+        params, arrays = await trio.to_thread.run_sync(snapshot)
+        self._written = trio.Event()
+        nursery.start_soon(self._write, number, params, arrays, meta)
+
+    async def idle(self) -> None:
+        """Wait until no write is in flight (before the run reports it is done)."""
+        await self._written.wait()
+
+    async def _write(self, number: int, params: dict, arrays: dict, meta: dict) -> None:
+        try:
+            path = await trio.to_thread.run_sync(
+                lambda: checkpoint.save(
+                    self.directory, round=number, params=params, outer_state=arrays, meta=meta
+                )
+            )
+        except checkpoint.CheckpointError as exc:
+            self._state.emit("checkpoint_failed", str(exc), round=number)
+            return
+        finally:
+            self._written.set()
+        self._state.emit(
+            "checkpoint",
+            f"checkpoint of round {number} saved to {path}",
+            round=number,
+            path=str(path),
+        )

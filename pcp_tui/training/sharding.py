@@ -1,0 +1,105 @@
+"""How a worker with several local devices places a run's arrays on them: the `[sharding]` section.
+
+A worker with N devices (`pcp-tui worker --devices N`) runs the same portable,
+single-device `train_chunk` artifact as every other worker; it only chooses
+where each input and output lives on a one-axis mesh of its devices, and
+XLA's SPMD partitioner splits the graph accordingly:
+
+- the batch is always split over the devices (data parallel): each device
+  runs B/N rows and the gradients are all-reduced before the optimizer step;
+- a parameter, and the optimizer state that has its shape, is either
+  replicated (a copy on every device: mode `data`, the default) or split on
+  one axis (`fsdp`: each device holds 1/N of it, and the partitioner gathers
+  it where it is used), chosen per parameter by name patterns:
+
+    [sharding]
+    mode = "fsdp"                      # default of parameters no rule names
+    rules = { "wte" = "replicated", "h.*.mlp.*" = "fsdp" }   # first match wins
+
+This is GT2's per-layer sharding signal, done as a JAX mesh layout. A layout
+moves arrays, never changes what is computed: a wrong guess costs memory or
+communication inside the worker, not correctness (the values equal the
+one-device run up to the order of float sums).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+MODES = ("data", "fsdp")
+LAYOUTS = ("replicated", "fsdp")
+# What a plan carries (protocol.MAX_SHARDING_RULES, TENSOR_NAME_CHARS), checked before a run starts.
+MAX_RULES, MAX_PATTERN_CHARS = 256, 256
+
+Shape = tuple[int, ...]
+Axis = int | None  # as `pcp_tui.backends.Axis`: split over the devices, or None for a copy on each
+
+
+class LayoutError(ValueError):
+    """This worker's devices cannot run the plan as laid out; the message says which option to change."""
+
+
+def problem(mode: str, rules: Sequence[tuple[str, str]]) -> str | None:
+    """Why a `[sharding]` section of `mode` and `rules` cannot work, or None."""
+    if mode not in MODES:
+        return f"[sharding] mode must be one of {', '.join(MODES)}, got {mode!r}"
+    if len(rules) > MAX_RULES:
+        return f"[sharding] has {len(rules)} rules; a plan carries at most {MAX_RULES}"
+    for pattern, layout in rules:
+        if not 1 <= len(pattern) <= MAX_PATTERN_CHARS:
+            return f"[sharding] rule patterns are 1 to {MAX_PATTERN_CHARS} characters: {pattern!r}"
+        if layout not in LAYOUTS:
+            return (
+                f"[sharding] rule {pattern!r} = {layout!r}: a layout is one of {', '.join(LAYOUTS)}"
+            )
+    return None
+
+
+def param_layout(name: str, ndim: int, mode: str, rules: Sequence[tuple[str, str]]) -> str:
+    """`replicated` or `fsdp` for the parameter `name`: the first rule that matches, else `mode`.
+
+    Mode `fsdp` splits matrices only: vectors (biases, norm scales) are small,
+    and splitting them would add a gather per use for little memory.
+    """
+    for pattern, layout in rules:
+        if fnmatch.fnmatchcase(name, pattern):
+            return str(layout)
+    return "fsdp" if mode == "fsdp" and ndim >= 2 else "replicated"
+
+
+def split_axis(shape: Shape, devices: int) -> Axis:
+    """The axis an `fsdp` parameter is split on: its largest one that `devices` divides, or None."""
+    divisible = [axis for axis, size in enumerate(shape) if size % devices == 0]
+    return max(divisible, key=lambda axis: shape[axis], default=None)
+
+
+def param_axes(
+    names: Sequence[str], shapes: Sequence[Shape], sharding, devices: int
+) -> tuple[Axis, ...]:
+    """Per parameter, the axis split over `devices` (None: replicated), from a plan's sharding."""
+    rules = [(rule.pattern, rule.layout) for rule in sharding.rules]
+    axes = []
+    for name, shape in zip(names, shapes, strict=True):
+        layout = param_layout(name, len(shape), sharding.mode, rules)
+        axes.append(split_axis(shape, devices) if layout == "fsdp" else None)
+    return tuple(axes)
+
+
+def state_axes(state: Sequence[Shape], params: Sequence[Shape], axes: Sequence[Axis]) -> list[Axis]:
+    """Axes of the optimizer state's flat leaves: each placed like the parameter it belongs to.
+
+    Optimizers keep per-parameter state as trees in parameter order (Adam: a
+    step count, then the first moments, then the second), so walking the
+    leaves while cycling through the parameters pairs each moment with its
+    parameter by shape. A leaf that does not pair (a count) is replicated:
+    a placement, never a value, so a miss costs memory, not correctness.
+    """
+    placed, next_param = [], 0
+    for shape in state:
+        if params and shape == params[next_param % len(params)]:
+            placed.append(axes[next_param % len(params)])
+            next_param += 1
+        else:
+            placed.append(None)
+    return placed

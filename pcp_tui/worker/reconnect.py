@@ -1,0 +1,117 @@
+"""How a worker gets back to its shepherd: exponential back-off with jitter, in a total budget.
+
+`Reconnect.run(attempt)` calls `attempt(deadline)` until it returns or raises
+something other than ConnectionLost. Between attempts it waits about 1 s, then
+twice as long each time up to `max_backoff`, each wait drawn from [w/2, w] so that
+workers cut off together do not come back together (and the waits still grow).
+`give_up_after` is the total time spent trying: the waits are cut to fit it, and
+`deadline` (trio's clock) tells the attempt when its connect and handshake must
+give up too, so a black-holed address cannot stretch the budget (an attempt gets at
+least LAST_TRY_SECONDS, so the last one, at the end of the budget, is a real try:
+that is the most the budget can be overrun by). Once it is spent
+the last attempt's ConnectionLost is raised, saying so and naming --give-up-after.
+
+The retry loop is tenacity's `AsyncRetrying` with `sleep=trio.sleep`: a well-kept
+library whose stop, wait and before-sleep hooks take plain callables, so the budget
+rule above and the per-attempt log line are a few lines each. stamina (built on
+tenacity, trio-aware) was the other candidate; it was not chosen because its
+instrumentation is process-global (it registers retry counters in
+`prometheus_client`'s default registry when that is installed, as it is here for
+the shepherd's metrics) and its waits add jitter instead of drawing within a
+doubling range, which lets a later wait be shorter than an earlier one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import tenacity
+import trio
+
+from pcp_tui.contract.connection import ConnectionLost
+
+FIRST_WAIT = 1.0  # seconds, at most, before the second attempt; doubles after each failure
+LAST_TRY_SECONDS = 2.0  # the least time an attempt gets to connect and be welcomed
+DOUBLINGS = 8  # 2**8 s is far above any sensible max_backoff
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Reconnect:
+    """Retries of one worker's connection: the policy, and a hook to show each wait.
+
+    `on_wait(reason, seconds)` is called before each wait (the worker's status line
+    shows it). With `retry=False` (--no-reconnect) the first ConnectionLost is final.
+    """
+
+    def __init__(
+        self,
+        *,
+        give_up_after: float,
+        max_backoff: float = 30.0,
+        retry: bool = True,
+        on_wait: Callable[[str, float], None] | None = None,
+    ):
+        self.give_up_after = give_up_after
+        self.max_backoff = max_backoff
+        self.retry = retry
+        self._on_wait = on_wait
+
+    async def run(
+        self, attempt: Callable[[float], Awaitable[T]], *, pause_first: bool = False
+    ) -> T:
+        """`await attempt(deadline)` until it returns; what it returns.
+
+        `pause_first`: wait as before a second attempt first (after losing a connection
+        that worked, so that a shepherd that drops every worker is not hammered).
+        Raises ConnectionLost once the budget is spent (or at once without retries),
+        and whatever else `attempt` raises (a final refusal, say) unchanged.
+        """
+        started = trio.current_time()
+        if pause_first:
+            await trio.sleep(FIRST_WAIT * random.uniform(0.5, 1.0))
+        deadline = started + self.give_up_after
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            cap = min(self.max_backoff, FIRST_WAIT * 2 ** min(state.attempt_number - 1, DOUBLINGS))
+            return max(0.0, min(cap * random.uniform(0.5, 1.0), deadline - trio.current_time()))
+
+        def spent(state: tenacity.RetryCallState) -> bool:
+            return not self.retry or trio.current_time() >= deadline
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            reason, seconds = str(state.outcome.exception()), state.next_action.sleep
+            log.info(
+                "%s; retrying in %.1f s (attempt %d, %.0f of --give-up-after %g s spent)",
+                *(reason, seconds, state.attempt_number + 1),
+                *(trio.current_time() - started, self.give_up_after),
+            )
+            if self._on_wait is not None:
+                self._on_wait(reason, seconds)
+
+        retrying = tenacity.AsyncRetrying(
+            sleep=trio.sleep,
+            retry=tenacity.retry_if_exception_type(ConnectionLost),
+            stop=spent,
+            wait=wait,
+            before_sleep=before_sleep,
+        )
+
+        async def attempt_in_budget() -> T:
+            return await attempt(max(deadline, trio.current_time() + LAST_TRY_SECONDS))
+
+        try:
+            return await retrying(attempt_in_budget)
+        except tenacity.RetryError as exc:
+            last = exc.last_attempt.exception()
+            if not self.retry:
+                raise last from None
+            raise ConnectionLost(
+                f"{last}; gave up after {trio.current_time() - started:.0f} s of retrying "
+                "without a welcome (the run may have ended while this worker was cut off; "
+                "--give-up-after sets the limit)"
+            ) from last

@@ -1,0 +1,187 @@
+"""The one connection class both sides use (virtual clock), and the worker's reconnect budget
+(a real `pcp-tui worker` process)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from pcp_tui import protocol
+from pcp_tui.contract.connection import (
+    CLOSE_SECONDS,
+    Connection,
+    ConnectionLost,
+    IdInUse,
+    Refused,
+    ended_by,
+)
+from pcp_tui.contract.plan import Stage
+from pcp_tui.testing import OutputProcess, free_port, worker_command
+
+
+def _run(main) -> None:
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _pair() -> tuple[Connection, protocol.MessageStream, trio.abc.Stream]:
+    """A worker-side Connection, and its peer as a MessageStream and as raw bytes."""
+    ours, theirs = trio.testing.memory_stream_pair()
+    connection = Connection(protocol.MessageStream(ours), "worker", clock=trio.current_time)
+    return connection, protocol.MessageStream(theirs), theirs
+
+
+def test_heartbeats_go_out_on_the_negotiated_interval():
+    async def main():
+        connection, peer, _ = _pair()
+        beats: list[float] = []
+        async with connection.alive(heartbeat_seconds=2.5, timeout=100.0):
+            while len(beats) < 4:
+                message = await peer.receive()
+                assert message.kind == "heartbeat"
+                beats.append(trio.current_time())
+        assert beats == [2.5, 5.0, 7.5, 10.0]
+
+    _run(main)
+
+
+def test_the_watchdog_ends_a_silent_connection_after_the_timeout_and_not_while_paused():
+    async def main():
+        connection, _, _ = _pair()
+        with pytest.raises(ConnectionLost) as lost:
+            async with connection.alive(heartbeat_seconds=1.0, timeout=10.0):
+                with connection.paused():  # compiling: the peer's silence does not count
+                    await trio.sleep(30)
+                await connection.receive()  # nothing ever comes
+        # polls every 1 s; silent 10 s is not over the timeout, 11 s is
+        assert trio.current_time() == 30 + 11
+        assert lost.value.code == "timeout"
+        assert lost.value.reason == "silent for 11 s (heartbeat timeout 10 s)"
+
+    _run(main)
+
+
+def test_a_message_still_arriving_is_not_silence():
+    """A round start trickles in over 60 s, 100 bytes every 5 s: longer than the 10 s
+    timeout, but never 10 s without a byte, so it arrives whole."""
+
+    async def main():
+        connection, _, raw = _pair()
+        connection.stage = Stage.READY
+        weights = np.arange(300, dtype=np.float32)
+        recorder, recorded = trio.testing.memory_stream_pair()
+        size = await protocol.MessageStream(recorder).send(
+            protocol.RoundStart(round=3), {"w": weights}
+        )
+        wire = b""
+        while len(wire) < size:
+            wire += await recorded.receive_some()
+
+        async def trickle():
+            for start in range(0, len(wire), 100):
+                await trio.sleep(5)
+                await raw.send_all(wire[start : start + 100])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            async with connection.alive(heartbeat_seconds=1.0, timeout=10.0):
+                message = await connection.receive()
+        assert trio.current_time() == 5 * -(-len(wire) // 100) > 10
+        assert message.body.round == 3
+        np.testing.assert_array_equal(message.tensors["w"], weights)
+
+    _run(main)
+
+
+def test_concurrent_sends_never_interleave():
+    """Eight tasks send 256 KiB messages at once: each arrives whole, none mixed."""
+
+    async def main():
+        connection, peer, _ = _pair()
+        received: dict[int, np.ndarray] = {}
+
+        async def receive_all():
+            for _ in range(8):
+                message = await peer.receive()
+                received[message.body.round] = message.tensors["w"]
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive_all)
+            for number in range(8):
+                tensors = {"w": np.full(65536, number, np.float32)}
+                nursery.start_soon(connection.send, protocol.RoundStart(round=number), tensors)
+        assert sorted(received) == list(range(8))
+        for number, array in received.items():
+            np.testing.assert_array_equal(array, np.full(65536, number, np.float32))
+
+    _run(main)
+
+
+def test_close_tells_the_peer_why_then_says_goodbye():
+    async def main():
+        connection, peer, _ = _pair()
+        await connection.close("done", error=ConnectionLost("you sent garbage", code="malformed"))
+        error, goodbye = await peer.receive(), await peer.receive()
+        assert error.body == protocol.Error(protocol.ErrorCode.MALFORMED, "you sent garbage")
+        assert goodbye.body == protocol.Goodbye("done")
+        with pytest.raises(protocol.ConnectionClosed):
+            await peer.receive()
+        await connection.close("again")  # a second close is a no-op
+
+    _run(main)
+
+
+def test_close_is_bounded_when_the_peer_does_not_read():
+    async def main():
+        ours, _theirs = trio.testing.lockstep_stream_pair()  # a send waits for a reader
+        connection = Connection(protocol.MessageStream(ours), "shepherd", clock=trio.current_time)
+        await connection.close("bye")
+        assert trio.current_time() == CLOSE_SECONDS
+        with pytest.raises(trio.ClosedResourceError):
+            await connection.send(protocol.Heartbeat(0.0))
+
+    _run(main)
+
+
+def test_a_kind_out_of_turn_is_refused_from_its_header():
+    async def main():
+        connection, peer, _ = _pair()  # a worker that has no plan yet
+        await peer.send(protocol.RoundStart(round=1), {"w": np.zeros(4, np.float32)})
+        with pytest.raises(protocol.MalformedMessage, match="roundStart is not valid while"):
+            await connection.receive()
+
+    _run(main)
+
+
+def test_error_codes_fall_into_the_three_kinds():
+    def error(code):
+        return protocol.Error(code, "why")
+
+    assert type(ended_by(error(protocol.ErrorCode.AUTH_FAILED))) is Refused
+    assert type(ended_by(error(protocol.ErrorCode.UNSUPPORTED_BACKEND))) is Refused
+    assert type(ended_by(error(protocol.ErrorCode.ID_IN_USE))) is IdInUse
+    assert type(ended_by(error(protocol.ErrorCode.TIMEOUT))) is ConnectionLost
+    assert type(ended_by(error(protocol.ErrorCode.MALFORMED))) is ConnectionLost
+
+
+def test_give_up_after_is_the_total_time_spent_trying():
+    """Nobody listens: the worker retries with growing waits that fit the 3 s budget,
+    logs each attempt and why, then exits 1 naming the option."""
+    port = free_port()
+    command = worker_command(port, "--give-up-after", "3", "--log-level", "info", "--quiet")
+    worker = OutputProcess(command)
+    assert worker.finish() == 1, worker.output
+    retries = worker.matches(r"INFO pcp_tui\.worker\.reconnect: (.*); retrying in ([\d.]+) s")
+    assert len(retries) >= 2, worker.output
+    assert all(m[1].startswith(f"cannot reach 127.0.0.1:{port} (") for m in retries), worker.output
+    waits = [float(m[2]) for m in retries]
+    assert sum(waits) <= 3.0 + 0.05 * len(waits), waits  # each wait is cut to fit the budget
+    last = worker.output.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"pcp-tui: error: cannot reach 127\.0\.0\.1:{port} \(all attempts .* failed\); gave up "
+        r"after \d+ s of retrying without a welcome \(.*--give-up-after sets the limit\)",
+        last,
+    ), last

@@ -1,0 +1,271 @@
+"""A worker over several local devices (a JAX mesh) trains as a one-device worker does.
+
+The mesh runs on forced CPU devices (`--xla_force_host_platform_device_count=4`),
+which must be set before JAX starts: those parts run in subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pcp_tui import protocol
+from pcp_tui.app.cli import build_parser, worker_config_from
+from pcp_tui.app.config_file import load_config_file
+from pcp_tui.backends import BackendUnavailable, JaxBackend
+from pcp_tui.config import ConfigError, RunConfig, ShardingConfig, WorkerConfig
+from pcp_tui.protocol import _messages as wire
+from pcp_tui.shepherd.api_bodies import worker_json
+from pcp_tui.shepherd.state import WorkerView
+from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
+from pcp_tui.testing import worker_env as base_env
+from pcp_tui.training.sharding import (
+    MAX_PATTERN_CHARS,
+    MAX_RULES,
+    param_layout,
+    split_axis,
+    state_axes,
+)
+from pcp_tui.worker.client import Refused, Worker
+from pcp_tui.worker.mesh import GraphLayouts
+
+DEVICES = 4
+FORCED = "--xla_force_host_platform_device_count=4"
+
+
+def mesh_env() -> dict[str, str]:
+    """A worker's environment with 4 CPU devices, each on one XLA thread."""
+    env = base_env()
+    env["XLA_FLAGS"] = f"{FORCED} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    return env
+
+
+# ----------------------------------------------------------------------------- the section
+
+
+def test_sharding_section_reads_from_toml_in_order(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'inner_steps = 5\n[sharding]\nmode = "fsdp"\n'
+        'rules = { "wte" = "replicated", "h.*" = "fsdp", "*" = "replicated" }\n'
+    )
+    values = load_config_file(path)
+    assert values["inner_steps"] == 5
+    assert RunConfig(**values).sharding == ShardingConfig(
+        "fsdp", (("wte", "replicated"), ("h.*", "fsdp"), ("*", "replicated"))
+    )
+    path.write_text('[sharding]\nrules = { "h.*" = "tensor" }\n')
+    with pytest.raises(ConfigError, match=r"'h\.\*' = 'tensor'.*replicated, fsdp"):
+        RunConfig(**load_config_file(path)).validate()
+    with pytest.raises(ConfigError, match="at most 256"):
+        ShardingConfig(rules=(("x", "fsdp"),) * 257).check()
+    assert (MAX_RULES, MAX_PATTERN_CHARS) == (wire.MAX_SHARDING_RULES, wire.TENSOR_NAME_CHARS)
+    path.write_text('[sharding]\nmodes = "fsdp"\n')
+    with pytest.raises(ConfigError, match="unknown option 'modes'.*did you mean 'mode'"):
+        load_config_file(path)
+
+
+def test_first_matching_rule_decides_then_the_mode():
+    rules = [("h.*.mlp.*", "replicated"), ("*.b", "fsdp")]
+    assert param_layout("h.0.mlp.c_fc.w", 2, "fsdp", rules) == "replicated"
+    assert param_layout("h.0.attn.c_attn.b", 1, "data", rules) == "fsdp"
+    assert param_layout("wte", 2, "fsdp", rules) == "fsdp"  # the mode splits matrices
+    assert param_layout("ln_f.scale", 1, "fsdp", rules) == "replicated"  # ... not vectors
+    assert param_layout("wte", 2, "data", rules) == "replicated"
+    assert split_axis((128, 384), 4) == 1  # the largest axis the devices divide
+    assert split_axis((6, 3), 4) is None  # none: replicated
+    # Adam's state: a count, then first and second moments in parameter order
+    params, axes = [(8, 4), (4,)], [0, None]
+    assert state_axes([(), (8, 4), (4,), (8, 4), (4,)], params, axes) == [None, 0, None, 0, None]
+
+
+def test_plan_carries_the_sharding_section():
+    sharding = ShardingConfig("fsdp", (("h.*", "replicated"),)).to_wire()
+    frame = b"".join(bytes(part) for part in protocol.encode(protocol.Plan(sharding=sharding)))
+    assert protocol.decode(frame).body.sharding == sharding
+    assert protocol.Plan().sharding.mode == protocol.ShardingMode.DATA  # absent: data parallel
+
+
+def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
+    plan = protocol.Plan(param_names=("w",), batch_size=6)
+    with pytest.raises(ValueError, match="--devices set to a divisor of 6.*--batch-size"):
+        GraphLayouts(plan, DEVICES)
+    four = SimpleNamespace(info=SimpleNamespace(device_count=4))  # only its device count is read
+    with pytest.raises(Refused, match="batch size 6 does not split over this worker.s 4 devices"):
+        Worker(WorkerConfig(connect="127.0.0.1:1", token="t"), backend=four)._layouts(
+            plan
+        )  # final: not retried
+    with pytest.raises(BackendUnavailable, match="--devices 64: this host has"):
+        JaxBackend("cpu", 64)
+    parser = build_parser()
+
+    def devices(text: str) -> int | None:
+        args = parser.parse_args(["worker", "--connect", "h:1", "--devices", text])
+        return worker_config_from(args).compute.device_count
+
+    assert devices("all") is None
+    assert devices("2") == 2
+    with pytest.raises(ConfigError, match="--devices must be all or a positive number"):
+        devices("0")
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+
+def _tiny_gpt2():
+    """The tiny GPT-2 of the test runs and its exported graphs (4 AdamW steps per chunk)."""
+    from pcp_tui.testing import small_config
+    from pcp_tui.training.build import build_workload
+    from pcp_tui.training.export import InnerOptimizer, build_graphs
+
+    config = small_config()
+    workload = build_workload(config, 1)
+    graphs = build_graphs(
+        workload.loss_fn,
+        workload.params,
+        workload.batch_spec,
+        inner=InnerOptimizer(),
+        chunk_steps=4,
+        eval_batches=1,
+        platforms=("cpu",),
+    )
+    return config, workload, graphs
+
+
+def _chunks_on(devices: int, mode: str, config, workload, graphs) -> dict:
+    """Two train_chunk calls as a worker runs them, on `devices` of a 4-device process."""
+    from pcp_tui.training import shards
+    from pcp_tui.worker.client import _run_chunk
+
+    plan = protocol.Plan(
+        param_names=graphs.param_names,
+        batch_size=config.data.batch_size,
+        sharding=ShardingConfig(mode).to_wire(),
+    )
+    backend = JaxBackend("cpu", devices)
+    layouts = GraphLayouts(plan, devices) if devices > 1 else None
+    place = (lambda g: {}) if layouts is None else (lambda g: {"layout": layouts.of(g)})
+    train = backend.load(
+        "train_chunk", graphs.train_chunk, donate_argnums=(0, 1), **place("train_chunk")
+    )
+    init = backend.load("init_opt_state", graphs.init_opt_state, **place("init_opt_state"))
+    host = [workload.params[name] for name in graphs.param_names]
+    params = backend.to_device(host, layouts.param_axes) if layouts else backend.to_device(host)
+    kept, state, losses = backend.keep(host, params), init.call(tuple(params)), []
+    for chunk in range(2):
+        batches = shards.sample_shard(
+            "windows", workload.shards[0], steps=4, batch_size=config.data.batch_size,
+            seq_len=config.data.seq_len, seed=0, stream=(0, 1, chunk),
+        )  # fmt: skip
+        params, state, chunk_losses = _run_chunk(train.call, params, state, batches, chunk * 4)
+        losses.extend(float(x) for x in chunk_losses)
+    split = [
+        name
+        for name, p in zip(graphs.param_names, params, strict=True)
+        if not p.sharding.is_fully_replicated
+    ]
+    hlo = train.call.as_text()
+    return {
+        "losses": losses,
+        "pseudo_gradient": backend.difference(kept, params),
+        "split": split,
+        "all_reduce": hlo.count("all-reduce("),
+        "all_gather": hlo.count("all-gather("),
+    }
+
+
+_RUNS = (("one", 1, "data"), ("data", DEVICES, "data"), ("fsdp", DEVICES, "fsdp"))
+
+
+def _equivalence() -> None:
+    """Subprocess entry: the runs to compare, as one JSON line."""
+    model = _tiny_gpt2()
+    runs = {name: _chunks_on(n, mode, *model) for name, n, mode in _RUNS}
+    reference = runs["one"]["pseudo_gradient"]
+    for run in runs.values():  # the tensors stay here: only how far they are from one device's
+        run["pseudo_gradient_vs_one"] = _relative_difference(reference, run.pop("pseudo_gradient"))
+    print(json.dumps(runs))
+
+
+@pytest.fixture(scope="module")
+def mesh_runs() -> dict:
+    code = "from tests.test_mesh import _equivalence; _equivalence()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=mesh_env(), capture_output=True, text=True, timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _relative_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """|a - b| / |a| over all pseudo-gradient tensors together (L2)."""
+    return float(
+        np.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(a, b, strict=True)))
+        / np.sqrt(sum((x**2).sum() for x in a))
+    )
+
+
+@pytest.mark.parametrize("mode", ["data", "fsdp"])
+def test_a_four_device_worker_trains_as_a_one_device_worker(mesh_runs, mode):
+    """Same global batch, same AdamW steps: equal up to the order of float32 sums.
+
+    Not bit-equal: each device sums the gradient of its B/4 rows and an
+    all-reduce adds the four, where one device sums all B rows in one order;
+    float32 addition is not associative (measured: losses within 2e-7
+    relative, pseudo-gradients within 1e-5 relative L2 after 8 AdamW steps;
+    Adam's division by sqrt(v) magnifies rounding on near-zero gradients).
+    """
+    one, mesh = mesh_runs["one"], mesh_runs[mode]
+    np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=1e-6, atol=0)
+    assert 0 < mesh["pseudo_gradient_vs_one"] < 5e-5  # 0 would mean the mesh was not used
+    assert mesh["all_reduce"] >= 1  # the graph was partitioned: gradients summed across devices
+    assert one["all_reduce"] == one["all_gather"] == one["pseudo_gradient_vs_one"] == 0
+    if mode == "fsdp":  # the matrices live split across the devices, gathered where used
+        assert set(mesh["split"]) == {
+            n for n in mesh["split"] if n.endswith(".w") or n in ("wte", "wpe")
+        }
+        assert {"wte", "wpe", "h.0.mlp.c_fc.w"} <= set(mesh["split"]) and mesh["all_gather"] > 0
+    else:
+        assert mesh["split"] == [] and mesh["all_gather"] == 0
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.e2e
+def test_a_mesh_worker_and_a_one_device_worker_train_one_run(tmp_path):
+    """One shepherd (FSDP [sharding]), a 4-device worker and a 1-device worker: both contribute."""
+    port, metrics, config = free_port(), tmp_path / "run.jsonl", tmp_path / "run.toml"
+    config.write_text('platforms = ["cpu"]\n[sharding]\nmode = "fsdp"\n')
+    shepherd = OutputProcess(
+        shepherd_command(
+            port, "--workers", "2", "--rounds", "2", "--inner-steps", "4", "--chunk-steps", "4",
+            "--inner-lr", "3e-3", "--warmup-steps", "2", "--config", str(config),
+            "--metrics", str(metrics),
+        ),
+        hang_guard=180,
+    )  # fmt: skip
+    try:
+        with WorkerProcesses(env=mesh_env()) as workers:
+            workers.spawn(port, "--devices", "all", "--id", "mesh")
+            workers.spawn(port, "--devices", "1", "--id", "single")
+            assert shepherd.finish() == 0, shepherd.output
+    finally:
+        shepherd.kill()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    joined = {row["worker"]: row for row in rows if row["event"] == "joined"}
+    assert {w: row["devices"] for w, row in joined.items()} == {"mesh": 4, "single": 1}
+    assert "cpu x4" in joined["mesh"]["message"]  # the backend as the dashboard's table shows it
+    view = WorkerView("mesh", 0, "host", backend="cpu x4", devices=joined["mesh"]["devices"])
+    assert worker_json(view, now=0.0)["devices"] == 4  # /v1/workers
+    rounds = [row for row in rows if row["event"] == "round"]
+    assert [r["workers"] for r in rounds] == [2, 2]
+    assert sorted(rounds[-1]["worker_ids"]) == ["mesh", "single"]
+    assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]
