@@ -28,7 +28,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
-from pcp_tui.diloco.aggregate import PseudoGradientMean, make_aggregate
+from pcp_tui.diloco.aggregate import CenteredClip, PseudoGradientMean, make_aggregate
 from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.diloco.streaming import Fragments, partition
@@ -110,6 +110,11 @@ class FragmentSync:
         """Run round `number` fragment by fragment; the combined Round, or None without results."""
         links = shepherd.pool.ready_links()
         bound = await trio.to_thread.run_sync(shepherd._update_bound)
+        clips = [a for a in self.aggregates if isinstance(a, CenteredClip)]
+        if clips:  # warm-up and decay move their radius, as in a plain round
+            step_scale = await trio.to_thread.run_sync(shepherd._round_lr_sum, number)
+            for clip in clips:
+                clip.step_scale = step_scale
         ids = [link.worker_id for link in links]
         connections = {link.worker_id: link for link in links}
         rounds = []
@@ -158,7 +163,18 @@ class FragmentSync:
         old = {n: params[n].copy() for n in names} if self.compression != "none" else {}
         if current.contributors:
             mean = current.mean
-            await trio.to_thread.run_sync(mean.finish)
+            scales = await trio.to_thread.run_sync(mean.finish)
+            for worker_id, scale in zip(current.contributors, scales, strict=False):
+                if scale != 1.0:
+                    shepherd.state.emit(
+                        "result_clipped",
+                        f"round {current.number}, fragment {p}: worker "
+                        f"{shepherd.state.workers[worker_id].index}'s result was scaled by "
+                        f"{scale:.3g} to the clip radius {mean.radius:.4g}",
+                        worker=worker_id,
+                        round=current.number,
+                        scale=scale,
+                    )
             await trio.to_thread.run_sync(self.outer.apply, p, params, mean.sums, mean.scale)
         if old:
             body, update = await trio.to_thread.run_sync(
