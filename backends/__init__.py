@@ -1,7 +1,8 @@
-"""Where graphs run: one small interface and its JAX implementation."""
+"""Where graphs run: one small interface, run by XLA (through JAX) or by IREE."""
 
 from ._base import (
     PLATFORMS,
+    RUNTIMES,
     Axis,
     Backend,
     BackendInfo,
@@ -10,11 +11,19 @@ from ._base import (
     Layout,
     LayoutFor,
     LoadedGraph,
+    MemoryUse,
 )
+from ._iree import SOURCE_PLATFORM, IreeBackend, compile_stablehlo
+from ._iree import TARGETS as IREE_TARGETS
 from ._jax import JaxBackend, enable_compilation_cache, select_backend
 
 __all__ = [
     "PLATFORMS",
+    "RUNTIMES",
+    "SOURCE_PLATFORM",
+    "IREE_TARGETS",
+    "IreeBackend",
+    "compile_stablehlo",
     "Axis",
     "Backend",
     "BackendInfo",
@@ -24,6 +33,7 @@ __all__ = [
     "Layout",
     "LayoutFor",
     "LoadedGraph",
+    "MemoryUse",
     "enable_compilation_cache",
     "select_backend",
 ]

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-PLATFORMS = ("cpu", "cuda", "rocm", "metal")
+PLATFORMS = ("cpu", "cuda", "rocm", "metal", "vulkan")
+RUNTIMES = ("xla", "iree")  # XLA through JAX, or IREE compiling the graph's StableHLO
 
 
 class BackendUnavailable(RuntimeError):
@@ -22,17 +23,22 @@ class GraphError(RuntimeError):
 
 @dataclass(frozen=True)
 class BackendInfo:
-    platform: str  # cpu | cuda | rocm | metal
+    platform: str  # cpu | cuda | rocm | metal | vulkan
     device_kind: str  # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
     device_count: int
     memory_bytes: int
     jax_version: str
+    runtime: str = "xla"  # xla | iree
+    target: str = (
+        ""  # what the runtime compiles for: the XLA platform, or IREE's e.g. "vulkan-spirv"
+    )
 
     def describe(self) -> str:
+        via = f" ({self.runtime} {self.target})" if self.runtime != "xla" else ""
         if self.platform == "cpu":
-            return "cpu"
+            return f"cpu{via}"
         count = f" x{self.device_count}" if self.device_count > 1 else ""
-        return f"{self.platform} {self.device_kind}{count}"
+        return f"{self.platform} {self.device_kind}{count}{via}"
 
 
 Axis = int | None  # the axis of an array split over a backend's devices; None: a copy on each
@@ -55,6 +61,15 @@ class Layout:
 
 # Chooses a graph's Layout from the shapes of its flat inputs and outputs (known once it is read).
 LayoutFor = Callable[[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], Layout]
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Device memory now, at its peak, and in all (bytes); 0 where the device cannot say."""
+
+    in_use: int = 0
+    peak: int = 0
+    limit: int = 0
 
 
 @dataclass
@@ -97,6 +112,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]: ...
+
+    def memory_use(self) -> MemoryUse:
+        """How much device memory the worker uses; all zero where it cannot be measured."""
+        return MemoryUse()
 
     def keep(self, host: Sequence[np.ndarray], device: Sequence[Any]) -> Any:
         """Hold on to a round's starting parameters (`device` is about to be donated to training).

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ._base import (
+    RUNTIMES,
     Axis,
     Backend,
     BackendInfo,
@@ -16,15 +17,19 @@ from ._base import (
     GraphError,
     LayoutFor,
     LoadedGraph,
+    MemoryUse,
 )
+from ._iree import INSTALL_HINT, IreeBackend
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
-_JAX_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "METAL"}
+# Metal plugins name their platform differently: Apple's jax-metal and metaljax "METAL"/"metal",
+# jax-mps and its forks "mps"; the first one installed wins.
+_JAX_PLATFORM = {"cpu": ("cpu",), "cuda": ("cuda",), "rocm": ("rocm",), "metal": ("METAL", "mps")}
 _INSTALL_HINT = {
     "cpu": "pip install jax jaxlib",
     "cuda": "pip install 'jax[cuda12]' (or jax[cuda13]) on a machine with an NVIDIA GPU and driver",
     "rocm": "pip install jax-rocm7-plugin jax-rocm7-pjrt (see JAX's ROCm install notes) on an AMD GPU",
-    "metal": "pip install jax-metal on an Apple-silicon Mac",
+    "metal": "pip install metaljax (or jax-mps) on an Apple-silicon Mac, or run --runtime iree",
 }
 # The name of the device axis of a multi-device backend's mesh (data parallel and FSDP both use it).
 MESH_AXIS = "data"
@@ -58,12 +63,18 @@ class JaxBackend(Backend):
             raise BackendUnavailable(
                 f"unknown backend {platform!r}; choose one of {sorted(_JAX_PLATFORM)}"
             )
-        try:
-            found = jax.devices(_JAX_PLATFORM[platform])
-        except RuntimeError as exc:
+        found, problem = [], ""
+        for name in _JAX_PLATFORM[platform]:
+            try:
+                found = jax.devices(name)
+                break
+            except RuntimeError as exc:
+                problem = problem or str(exc)
+        if not found:
             raise BackendUnavailable(
-                f"backend {platform!r} is not available here ({exc}). To use it: {_INSTALL_HINT[platform]}"
-            ) from None
+                f"backend {platform!r} is not available here ({problem}). "
+                f"To use it: {_INSTALL_HINT[platform]}"
+            )
         if devices is not None and not 1 <= devices <= len(found):
             raise BackendUnavailable(
                 f"--devices {devices}: this host has {len(found)} {platform} device(s); "
@@ -91,6 +102,8 @@ class JaxBackend(Backend):
             device_count=len(devices),
             memory_bytes=_device_memory(self._device),
             jax_version=jax.__version__,
+            runtime="xla",
+            target=platform,
         )
 
     @property
@@ -148,6 +161,27 @@ class JaxBackend(Backend):
             out_avals=tuple(exported.out_avals),
             call=compiled,
         )
+
+    def memory_use(self) -> MemoryUse:
+        """The device allocator's numbers (`memory_stats()`); on CPU, this process's resident memory.
+
+        XLA's CPU client keeps no allocator statistics (`memory_stats()` is
+        None there): the CPU "device" is host memory, so the process's own
+        resident set (now, and its peak from `getrusage`) is the honest stand-in.
+        """
+        try:
+            stats = self._device.memory_stats() or {}
+        except Exception:  # CPU and some plugins do not implement memory_stats
+            stats = {}
+        if "bytes_in_use" in stats:
+            return MemoryUse(
+                in_use=int(stats["bytes_in_use"]),
+                peak=int(stats.get("peak_bytes_in_use", stats["bytes_in_use"])),
+                limit=int(stats.get("bytes_limit", 0)),
+            )
+        if self._platform != "cpu":
+            return MemoryUse()
+        return _process_memory(self._info.memory_bytes)
 
     def _on_mesh(
         self, name: str, exported: Any, donate_argnums: Sequence[int], layout_for: LayoutFor
@@ -264,6 +298,19 @@ def _pinned_host(device: Any) -> Any:
     return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
+def _process_memory(limit: int) -> MemoryUse:
+    """This process's resident memory now and at its peak (Linux and macOS; zeros elsewhere)."""
+    try:
+        import resource
+
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            in_use = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    except (ImportError, OSError, ValueError, IndexError):
+        return MemoryUse(limit=limit)
+    return MemoryUse(in_use=in_use, peak=max(peak_kib * 1024, in_use), limit=limit)
+
+
 def _device_memory(device: Any) -> int:
     try:
         stats = device.memory_stats() or {}
@@ -277,13 +324,53 @@ def _device_memory(device: Any) -> int:
         return 0
 
 
-def select_backend(name: str = "auto", devices: int | None = None) -> JaxBackend:
-    """Pick a backend over `devices` local devices (None: all): `auto` prefers cuda, rocm, metal, cpu."""
-    if name != "auto":
-        return JaxBackend(name, devices)
-    for platform in ("cuda", "rocm", "metal"):
+def select_backend(
+    name: str = "auto",
+    devices: int | None = None,
+    *,
+    runtime: str = "auto",
+    cache_dir: str | os.PathLike | None = None,
+    iree_flags: Sequence[str] = (),
+) -> Backend:
+    """Pick a backend over `devices` local devices (None: all) and the runtime that runs graphs.
+
+    `name` auto prefers cuda, rocm, metal, then cpu through XLA (with `runtime`
+    iree: vulkan, metal, then cpu). `runtime` auto is XLA where JAX serves the
+    platform and IREE where only IREE does (vulkan; metal without a JAX plugin);
+    IREE runs on one device. `cache_dir` holds IREE's compiled modules (XLA's
+    cache is global: `enable_compilation_cache`); `iree_flags` go to IREE's
+    compiler (e.g. `--iree-vulkan-target=ampere` for GPU-specific code).
+    """
+    if runtime not in ("auto", *RUNTIMES):
+        raise BackendUnavailable(f"unknown runtime {runtime!r}; choose one of {RUNTIMES}")
+    options = dict(runtime=runtime, cache_dir=cache_dir, iree_flags=iree_flags)
+    if name == "auto":
+        order = ("vulkan", "metal") if runtime == "iree" else ("cuda", "rocm", "metal")
+        for platform in order:
+            try:
+                return select_backend(platform, devices, **options)
+            except BackendUnavailable:
+                continue
+        return select_backend("cpu", devices, **options)
+
+    def iree() -> IreeBackend:
+        if devices not in (None, 1):
+            raise BackendUnavailable(f"--runtime iree runs on one device, not --devices {devices}")
+        return IreeBackend(name, cache_dir=cache_dir, flags=iree_flags)
+
+    if runtime == "iree" or (runtime == "auto" and name not in _JAX_PLATFORM):
+        return iree()
+    if runtime == "auto" and name == "metal":
         try:
-            return JaxBackend(platform, devices)
-        except BackendUnavailable:
-            continue
-    return JaxBackend("cpu", devices)
+            return JaxBackend(name, devices)
+        except BackendUnavailable as exc:
+            try:
+                return iree()
+            except BackendUnavailable:
+                raise exc from None
+    if name not in _JAX_PLATFORM:
+        raise BackendUnavailable(
+            f"JAX (--runtime xla) has no {name} platform; run {name} with --runtime iree "
+            f"({INSTALL_HINT})"
+        )
+    return JaxBackend(name, devices)

@@ -9,7 +9,7 @@ turns it into bytes and back. It never imports `pcp_tui` or `backends`.
     if isinstance(message.body, protocol.RoundResult): ...
 
 Message bodies are frozen dataclasses (`_messages`), checked field by field at
-decode; closed sets (`Phase`, `Platform`, `BatchKind`, `ErrorCode`,
+decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,
 `Quantization`) are enums in the schema and here.
 """
 
@@ -56,11 +56,13 @@ from ._messages import (
     Ready,
     RoundResult,
     RoundStart,
+    Runtime,
     Sharding,
     ShardingMode,
     ShardingRule,
     Welcome,
     WorkerHello,
+    WorkerStats,
 )
 from ._schema import ERROR_CODES, KINDS
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
@@ -93,6 +95,7 @@ __all__ = [
     "Phase",
     "Plan",
     "Platform",
+    "Runtime",
     "Progress",
     "Quantization",
     "Ready",
@@ -104,6 +107,7 @@ __all__ = [
     "TensorSpec",
     "Welcome",
     "WorkerHello",
+    "WorkerStats",
     "FrameTooLarge",
     "Limits",
     "MalformedMessage",

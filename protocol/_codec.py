@@ -37,8 +37,13 @@ from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, read, w
 from ._schema import Envelope
 from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
-PROTOCOL_VERSION = 3  # 2: typed messages, enums; 3: Streaming DiLoCo (fragments in the plan)
-SUPPORTED_VERSIONS: tuple[int, ...] = (3,)
+# 2: typed messages, enums for phase / batch kind / platform
+# 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
+#    version-2 peer's messages still read, with those fields at their defaults)
+# 4: Streaming DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued
+#    roundStart (a plain run's messages are as in 3, so older peers still join plain runs)
+PROTOCOL_VERSION = 4
+SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4)
 _SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
 # awaited with (kind, payload bytes) before a message's tensor payload is read
 PayloadGate = Callable[[str, int], Awaitable[None]]

@@ -40,6 +40,13 @@ class Platform(enum.StrEnum):
     VULKAN = "vulkan"
 
 
+class Runtime(enum.StrEnum):
+    """What compiles and runs a worker's graphs: XLA through JAX, or IREE from their StableHLO."""
+
+    XLA = "xla"
+    IREE = "iree"
+
+
 class Phase(enum.StrEnum):
     """What a worker says it is doing; the only states its progress can show."""
 
@@ -98,6 +105,7 @@ class ErrorCode(enum.StrEnum):
 # Python enum -> its schema enum; checked below so that the two never drift apart.
 _SCHEMA_ENUMS: dict[type[enum.Enum], Any] = {
     Platform: SCHEMA.Platform,
+    Runtime: SCHEMA.Runtime,
     Phase: SCHEMA.Phase,
     BatchKind: SCHEMA.BatchKind,
     ShardingMode: SCHEMA.ShardingMode,
@@ -125,6 +133,11 @@ def _finite(default: float = 0.0) -> Any:
     return field(default=default, metadata={"finite": True})
 
 
+def _within(low: float, high: float, default: float) -> Any:
+    """A finite number in [low, high]; anything else is refused at decode."""
+    return field(default=default, metadata={"finite": True, "range": (low, high)})
+
+
 class Body:
     """Base of every message body; `KIND` is its member of the Envelope union."""
 
@@ -140,6 +153,8 @@ class BackendInfo:
     device_count: int = 0
     memory_bytes: int = 0
     jax_version: str = _text()
+    runtime: Runtime = Runtime.XLA
+    target: str = _text()
 
 
 @dataclass(frozen=True)
@@ -261,8 +276,24 @@ class RoundStart(Body):
 
 
 @dataclass(frozen=True)
+class WorkerStats:
+    """What a worker measures about itself, sent with its progress (protocol 3).
+
+    Zero memory means the worker could not measure it; a gpu_utilization of -1
+    means not measured (no NVML, or not an NVIDIA device).
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    memory_in_use_bytes: int = 0
+    memory_peak_bytes: int = 0
+    memory_limit_bytes: int = 0
+    gpu_utilization: float = _within(-1.0, 1.0, -1.0)
+
+
+@dataclass(frozen=True)
 class Progress(Body):
-    """worker -> shepherd, a few per second at most: where its round is."""
+    """worker -> shepherd, a few per second at most: where its round is, and its statistics."""
 
     KIND: ClassVar[str] = "progress"
     round: int = 0
@@ -271,6 +302,7 @@ class Progress(Body):
     loss: float = _finite()
     tokens_per_second: float = _finite()
     phase: Phase = Phase.COMPILING
+    stats: WorkerStats = field(default_factory=WorkerStats)
 
 
 @dataclass(frozen=True)
@@ -429,6 +461,9 @@ def _read_value(hint, raw, meta, limits, where: str):
         number = float(raw)
         if meta.get("finite") and not math.isfinite(number):
             raise MalformedMessage(f"{where} is {number}; it must be a finite number")
+        low, high = meta.get("range", (-math.inf, math.inf))
+        if not low <= number <= high:
+            raise MalformedMessage(f"{where} is {number}; it must be within [{low}, {high}]")
         return number
     return int(raw)
 

@@ -64,6 +64,11 @@ enum Platform {
   vulkan @4;
 }
 
+enum Runtime {
+  xla @0;   # XLA through JAX, on the platform's JAX plugin
+  iree @1;  # IREE, compiling the graph's StableHLO on the worker
+}
+
 enum Phase {
   compiling @0;
   training @1;
@@ -82,6 +87,8 @@ struct BackendInfo {
   deviceCount @2 :UInt32;
   memoryBytes @3 :UInt64;
   jaxVersion @4 :Text;
+  runtime @5 :Runtime;         # what compiles and runs the graphs on this worker
+  target @6 :Text;             # what it compiles for: the XLA platform, or IREE's e.g. "vulkan-spirv"
 }
 
 # shepherd -> worker, the first message on a connection.
@@ -186,6 +193,17 @@ struct Progress {
   loss @3 :Float32;
   tokensPerSecond @4 :Float32;
   phase @5 :Phase;
+  stats @6 :WorkerStats;       # protocol 3; a version-2 peer leaves it out (all zero)
+}
+
+# What a worker measures about itself; rides on every progress message.
+struct WorkerStats {
+  steps @0 :UInt64;            # inner steps trained since the worker started
+  tokens @1 :UInt64;           # tokens trained on since the worker started
+  memoryInUseBytes @2 :UInt64; # device memory in use (the process's resident memory on CPU); 0: unknown
+  memoryPeakBytes @3 :UInt64;  # the most it has used; 0: unknown
+  memoryLimitBytes @4 :UInt64; # what the device offers; 0: unknown
+  gpuUtilization @5 :Float32 = -1;  # 0..1, the device's busy share (NVML); -1: not measured
 }
 
 # worker -> shepherd; the pseudo-gradient (global - local) rides as tensors.

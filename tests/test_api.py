@@ -137,15 +137,22 @@ def test_endpoints_need_the_token_and_show_the_run_and_its_workers(run_with_api)
             lambda: [
                 w
                 for w in _authorized(client, "/v1/workers").json()["workers"]
-                if w["state"] == "idle"
+                if w["state"] == "idle" and w["memory_in_use_bytes"]
             ],
-            "worker w0 compiled and idle in /v1/workers",
+            "worker w0 compiled, idle and its statistics in /v1/workers",
         )
         assert [(w["id"], w["index"], w["host"]) for w in listed] == [
             ("w0", 0, socket.gethostname())
         ]
         assert listed[0]["backend"] and listed[0]["bytes_out"] > 0
         assert listed[0]["utilization"] is None  # it has contributed to no round yet
+        stats = listed[0]
+        assert (stats["runtime"], stats["devices"], stats["shard"]) == ("xla", 1, 0)
+        assert stats["compile_seconds"] > 0 and stats["steps_trained"] == 0
+        # a CPU worker's "device" memory is its resident memory: more than its Python alone
+        assert 0 < stats["memory_in_use_bytes"] <= stats["memory_peak_bytes"]
+        assert stats["memory_limit_bytes"] > stats["memory_peak_bytes"]
+        assert stats["gpu_utilization"] is None  # not measured on CPU, never a made-up 0
         _check_prometheus(_authorized(client, "/metrics"))
         workers.spawn(_shepherd_port(shepherd), "--id", "w1")
         assert shepherd.finish() == 0, shepherd.output
@@ -167,6 +174,11 @@ def _check_prometheus(answer: httpx.Response) -> None:
     for name in ("pcp_worker_step", "pcp_worker_bytes_out", "pcp_worker_seconds_since_heard"):
         assert [s.labels for s in families[name].samples] == [{"worker": "w0"}], name
     assert families["pcp_worker_bytes_out"].samples[0].value > 0
+    assert info[0].labels["runtime"] == "xla"
+    assert [s.value for s in families["pcp_worker_shard"].samples] == [0]
+    assert families["pcp_worker_memory_bytes"].samples[0].value > 0
+    assert families["pcp_worker_steps_trained"].type == "counter"
+    assert families["pcp_worker_gpu_utilization"].samples == []  # not measured, not zero
     assert "pcp_utilization" not in families  # no made-up zero before round 1
     assert families["pcp_worker_utilization"].samples == []
 

@@ -243,8 +243,8 @@ async def test_lost_and_refused_workers_keep_their_reason_on_screen():
         assert " lost " in lines[lost] and "2.9012" in lines[lost]
         assert "↳ silent for 31 s (heartbeat timeout 30 s)" in lines[lost + 1]  # whole, at 80
         gpu = next(line for line in lines if " gpu-a-1 " in line)
-        for text in ("cuda H100", "training", "6/10", "2.4121", "51.2k", "0s", "1.7M/1.8M"):
-            assert text in gpu  # every number in view at 80 columns
+        for text in ("cuda H1", "training", "6/10", "2.4121", "51.2k", "61G", "0s", "1.7M/1.8M"):
+            assert text in gpu  # every number in view at 80 columns (names give way first)
         assert "3 active / 5 · 1 lost" in lines[-1]
     app = DashboardApp(fake_state(), clock=lambda: NOW)
     async with app.run_test(size=(100, 40)) as pilot:

@@ -35,6 +35,7 @@ def fake_state(*, status: str = "training") -> RunState:
             "outer_lr": 0.7,
             "outer_momentum": 0.9,
             "compression": "int8Block",
+            "workers": 4,
         },
     )
     state.model_name, state.param_count = "tiny", 1_234_567
@@ -107,6 +108,15 @@ def fake_state(*, status: str = "training") -> RunState:
             0,
         ),
     ]
+    for worker, (memory, peak, limit, gpu) in zip(
+        workers,
+        [(61e9, 72e9, 80e9, 0.97), (3.1e9, 3.4e9, 16e9, None), (9e9, 9e9, 32e9, None)],
+        strict=False,
+    ):
+        worker.runtime, worker.devices, worker.compile_seconds = "xla", 1, 2.1
+        worker.memory_in_use, worker.memory_peak, worker.memory_limit = memory, peak, limit
+        worker.gpu_utilization = gpu
+        worker.steps_trained, worker.tokens_trained = 36, 36 * 8 * 32
     state.shards = ShardLedger(len(workers))
     for worker in workers:
         worker.shard, _ = state.shards.assign(worker.worker_id)
@@ -197,3 +207,15 @@ def test_dashboard_waiting_for_workers_80x24(snap_compare):
 
 def test_help_screen(snap_compare):
     assert snap_compare(_app(fake_state()), terminal_size=(80, 24), press=["question_mark"])
+
+
+def test_dashboard_60x15_drops_panels(snap_compare):
+    assert snap_compare(_app(fake_state()), terminal_size=(60, 15))
+
+
+def test_worker_detail(snap_compare):
+    async def open_first_worker(pilot):
+        pilot.app.query_one("#workers").focus()
+        await pilot.press("enter")
+
+    assert snap_compare(_app(fake_state()), terminal_size=(100, 30), run_before=open_first_worker)

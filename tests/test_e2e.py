@@ -151,6 +151,13 @@ def test_shepherd_and_two_worker_processes(tmp_path, spawn_worker):
     rows = _read_metrics(metrics)
     assert [r["workers"] for r in rows if r["event"] == "round"] == [2, 2]
     assert sum(r["event"] == "joined" for r in rows) == 2
+    # each worker's own count of what it trained: 2 rounds x 5 steps x batch 8 x 32 tokens
+    stats = [r for r in rows if r["event"] == "done"][0]["worker_stats"]
+    assert (
+        sorted((s["steps_trained"], s["tokens_trained"]) for s in stats.values())
+        == [(10, 10 * 8 * 32)] * 2
+    )
+    assert sorted(s["shard"] for s in stats.values()) == [0, 1]
 
 
 def test_wrong_token_is_refused_and_worker_exits_nonzero(spawn_worker):

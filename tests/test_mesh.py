@@ -96,7 +96,7 @@ def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
     plan = protocol.Plan(param_names=("w",), batch_size=6)
     with pytest.raises(ValueError, match="--devices set to a divisor of 6.*--batch-size"):
         GraphLayouts(plan, DEVICES)
-    four = SimpleNamespace(info=SimpleNamespace(device_count=4))  # only its device count is read
+    four = SimpleNamespace(info=SimpleNamespace(device_count=4, platform="cpu"), device=None)
     with pytest.raises(Refused, match="batch size 6 does not split over this worker.s 4 devices"):
         Worker(WorkerConfig(connect="127.0.0.1:1", token="t"), backend=four)._layouts(
             plan

@@ -27,6 +27,8 @@ BACKEND = protocol.BackendInfo(
     device_count=1,
     memory_bytes=80 * 2**30,
     jax_version="0.11.2",
+    runtime=protocol.Runtime.IREE,  # not the default: the round trip shows it crossed the wire
+    target="cuda",
 )
 
 # One realistic typed body (and tensors) per message kind; floats are float32-exact.
@@ -96,6 +98,14 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
             loss=3.5,
             tokens_per_second=1024.0,
             phase=protocol.Phase.TRAINING,
+            stats=protocol.WorkerStats(
+                steps=70,
+                tokens=71680,
+                memory_in_use_bytes=3 << 30,
+                memory_peak_bytes=5 << 30,
+                memory_limit_bytes=80 << 30,
+                gpu_utilization=0.75,
+            ),
         ),
         {},
     ),
@@ -522,12 +532,12 @@ def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
 def test_version_mismatch_over_a_stream_names_both_sides():
     async def main():
         left, right = trio.testing.memory_stream_pair()
-        hello = protocol.Hello(supported_versions=(4, 5))
-        for buffer in protocol.encode(hello, version=4):
+        hello = protocol.Hello(supported_versions=(5, 6))
+        for buffer in protocol.encode(hello, version=5):
             await left.send_all(buffer)
         with pytest.raises(protocol.VersionMismatch) as caught:
             await protocol.MessageStream(right).receive()
-        assert caught.value.peer_versions == (4, 5)
+        assert caught.value.peer_versions == (5, 6)
         assert caught.value.supported == protocol.SUPPORTED_VERSIONS
         assert caught.value.code == "versionMismatch"
         assert "upgrade pcp-tui on the older side" in str(caught.value)
@@ -688,6 +698,13 @@ def test_unknown_message_kind_and_invalid_text_are_malformed():
         ("progress", {"loss": float("inf")}, r"progress.loss is inf; it must be a finite"),
         ("progress", {"tokensPerSecond": float("-inf")}, r"tokensPerSecond is -inf"),
         ("ready", {"compileSeconds": float("nan")}, r"ready.compileSeconds is nan"),
+        (
+            "progress",
+            {"stats": {"gpuUtilization": 1.5}},
+            r"gpuUtilization is 1.5; it must be within",
+        ),
+        ("progress", {"stats": {"gpuUtilization": -2.0}}, r"stats.gpuUtilization is -2.0"),
+        ("progress", {"stats": {"gpuUtilization": float("nan")}}, r"gpuUtilization is nan"),
     ],
 )
 def test_every_bounded_field_is_checked_at_decode_and_named(kind, body, match):
@@ -757,7 +774,8 @@ def test_wrong_version_is_refused_with_both_sides_named(body, peer):
     assert caught.value.peer_versions == peer
     text = str(caught.value)
     assert (
-        f"the peer speaks version(s) {peer[0]}" in text and "this side speaks version(s) 3" in text
+        f"the peer speaks version(s) {peer[0]}" in text
+        and "this side speaks version(s) 2, 3, 4" in text
     )
     assert "upgrade pcp-tui on the older side" in text
 
@@ -775,11 +793,11 @@ def test_errors_form_one_hierarchy_with_schema_codes():
 
 def test_wrong_version_wins_over_an_unknown_kind():
     """A newer peer may add message kinds: it must hear 'version mismatch', not 'malformed'."""
-    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=4))
+    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=5))
     frame[18] = 200
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(bytes(frame))
-    assert caught.value.peer_versions == (4,)
+    assert caught.value.peer_versions == (5,)
 
 
 def test_concurrent_receives_are_refused():
@@ -872,3 +890,11 @@ def test_last_activity_moves_with_bytes_inside_a_message():
         await receiver.aclose()
 
     trio.run(main)
+
+
+def test_a_version_2_peers_progress_still_reads_with_no_statistics():
+    """Protocol 3 only added fields: an older worker's progress reads, its stats unmeasured."""
+    message = protocol.decode(craft("progress", {"round": 2, "step": 5}, version=2))
+    assert (message.version, message.body.step) == (2, 5)
+    assert message.body.stats == protocol.WorkerStats()
+    assert message.body.stats.gpu_utilization == -1.0

@@ -135,7 +135,7 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
             answers["replay"], _ = await handshake_answer(shepherd.port, lambda n: captured)
             answers["v2"], _ = await handshake_answer(
                 shepherd.port,
-                lambda n: worker_hello(n, "s3cret", worker_id="from-the-future", version=4),
+                lambda n: worker_hello(n, "s3cret", worker_id="from-the-future", version=5),
             )
         return answers
 
@@ -149,7 +149,7 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
     mismatch = answers["v2"].body
     assert mismatch.code == "versionMismatch"
     assert (
-        "speaks protocol version 3, this worker speaks 4; upgrade pcp-tui on this shepherd"
+        "speaks protocol version 4, this worker speaks 5; upgrade pcp-tui on this shepherd"
         in mismatch.message
     )
 

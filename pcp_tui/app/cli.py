@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 
 from pcp_tui import __version__
-from pcp_tui.app import link_emulator
+from pcp_tui.app import link_emulator, plot
 from pcp_tui.app.config_file import load_config_file
 from pcp_tui.app.options_cli import add_flags, passed_values
 from pcp_tui.config import ConfigError, LogConfig, RunConfig, WorkerConfig
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = _command(commands, "worker", help="join a shepherd and train")
     add_flags(worker, WorkerConfig, WorkerConfig())
     link_emulator.add_parser(commands)
+    plot.add_parser(commands)
     sample = _command(commands, "sample", help="generate text from a GPT-2 checkpoint")
     sample.add_argument(
         "--checkpoint",
@@ -198,6 +199,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _sample(args)
     if args.command == "emulate-link":
         return link_emulator.run(args)
+    if args.command == "plot":
+        return plot.run(args)
     if args.command == "worker":
         from pcp_tui.app.launch import run_worker
 

@@ -7,11 +7,12 @@ import math
 import re
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import trio
 
+from pcp_tui.app.tracking import GuardedSink
 from pcp_tui.shepherd.state import Event, RunState
 
 _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
@@ -98,15 +99,28 @@ class HeadlessPrinter:
 
 
 class MetricsWriter:
-    """JSON Lines: one object per round and event, flushed as it happens.
+    """JSON Lines: one object per round and event, flushed as it happens; and the tracking sinks.
+
+    `path` None writes no file, only feeds `sinks` (see `pcp_tui.app.tracking`).
 
     Metrics files get shared, so the join token never goes in: the "listening"
     line says `--token <redacted>` (the terminal shows the operator the real one).
     """
 
-    def __init__(self, path: str, state: RunState, *, token: str | None = None):
+    def __init__(
+        self,
+        path: str | None,
+        state: RunState,
+        *,
+        token: str | None = None,
+        sinks: Sequence[GuardedSink] = (),
+    ):
         self._state = state
         self._token = token if token and len(token) >= 8 else None  # "a" must not redact every a
+        self._sinks = list(sinks)  # W&B, TensorBoard: each gets every row the file gets
+        self._file: IO[str] | None = None
+        if path is None:
+            return
         try:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
         except OSError as exc:
@@ -124,14 +138,24 @@ class MetricsWriter:
                 param_count=self._state.param_count,
                 bytes_sent=self._state.bytes_sent,
                 bytes_received=self._state.bytes_received,
+                worker_stats={w.worker_id: w.stats_json() for w in self._state.workers.values()},
             )
         row["time"] = round(event.at, 3)
         row = {k: self._redacted(v) if isinstance(v, str) else v for k, v in row.items()}
-        self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
+            self._file.flush()
+        for sink in self._sinks:
+            sink(row)
 
     def close(self) -> None:
-        self._file.close()
+        """Close the file and finish every sink (a W&B run is marked finished here); idempotent."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
 
     def _redacted(self, text: str) -> str:
         text = _TOKEN_FLAG.sub(r"\1<redacted>", text)

@@ -12,6 +12,7 @@ import trio
 
 from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop
 from pcp_tui.app.preflight import preflight
+from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
 from pcp_tui.contract.auth import new_token
@@ -39,9 +40,17 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
         flush=True,
     )
     shepherd = Shepherd(config, workload)  # a resumed checkpoint is checked against workload here
+    sinks = open_sinks(
+        wandb_project=config.operator.wandb,
+        tensorboard_dir=config.operator.tensorboard,
+        run_id=shepherd.state.run_id,
+        settings=shepherd.state.settings,
+    )
     metrics = (
-        MetricsWriter(config.operator.metrics, shepherd.state, token=config.security.token)
-        if config.operator.metrics
+        MetricsWriter(
+            config.operator.metrics, shepherd.state, token=config.security.token, sinks=sinks
+        )
+        if config.operator.metrics or sinks
         else None
     )
     if metrics:
@@ -66,7 +75,7 @@ def run_shepherd(config: RunConfig, *, headless: bool) -> int:
         return started
     shepherd, metrics = started
     if not headless:
-        launched = _launch_dashboard(shepherd)
+        launched = _launch_dashboard(shepherd, metrics=metrics)
         if launched is not None:
             return launched
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
@@ -133,7 +142,9 @@ def run_unwrapped(
     return None
 
 
-def _launch_dashboard(shepherd: Shepherd, spawn_workers=None) -> int | None:
+def _launch_dashboard(
+    shepherd: Shepherd, spawn_workers=None, *, metrics: MetricsWriter | None = None
+) -> int | None:
     """Run inside the Textual dashboard; None to fall back to headless (no terminal)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         print("not a terminal: running headless (pass --headless to say so)", flush=True)
@@ -143,7 +154,11 @@ def _launch_dashboard(shepherd: Shepherd, spawn_workers=None) -> int | None:
     except ImportError:
         print("the dashboard is not available in this build; running headless", flush=True)
         return None
-    return run_dashboard(shepherd, spawn_workers=spawn_workers)
+    try:
+        return run_dashboard(shepherd, spawn_workers=spawn_workers)
+    finally:
+        if metrics:
+            metrics.close()  # a W&B run is marked finished, TensorBoard's last events written
 
 
 def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
@@ -160,7 +175,7 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
         ]
 
     if not headless:
-        launched = _launch_dashboard(shepherd, spawn_workers=spawn)
+        launched = _launch_dashboard(shepherd, spawn_workers=spawn, metrics=metrics)
         if launched is not None:
             return launched
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))

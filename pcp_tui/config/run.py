@@ -338,6 +338,18 @@ class OperatorConfig:
         help="append one JSON line per protocol message sent or received to this file "
         "(rotated at 64 MiB)",
     )
+    wandb: str | None = option(
+        None,
+        example="my-project",
+        help="log round metrics to this Weights & Biases project (extra: pcp-tui[wandb]; "
+        "WANDB_MODE=offline: no network)",
+    )
+    tensorboard: str | None = option(
+        None,
+        example="runs/",
+        help="write round metrics as TensorBoard event files into this directory "
+        "(extra: pcp-tui[tensorboard])",
+    )
 
     def check(self) -> None:
         if not self.api_token_env.isidentifier():

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pcp_tui.config.options import ConfigError, Sections, option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-BACKENDS = ("auto", "cpu", "cuda", "rocm", "metal")
+BACKENDS = ("auto", "cpu", "cuda", "rocm", "metal", "vulkan")
+RUNTIMES = ("auto", "xla", "iree")
 
 
 def default_compile_cache() -> str:
@@ -100,7 +101,22 @@ class ComputeConfig:
     backend: str = option(
         "auto",
         choices=BACKENDS,
-        help="where to run the graphs; auto picks cuda, rocm or metal when present, else cpu",
+        help="where to run the graphs; auto picks cuda, rocm or metal when present, else cpu "
+        "(with --runtime iree: vulkan, metal, else cpu)",
+    )
+    runtime: str = option(
+        "auto",
+        choices=RUNTIMES,
+        help="what compiles the graphs: xla (through JAX) or iree (pip install 'pcp-tui[iree]'; "
+        "any Vulkan GPU, Apple GPUs, CPUs); auto is xla where JAX serves the backend, iree where "
+        "only IREE does, e.g. vulkan",
+    )
+    iree_flags: str = option(
+        "",
+        metavar="FLAGS",
+        help="extra iree-compile flags for --runtime iree, space-separated, e.g. "
+        "--iree-flags=--iree-vulkan-target=ampere for code made for the GPU (IREE's generic "
+        "Vulkan target is much slower)",
     )
     devices: str = option(
         "all",

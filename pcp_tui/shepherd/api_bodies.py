@@ -101,6 +101,7 @@ def worker_json(view: WorkerView, now: float, utilization: float | None = None) 
         "utilization": utilization,
         "seconds_since_heard": max(now - view.last_heard, 0.0),
         "reason": view.reason,
+        **view.stats_json(),
     }
 
 
@@ -228,12 +229,11 @@ class RunCollector(Collector):
         info = GaugeMetricFamily(
             "pcp_worker_info",
             "A worker the run has seen",
-            labels=["worker", "index", "host", "backend", "state"],
+            labels=["worker", "index", "host", "backend", "runtime", "state"],
         )
         for view in views:
-            info.add_metric(
-                [view.worker_id, str(view.index), view.host, view.backend, view.state], 1
-            )
+            labels = [view.worker_id, str(view.index), view.host, view.backend, view.runtime]
+            info.add_metric([*labels, view.state], 1)
         yield info
         for name, doc, kind, read in _WORKER_FAMILIES:
             family = kind(name, doc, labels=["worker"])
@@ -286,5 +286,49 @@ _WORKER_FAMILIES: tuple[tuple[str, str, type, Callable[[WorkerView, float], floa
         "Seconds since the last message",
         GaugeMetricFamily,
         lambda w, now: max(now - w.last_heard, 0.0),
+    ),
+    ("pcp_worker_shard", "The data shard it trains", GaugeMetricFamily, lambda w, _: w.shard),
+    ("pcp_worker_devices", "Devices it reported", GaugeMetricFamily, lambda w, _: w.devices),
+    (
+        "pcp_worker_compile_seconds",
+        "Seconds it took to compile the training graphs",
+        GaugeMetricFamily,
+        lambda w, _: w.compile_seconds,
+    ),
+    (
+        "pcp_worker_steps_trained",
+        "Inner steps it trained since its process started",
+        CounterMetricFamily,
+        lambda w, _: w.steps_trained,
+    ),
+    (
+        "pcp_worker_tokens_trained",
+        "Tokens it trained on since its process started",
+        CounterMetricFamily,
+        lambda w, _: w.tokens_trained,
+    ),
+    (
+        "pcp_worker_memory_bytes",
+        "Device memory in use (process resident memory on CPU)",
+        GaugeMetricFamily,
+        lambda w, _: w.memory_in_use,
+    ),
+    (
+        "pcp_worker_memory_peak_bytes",
+        "Most device memory in use so far",
+        GaugeMetricFamily,
+        lambda w, _: w.memory_peak,
+    ),
+    (
+        "pcp_worker_memory_limit_bytes",
+        "Device memory it has",
+        GaugeMetricFamily,
+        lambda w, _: w.memory_limit,
+    ),
+    (
+        "pcp_worker_gpu_utilization",
+        "GPU busy share 0..1 (NVML; absent where not measured)",
+        GaugeMetricFamily,
+        lambda w, _: w.gpu_utilization,
     ),
 )

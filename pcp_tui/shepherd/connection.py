@@ -23,9 +23,10 @@ CONNECTION_ERRORS = LINK_ERRORS  # the name the coordinator knows them by
 class Hello:
     worker_id: str
     hostname: str
-    backend: str  # described for people: "cpu", "cuda NVIDIA H100 ...", "cpu x4"
+    backend: str  # described for people: "cpu", "cuda NVIDIA H100 ...", "cpu x4", "vulkan ... (iree vulkan-spirv)"
     platform: protocol.Platform
     devices: int = 1  # local devices the worker trains on as one (a JAX mesh)
+    runtime: protocol.Runtime = protocol.Runtime.XLA
 
 
 class WorkerLink(Connection):
@@ -38,10 +39,12 @@ class WorkerLink(Connection):
         view: WorkerView,
         state: RunState,
         platform: protocol.Platform,
+        runtime: protocol.Runtime = protocol.Runtime.XLA,
     ):
         super().__init__(stream, "shepherd", log=log, name=f"worker {view.index}: ")
         self.view = view
         self.platform = platform
+        self.runtime = runtime  # with platform: which export this worker's plan carries
         self._state = state
         self.ready = trio.Event()
 
@@ -94,14 +97,16 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
             f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
         raise Refused(reason, code="authFailed")
-    platform = body.backend.platform
-    devices = max(body.backend.device_count, 1)  # a worker that does not say runs on one
-    described = platform.value
-    if platform != protocol.Platform.CPU:
-        described = f"{platform.value} {body.backend.device_kind}".strip()
+    backend = body.backend
+    devices = max(backend.device_count, 1)  # a worker that does not say runs on one
+    described = backend.platform.value
+    if backend.platform != protocol.Platform.CPU:
+        described = f"{backend.platform.value} {backend.device_kind}".strip()
     if devices > 1:
         described = f"{described} x{devices}"
-    return Hello(worker_id, body.hostname, described, platform, devices)
+    if backend.runtime != protocol.Runtime.XLA:
+        described += f" ({backend.runtime.value} {backend.target})".replace(" )", ")")
+    return Hello(worker_id, body.hostname, described, backend.platform, devices, backend.runtime)
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

@@ -35,17 +35,13 @@ from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.fragments import FragmentSync
+from pcp_tui.shepherd.graphs import GraphLibrary
 from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.pacing import StepPacing
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.rounds import Round
 from pcp_tui.shepherd.state import RoundRecord, RunState
-from pcp_tui.training.export import (
-    CUDNN_ATTENTION_CALLS,
-    InnerOptimizer,
-    TrainingGraphs,
-    build_graphs,
-)
+from pcp_tui.training.export import InnerOptimizer, TrainingGraphs
 from pcp_tui.training.workload import Workload
 
 
@@ -116,6 +112,7 @@ class Shepherd:
             run_id=self.run_id,
             stopping=lambda: self._stop_reason is not None,
         )
+        self.library = GraphLibrary.for_run(self.config, workload, self._inner_optimizer())
         self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
         inner = config.inner
         self.pacing = StepPacing(inner.steps, inner.chunk) if inner.adaptive_steps else None
@@ -208,10 +205,10 @@ class Shepherd:
         if self._resumed_from:
             path, number = self._resumed_from
             self.state.emit("resumed_from", f"resumed from {path} (round {number})", round=number)
-        self.state.emit(
-            "exporting", f"exporting training graphs for {', '.join(cfg.model.platforms)}"
-        )
-        self.graphs = self.pool.graphs = await trio.to_thread.run_sync(self._export)
+        platforms = ", ".join(self.library.main_platforms)
+        self.state.emit("exporting", f"exporting training graphs for {platforms}")
+        self.graphs = await trio.to_thread.run_sync(self._export)
+        self.pool.graphs = self.library
         self.state.emit(
             "exported",
             f"graphs exported in {self.graphs.export_seconds:.1f} s",
@@ -292,21 +289,9 @@ class Shepherd:
         return float(np.sum(schedule(np.arange((number - 1) * steps, number * steps))))
 
     def _export(self) -> TrainingGraphs:
-        cfg = self.config
-        inner = self._inner_optimizer()
-        graphs = build_graphs(
-            self.workload.loss_fn,
-            self.params,
-            self.workload.batch_spec,
-            inner=inner,
-            chunk_steps=cfg.inner.chunk,
-            eval_batches=self.workload.eval_batch_count,
-            # cuDNN attention exists only on CUDA, and its kernels are custom calls
-            platforms=("cuda",) if cfg.model.attention == "cudnn" else cfg.model.platforms,
-            custom_calls=CUDNN_ATTENTION_CALLS if cfg.model.attention == "cudnn" else (),
-        )
-        backend = select_backend("auto")
-        self._eval = backend.load("eval_loss", graphs.eval_loss)
+        """The run's first export (the shepherd evaluates with it); others are made as workers need."""
+        graphs = self.library.export_main()
+        self._eval = select_backend("auto").load("eval_loss", graphs.eval_loss)
         return graphs
 
     async def _train(self, nursery: trio.Nursery) -> None:

@@ -24,6 +24,7 @@ from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
 from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import WorkerLink
+from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.rounds import BadResult, Round
 from pcp_tui.shepherd.state import RunState, WorkerView
 from pcp_tui.shepherd.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
@@ -50,7 +51,7 @@ class WorkerPool:
         self.config, self.workload, self.state = config, workload, state
         self.admission = admission
         self.run_id = run_id
-        self.graphs: TrainingGraphs | None = None  # set once exported, before anyone is served
+        self.graphs: GraphLibrary | None = None  # set once exported, before anyone is served
         self.round: Round | None = None  # the round results are folded into, if one runs
         # Streaming DiLoCo (shepherd/fragments.py): the partition, and one Round per fragment
         self.fragments: tuple[tuple[str, ...], ...] = ()
@@ -170,9 +171,10 @@ class WorkerPool:
             backend=hello.backend,
             devices=hello.devices,
             shard=shard,
+            runtime=hello.runtime.value,
         )
         self.state.workers[hello.worker_id] = view
-        link = WorkerLink(stream, view, self.state, hello.platform)
+        link = WorkerLink(stream, view, self.state, hello.platform, hello.runtime)
         previous = self._links.get(hello.worker_id)
         if previous is not None:
             previous.closed = True
@@ -227,17 +229,17 @@ class WorkerPool:
         """Welcome, plan, then the worker's messages until it leaves; raises ConnectionLost."""
         cfg = self.config
         slot = link.view.shard  # from the ledger: a lost worker's shard goes to the next joiner
-        if link.platform not in self.graphs.platforms:
-            reason = (
-                f"platform {link.platform} is not among the exported ones "
-                f"({', '.join(self.graphs.platforms)}); restart the shepherd with it in --platforms"
-            )
-            raise ConnectionLost(reason, code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value)
+        try:
+            graphs = await self.graphs.for_worker(link.platform, link.runtime)
+        except Unservable as exc:
+            raise ConnectionLost(
+                str(exc), code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value
+            ) from None
         welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
         sent = await link.send(welcome)
         log.debug("worker %d: sent welcome (%d bytes)", link.view.index, sent)
         link.view.state = "compiling"
-        plan, tensors = self._plan(slot, self.workload.shards[slot])
+        plan, tensors = self._plan(slot, self.workload.shards[slot], graphs)
         sent = await link.send(plan, tensors)
         log.debug("worker %d: sent plan (%d bytes)", link.view.index, sent)
         self._bound(link, plan)
@@ -249,9 +251,9 @@ class WorkerPool:
             await self._receive_loop(link)
 
     def _plan(
-        self, slot: int, shard: np.ndarray | dict[str, np.ndarray]
+        self, slot: int, shard: np.ndarray | dict[str, np.ndarray], graphs: TrainingGraphs
     ) -> tuple[protocol.Plan, dict[str, np.ndarray]]:
-        cfg, graphs = self.config, self.graphs
+        cfg = self.config
         tensors = {
             f"graph/{name}": np.frombuffer(blob, np.uint8)
             for name, blob in graphs.as_dict().items()
@@ -336,6 +338,7 @@ class WorkerPool:
         if isinstance(body, protocol.Ready):
             view.state = "idle"
             link.stage = contract.Stage.READY
+            view.compile_seconds = body.compile_seconds
             link.ready.set()
             self.state.emit(
                 "compiled",
@@ -355,6 +358,9 @@ class WorkerPool:
 
     def _on_progress(self, view: WorkerView, body: protocol.Progress) -> None:
         view.state = body.phase.value
+        view.record_stats(body.stats)
+        if body.phase is not protocol.Phase.TRAINING:
+            return  # e.g. the statistics a worker sends once it has compiled: no step, no loss
         view.step = body.step
         view.total_steps = body.total_steps
         view.loss = body.loss

@@ -10,9 +10,12 @@ import collections
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcp_tui.shepherd.ledger import ShardLedger
+
+if TYPE_CHECKING:
+    from pcp_tui.protocol import WorkerStats
 
 # Worker states, in the order a worker normally passes through them.
 WORKER_STATES = (
@@ -45,7 +48,40 @@ class WorkerView:
     rounds_contributed: int = 0
     reason: str = ""
     shard: int | None = None  # the data shard it trains (see ShardLedger)
+    runtime: str = "xla"  # what runs its graphs: "xla" (JAX) or "iree"
     devices: int = 1  # local devices it trains on as one worker (pcp-tui worker --devices)
+    compile_seconds: float | None = None
+    # its own statistics, from its latest progress message (WorkerStats)
+    steps_trained: int = 0  # inner steps since the worker process started
+    tokens_trained: int = 0
+    memory_in_use: int | None = None  # bytes; None: not measured
+    memory_peak: int | None = None
+    memory_limit: int | None = None
+    gpu_utilization: float | None = None  # 0..1 (NVML); None: not measured
+
+    def record_stats(self, stats: WorkerStats) -> None:
+        """Take a progress message's statistics; zero memory and -1 utilization mean unknown."""
+        self.steps_trained = stats.steps
+        self.tokens_trained = stats.tokens
+        self.memory_in_use = stats.memory_in_use_bytes or None
+        self.memory_peak = stats.memory_peak_bytes or None
+        self.memory_limit = stats.memory_limit_bytes or None
+        self.gpu_utilization = stats.gpu_utilization if stats.gpu_utilization >= 0 else None
+
+    def stats_json(self) -> dict[str, Any]:
+        """Its runtime, devices and statistics, as /v1/workers and the metrics file list them."""
+        return {
+            "runtime": self.runtime,
+            "devices": self.devices,
+            "shard": self.shard,
+            "compile_seconds": self.compile_seconds,
+            "steps_trained": self.steps_trained,
+            "tokens_trained": self.tokens_trained,
+            "memory_in_use_bytes": self.memory_in_use,
+            "memory_peak_bytes": self.memory_peak,
+            "memory_limit_bytes": self.memory_limit,
+            "gpu_utilization": self.gpu_utilization,
+        }
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import math
 import os
 import platform as host_platform
 import secrets
+import shlex
 import socket
 import time
 from collections.abc import Callable
@@ -44,11 +45,22 @@ from pcp_tui.training import shards
 from pcp_tui.training.sharding import LayoutError
 from pcp_tui.worker.mesh import GraphLayouts
 from pcp_tui.worker.reconnect import Reconnect
+from pcp_tui.worker.stats import WorkerCounters
 from pcp_tui.worker.streaming import StreamingRounds
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level, --log-file)
+
+
+class CannotRun(Refused):
+    """This worker cannot compile or run the plan's graphs: it tells the shepherd and leaves.
+
+    Reconnecting would fetch the same graphs and fail the same way.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason, code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value)
 
 
 @dataclass
@@ -105,9 +117,15 @@ class Worker:
         self.host, self.port, self.token = host, port, connection.token
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
+        compute = config.compute
         self.backend = backend or select_backend(
-            config.compute.backend, config.compute.device_count
+            compute.backend,
+            compute.device_count,
+            runtime=compute.runtime,
+            cache_dir=compute.compile_cache or None,
+            iree_flags=tuple(shlex.split(compute.iree_flags)),
         )
+        self.counters = WorkerCounters(self.backend)  # steps, tokens, memory: sent with progress
         self.worker_id = connection.worker_id or (
             f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         )
@@ -228,7 +246,7 @@ class Worker:
             raise
         finally:
             with trio.CancelScope(shield=True):  # tells the shepherd what it sent wrong, if it did
-                lost = ended if isinstance(ended, ConnectionLost) else None
+                lost = ended if isinstance(ended, ConnectionLost | CannotRun) else None
                 await connection.close(str(ended or "the worker stopped"), error=lost)
         raise _LostAfterWelcome("connection lost (the session ended)")
 
@@ -239,6 +257,8 @@ class Worker:
         await connection.send(
             protocol.Ready(seconds, protocol.Platform(self.backend.info.platform))
         )
+        stats = self.counters.snapshot()  # memory after compiling, before any round
+        await connection.send(protocol.Progress(phase=protocol.Phase.IDLE, stats=stats))
         self.status.update(
             state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round"
         )
@@ -253,6 +273,8 @@ class Worker:
             device_count=info.device_count,
             memory_bytes=info.memory_bytes,
             jax_version=info.jax_version,
+            runtime=protocol.Runtime(info.runtime),
+            target=info.target[: protocol.ID_CHARS],
         )
         await stream.send(
             protocol.WorkerHello(
@@ -289,8 +311,14 @@ class Worker:
             try:
                 train = self._load(graphs, "train_chunk", layouts, donate_argnums=(0, 1))
                 init = self._load(graphs, "init_opt_state", layouts)
-            except (GraphError, LayoutError) as exc:
+            except LayoutError as exc:
                 raise protocol.MalformedMessage(str(exc)) from None
+            except GraphError as exc:
+                info = self.backend.info
+                raise CannotRun(
+                    f"{exc}; this worker runs {info.describe()} ({info.runtime}): "
+                    "try another --runtime or --backend"
+                ) from None
             axes = layouts.param_axes if layouts is not None else None
             self._compiled = {key: (train.call, init.call, axes)}
             self._opt_state = None
@@ -438,6 +466,9 @@ class Worker:
                 _run_chunk, training.train_chunk, params, opt_state, batches, first_step
             )
             losses.extend(float(x) for x in chunk_losses)
+            self.counters.trained(
+                len(chunk_losses), len(chunk_losses) * plan.batch_size * plan.tokens_per_row
+            )
             elapsed = time.perf_counter() - started
             tps = len(losses) * plan.batch_size * plan.tokens_per_row / elapsed
             self.status.update(
@@ -457,6 +488,7 @@ class Worker:
                     losses[-1],
                     tps,
                     protocol.Phase.TRAINING,
+                    self.counters.snapshot(),
                 )
                 await connection.send(progress)
         self._opt_state = opt_state

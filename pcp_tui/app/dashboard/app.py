@@ -10,66 +10,29 @@ inside trio through the guest run's token.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import outcome
 import trio
-from rich.table import Table
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
-from textual.screen import ModalScreen
-from textual.widgets import Footer, Static
+from textual.containers import Horizontal
+from textual.widgets import Footer, Input
 
+from pcp_tui.app.dashboard.help_screen import HelpScreen
 from pcp_tui.app.dashboard.loss_chart import StepMeans
+from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
+from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory
 from pcp_tui.shepherd.state import Event, RunState
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
 
 REFRESH_SECONDS = 0.4
 _FINISHED = ("done", "failed", "stopped")
-
-HELP_KEYS = (
-    (
-        "q",
-        "end the run cleanly: finish the round, say goodbye to the workers, exit (again: stop at once)",
-    ),
-    ("p", "pause after the current round; p again resumes"),
-    ("l", "loss chart: log or linear y axis"),
-    ("z", "loss chart: all steps, the latest half, the latest quarter"),
-    ("c", "copy the join command to the clipboard (OSC 52)"),
-    ("?", "this help; escape closes it"),
-)
-HELP_PANELS = (
-    ("Loss", "training loss per inner step (mean over workers, ━) and held-out loss per round (●)"),
-    (
-        "Round time",
-        "last round and mean: compute (slowest worker), communication, waiting for stragglers;"
-        " util: compute / wall time; bytes vs data parallel (DP)",
-    ),
-    (
-        "Workers",
-        "every worker seen; lost and refused ones stay listed with the reason;"
-        " heard: since its last message; sent/recv: bytes the shepherd sent it / got from it",
-    ),
-)
-
-
-class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,question_mark,q", "dismiss", "close help")]
-
-    def compose(self) -> ComposeResult:
-        grid = Table.grid(padding=(0, 2))
-        grid.add_column(style="bold", no_wrap=True)
-        grid.add_column()
-        for key, what in (*HELP_KEYS, ("", ""), *HELP_PANELS):
-            grid.add_row(key, what)
-        with VerticalScroll(id="help") as scroll:
-            scroll.border_title = "PCP-TUI keys"
-            yield Static(grid)
 
 
 class DashboardApp(App[None]):
@@ -86,6 +49,8 @@ class DashboardApp(App[None]):
         Binding("l", "log_scale", "log y"),
         Binding("z", "zoom", "zoom"),
         Binding("c", "copy_join", "copy join"),
+        Binding("slash", "filter_events", "filter", key_display="/"),
+        Binding("escape", "clear_filter", "clear filter", show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
     ]
@@ -111,8 +76,11 @@ class DashboardApp(App[None]):
         self.guest_running = False
         self.failure: str | None = None
         self._quitting = False
+        self._signals: StopSignals | None = None
+        self.signal_received: int | None = None
         self._pause_wanted = False
         self._step_means = StepMeans()
+        self.worker_history: dict[str, WorkerHistory] = {}
         self._evals_shown = -1
         self._phase_note = ""
         self._shown_status = ""
@@ -124,10 +92,22 @@ class DashboardApp(App[None]):
             yield LossChart(id="loss")
             yield RoundTiming(id="timing")
         yield WorkerTable(id="workers")
+        yield Input(placeholder="filter events (enter keeps it, escape clears)", id="event-filter")
         yield EventLog(id="events")
         yield Footer()
 
+    def _fit_layout(self) -> None:
+        """Panels give way on small terminals (see app.tcss): the chart never shrinks to a strip.
+
+        Run on mount and on every refresh tick (a resize is followed within one tick).
+        """
+        width, height = self.size
+        self.screen.set_class(width < 72, "-narrow")
+        self.screen.set_class(height < 20, "-short")
+        self.screen.set_class(height < 14, "-tiny")
+
     def on_mount(self) -> None:
+        self._fit_layout()
         for widget_id, title in (
             ("loss", "Loss"),
             ("timing", "Round time"),
@@ -139,9 +119,11 @@ class DashboardApp(App[None]):
         self.set_interval(REFRESH_SECONDS, self.refresh_from_state)
         if self.shepherd is not None:
             self.guest_running = True
+            loop = asyncio.get_running_loop()
+            self._signals = StopSignals(loop, self._on_stop_signal).__enter__()
             trio.lowlevel.start_guest_run(
                 self._trio_main,
-                run_sync_soon_threadsafe=asyncio.get_running_loop().call_soon_threadsafe,
+                run_sync_soon_threadsafe=loop.call_soon_threadsafe,
                 done_callback=self._guest_done,
                 host_uses_signal_set_wakeup_fd=True,
             )
@@ -178,14 +160,48 @@ class DashboardApp(App[None]):
         A guest run outliving its host loop keeps trio's run state on this thread
         (a later `trio.run` would refuse to start): cancel it and let it unwind on
         this loop first. Its goodbyes are bounded, so this ends in seconds.
+
+        After SIGHUP the app ends as soon as its terminal is gone, but the stop
+        the signal asked for is still under way: wait for it (the final
+        checkpoint, the goodbyes); another SIGHUP or SIGTERM cancels it.
         """
-        if not self.guest_running or self._cancel_scope is None:
-            return
-        self._in_trio(self._cancel_scope.cancel)
-        for _ in range(200):
-            if not self.guest_running:
+        try:
+            if self.signal_received is not None:
+                while self.guest_running:
+                    await asyncio.sleep(0.05)
+            if not self.guest_running or self._cancel_scope is None:
                 return
-            await asyncio.sleep(0.05)
+            self._in_trio(self._cancel_scope.cancel)
+            for _ in range(200):
+                if not self.guest_running:
+                    return
+                await asyncio.sleep(0.05)
+        finally:
+            if self._signals is not None:
+                self._signals.__exit__(None, None, None)
+
+    def _on_stop_signal(self, signum: int) -> None:
+        """SIGHUP / SIGTERM: the first stops the run as `q` does, the next stops it at once.
+
+        The process then exits with 128 + the signal's number, as in headless mode.
+        """
+        first = self.signal_received is None
+        self.signal_received = signum
+        if not self.guest_running:
+            self.exit(return_code=self.exit_code)
+        elif first and not self._quitting:
+            name = signal.Signals(signum).name
+            self._quitting = True
+            self.state.emit(
+                "stop_requested",
+                f"{name}: stopping after the current round, writing the checkpoint and telling "
+                f"workers goodbye ({name} again: stop at once)",
+            )
+            self._in_trio(lambda: self.shepherd.request_stop(f"interrupted ({name})"))
+            if self.screen_stack:  # after a hang-up the app may already be closing
+                self._after_command()
+        elif self._cancel_scope is not None:
+            self._in_trio(self._cancel_scope.cancel)
 
     def _in_trio(self, command: Callable[[], None]) -> bool:
         """Run a shepherd command inside the guest run (its trio.Events need trio context)."""
@@ -196,7 +212,10 @@ class DashboardApp(App[None]):
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failure or self.state.status == "failed" else 0
+        """1 for a failed run, 128 + the signal's number after SIGHUP / SIGTERM, else 0."""
+        if self.failure or self.state.status == "failed":
+            return 1
+        return 0 if self.signal_received is None else 128 + self.signal_received
 
     # -- keys -------------------------------------------------------------------
 
@@ -256,10 +275,43 @@ class DashboardApp(App[None]):
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
+    def action_filter_events(self) -> None:
+        box = self.query_one("#event-filter", Input)
+        box.add_class("-open")
+        box.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#event-filter", Input)
+        box.value = ""
+        box.remove_class("-open")
+        self.query_one(EventLog).set_filter("")
+        self.set_focus(None)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "event-filter":
+            self.query_one(EventLog).set_filter(event.value)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "event-filter":
+            if not event.value.strip():
+                event.input.remove_class("-open")
+            self.set_focus(None)
+
+    def on_data_table_row_selected(self, event: WorkerTable.RowSelected) -> None:
+        """Enter on a worker's row: its detail view (a refused connection has none)."""
+        key = event.row_key.value
+        if key in self.state.workers:
+            self.push_screen(WorkerDetail(key, self._worker_detail))
+
+    def _worker_detail(self, worker_id: str) -> tuple:
+        now = self.state.finished_at if self.state.finished_at is not None else self._clock()
+        return self.state.workers.get(worker_id), self.worker_history.get(worker_id), now
+
     # -- state -> widgets (the one adapter) -------------------------------------
 
     def refresh_from_state(self) -> None:
         """One refresh tick: read the state, hand each panel what changed. Never per message."""
+        self._fit_layout()
         state = self.state
         now = self._clock()
         if state.finished_at is not None:
@@ -283,9 +335,13 @@ class DashboardApp(App[None]):
             self._evals_shown = len(evals)
             inner_steps = int(state.settings.get("inner_steps", 1) or 1)
             self.query_one(LossChart).set_data(
-                self._step_means.points(), [(r.round * inner_steps, r.eval_loss) for r in evals]
+                self._step_means.points(),
+                [(r.round * inner_steps, r.eval_loss) for r in evals],
+                inner_steps=inner_steps,
             )
         self.query_one(RoundTiming).show(state.history)
+        for view in state.workers.values():
+            self.worker_history.setdefault(view.worker_id, WorkerHistory()).sample(view)
         self.query_one(WorkerTable).show(
             list(state.workers.values()),
             sorted(self._refused.items()),

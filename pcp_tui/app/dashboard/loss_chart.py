@@ -69,6 +69,7 @@ class LossChart(Widget):
         super().__init__(**kwargs)
         self._train: list[tuple[int, float]] = []
         self._evals: list[tuple[int, float]] = []
+        self._inner_steps = 0
         self.log_scale = True
         self.window = 0
 
@@ -78,9 +79,18 @@ class LossChart(Widget):
         return len(self._train)
 
     def set_data(
-        self, train: Iterable[tuple[int, float]], evals: Iterable[tuple[int, float]]
+        self,
+        train: Iterable[tuple[int, float]],
+        evals: Iterable[tuple[int, float]],
+        *,
+        inner_steps: int = 0,
     ) -> None:
-        """`train`: (global step, mean loss) in step order; `evals`: (global step, eval loss)."""
+        """`train`: (global step, mean loss) in step order; `evals`: (global step, eval loss).
+
+        With `inner_steps` (H) the x axis is marked and labelled in rounds (round r
+        ends at step r x H), else in steps.
+        """
+        self._inner_steps = max(int(inner_steps), 0)
         self._train = [(int(s), float(v)) for s, v in train if math.isfinite(v)]
         self._evals = [(int(s), float(v)) for s, v in evals if math.isfinite(v)]
         self._update_subtitle()
@@ -114,7 +124,7 @@ class LossChart(Widget):
                 self.get_component_rich_style("loss-chart--empty"),
             )
         label_width = 7
-        canvas = BrailleCanvas(width - label_width, height - 1)
+        canvas = BrailleCanvas(width - label_width, height - 2)
         if canvas.width < 4 or canvas.height < 2:
             return Text(f"loss {self._train[-1][1]:.4f}" if self._train else "")
         x_lo, x_hi = self._x_range()
@@ -141,23 +151,43 @@ class LossChart(Widget):
             0: self.get_component_rich_style("loss-chart--train"),
             1: self.get_component_rich_style("loss-chart--eval"),
         }
+        labels = _y_labels(
+            _unscale(y_lo, self.log_scale), _unscale(y_hi, self.log_scale), canvas.height, y_pixel
+        )
         lines = []
-        labels = _axis_rows(canvas.height)
         for row, cells in enumerate(canvas.rows()):
             line = Text(no_wrap=True)
-            if row in labels:
-                centre = (row * 4 + 1.5) / (canvas.pixel_height - 1)
-                value = _unscale(y_hi - centre * (y_hi - y_lo), self.log_scale)
-                line.append(f"{_fmt_axis(value):>6}┤", axis)
-            else:
-                line.append("      │", axis)
+            line.append(f"{labels[row]:>6}┤" if row in labels else "      │", axis)
             for char, series in cells:
                 line.append(char, styles.get(series, Style()))
             lines.append(line)
-        lines.append(
-            Text(" " * label_width + _x_labels(x_lo, x_hi, canvas.width), axis, no_wrap=True)
-        )
+        marks, names = self._x_axis(x_lo, x_hi, canvas.width)
+        lines.append(Text("      └" + marks, axis, no_wrap=True))
+        lines.append(Text(names, axis, no_wrap=True))
         return Text("\n").join(lines)
+
+    def _x_axis(self, x_lo: int, x_hi: int, width: int) -> tuple[str, str]:
+        """The axis line with a ┴ at round boundaries, and the line of their labels under it.
+
+        Marks and labels go to round numbers spaced 1, 2, 5, 10, 20... rounds apart,
+        as many as fit with room to read them; without H, the same for steps.
+        """
+        unit = self._inner_steps or 1
+        first, last = math.ceil(x_lo / unit), x_hi // unit
+        stride = max(1, round(_nice_stride(max(last - first, 1), max(width // 7, 1))))
+        ticks = [n for n in range(first, last + 1) if n % stride == 0] or [first]
+        marks, names = ["─"] * width, [" "] * width
+        for number in ticks:
+            column = _x_pixel(number * unit, x_lo, x_hi, width * 2) // 2
+            text = str(number)
+            start = min(max(column - len(text) // 2, 0), width - len(text))
+            if 0 <= column < width and all(
+                c == " " for c in names[max(start - 1, 0) : start + len(text) + 1]
+            ):
+                marks[column] = "┴"
+                names[start : start + len(text)] = text
+        caption = " round " if self._inner_steps else "  step "
+        return "".join(marks), caption + "".join(names)
 
     def _x_range(self) -> tuple[int, int]:
         steps = [s for s, _ in self._train[:1] + self._train[-1:]] + [s for s, _ in self._evals]
@@ -166,22 +196,29 @@ class LossChart(Widget):
         return x_lo, max(x_hi, x_lo + 1)
 
 
-def _axis_rows(height: int) -> set[int]:
-    """Rows that get a y label: about one in three, always the top and the bottom."""
-    count = max(2, min((height + 2) // 3, 8))
-    return {round(i * (height - 1) / (count - 1)) for i in range(count)}
+def _nice_stride(span: float, count: int) -> float:
+    """The 1, 2 or 5 x 10^k step that cuts `span` into at most about `count` parts."""
+    raw = span / max(count, 1)
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    for factor in (1, 2, 5, 10):
+        if factor * power >= raw:
+            return factor * power
+    return 10 * power
 
 
-def _x_labels(x_lo: int, x_hi: int, width: int) -> str:
-    """Step numbers under the plot, about every 16 columns, the last one flush right."""
-    line = [" "] * width
-    ticks = max(2, width // 16)
-    for i in range(ticks):
-        text = str(round(x_lo + i * (x_hi - x_lo) / (ticks - 1)))
-        start = min(round(i * (width - 1) / (ticks - 1)), width - len(text))
-        if all(c == " " for c in line[max(start - 1, 0) : start + len(text)]):
-            line[start : start + len(text)] = text
-    return "".join(line)
+def _y_labels(low: float, high: float, rows: int, y_pixel) -> dict[int, str]:
+    """Row -> label for round values (…, 2.5, 3, 3.5, …) between `low` and `high`, one row apart at least."""
+    step = _nice_stride(high - low, max(rows // 2, 4))
+    gap = {-1, 0, 1} if rows >= 6 else {0}  # a short chart labels neighbouring rows too
+    decimals = max(0, -math.floor(math.log10(step))) if step < 1 else 0
+    labels: dict[int, str] = {}
+    value = math.ceil(low / step) * step
+    while value <= high:
+        row = y_pixel(value) // 4
+        if 0 <= row < rows and not {row + d for d in gap} & labels.keys():
+            labels[row] = _fmt_axis(value, decimals)
+        value += step
+    return labels
 
 
 def _x_pixel(step: int, x_lo: int, x_hi: int, pixels: int) -> int:
@@ -216,5 +253,5 @@ def _y_range(values: Sequence[float], log: bool) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
-def _fmt_axis(value: float) -> str:
-    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+def _fmt_axis(value: float, decimals: int) -> str:
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.{min(decimals, 4)}f}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable, Sequence
 
@@ -87,8 +88,9 @@ class RunHeader(Static):
         eta = None if state.finished_at is not None else state.eta_seconds()
         head = f"round {state.round}/{state.rounds_total} "
         times = f" elapsed {duration(elapsed)}  ETA {duration(eta)}"
+        wanted = state.settings.get("workers") or len(state.workers)
         traffic = (
-            f"  workers {len(state.active_workers())}/{len(state.workers)}"
+            f"  workers {len(state.active_workers())}/{wanted}"  # connected / wanted
             f"  ↑{human_bytes(state.bytes_sent)} ↓{human_bytes(state.bytes_received)}"
         )
         bar = max(6, min(24, width - len(head) - len(times) - len(traffic)))
@@ -148,6 +150,9 @@ class RoundTiming(Static):
     Then `util` (the contributors' compute / their wall time), throughput, bytes,
     and how many times fewer bytes than synchronous data parallelism (DP).
 
+    Under them, one sparkline per round for throughput, utilization and round
+    time: how the run has been going, not only its last round.
+
     Rows are in order of importance: a short panel (80x24) cuts the bottom ones.
     """
 
@@ -199,15 +204,19 @@ class RoundTiming(Static):
             )
         _add_totals(grid, history)
         room = max((self.content_size.width or 30) - 7, 1)
-        spark = _sparkline([r.round_seconds for r in history[-room:]])
-        self.update(
-            Group(
-                grid,
-                Text.assemble(
-                    ("rounds ", style("round-timing--dim")), (spark, style("round-timing--compute"))
-                ),
+        recent = history[-room:]
+        trends = [
+            Text.assemble(
+                (f"{label:<7}", style("round-timing--dim")),
+                (_sparkline([getattr(r, field) for r in recent]), style(f"round-timing--{part}")),
             )
-        )
+            for label, field, part in (
+                ("tok/s", "tokens_per_second", "compute"),
+                ("util", "utilization", "compute"),
+                ("time", "round_seconds", "comm"),
+            )
+        ]
+        self.update(Group(grid, *trends))
 
 
 def _add_totals(grid: Table, history: Sequence[RoundRecord]) -> None:
@@ -250,6 +259,9 @@ def _sparkline(values: Sequence[float]) -> str:
 class EventLog(RichLog):
     """What happened, newest at the bottom; appended incrementally by the app.
 
+    `set_filter` narrows it to the lines holding a text (the `/` key), redrawn
+    from the events it keeps; new events that match keep arriving.
+
     Long messages wrap under their own text (not under the time), so a lost
     worker's reason is readable at 80 columns.
     """
@@ -279,14 +291,31 @@ class EventLog(RichLog):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(wrap=True, markup=False, max_lines=2_000, min_width=20, **kwargs)
+        self._events: collections.deque[Event] = collections.deque(maxlen=2_000)
+        self.filter_text = ""
+
+    def set_filter(self, text: str) -> None:
+        """Show only the events whose line holds `text` (any case); "" shows them all again."""
+        self.filter_text = text.strip().lower()
+        self.border_subtitle = f"filter: {text.strip()}" if self.filter_text else ""
+        self.clear()
+        self._write(self._events)
 
     def on_resize(self) -> None:
         # Lines written before the first layout are rendered now (by RichLog); show the newest.
         self.call_after_refresh(self.scroll_end, animate=False)
 
     def add_events(self, events: Iterable[Event]) -> None:
+        events = list(events)
+        self._events.extend(events)
+        self._write(events)
+
+    def _write(self, events: Iterable[Event]) -> None:
         style = self.get_component_rich_style
         for event in events:
+            text = _describe(event)
+            if self.filter_text and self.filter_text not in f"{event.kind} {text}".lower():
+                continue
             if event.kind in self._BAD:
                 kind_style = style("event-log--bad")
             elif event.kind in self._GOOD:
@@ -298,7 +327,7 @@ class EventLog(RichLog):
             line.add_column(ratio=1, overflow="fold")
             line.add_row(
                 Text(time.strftime("%H:%M:%S", time.localtime(event.at)), style("event-log--time")),
-                Text(_describe(event), kind_style),
+                Text(text, kind_style),
             )
             self.write(line, expand=True)
 

@@ -12,7 +12,7 @@ from pcp_tui.app.dashboard._format import clip, compact_bytes, compact_count, lo
 from pcp_tui.shepherd.state import WORKER_STATES, WorkerView
 
 # (key, label, right-aligned). Cells carry their own one-space separator (cell padding 0):
-# eleven columns fit 80 terminal columns, and a reason line can run on under them as one text.
+# twelve columns fit 80 terminal columns, and a reason line can run on under them as one text.
 _COLUMNS = (
     ("index", "#", True),
     ("id", "worker", False),
@@ -22,6 +22,7 @@ _COLUMNS = (
     ("step", "step", True),
     ("loss", "loss", True),
     ("tps", "tok/s", True),
+    ("memory", "mem", True),
     ("heard", "heard", True),
     ("bytes", "sent/recv", True),
     ("host", "host", False),
@@ -47,8 +48,8 @@ class WorkerTable(DataTable):
     }
 
     def __init__(self, **kwargs) -> None:
-        # No cursor: rows are not things to pick, and a highlighted row would look selected.
-        super().__init__(cursor_type="none", zebra_stripes=True, cell_padding=0, **kwargs)
+        # A row cursor: Enter on a worker opens its detail view (see WorkerDetail).
+        super().__init__(cursor_type="row", zebra_stripes=True, cell_padding=0, **kwargs)
         self._shown: dict[str, list[str]] = {}  # row key -> each cell's text as shown
         self._shown_with: tuple | None = None
         self._layout: tuple = ()
@@ -82,7 +83,7 @@ class WorkerTable(DataTable):
                 reasons[w.worker_id] = w.reason
         for peer, reason in refused:
             key = f"refused:{peer}"
-            rows[key] = ("", peer, "", "refused", *[""] * 7)
+            rows[key] = ("", peer, "", "refused", *[""] * (len(_COLUMNS) - 4))
             reasons[key] = reason
         room = self.scrollable_content_region.width
         rows = _clip_names(rows, room)
@@ -214,6 +215,7 @@ def _worker_cells(w: WorkerView, now: float) -> tuple[str, ...]:
         step,
         loss_text(w.loss),
         "-" if gone or not w.tokens_per_second else compact_count(w.tokens_per_second),
+        "-" if gone or not w.memory_in_use else compact_bytes(w.memory_in_use),
         "-" if gone else _ago(now - w.last_heard),
         f"{compact_bytes(w.bytes_out)}/{compact_bytes(w.bytes_in)}",
         clip(w.host, 28),

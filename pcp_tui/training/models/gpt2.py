@@ -94,9 +94,13 @@ def init(config: GPTConfig, key: jax.Array) -> Params:
 
 def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias).astype(x.dtype)
+    # x + (-mean), not x - mean: the same numbers (IEEE subtraction is addition of the negation),
+    # but the gradient then sums before it negates. Summed after the negation, IREE fuses the two
+    # into a reduction of `acc - g`, which has no identity value and fails to compile for
+    # metal-spirv and targeted vulkan-spirv ("Failed to get an identity value for the reduction").
+    centered = x32 + -x32.mean(-1, keepdims=True)
+    var = jnp.square(centered).mean(-1, keepdims=True)
+    return (centered * jax.lax.rsqrt(var + 1e-5) * scale + bias).astype(x.dtype)
 
 
 def _attention(config: GPTConfig, p: Params, prefix: str, x: jax.Array) -> jax.Array:

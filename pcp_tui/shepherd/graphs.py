@@ -1,0 +1,121 @@
+"""The run's exported graphs: which export serves which worker, exported when first needed.
+
+One `jax.export` artifact holds lowerings for the platforms it was exported
+for. The run starts with one export for `--platforms` (the shepherd evaluates
+with it too); a worker whose platform is not among them gets a dedicated
+export, made the first time such a worker joins and kept for the next.
+
+IREE workers (any `--backend` with `--runtime iree`: CPUs, Vulkan GPUs, Apple
+GPUs) all get the export for `cpu` alone. IREE compiles the cpu lowering for
+any target: it is plain StableHLO, without GPU custom calls, and a
+single-platform export has no platform-index argument, so the module carries
+no per-platform `case` around every matmul for IREE to compile, and then skip,
+on each call. What cannot be served is refused with a reason naming what
+would work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.backends import SOURCE_PLATFORM
+from pcp_tui.config import RunConfig
+from pcp_tui.training.export import (
+    CUDNN_ATTENTION_CALLS,
+    InnerOptimizer,
+    TrainingGraphs,
+    build_graphs,
+)
+from pcp_tui.training.workload import Workload
+
+Export = Callable[[tuple[str, ...]], TrainingGraphs]
+
+
+class Unservable(Exception):
+    """No export of this run can serve the worker; the message says what would."""
+
+
+class GraphLibrary:
+    """Exports by platform set, made once each; `for_worker` picks (or makes) a worker's."""
+
+    def __init__(self, export: Export, main_platforms: tuple[str, ...], *, cuda_only: str = ""):
+        """`export(platforms)` builds the graphs; `cuda_only` says why, if only CUDA can run them."""
+        self._export = export
+        self.main_platforms = main_platforms
+        self._cuda_only = cuda_only
+        self._made: dict[tuple[str, ...], TrainingGraphs] = {}
+        self._locks: dict[tuple[str, ...], trio.Lock] = {}
+        self.main: TrainingGraphs | None = None
+
+    @classmethod
+    def for_run(cls, config: RunConfig, workload: Workload, inner: InnerOptimizer) -> GraphLibrary:
+        """The graphs of `workload` trained with `inner` as `config` says (chunk, attention)."""
+        cudnn = config.model.attention == "cudnn"
+
+        def export(platforms: tuple[str, ...]) -> TrainingGraphs:
+            return build_graphs(
+                workload.loss_fn,
+                workload.params,  # for shapes only
+                workload.batch_spec,
+                inner=inner,
+                chunk_steps=config.inner.chunk,
+                eval_batches=workload.eval_batch_count,
+                platforms=platforms,
+                custom_calls=CUDNN_ATTENTION_CALLS if cudnn else (),
+            )
+
+        # cuDNN attention exists only on CUDA, and its kernels are custom calls
+        return cls(
+            export,
+            ("cuda",) if cudnn else tuple(config.model.platforms),
+            cuda_only="this run uses --attention cudnn" if cudnn else "",
+        )
+
+    def export_main(self) -> TrainingGraphs:
+        """The run's first export, for `main_platforms` (blocking: call it in a thread)."""
+        self.main = self._made[self.main_platforms] = self._export(self.main_platforms)
+        return self.main
+
+    def platforms_for(
+        self, platform: protocol.Platform, runtime: protocol.Runtime
+    ) -> tuple[str, ...]:
+        """The export a worker on `platform` with `runtime` runs; Unservable if there is none."""
+        if runtime == protocol.Runtime.IREE:
+            if self._cuda_only:
+                raise Unservable(
+                    f"{self._cuda_only}, which IREE workers cannot run; join with "
+                    "--runtime xla --backend cuda, or restart the shepherd without it"
+                )
+            if self.main is not None and self.main.platforms == (SOURCE_PLATFORM,):
+                return self.main.platforms
+            return (SOURCE_PLATFORM,)
+        if self.main is not None and platform.value in self.main.platforms:
+            return self.main.platforms
+        if platform == protocol.Platform.VULKAN:
+            raise Unservable(
+                "JAX has no Vulkan platform; join with --runtime iree --backend vulkan"
+            )
+        if self._cuda_only:
+            raise Unservable(f"{self._cuda_only}; join with --backend cuda")
+        return (platform.value,)
+
+    async def for_worker(
+        self, platform: protocol.Platform, runtime: protocol.Runtime
+    ) -> TrainingGraphs:
+        """The graphs to put in this worker's plan, exporting them first if no one needed them yet."""
+        platforms = self.platforms_for(platform, runtime)
+        lock = self._locks.setdefault(platforms, trio.Lock())
+        async with lock:  # workers of one new platform joining together wait for one export
+            if platforms not in self._made:
+                try:
+                    self._made[platforms] = await trio.to_thread.run_sync(self._export, platforms)
+                except Exception as exc:  # jax raises many types for a platform it cannot lower
+                    raise Unservable(
+                        f"this shepherd cannot export the graphs for {platform.value} ({exc}); "
+                        f"join with --runtime iree --backend {platform.value}, or "
+                        f"--backend {' or '.join(self.main.platforms if self.main else ('cpu',))}"
+                    ) from None
+        return self._made[platforms]

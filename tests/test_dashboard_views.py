@@ -1,0 +1,78 @@
+"""The dashboard's views for a person who leaves it open: worker detail, event filter, small terminals."""
+
+from __future__ import annotations
+
+from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
+from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory, sparkline
+
+from .test_dashboard import panel_lines, run_async, wait_until
+from .test_dashboard_snapshots import _app, fake_state
+
+
+@run_async
+async def test_enter_on_a_worker_opens_its_detail_with_statistics_and_history():
+    state = fake_state()
+    app = _app(state)
+    async with app.run_test(size=(120, 40)) as pilot:
+        gpu = state.workers["gpu-a-1"]
+        for step, loss in ((7, 2.40), (8, 2.35), (9, 2.30)):  # three ticks of progress
+            gpu.step, gpu.loss, gpu.tokens_per_second = step, loss, 50_000.0 + step
+            app.refresh_from_state()
+        assert list(app.worker_history["gpu-a-1"].loss) == [2.4121, 2.40, 2.35, 2.30]
+        app.query_one(WorkerTable).focus()
+        await pilot.press("enter")  # the cursor starts on the first row: worker 0
+        await pilot.pause()
+        assert isinstance(app.screen, WorkerDetail)
+        text = "\n".join(panel_lines(app.screen.query_one("#worker-detail-body")))
+        for shown in ("0 / gpu-a-1", "runtime xla", "61 GB in use, peak 72 GB of 80 GB"):
+            assert shown in text, shown
+        assert "97%" in text and "36 steps" in text
+        assert sparkline([2.4121, 2.40, 2.35, 2.30], 10) in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, WorkerDetail)
+
+
+def test_history_samples_only_new_training_steps():
+    history = WorkerHistory()
+    view = fake_state().workers["gpu-a-1"]
+    history.sample(view)
+    history.sample(view)  # the same step again: not a new sample
+    view.state = "syncing"
+    view.step += 1
+    history.sample(view)  # not training: nothing
+    assert list(history.loss) == [view.loss]
+    assert sparkline([1, 2, 3, 4], 3) == "▁▅█" and sparkline([], 5) == "-"
+
+
+@run_async
+async def test_slash_filters_the_event_log_and_escape_clears_it():
+    app = _app(fake_state())
+    async with app.run_test(size=(100, 40)) as pilot:
+        log = app.query_one(EventLog)
+        everything = len(log.lines)
+        await pilot.press("slash", *"lost")
+        await pilot.pause()
+        shown = "\n".join(panel_lines(log))
+        assert "worker 2 lost" in shown and "joined" not in shown
+        assert log.border_subtitle == "filter: lost"
+        await pilot.press("enter", "escape")
+        await pilot.pause()
+        assert len(log.lines) == everything and log.filter_text == ""
+
+
+@run_async
+async def test_small_terminals_drop_panels_instead_of_squeezing_the_chart():
+    app = _app(fake_state())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert app.query_one(RoundTiming).display and app.query_one(EventLog).display
+        assert app.query_one(LossChart).size.width >= 40
+        assert "workers 3/4" in "\n".join(panel_lines(app.query_one(RunHeader)))  # connected/wanted
+        await pilot.resize_terminal(60, 15)
+        await wait_until(pilot, lambda: not app.query_one(RoundTiming).display)  # next tick
+        assert not app.query_one(EventLog).display
+        assert app.query_one(LossChart).outer_size.width == 60  # the whole width, not 17 columns
+        chart = "\n".join(panel_lines(app.query_one(LossChart)))
+        assert "round" in chart and "┴" in chart  # round marks on a labelled axis
+        await pilot.resize_terminal(60, 12)
+        await wait_until(pilot, lambda: not app.query_one(WorkerTable).display)
