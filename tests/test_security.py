@@ -149,7 +149,7 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
     mismatch = answers["v2"].body
     assert mismatch.code == "versionMismatch"
     assert (
-        "speaks protocol version 4, this worker speaks 5; upgrade pcp-tui on this shepherd"
+        "speaks protocol version 2, 3, 4, this worker speaks 5; upgrade pcp-tui on this shepherd"
         in mismatch.message
     )
 

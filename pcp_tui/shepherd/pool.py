@@ -305,6 +305,11 @@ class WorkerPool:
         )
 
         def check(body: protocol.Body, specs, frame_bytes: int) -> None:
+            if isinstance(body, protocol.RoundResult) and self.fragments:
+                raise protocol.MalformedMessage(
+                    "a roundResult in a Streaming DiLoCo run: this worker ignores the plan's "
+                    "fragments (it predates protocol 4); upgrade pcp-tui on it"
+                )
             if isinstance(body, protocol.RoundResult):
                 problem = contract.result_header_problem(shapes, specs)
                 if problem is not None:
