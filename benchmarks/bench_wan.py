@@ -28,15 +28,23 @@ from pathlib import Path
 from pcp_tui.testing import WorkerProcesses, free_port, shepherd_command, worker_env
 
 
-def run_link(link: str, args: argparse.Namespace, workdir: Path) -> dict:
-    """One run over `link` ('loopback' or 'BANDWIDTH/RTT'); its mean round numbers."""
-    port, metrics = free_port(), workdir / f"{link.replace('/', '_')}.jsonl"
+def run_link(
+    link: str, args: argparse.Namespace, workdir: Path, extra: tuple[str, ...] = (), label: str = ""
+) -> dict:
+    """One run over `link` ('loopback' or 'BANDWIDTH/RTT'); its mean round numbers.
+
+    `extra`: more shepherd options (benchmarks/bench_streaming.py passes
+    --streaming-fragments and friends); `label` names the run's metrics file.
+    """
+    name = f"{link}{label}".replace("/", "_")
+    port, metrics = free_port(), workdir / f"{name}.jsonl"
     shepherd = subprocess.Popen(
         shepherd_command(
             port,
             *("--model", args.model, "--workers", str(args.workers), "--rounds", str(args.rounds)),
             *("--inner-steps", str(args.inner_steps), "--batch-size", "16", "--seq-len", "128"),
             *("--metrics", str(metrics)),
+            *extra,
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -67,9 +75,11 @@ def run_link(link: str, args: argparse.Namespace, workdir: Path) -> dict:
             for process in (shepherd, emulator):
                 if process is not None and process.poll() is None:
                     process.kill()
-    rounds = [json.loads(line) for line in metrics.read_text().splitlines()]
-    rounds = [r for r in rounds if r["event"] == "round" and r["round"] > 1]
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rounds = [r for r in events if r["event"] == "round" and r["round"] > 1]
     return {
+        "final_eval_loss": [r for r in events if r["event"] == "round"][-1]["eval_loss"],
+        "largest_result_bytes": max(r.get("largest_result_bytes", 0) for r in rounds),
         "link": link,
         "round_seconds": statistics.mean(r["round_seconds"] for r in rounds),
         "compute_seconds": statistics.mean(r["compute_seconds"] for r in rounds),

@@ -40,6 +40,8 @@ from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepa
 # 2: typed messages, enums for phase / batch kind / platform
 # 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
 #    version-2 peer's messages still read, with those fields at their defaults)
+# 4: Streaming DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued
+#    roundStart (a plain run's messages are as in 3, so older peers still join plain runs)
 PROTOCOL_VERSION = 3
 SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3)
 _SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
@@ -368,6 +370,11 @@ class MessageStream:
         if self.observer is not None:
             self.observer("received", message)
         return message
+
+    @property
+    def sending(self) -> bool:
+        """Whether a message is being written now (e.g. a long upload)."""
+        return self._send_lock.locked()
 
     @property
     def last_activity(self) -> float:

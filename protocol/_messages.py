@@ -217,6 +217,13 @@ class Sharding:
 
 
 @dataclass(frozen=True)
+class Fragment:
+    """Streaming DiLoCo: the tensors of one fragment, synced together."""
+
+    tensors: tuple[str, ...] = _items("max_tensors", chars=TENSOR_NAME_CHARS)
+
+
+@dataclass(frozen=True)
 class Plan(Body):
     """shepherd -> worker: everything a worker needs to train, no model code.
 
@@ -244,6 +251,9 @@ class Plan(Body):
     data_tensors: tuple[str, ...] = _items(64, chars=TENSOR_NAME_CHARS)
     tokens_per_row: int = 0
     sharding: Sharding = field(default_factory=Sharding)
+    fragments: tuple[Fragment, ...] = _items("max_tensors")  # empty: plain DiLoCo
+    overlap_steps: int = 0
+    mix_alpha: float = _finite(0.0)
 
 
 @dataclass(frozen=True)
@@ -262,6 +272,7 @@ class RoundStart(Body):
     KIND: ClassVar[str] = "roundStart"
     round: int = 0
     inner_steps: int = 0
+    continued: bool = False  # streaming: no tensors; go on from the worker's own parameters
 
 
 @dataclass(frozen=True)
@@ -308,6 +319,34 @@ class RoundResult(Body):
     losses: tuple[float, ...] = _items("max_losses")
     compute_seconds: float = _finite()
     inner_steps: int = 0
+
+
+@dataclass(frozen=True)
+class FragmentResult(Body):
+    """Streaming, worker -> shepherd: one fragment's pseudo-gradient rides as tensors.
+
+    `tokens` is what the pseudo-gradient trained on (its weight in the mean);
+    `losses`, `compute_seconds` and `inner_steps` cover the steps since the
+    worker's previous fragmentResult, so a run's results count each step once.
+    """
+
+    KIND: ClassVar[str] = "fragmentResult"
+    round: int = 0
+    fragment: int = 0
+    tokens: int = 0
+    losses: tuple[float, ...] = _items("max_losses")
+    compute_seconds: float = _finite()
+    inner_steps: int = 0
+
+
+@dataclass(frozen=True)
+class FragmentUpdate(Body):
+    """Streaming, shepherd -> worker: one fragment's new global value rides as tensors."""
+
+    KIND: ClassVar[str] = "fragmentUpdate"
+    round: int = 0
+    fragment: int = 0
+    change: bool = False  # tensors: the change since the fragment's last global value
 
 
 @dataclass(frozen=True)
@@ -416,6 +455,8 @@ def _read_value(hint, raw, meta, limits, where: str):
         if len(data) > meta["bytes"]:
             raise MalformedMessage(f"{where} is {len(data)} bytes; the limit is {meta['bytes']}")
         return data
+    if hint is bool:
+        return bool(raw)
     if hint is float:
         number = float(raw)
         if meta.get("finite") and not math.isfinite(number):
@@ -448,5 +489,7 @@ BODY_TYPES: dict[str, type] = {
         Heartbeat,
         Error,
         Goodbye,
+        FragmentResult,
+        FragmentUpdate,
     )
 }

@@ -20,6 +20,8 @@ struct Envelope {
     heartbeat @10 :Heartbeat;
     error @11 :Error;
     goodbye @12 :Goodbye;
+    fragmentResult @13 :FragmentResult;
+    fragmentUpdate @14 :FragmentUpdate;
   }
 }
 
@@ -139,6 +141,14 @@ struct Plan {
   dataTensors @15 :List(Text); # rows only: tensors [N, ...] sampled by row, in the graph's batch order
   tokensPerRow @16 :UInt32;    # tokens one batch row counts for: seqLen for windows, 1 for rows
   sharding @17 :Sharding;      # how a worker with several devices places the parameters
+  fragments @18 :List(Fragment);  # Streaming DiLoCo: empty for plain DiLoCo
+  overlapSteps @19 :UInt32;    # streaming: inner steps between a fragment's send and its merge
+  mixAlpha @20 :Float64;       # streaming: a merge keeps mixAlpha of the local fragment
+}
+
+# Streaming DiLoCo: the tensors of one fragment, synced together (a partition of paramNames).
+struct Fragment {
+  tensors @0 :List(Text);
 }
 
 # How a worker with several local devices (one JAX mesh axis) places parameters and optimizer
@@ -173,6 +183,7 @@ struct Ready {
 struct RoundStart {
   round @0 :UInt32;
   innerSteps @1 :UInt32;
+  continued @2 :Bool;          # streaming: no tensors; go on from the worker's own parameters
 }
 
 struct Progress {
@@ -202,6 +213,24 @@ struct RoundResult {
   losses @2 :List(Float32);    # one per inner step
   computeSeconds @3 :Float64;
   innerSteps @4 :UInt32;
+}
+
+# Streaming, worker -> shepherd at a fragment's send point; the fragment's
+# pseudo-gradient (its global value at its last sync - local) rides as tensors.
+struct FragmentResult {
+  round @0 :UInt32;
+  fragment @1 :UInt32;         # index into the plan's fragments
+  tokens @2 :UInt64;           # tokens the pseudo-gradient trained on (its weight)
+  losses @3 :List(Float32);    # one per inner step since the previous fragmentResult
+  computeSeconds @4 :Float64;  # spent on those steps
+  innerSteps @5 :UInt32;       # those steps
+}
+
+# Streaming, shepherd -> worker: a fragment's new global value rides as tensors.
+struct FragmentUpdate {
+  round @0 :UInt32;
+  fragment @1 :UInt32;
+  change @2 :Bool;             # tensors are the change since the fragment's last global value
 }
 
 struct Heartbeat {

@@ -41,7 +41,7 @@ def _other_value(spec):
         return next(c for c in spec.option.choices if c != spec.default)
     if spec.type is str:
         return "X_VALUE"  # a name, so --api-token-env takes it too
-    if spec.option.below is not None:  # --outer-momentum in [0, 1)
+    if spec.option.below is not None or spec.option.at_most == 1:  # in [0, 1) or [0, 1]
         return spec.default / 2
     return spec.default + 2 if spec.type is int else spec.default + 2.5
 
@@ -56,6 +56,8 @@ def test_every_run_option_has_its_flag_in_its_section_group_and_lands_in_its_fie
         assert spec.flat in groups[spec.section], (spec.flag, spec.section)
         value = _other_value(spec)
         args = ["shepherd", spec.flag, str(value)]
+        if spec.type is bool:  # a switch: the flag alone sets it
+            value, args = True, ["shepherd", spec.flag]
         if spec.flat == "attention":
             args += ["--compute-dtype", "bfloat16"]  # cudnn needs it
         if spec.flat in ("tls_cert", "tls_key"):
@@ -64,6 +66,8 @@ def test_every_run_option_has_its_flag_in_its_section_group_and_lands_in_its_fie
             args += ["--heartbeat-timeout", "100"]
         if spec.flat == "min_workers":
             args += ["--workers", "9"]
+        if spec.flat == "streaming_fragments":  # H a multiple of F, τ below H / F
+            args += ["--inner-steps", str(20 * value)]
         config = _config_from(parser.parse_args(args))
         assert getattr(getattr(config, spec.section), spec.name) == value, spec.flag
     assert FLAT_PATHS["inner_steps"] == "inner.steps" and len(FLAT_PATHS) == len(specs(RunConfig))

@@ -76,6 +76,12 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
             compression=protocol.Quantization.INT8_BLOCK,
             batch_kind=protocol.BatchKind.WINDOWS,
             tokens_per_row=128,
+            fragments=(
+                protocol.Fragment(tuple(PARAMS)[:1]),
+                protocol.Fragment(tuple(PARAMS)[1:]),
+            ),
+            overlap_steps=5,
+            mix_alpha=0.5,
         ),
         {
             "graph.tc": np.frombuffer(b"stablehlo-bytes", np.uint8),
@@ -83,7 +89,7 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
         },
     ),
     "ready": (protocol.Ready(compile_seconds=12.25, platform=protocol.Platform.CPU), {}),
-    "roundStart": (protocol.RoundStart(round=3, inner_steps=50), PARAMS),
+    "roundStart": (protocol.RoundStart(round=3, inner_steps=50, continued=False), PARAMS),
     "progress": (
         protocol.Progress(
             round=3,
@@ -112,6 +118,21 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
     "heartbeat": (protocol.Heartbeat(sent_at=1700000000.25), {}),
     "error": (protocol.Error(protocol.ErrorCode.BAD_RESULT, "pseudo-gradient has NaN"), {}),
     "goodbye": (protocol.Goodbye("training finished"), {}),
+    "fragmentResult": (
+        protocol.FragmentResult(
+            round=3,
+            fragment=1,
+            tokens=51200,
+            losses=(4.0, 3.75),
+            compute_seconds=2.5,
+            inner_steps=2,
+        ),
+        {name: -value for name, value in list(PARAMS.items())[1:]},
+    ),
+    "fragmentUpdate": (
+        protocol.FragmentUpdate(round=3, fragment=1, change=True),
+        dict(list(PARAMS.items())[1:]),
+    ),
 }
 
 
@@ -511,12 +532,12 @@ def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
 def test_version_mismatch_over_a_stream_names_both_sides():
     async def main():
         left, right = trio.testing.memory_stream_pair()
-        hello = protocol.Hello(supported_versions=(4, 5))
+        hello = protocol.Hello(supported_versions=(5, 6))
         for buffer in protocol.encode(hello, version=4):
             await left.send_all(buffer)
         with pytest.raises(protocol.VersionMismatch) as caught:
             await protocol.MessageStream(right).receive()
-        assert caught.value.peer_versions == (4, 5)
+        assert caught.value.peer_versions == (5, 6)
         assert caught.value.supported == protocol.SUPPORTED_VERSIONS
         assert caught.value.code == "versionMismatch"
         assert "upgrade pcp-tui on the older side" in str(caught.value)
@@ -776,7 +797,7 @@ def test_wrong_version_wins_over_an_unknown_kind():
     frame[18] = 200
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(bytes(frame))
-    assert caught.value.peer_versions == (4,)
+    assert caught.value.peer_versions == (5,)
 
 
 def test_concurrent_receives_are_refused():

@@ -151,8 +151,8 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
     mismatch = answers["v2"].body
     assert mismatch.code == "versionMismatch"
     assert (
-        "speaks protocol versions 2 and 3, this worker speaks version 4; upgrade pcp-tui on this "
-        "shepherd" in mismatch.message
+        "speaks protocol versions 2 and 3, this worker speaks version 4; upgrade pcp-tui on "
+        "this shepherd" in mismatch.message
     )
 
     honest = spawn_worker(shepherd.port, token="s3cret")

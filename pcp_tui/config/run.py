@@ -94,14 +94,69 @@ class InnerConfig:
     grad_clip: float = option(
         1.0, at_least=0, help="inner gradient clipping by global norm (0: off)"
     )
+    # Streaming DiLoCo (pcp_tui/diloco/streaming.py): how the inner loop syncs in fragments
+    streaming_fragments: int = option(
+        1,
+        flat="streaming_fragments",
+        at_least=1,
+        help="Streaming DiLoCo: F fragments of whole tensors, each synced once a round on a "
+        "staggered schedule (1: plain DiLoCo)",
+    )
+    overlap_steps: int = option(
+        1,
+        flat="overlap_steps",
+        at_least=0,
+        help="Streaming DiLoCo: τ inner steps a fragment's exchange overlaps with training "
+        "before it merges",
+    )
+    mix_alpha: float = option(
+        0.5,
+        flat="mix_alpha",
+        at_least=0,
+        at_most=1,
+        help="Streaming DiLoCo: a merge keeps α of the local fragment and takes 1 − α of the "
+        "new global one",
+    )
+    # workers of different speeds (pcp_tui/shepherd/pacing.py)
+    adaptive_steps: bool = option(
+        False,
+        flat="adaptive_steps",
+        help="size each worker's round to its measured speed (the fastest trains H), so a "
+        "round does not wait for the slowest; results count by tokens (plain DiLoCo only)",
+    )
+
+    @property
+    def streaming(self) -> bool:
+        """Whether rounds sync the model in fragments (Streaming DiLoCo), not all at once."""
+        return self.streaming_fragments > 1
 
     @property
     def chunk(self) -> int:
-        """Inner steps per compiled call: the largest divisor of H not above chunk_steps."""
+        """Inner steps per compiled call: the largest divisor of H not above chunk_steps.
+
+        Streaming also needs every send and merge point between two chunks: k then
+        divides H / F and τ as well (τ = 1 means chunks of one step).
+        """
         k = min(self.chunk_steps, self.steps)
-        while self.steps % k:
+        share = self.steps // self.streaming_fragments or 1
+        steps = (self.steps, share, self.overlap_steps) if self.streaming else (self.steps,)
+        while k > 1 and any(n % k for n in steps if n):
             k -= 1
-        return k
+        return max(k, 1)
+
+    def check(self) -> None:
+        from pcp_tui.diloco.streaming import schedule_problem  # numpy only
+
+        problem = schedule_problem(
+            self.steps, self.streaming_fragments, self.overlap_steps, self.chunk
+        )
+        if problem is not None:
+            raise ConfigError(problem)
+        if self.adaptive_steps and self.streaming:
+            raise ConfigError(
+                "--adaptive-steps works with plain DiLoCo only (a streaming round's fragment "
+                "schedule assumes every worker trains H steps); drop one of the two"
+            )
 
 
 @dataclass(frozen=True)

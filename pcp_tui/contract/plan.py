@@ -19,8 +19,9 @@ import enum
 from collections.abc import Mapping, Sequence
 
 from pcp_tui import protocol
+from pcp_tui.diloco import streaming
 
-SMALL_MESSAGE_BYTES = 64 * 1024  # every kind but roundResult, after admission
+SMALL_MESSAGE_BYTES = 64 * 1024  # every kind but roundResult and fragmentResult, after admission
 _HEADER_BYTES_PER_TENSOR = 512  # a tensor header on the wire, name included, generously
 RESULT_DTYPE = "float32"
 
@@ -56,7 +57,28 @@ def plan_problem(plan: protocol.Plan, tensors: Mapping[str, object]) -> str | No
             f"a {plan.batch_kind.value} plan counts {tokens_per_row(plan.batch_kind, plan.seq_len)} "
             f"tokens per row, this one says {plan.tokens_per_row}"
         )
-    return None
+    return streaming_problem(plan)
+
+
+def fragments(plan: protocol.Plan) -> streaming.Fragments:
+    """The plan's fragments as tuples of tensor names; () for plain DiLoCo."""
+    return tuple(tuple(fragment.tensors) for fragment in plan.fragments)
+
+
+def streaming_problem(plan: protocol.Plan) -> str | None:
+    """Why the plan's Streaming DiLoCo fields cannot be trained on, or None (also for none)."""
+    if not plan.fragments:
+        return None
+    if len(plan.fragments) < 2:
+        return "a streaming plan needs at least 2 fragments (plain DiLoCo sends none)"
+    problem = streaming.partition_problem(fragments(plan), plan.param_names)
+    if problem is None:
+        problem = streaming.schedule_problem(
+            plan.inner_steps, len(plan.fragments), plan.overlap_steps, plan.chunk_steps
+        )
+    if problem is None and not 0 <= plan.mix_alpha <= 1:
+        problem = f"its mix alpha {plan.mix_alpha} is not in [0, 1]"
+    return None if problem is None else f"the plan's fragments cannot run: {problem}"
 
 
 def result_frame_bytes(param_names: Sequence[str], inner_steps: int) -> int:
@@ -82,6 +104,19 @@ def result_header_problem(
     return None
 
 
+def fragment_header_problem(
+    shapes: Mapping[str, tuple[int, ...]],
+    fragments: Sequence[Sequence[str]],
+    body: protocol.FragmentResult,
+    specs: Sequence[protocol.TensorSpec],
+) -> str | None:
+    """Why a fragment result's headers are not exactly its fragment's parameters, or None."""
+    if body.fragment >= len(fragments):
+        return f"fragment {body.fragment} does not exist; the plan has {len(fragments)}"
+    names = fragments[body.fragment]
+    return result_header_problem({n: shapes[n] for n in names}, specs)
+
+
 class Stage(enum.Enum):
     """Where an admitted connection is, as the receiving side sees it."""
 
@@ -96,6 +131,7 @@ RECEIVES: dict[str, dict[str, frozenset[Stage]]] = {
         "ready": frozenset({Stage.PLANNED}),
         "progress": frozenset({Stage.READY}),
         "roundResult": frozenset({Stage.READY}),
+        "fragmentResult": frozenset({Stage.READY}),
         "heartbeat": _ALWAYS,
         "error": _ALWAYS,
         "goodbye": _ALWAYS,
@@ -103,6 +139,7 @@ RECEIVES: dict[str, dict[str, frozenset[Stage]]] = {
     "worker": {
         "plan": frozenset({Stage.PLANNED}),
         "roundStart": frozenset({Stage.READY}),
+        "fragmentUpdate": frozenset({Stage.READY}),
         "heartbeat": _ALWAYS,
         "error": _ALWAYS,
         "goodbye": _ALWAYS,

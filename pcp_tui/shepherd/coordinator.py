@@ -34,8 +34,10 @@ from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
+from pcp_tui.shepherd.fragments import FragmentSync
 from pcp_tui.shepherd.graphs import GraphLibrary
 from pcp_tui.shepherd.ledger import ShardLedger
+from pcp_tui.shepherd.pacing import StepPacing
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.rounds import Round
 from pcp_tui.shepherd.state import RoundRecord, RunState
@@ -111,6 +113,13 @@ class Shepherd:
             stopping=lambda: self._stop_reason is not None,
         )
         self.library = GraphLibrary.for_run(self.config, workload, self._inner_optimizer())
+        self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
+        inner = config.inner
+        self.pacing = StepPacing(inner.steps, inner.chunk) if inner.adaptive_steps else None
+        if inner.streaming:
+            self.fragment_sync = FragmentSync(config, self._shapes, self._screen.max_tokens)
+            self.outer = self.fragment_sync.outer  # per-fragment optax states, one checkpoint
+            self.pool.fragments = self.fragment_sync.fragments
         if config.checkpoints.resume:
             self._resume(config.checkpoints.resume)
         self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
@@ -361,6 +370,11 @@ class Shepherd:
 
     async def _run_round(self, number: int) -> RoundRecord | None:
         cfg = self.config
+        if self.fragment_sync is not None:  # Streaming DiLoCo: shepherd/fragments.py
+            current = await self.fragment_sync.run_round(self, number)
+            if current is None:
+                return None
+            return self._record(current, await self._round_eval(number))
         links = self.pool.ready_links()
         self._screen.bound = await trio.to_thread.run_sync(self._update_bound)
         if isinstance(self._mean, CenteredClip):  # warm-up and decay move its radius
@@ -376,16 +390,21 @@ class Shepherd:
         self.pool.round = current
         self.state.round = number
         tensors = {name: self.params[name] for name in self.graphs.param_names}
-        body = protocol.RoundStart(round=number, inner_steps=cfg.inner.steps)
+        steps = self.pacing.steps_for(current.participants) if self.pacing else {}
         async with trio.open_nursery() as nursery:
             for link in links:
                 link.view.state, link.view.round, link.view.step = "syncing", number, 0
+                body = protocol.RoundStart(
+                    round=number, inner_steps=steps.get(link.worker_id, cfg.inner.steps)
+                )
                 nursery.start_soon(self._send_round_start, link, body, tensors, current)
         await self._collect(current)
         await current.close()  # a result still being folded in finishes first
         self.pool.round = None
         if not current.contributors:
             return None
+        if self.pacing is not None:
+            self.pacing.observe(current)
         mean = current.mean  # the outer step forms the mean from the sums as it goes
         scales = await trio.to_thread.run_sync(mean.finish)
         for worker_id, clip in zip(current.contributors, scales, strict=False):
@@ -400,10 +419,14 @@ class Shepherd:
                 scale=clip,
             )
         await trio.to_thread.run_sync(self.outer.apply, self.params, mean.sums, mean.scale)
-        eval_loss = None
+        return self._record(current, await self._round_eval(number))
+
+    async def _round_eval(self, number: int) -> float | None:
+        """The eval loss after round `number`, on the rounds --eval-every asks for (and the last)."""
+        cfg = self.config
         if number % cfg.evaluation.every == 0 or number == cfg.outer.rounds:
-            eval_loss = await trio.to_thread.run_sync(self.evaluate)
-        return self._record(current, eval_loss)
+            return await trio.to_thread.run_sync(self.evaluate)
+        return None
 
     async def _send_round_start(
         self, link: WorkerLink, body: protocol.RoundStart, tensors: dict, current: Round
@@ -496,6 +519,15 @@ def _settings(config: RunConfig) -> dict:
         "seq_len": config.data.seq_len,
         "compression": config.outer.compression,
         "sharding": config.sharding.mode,  # inside multi-device workers: data | fsdp
+        **(
+            {
+                "streaming_fragments": config.inner.streaming_fragments,
+                "overlap_steps": config.inner.overlap_steps,
+                "mix_alpha": config.inner.mix_alpha,
+            }
+            if config.inner.streaming
+            else {}
+        ),
     }
 
 

@@ -53,6 +53,9 @@ class WorkerPool:
         self.run_id = run_id
         self.graphs: GraphLibrary | None = None  # set once exported, before anyone is served
         self.round: Round | None = None  # the round results are folded into, if one runs
+        # Streaming DiLoCo (shepherd/fragments.py): the partition, and one Round per fragment
+        self.fragments: tuple[tuple[str, ...], ...] = ()
+        self.fragment_rounds: list[Round] = []
         self._stopping = stopping
         self._links: dict[str, WorkerLink] = {}
         self._changed = trio.Event()  # set whenever a worker becomes ready or goes away
@@ -217,8 +220,9 @@ class WorkerPool:
                     "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
                 )
         link.closed = True
-        if self.round is not None and self.round.bound_to(link.worker_id, link):
-            self.round.finish(link.worker_id)  # not a replaced connection's successor
+        for current in [self.round, *self.fragment_rounds]:
+            if current is not None and current.bound_to(link.worker_id, link):
+                current.finish(link.worker_id)  # not a replaced connection's successor
         self.wake()
 
     async def _serve_worker(self, link: WorkerLink) -> None:
@@ -279,6 +283,9 @@ class WorkerPool:
             data_tensors=shipped.data_tensors,
             tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.data.seq_len),
             sharding=cfg.sharding.to_wire(),
+            fragments=tuple(protocol.Fragment(names) for names in self.fragments),
+            overlap_steps=cfg.inner.overlap_steps if self.fragments else 0,
+            mix_alpha=cfg.inner.mix_alpha if self.fragments else 0.0,
         )
         return plan, tensors
 
@@ -298,10 +305,19 @@ class WorkerPool:
         )
 
         def check(body: protocol.Body, specs, frame_bytes: int) -> None:
+            if isinstance(body, protocol.RoundResult) and self.fragments:
+                raise protocol.MalformedMessage(
+                    "a roundResult in a Streaming DiLoCo run: this worker ignores the plan's "
+                    "fragments (it predates protocol 3); upgrade pcp-tui on it"
+                )
             if isinstance(body, protocol.RoundResult):
                 problem = contract.result_header_problem(shapes, specs)
                 if problem is not None:
                     raise contract.ResultRefused(f"round result refused: {problem}")
+            elif isinstance(body, protocol.FragmentResult):
+                problem = contract.fragment_header_problem(shapes, self.fragments, body, specs)
+                if problem is not None:
+                    raise contract.ResultRefused(f"fragment result refused: {problem}")
             elif specs or frame_bytes > contract.SMALL_MESSAGE_BYTES:
                 raise protocol.FrameTooLarge(
                     f"a {body.KIND} may carry no tensors and at most "
@@ -337,7 +353,7 @@ class WorkerPool:
             self.wake()
         elif isinstance(body, protocol.Progress):
             self._on_progress(view, body)
-        elif isinstance(body, protocol.RoundResult):
+        elif isinstance(body, (protocol.RoundResult, protocol.FragmentResult)):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):
             view.reason = body.reason or "said goodbye"
@@ -359,6 +375,8 @@ class WorkerPool:
 
     async def _on_result(self, link: WorkerLink, message: protocol.Message) -> None:
         view, current = link.view, self.round
+        if isinstance(message.body, protocol.FragmentResult):  # the header check bounds the index
+            current = self.fragment_rounds[message.body.fragment] if self.fragment_rounds else None
         number = message.body.round
         try:
             added = (

@@ -78,6 +78,9 @@ class Round:
         self.bytes_saved = 0  # float32 bytes the results would have taken, minus their wire bytes
         self.compute_seconds: dict[str, float] = {}
         self.tokens_by_worker: dict[str, int] = {}
+        self.steps_by_worker: dict[str, int] = {}  # inner steps each result reports
+        self.largest_result = 0  # wire bytes of the largest result folded in
+        self.fragment_results: tuple[int, ...] = ()  # streaming: results per fragment
         self.arrivals: dict[str, float] = {}
         self.contributors: list[str] = []
         self.bytes_at_start = (0, 0)
@@ -117,6 +120,8 @@ class Round:
             self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
         self.tokens += tokens
         self.tokens_by_worker[worker_id] = tokens
+        self.steps_by_worker[worker_id] = message.body.inner_steps
+        self.largest_result = max(self.largest_result, message.wire_bytes)
         self.bytes_saved += max(
             sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0
         )
@@ -192,6 +197,8 @@ class Round:
             bytes_data_parallel=data_parallel_bytes(
                 parameter_count, inner_steps, len(self.contributors)
             ),
+            largest_result_bytes=self.largest_result,
+            fragment_results=self.fragment_results,
         )
 
     def timings(self, total: float) -> tuple[float, float, float]:

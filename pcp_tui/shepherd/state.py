@@ -107,6 +107,10 @@ class RoundRecord:
     worker_utilization: Mapping[str, float] = field(default_factory=dict, hash=False)
     # what synchronous data parallelism would have exchanged for the same tokens (see rounds.py)
     bytes_data_parallel: int = 0
+    # the largest single result on the wire: a worker's peak bytes in flight (streaming: ~1/F)
+    largest_result_bytes: int = 0
+    # Streaming DiLoCo: results folded into each fragment's outer step this round; () when plain
+    fragment_results: tuple[int, ...] = ()
 
     @property
     def bytes_exchanged(self) -> int:
@@ -124,6 +128,7 @@ class RoundRecord:
         data["worker_ids"] = list(self.worker_ids)
         data["worker_utilization"] = dict(self.worker_utilization)
         data["untrained_shards"] = list(self.untrained_shards)
+        data["fragment_results"] = list(self.fragment_results)
         return {"event": "round", **data}
 
 

@@ -55,7 +55,7 @@ class ResultSlot:
 
     async def admit(self, kind: str, nbytes: int) -> None:
         """`before_payload` hook: a round result's payload waits for a free slot."""
-        if kind != "roundResult":
+        if kind not in ("roundResult", "fragmentResult"):
             return
         try:
             with self._link.paused():  # waiting for a slot is neither silence nor slowness

@@ -13,6 +13,8 @@ FAULTS, the registry, names each fault and its parameters (defaults in brackets)
   stall    --round [2] --seconds [10]: sleep SECONDS before training round ROUND
            (the round number the shepherd sends, from 1). Heartbeats go on, so
            only a round timeout or the operator can tell it from a slow machine.
+  slow     --factor [2]: every compiled chunk takes FACTOR times as long (it sleeps
+           the difference): a slower machine, for the adaptive rounds.
   nan      every value of every result it sends is NaN.
   scale    --factor [100] --results [0]: its r-th result is FACTOR·Δ for r < RESULTS,
            honest after (0: every result). The attacks of a token holder that trains
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -81,6 +84,19 @@ def stall(*, round: int, seconds: float) -> None:
     client.Worker._train_round = train_round
 
 
+def slow(*, factor: float) -> None:
+    """Every compiled chunk takes `factor` times as long: a slower machine (it sleeps the rest)."""
+    honest_run_chunk = client._run_chunk
+
+    def run_chunk(*args):
+        started = time.perf_counter()
+        result = honest_run_chunk(*args)
+        time.sleep((factor - 1) * (time.perf_counter() - started))
+        return result
+
+    client._run_chunk = run_chunk
+
+
 def tamper_results(tamper: Tamper) -> None:
     """Pass every tensor of every round result this worker sends through `tamper`."""
     honest_send = Connection.send
@@ -120,6 +136,11 @@ FAULTS: dict[str, Fault] = {
             "seconds": Parameter(10.0, "how long to sleep before training it"),
         },
         stall,
+    ),
+    "slow": Fault(
+        "compute FACTOR times slower than this machine can (a slower machine)",
+        {"factor": Parameter(2.0, "how many times as long each compiled chunk takes")},
+        slow,
     ),
     "nan": Fault("send results whose every value is NaN", {}, poison_with_nan),
     "scale": Fault(

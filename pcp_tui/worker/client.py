@@ -46,6 +46,7 @@ from pcp_tui.training.sharding import LayoutError
 from pcp_tui.worker.mesh import GraphLayouts
 from pcp_tui.worker.reconnect import Reconnect
 from pcp_tui.worker.stats import WorkerCounters
+from pcp_tui.worker.streaming import StreamingRounds
 
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
 MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
@@ -140,6 +141,7 @@ class Worker:
         self._plan: Training | None = None
         self._opt_state = None
         self._compiled: dict[bytes, tuple[Callable, Callable, tuple | None]] = {}
+        self._streaming: StreamingRounds | None = None  # the plan names fragments
 
     async def run(self) -> None:
         """Train until the shepherd says goodbye. Raises Refused on a final refusal.
@@ -321,6 +323,7 @@ class Worker:
             self._compiled = {key: (train.call, init.call, axes)}
             self._opt_state = None
         train_chunk, init_opt_state, axes = self._compiled[key]
+        self._streaming = StreamingRounds(self, plan) if plan.fragments else None
         return Training(plan, shard, train_chunk, init_opt_state, axes)
 
     def _layouts(self, plan: protocol.Plan) -> GraphLayouts | None:
@@ -348,6 +351,12 @@ class Worker:
             body = message.body
             if isinstance(body, protocol.RoundStart):
                 await rounds.send(message)
+            elif isinstance(body, protocol.FragmentUpdate):  # Streaming DiLoCo
+                if self._streaming is None:
+                    raise protocol.MalformedMessage(
+                        "a fragmentUpdate, but the plan has no fragments"
+                    )
+                self._streaming.updates.deliver(message)
             elif isinstance(body, protocol.Goodbye):
                 raise RunOver(body.reason)
             elif isinstance(body, protocol.Error):
@@ -363,15 +372,20 @@ class Worker:
             async for message in rounds:
                 await self._train_round(connection, message)
 
+    async def refuse(self, connection: Connection, reason: str) -> None:
+        """A broken or tampered shepherd: say why and hang up (the receive loop sees it)."""
+        self.status.update(message=f"refused: {reason}")
+        await connection.send(protocol.Error(protocol.ErrorCode.MALFORMED, reason))
+        await connection.stream.aclose()
+
     async def _train_round(self, connection: Connection, message: protocol.Message) -> None:
+        if self._streaming is not None:  # Streaming DiLoCo: worker/streaming.py
+            await self._streaming.train_round(connection, message)
+            return
         training, plan = self._plan, self._plan.plan
         problem = await trio.to_thread.run_sync(self._round_start_problem, message.tensors)
         if problem is not None:
-            # a broken or tampered shepherd: say why and hang up (the receive loop sees it)
-            self.status.update(message=f"refused a roundStart: {problem}")
-            refusal = protocol.Error(protocol.ErrorCode.MALFORMED, f"roundStart refused: {problem}")
-            await connection.send(refusal)
-            await connection.stream.aclose()
+            await self.refuse(connection, f"roundStart refused: {problem}")
             return
         number = message.body.round
         steps = message.body.inner_steps or plan.inner_steps
@@ -415,16 +429,28 @@ class Worker:
         return params, self.backend.keep(host, params)
 
     async def _train_chunks(
-        self, connection: Connection, number: int, steps: int, params: list, started: float
+        self,
+        connection: Connection,
+        number: int,
+        steps: int,
+        params: list,
+        started: float,
+        chunks: range | None = None,
     ) -> tuple[list, list[float]]:
-        """Run the round's inner steps chunk by chunk, reporting progress; (params, losses)."""
+        """Run the round's inner steps chunk by chunk, reporting progress; (params, losses).
+
+        `chunks`: which of the round's chunks (streaming trains a round in parts; then
+        a progress message that would wait behind a fragment upload is skipped).
+        """
         training, plan = self._plan, self._plan.plan
         opt_state = self._opt_state
         self._opt_state = None  # donated to the chunks below; set again when they are done
         losses: list[float] = []
         last_progress = 0.0
-        chunks = max(steps // plan.chunk_steps, 1)
-        for chunk in range(chunks):
+        streaming = chunks is not None
+        chunks = chunks if streaming else range(max(steps // plan.chunk_steps, 1))
+        done_before = chunks.start * plan.chunk_steps
+        for chunk in chunks:
             batches = shards.sample_shard(
                 plan.batch_kind,
                 training.shard,
@@ -434,7 +460,8 @@ class Worker:
                 seed=plan.seed,
                 stream=(self.status.worker_index, number, chunk),  # unique per worker and chunk
             )
-            first_step = (number - 1) * steps + chunk * plan.chunk_steps  # the run's step
+            # the run's step: rounds are H steps apart in the schedule, however many this one has
+            first_step = (number - 1) * plan.inner_steps + chunk * plan.chunk_steps
             params, opt_state, chunk_losses = await trio.to_thread.run_sync(
                 _run_chunk, training.train_chunk, params, opt_state, batches, first_step
             )
@@ -444,15 +471,19 @@ class Worker:
             )
             elapsed = time.perf_counter() - started
             tps = len(losses) * plan.batch_size * plan.tokens_per_row / elapsed
-            self.status.update(step=len(losses), loss=losses[-1], tokens_per_second=tps)
+            self.status.update(
+                step=done_before + len(losses), loss=losses[-1], tokens_per_second=tps
+            )
             now = time.monotonic()
             if not math.isfinite(losses[-1]):
                 continue  # a diverged loss is for the round result (the shepherd refuses it)
-            if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks - 1:
+            if streaming and connection.stream.sending:
+                continue  # a fragment is uploading: training does not wait for a progress line
+            if now - last_progress >= PROGRESS_INTERVAL or chunk == chunks[-1]:
                 last_progress = now
                 progress = protocol.Progress(
                     number,
-                    len(losses),
+                    done_before + len(losses),
                     steps,
                     losses[-1],
                     tps,

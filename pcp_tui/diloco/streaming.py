@@ -1,0 +1,139 @@
+"""Streaming DiLoCo's arithmetic: which tensors form each fragment, when each is synced, how it merges.
+
+Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"
+(arXiv 2501.18512). The parameters are cut into F fragments of whole tensors;
+fragment p is synchronised once every H inner steps, at its own point of the
+round, so at most one fragment's pseudo-gradient travels at a time (peak
+bytes in flight fall by about F). Within a round of H steps, fragment p
+
+- is *sent* after step `(p + 1) * H / F - τ`: the worker sends
+  Δ_p = (fragment p's global value at its last sync) − (its local value now)
+  and keeps training;
+- is *merged* after step `(p + 1) * H / F`, τ steps later: the shepherd's new
+  global value G_p has come back, and the worker mixes it in,
+  θ_p ← α θ_p + (1 − α) G_p, and remembers G_p as the fragment's last global.
+
+τ (`--overlap-steps`) is how many inner steps the exchange may take without
+the worker waiting; α (`--mix-alpha`) keeps that share of the local progress
+(the paper's mixing; α = 0 replaces the local fragment, as torchft does).
+The last fragment merges at step H, so every round ends with every fragment
+synchronised, and F = 1, τ = 0, α = 0 is exactly plain DiLoCo.
+
+Pure Python: the shepherd, the worker and `reference.py` use the same functions.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Fragments = tuple[tuple[str, ...], ...]
+
+
+def partition(shapes: Mapping[str, tuple[int, ...]], count: int) -> Fragments:
+    """Cut the tensors `shapes` names into `count` fragments of about equal size.
+
+    Whole tensors only. The largest tensor goes to the lightest fragment first
+    (longest-processing-time order), which keeps the largest fragment, and so
+    the peak bytes in flight, close to total / count; embeddings are tensors
+    like any other. Names within a fragment keep `shapes`' sorted order; the
+    result depends on names and shapes only, so both sides can recompute it.
+    """
+    names = sorted(shapes)
+    if not 1 <= count <= len(names):
+        raise ValueError(
+            f"{count} fragments of {len(names)} tensors: --streaming-fragments must be "
+            f"between 1 and the model's tensor count ({len(names)})"
+        )
+    sizes = {n: int(np.prod(shapes[n], dtype=np.int64)) for n in names}
+    loads = [0] * count
+    members: list[list[str]] = [[] for _ in range(count)]
+    for name in sorted(names, key=lambda n: (-sizes[n], n)):
+        lightest = min(range(count), key=lambda p: (loads[p], p))
+        loads[lightest] += sizes[name]
+        members[lightest].append(name)
+    return tuple(tuple(sorted(m)) for m in members)
+
+
+def partition_problem(fragments: Sequence[Sequence[str]], param_names: Sequence[str]) -> str | None:
+    """Why `fragments` is not a partition of `param_names` into non-empty parts, or None."""
+    seen: list[str] = [name for fragment in fragments for name in fragment]
+    if any(not fragment for fragment in fragments):
+        return "a fragment names no tensor"
+    if len(seen) != len(set(seen)):
+        return "a tensor is named by more than one fragment"
+    if set(seen) != set(param_names):
+        missing = sorted(set(param_names) - set(seen))[:3]
+        extra = sorted(set(seen) - set(param_names))[:3]
+        return (
+            f"the fragments are not the plan's parameters (missing {missing}, unexpected {extra})"
+        )
+    return None
+
+
+class Event(enum.Enum):
+    """What a worker does to a fragment at a point of the round."""
+
+    SEND = "send"  # send the fragment's pseudo-gradient, keep training
+    MERGE = "merge"  # wait for the fragment's new global value and mix it in
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When, within a round of `inner_steps`, each of `fragments` is sent and merged."""
+
+    inner_steps: int  # H
+    fragments: int  # F
+    overlap: int  # τ
+
+    def merge_step(self, fragment: int) -> int:
+        """After which inner step of the round fragment `fragment` merges its global value."""
+        return (fragment + 1) * self.inner_steps // self.fragments
+
+    def send_step(self, fragment: int) -> int:
+        """After which inner step of the round fragment `fragment`'s pseudo-gradient leaves."""
+        return self.merge_step(fragment) - self.overlap
+
+    def events(self) -> list[tuple[int, Event, int]]:
+        """(step, event, fragment) in the order a worker meets them; a send before a merge."""
+        points = [(self.send_step(p), 0, Event.SEND, p) for p in range(self.fragments)]
+        points += [(self.merge_step(p), 1, Event.MERGE, p) for p in range(self.fragments)]
+        return [(step, event, p) for step, _, event, p in sorted(points)]
+
+
+def schedule_problem(inner_steps: int, fragments: int, overlap: int, chunk: int) -> str | None:
+    """Why F fragments with overlap τ cannot be scheduled in rounds of H steps of `chunk`, or None.
+
+    Each fragment gets an equal share H / F of the round; its exchange must fit
+    in that share (τ < H / F, so one fragment is in flight at a time), and every
+    send and merge point must fall between two compiled chunks.
+    """
+    if fragments < 2:
+        return None
+    if inner_steps % fragments:
+        return (
+            f"--inner-steps {inner_steps} must be a multiple of --streaming-fragments {fragments}"
+        )
+    share = inner_steps // fragments
+    if not 0 <= overlap < share:
+        return (
+            f"--overlap-steps {overlap} must be at least 0 and below --inner-steps / "
+            f"--streaming-fragments = {share} (one fragment in flight at a time)"
+        )
+    if share % chunk or overlap % chunk:
+        return (
+            f"a compiled chunk of {chunk} steps must divide --inner-steps / --streaming-fragments "
+            f"({share}) and --overlap-steps ({overlap}); lower --chunk-steps"
+        )
+    return None
+
+
+def mix(local: np.ndarray, global_: np.ndarray, alpha: float) -> np.ndarray:
+    """α local + (1 − α) global, in float32: a fragment's merge (α = 0 takes the global value)."""
+    if alpha == 0.0:
+        return np.array(global_, np.float32)
+    a = np.float32(alpha)
+    return a * np.asarray(local, np.float32) + (np.float32(1) - a) * np.asarray(global_, np.float32)

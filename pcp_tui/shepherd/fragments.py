@@ -1,0 +1,245 @@
+"""Streaming DiLoCo on the shepherd: a round synchronises the model one fragment at a time.
+
+`Shepherd._run_round` hands a round to `FragmentSync.run_round` when
+`--streaming-fragments` is 2 or more. The round then holds one `Round` per
+fragment (its own aggregate, screen and outer optimizer state): results for
+fragment p arrive at p's point of the workers' rounds
+(`diloco/streaming.Schedule`), are screened and averaged as plain rounds'
+are, and p's outer step runs as soon as they are in (or the round timeout
+closes p), while the workers keep training; the new global value of p goes
+back to every worker of the round (with --compression, as its change encoded
+the same way: see `_change`). A fragment with no result keeps its global
+value, and is sent back as it is.
+
+A worker that received every fragment of the last round holds the global
+parameters (mixed into its own) and starts the next round with a bare
+`roundStart(continued)`; any other (a newcomer, a reconnect, one whose update
+failed) gets the full parameters, as in plain DiLoCo.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.config import RunConfig
+from pcp_tui.diloco.aggregate import CenteredClip, PseudoGradientMean, make_aggregate
+from pcp_tui.diloco.outer import OuterOptimizer
+from pcp_tui.diloco.screening import NormGuard, ResultScreen
+from pcp_tui.diloco.streaming import Fragments, partition
+from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
+from pcp_tui.shepherd.rounds import Round
+
+
+class FragmentedOuter:
+    """One outer optimizer per fragment; their states checkpoint as one pytree, `[p]` first.
+
+    Same interface as `OuterOptimizer` for checkpoints (`state_arrays`,
+    `load_state_arrays`): fragment p's leaves are named `[p]` + the key path
+    its own optimizer gives them, e.g. `[1][0].trace['wte']`.
+    """
+
+    def __init__(self, config: RunConfig, fragments: Fragments):
+        self.fragments = fragments
+        self.parts = [
+            OuterOptimizer(config.outer.optimizer, config.outer.lr, config.outer.momentum)
+            for _ in fragments
+        ]
+
+    def apply(
+        self,
+        fragment: int,
+        params: Mapping[str, np.ndarray],
+        gradient_sum: Mapping[str, np.ndarray],
+        scale: np.float32,
+    ) -> None:
+        """Fragment `fragment`'s outer step, in place on its tensors of `params`."""
+        own = {n: params[n] for n in self.fragments[fragment]}
+        self.parts[fragment].apply(own, gradient_sum, scale)
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {
+            f"[{p}]{name}": value
+            for p, part in enumerate(self.parts)
+            for name, value in part.state_arrays().items()
+        }
+
+    def load_state_arrays(
+        self, params: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray]
+    ) -> None:
+        """Each fragment's state from `state_arrays`' names; ValueError if one lacks or misfits."""
+        for p, (part, names) in enumerate(zip(self.parts, self.fragments, strict=True)):
+            prefix = f"[{p}]"
+            own = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            try:
+                part.load_state_arrays({n: params[n] for n in names}, own)
+            except ValueError as exc:
+                raise ValueError(
+                    f"fragment {p}: {exc} (was the checkpoint written with the same "
+                    "--streaming-fragments?)"
+                ) from None
+
+
+class FragmentSync:
+    """The shepherd's Streaming DiLoCo: partition, per-fragment state, and the round."""
+
+    def __init__(self, config: RunConfig, shapes: Mapping[str, tuple[int, ...]], max_tokens: int):
+        self.fragments = partition(shapes, config.inner.streaming_fragments)
+        self.outer = FragmentedOuter(config, self.fragments)
+        robust = config.outer.aggregate != "mean"
+        self.aggregates = [
+            make_aggregate(config.outer.aggregate, names) for names in self.fragments
+        ]
+        self.screens = [
+            ResultScreen(
+                {n: shapes[n] for n in names},
+                max_tokens=max_tokens,
+                norms=NormGuard(factor=math.inf) if robust else None,
+            )
+            for names in self.fragments
+        ]
+        self.in_sync: set[WorkerLink] = set()  # hold every fragment's current global value
+        self.compression = config.outer.compression
+
+    async def run_round(self, shepherd, number: int) -> Round | None:
+        """Run round `number` fragment by fragment; the combined Round, or None without results."""
+        links = shepherd.pool.ready_links()
+        bound = await trio.to_thread.run_sync(shepherd._update_bound)
+        clips = [a for a in self.aggregates if isinstance(a, CenteredClip)]
+        if clips:  # warm-up and decay move their radius, as in a plain round
+            step_scale = await trio.to_thread.run_sync(shepherd._round_lr_sum, number)
+            for clip in clips:
+                clip.step_scale = step_scale
+        ids = [link.worker_id for link in links]
+        connections = {link.worker_id: link for link in links}
+        rounds = []
+        for aggregate, screen in zip(self.aggregates, self.screens, strict=True):
+            screen.bound = bound
+            rounds.append(Round(number, ids, aggregate, screen, connections=connections))
+        started, at_start = (
+            time.monotonic(),
+            (shepherd.state.bytes_sent, shepherd.state.bytes_received),
+        )
+        shepherd.pool.fragment_rounds = rounds
+        shepherd.state.round = number
+        failed: set[WorkerLink] = set()
+        async with trio.open_nursery() as nursery:
+            for link in links:
+                nursery.start_soon(self._start, shepherd, link, number, rounds, failed)
+        async with trio.open_nursery() as nursery:
+            for p in range(len(self.fragments)):
+                nursery.start_soon(self._sync, shepherd, p, rounds[p], links, failed)
+        shepherd.pool.fragment_rounds = []
+        self.in_sync = {link for link in links if link not in failed and not link.closed}
+        if not any(r.contributors for r in rounds):
+            return None
+        tokens_per_step = shepherd._screen.max_tokens // shepherd.config.inner.steps
+        return combined(number, rounds, started, at_start, tokens_per_step)
+
+    async def _start(self, shepherd, link: WorkerLink, number: int, rounds, failed) -> None:
+        continued = link in self.in_sync
+        body = protocol.RoundStart(
+            round=number, inner_steps=shepherd.config.inner.steps, continued=continued
+        )
+        tensors = {} if continued else {n: shepherd.params[n] for n in shepherd.graphs.param_names}
+        link.view.state, link.view.round, link.view.step = "syncing", number, 0
+        try:
+            await link.send(body, tensors)
+        except CONNECTION_ERRORS:
+            failed.add(link)
+            for current in rounds:  # the connection task reports the loss
+                current.finish(link.worker_id)
+
+    async def _sync(self, shepherd, p: int, current: Round, links, failed) -> None:
+        """Fragment p: collect its results, take its outer step, send its global value back."""
+        await shepherd._collect(current)
+        await current.close()
+        names, params = self.fragments[p], shepherd.params
+        old = {n: params[n].copy() for n in names} if self.compression != "none" else {}
+        if current.contributors:
+            mean = current.mean
+            scales = await trio.to_thread.run_sync(mean.finish)
+            for worker_id, scale in zip(current.contributors, scales, strict=False):
+                if scale != 1.0:
+                    shepherd.state.emit(
+                        "result_clipped",
+                        f"round {current.number}, fragment {p}: worker "
+                        f"{shepherd.state.workers[worker_id].index}'s result was scaled by "
+                        f"{scale:.3g} to the clip radius {mean.radius:.4g}",
+                        worker=worker_id,
+                        round=current.number,
+                        scale=scale,
+                    )
+            await trio.to_thread.run_sync(self.outer.apply, p, params, mean.sums, mean.scale)
+        if old:
+            body, update = await trio.to_thread.run_sync(
+                self._change, p, current.number, old, params
+            )
+        else:
+            body = protocol.FragmentUpdate(round=current.number, fragment=p)
+            update = {n: params[n] for n in names}
+        async with trio.open_nursery() as nursery:
+            for link in links:
+                if link not in failed:
+                    nursery.start_soon(_send_update, link, body, update, failed, self.compression)
+
+    def _change(self, p: int, number: int, old: dict, params: dict):
+        """The compressed form of fragment p's outer step, and the global value made exactly it.
+
+        With --compression the update travels as its change since the fragment's
+        last global value, encoded like the pseudo-gradients (the paper's
+        compressed outer exchange). The shepherd keeps old + decode(encode(change)),
+        the very float32 sum every worker forms, so both sides hold the same bits.
+        """
+        names = self.fragments[p]
+        change = {n: params[n] - old[n] for n in names}
+        body = protocol.FragmentUpdate(round=number, fragment=p, change=True)
+        wire = protocol.encode(body, change, quantization=self.compression)
+        decoded = protocol.decode(b"".join(bytes(b) for b in wire)).tensors
+        for n in names:
+            np.add(old[n], decoded[n], out=params[n])
+        return body, change
+
+
+async def _send_update(link: WorkerLink, body, update, failed: set, compression: str) -> None:
+    try:
+        await link.send(body, update, quantization=compression if body.change else "none")
+    except CONNECTION_ERRORS:
+        failed.add(link)  # the connection task reports the loss; next round: full parameters
+
+
+def combined(
+    number: int, rounds: list[Round], started: float, at_start: tuple[int, int], per_step: int
+) -> Round:
+    """One Round holding what a round record needs from every fragment's results.
+
+    A worker's tokens, steps and compute time are the sums of its fragment
+    results (each covers the steps since its previous one); a worker counts
+    as a contributor if any of its fragments was folded in.
+    """
+    summary = Round(number, [], PseudoGradientMean(()), None)
+    summary.started, summary.bytes_at_start = started, at_start
+    for current in rounds:
+        summary.losses.extend(current.losses)
+        summary.bytes_saved += current.bytes_saved
+        summary.largest_result = max(summary.largest_result, current.largest_result)
+        for worker in current.contributors:
+            if worker not in summary.contributors:
+                summary.contributors.append(worker)
+            steps = summary.steps_by_worker.get(worker, 0) + current.steps_by_worker[worker]
+            summary.steps_by_worker[worker] = steps
+            summary.tokens_by_worker[worker] = steps * per_step
+            summary.compute_seconds[worker] = (
+                summary.compute_seconds.get(worker, 0.0) + current.compute_seconds[worker]
+            )
+            summary.arrivals[worker] = max(
+                summary.arrivals.get(worker, 0.0), current.arrivals[worker]
+            )
+    summary.tokens = sum(summary.tokens_by_worker.values())
+    summary.fragment_results = tuple(len(r.contributors) for r in rounds)
+    return summary

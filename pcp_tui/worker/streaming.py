@@ -1,0 +1,205 @@
+"""Streaming DiLoCo on the worker: send each fragment at its point of the round, train on, merge.
+
+The plan names the fragments (tensor names, computed once on the shepherd)
+and τ and α; `diloco/streaming.Schedule` says after which inner step each
+fragment is sent and merged. A round goes:
+
+    train to fragment 0's send point → send Δ_0 in the background → train τ
+    steps → wait for G_0 (usually already here) and mix it in → ... → fragment
+    F−1 merges after step H.
+
+Parameters, the inner optimizer state and each fragment's last global value
+live from round to round: a `roundStart(continued)` carries no tensors. A
+full roundStart (first round, reconnect, a missed update) starts over from
+the parameters it carries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.contract import plan as contract
+from pcp_tui.contract.checks import round_start_problem
+from pcp_tui.diloco.streaming import Event, Schedule, mix
+
+
+class FragmentUpdates:
+    """Fragment updates the shepherd sent, held until their merge points ask for them.
+
+    `deliver` runs on the receive loop and checks what a header can say (the
+    fragment exists, its tensors are the fragment's); the values are checked
+    at the merge. A shepherd that sends more than two rounds' worth ahead is
+    broken, and the connection ends.
+    """
+
+    def __init__(self, fragments: tuple[tuple[str, ...], ...]):
+        self.fragments = fragments
+        self._held: dict[tuple[int, int], protocol.Message] = {}
+        self._arrived = trio.Event()
+
+    def deliver(self, message: protocol.Message) -> None:
+        body: protocol.FragmentUpdate = message.body
+        if body.fragment >= len(self.fragments):
+            raise protocol.MalformedMessage(
+                f"fragmentUpdate for fragment {body.fragment}; the plan has {len(self.fragments)}"
+            )
+        if set(message.tensors) != set(self.fragments[body.fragment]):
+            raise protocol.MalformedMessage(
+                f"fragmentUpdate {body.fragment} does not carry exactly its fragment's tensors"
+            )
+        if len(self._held) >= 2 * len(self.fragments):
+            raise protocol.MalformedMessage("the shepherd sent fragment updates nobody asked for")
+        self._held[(body.round, body.fragment)] = message
+        self._arrived.set()
+
+    async def take(self, number: int, fragment: int) -> protocol.Message:
+        """Fragment `fragment`'s update for round `number`, once it is here."""
+        while (number, fragment) not in self._held:
+            self._arrived = trio.Event()
+            await self._arrived.wait()
+        for key in [k for k in self._held if k[0] < number]:  # stale rounds' leftovers
+            del self._held[key]
+        return self._held.pop((number, fragment))
+
+
+class StreamingRounds:
+    """One worker's Streaming DiLoCo state across rounds, and its round."""
+
+    def __init__(self, worker, plan: protocol.Plan):
+        self.worker = worker  # client.Worker: its backend, status and chunk loop
+        self.plan = plan
+        self.fragments = contract.fragments(plan)
+        self.schedule = Schedule(plan.inner_steps, len(self.fragments), plan.overlap_steps)
+        self.updates = FragmentUpdates(self.fragments)
+        self._index = {name: i for i, name in enumerate(plan.param_names)}
+        self.params: list | None = None  # on the device, from round to round
+        self.last_global: dict[str, np.ndarray] = {}
+        self._since_sync = [0] * len(self.fragments)  # steps each fragment's Δ trained on
+        self._unreported: list[float] = []  # losses of steps no fragment result has carried yet
+        self._unreported_seconds = 0.0
+
+    async def train_round(self, sender, message: protocol.Message) -> None:
+        """Round `message.body.round`: train H steps, sending and merging every fragment once."""
+        number = message.body.round
+        if not await self._start(sender, message):
+            return
+        params, step = self.params, 0
+        self.params = None  # donated to the chunks; set again when the round is done
+        async with trio.open_nursery() as sends:
+            for at, event, p in self.schedule.events():
+                if at > step:
+                    params = await self._train(sender, number, params, step, at)
+                    step = at
+                if event is Event.SEND:
+                    delta = await trio.to_thread.run_sync(self._delta, p, params)
+                    sends.start_soon(self._send, sender, self._result(number, p), delta)
+                else:
+                    update = await self.updates.take(number, p)
+                    problem = await trio.to_thread.run_sync(self._update_problem, p, update.tensors)
+                    if problem is not None:
+                        await self.worker.refuse(sender, f"fragmentUpdate refused: {problem}")
+                        return
+                    params = await trio.to_thread.run_sync(self._merge, p, params, update)
+        self.params = params
+        self.worker.status.update(state="idle")
+
+    async def _start(self, sender, message: protocol.Message) -> bool:
+        """Take the round's parameters (or keep ours for a continued round); False if refused."""
+        if message.body.continued:
+            if self.params is None:
+                await self.worker.refuse(
+                    sender, "roundStart refused: continued, but this worker holds no parameters yet"
+                )
+                return False
+            return True
+        problem = await trio.to_thread.run_sync(self.worker._round_start_problem, message.tensors)
+        if problem is not None:
+            await self.worker.refuse(sender, f"roundStart refused: {problem}")
+            return False
+        params, _ = await trio.to_thread.run_sync(self.worker._upload, message.tensors)
+        if self.worker._opt_state is None:
+            training = self.worker._plan
+            self.worker._opt_state = await trio.to_thread.run_sync(
+                training.init_opt_state, tuple(params)
+            )
+        self.params = params
+        self.last_global = {n: np.array(message.tensors[n], np.float32) for n in self._index}
+        self._since_sync = [0] * len(self.fragments)
+        self._unreported, self._unreported_seconds = [], 0.0
+        return True
+
+    async def _train(self, sender, number: int, params: list, start: int, stop: int) -> list:
+        """Inner steps [start, stop) of round `number`, in the plan's compiled chunks."""
+        k = self.plan.chunk_steps
+        self.worker.status.update(state="training", round=number, total_steps=self.plan.inner_steps)
+        began = time.perf_counter()
+        params, losses = await self.worker._train_chunks(
+            sender,
+            number,
+            self.plan.inner_steps,
+            params,
+            began,
+            chunks=range(start // k, stop // k),
+        )
+        self._unreported.extend(losses)
+        self._unreported_seconds += time.perf_counter() - began
+        self._since_sync = [n + len(losses) for n in self._since_sync]
+        return params
+
+    def _delta(self, p: int, params: list) -> dict[str, np.ndarray]:
+        """Δ_p = fragment p's global value at its last sync − its local value now (float32)."""
+        names = self.fragments[p]
+        local = self.worker.backend.to_host([params[self._index[n]] for n in names])
+        return {n: self.last_global[n] - value for n, value in zip(names, local, strict=True)}
+
+    def _result(self, number: int, p: int) -> protocol.FragmentResult:
+        per_step = self.plan.batch_size * self.plan.tokens_per_row
+        result = protocol.FragmentResult(
+            round=number,
+            fragment=p,
+            tokens=self._since_sync[p] * per_step,
+            losses=tuple(self._unreported),
+            compute_seconds=self._unreported_seconds,
+            inner_steps=len(self._unreported),
+        )
+        self._since_sync[p] = 0
+        self._unreported, self._unreported_seconds = [], 0.0
+        return result
+
+    async def _send(self, sender, result: protocol.FragmentResult, delta) -> None:
+        await sender.send(result, delta, quantization=self.plan.compression)
+
+    def _update_problem(self, p: int, update: Mapping[str, np.ndarray]) -> str | None:
+        names = self.fragments[p]
+        shapes = {n: tuple(self.last_global[n].shape) for n in names}
+        return round_start_problem(update, names, shapes)
+
+    def _merge(self, p: int, params: list, update: protocol.Message) -> list:
+        """θ_p ← α θ_p + (1 − α) G_p on the device; G_p becomes fragment p's last global value.
+
+        G_p is the update itself, or (`change`, compressed runs) the last global
+        value plus the decoded change: the very sum the shepherd keeps.
+        """
+        names = self.fragments[p]
+        backend, alpha = self.worker.backend, self.plan.mix_alpha
+        if update.body.change:
+            new = {n: self.last_global[n] + update.tensors[n] for n in names}
+        else:
+            new = {n: np.asarray(update.tensors[n], np.float32) for n in names}
+        local = backend.to_host([params[self._index[n]] for n in names])
+        mixed = [mix(value, new[n], alpha) for n, value in zip(names, local, strict=True)]
+        axes = self.worker._plan.param_axes  # a mesh worker's layouts, or None
+        if axes is None:
+            placed = backend.to_device(mixed)
+        else:
+            placed = backend.to_device(mixed, [axes[self._index[n]] for n in names])
+        params = list(params)
+        for name, array in zip(names, placed, strict=True):
+            params[self._index[name]] = array
+            self.last_global[name] = new[name]
+        return params
