@@ -797,7 +797,7 @@ def test_wrong_version_wins_over_an_unknown_kind():
     frame[18] = 200
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(bytes(frame))
-    assert caught.value.peer_versions == (5,)
+    assert caught.value.peer_versions == (4,)
 
 
 def test_concurrent_receives_are_refused():

@@ -3,7 +3,7 @@
 One short headless demo writes its metrics file and feeds every sink whose
 package is installed; each test reads back what one sink wrote and compares it
 with the metrics file, the source of truth. wandb and tensorboard are optional
-extras (large): their tests are skipped when the package is missing.
+extras, installed with the test extra; their tests are skipped where the package is missing.
 """
 
 from __future__ import annotations

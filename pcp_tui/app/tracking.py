@@ -160,7 +160,7 @@ def open_sinks(
     """The sinks the options ask for; one that cannot start is left out after a warning."""
 
     def warn(line: str) -> None:
-        log.warning("%s", line)
+        log.info("%s", line)  # for --log-file; the line below is what a person sees, once
         print(f"pcp-tui: warning: {line}", file=err or sys.stderr, flush=True)
 
     wanted: list[tuple[str, str, Callable[[], MetricsSink]]] = []
