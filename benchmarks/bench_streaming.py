@@ -26,6 +26,7 @@ link, 8 Mbit/s and 50 ms, makes its exchange about that share of a round.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -45,10 +46,17 @@ def main() -> None:
     parser.add_argument("--link", default="8Mbit/50ms")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument(
+        "--shepherd-args",
+        default="",
+        help="more shepherd options for every run, e.g. a GPU run's "
+        "'--model gpt2 --data tokens.bin --compute-dtype bfloat16'",
+    )
     args = parser.parse_args()
     chunk = (  # the same chunks, so the same batches, in every run; shape options override bench_wan's
         *("--chunk-steps", str(args.overlap or args.inner_steps // args.fragments)),
         *("--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)),
+        *shlex.split(args.shepherd_args),
     )
     streaming = (
         *("--streaming-fragments", str(args.fragments), "--overlap-steps", str(args.overlap)),
