@@ -72,6 +72,9 @@ def test_a_slow_worker_trains_fewer_steps_and_still_counts(spawn_worker):
     assert [r.workers for r in history] == [2] * 3  # the slow worker is never dropped
     assert history[0].tokens == 2 * full  # round 1: nobody measured, both train H
     assert all(full < r.tokens < 2 * full for r in history[1:])  # then the slow one trains less
+    # one round's speeds are noisy on a loaded box; over the run the slow worker trains less
+    trained = {worker: shepherd.state.workers[worker].steps_trained for worker in ("fast", "slow")}
+    assert trained["slow"] < trained["fast"], trained
     steps = shepherd.pacing.steps_for(["fast", "slow"])
-    assert steps["fast"] == H and CHUNK <= steps["slow"] < H
+    assert max(steps.values()) == H and CHUNK <= min(steps.values()) < H
     print("fast worker utilization by round:", [r.worker_utilization["fast"] for r in history])
