@@ -33,7 +33,7 @@ SHAPES = {"wte": (256, 128), "wpe": (128, 128), "h.0.w": (128, 512), "h.0.b": (5
 
 def test_partition_covers_every_tensor_once_and_balances_sizes():
     fragments = streaming.partition(SHAPES, 2)
-    assert streaming.partition_problem(fragments, list(SHAPES)) is None
+    assert contract.partition_problem(fragments, list(SHAPES)) is None
     sizes = [sum(int(np.prod(SHAPES[n])) for n in f) for f in fragments]
     assert fragments[0] == ("h.0.w",)  # the largest tensor alone, everything else beside it
     assert sizes == [65536, 32768 + 16384 + 512 + 128]
@@ -45,9 +45,9 @@ def test_partition_covers_every_tensor_once_and_balances_sizes():
 
 def test_partition_problem_names_what_is_wrong():
     names = list(SHAPES)
-    assert "more than one" in streaming.partition_problem([names, ["wte"]], names)
-    assert "missing ['wte']" in streaming.partition_problem([names[1:]], names)
-    assert "no tensor" in streaming.partition_problem([names, []], names)
+    assert "more than one" in contract.partition_problem([names, ["wte"]], names)
+    assert "missing ['wte']" in contract.partition_problem([names[1:]], names)
+    assert "no tensor" in contract.partition_problem([names, []], names)
 
 
 def test_schedule_staggers_fragments_and_overlaps_tau_steps():

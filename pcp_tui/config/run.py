@@ -73,6 +73,33 @@ class DataConfig:
     batch_size: int = option(16, at_least=1, help="sequences per inner step, per worker")
 
 
+def schedule_problem(inner_steps: int, fragments: int, overlap: int, chunk: int) -> str | None:
+    """Why F fragments with overlap τ cannot be scheduled in rounds of H steps of `chunk`, or None.
+
+    Each fragment gets an equal share H / F of the round; its exchange must fit
+    in that share (τ < H / F, so one fragment is in flight at a time), and every
+    send and merge point must fall between two compiled chunks.
+    """
+    if fragments < 2:
+        return None
+    if inner_steps % fragments:
+        return (
+            f"--inner-steps {inner_steps} must be a multiple of --streaming-fragments {fragments}"
+        )
+    share = inner_steps // fragments
+    if not 0 <= overlap < share:
+        return (
+            f"--overlap-steps {overlap} must be at least 0 and below --inner-steps / "
+            f"--streaming-fragments = {share} (one fragment in flight at a time)"
+        )
+    if share % chunk or overlap % chunk:
+        return (
+            f"a compiled chunk of {chunk} steps must divide --inner-steps / --streaming-fragments "
+            f"({share}) and --overlap-steps ({overlap}); lower --chunk-steps"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class InnerConfig:
     """inner: the H optimizer steps each worker runs per round (DiLoCo's inner loop)"""
@@ -145,8 +172,6 @@ class InnerConfig:
         return max(k, 1)
 
     def check(self) -> None:
-        from pcp_tui.diloco.streaming import schedule_problem  # numpy only
-
         problem = schedule_problem(
             self.steps, self.streaming_fragments, self.overlap_steps, self.chunk
         )

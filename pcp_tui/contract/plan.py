@@ -19,11 +19,12 @@ import enum
 from collections.abc import Mapping, Sequence
 
 from pcp_tui import protocol
-from pcp_tui.diloco import streaming
+from pcp_tui.config.run import schedule_problem
 
 SMALL_MESSAGE_BYTES = 64 * 1024  # every kind but roundResult and fragmentResult, after admission
 _HEADER_BYTES_PER_TENSOR = 512  # a tensor header on the wire, name included, generously
 RESULT_DTYPE = "float32"
+Fragments = tuple[tuple[str, ...], ...]  # Streaming DiLoCo: the tensor names of each fragment
 
 
 class ResultRefused(protocol.ProtocolError):
@@ -60,9 +61,25 @@ def plan_problem(plan: protocol.Plan, tensors: Mapping[str, object]) -> str | No
     return streaming_problem(plan)
 
 
-def fragments(plan: protocol.Plan) -> streaming.Fragments:
+def fragments(plan: protocol.Plan) -> Fragments:
     """The plan's fragments as tuples of tensor names; () for plain DiLoCo."""
     return tuple(tuple(fragment.tensors) for fragment in plan.fragments)
+
+
+def partition_problem(fragments: Sequence[Sequence[str]], param_names: Sequence[str]) -> str | None:
+    """Why `fragments` is not a partition of `param_names` into non-empty parts, or None."""
+    seen: list[str] = [name for fragment in fragments for name in fragment]
+    if any(not fragment for fragment in fragments):
+        return "a fragment names no tensor"
+    if len(seen) != len(set(seen)):
+        return "a tensor is named by more than one fragment"
+    if set(seen) != set(param_names):
+        missing = sorted(set(param_names) - set(seen))[:3]
+        extra = sorted(set(seen) - set(param_names))[:3]
+        return (
+            f"the fragments are not the plan's parameters (missing {missing}, unexpected {extra})"
+        )
+    return None
 
 
 def streaming_problem(plan: protocol.Plan) -> str | None:
@@ -71,9 +88,9 @@ def streaming_problem(plan: protocol.Plan) -> str | None:
         return None
     if len(plan.fragments) < 2:
         return "a streaming plan needs at least 2 fragments (plain DiLoCo sends none)"
-    problem = streaming.partition_problem(fragments(plan), plan.param_names)
+    problem = partition_problem(fragments(plan), plan.param_names)
     if problem is None:
-        problem = streaming.schedule_problem(
+        problem = schedule_problem(
             plan.inner_steps, len(plan.fragments), plan.overlap_steps, plan.chunk_steps
         )
     if problem is None and not 0 <= plan.mix_alpha <= 1:

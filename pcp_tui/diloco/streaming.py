@@ -25,12 +25,14 @@ Pure Python: the shepherd, the worker and `reference.py` use the same functions.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-Fragments = tuple[tuple[str, ...], ...]
+from pcp_tui.contract.plan import (
+    Fragments,  # the schedule's rules live with the plan's and the options'
+)
 
 
 def partition(shapes: Mapping[str, tuple[int, ...]], count: int) -> Fragments:
@@ -56,22 +58,6 @@ def partition(shapes: Mapping[str, tuple[int, ...]], count: int) -> Fragments:
         loads[lightest] += sizes[name]
         members[lightest].append(name)
     return tuple(tuple(sorted(m)) for m in members)
-
-
-def partition_problem(fragments: Sequence[Sequence[str]], param_names: Sequence[str]) -> str | None:
-    """Why `fragments` is not a partition of `param_names` into non-empty parts, or None."""
-    seen: list[str] = [name for fragment in fragments for name in fragment]
-    if any(not fragment for fragment in fragments):
-        return "a fragment names no tensor"
-    if len(seen) != len(set(seen)):
-        return "a tensor is named by more than one fragment"
-    if set(seen) != set(param_names):
-        missing = sorted(set(param_names) - set(seen))[:3]
-        extra = sorted(set(seen) - set(param_names))[:3]
-        return (
-            f"the fragments are not the plan's parameters (missing {missing}, unexpected {extra})"
-        )
-    return None
 
 
 class Event(enum.Enum):
@@ -102,33 +88,6 @@ class Schedule:
         points = [(self.send_step(p), 0, Event.SEND, p) for p in range(self.fragments)]
         points += [(self.merge_step(p), 1, Event.MERGE, p) for p in range(self.fragments)]
         return [(step, event, p) for step, _, event, p in sorted(points)]
-
-
-def schedule_problem(inner_steps: int, fragments: int, overlap: int, chunk: int) -> str | None:
-    """Why F fragments with overlap τ cannot be scheduled in rounds of H steps of `chunk`, or None.
-
-    Each fragment gets an equal share H / F of the round; its exchange must fit
-    in that share (τ < H / F, so one fragment is in flight at a time), and every
-    send and merge point must fall between two compiled chunks.
-    """
-    if fragments < 2:
-        return None
-    if inner_steps % fragments:
-        return (
-            f"--inner-steps {inner_steps} must be a multiple of --streaming-fragments {fragments}"
-        )
-    share = inner_steps // fragments
-    if not 0 <= overlap < share:
-        return (
-            f"--overlap-steps {overlap} must be at least 0 and below --inner-steps / "
-            f"--streaming-fragments = {share} (one fragment in flight at a time)"
-        )
-    if share % chunk or overlap % chunk:
-        return (
-            f"a compiled chunk of {chunk} steps must divide --inner-steps / --streaming-fragments "
-            f"({share}) and --overlap-steps ({overlap}); lower --chunk-steps"
-        )
-    return None
 
 
 def mix(local: np.ndarray, global_: np.ndarray, alpha: float) -> np.ndarray:
