@@ -130,3 +130,13 @@ class Backend(abc.ABC):
             np.subtract(k, a, out=k if k.flags.writeable else None)
             for k, a in zip(kept, self.to_host(after), strict=True)
         ]
+
+
+def deserialize(name: str, serialized: bytes) -> Any:
+    """The `jax.export.Exported` in `serialized`; GraphError if the bytes are not one."""
+    from jax import export
+
+    try:
+        return export.deserialize(bytearray(serialized))
+    except Exception as exc:  # flatbuffers/MLIR raise many types on bad bytes
+        raise GraphError(f"graph {name!r} is not a valid jax.export artifact: {exc}") from exc

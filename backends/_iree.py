@@ -34,6 +34,7 @@ from ._base import (
     GraphError,
     LayoutFor,
     LoadedGraph,
+    deserialize,
 )
 
 INSTALL_HINT = "pip install 'pcp-tui[iree]'"
@@ -162,7 +163,7 @@ class IreeBackend(Backend):
 
         One device: `layout` (for backends of several devices) is never passed here.
         """
-        exported = _deserialize(name, serialized)
+        exported = _deserialize_for_iree(name, serialized)
         if SOURCE_PLATFORM not in exported.platforms:
             raise GraphError(
                 f"graph {name!r} was lowered for {', '.join(exported.platforms)}; IREE compiles "
@@ -256,13 +257,8 @@ class _IreeCall:
         return value  # already an IREE device array
 
 
-def _deserialize(name: str, serialized: bytes) -> Any:
-    from jax import export
-
-    try:
-        exported = export.deserialize(bytearray(serialized))
-    except Exception as exc:  # flatbuffers/MLIR raise many types on bad bytes
-        raise GraphError(f"graph {name!r} is not a valid jax.export artifact: {exc}") from exc
+def _deserialize_for_iree(name: str, serialized: bytes) -> Any:
+    exported = deserialize(name, serialized)
     if exported.ordered_effects or exported.unordered_effects:
         raise GraphError(f"graph {name!r} has side effects, which IREE workers do not run")
     if any(not isinstance(d, int) for a in exported.in_avals for d in a.shape):

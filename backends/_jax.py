@@ -18,6 +18,7 @@ from ._base import (
     LayoutFor,
     LoadedGraph,
     MemoryUse,
+    deserialize,
 )
 from ._iree import INSTALL_HINT, IreeBackend
 
@@ -131,12 +132,7 @@ class JaxBackend(Backend):
 
         `layout` places the graph on this backend's mesh (ignored with one device).
         """
-        from jax import export
-
-        try:
-            exported = export.deserialize(bytearray(serialized))
-        except Exception as exc:  # flatbuffers/MLIR raise many types on bad bytes
-            raise GraphError(f"graph {name!r} is not a valid jax.export artifact: {exc}") from exc
+        exported = deserialize(name, serialized)
         wanted = _EXPORT_PLATFORM[self._platform]
         if wanted not in exported.platforms:
             raise GraphError(

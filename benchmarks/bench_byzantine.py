@@ -32,6 +32,8 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_faults import base_config  # noqa: E402  (this folder is on sys.path when run)
+
 from pcp_tui.config import RunConfig  # noqa: E402
 from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
 from pcp_tui.testing import faulty_worker_command, worker_command  # noqa: E402
@@ -67,23 +69,11 @@ class Row:
 
 
 def config(args: argparse.Namespace, aggregate: str, attackers: int) -> RunConfig:
-    return RunConfig(
-        model="tiny",
-        seq_len=32,
-        batch_size=4,
-        data_max_bytes=256 * 1024,
-        eval_batches=4,
-        rounds=args.rounds,
-        inner_steps=args.inner_steps,
-        chunk_steps=5,
-        warmup_steps=10,
-        inner_lr=2e-3,
+    """bench_faults' small run, with this benchmark's flock and aggregate."""
+    return base_config(args).replace(
         workers=HONEST + attackers,
         aggregate=aggregate,
-        host="127.0.0.1",
-        port=0,
         token=TOKEN,
-        heartbeat_seconds=0.5,
         heartbeat_timeout=60.0,
         seed=args.seed,
         platforms=("cpu",),

@@ -14,30 +14,18 @@ import trio
 
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import faulty_worker_command, free_port, shepherd_command
+from pcp_tui.testing import (
+    faulty_worker_command,
+    free_port,
+    run_shepherd,
+    shepherd_command,
+    until,
+)
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_env
 
 pytestmark = pytest.mark.e2e
-
-
-async def _until(predicate, *, polls: int = 6000) -> None:
-    """Poll shepherd state (bounded in count, not a time assertion)."""
-    for _ in range(polls):
-        if predicate():
-            return
-        await trio.sleep(0.05)
-    raise AssertionError("condition never became true")
-
-
-def _run(shepherd: Shepherd, scenario) -> None:
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            await scenario(port)
-
-    trio.run(main)
 
 
 def _kinds(shepherd: Shepherd, kind: str) -> list:
@@ -54,7 +42,7 @@ def test_kill_one_of_three_workers_mid_round(spawn_worker):
         spawn_worker(port)
         victim = spawn_worker(port, "--id", "victim")
         workers = shepherd.state.workers
-        await _until(
+        await until(
             lambda: (
                 "victim" in workers and workers["victim"].round == 2 and workers["victim"].step > 0
             )
@@ -62,7 +50,7 @@ def test_kill_one_of_three_workers_mid_round(spawn_worker):
         victim.send_signal(signal.SIGKILL)
         killed_at.append(time.time())
 
-    _run(shepherd, scenario)
+    run_shepherd(shepherd, scenario)
     history = shepherd.state.history
     assert [r.round for r in history] == [1, 2, 3, 4]  # none lost, none counted twice
     assert [r.workers for r in history] == [3, 2, 2, 2]
@@ -79,14 +67,14 @@ def test_late_worker_joins_at_the_next_round_boundary(spawn_worker):
 
     async def scenario(port):
         spawn_worker(port, "--id", "early")
-        await _until(lambda: len(shepherd.state.history) >= 2)
+        await until(lambda: len(shepherd.state.history) >= 2)
         shepherd.pause()  # hold the run at a round boundary until the newcomer has compiled
         spawn_worker(port, "--id", "late")
         workers = shepherd.state.workers
-        await _until(lambda: "late" in workers and workers["late"].state == "idle")
+        await until(lambda: "late" in workers and workers["late"].state == "idle")
         shepherd.resume()
 
-    _run(shepherd, scenario)
+    run_shepherd(shepherd, scenario)
     history = shepherd.state.history
     assert [r.round for r in history] == [1, 2, 3, 4, 5]
     assert all(r.worker_ids == ("early",) for r in history[:2])
@@ -105,11 +93,11 @@ def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
             command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
         try:
-            await _until(lambda: any(e.kind == "done" for e in shepherd.state.events))
+            await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
         finally:
             await trio.to_thread.run_sync(slow.wait)
 
-    _run(shepherd, scenario)
+    run_shepherd(shepherd, scenario)
     history = shepherd.state.history
     assert [r.round for r in history] == [1, 2, 3, 4, 5, 6]
     assert history[0].workers == 2
@@ -245,18 +233,18 @@ def test_a_lost_workers_shard_goes_to_the_next_worker_to_join(spawn_worker):
     async def scenario(port):
         spawn_worker(port, "--id", "a")
         b = spawn_worker(port, "--id", "b")
-        await _until(lambda: len(shepherd.state.history) >= 1)
+        await until(lambda: len(shepherd.state.history) >= 1)
         b.send_signal(signal.SIGKILL)
-        await _until(lambda: bool(_kinds(shepherd, "shard_orphaned")))
-        await _until(lambda: len(shepherd.state.history) >= 2)  # a round with the shard orphaned
+        await until(lambda: bool(_kinds(shepherd, "shard_orphaned")))
+        await until(lambda: len(shepherd.state.history) >= 2)  # a round with the shard orphaned
         shepherd.pause()
         spawn_worker(port, "--id", "c")
-        await _until(lambda: "c" in workers and workers["c"].state == "idle")
+        await until(lambda: "c" in workers and workers["c"].state == "idle")
         owners.extend(list(s.owners) for s in ledger.shards)  # copies: the run goes on
         shepherd.resume()
 
     owners = []
-    _run(shepherd, scenario)
+    run_shepherd(shepherd, scenario)
     b_shard = 1 - workers["a"].shard
     assert workers["b"].shard == b_shard and workers["c"].shard == b_shard
     assert owners[b_shard] == ["c"] and owners[1 - b_shard] == ["a"]

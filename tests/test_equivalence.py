@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import trio
 
 from pcp_tui.diloco import reference
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.testing import run_shepherd
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.shards import sample_batches
 
@@ -83,13 +83,7 @@ def test_two_workers_equal_synchronous_sgd(spawn_worker):
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            spawn_worker(port)
-            spawn_worker(port)
-
-    trio.run(main)
+    run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
     assert [r.workers for r in shepherd.state.history] == [2] * ROUNDS
     expected = _reference_diloco(workload, config)
     synchronous = _synchronous_sgd(workload, config)

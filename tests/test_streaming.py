@@ -23,6 +23,7 @@ from pcp_tui.config import ConfigError
 from pcp_tui.contract import plan as contract
 from pcp_tui.diloco import reference, streaming
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.testing import run_shepherd, until
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.shards import sample_batches
 
@@ -164,13 +165,7 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker):
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            spawn_worker(port)
-            spawn_worker(port)
-
-    trio.run(main)
+    run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
     history = shepherd.state.history
     assert [r.fragment_results for r in history] == [(2, 2)] * ROUNDS
     tokens = float(H * config.data.batch_size * config.data.seq_len)
@@ -216,13 +211,7 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            spawn_worker(port)
-            spawn_worker(port)
-
-    trio.run(main)
+    run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
     history = shepherd.state.history
     assert [r.fragment_results for r in history] == [(2, 2)] * 3
     assert history[-1].eval_loss < history[0].eval_loss < shepherd.evaluate(workload.params)
@@ -315,20 +304,15 @@ def test_streaming_survives_a_lost_worker_and_a_newcomer_starts_from_the_global_
         spawn_worker(port, "--id", "steady")
         victim = spawn_worker(port, "--id", "victim")
         workers = shepherd.state.workers
-        await _until(lambda: "victim" in workers and workers["victim"].round == 2)
+        await until(lambda: "victim" in workers and workers["victim"].round == 2)
         victim.kill()
-        await _until(lambda: any(e.kind == "lost" for e in shepherd.state.events))
+        await until(lambda: any(e.kind == "lost" for e in shepherd.state.events))
         shepherd.pause()  # hold the run at a round boundary until the newcomer has compiled
         spawn_worker(port, "--id", "late")
-        await _until(lambda: "late" in workers and workers["late"].state == "idle")
+        await until(lambda: "late" in workers and workers["late"].state == "idle")
         shepherd.resume()
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            await scenario(port)
-
-    trio.run(main)
+    run_shepherd(shepherd, scenario)
     history = shepherd.state.history
     assert [r.round for r in history] == [1, 2, 3, 4, 5]
     assert history[0].fragment_results == (2, 2)
@@ -336,12 +320,3 @@ def test_streaming_survives_a_lost_worker_and_a_newcomer_starts_from_the_global_
     assert set(history[-1].worker_ids) == {"steady", "late"}
     assert not any(e.kind == "bad_result" for e in shepherd.state.events)
     assert all(np.isfinite(p).all() for p in shepherd.params.values())
-
-
-async def _until(predicate, *, polls: int = 6000) -> None:
-    """Poll shepherd state (bounded in count, not a time assertion)."""
-    for _ in range(polls):
-        if predicate():
-            return
-        await trio.sleep(0.05)
-    raise AssertionError("condition never became true")

@@ -14,6 +14,7 @@ pseudo-gradient) are `pcp_tui.testing.faulty_worker`; its docstring lists the
 faults and their parameters.
 """
 
+from pcp_tui.testing._inprocess import run_shepherd, until
 from pcp_tui.testing._processes import (
     SMALL_RUN,
     OutputProcess,
@@ -32,8 +33,10 @@ __all__ = [
     "WorkerProcesses",
     "faulty_worker_command",
     "free_port",
+    "run_shepherd",
     "shepherd_command",
     "small_config",
+    "until",
     "worker_command",
     "worker_env",
 ]

@@ -1,0 +1,37 @@
+"""A shepherd run in this process while a scenario (spawning workers, killing them) drives it."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+
+def run_shepherd(shepherd: Any, scenario: Callable[[int], Any]) -> None:
+    """Run `shepherd` under `trio.run`; once it listens, call `scenario(port)` (awaited if async).
+
+    Returns when the run ends: the scenario only starts workers or steers them.
+    """
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            started = scenario(port)
+            if inspect.isawaitable(started):
+                await started
+
+    trio.run(main)
+
+
+async def until(predicate: Callable[[], bool], *, polls: int = 6000) -> None:
+    """Wait for `predicate()` (polled every 50 ms, at most `polls` times: a bound, not a timing).
+
+    Raises AssertionError when it never becomes true.
+    """
+    for _ in range(polls):
+        if predicate():
+            return
+        await trio.sleep(0.05)
+    raise AssertionError("condition never became true")
