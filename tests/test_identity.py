@@ -16,10 +16,11 @@ from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds import Round
+from pcp_tui.testing import run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-from .test_elastic import _kinds, _run, _until
+from .test_elastic import _kinds
 
 pytestmark = pytest.mark.e2e
 
@@ -47,7 +48,7 @@ def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
     async def scenario(port):
         honest = spawn_worker(port, "--id", "w")
         seen["honest"] = honest
-        await _until(lambda: len(shepherd.state.history) >= 1)
+        await until(lambda: len(shepherd.state.history) >= 1)
         shepherd.pause()  # "w" sits idle, heartbeating: alive
         stream, seen["hijack"] = await join_as(port, "w")
         await stream.aclose()
@@ -56,7 +57,7 @@ def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
         seen["twin_output"] = twin.stdout.read()
         shepherd.resume()
 
-    _run(shepherd, scenario)
+    run_shepherd(shepherd, scenario)
     assert seen["hijack"].kind == "error" and seen["hijack"].body.code == "idInUse"
     assert "another --id" in seen["hijack"].body.message
     assert seen["twin_code"] != 0
@@ -89,19 +90,19 @@ def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_rep
         early, seen["while_alive"] = await join_as(port, "r")
         await early.aclose()
         # `first` now says nothing: once silent past the heartbeat timeout it is dead
-        await _until(lambda: shepherd.state.workers["r"].state == "lost")
+        await until(lambda: shepherd.state.workers["r"].state == "lost")
         second, seen["reconnect"] = await join_as(port, "r")
         await second.receive()  # the plan
         await second.send(protocol.Ready(compile_seconds=0.0))
         params = {name: np.zeros_like(p) for name, p in start.tensors.items()}
         replay = protocol.RoundResult(round=1, tokens=1, losses=(1.0,), inner_steps=5)
         await second.send(replay, params)
-        await _until(lambda: bool(_kinds(shepherd, "late_result")))
+        await until(lambda: bool(_kinds(shepherd, "late_result")))
         shepherd.request_stop("test over")
         await first.aclose()
         await second.aclose()
 
-    _run(shepherd, scenario)
+    run_shepherd(shepherd, scenario)
     assert seen["while_alive"].body.code == "idInUse"
     assert seen["reconnect"].kind == "welcome"
     assert seen["reconnect"].body.worker_index == 0  # the same worker, back
@@ -147,7 +148,7 @@ def test_admitted_connections_are_capped_and_the_extra_is_told_busy():
         for stream in streams:
             await stream.aclose()
 
-    _run(shepherd, scenario)
+    run_shepherd(shepherd, scenario)
     assert [a.kind for a in answers] == ["welcome", "welcome", "error"]
     assert answers[2].body.code == "busy"
     assert "--max-worker-connections" in answers[2].body.message
@@ -180,7 +181,7 @@ def test_a_worker_whose_id_is_held_retries_only_if_it_was_admitted_before():
         seen["state"] = returning.status.state
         await held.aclose()
 
-    _run(shepherd, scenario)
+    run_shepherd(shepherd, scenario)
     assert seen["state"] == "done"
     assert [r.worker_ids for r in shepherd.state.history] == [("w",), ("w",)]
     refused = [e.data.get("code") for e in _kinds(shepherd, "refused")]
