@@ -7,7 +7,7 @@ malformed requests, and prometheus_client's own parser for /metrics.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import shutil
 import socket
 import ssl
@@ -194,9 +194,12 @@ def _raw_exchange(port: int, request: bytes) -> bytes:
     that is the server's right. Not returning at all is the failure.
     """
     with socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD) as raw:
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        try:
             raw.sendall(request)
             raw.shutdown(socket.SHUT_WR)  # the request ends here, complete or not
+        except OSError as error:  # the server closed first: a pipe, a reset, or nothing to shut
+            if error.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                raise
         chunks = []
         try:
             while chunk := raw.recv(65536):
