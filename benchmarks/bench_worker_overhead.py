@@ -12,6 +12,12 @@ process with the same environment:
   (parameter send, compute, pseudo-gradient return, outer step, all included).
 
     python benchmarks/bench_worker_overhead.py [--model tiny] [--inner-steps 200] [--rounds 4]
+        [--link 1Gbit/50ms] [--compression int8Block] [--streaming-fragments 4 --overlap-steps 25]
+
+With `--link BANDWIDTH/RTT` the worker reaches the shepherd through a
+`pcp-tui emulate-link` process (its own process, as a real WAN costs the
+shepherd nothing): the whole-round ratio is then the issue's "through a slow
+link" number, and the bare loop is still measured in the same run.
 
 Prints a table, `ratio_worker_vs_bare=<x>` (the worker's training phase inside
 the run; goal >= 0.95 on CPU, >= 0.97 on a GPU) and `ratio_round_vs_bare=<x>`
@@ -55,6 +61,10 @@ def _config(args: argparse.Namespace) -> RunConfig:
         attention=args.attention,
         data=args.data,
         aggregate=args.aggregate,
+        compression=args.compression,
+        streaming_fragments=args.streaming_fragments,
+        overlap_steps=args.overlap_steps,
+        mix_alpha=args.mix_alpha,
     )
 
 
@@ -100,6 +110,30 @@ def bare_loop(args: argparse.Namespace) -> None:
         print(json.dumps({"tokens_per_second": rate}), flush=True)
 
 
+async def emulated_link(
+    link: str, port: int, scope: trio.CancelScope, *, task_status=trio.TASK_STATUS_IGNORED
+) -> None:
+    """A `pcp-tui emulate-link` process in front of 127.0.0.1:`port` until `scope` is cancelled.
+
+    Reports the port to connect to once the emulator listens.
+    """
+    from pcp_tui.testing import free_port
+
+    bandwidth, rtt = link.split("/")
+    listen = free_port()
+    command = [sys.executable, "-m", "pcp_tui", "emulate-link", "--listen", f"127.0.0.1:{listen}"]
+    command += ["--to", f"127.0.0.1:{port}", "--bandwidth", bandwidth, "--rtt", rtt]
+    emulator = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
+    with scope:
+        try:
+            await emulator.stdout.receive_some(4096)  # its "emulating a ... link" line: listening
+            print(f"worker connects through a {bandwidth} link with {rtt} RTT", flush=True)
+            task_status.started(listen)
+            await trio.sleep_forever()
+        finally:
+            emulator.kill()
+
+
 async def interleaved(
     args: argparse.Namespace, env: dict[str, str]
 ) -> tuple[list[float], list[float]]:
@@ -135,10 +169,18 @@ async def interleaved(
     bare_rates: list[float] = []
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
+        link = trio.CancelScope()  # the emulator, if any, lives as long as the worker
+        if args.link != "loopback":
+            port = await nursery.start(emulated_link, args.link, port, link)
         command = local_worker_command(
             port, token="bench", backend=args.backend, extra=("--quiet",)
         )
-        nursery.start_soon(lambda: trio.run_process(command, env=env))
+
+        async def worker() -> None:
+            await trio.run_process(command, env=env)
+            link.cancel()
+
+        nursery.start_soon(worker)
         for _ in range(config.outer.rounds - 1):
             await round_done.wait()
             round_done = trio.Event()
@@ -175,6 +217,15 @@ def main() -> None:
     parser.add_argument(
         "--aggregate", default="centered-clip", help="how results combine (the run's default)"
     )
+    parser.add_argument("--compression", default="none", help="results on the wire")
+    parser.add_argument("--streaming-fragments", type=int, default=1)
+    parser.add_argument("--overlap-steps", type=int, default=1)
+    parser.add_argument("--mix-alpha", type=float, default=0.5)
+    parser.add_argument(
+        "--link",
+        default="loopback",
+        help="'loopback' or BANDWIDTH/RTT through pcp-tui emulate-link, e.g. 1Gbit/50ms",
+    )
     parser.add_argument(
         "--peak-flops",
         dest="flops_per_token_peak",
@@ -196,7 +247,8 @@ def main() -> None:
     bare_median, run_median = float(np.median(bare_rates)), float(np.median(steady))
     print(
         f"\nworker overhead  model={args.model} backend={args.backend} H={args.inner_steps} "
-        f"batch={args.batch_size}x{args.seq_len}"
+        f"batch={args.batch_size}x{args.seq_len} link={args.link} compression={args.compression} "
+        f"fragments={args.streaming_fragments} overlap={args.overlap_steps}"
     )
     print(f"{'method':<34}{'tokens/s (median)':>20}{'samples':>10}{'ratio':>8}")
     print(
