@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pcp_tui.config.options import ConfigError, Sections, option
 
-QUANTIZATIONS = ("none", "bfloat16", "int8Block")
+QUANTIZATIONS = ("none", "bfloat16", "int8Block", "int4Block")
 # A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
 HEARTBEATS_PER_TIMEOUT = 3
 # The [sharding] section (pcp_tui.training.sharding applies it on a worker's devices).
