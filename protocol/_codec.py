@@ -35,7 +35,7 @@ from ._errors import (
 )
 from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, Plan, read, write
 from ._schema import Envelope
-from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
+from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
 # 2: typed messages, enums for phase / batch kind / platform
 # 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
@@ -57,7 +57,7 @@ PayloadGate = Callable[[str, int], Awaitable[None]]
 # raises a ProtocolError to refuse the message (e.g. tensors a kind may not carry)
 HeaderCheck = Callable[[Body, tuple[TensorSpec, ...], int], None]
 
-_OFFLOAD_BYTES = 8 * 2**20  # (de)quantization above this runs in a worker thread
+_OFFLOAD_BYTES = 8 * 2**20  # (de)quantizing arrays above this (decoded) size runs in a thread
 _RECEIVE_CHUNK = 64 * 1024  # read-ahead for segment tables and small frames
 _RECEIVE_BULK = 4 * 2**20  # largest receive_some when filling a payload
 _YIELD_EVERY = 16 * 2**20  # a long payload read lets other tasks run this often
@@ -198,7 +198,8 @@ async def _read_message(
     for spec in specs:
         payload = np.empty(spec.payload_bytes, np.uint8)
         await reader.read_into(memoryview(payload))
-        if offload and spec.quantization != "none" and spec.payload_bytes > _OFFLOAD_BYTES:
+        decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
+        if offload and spec.quantization != "none" and decoded_bytes > _OFFLOAD_BYTES:
             tensors[spec.name] = await trio.to_thread.run_sync(dequantize, payload, spec)
         else:
             tensors[spec.name] = dequantize(payload, spec)

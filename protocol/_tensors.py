@@ -220,8 +220,16 @@ def _quantize_rows(rows: np.ndarray, work: np.ndarray, top: int, quantization: s
     if not np.isfinite(peak).all():
         raise ValueError(f"{quantization} cannot quantize non-finite values (NaN or inf)")
     scale = peak / np.float32(top)
-    inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
+    with np.errstate(over="ignore", divide="ignore"):
+        # Near float32's max, top * scale may round to inf on decode: one step lower cannot.
+        overflows = ~np.isfinite(scale * np.float32(top))
+        scale[overflows] = np.nextafter(scale[overflows], np.float32(0))
+        inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
+    tiny = np.isinf(inverse)  # a subnormal scale's inverse overflows: divide those (rare) blocks
+    inverse[tiny] = 0
     np.multiply(rows, inverse[:, None], out=work)
+    if tiny.any():
+        work[tiny] = rows[tiny] / scale[tiny, None]
     np.rint(work, out=work)
     np.clip(work, -top, top, out=work)
     return scale
