@@ -39,11 +39,11 @@ from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantiz
 
 # 2: typed messages, enums for phase / batch kind / platform
 # 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
-#    version-2 peer's messages still read, with those fields at their defaults)
-# 4: Streaming DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued
-#    roundStart (a plain run's messages are as in 3, so older peers still join plain runs)
+#    version-2 peer's messages still read, with those fields at their defaults); Streaming
+#    DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued roundStart
 # 4: int4Block tensors and a plan's compression = int4Block (nothing else changed: a message
-#    that uses neither is stamped 3, so version-3 peers still join runs that do not use it)
+#    that uses neither is stamped 3, so version-3 peers still join runs that do not use it,
+#    and the shepherd of a run that does refuses them at admission)
 PROTOCOL_VERSION = 4
 SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4)
 #: The version `encode` stamps on a message that uses nothing newer (see `message_version`).
