@@ -157,7 +157,7 @@ def test_malformed_int4_block_tensors_are_refused(count, payload, block_size, ma
         protocol.decode(data)
 
 
-def test_a_nan_scale_over_tcp_ends_that_message_with_a_protocol_error():
+def test_a_nan_scale_on_a_stream_is_a_protocol_error_that_ends_the_connection():
     """What the shepherd's connection sees: a ProtocolError it answers by closing that connection."""
 
     async def main():
