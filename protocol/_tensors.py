@@ -182,12 +182,17 @@ def quantize_int4_block(array: np.ndarray, block_size: int) -> np.ndarray:
     flat = array.reshape(-1)
     count, blocks = flat.size, _block_count(flat.size, block_size)
     packed = (count + 1) // 2
-    levels = np.zeros(2 * packed, np.int8)  # an odd count's last high nibble stays 0
+    levels = np.empty(2 * packed, np.int8)
+    levels[count:] = 0  # an odd count's last high nibble
     scales = _quantize_blocks(flat, block_size, "int4Block", levels[:count])
     payload = np.empty(packed + 4 * blocks, np.uint8)
-    pairs = levels.reshape(packed, 2).view(np.uint8)
-    np.left_shift(pairs[:, 1], 4, out=payload[:packed])
-    payload[:packed] |= pairs[:, 0] & np.uint8(0x0F)
+    # Each (low, high) pair of levels read as one little-endian uint16: low | high << 8.
+    # Contiguous uint16 arithmetic packs twice as fast as strided uint8 halves.
+    pairs = levels.view("<u2")
+    nibbles = pairs >> 4
+    nibbles &= 0xF0
+    nibbles |= pairs & 0x0F
+    payload[:packed] = nibbles
     payload[packed:] = scales.view(np.uint8)
     return payload
 
