@@ -65,16 +65,13 @@ async def one_run(compression: str, args: argparse.Namespace) -> dict:
     }
 
 
-def codec_seconds(array: np.ndarray, quantization: str, repeats: int) -> tuple[float, int]:
-    """Best-of-`repeats` seconds to encode and decode `array` as one message; and its wire bytes."""
-    best, size = float("inf"), 0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffers = protocol.encode(protocol.RoundResult(), {"d": array}, quantization=quantization)
-        data = b"".join(bytes(buffer) for buffer in buffers)
-        protocol.decode(data, protocol.Limits(max_tensor_bytes=2**34))
-        best, size = min(best, time.perf_counter() - start), len(data)
-    return best, size
+def codec_seconds(array: np.ndarray, quantization: str) -> tuple[float, int]:
+    """Seconds to encode and decode `array` as one message; and the message's wire bytes."""
+    start = time.perf_counter()
+    buffers = protocol.encode(protocol.RoundResult(), {"d": array}, quantization=quantization)
+    data = b"".join(bytes(buffer) for buffer in buffers)
+    protocol.decode(data, protocol.Limits(max_tensor_bytes=2**34))
+    return time.perf_counter() - start, len(data)
 
 
 ENCODINGS = ("none", "bfloat16", "int8Block", "int4Block")
@@ -106,16 +103,23 @@ def main() -> None:
     print_codec_table(args.codec_mb)
 
 
-def print_codec_table(megabytes: int) -> None:
+def print_codec_table(megabytes: int, repeats: int = 7) -> None:
+    """Best of `repeats` per encoding, taken round-robin so that load drift hits all alike."""
     array = np.random.default_rng(0).standard_normal(megabytes * 2**20 // 4).astype(np.float32)
-    timings = {q: codec_seconds(array, q, repeats=3) for q in ENCODINGS}
-    base = timings["int8Block"][0]
-    print(f"\ncodec alone: encode + decode {megabytes} MB of float32, best of 3, one thread")
+    best = dict.fromkeys(ENCODINGS, float("inf"))
+    wire = {}
+    for _ in range(repeats):
+        for name in ENCODINGS:
+            seconds, wire[name] = codec_seconds(array, name)
+            best[name] = min(best[name], seconds)
+    print(
+        f"\ncodec alone: encode + decode {megabytes} MB of float32, best of {repeats}, one thread"
+    )
     print(f"{'encoding':<12}{'seconds':>10}{'GB/s':>8}{'wire MB':>10}{'time vs int8Block':>19}")
-    for name, (seconds, size) in timings.items():
+    for name, seconds in best.items():
         print(
-            f"{name:<12}{seconds:>10.3f}{array.nbytes / seconds / 1e9:>8.2f}{size / 1e6:>10.2f}"
-            f"{seconds / base:>19.2f}"
+            f"{name:<12}{seconds:>10.3f}{array.nbytes / seconds / 1e9:>8.2f}{wire[name] / 1e6:>10.2f}"
+            f"{seconds / best['int8Block']:>19.2f}"
         )
 
 
