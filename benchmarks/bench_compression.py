@@ -1,11 +1,13 @@
-"""Pseudo-gradient compression: bytes saved and loss cost, same seed, real runs.
+"""Pseudo-gradient compression: bytes saved, loss cost and codec speed, same seed, real runs.
 
-For each encoding (none, bfloat16, int8Block) one run with a shepherd in this
-process and 2 real worker processes on 127.0.0.1, identical seed, data and
-hyper-parameters. Prints bytes the workers sent back, the ratio to float32,
-and the final eval loss difference against float32.
+For each encoding (none, bfloat16, int8Block, int4Block) one run with a shepherd
+in this process and 2 real worker processes on 127.0.0.1, identical seed, data
+and hyper-parameters. Prints bytes the workers sent back, the ratio to float32,
+and the final eval loss and its ratio to float32's. Then the codec alone:
+encode + decode of a pseudo-gradient-like float32 array (normal values), as
+seconds and GB/s of float32, with the ratio to int8Block measured alongside.
 
-    python benchmarks/bench_compression.py [--rounds 8] [--inner-steps 20]
+    python benchmarks/bench_compression.py [--rounds 8] [--inner-steps 20] [--codec-mb 64]
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
+import numpy as np
 import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pcp_tui import protocol  # noqa: E402
 from pcp_tui.app.launch import local_worker_command  # noqa: E402
 from pcp_tui.config import RunConfig  # noqa: E402
 
@@ -60,24 +65,62 @@ async def one_run(compression: str, args: argparse.Namespace) -> dict:
     }
 
 
+def codec_seconds(array: np.ndarray, quantization: str) -> tuple[float, int]:
+    """Seconds to encode and decode `array` as one message; and the message's wire bytes."""
+    start = time.perf_counter()
+    buffers = protocol.encode(protocol.RoundResult(), {"d": array}, quantization=quantization)
+    data = b"".join(bytes(buffer) for buffer in buffers)
+    protocol.decode(data, protocol.Limits(max_tensor_bytes=2**34))
+    return time.perf_counter() - start, len(data)
+
+
+ENCODINGS = ("none", "bfloat16", "int8Block", "int4Block")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--codec-mb", type=int, default=64, help="float32 MB for the codec table")
+    parser.add_argument("--encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS)
     args = parser.parse_args()
-    rows = [trio.run(one_run, c, args) for c in ("none", "bfloat16", "int8Block")]
+    rows = [trio.run(one_run, c, args) for c in args.encodings]
     base = rows[0]
     print(
         f"\npseudo-gradient compression  tiny GPT-2, 2 workers, {args.rounds} rounds x H={args.inner_steps}, seed 0"
     )
-    print(f"{'encoding':<12}{'MB received':>13}{'vs float32':>12}{'final eval':>12}{'delta':>10}")
+    print(
+        f"{'encoding':<12}{'MB received':>13}{'vs ' + base['compression']:>14}{'final eval':>12}"
+        f"{'delta':>10}{'eval ratio':>12}"
+    )
     for r in rows:
         print(
-            f"{r['compression']:<12}{r['received'] / 1e6:>13.2f}{r['received'] / base['received']:>12.3f}"
-            f"{r['eval']:>12.4f}{r['eval'] - base['eval']:>+10.4f}"
+            f"{r['compression']:<12}{r['received'] / 1e6:>13.2f}{r['received'] / base['received']:>14.3f}"
+            f"{r['eval']:>12.4f}{r['eval'] - base['eval']:>+10.4f}{r['eval'] / base['eval']:>12.4f}"
         )
     for r in rows:
         print(r["compression"], " ".join(f"{x:.3f}" for x in r["curve"]))
+    print_codec_table(args.codec_mb)
+
+
+def print_codec_table(megabytes: int, repeats: int = 7) -> None:
+    """Best of `repeats` per encoding, taken round-robin so that load drift hits all alike."""
+    array = np.random.default_rng(0).standard_normal(megabytes * 2**20 // 4).astype(np.float32)
+    best = dict.fromkeys(ENCODINGS, float("inf"))
+    wire = {}
+    for _ in range(repeats):
+        for name in ENCODINGS:
+            seconds, wire[name] = codec_seconds(array, name)
+            best[name] = min(best[name], seconds)
+    print(
+        f"\ncodec alone: encode + decode {megabytes} MB of float32, best of {repeats}, one thread"
+    )
+    print(f"{'encoding':<12}{'seconds':>10}{'GB/s':>8}{'wire MB':>10}{'time vs int8Block':>19}")
+    for name, seconds in best.items():
+        print(
+            f"{name:<12}{seconds:>10.3f}{array.nbytes / seconds / 1e9:>8.2f}{wire[name] / 1e6:>10.2f}"
+            f"{seconds / best['int8Block']:>19.2f}"
+        )
 
 
 if __name__ == "__main__":

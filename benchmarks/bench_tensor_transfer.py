@@ -9,9 +9,9 @@ receiver:
 - ``raw socket``: `socket.sendall` of each tensor's bytes / `recv_into` one
   preallocated buffer: the floor any codec has to pay.
 - ``MessageStream none``: encode + send + receive + decode, unquantized.
-- ``MessageStream bfloat16`` / ``int8Block``: the same with quantization
-  (MB and GB/s count the float32 bytes represented, so they show the
-  effective parameter throughput; the wire carries 1/2 resp. ~1/4 of it).
+- ``MessageStream bfloat16`` / ``int8Block`` / ``int4Block``: the same with
+  quantization (MB and GB/s count the float32 bytes represented, so they show
+  the effective parameter throughput; the wire carries 1/2, ~1/4, ~1/8 of it).
 
     python benchmarks/bench_tensor_transfer.py [--mb 300] [--repeats 3]
 
@@ -42,6 +42,7 @@ METHODS = {
     2: ("MessageStream none", "none"),
     3: ("MessageStream bfloat16", "bfloat16"),
     4: ("MessageStream int8Block", "int8Block"),
+    5: ("MessageStream int4Block", "int4Block"),
 }
 QUIT = 0
 COMMAND = struct.Struct("<QQ")  # method, payload bytes

@@ -14,6 +14,7 @@ decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,
 """
 
 from ._codec import (
+    COMPATIBLE_VERSION,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     HeaderCheck,
@@ -23,6 +24,7 @@ from ._codec import (
     PayloadGate,
     decode,
     encode,
+    quantization_version,
 )
 from ._errors import (
     ConnectionClosed,
@@ -69,6 +71,7 @@ from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
 
 __all__ = [
     "BODY_TYPES",
+    "COMPATIBLE_VERSION",
     "DTYPES",
     "ERROR_CODES",
     "ID_CHARS",
@@ -118,4 +121,5 @@ __all__ = [
     "VersionMismatch",
     "decode",
     "encode",
+    "quantization_version",
 ]

@@ -33,17 +33,23 @@ from ._errors import (
     ProtocolError,
     VersionMismatch,
 )
-from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, read, write
+from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, Plan, read, write
 from ._schema import Envelope
-from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
+from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
 # 2: typed messages, enums for phase / batch kind / platform
 # 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
-#    version-2 peer's messages still read, with those fields at their defaults)
-# 4: Streaming DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued
-#    roundStart (a plain run's messages are as in 3, so older peers still join plain runs)
-PROTOCOL_VERSION = 3
-SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3)
+#    version-2 peer's messages still read, with those fields at their defaults); Streaming
+#    DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued roundStart
+# 4: int4Block tensors and a plan's compression = int4Block (nothing else changed: a message
+#    that uses neither is stamped 3, so version-3 peers still join runs that do not use it,
+#    and the shepherd of a run that does refuses them at admission)
+PROTOCOL_VERSION = 4
+SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4)
+#: The version `encode` stamps on a message that uses nothing newer (see `message_version`).
+COMPATIBLE_VERSION = 3
+#: Quantizations added after COMPATIBLE_VERSION, with the version that added each.
+QUANTIZATION_VERSIONS: dict[str, int] = {"int4Block": 4}
 _SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
 # awaited with (kind, payload bytes) before a message's tensor payload is read
 PayloadGate = Callable[[str, int], Awaitable[None]]
@@ -51,7 +57,7 @@ PayloadGate = Callable[[str, int], Awaitable[None]]
 # raises a ProtocolError to refuse the message (e.g. tensors a kind may not carry)
 HeaderCheck = Callable[[Body, tuple[TensorSpec, ...], int], None]
 
-_OFFLOAD_BYTES = 8 * 2**20  # (de)quantization above this runs in a worker thread
+_OFFLOAD_BYTES = 8 * 2**20  # (de)quantizing arrays above this (decoded) size runs in a thread
 _RECEIVE_CHUNK = 64 * 1024  # read-ahead for segment tables and small frames
 _RECEIVE_BULK = 4 * 2**20  # largest receive_some when filling a payload
 _YIELD_EVERY = 16 * 2**20  # a long payload read lets other tasks run this often
@@ -96,12 +102,14 @@ def encode(
     *,
     quantization: str = "none",
     block_size: int = 256,
-    version: int = PROTOCOL_VERSION,
+    version: int | None = None,
 ) -> list[bytes | memoryview]:
     """The buffers of one message, to be written in order: the framed envelope, then payloads.
 
     Unquantized payloads are zero-copy views of the arrays (which must stay
     unchanged until written). `quantization` applies to floating tensors only.
+    The envelope carries `version`, by default the oldest that can carry the
+    message (`message_version`), so that older peers read what they can.
     ValueError for something that is not a message body, an unknown quantization or
     an unsendable tensor: those are bugs on the sending side, not protocol errors.
     """
@@ -116,7 +124,26 @@ def encode(
         spec, payload = prepare(name, array, quantization, block_size)
         specs.append(spec)
         payloads.append(payload)
-    return [_build_frame(body, specs, version), *payloads]
+    stamped = message_version(body, specs) if version is None else version
+    return [_build_frame(body, specs, stamped), *payloads]
+
+
+def quantization_version(quantization: str) -> int:
+    """The oldest protocol version that carries `quantization` (tensors, a plan's compression)."""
+    return QUANTIZATION_VERSIONS.get(quantization, COMPATIBLE_VERSION)
+
+
+def message_version(body: Body, specs: list[TensorSpec]) -> int:
+    """The oldest version that can carry `body` and tensors packed as `specs`.
+
+    A version-3 peer refuses a version-4 envelope as a version mismatch (it
+    cannot know what changed), so a message is stamped 4 only when it uses
+    what 4 added: an int4Block tensor, or a plan asking for int4Block results.
+    """
+    used = [spec.quantization for spec in specs]
+    if isinstance(body, Plan):
+        used.append(body.compression.value)
+    return max([COMPATIBLE_VERSION, *map(quantization_version, used)])
 
 
 def _build_frame(body: Body, specs: list[TensorSpec], version: int) -> bytes:
@@ -171,7 +198,8 @@ async def _read_message(
     for spec in specs:
         payload = np.empty(spec.payload_bytes, np.uint8)
         await reader.read_into(memoryview(payload))
-        if offload and spec.quantization != "none" and spec.payload_bytes > _OFFLOAD_BYTES:
+        decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
+        if offload and spec.quantization != "none" and decoded_bytes > _OFFLOAD_BYTES:
             tensors[spec.name] = await trio.to_thread.run_sync(dequantize, payload, spec)
         else:
             tensors[spec.name] = dequantize(payload, spec)

@@ -83,6 +83,7 @@ class Quantization(enum.StrEnum):
     NONE = "none"
     BFLOAT16 = "bfloat16"
     INT8_BLOCK = "int8Block"
+    INT4_BLOCK = "int4Block"  # protocol version 4
 
 
 class ErrorCode(enum.StrEnum):

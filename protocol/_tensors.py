@@ -9,6 +9,12 @@ Quantized payloads trade precision for bytes:
 - ``int8Block``: per block of `block_size` values, ``scale = max|x| / 127`` (float32)
   and ``round(x / scale)`` as int8; the payload is all int8 values, then all scales.
   The error of each value is at most ``scale / 2``, i.e. 1/254 of its block's max.
+- ``int4Block``: the same with ``scale = max|x| / 7`` and values in -7..7 packed two
+  to a byte (value ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high one,
+  two's complement; an odd count leaves the last high nibble 0), then the float32
+  scales. The error of each value is at most ``scale / 2``, 1/14 of its block's max;
+  about 0.52 bytes a value at 256-value blocks, an eighth of float32 (Streaming
+  DiLoCo, arXiv 2501.18512, sends pseudo-gradients in 4 bits at no loss in quality).
 
 Everything here is vectorised numpy: no Python loop runs per element or per block.
 """
@@ -24,7 +30,11 @@ import numpy as np
 from ._errors import FrameTooLarge, MalformedMessage
 from ._schema import DTYPE_VALUES, QUANTIZATION_VALUES
 
-QUANTIZATIONS: tuple[str, ...] = ("none", "bfloat16", "int8Block")
+QUANTIZATIONS: tuple[str, ...] = ("none", "bfloat16", "int8Block", "int4Block")
+#: Quantizations that scale blocks of `block_size` values (the header carries blockSize).
+BLOCK_QUANTIZATIONS = frozenset({"int8Block", "int4Block"})
+#: Largest level of each block quantization: a block's max|x| is sent as this many steps.
+_LEVELS = {"int8Block": 127, "int4Block": 7}
 MAX_NAME_CHARS = 256
 MAX_NDIM = 32
 
@@ -100,6 +110,8 @@ def payload_size(dtype: str, count: int, quantization: str, block_size: int) -> 
         return 2 * count
     if quantization == "int8Block":
         return count + 4 * -(-count // block_size)
+    if quantization == "int4Block":
+        return (count + 1) // 2 + 4 * -(-count // block_size)
     return count * DTYPES[dtype].itemsize
 
 
@@ -129,6 +141,8 @@ def prepare(name: str, array: np.ndarray, quantization: str, block_size: int):
         payload = array.astype(ml_dtypes.bfloat16).reshape(-1).view(np.uint8)
     elif applied == "int8Block":
         payload = quantize_int8_block(array, block_size)
+    elif applied == "int4Block":
+        payload = quantize_int4_block(array, block_size)
     else:
         payload = array.reshape(-1).view(np.uint8)
     spec = TensorSpec(
@@ -137,7 +151,7 @@ def prepare(name: str, array: np.ndarray, quantization: str, block_size: int):
         tuple(array.shape),
         applied,
         payload.nbytes,
-        block_size if applied == "int8Block" else 0,
+        block_size if applied in BLOCK_QUANTIZATIONS else 0,
     )
     return spec, memoryview(payload)
 
@@ -150,35 +164,79 @@ def quantize_int8_block(array: np.ndarray, block_size: int) -> np.ndarray:
     ValueError for non-finite values (int8 cannot carry NaN or inf) and for a
     block size outside 1..2**31-1.
     """
-    if not 1 <= block_size < 2**31:
-        raise ValueError(f"block_size must be in 1..2**31-1, got {block_size}")
     flat = array.reshape(-1)
-    count = flat.size
-    blocks = -(-count // block_size)
+    count, blocks = flat.size, _block_count(flat.size, block_size)
     payload = np.empty(count + 4 * blocks, np.uint8)
-    values = payload[:count].view(np.int8)
-    scales = np.empty(blocks, np.float32)
-    scratch = np.empty(min(count, max(block_size, _CHUNK_ELEMENTS)), np.float32)
-    for first, last, start, stop in _block_spans(count, block_size):
-        rows = flat[start:stop].reshape(last - first, -1)
-        work = scratch[: stop - start].reshape(rows.shape)
-        scales[first:last] = _quantize_rows(rows, work)
-        values[start:stop] = work.reshape(-1)
+    scales = _quantize_blocks(flat, block_size, "int8Block", payload[:count].view(np.int8))
     payload[count:] = scales.view(np.uint8)
     return payload
 
 
-def _quantize_rows(rows: np.ndarray, work: np.ndarray) -> np.ndarray:
-    """Scale each row (block) into `work` as rounded values in -127..127; returns the scales."""
+def quantize_int4_block(array: np.ndarray, block_size: int) -> np.ndarray:
+    """int4Block payload (values in -7..7 packed two a byte, then float32 scales).
+
+    The levels are first written one a byte into a scratch array a quarter of
+    the float32 input's size, then packed in one vectorised pass. ValueError
+    for non-finite values and for a block size outside 1..2**31-1.
+    """
+    flat = array.reshape(-1)
+    count, blocks = flat.size, _block_count(flat.size, block_size)
+    packed = (count + 1) // 2
+    levels = np.empty(2 * packed, np.int8)
+    levels[count:] = 0  # an odd count's last high nibble
+    scales = _quantize_blocks(flat, block_size, "int4Block", levels[:count])
+    payload = np.empty(packed + 4 * blocks, np.uint8)
+    # Each (low, high) pair of levels read as one little-endian uint16: low | high << 8.
+    # Contiguous uint16 arithmetic packs twice as fast as strided uint8 halves.
+    pairs = levels.view("<u2")
+    nibbles = pairs >> 4
+    nibbles &= 0xF0
+    nibbles |= pairs & 0x0F
+    payload[:packed] = nibbles
+    payload[packed:] = scales.view(np.uint8)
+    return payload
+
+
+def _block_count(count: int, block_size: int) -> int:
+    if not 1 <= block_size < 2**31:
+        raise ValueError(f"block_size must be in 1..2**31-1, got {block_size}")
+    return -(-count // block_size)
+
+
+def _quantize_blocks(
+    flat: np.ndarray, block_size: int, quantization: str, levels: np.ndarray
+) -> np.ndarray:
+    """Write each value's level (rounded x / scale) into int8 `levels`; returns the float32 scales."""
+    count, top = flat.size, _LEVELS[quantization]
+    scales = np.empty(_block_count(count, block_size), np.float32)
+    scratch = np.empty(min(count, max(block_size, _CHUNK_ELEMENTS)), np.float32)
+    for first, last, start, stop in _block_spans(count, block_size):
+        rows = flat[start:stop].reshape(last - first, -1)
+        work = scratch[: stop - start].reshape(rows.shape)
+        scales[first:last] = _quantize_rows(rows, work, top, quantization)
+        levels[start:stop] = work.reshape(-1)
+    return scales
+
+
+def _quantize_rows(rows: np.ndarray, work: np.ndarray, top: int, quantization: str) -> np.ndarray:
+    """Scale each row (block) into `work` as rounded values in -top..top; returns the scales."""
     rows = rows.astype(np.float32, copy=False)
     peak = np.maximum(rows.max(axis=1), -rows.min(axis=1))
     if not np.isfinite(peak).all():
-        raise ValueError("int8Block cannot quantize non-finite values (NaN or inf)")
-    scale = peak / np.float32(127)
-    inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
+        raise ValueError(f"{quantization} cannot quantize non-finite values (NaN or inf)")
+    scale = peak / np.float32(top)
+    with np.errstate(over="ignore", divide="ignore"):
+        # Near float32's max, top * scale may round to inf on decode: one step lower cannot.
+        overflows = ~np.isfinite(scale * np.float32(top))
+        scale[overflows] = np.nextafter(scale[overflows], np.float32(0))
+        inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
+    tiny = np.isinf(inverse)  # a subnormal scale's inverse overflows: divide those (rare) blocks
+    inverse[tiny] = 0
     np.multiply(rows, inverse[:, None], out=work)
+    if tiny.any():
+        work[tiny] = rows[tiny] / scale[tiny, None]
     np.rint(work, out=work)
-    np.clip(work, -127, 127, out=work)
+    np.clip(work, -top, top, out=work)
     return scale
 
 
@@ -198,25 +256,48 @@ def dequantize(payload: np.ndarray, spec: TensorSpec) -> np.ndarray:
     dtype = DTYPES[spec.dtype]
     if spec.quantization == "bfloat16":
         flat = payload.view(ml_dtypes.bfloat16).astype(dtype)
-    elif spec.quantization == "int8Block":
-        flat = _dequantize_int8_block(payload, spec.count, spec.block_size).astype(
-            dtype, copy=False
-        )
+    elif spec.quantization in BLOCK_QUANTIZATIONS:
+        levels, scales = _split_block_payload(payload, spec)
+        flat = _scale_blocks(levels, scales, spec.block_size).astype(dtype, copy=False)
     else:
         flat = payload.view(dtype)
     return flat.reshape(spec.shape)
 
 
-def _dequantize_int8_block(payload: np.ndarray, count: int, block_size: int) -> np.ndarray:
-    values = payload[:count].view(np.int8)
-    scales = np.frombuffer(payload[count:].tobytes(), "<f4")
+def _split_block_payload(payload: np.ndarray, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 level of every value and the float32 scale of every block.
+
+    MalformedMessage for a scale no sender computes (NaN, inf or negative). An
+    int4Block nibble of -8, which no sender writes, decodes as -8 scales, and an
+    odd count's padding nibble is ignored: neither can make a value non-finite.
+    """
+    count = spec.count
+    used = count if spec.quantization == "int8Block" else (count + 1) // 2
+    scales = np.frombuffer(payload[used:].tobytes(), "<f4")
+    if not (np.isfinite(scales) & (scales >= 0)).all():
+        raise MalformedMessage(
+            f"tensor {spec.name!r} ({spec.quantization}) has a NaN, infinite or negative block "
+            f"scale; a sender's scales are max|x| / {_LEVELS[spec.quantization]}"
+        )
+    if spec.quantization == "int8Block":
+        return payload[:count].view(np.int8), scales
+    levels = np.empty((used, 2), np.int8)
+    # Two's complement nibbles: shift each to the top of an int8, then arithmetic-shift back.
+    np.right_shift(np.left_shift(payload[:used], 4).view(np.int8), 4, out=levels[:, 0])
+    np.right_shift(payload[:used].view(np.int8), 4, out=levels[:, 1])
+    return levels.reshape(-1)[:count], scales
+
+
+def _scale_blocks(levels: np.ndarray, scales: np.ndarray, block_size: int) -> np.ndarray:
+    """float32 levels x their block's scale, chunk by chunk."""
+    count = levels.size
     out = np.empty(count, np.float32)
     # Scales come off the wire: huge ones overflow to Inf, which is decoded as such and
     # left for the receiver's finiteness check to refuse, not warned about here.
     with np.errstate(over="ignore", invalid="ignore"):
         for first, last, start, stop in _block_spans(count, block_size):
             chunk = out[start:stop].reshape(last - first, -1)
-            chunk[...] = values[start:stop].reshape(chunk.shape)
+            chunk[...] = levels[start:stop].reshape(chunk.shape)
             chunk *= scales[first:last, None]
     return out
 
@@ -245,8 +326,8 @@ def check_header(raw: dict, limits) -> TensorSpec:
     block_size = raw["blockSize"]
     if quantization != "none" and dtype not in FLOATING:
         raise MalformedMessage(f"tensor {name!r} is {dtype} but quantized as {quantization}")
-    if quantization == "int8Block" and block_size == 0:
-        raise MalformedMessage(f"tensor {name!r} is int8Block with blockSize 0")
+    if quantization in BLOCK_QUANTIZATIONS and block_size == 0:
+        raise MalformedMessage(f"tensor {name!r} is {quantization} with blockSize 0")
     payload_bytes = raw["payloadBytes"]
     if payload_bytes > limits.max_tensor_bytes:
         raise FrameTooLarge(

@@ -45,6 +45,7 @@ enum Quantization {
   none @0;       # payload is the array itself, little-endian, C order
   bfloat16 @1;   # float32 sent as bfloat16 (round to nearest even)
   int8Block @2;  # int8 values, then one float32 scale per `blockSize` elements
+  int4Block @3;  # version 4: values in -7..7, two per byte (low nibble first), then the scales
 }
 
 struct TensorHeader {
@@ -53,7 +54,7 @@ struct TensorHeader {
   shape @2 :List(UInt64);
   quantization @3 :Quantization;
   payloadBytes @4 :UInt64;     # raw bytes following the message for this tensor
-  blockSize @5 :UInt32;        # int8Block only
+  blockSize @5 :UInt32;        # int8Block and int4Block only
 }
 
 enum Platform {

@@ -103,7 +103,10 @@ def test_missing_file_is_a_clear_error(tmp_path):
         ({"min_workers": 3}, "--min-workers 3 is more than --workers 2: .*--round-timeout"),
         ({"port": 65536}, r"--port must be in 0..65535"),
         ({"port": -1}, r"--port must be in 0..65535"),
-        ({"compression": "gzip"}, "--compression must be one of none, bfloat16, int8Block"),
+        (
+            {"compression": "gzip"},
+            "--compression must be one of none, bfloat16, int8Block, int4Block",
+        ),
         ({"inner_optimizer": "adam"}, "--inner-optimizer must be one of adamw, sgd"),
         ({"handshake_timeout": 0.0}, "--handshake-timeout must be positive"),
         ({"max_handshakes": 0}, "--max-handshakes must be at least 1"),

@@ -32,6 +32,7 @@ def _read_metrics(path) -> list[dict]:
 
 
 def test_demo_trains_and_writes_complete_metrics(tmp_path):
+    """Also the end-to-end run of int4Block results: 4-bit pseudo-gradients still train."""
     metrics = tmp_path / "run.jsonl"
     result = subprocess.run(
         [
@@ -50,6 +51,8 @@ def test_demo_trains_and_writes_complete_metrics(tmp_path):
             "3e-3",
             "--warmup-steps",
             "5",
+            "--compression",
+            "int4Block",
             *SMALL_FLAGS,
             "--metrics",
             str(metrics),
@@ -81,8 +84,17 @@ def test_demo_trains_and_writes_complete_metrics(tmp_path):
     done = [r for r in rows if r["event"] == "done"]
     assert len(done) == 1 and done[0]["rounds"] == 4
     _check_utilization_and_data_parallel_bytes(rounds, done[0]["param_count"], inner_steps=20)
+    _check_int4_block_bytes(rounds, done[0]["param_count"])
     assert re.search(r"round +4/4 +train", result.stdout)
     assert re.search(r"util +\d+%.* fewer bytes than DP", result.stdout)
+
+
+def _check_int4_block_bytes(rounds: list[dict], param_count: int) -> None:
+    """Each of the 2 workers sent every parameter as half a byte plus a float32 scale per 256
+    (at least 0.5156 bytes each); int8Block would need over 1, float32 4."""
+    for row in rounds:
+        assert 2 * param_count * (0.5 + 4 / 256) < row["bytes_received"] < 2 * param_count * 0.6
+        assert row["bytes_saved"] > 2 * param_count * (4 - 0.6)
 
 
 def _check_utilization_and_data_parallel_bytes(

@@ -142,7 +142,7 @@ def wire(buffers) -> bytes:
 
 def assert_same(message: protocol.Message, body: protocol.Body, tensors: dict) -> None:
     assert message.kind == body.KIND
-    assert message.version == protocol.PROTOCOL_VERSION
+    assert message.version == protocol.COMPATIBLE_VERSION  # nothing in them needs version 4
     assert message.body == body
     assert list(message.tensors) == list(tensors)
     for name, array in tensors.items():
@@ -533,7 +533,7 @@ def test_version_mismatch_over_a_stream_names_both_sides():
     async def main():
         left, right = trio.testing.memory_stream_pair()
         hello = protocol.Hello(supported_versions=(5, 6))
-        for buffer in protocol.encode(hello, version=4):
+        for buffer in protocol.encode(hello, version=5):
             await left.send_all(buffer)
         with pytest.raises(protocol.VersionMismatch) as caught:
             await protocol.MessageStream(right).receive()
@@ -775,7 +775,7 @@ def test_wrong_version_is_refused_with_both_sides_named(body, peer):
     text = str(caught.value)
     assert (
         f"the peer speaks version(s) {peer[0]}" in text
-        and "this side speaks version(s) 2, 3" in text
+        and "this side speaks version(s) 2, 3, 4" in text
     )
     assert "upgrade pcp-tui on the older side" in text
 
@@ -793,11 +793,11 @@ def test_errors_form_one_hierarchy_with_schema_codes():
 
 def test_wrong_version_wins_over_an_unknown_kind():
     """A newer peer may add message kinds: it must hear 'version mismatch', not 'malformed'."""
-    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=4))
+    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=5))
     frame[18] = 200
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(bytes(frame))
-    assert caught.value.peer_versions == (4,)
+    assert caught.value.peer_versions == (5,)
 
 
 def test_concurrent_receives_are_refused():

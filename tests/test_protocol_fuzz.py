@@ -74,6 +74,14 @@ VALID = [
             protocol.RoundResult(round=2), {"d": RNG.standard_normal(9)}, quantization="bfloat16"
         )
     ),
+    wire(
+        protocol.encode(
+            protocol.RoundResult(round=2),
+            {"d": RNG.standard_normal(21).astype(np.float32)},
+            quantization="int4Block",
+            block_size=8,
+        )
+    ),
     wire(protocol.encode(protocol.Error(protocol.ErrorCode.BUSY, "later"))),
 ]
 

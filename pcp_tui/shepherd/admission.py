@@ -23,7 +23,7 @@ from pcp_tui import protocol
 from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.shepherd.connection import Hello, handshake
+from pcp_tui.shepherd.connection import Hello, VersionNeed, handshake
 from pcp_tui.shepherd.state import RunState
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
@@ -140,8 +140,10 @@ class Admission:
         max_pending: int = 64,
         refusals: RefusalLog | None = None,
         trace: MessageTrace | None = None,
+        need: VersionNeed | None = None,
     ):
         self._token, self._run_id, self._tls = token, run_id, tls
+        self._need = need  # a protocol version every worker of this run must speak
         self.trace = trace  # --trace: every message of every connection, from its hello
         self.timeout, self.max_per_host, self.max_pending = timeout, max_per_host, max_pending
         self.refusals = refusals or RefusalLog(state)
@@ -179,7 +181,9 @@ class Admission:
             with trio.fail_at(deadline):
                 stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
                 stream.observer = self.trace.observer(peer) if self.trace else None
-                hello = await handshake(stream, token=self._token, run_id=self._run_id)
+                hello = await handshake(
+                    stream, token=self._token, run_id=self._run_id, need=self._need
+                )
         except Refused as exc:
             self.refusals.refused(host, peer, exc.reason, code=exc.code)
             await _close(transport)

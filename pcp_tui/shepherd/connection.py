@@ -62,10 +62,35 @@ class WorkerLink(Connection):
         self.view.last_heard = time.monotonic()
 
 
-async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) -> Hello:
+@dataclass(frozen=True)
+class VersionNeed:
+    """What this run uses that older workers cannot read: the protocol version that
+    added it, and the option that turned it on (for the refusal's advice)."""
+
+    version: int
+    option: str
+
+
+def version_need(compression: str) -> VersionNeed | None:
+    """The version a run with `compression` needs of its workers; None if every supported one will do."""
+    version = protocol.quantization_version(compression)
+    if version <= protocol.COMPATIBLE_VERSION:
+        return None
+    return VersionNeed(version, f"--compression {compression}")
+
+
+async def handshake(
+    stream: protocol.MessageStream,
+    *,
+    token: str,
+    run_id: str,
+    need: VersionNeed | None = None,
+) -> Hello:
     """Challenge the peer: it must answer with HMAC(token, nonce, id).
 
-    Raises Refused with an error already sent to the peer when it fails.
+    With `need`, an authenticated worker that does not list that protocol
+    version is refused here, at admission, with advice, rather than failing on
+    the plan. Raises Refused with an error already sent to the peer when it fails.
     """
     nonce = auth.new_nonce()
     await stream.send(
@@ -97,6 +122,14 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
             f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
         raise Refused(reason, code="authFailed")
+    if need is not None and need.version not in body.supported_versions:
+        reason = (
+            f"this run uses {need.option}, which protocol {need.version} added; the worker speaks "
+            f"{_versions(body.supported_versions)}: upgrade pcp-tui on the worker, or restart "
+            f"the shepherd without {need.option}"
+        )
+        await stream.send_error("versionMismatch", reason)
+        raise Refused(reason, code="versionMismatch")
     backend = body.backend
     devices = max(backend.device_count, 1)  # a worker that does not say runs on one
     described = backend.platform.value

@@ -33,7 +33,7 @@ from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
-from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
+from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink, version_need
 from pcp_tui.shepherd.fragments import FragmentSync
 from pcp_tui.shepherd.graphs import GraphLibrary
 from pcp_tui.shepherd.ledger import ShardLedger
@@ -103,6 +103,7 @@ class Shepherd:
             max_per_host=config.security.max_handshakes_per_host,
             max_pending=config.security.max_handshakes,
             trace=_open_trace(config.operator.trace),
+            need=version_need(config.outer.compression),
         )
         self.pool = WorkerPool(
             self.config,
