@@ -77,16 +77,23 @@ def inner_update_bound(
 
 
 def distance(tensors: Mapping[str, np.ndarray], center: Mapping[str, np.ndarray] | None) -> float:
-    """L2 distance between two pseudo-gradients (the norm of the first if `center` is None)."""
+    """L2 distance between two pseudo-gradients (the norm of the first if `center` is None).
+
+    Each cache-sized piece is a float32 BLAS dot (its rounding is ~1e-7 of the
+    piece's sum), and the pieces add up in float64. Converting every piece to
+    float64 first made this the shepherd's largest cost on a 124M-parameter
+    model (about 2 s per result, on the round's critical path).
+    """
     total = 0.0
+    scratch = np.empty(CHUNK if center is not None else 0, np.float32)
     for name, array in tensors.items():
         flat = np.ravel(np.asarray(array, np.float32))
-        reference = None if center is None else np.ravel(center[name])
+        reference = None if center is None else np.ravel(np.asarray(center[name], np.float32))
         for start in range(0, flat.size, CHUNK):
             part = flat[start : start + CHUNK]
             if reference is not None:
-                part = part - reference[start : start + CHUNK]
-            total += float(np.dot(part.astype(np.float64), part.astype(np.float64)))
+                part = np.subtract(part, reference[start : start + CHUNK], out=scratch[: part.size])
+            total += float(np.dot(part, part))
     return math.sqrt(total)
 
 
