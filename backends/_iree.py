@@ -317,10 +317,14 @@ def _unpin_cpu_workers(runtime: Any) -> None:
 
 
 def cpu_cores() -> int:
-    """Cores this process may run on; SMT siblings of one core count once (as IREE counts)."""
+    """Cores this process may use: SMT siblings count once (as IREE counts), a cgroup quota caps.
+
+    A container limited to 2 CPUs on a 64-core host sees all 64 in its affinity
+    mask; 64 workers sharing 2 CPUs' worth of time would stall on each other.
+    """
     try:
         cpus = os.sched_getaffinity(0)
-    except AttributeError:  # not Linux: no affinity mask, no sysfs topology
+    except AttributeError:  # not Linux: no affinity mask, no sysfs topology, no cgroups
         return os.cpu_count() or 1
     cores = set()
     for cpu in cpus:
@@ -329,7 +333,23 @@ def cpu_cores() -> int:
             cores.add(siblings.read_text().strip())
         except OSError:
             cores.add(str(cpu))
-    return max(1, len(cores))
+    return max(1, min(len(cores), cgroup_cpu_quota() or len(cores)))
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """CPUs' worth of time this process's cgroup may use (rounded up); None when unlimited."""
+    try:  # cgroup v2: "max 100000" or "150000 100000" (quota and period, in microseconds)
+        quota, period = (root / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:  # cgroup v1
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        return max(1, -(-int(quota) // int(period))) if int(quota) > 0 else None
+    except (ValueError, ZeroDivisionError):  # "max" (v2) or garbage; v1 says -1
+        return None
 
 
 def host_cpu() -> str:

@@ -155,6 +155,23 @@ def test_cpu_workers_run_unpinned_and_the_cache_names_the_host_cpu(tmp_path, mon
     assert len(cached()) == 2
 
 
+@pytest.mark.parametrize(
+    ("files", "cpus"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 2),  # cgroup v2, 1.5 CPUs: 2 workers
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),  # v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_a_cgroup_cpu_quota_caps_the_cpu_workers(tmp_path, files, cpus):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert iree_backend.cgroup_cpu_quota(tmp_path) == cpus
+
+
 def _iree_worker_threads() -> list[int]:
     """Thread ids of IREE's task workers in this process (Linux names them iree-worker-N)."""
     tasks = Path("/proc/self/task")
