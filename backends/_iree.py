@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -306,8 +305,8 @@ def _unpin_cpu_workers(runtime: Any) -> None:
 
     A pinned worker whose core another program is using cannot move to an idle
     core, and each of the graph's hundreds of dispatches waits for its slowest
-    tile: on a loaded 2-core box that took IREE from about XLA's speed to 0.3-0.7x
-    of it, while unpinned workers kept 0.8-1.4x (docs/performance.md, section 7).
+    tile: on a loaded 2-core box pinned workers ran at 0.2-0.5x XLA's speed, unpinned
+    ones at 0.7-1.5x, median 1.1x (docs/performance.md, section 7).
     IREE's runtime flags are process-wide and read once, when the first CPU device
     is created; a topology set in IREE's own IREE_PY_RUNTIME_FLAGS is left alone.
     """
@@ -361,7 +360,9 @@ def host_cpu() -> str:
     try:
         with open("/proc/cpuinfo") as info:
             first = info.read().split("\n\n", 1)[0]
-    except OSError:
+    except OSError:  # not Linux
+        import platform
+
         return f"{platform.machine()} {platform.processor()}"
     wanted = ("vendor_id", "model name", "flags", "Features", "CPU part")
     return "\n".join(line for line in first.splitlines() if line.startswith(wanted))

@@ -129,7 +129,7 @@ def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
 def test_cpu_workers_run_unpinned_and_the_cache_names_the_host_cpu(tmp_path, monkeypatch):
     """Two properties of running on the CPU, checked on one small compiled graph.
 
-    IREE pins a worker thread to each core by default, which left it at 0.3-0.7x
+    IREE pins a worker thread to each core by default, which left it at 0.2-0.5x
     XLA's speed on a loaded box: the backend's workers may run on every core this
     process may use. A module compiled for `host` is native code for this CPU, so
     the compile cache keys on the CPU: another CPU compiles anew, this one reads it.
