@@ -121,6 +121,8 @@ class IreeBackend(Backend):
         self._runtime = runtime
         self._platform = platform
         self._target = TARGETS[platform]
+        if self._target.driver == "local-task":
+            _unpin_cpu_workers(runtime)
         self._flags = tuple(flags)
         self._cache = Path(cache_dir) / "iree" if cache_dir else None
         try:
@@ -185,8 +187,11 @@ class IreeBackend(Backend):
         )
 
     def _compiled(self, text: str) -> bytes:
-        parts = [_without_locations(text), self.target, *self._target.flags, *self._flags]
-        key = hashlib.sha256("\0".join([*parts, _version()]).encode()).hexdigest()
+        flags = [*self._target.flags, *self._flags]
+        parts = [_without_locations(text), self.target, *flags, _version()]
+        if any(flag.endswith("=host") for flag in flags):
+            parts.append(host_cpu())  # `host` is this machine's CPU, not every cache reader's
+        key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         path = self._cache / f"{key}.vmfb" if self._cache else None
         if path is not None and path.exists():
             return path.read_bytes()
@@ -293,6 +298,74 @@ def _without_locations(text: str) -> str:
         at = index + 1
     kept.append(text[at:])
     return _LOCATION_ALIAS.sub("", "".join(kept))
+
+
+def _unpin_cpu_workers(runtime: Any) -> None:
+    """Run IREE's CPU device on one worker thread per core, unpinned (IREE pins them by default).
+
+    A pinned worker whose core another program is using cannot move to an idle
+    core, and each of the graph's hundreds of dispatches waits for its slowest
+    tile: on a loaded 2-core box pinned workers ran at 0.2-0.5x XLA's speed, unpinned
+    ones at 0.7-1.5x, median 1.1x (docs/performance.md, section 7).
+    IREE's runtime flags are process-wide and read once, when the first CPU device
+    is created; a topology set in IREE's own IREE_PY_RUNTIME_FLAGS is left alone.
+    """
+    if "--task_topology" in os.environ.get("IREE_PY_RUNTIME_FLAGS", ""):
+        return
+    runtime.flags.parse_flags(f"--task_topology_group_count={cpu_cores()}")
+
+
+def cpu_cores() -> int:
+    """Cores this process may use: SMT siblings count once (as IREE counts), a cgroup quota caps.
+
+    A container limited to 2 CPUs on a 64-core host sees all 64 in its affinity
+    mask; 64 workers sharing 2 CPUs' worth of time would stall on each other.
+    """
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux: no affinity mask, no sysfs topology, no cgroups
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            cores.add(siblings.read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, min(len(cores), cgroup_cpu_quota() or len(cores)))
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """CPUs' worth of time this process's cgroup may use (rounded up); None when unlimited."""
+    try:  # cgroup v2: "max 100000" or "150000 100000" (quota and period, in microseconds)
+        quota, period = (root / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:  # cgroup v1
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        return max(1, -(-int(quota) // int(period))) if int(quota) > 0 else None
+    except (ValueError, ZeroDivisionError):  # "max" (v2) or garbage; v1 says -1
+        return None
+
+
+def host_cpu() -> str:
+    """What `--iree-llvmcpu-target-cpu=host` compiles for here: the CPU's model and features.
+
+    Code compiled for one CPU may use instructions another lacks (a cache on a
+    shared disk, a copied cache directory), so the cache key names the CPU.
+    """
+    try:
+        with open("/proc/cpuinfo") as info:
+            first = info.read().split("\n\n", 1)[0]
+    except OSError:  # not Linux
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("vendor_id", "model name", "flags", "Features", "CPU part")
+    return "\n".join(line for line in first.splitlines() if line.startswith(wanted))
 
 
 def _host(array: Any) -> np.ndarray:

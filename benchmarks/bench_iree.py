@@ -8,8 +8,15 @@ read back each time. The first chunk (compile, warm-up) is not timed; the timed
 chunks alternate between the runtimes and the median counts; the final losses of
 both runs are printed (equal steps, equal data), so a fast wrong run shows.
 
+Besides wall-clock seconds a chunk, the table gives the process's CPU seconds a
+chunk (all threads): the work each runtime does, which load from other programs
+changes little, while wall-clock time also shows how a runtime's threads fare
+when they must share the cores. The load average is printed before and after.
+
     python benchmarks/bench_iree.py                        # CPU: IREE llvm-cpu vs XLA-CPU
     python benchmarks/bench_iree.py --xla cuda --iree vulkan --iree-flag=--iree-vulkan-target=ampere
+    IREE_PY_RUNTIME_FLAGS=--task_topology_mode=physical_cores python benchmarks/bench_iree.py
+        # IREE's own CPU threading (workers pinned to cores), which the backend replaces
 """
 
 from __future__ import annotations
@@ -41,18 +48,20 @@ class Run:
         self.compile_seconds = time.perf_counter() - started
         self.params = tuple(backend.to_device([workload.params[n] for n in graphs.param_names]))
         self.opt_state = init.call(self.params)
-        self.step, self.loss, self.seconds = 0, float("nan"), []
+        self.step, self.loss, self.seconds, self.cpu_seconds = 0, float("nan"), [], []
         self.chunk()  # warm-up: not timed
+        self.seconds, self.cpu_seconds = [], []
 
-    def chunk(self) -> float:
-        """Seconds of one call, its losses read back (waiting for the device, as a worker does)."""
-        started = time.perf_counter()
+    def chunk(self) -> None:
+        """Time one call, its losses read back (waiting for the device, as a worker does)."""
+        started, cpu = time.perf_counter(), time.process_time()
         self.params, self.opt_state, losses = self.train.call(
             self.params, self.opt_state, self.batches, np.int32(self.step)
         )
         self.loss = float(np.asarray(self.backend.to_host([losses])[0])[-1])
         self.step += 1
-        return time.perf_counter() - started
+        self.seconds.append(time.perf_counter() - started)
+        self.cpu_seconds.append(time.process_time() - cpu)
 
 
 def main() -> None:
@@ -107,20 +116,26 @@ def main() -> None:
         ),
     }
     print(f"GPT-2 {args.model}, batch {args.batch_size}x{args.seq_len}, {args.chunk} steps a call")
-    print(f"{'runtime':<44} {'compile s':>9} {'s/chunk':>9} {'tokens/s':>10} {'ratio':>6} loss")
     loaded = {
         label: Run(backend, graph, workload, batches) for label, (backend, graph) in runs.items()
     }
+    load_before = os.getloadavg()[0]
     for _ in range(args.chunks):  # alternate, so that load from other work hits both alike
         for run in loaded.values():
-            run.seconds.append(run.chunk())
+            run.chunk()
+    print(f"load average {load_before:.1f} before the timed chunks, {os.getloadavg()[0]:.1f} after")
+    print(
+        f"{'runtime':<44} {'compile s':>9} {'s/chunk':>9} {'cpu s':>7} {'tokens/s':>10} "
+        f"{'ratio':>6} loss"
+    )
     baseline = None
     for label, run in loaded.items():
         seconds = float(np.median(run.seconds))
         rate = tokens / seconds
         baseline = baseline or rate
         print(
-            f"{label:<44} {run.compile_seconds:>9.1f} {seconds:>9.4f} {rate:>10,.0f} "
+            f"{label:<44} {run.compile_seconds:>9.1f} {seconds:>9.4f} "
+            f"{float(np.median(run.cpu_seconds)):>7.3f} {rate:>10,.0f} "
             f"{rate / baseline:>6.2f} {run.loss:.6f}"
         )
 

@@ -20,6 +20,7 @@ from pcp_tui.backends import (
     compile_stablehlo,
     select_backend,
 )
+from pcp_tui.backends import _iree as iree_backend
 from pcp_tui.contract import auth
 from pcp_tui.contract.checks import expected_shapes
 from pcp_tui.shepherd.coordinator import Shepherd
@@ -123,6 +124,60 @@ def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
         "graph 'eigh' does not compile with IREE for llvm-cpu: op stablehlo.custom_call "
         "'lapack_ssyevd_ffi' has no IREE lowering (export the graph without it)"
     )
+
+
+def test_cpu_workers_run_unpinned_and_the_cache_names_the_host_cpu(tmp_path, monkeypatch):
+    """Two properties of running on the CPU, checked on one small compiled graph.
+
+    IREE pins a worker thread to each core by default, which left it at 0.2-0.5x
+    XLA's speed on a loaded box: the backend's workers may run on every core this
+    process may use. A module compiled for `host` is native code for this CPU, so
+    the compile cache keys on the CPU: another CPU compiles anew, this one reads it.
+    """
+    exported = jax.export.export(jax.jit(lambda a, b: jax.numpy.tanh(a @ b)), platforms=("cpu",))(
+        *[jax.ShapeDtypeStruct((256, 256), np.float32)] * 2
+    )
+    a = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
+    backend = IreeBackend("cpu", cache_dir=tmp_path)
+    graph = backend.load("tanh_matmul", exported.serialize())
+    np.testing.assert_allclose(backend.to_host([graph.call(a, a)])[0], np.tanh(a @ a), atol=1e-5)
+    if "--task_topology" not in os.environ.get("IREE_PY_RUNTIME_FLAGS", ""):
+        workers = _iree_worker_threads()
+        assert len(workers) == iree_backend.cpu_cores()
+        assert all(os.sched_getaffinity(t) == os.sched_getaffinity(0) for t in workers)
+
+    cached = lambda: sorted((tmp_path / "iree").glob("*.vmfb"))  # noqa: E731
+    assert len(cached()) == 1
+    backend.load("tanh_matmul", exported.serialize())
+    assert len(cached()) == 1  # same CPU: read from the cache
+    monkeypatch.setattr(iree_backend, "host_cpu", lambda: "vendor_id : another CPU")
+    backend.load("tanh_matmul", exported.serialize())
+    assert len(cached()) == 2
+
+
+@pytest.mark.parametrize(
+    ("files", "cpus"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 2),  # cgroup v2, 1.5 CPUs: 2 workers
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),  # v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_a_cgroup_cpu_quota_caps_the_cpu_workers(tmp_path, files, cpus):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert iree_backend.cgroup_cpu_quota(tmp_path) == cpus
+
+
+def _iree_worker_threads() -> list[int]:
+    """Thread ids of IREE's task workers in this process (Linux names them iree-worker-N)."""
+    tasks = Path("/proc/self/task")
+    return [
+        int(t.name) for t in tasks.iterdir() if (t / "comm").read_text().startswith("iree-worker")
+    ]
 
 
 @pytest.mark.e2e
