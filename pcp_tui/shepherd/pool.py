@@ -102,7 +102,7 @@ class WorkerPool:
         try:
             await self._serve_worker(link)
         except (ConnectionLost, *LINK_ERRORS) as exc:
-            ended = lost(exc)
+            ended = link.failure or lost(exc)  # a send past its deadline closed the link
             self._mark_gone(link, "lost", ended.reason)
         except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
             reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
@@ -174,7 +174,16 @@ class WorkerPool:
             runtime=hello.runtime.value,
         )
         self.state.workers[hello.worker_id] = view
-        link = WorkerLink(stream, view, self.state, hello.platform, hello.runtime)
+        security = self.config.security
+        link = WorkerLink(
+            stream,
+            view,
+            self.state,
+            hello.platform,
+            hello.runtime,
+            min_send_rate=security.min_upload_rate,
+            send_grace=security.upload_grace,
+        )
         previous = self._links.get(hello.worker_id)
         if previous is not None:
             previous.closed = True
