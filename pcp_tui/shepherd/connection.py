@@ -138,6 +138,13 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
     if not worker_id:
         await stream.send_error("malformed", "workerHello has no workerId")
         raise Refused("workerHello has no workerId", code="malformed")
+    if not worker_id.isprintable():
+        reason = (
+            f"workerHello's workerId {shown(worker_id)} holds control characters; "
+            "start the worker with an --id of letters, digits and punctuation"
+        )
+        await stream.send_error("malformed", reason)
+        raise Refused(reason, code="malformed")
     if not auth.verify(token, nonce, worker_id, body.proof):
         reason = "wrong or missing join token"
         await stream.send_error(
@@ -149,12 +156,25 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
     devices = max(backend.device_count, 1)  # a worker that does not say runs on one
     described = backend.platform.value
     if backend.platform != protocol.Platform.CPU:
-        described = f"{backend.platform.value} {backend.device_kind}".strip()
+        described = f"{backend.platform.value} {shown(backend.device_kind)}".strip()
     if devices > 1:
         described = f"{described} x{devices}"
     if backend.runtime != protocol.Runtime.XLA:
-        described += f" ({backend.runtime.value} {backend.target})".replace(" )", ")")
-    return Hello(worker_id, body.hostname, described, backend.platform, devices, backend.runtime)
+        described += f" ({backend.runtime.value} {shown(backend.target)})".replace(" )", ")")
+    hostname = shown(body.hostname)
+    return Hello(worker_id, hostname, described, backend.platform, devices, backend.runtime)
+
+
+def shown(text: str) -> str:
+    """A peer's text, safe to print: control characters escaped as Python writes them.
+
+    A worker's texts reach the operator's terminal (the headless log) and files;
+    raw, an escape sequence could clear the screen or retitle it, and a newline
+    could forge a whole log line. `"a\\x1b[2Jb\\n"` becomes `a\\x1b[2Jb\\n` literally.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

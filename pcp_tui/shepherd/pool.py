@@ -23,7 +23,7 @@ from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
 from pcp_tui.shepherd.admission import Admission, Admitted
-from pcp_tui.shepherd.connection import WorkerLink
+from pcp_tui.shepherd.connection import WorkerLink, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.rounds import BadResult, Round
 from pcp_tui.shepherd.state import RunState, WorkerView
@@ -365,10 +365,10 @@ class WorkerPool:
         elif isinstance(body, (protocol.RoundResult, protocol.FragmentResult)):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):
-            view.reason = body.reason or "said goodbye"
+            view.reason = shown(body.reason) or "said goodbye"
         elif isinstance(body, protocol.Error):
             # the worker says why it stops (e.g. it refused a round's parameters): it is out
-            raise ConnectionLost(f"the worker reported {body.code.value}: {body.message}")
+            raise ConnectionLost(f"the worker reported {body.code.value}: {shown(body.message)}")
 
     def _on_progress(self, view: WorkerView, body: protocol.Progress) -> None:
         view.state = body.phase.value
