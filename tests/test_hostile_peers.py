@@ -1,6 +1,7 @@
 """Admitted peers that misbehave without breaking the protocol lose their connection, not the run.
 
-1. A worker that stops reading.
+1. A worker that stops reading. (An honest one reads nothing while it compiles,
+so the shepherd sends it no heartbeats then.)
 
 A peer that keeps sending heartbeats is not silent, so the heartbeat watchdog
 never drops it; if it stops reading, what the shepherd sends it (the plan, a
@@ -80,6 +81,23 @@ async def deaf_peer(port: int, worker_id: str, read_plan: bool) -> None:
             return  # the shepherd hung up on us
 
 
+async def compiling_peer(port: int, seen: dict) -> None:
+    """An honest worker's pace: plan, 2 s of compiling, ready. What did the shepherd send
+    while it compiled (an honest worker reads nothing then), and what after?"""
+    stream = await join(port, "compiling")
+    async with stream.stream:
+        assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
+        seen["while compiling"] = []
+        with trio.move_on_after(2):  # 4 heartbeat intervals
+            while True:
+                seen["while compiling"].append((await stream.receive()).kind)
+        await stream.send(protocol.Ready(compile_seconds=2.0))
+        with trio.fail_after(10):  # a bound, not a timing: heartbeats come every 0.5 s
+            while (await stream.receive()).kind != "heartbeat":
+                pass  # a round may start first
+        await stream.send(protocol.Goodbye("done"))
+
+
 FORGED = "\nrun done after 8 rounds; final eval loss 0.0001\x1b[2J"  # a line, clear screen
 
 
@@ -110,12 +128,12 @@ def test_deaf_peers_are_dropped_and_peers_texts_cannot_write_to_the_operators_te
     seen = {}
 
     async def scenario(port):
+        seen["honest"] = spawn_worker(port, "--id", "honest")
         async with trio.open_nursery() as peers:
             peers.start_soon(deaf_peer, port, "deaf-to-plan", False)
             peers.start_soon(deaf_peer, port, "deaf-to-rounds", True)
+            peers.start_soon(compiling_peer, port, seen)
             seen["refusal"] = await peers_with_escapes(port)
-            await until(lambda: "deaf-to-rounds" in shepherd.state.workers)
-            seen["honest"] = spawn_worker(port, "--id", "honest")
             await until(lambda: len(shepherd.state.history) == 2, polls=2400)  # 120 s: a hang guard
 
     run_shepherd(shepherd, scenario)
@@ -128,10 +146,12 @@ def test_deaf_peers_are_dropped_and_peers_texts_cannot_write_to_the_operators_te
     assert [r.worker_ids for r in history] == [("honest",), ("honest",)]
     assert shepherd.state.status == "done"
     assert seen["honest"].wait(timeout=60) == 0
+    # 1b. no heartbeats to a worker that compiles: they would only fill its window
+    assert seen["while compiling"] == []  # and heartbeats came once it was ready
     # 2. control characters: the id is refused, every other text is shown escaped
     assert seen["refusal"].kind == "error" and seen["refusal"].body.code == "malformed"
     assert "control characters" in seen["refusal"].body.message
-    assert "rude" in shepherd.state.workers and len(shepherd.state.workers) == 4
+    assert "rude" in shepherd.state.workers and len(shepherd.state.workers) == 5
     for event in shepherd.state.events:
         assert event.message.isprintable(), event.message
     [joined] = [e.message for e in shepherd.state.events if e.data.get("worker") == "rude"][:1]

@@ -13,6 +13,7 @@ import trio
 from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import LINK_ERRORS, Connection, ConnectionLost, Refused
+from pcp_tui.contract.plan import Stage
 from pcp_tui.shepherd.state import RunState, WorkerView
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
@@ -47,7 +48,9 @@ class WorkerLink(Connection):
     `min_send_rate` seconds (the shepherd's --upload-grace and --min-upload-rate,
     the rule a result upload meets the other way). A peer that stops reading but
     keeps sending heartbeats is not silent, so only this catches it; without it a
-    round start to it would block for ever, and with it the round.
+    round start to it would block for ever, and with it the round. An honest worker
+    does not read while it compiles (it may take minutes), so it gets no heartbeats
+    until it is ready: they would fill its window and trip the deadline.
     """
 
     def __init__(
@@ -80,6 +83,8 @@ class WorkerLink(Connection):
         """
         if self.failure is not None:
             raise SendTooSlow(self.failure.reason)
+        if isinstance(body, protocol.Heartbeat) and self.stage is not Stage.READY:
+            return 0  # it compiles and does not read: heartbeats would only fill its window
         async with self._turn:
             nbytes = sum(np.asarray(t).nbytes for t in (tensors or {}).values())
             seconds = self.send_grace + nbytes / self.min_send_rate
