@@ -151,6 +151,23 @@ def read_only_dir(tmp_path):
         subprocess.run(["umount", str(directory)], check=True)
 
 
+def test_an_unreadable_latest_checkpoint_names_the_one_before_it(tmp_path):
+    """A truncated file (a bad disk, a copy cut short) must not leave the operator guessing:
+    the error names the newest complete checkpoint before it, the --resume to use."""
+    for r in (2, 4):
+        checkpoint.save(tmp_path, round=r, params=_params(r), outer_state={}, meta={})
+    os.truncate(tmp_path / "round-000004" / "params.safetensors", 100)
+    for read in (checkpoint.load_latest, checkpoint.inspect):
+        with pytest.raises(checkpoint.CheckpointError) as refused:
+            read(tmp_path)
+        message = str(refused.value)
+        assert message.startswith(f"checkpoint {tmp_path / 'round-000004'} is unreadable: ")
+        assert message.endswith(
+            f"resume from the one before it with --resume {tmp_path / 'round-000002'}"
+        )
+    assert checkpoint.load_latest(tmp_path / "round-000002").round == 2
+
+
 @pytest.fixture
 def small_disk(tmp_path, monkeypatch):
     """A directory on a 5 MiB disk: a real tmpfs for root, else writes past 5 MiB fail as ENOSPC."""

@@ -205,7 +205,7 @@ def inspect(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Checkpo
         with safe_open(path / "params.safetensors", "numpy") as tensors:
             shapes = {n: tuple(tensors.get_slice(n).get_shape()) for n in tensors.keys()}  # noqa: SIM118
     except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from None
+        raise _unreadable(path, exc, hint) from None
     return CheckpointInfo(path=path, round=int(meta["round"]), shapes=shapes, meta=meta)
 
 
@@ -220,10 +220,19 @@ def load_latest(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Che
         params = load_file(path / "params.safetensors")
         outer = load_file(path / "outer.safetensors")
     except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from None
+        raise _unreadable(path, exc, hint) from None
     return Checkpoint(
         path=path, round=int(meta["round"]), params=params, outer_state=outer, meta=meta
     )
+
+
+def _unreadable(path: Path, exc: Exception, hint: str) -> CheckpointError:
+    """The error for a checkpoint that cannot be read, naming the newest complete one before it."""
+    earlier = sorted(
+        p for p in path.parent.glob("round-*") if p.name < path.name and (p / "meta.json").is_file()
+    )
+    advice = f"resume from the one before it with --resume {earlier[-1]}" if earlier else hint
+    return CheckpointError(f"checkpoint {path} is unreadable: {exc}; {advice}")
 
 
 def check_compatible(
