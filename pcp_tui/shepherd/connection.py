@@ -175,7 +175,8 @@ def shown(text: str) -> str:
 
     A worker's texts reach the operator's terminal (the headless log) and files;
     raw, an escape sequence could clear the screen or retitle it, and a newline
-    could forge a whole log line. `"a\\x1b[2Jb\\n"` becomes `a\\x1b[2Jb\\n` literally.
+    could forge a whole log line. The ESC character becomes the four characters
+    `\\x1b`, a newline the two characters `\\n`.
     """
     if text.isprintable():
         return text
