@@ -151,6 +151,66 @@ def read_only_dir(tmp_path):
         subprocess.run(["umount", str(directory)], check=True)
 
 
+def test_an_unreadable_latest_checkpoint_names_the_one_before_it(tmp_path):
+    """A truncated file (a bad disk, a copy cut short) must not leave the operator guessing:
+    the error names the newest complete checkpoint before it, the --resume to use."""
+    for r in (2, 4):
+        checkpoint.save(tmp_path, round=r, params=_params(r), outer_state={}, meta={})
+    os.truncate(tmp_path / "round-000004" / "params.safetensors", 100)
+    for read in (checkpoint.load_latest, checkpoint.inspect):
+        with pytest.raises(checkpoint.CheckpointError) as refused:
+            read(tmp_path)
+        message = str(refused.value)
+        assert message.startswith(f"checkpoint {tmp_path / 'round-000004'} is unreadable: ")
+        assert message.endswith(
+            f"resume from the one before it with --resume {tmp_path / 'round-000002'}"
+        )
+    assert checkpoint.load_latest(tmp_path / "round-000002").round == 2
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A directory on a 5 MiB disk: a real tmpfs for root, else writes past 5 MiB fail as ENOSPC."""
+    directory, capacity = tmp_path / "small-disk", 5 * 2**20
+    directory.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and not subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={capacity}", "tmpfs", str(directory)],
+            capture_output=True,
+            check=False,
+        ).returncode
+    )
+    if not mounted:  # the same full disk, as the filesystem would report it
+        honest_save_file = checkpoint.save_file
+
+        def save_file(tensors, path, metadata=None):
+            used = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+            if used + sum(t.nbytes for t in tensors.values()) > capacity:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return honest_save_file(tensors, path, metadata=metadata)
+
+        monkeypatch.setattr(checkpoint, "save_file", save_file)
+    try:
+        yield directory
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_a_disk_full_of_older_checkpoints_makes_room_for_the_newest(small_disk):
+    """Two 2 MiB checkpoints fill the disk; the third would be refused for ever (the run
+    would go on with no checkpoint after round 2). The older ones make room instead;
+    the latest is never removed before its successor is complete."""
+    for r in range(1, 5):
+        checkpoint.save(small_disk, round=r, params=_params(r, 100_000), outer_state={}, meta={})
+        assert checkpoint.load_latest(small_disk).round == r
+    names = sorted(p.name for p in small_disk.iterdir())
+    assert names == ["latest", "round-000003", "round-000004"]
+    saved = checkpoint.load_latest(small_disk)
+    np.testing.assert_array_equal(saved.params["wte"], _params(4, 100_000)["wte"])
+
+
 def test_a_read_only_directory_is_a_checkpoint_error(read_only_dir):
     with pytest.raises(checkpoint.CheckpointError, match=r"not written to .*previous checkpoint"):
         checkpoint.save(read_only_dir / "run", round=1, params=_params(1), outer_state={}, meta={})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from textual.content import Content
+
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory, sparkline
 
@@ -76,3 +78,28 @@ async def test_small_terminals_drop_panels_instead_of_squeezing_the_chart():
         assert "round" in chart and "┴" in chart  # round marks on a labelled axis
         await pilot.resize_terminal(60, 12)
         await wait_until(pilot, lambda: not app.query_one(WorkerTable).display)
+
+
+@run_async
+async def test_a_workers_texts_are_shown_as_written_not_read_as_markup():
+    """Ids, host names and reasons come from workers: "[/x]" in one must be shown, not parsed
+    (a markup error while rendering the detail ended the dashboard, and the run inside it)."""
+    state = fake_state()
+    hostile = "evil[/x] [bold]host"
+    view = state.workers.pop("gpu-a-1")
+    view.worker_id, view.host, view.reason = hostile, hostile, "said [/] bye"
+    state.workers = {hostile: view, **state.workers}
+    app = _app(state)
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.refresh_from_state()
+        app.query_one(WorkerTable).focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, WorkerDetail)
+        text = "\n".join(panel_lines(app.screen.query_one("#worker-detail-body")))
+        lines = {line.split("  ")[0]: line for line in text.splitlines()}
+        assert f"0 / {hostile}" in lines["index / id"] and hostile in lines["host"]
+        assert "said [/] bye" in text
+        title = app.screen.query_one("#worker-detail").border_title  # kept as escaped markup
+        assert Content.from_markup(title).plain == f"worker {hostile}"
+        await pilot.press("escape")

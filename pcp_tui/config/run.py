@@ -304,13 +304,14 @@ class SecurityConfig:
     min_upload_rate: float = option(
         1e6,
         above=0,
-        help="bytes/s a round result upload must average after --upload-grace; "
-        "slower ones are dropped",
+        help="bytes/s a round result upload (and a message to a worker) must average after "
+        "--upload-grace; slower links are dropped",
     )
     upload_grace: float = option(
         10.0,
         at_least=0,
-        help="seconds a round result upload may take before --min-upload-rate applies",
+        help="seconds a round result upload (or a message to a worker) may take before "
+        "--min-upload-rate applies",
     )
 
     def check(self) -> None:

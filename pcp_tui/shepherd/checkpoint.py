@@ -13,11 +13,13 @@ point leaves the previous `latest` pointing at a complete checkpoint; a crash
 between the rename and the first `latest` leaves a complete round directory,
 which `locate` falls back to. A write that fails for any reason (full disk,
 permissions, a safetensors error) is a CheckpointError: the caller reports it
-and the run goes on.
+and the run goes on. A full disk first gives up the checkpoints older than the
+latest, then the write is tried once more.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -60,29 +62,67 @@ def save(
 
     CheckpointError for any failure of the write, whatever raised it: a
     checkpoint that cannot be written must never end the run that asked for it.
+    A write that finds the disk full removes the checkpoints older than the latest
+    and tries once more: else a disk with room for fewer than `keep` would refuse
+    every checkpoint after it filled, and a crash would lose every round since.
     """
     root = Path(directory)
-    name = f"round-{round:06d}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-        try:
-            _write_round(staging, round, params, outer_state, meta)
-            _move_into_place(staging, root / name)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        _replace_text(root / "latest", name)
-        _fsync_dir(root)
+        _save_once(root, round, params, outer_state, meta)
     except Exception as exc:  # safetensors' own errors are no OSError; all mean "not written"
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise CheckpointError(
-            f"checkpoint of round {round} not written to {root}: {reason} "
-            f"({type(exc).__name__}); the previous checkpoint is kept (free disk space, fix "
-            "the directory's permissions or choose another --checkpoint-dir)"
-        ) from None
+        if not (_no_space(exc) and _remove_older_than_latest(root)):
+            raise _not_written(root, round, exc) from None
+        try:
+            _save_once(root, round, params, outer_state, meta)
+        except Exception as again:  # noqa: BLE001 - reported as the CheckpointError below
+            raise _not_written(root, round, again) from None
     _prune(root, keep)
-    return root / name
+    return root / f"round-{round:06d}"
+
+
+def _save_once(
+    root: Path, round: int, params: dict, outer_state: dict, meta: dict[str, Any]
+) -> None:
+    name = f"round-{round:06d}"
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        _write_round(staging, round, params, outer_state, meta)
+        _move_into_place(staging, root / name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _replace_text(root / "latest", name)
+    _fsync_dir(root)
+
+
+def _not_written(root: Path, round: int, exc: Exception) -> CheckpointError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    return CheckpointError(
+        f"checkpoint of round {round} not written to {root}: {reason} "
+        f"({type(exc).__name__}); the previous checkpoint is kept (free disk space, fix "
+        "the directory's permissions or choose another --checkpoint-dir)"
+    )
+
+
+def _no_space(exc: Exception) -> bool:
+    """Whether a write failed for lack of space (safetensors reports it only in its text)."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(exc)
+    return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def _remove_older_than_latest(root: Path) -> bool:
+    """Delete every complete checkpoint but the one `latest` names; whether any was."""
+    try:
+        latest = (root / "latest").read_text().strip()
+    except OSError:
+        return False  # without a known latest, nothing is safe to remove
+    older = [p for p in root.glob("round-*") if p.is_dir() and p.name != latest]
+    for path in older:
+        shutil.rmtree(path, ignore_errors=True)
+    return bool(older)
 
 
 def _write_round(
@@ -165,7 +205,7 @@ def inspect(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Checkpo
         with safe_open(path / "params.safetensors", "numpy") as tensors:
             shapes = {n: tuple(tensors.get_slice(n).get_shape()) for n in tensors.keys()}  # noqa: SIM118
     except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from None
+        raise _unreadable(path, exc, hint) from None
     return CheckpointInfo(path=path, round=int(meta["round"]), shapes=shapes, meta=meta)
 
 
@@ -180,10 +220,19 @@ def load_latest(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Che
         params = load_file(path / "params.safetensors")
         outer = load_file(path / "outer.safetensors")
     except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from None
+        raise _unreadable(path, exc, hint) from None
     return Checkpoint(
         path=path, round=int(meta["round"]), params=params, outer_state=outer, meta=meta
     )
+
+
+def _unreadable(path: Path, exc: Exception, hint: str) -> CheckpointError:
+    """The error for a checkpoint that cannot be read, naming the newest complete one before it."""
+    earlier = sorted(
+        p for p in path.parent.glob("round-*") if p.name < path.name and (p / "meta.json").is_file()
+    )
+    advice = f"resume from the one before it with --resume {earlier[-1]}" if earlier else hint
+    return CheckpointError(f"checkpoint {path} is unreadable: {exc}; {advice}")
 
 
 def check_compatible(

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import trio
 
 from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
-from pcp_tui.contract.connection import LINK_ERRORS, Connection, Refused
+from pcp_tui.contract.connection import LINK_ERRORS, Connection, ConnectionLost, Refused
+from pcp_tui.contract.plan import Stage
 from pcp_tui.shepherd.state import RunState, WorkerView
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
@@ -29,9 +32,26 @@ class Hello:
     runtime: protocol.Runtime = protocol.Runtime.XLA
 
 
+class SendTooSlow(trio.BrokenResourceError):
+    """A message to a worker was not taken in its time (`WorkerLink.send`); the link is closed.
+
+    A `trio.BrokenResourceError`, so every sender that already handles a broken
+    link (round starts, fragment updates, heartbeats) handles this one too.
+    """
+
+
 class WorkerLink(Connection):
     """One admitted worker: its connection, its view in RunState (whose bytes and
-    last-heard time it keeps), and whether it is ready for rounds."""
+    last-heard time it keeps), and whether it is ready for rounds.
+
+    Every message to the worker must be taken within `send_grace` + its bytes /
+    `min_send_rate` seconds (the shepherd's --upload-grace and --min-upload-rate,
+    the rule a result upload meets the other way). A peer that stops reading but
+    keeps sending heartbeats is not silent, so only this catches it; without it a
+    round start to it would block for ever, and with it the round. An honest worker
+    does not read while it compiles (it may take minutes), so it gets no heartbeats
+    until it is ready: they would fill its window and trip the deadline.
+    """
 
     def __init__(
         self,
@@ -40,6 +60,9 @@ class WorkerLink(Connection):
         state: RunState,
         platform: protocol.Platform,
         runtime: protocol.Runtime = protocol.Runtime.XLA,
+        *,
+        min_send_rate: float = math.inf,
+        send_grace: float = math.inf,
     ):
         super().__init__(stream, "shepherd", log=log, name=f"worker {view.index}: ")
         self.view = view
@@ -47,6 +70,36 @@ class WorkerLink(Connection):
         self.runtime = runtime  # with platform: which export this worker's plan carries
         self._state = state
         self.ready = trio.Event()
+        self.min_send_rate, self.send_grace = min_send_rate, send_grace
+        self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
+        self._turn = trio.Lock()  # messages wait their turn here, outside their deadline
+
+    async def send(self, body: protocol.Body, tensors=None, **options) -> int:
+        """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
+
+        The deadline counts from when the message's turn comes, not while it waits
+        behind another (a heartbeat behind a long plan is not late). A message cut
+        off mid-frame leaves the stream unusable, so the link is closed at once.
+        """
+        if self.failure is not None:
+            raise SendTooSlow(self.failure.reason)
+        if isinstance(body, protocol.Heartbeat) and self.stage is not Stage.READY:
+            return 0  # it compiles and does not read: heartbeats would only fill its window
+        async with self._turn:
+            nbytes = sum(np.asarray(t).nbytes for t in (tensors or {}).values())
+            seconds = self.send_grace + nbytes / self.min_send_rate
+            with trio.move_on_after(seconds):
+                return await super().send(body, tensors, **options)
+            reason = (
+                f"download too slow: the worker did not take a {nbytes}-byte {body.KIND} in "
+                f"{seconds:.0f} s (--upload-grace {self.send_grace:g} s, then "
+                f"--min-upload-rate {self.min_send_rate:g} B/s); a worker must keep reading"
+            )
+            self.failure = ConnectionLost(reason, code=protocol.ErrorCode.TIMEOUT.value)
+            self.closed = True
+            with trio.CancelScope(shield=True):  # half a frame went out: nothing more to say
+                await trio.aclose_forcefully(self.stream.stream)
+            raise SendTooSlow(reason)
 
     @property
     def worker_id(self) -> str:
@@ -115,6 +168,13 @@ async def handshake(
     if not worker_id:
         await stream.send_error("malformed", "workerHello has no workerId")
         raise Refused("workerHello has no workerId", code="malformed")
+    if not worker_id.isprintable():
+        reason = (
+            f"workerHello's workerId {shown(worker_id)} holds control characters; "
+            "start the worker with an --id of letters, digits and punctuation"
+        )
+        await stream.send_error("malformed", reason)
+        raise Refused(reason, code="malformed")
     if not auth.verify(token, nonce, worker_id, body.proof):
         reason = "wrong or missing join token"
         await stream.send_error(
@@ -134,12 +194,26 @@ async def handshake(
     devices = max(backend.device_count, 1)  # a worker that does not say runs on one
     described = backend.platform.value
     if backend.platform != protocol.Platform.CPU:
-        described = f"{backend.platform.value} {backend.device_kind}".strip()
+        described = f"{backend.platform.value} {shown(backend.device_kind)}".strip()
     if devices > 1:
         described = f"{described} x{devices}"
     if backend.runtime != protocol.Runtime.XLA:
-        described += f" ({backend.runtime.value} {backend.target})".replace(" )", ")")
-    return Hello(worker_id, body.hostname, described, backend.platform, devices, backend.runtime)
+        described += f" ({backend.runtime.value} {shown(backend.target)})".replace(" )", ")")
+    hostname = shown(body.hostname)
+    return Hello(worker_id, hostname, described, backend.platform, devices, backend.runtime)
+
+
+def shown(text: str) -> str:
+    """A peer's text, safe to print: control characters escaped as Python writes them.
+
+    A worker's texts reach the operator's terminal (the headless log) and files;
+    raw, an escape sequence could clear the screen or retitle it, and a newline
+    could forge a whole log line. The ESC character becomes the four characters
+    `\\x1b`, a newline the two characters `\\n`.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

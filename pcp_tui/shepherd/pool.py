@@ -23,7 +23,7 @@ from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
 from pcp_tui.shepherd.admission import Admission, Admitted
-from pcp_tui.shepherd.connection import WorkerLink
+from pcp_tui.shepherd.connection import WorkerLink, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.rounds import BadResult, Round
 from pcp_tui.shepherd.state import RunState, WorkerView
@@ -102,7 +102,7 @@ class WorkerPool:
         try:
             await self._serve_worker(link)
         except (ConnectionLost, *LINK_ERRORS) as exc:
-            ended = lost(exc)
+            ended = link.failure or lost(exc)  # a send past its deadline closed the link
             self._mark_gone(link, "lost", ended.reason)
         except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
             reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
@@ -174,7 +174,16 @@ class WorkerPool:
             runtime=hello.runtime.value,
         )
         self.state.workers[hello.worker_id] = view
-        link = WorkerLink(stream, view, self.state, hello.platform, hello.runtime)
+        security = self.config.security
+        link = WorkerLink(
+            stream,
+            view,
+            self.state,
+            hello.platform,
+            hello.runtime,
+            min_send_rate=security.min_upload_rate,
+            send_grace=security.upload_grace,
+        )
         previous = self._links.get(hello.worker_id)
         if previous is not None:
             previous.closed = True
@@ -356,10 +365,10 @@ class WorkerPool:
         elif isinstance(body, (protocol.RoundResult, protocol.FragmentResult)):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):
-            view.reason = body.reason or "said goodbye"
+            view.reason = shown(body.reason) or "said goodbye"
         elif isinstance(body, protocol.Error):
             # the worker says why it stops (e.g. it refused a round's parameters): it is out
-            raise ConnectionLost(f"the worker reported {body.code.value}: {body.message}")
+            raise ConnectionLost(f"the worker reported {body.code.value}: {shown(body.message)}")
 
     def _on_progress(self, view: WorkerView, body: protocol.Progress) -> None:
         view.state = body.phase.value

@@ -65,7 +65,7 @@ class WorkerDetail(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="worker-detail") as scroll:
-            scroll.border_title = f"worker {self._worker_id}"
+            scroll.border_title = Text(f"worker {self._worker_id}")  # a worker's text: no markup
             scroll.border_subtitle = "escape closes"
             yield Static(id="worker-detail-body")
 
@@ -117,7 +117,7 @@ def detail_renderable(view: WorkerView, history: WorkerHistory | None, now: floa
         ("last heard", f"{duration(now - view.last_heard)} ago"),
     )
     for what, value in rows:
-        grid.add_row(what, value)
+        grid.add_row(what, Text(value))  # values hold a worker's own texts: never markup
     if history is not None:
         grid.add_row("", "")
         grid.add_row("loss history", sparkline(history.loss, width))
