@@ -11,9 +11,9 @@ import subprocess
 import pytest
 import trio
 
-from pcp_tui.config import ConfigError
+from pcp_tui.config.run import schedule_problem
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.pacing import StepPacing
+from pcp_tui.shepherd.pacing import SMOOTHING, SpeedEstimate, StepPacing
 from pcp_tui.shepherd.rounds import Round
 from pcp_tui.testing import faulty_worker_command
 from pcp_tui.training.build import build_workload
@@ -23,21 +23,79 @@ from .conftest import small_config, worker_env
 H, CHUNK = 20, 5
 
 
+def _measured(steps: dict, seconds: dict, connections: dict | None = None) -> Round:
+    """A closed round whose contributors trained `steps` in `seconds` on `connections`."""
+    measured = Round(1, list(steps), _NoMean(), None, connections=connections)
+    measured.contributors = list(steps)
+    measured.steps_by_worker, measured.compute_seconds = dict(steps), dict(seconds)
+    return measured
+
+
 def test_steps_follow_speed_in_whole_chunks():
     pacing = StepPacing(H, CHUNK)
     assert pacing.steps_for(["a", "b"]) == {"a": H, "b": H}  # nobody measured yet
-    measured = Round(1, ["a", "b", "c"], _NoMean(), None)
-    measured.contributors = ["a", "b", "c"]
-    measured.steps_by_worker = {"a": 20, "b": 20, "c": 20}
-    measured.compute_seconds = {"a": 1.0, "b": 2.0, "c": 100.0}
-    pacing.observe(measured)
+    pacing.observe(_measured({"a": 20, "b": 20, "c": 20}, {"a": 1.0, "b": 2.0, "c": 100.0}))
     assert pacing.steps_for(["a", "b", "c", "new"]) == {"a": 20, "b": 10, "c": 5, "new": 20}
     assert pacing.steps_for(["b", "c"]) == {"b": 20, "c": 5}  # the fastest present trains H
 
 
-def test_adaptive_steps_need_plain_diloco():
-    with pytest.raises(ConfigError, match="plain DiLoCo only"):
-        small_config(adaptive_steps=True, streaming_fragments=2, inner_steps=8).validate()
+class _Connection:
+    """Stands in for a WorkerLink: an object a round's roundStart went to."""
+
+
+def test_one_slow_round_moves_the_estimate_by_the_smoothing_not_all_the_way():
+    estimate = SpeedEstimate(smoothing=0.25)
+    link = _Connection()
+    assert estimate.update(8.0, link) == 8.0  # the first measurement is taken as it is
+    assert estimate.update(4.0, link) == 7.0  # 8 + 0.25 x (4 - 8)
+    assert estimate.update(4.0, None) == 6.25  # None: the same connection
+    assert estimate.update(2.0, _Connection()) == 2.0  # a reconnect starts over
+
+
+def test_a_gc_pause_does_not_halve_the_next_round_but_a_lasting_slowdown_shows():
+    pacing, fast, slow = StepPacing(H, CHUNK), _Connection(), _Connection()
+    links = {"fast": fast, "slow": slow}
+    pacing.observe(_measured({"fast": 20, "slow": 20}, {"fast": 1.0, "slow": 1.0}, links))
+    pacing.observe(_measured({"fast": 20, "slow": 20}, {"fast": 1.0, "slow": 2.0}, links))
+    assert pacing.speed("slow") == 20 * (1 - SMOOTHING) + 10 * SMOOTHING
+    assert pacing.steps_for(["fast", "slow"]) == {"fast": 20, "slow": 15}  # not 10
+    for _ in range(3):  # it really is half as fast now: the estimate follows within rounds
+        pacing.observe(_measured({"fast": 20, "slow": 10}, {"fast": 1.0, "slow": 1.0}, links))
+    assert 10 < pacing.speed("slow") < 10 + 7 * (1 - SMOOTHING) ** 3 + 1e-9
+    assert pacing.steps_for(["fast", "slow"]) == {"fast": 20, "slow": 10}
+
+
+def test_a_reconnected_worker_is_measured_afresh():
+    pacing, a, first = StepPacing(H, CHUNK), _Connection(), _Connection()
+    for _ in range(3):
+        pacing.observe(_measured({"a": 20, "b": 5}, {"a": 1.0, "b": 1.0}, {"a": a, "b": first}))
+    assert pacing.steps_for(["a", "b"])["b"] == 5
+    again = _Connection()  # b came back, maybe on a faster machine: its hello describes it
+    pacing.observe(_measured({"a": 20, "b": 5}, {"a": 1.0, "b": 0.25}, {"a": a, "b": again}))
+    assert pacing.speed("b") == 20.0 and pacing.steps_for(["a", "b"])["b"] == 20
+
+
+@pytest.mark.parametrize(
+    ("steps", "chunk_steps", "overlap", "quantum", "least"),
+    [(24, 1, 1, 2, 4), (24, 2, 2, 4, 8), (40, 5, 0, 10, 10)],
+)
+def test_streaming_pacing_keeps_every_round_schedulable(
+    steps, chunk_steps, overlap, quantum, least
+):
+    inner = small_config(
+        inner_steps=steps,
+        chunk_steps=chunk_steps,
+        streaming_fragments=2,
+        overlap_steps=overlap,
+        adaptive_steps=True,
+    ).inner
+    pacing = StepPacing.for_config(inner)
+    assert (pacing.quantum, pacing.least) == (quantum, least)
+    speeds = {"fast": 1.0, **{f"w{i}": 1.0 / i for i in range(1, 12)}}
+    pacing.observe(_measured(dict.fromkeys(speeds, steps), {w: 1 / s for w, s in speeds.items()}))
+    for worker, h in pacing.steps_for(speeds).items():
+        problem = schedule_problem(h, 2, overlap, inner.chunk)
+        assert problem is None and h <= steps, (worker, h, problem)
 
 
 class _NoMean:

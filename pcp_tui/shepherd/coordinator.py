@@ -115,7 +115,7 @@ class Shepherd:
         self.library = GraphLibrary.for_run(self.config, workload, self._inner_optimizer())
         self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
         inner = config.inner
-        self.pacing = StepPacing(inner.steps, inner.chunk) if inner.adaptive_steps else None
+        self.pacing = StepPacing.for_config(inner) if inner.adaptive_steps else None
         if inner.streaming:
             self.fragment_sync = FragmentSync(config, self._shapes, self._screen.max_tokens)
             self.outer = self.fragment_sync.outer  # per-fragment optax states, one checkpoint
