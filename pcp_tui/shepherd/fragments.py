@@ -106,6 +106,28 @@ class FragmentSync:
         self.in_sync: set[WorkerLink] = set()  # hold every fragment's current global value
         self.compression = config.outer.compression
 
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Each fragment's aggregation state (centered clip's center and radius history).
+
+        Named `[p]` + the names the fragment's aggregate gives them, e.g.
+        `[1]aggregate.distances`: beside `FragmentedOuter`'s in the checkpoint, so
+        that `--resume` clips each fragment from its own history at once, as the
+        uninterrupted run would have.
+        """
+        return {
+            f"[{p}]{name}": value
+            for p, aggregate in enumerate(self.aggregates)
+            for name, value in aggregate.state_arrays().items()
+        }
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Take `state_arrays`' names back; a fragment without them (older checkpoint) starts bare."""
+        for p, aggregate in enumerate(self.aggregates):
+            prefix = f"[{p}]"
+            aggregate.load_state_arrays(
+                {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            )
+
     async def run_round(self, shepherd, number: int) -> Round | None:
         """Run round `number` fragment by fragment; the combined Round, or None without results."""
         links = shepherd.pool.ready_links()
