@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import subprocess
 
+import numpy as np
+import optax
 import pytest
 import trio
 
+from pcp_tui import protocol
 from pcp_tui.config.run import schedule_problem
+from pcp_tui.contract import plan as contract
+from pcp_tui.diloco import reference
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.pacing import SMOOTHING, SpeedEstimate, StepPacing
 from pcp_tui.shepherd.rounds import Round
-from pcp_tui.testing import faulty_worker_command
+from pcp_tui.testing import faulty_worker_command, run_shepherd, until
 from pcp_tui.training.build import build_workload
+from pcp_tui.training.shards import sample_batches
 
 from .conftest import small_config, worker_env
 
@@ -136,3 +142,111 @@ def test_a_slow_worker_trains_fewer_steps_and_still_counts(spawn_worker):
     steps = shepherd.pacing.steps_for(["fast", "slow"])
     assert max(steps.values()) == H and CHUNK <= min(steps.values()) < H
     print("fast worker utilization by round:", [r.worker_utilization["fast"] for r in history])
+
+
+@pytest.mark.e2e
+def test_adaptive_streaming_scales_each_schedule_and_equals_the_reference(spawn_worker):
+    """--adaptive-steps with --streaming-fragments 2: a fast and a 3x slower real worker, inner
+    SGD. The pacing sizes each round from the speeds it measured (recorded, not faked); each
+    worker runs its fragment schedule scaled to its steps, and the shepherd's parameters equal
+    `reference.streaming_diloco` given those step counts (tolerances as in test_streaming)."""
+    steps, lr = 8, 0.1
+    config = small_config(
+        workers=2,
+        rounds=3,
+        inner_steps=steps,
+        chunk_steps=1,
+        inner_optimizer="sgd",
+        inner_lr=lr,
+        warmup_steps=0,
+        grad_clip=0.0,
+        aggregate="mean",
+        eval_every=3,
+        streaming_fragments=2,
+        overlap_steps=1,
+        mix_alpha=0.5,
+        adaptive_steps=True,
+    )
+    workload = build_workload(config, shards=2)
+    shepherd = Shepherd(config, workload)
+    given = _record_steps(shepherd.pacing)
+
+    async def scenario(port):
+        spawn_worker(port, "--id", "fast")
+        await until(lambda: "fast" in shepherd.state.workers)  # index 0: shard 0's stream
+        slow = faulty_worker_command(port, "slow", "--id", "slow", factor=3.0)
+        slow = subprocess.Popen(
+            slow, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+        await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
+        await trio.to_thread.run_sync(slow.wait)
+
+    run_shepherd(shepherd, scenario)
+    history = shepherd.state.history
+    assert [r.fragment_results for r in history] == [(2, 2)] * 3
+    assert given[0] == {"fast": steps, "slow": steps}  # nobody measured before round 1
+    assert all(g["fast"] == steps and g["slow"] < steps for g in given[1:]), given
+    assert shepherd.pacing.speed("slow") < shepherd.pacing.speed("fast")
+    per_step = config.data.batch_size * config.data.seq_len
+    rounds = [
+        [
+            (_batches(workload, config, slot, number, given[number - 1][worker]), h * per_step)
+            for slot, worker in enumerate(("fast", "slow"))
+            for h in [given[number - 1][worker]]
+        ]
+        for number in range(1, 4)
+    ]
+    expected = reference.streaming_diloco(
+        workload.loss_fn,
+        workload.params,
+        rounds,
+        inner=optax.sgd(lr),
+        outer=reference.outer_optimizer("nesterov"),
+        fragments=shepherd.fragment_sync.fragments,
+        overlap=1,
+        alpha=0.5,
+    )
+    for name, value in expected.items():
+        np.testing.assert_allclose(shepherd.params[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def _record_steps(pacing: StepPacing) -> list[dict[str, int]]:
+    """Each round's steps as `pacing` decides them (its own decision, kept for the reference)."""
+    given: list[dict[str, int]] = []
+    decide = pacing.steps_for
+
+    def recording(workers):
+        given.append(decide(workers))
+        return given[-1]
+
+    pacing.steps_for = recording
+    return given
+
+
+def _batches(workload, config, slot: int, number: int, steps: int) -> list:
+    """Worker `slot`'s batches of round `number`, as it samples them in chunks of one step."""
+    return [
+        sample_batches(
+            workload.shards[slot],
+            steps=1,
+            batch_size=config.data.batch_size,
+            seq_len=config.data.seq_len,
+            seed=config.model.seed,
+            stream=(slot, number, step),
+        )[0]
+        for step in range(steps)
+    ]
+
+
+def test_a_worker_refuses_a_round_its_fragment_schedule_cannot_run():
+    plan = protocol.Plan(
+        param_names=("a", "b"),
+        inner_steps=8,
+        chunk_steps=1,
+        fragments=(protocol.Fragment(("a",)), protocol.Fragment(("b",))),
+        overlap_steps=1,
+    )
+    assert contract.round_steps_problem(plan, 4) is None  # shares of 2 steps, τ = 1
+    assert "allows 1 to 8" in contract.round_steps_problem(plan, 10)  # longer than H: never
+    assert "--overlap-steps 1" in contract.round_steps_problem(plan, 2)  # τ fills the share
+    assert "multiple of --streaming-fragments" in contract.round_steps_problem(plan, 5)

@@ -150,9 +150,11 @@ class FragmentSync:
         shepherd.pool.fragment_rounds = rounds
         shepherd.state.round = number
         failed: set[WorkerLink] = set()
+        steps = shepherd.pacing.steps_for(ids) if shepherd.pacing else {}  # --adaptive-steps
         async with trio.open_nursery() as nursery:
             for link in links:
-                nursery.start_soon(self._start, shepherd, link, number, rounds, failed)
+                h = steps.get(link.worker_id, shepherd.config.inner.steps)
+                nursery.start_soon(self._start, shepherd, link, number, h, rounds, failed)
         async with trio.open_nursery() as nursery:
             for p in range(len(self.fragments)):
                 nursery.start_soon(self._sync, shepherd, p, rounds[p], links, failed)
@@ -161,13 +163,17 @@ class FragmentSync:
         if not any(r.contributors for r in rounds):
             return None
         tokens_per_step = shepherd._screen.max_tokens // shepherd.config.inner.steps
-        return combined(number, rounds, started, at_start, tokens_per_step)
+        summary = combined(number, rounds, started, at_start, tokens_per_step)
+        if shepherd.pacing is not None:
+            shepherd.pacing.observe(summary)
+        return summary
 
-    async def _start(self, shepherd, link: WorkerLink, number: int, rounds, failed) -> None:
+    async def _start(
+        self, shepherd, link: WorkerLink, number: int, steps: int, rounds, failed
+    ) -> None:
+        """Send round `number`'s start (`steps` inner steps) to `link`, parameters unless in sync."""
         continued = link in self.in_sync
-        body = protocol.RoundStart(
-            round=number, inner_steps=shepherd.config.inner.steps, continued=continued
-        )
+        body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
         tensors = {} if continued else {n: shepherd.params[n] for n in shepherd.graphs.param_names}
         link.view.state, link.view.round, link.view.step = "syncing", number, 0
         try:
@@ -244,7 +250,7 @@ def combined(
     results (each covers the steps since its previous one); a worker counts
     as a contributor if any of its fragments was folded in.
     """
-    summary = Round(number, [], PseudoGradientMean(()), None)
+    summary = Round(number, [], PseudoGradientMean(()), None, connections=rounds[0].connections)
     summary.started, summary.bytes_at_start = started, at_start
     for current in rounds:
         summary.losses.extend(current.losses)
