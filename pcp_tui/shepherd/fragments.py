@@ -15,6 +15,11 @@ A worker that received every fragment of the last round holds the global
 parameters (mixed into its own) and starts the next round with a bare
 `roundStart(continued)`; any other (a newcomer, a reconnect, one whose update
 failed) gets the full parameters, as in plain DiLoCo.
+
+With --adaptive-steps a roundStart carries the worker's own H_k
+(`shepherd/pacing.py`), and the worker scales its schedule to it. Each
+fragment's aggregate (centered clip's center and radius history) checkpoints
+beside its outer state (`FragmentSync.state_arrays`).
 """
 
 from __future__ import annotations
