@@ -77,6 +77,8 @@ def test_a_reconnected_worker_is_measured_afresh():
         pacing.observe(_measured({"a": 20, "b": 5}, {"a": 1.0, "b": 1.0}, {"a": a, "b": first}))
     assert pacing.steps_for(["a", "b"])["b"] == 5
     again = _Connection()  # b came back, maybe on a faster machine: its hello describes it
+    assert pacing.steps_for(["a", "b"], {"a": a, "b": again}) == {"a": 20, "b": 20}  # unmeasured
+    assert pacing.steps_for(["a", "b"], {"a": a, "b": first})["b"] == 5
     pacing.observe(_measured({"a": 20, "b": 5}, {"a": 1.0, "b": 0.25}, {"a": a, "b": again}))
     assert pacing.speed("b") == 20.0 and pacing.steps_for(["a", "b"])["b"] == 20
 
@@ -215,8 +217,8 @@ def _record_steps(pacing: StepPacing) -> list[dict[str, int]]:
     given: list[dict[str, int]] = []
     decide = pacing.steps_for
 
-    def recording(workers):
-        given.append(decide(workers))
+    def recording(workers, connections=None):
+        given.append(decide(workers, connections))
         return given[-1]
 
     pacing.steps_for = recording

@@ -392,7 +392,8 @@ class Shepherd:
         self.pool.round = current
         self.state.round = number
         tensors = {name: self.params[name] for name in self.graphs.param_names}
-        steps = self.pacing.steps_for(current.participants) if self.pacing else {}
+        pacing = self.pacing  # --adaptive-steps
+        steps = pacing.steps_for(current.participants, current.connections) if pacing else {}
         async with trio.open_nursery() as nursery:
             for link in links:
                 link.view.state, link.view.round, link.view.step = "syncing", number, 0

@@ -155,7 +155,8 @@ class FragmentSync:
         shepherd.pool.fragment_rounds = rounds
         shepherd.state.round = number
         failed: set[WorkerLink] = set()
-        steps = shepherd.pacing.steps_for(ids) if shepherd.pacing else {}  # --adaptive-steps
+        pacing = shepherd.pacing  # --adaptive-steps
+        steps = pacing.steps_for(ids, connections) if pacing else {}
         async with trio.open_nursery() as nursery:
             for link in links:
                 h = steps.get(link.worker_id, shepherd.config.inner.steps)

@@ -15,7 +15,8 @@ moves it by `SMOOTHING` of the difference, not all the way, so it does not halve
 the worker's next round; a lasting change still shows within a few rounds. The
 first measurement on a connection is taken as it is: a worker that reconnects
 (maybe on other hardware: a hello describes its machine, once per connection)
-starts its estimate over. A worker not yet measured trains H.
+starts its estimate over, and trains H until it is measured there, as a worker
+not yet measured does.
 
 With Streaming DiLoCo (`--streaming-fragments F`) the worker's fragment schedule
 is scaled to its steps H_k (`diloco/streaming.Schedule(H_k, F, τ)`): fragment p
@@ -28,7 +29,7 @@ fragment's share whole chunks) with τ below its share (see `StepPacing.for_conf
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pcp_tui.config.run import InnerConfig, schedule_problem
 from pcp_tui.shepherd.rounds import Round
@@ -52,7 +53,7 @@ class SpeedEstimate:
         A session other than the last one's (a reconnect) starts the estimate over
         from `speed`, as does the first measurement; None means "the same session".
         """
-        if session is not None and (self._session is None or self._session() is not session):
+        if not self._measured_on(session):
             self.value = None
             self._session = weakref.ref(session)
         if self.value is None:
@@ -60,6 +61,15 @@ class SpeedEstimate:
         else:
             self.value += self.smoothing * (speed - self.value)
         return self.value
+
+    def on(self, session: object | None) -> float | None:
+        """The estimate if it was measured on `session` (None: whichever), else None."""
+        return self.value if self._measured_on(session) else None
+
+    def _measured_on(self, session: object | None) -> bool:
+        if session is None:
+            return True
+        return self._session is not None and self._session() is session
 
 
 class StepPacing:
@@ -103,15 +113,22 @@ class StepPacing:
                 estimate = self.speeds.setdefault(worker, SpeedEstimate(self.smoothing))
                 estimate.update(steps / seconds, connections.get(worker))
 
-    def speed(self, worker: str) -> float | None:
-        """The worker's estimated inner steps per compute second; None if not measured."""
+    def speed(self, worker: str, connection: object | None = None) -> float | None:
+        """The worker's estimated inner steps per compute second on `connection`; None if not
+        measured there (a worker that reconnected is measured afresh)."""
         estimate = self.speeds.get(worker)
-        return None if estimate is None else estimate.value
+        return None if estimate is None else estimate.on(connection)
 
-    def steps_for(self, workers: Iterable[str]) -> dict[str, int]:
-        """worker id -> its inner steps: H for the fastest (and the unmeasured), fewer for slower."""
-        workers = list(workers)
-        speeds = {w: self.speed(w) for w in workers}
+    def steps_for(
+        self, workers: Iterable[str], connections: Mapping[str, object] | None = None
+    ) -> dict[str, int]:
+        """worker id -> its inner steps: H for the fastest (and the unmeasured), fewer for slower.
+
+        `connections` (worker id -> the connection its roundStart goes to): a worker
+        whose estimate was measured on another connection counts as unmeasured.
+        """
+        workers, connections = list(workers), connections or {}
+        speeds = {w: self.speed(w, connections.get(w)) for w in workers}
         fastest = max((s for s in speeds.values() if s is not None), default=0.0)
         steps = {}
         for worker in workers:
