@@ -22,7 +22,12 @@ Two ways to compare:
   `--rounds` (a cap it does not reach), so the learning-rate schedules agree.
 
     python benchmarks/bench_mixed_speeds.py [--rounds 8] [--inner-steps 40] [--factor 2]
-        [--run-seconds 60] [--fragments 2 --overlap 5]
+        [--run-seconds 60] [--fragments 2 --overlap 5] [--repeats 3]
+
+One run's eval loss moves by a few percent from round to round on this model
+(its learning rate is high and its batches small), and the box's load moves how
+many rounds fit in a fixed time: `--repeats N` runs every row N times,
+interleaved, and the table shows means and the range of the loss ratio.
 """
 
 from __future__ import annotations
@@ -143,34 +148,44 @@ def main() -> None:
     parser.add_argument("--run-seconds", type=float, help="fixed wall time per run (seconds)")
     parser.add_argument("--fragments", type=int, default=1, help="also streaming rows (F >= 2)")
     parser.add_argument("--overlap", type=int, default=5, help="τ of the streaming rows")
-    args = parser.parse_args()
-    rows, baselines = {}, {}
-    with tempfile.TemporaryDirectory() as workdir:
-        for label, extra, baseline in runs(args):
-            print(f"running {label}...", file=sys.stderr, flush=True)
-            slug = label.replace(" ", "-")
-            rows[label] = summary(run(args, Path(workdir), slug, extra))
-            baselines[label] = baseline
-    budget = (
-        f"{args.run_seconds:g} s of wall time each"
-        if args.run_seconds
-        else f"{args.rounds} rounds each"
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="invocations of every run, interleaved"
     )
+    args = parser.parse_args()
+    plan = runs(args)
+    rows: dict[str, list[dict]] = {label: [] for label, _, _ in plan}
+    with tempfile.TemporaryDirectory() as workdir:
+        for repeat in range(args.repeats):  # interleaved: a busier box slows every row alike
+            for label, extra, _ in plan:
+                print(
+                    f"running {label} ({repeat + 1}/{args.repeats})...", file=sys.stderr, flush=True
+                )
+                slug = f"{label.replace(' ', '-')}-{repeat}"
+                rows[label].append(summary(run(args, Path(workdir), slug, extra)))
+    report(args, rows, {label: baseline for label, _, baseline in plan})
+
+
+def report(args: argparse.Namespace, rows: dict[str, list[dict]], baselines: dict) -> None:
+    """The table: each column the mean over repeats; eval loss x fixed also its range."""
+    budget = f"{args.run_seconds:g} s of wall time" if args.run_seconds else f"{args.rounds} rounds"
     print(
-        f"1 worker + 1 worker {args.factor:g}x slower, tiny, H={args.inner_steps}, {budget} "
-        "(utilization and round seconds: rounds 2..)\n"
+        f"1 worker + 1 worker {args.factor:g}x slower, tiny, H={args.inner_steps}, {budget} a run, "
+        f"{args.repeats} run(s) a row (means; utilization and round seconds: rounds 2..)\n"
     )
     print(
         f"{'run':>18} {'rounds':>6} {'fast util':>9} {'slow util':>9} {'round s':>7} "
-        f"{'tokens':>9} {'x fixed':>7} {'eval loss':>9} {'x fixed':>7}"
+        f"{'tokens':>9} {'x fixed':>7} {'eval loss':>9} {'x fixed':>7} {'range':>13}"
     )
-    for label, row in rows.items():
+    for label, repeats in rows.items():
         base = rows[baselines[label]]
+        mean = {key: statistics.mean(r[key] for r in repeats) for key in repeats[0]}
+        losses = [r["eval_loss"] / b["eval_loss"] for r, b in zip(repeats, base, strict=True)]
+        tokens = mean["tokens"] / statistics.mean(b["tokens"] for b in base)
         print(
-            f"{label:>18} {row['rounds']:6d} {row['fast_utilization']:9.1%} "
-            f"{row['slow_utilization']:9.1%} {row['round_seconds']:7.2f} {row['tokens']:9,d} "
-            f"{row['tokens'] / base['tokens']:7.3f} {row['eval_loss']:9.4f} "
-            f"{row['eval_loss'] / base['eval_loss']:7.4f}"
+            f"{label:>18} {mean['rounds']:6.1f} {mean['fast_utilization']:9.1%} "
+            f"{mean['slow_utilization']:9.1%} {mean['round_seconds']:7.2f} {mean['tokens']:9,.0f} "
+            f"{tokens:7.3f} {mean['eval_loss']:9.4f} {statistics.mean(losses):7.4f} "
+            f"{min(losses):6.4f}-{max(losses):6.4f}"
         )
 
 
