@@ -1,7 +1,10 @@
 """--adaptive-steps: a slow worker's round is sized to its speed, the fast one trains H.
 
-A real worker and a real worker made three times slower (`faulty_worker slow`:
-every compiled chunk sleeps twice its own compute time), through real sockets.
+Unit tests for the speed estimate (smoothed over rounds, afresh on a new
+connection) and the step sizes; then a real worker and a real worker made three
+times slower (`faulty_worker slow`: every compiled chunk sleeps twice its own
+compute time), through real sockets, in plain DiLoCo and in Streaming DiLoCo
+(against the one-page reference, given the steps the pacing chose).
 """
 
 from __future__ import annotations
