@@ -12,6 +12,8 @@ layer-norm scale of about 1), hence rtol 1e-6, atol 1e-7.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import optax
 import pytest
@@ -192,9 +194,10 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker):
 
 @pytest.mark.e2e
 def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_worker, tmp_path):
-    """F = 2, τ = 2, int8 pseudo-gradients, AdamW: the loss falls, each round syncs both
-    fragments from both workers, a result is about half the model, and the checkpoint's
-    per-fragment outer states load back into a resumed shepherd."""
+    """F = 2, τ = 2, int8 pseudo-gradients, AdamW, centered clip: the loss falls, each round
+    syncs both fragments from both workers, a result is about half the model; the checkpoint
+    keeps each fragment's outer state and clip history, and a shepherd resumed from round 2's
+    checkpoint, given round 3's results, takes exactly the uninterrupted run's round 3."""
     config = small_config(
         rounds=3,
         inner_steps=8,
@@ -203,13 +206,15 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
         warmup_steps=0,
         workers=2,
         compression="int8Block",
+        aggregate="centered-clip",
         streaming_fragments=2,
         overlap_steps=2,
         checkpoint_dir=str(tmp_path),
-        checkpoint_every=3,
+        checkpoint_every=1,
     )
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
+    rounds = [_record_rounds(clip) for clip in shepherd.fragment_sync.aggregates]
 
     run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
     history = shepherd.state.history
@@ -228,6 +233,56 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
     for name, value in saved.items():
         np.testing.assert_array_equal(resumed.outer.state_arrays()[name], value, err_msg=name)
     assert resumed.start_round == 4
+
+    again = Shepherd(config.replace(resume=str(tmp_path / "round-000002")), workload)
+    for p, clip in enumerate(again.fragment_sync.aggregates):
+        third = rounds[p][2]  # what fragment p's aggregate held and got in round 3
+        restored = clip.state_arrays()
+        assert set(restored) == set(third["before"]) >= {"aggregate.distances"}
+        for name, value in third["before"].items():
+            np.testing.assert_array_equal(restored[name], value, err_msg=f"[{p}]{name}")
+        _replay(again, p, third)
+    for name, value in shepherd.params.items():
+        np.testing.assert_array_equal(again.params[name], value, err_msg=name)
+
+
+def _record_rounds(clip) -> list[dict]:
+    """Record, round by round, what `clip` held at the round's start, was given and returned."""
+    rounds: list[dict] = []
+    reset, add, finish = clip.reset, clip.add, clip.finish
+
+    def recording_reset():
+        before = {n: np.array(v, copy=True) for n, v in clip.state_arrays().items()}
+        rounds.append({"before": before, "results": []})
+        reset()
+
+    def recording_add(pseudo_gradient, weight):
+        copy = {n: np.array(v, np.float32, copy=True) for n, v in pseudo_gradient.items()}
+        rounds[-1]["results"].append((copy, weight))
+        add(pseudo_gradient, weight)
+
+    def recording_finish():
+        scales = finish()
+        rounds[-1].update(scales=list(scales), step_scale=clip.step_scale, radius=clip.radius)
+        return scales
+
+    clip.reset, clip.add, clip.finish = recording_reset, recording_add, recording_finish
+    return rounds
+
+
+def _replay(shepherd: Shepherd, p: int, recorded: dict) -> None:
+    """Fragment p's round from `recorded` results, as `FragmentSync._sync` takes it."""
+    sync = shepherd.fragment_sync
+    clip = sync.aggregates[p]
+    clip.step_scale = recorded["step_scale"]
+    clip.reset()
+    assert math.isfinite(clip.radius)  # clipped from the restored history, not the round's own
+    for result, weight in recorded["results"]:
+        clip.add(result, weight)
+    assert clip.finish() == recorded["scales"] and clip.radius == recorded["radius"]
+    old = {n: shepherd.params[n].copy() for n in sync.fragments[p]}
+    sync.outer.apply(p, shepherd.params, clip.sums, clip.scale)
+    sync._change(p, 3, old, shepherd.params)  # int8: the global value the workers form
 
 
 def _decoded(body: protocol.Body, tensors: dict) -> protocol.Message:

@@ -149,7 +149,8 @@ class InnerConfig:
         False,
         flat="adaptive_steps",
         help="size each worker's round to its measured speed (the fastest trains H), so a "
-        "round does not wait for the slowest; results count by tokens (plain DiLoCo only)",
+        "round does not wait for the slowest; results count by tokens (with "
+        "--streaming-fragments each worker's fragment schedule scales to its steps)",
     )
 
     @property
@@ -177,11 +178,6 @@ class InnerConfig:
         )
         if problem is not None:
             raise ConfigError(problem)
-        if self.adaptive_steps and self.streaming:
-            raise ConfigError(
-                "--adaptive-steps works with plain DiLoCo only (a streaming round's fragment "
-                "schedule assumes every worker trains H steps); drop one of the two"
-            )
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,19 @@ def streaming_problem(plan: protocol.Plan) -> str | None:
     return None if problem is None else f"the plan's fragments cannot run: {problem}"
 
 
+def round_steps_problem(plan: protocol.Plan, steps: int) -> str | None:
+    """Why a streaming roundStart's `steps` (its H_k, --adaptive-steps) cannot run, or None.
+
+    A round may be shorter than the plan's H, never longer (results are screened
+    against H's tokens), and its fragment schedule, scaled to `steps`, must fit
+    the plan's chunks and τ as H's does.
+    """
+    if not 1 <= steps <= plan.inner_steps:
+        return f"it asks for {steps} inner steps; the plan allows 1 to {plan.inner_steps}"
+    problem = schedule_problem(steps, len(plan.fragments), plan.overlap_steps, plan.chunk_steps)
+    return None if problem is None else f"a round of {steps} steps cannot run: {problem}"
+
+
 def result_frame_bytes(param_names: Sequence[str], inner_steps: int) -> int:
     """The largest Cap'n Proto part (headers, losses) an honest round result can have."""
     return SMALL_MESSAGE_BYTES + _HEADER_BYTES_PER_TENSOR * len(param_names) + 8 * inner_steps

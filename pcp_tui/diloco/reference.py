@@ -116,13 +116,16 @@ def streaming_diloco(
     overlap: int,
     alpha: float,
 ) -> dict[str, np.ndarray]:
-    """Run Streaming DiLoCo: `rounds[r]` holds, per worker, its H batches and its tokens.
+    """Run Streaming DiLoCo: `rounds[r]` holds, per worker, its batches and its tokens.
 
     The workers step in lockstep. Each keeps its own parameters θ_k, inner
     optimizer state and copy g_k of every fragment's last global value, from
     round to round. At fragment p's send point every worker forms
-    Δ_p = g_k,p − θ_k,p; the token-weighted mean goes through fragment p's own
-    outer optimizer; τ steps later each worker mixes the new global value in.
+    Δ_p = g_k,p − θ_k,p; their mean, weighted by the tokens each trained since
+    its previous send of p, goes through fragment p's own outer optimizer; τ
+    steps later each worker mixes the new global value in. A worker's round
+    may have fewer batches than another's (--adaptive-steps): its schedule is
+    scaled to its own count H_k, and its tokens a step are its tokens / H_k.
     """
 
     @jax.jit  # one compiled inner step, as the worker runs it (op by op takes 10x longer)
@@ -136,18 +139,26 @@ def streaming_diloco(
     local = [dict(theta) for _ in range(workers)]
     last_global = [dict(theta) for _ in range(workers)]
     states = [inner.init(theta) for _ in range(workers)]
-    schedule = streaming.Schedule(len(rounds[0][0][0]), len(fragments), overlap)
+    since = [[0.0] * len(fragments) for _ in range(workers)]  # tokens since each fragment's send
     for batches_of in rounds:
-        step = 0
-        for at, event, p in schedule.events():
-            for k in range(workers):
-                for batch in batches_of[k][0][step:at]:
+        # the same (event, fragment) order on every worker: τ < H_k / F keeps sends and merges apart
+        plans = [
+            streaming.Schedule(len(b), len(fragments), overlap).events() for b, _ in batches_of
+        ]
+        step = [0] * workers
+        for i, (_, event, p) in enumerate(plans[0]):
+            for k, (batches, tokens) in enumerate(batches_of):
+                at = plans[k][i][0]
+                for batch in batches[step[k] : at]:
                     local[k], states[k] = inner_step(local[k], states[k], batch)
-            step = at
+                since[k] = [n + (at - step[k]) * tokens / len(batches) for n in since[k]]
+                step[k] = at
             names = fragments[p]
             if event is streaming.Event.SEND:
                 sent = [{n: last_global[k][n] - local[k][n] for n in names} for k in range(workers)]
-                delta = weighted_mean(sent, [tokens for _, tokens in batches_of])
+                delta = weighted_mean(sent, [since[k][p] for k in range(workers)])
+                for k in range(workers):
+                    since[k][p] = 0.0
                 new, outer_states[p] = outer_step(
                     {n: theta[n] for n in names}, outer_states[p], delta, outer
                 )

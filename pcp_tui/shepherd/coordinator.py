@@ -116,11 +116,13 @@ class Shepherd:
         self.library = GraphLibrary.for_run(self.config, workload, self._inner_optimizer())
         self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
         inner = config.inner
-        self.pacing = StepPacing(inner.steps, inner.chunk) if inner.adaptive_steps else None
+        self.pacing = StepPacing.for_config(inner) if inner.adaptive_steps else None
         if inner.streaming:
             self.fragment_sync = FragmentSync(config, self._shapes, self._screen.max_tokens)
             self.outer = self.fragment_sync.outer  # per-fragment optax states, one checkpoint
             self.pool.fragments = self.fragment_sync.fragments
+        # whose aggregation state (centered clip's history) the checkpoint keeps
+        self._aggregation = self.fragment_sync or self._mean
         if config.checkpoints.resume:
             self._resume(config.checkpoints.resume)
         self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
@@ -132,7 +134,7 @@ class Shepherd:
         )
         self.params = {n: np.array(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
-        self._mean.load_state_arrays(saved.outer_state)
+        self._aggregation.load_state_arrays(saved.outer_state)
         self.start_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
@@ -353,7 +355,7 @@ class Shepherd:
         await self._checkpoints.save(number, meta, self._snapshot, nursery)
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        state = {**self.outer.state_arrays(), **self._mean.state_arrays()}
+        state = {**self.outer.state_arrays(), **self._aggregation.state_arrays()}
         return (
             {n: p.copy() for n, p in self.params.items()},
             {n: np.array(v, copy=True) for n, v in state.items()},
@@ -391,7 +393,8 @@ class Shepherd:
         self.pool.round = current
         self.state.round = number
         tensors = {name: self.params[name] for name in self.graphs.param_names}
-        steps = self.pacing.steps_for(current.participants) if self.pacing else {}
+        pacing = self.pacing  # --adaptive-steps
+        steps = pacing.steps_for(current.participants, current.connections) if pacing else {}
         async with trio.open_nursery() as nursery:
             for link in links:
                 link.view.state, link.view.round, link.view.step = "syncing", number, 0

@@ -15,6 +15,11 @@ A worker that received every fragment of the last round holds the global
 parameters (mixed into its own) and starts the next round with a bare
 `roundStart(continued)`; any other (a newcomer, a reconnect, one whose update
 failed) gets the full parameters, as in plain DiLoCo.
+
+With --adaptive-steps a roundStart carries the worker's own H_k
+(`shepherd/pacing.py`), and the worker scales its schedule to it. Each
+fragment's aggregate (centered clip's center and radius history) checkpoints
+beside its outer state (`FragmentSync.state_arrays`).
 """
 
 from __future__ import annotations
@@ -106,6 +111,28 @@ class FragmentSync:
         self.in_sync: set[WorkerLink] = set()  # hold every fragment's current global value
         self.compression = config.outer.compression
 
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Each fragment's aggregation state (centered clip's center and radius history).
+
+        Named `[p]` + the names the fragment's aggregate gives them, e.g.
+        `[1]aggregate.distances`: beside `FragmentedOuter`'s in the checkpoint, so
+        that `--resume` clips each fragment from its own history at once, as the
+        uninterrupted run would have.
+        """
+        return {
+            f"[{p}]{name}": value
+            for p, aggregate in enumerate(self.aggregates)
+            for name, value in aggregate.state_arrays().items()
+        }
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Take `state_arrays`' names back; a fragment without them (older checkpoint) starts bare."""
+        for p, aggregate in enumerate(self.aggregates):
+            prefix = f"[{p}]"
+            aggregate.load_state_arrays(
+                {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            )
+
     async def run_round(self, shepherd, number: int) -> Round | None:
         """Run round `number` fragment by fragment; the combined Round, or None without results."""
         links = shepherd.pool.ready_links()
@@ -128,9 +155,12 @@ class FragmentSync:
         shepherd.pool.fragment_rounds = rounds
         shepherd.state.round = number
         failed: set[WorkerLink] = set()
+        pacing = shepherd.pacing  # --adaptive-steps
+        steps = pacing.steps_for(ids, connections) if pacing else {}
         async with trio.open_nursery() as nursery:
             for link in links:
-                nursery.start_soon(self._start, shepherd, link, number, rounds, failed)
+                h = steps.get(link.worker_id, shepherd.config.inner.steps)
+                nursery.start_soon(self._start, shepherd, link, number, h, rounds, failed)
         async with trio.open_nursery() as nursery:
             for p in range(len(self.fragments)):
                 nursery.start_soon(self._sync, shepherd, p, rounds[p], links, failed)
@@ -139,13 +169,17 @@ class FragmentSync:
         if not any(r.contributors for r in rounds):
             return None
         tokens_per_step = shepherd._screen.max_tokens // shepherd.config.inner.steps
-        return combined(number, rounds, started, at_start, tokens_per_step)
+        summary = combined(number, rounds, started, at_start, tokens_per_step)
+        if shepherd.pacing is not None:
+            shepherd.pacing.observe(summary)
+        return summary
 
-    async def _start(self, shepherd, link: WorkerLink, number: int, rounds, failed) -> None:
+    async def _start(
+        self, shepherd, link: WorkerLink, number: int, steps: int, rounds, failed
+    ) -> None:
+        """Send round `number`'s start (`steps` inner steps) to `link`, parameters unless in sync."""
         continued = link in self.in_sync
-        body = protocol.RoundStart(
-            round=number, inner_steps=shepherd.config.inner.steps, continued=continued
-        )
+        body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
         tensors = {} if continued else {n: shepherd.params[n] for n in shepherd.graphs.param_names}
         link.view.state, link.view.round, link.view.step = "syncing", number, 0
         try:
@@ -222,7 +256,7 @@ def combined(
     results (each covers the steps since its previous one); a worker counts
     as a contributor if any of its fragments was folded in.
     """
-    summary = Round(number, [], PseudoGradientMean(()), None)
+    summary = Round(number, [], PseudoGradientMean(()), None, connections=rounds[0].connections)
     summary.started, summary.bytes_at_start = started, at_start
     for current in rounds:
         summary.losses.extend(current.losses)

@@ -74,7 +74,6 @@ class StreamingRounds:
         self.worker = worker  # client.Worker: its backend, status and chunk loop
         self.plan = plan
         self.fragments = contract.fragments(plan)
-        self.schedule = Schedule(plan.inner_steps, len(self.fragments), plan.overlap_steps)
         self.updates = FragmentUpdates(self.fragments)
         self._index = {name: i for i, name in enumerate(plan.param_names)}
         self.params: list | None = None  # on the device, from round to round
@@ -84,16 +83,26 @@ class StreamingRounds:
         self._unreported_seconds = 0.0
 
     async def train_round(self, sender, message: protocol.Message) -> None:
-        """Round `message.body.round`: train H steps, sending and merging every fragment once."""
-        number = message.body.round
+        """Round `message.body.round`: train H_k steps, sending and merging every fragment once.
+
+        H_k is the roundStart's inner steps (the plan's H unless --adaptive-steps
+        sized this worker's round to its speed); the schedule scales with it, so
+        fragment p still syncs at (p + 1) / F of the round, as on every other worker.
+        """
+        number, steps = message.body.round, message.body.inner_steps or self.plan.inner_steps
+        problem = contract.round_steps_problem(self.plan, steps)
+        if problem is not None:
+            await self.worker.refuse(sender, f"roundStart refused: {problem}")
+            return
         if not await self._start(sender, message):
             return
         params, step = self.params, 0
         self.params = None  # donated to the chunks; set again when the round is done
+        schedule = Schedule(steps, len(self.fragments), self.plan.overlap_steps)
         async with trio.open_nursery() as sends:
-            for at, event, p in self.schedule.events():
+            for at, event, p in schedule.events():
                 if at > step:
-                    params = await self._train(sender, number, params, step, at)
+                    params = await self._train(sender, number, steps, params, step, at)
                     step = at
                 if event is Event.SEND:
                     delta = await trio.to_thread.run_sync(self._delta, p, params)
@@ -133,15 +142,17 @@ class StreamingRounds:
         self._unreported, self._unreported_seconds = [], 0.0
         return True
 
-    async def _train(self, sender, number: int, params: list, start: int, stop: int) -> list:
-        """Inner steps [start, stop) of round `number`, in the plan's compiled chunks."""
+    async def _train(
+        self, sender, number: int, steps: int, params: list, start: int, stop: int
+    ) -> list:
+        """Inner steps [start, stop) of round `number` (of `steps`), in the plan's compiled chunks."""
         k = self.plan.chunk_steps
-        self.worker.status.update(state="training", round=number, total_steps=self.plan.inner_steps)
+        self.worker.status.update(state="training", round=number, total_steps=steps)
         began = time.perf_counter()
         params, losses = await self.worker._train_chunks(
             sender,
             number,
-            self.plan.inner_steps,
+            steps,
             params,
             began,
             chunks=range(start // k, stop // k),
