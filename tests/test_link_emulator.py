@@ -12,17 +12,21 @@ import trio
 import trio.testing
 
 from pcp_tui.app.link_emulator import (
+    CHUNK_BYTES,
     LinkEmulator,
     LinkProfile,
     ShapedPipe,
     parse_bandwidth,
     parse_duration,
+    parse_window,
 )
 from pcp_tui.config import ConfigError
 from pcp_tui.testing import free_port, shepherd_command, worker_command, worker_env
 
 
-def _through_pipe(profile: LinkProfile, payload: bytes, seed: int = 0) -> tuple[bytes, float]:
+def _through_pipe(
+    profile: LinkProfile, payload: bytes, seed: int = 0, ack_delay: float = 0.0
+) -> tuple[bytes, float]:
     """(bytes received, virtual time of the last byte) for `payload` sent at time 0."""
     received = bytearray()
     last = [0.0]
@@ -43,7 +47,8 @@ def _through_pipe(profile: LinkProfile, payload: bytes, seed: int = 0) -> tuple[
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send)
             nursery.start_soon(receive)
-            nursery.start_soon(ShapedPipe(profile, random.Random(seed)).run, pipe_in, pipe_out)
+            pipe = ShapedPipe(profile, random.Random(seed), ack_delay=ack_delay)
+            nursery.start_soon(pipe.run, pipe_in, pipe_out)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     return bytes(received), last[0]
@@ -67,6 +72,32 @@ def test_jitter_never_reorders_bytes_and_an_unlimited_link_only_delays():
     assert 2.0 + 0.01 <= finished <= 2.0 + 0.07  # serialization plus delay, moved by the jitter
     received, finished = _through_pipe(LinkProfile(delay=0.1), payload)
     assert received == payload and finished == pytest.approx(0.1, abs=1e-9)
+
+
+@pytest.mark.parametrize("bytes_per_second", [float("inf"), 10e6])
+def test_a_window_holds_one_stream_to_a_window_per_round_trip(bytes_per_second):
+    """Each window's worth waits for the previous one's acknowledgement: a window's cycle is one
+    round trip plus the serialization of the first chunk (whose acknowledgement frees room);
+    the last window then crosses in its serialization time plus the one-way delay."""
+    window, delay, windows = 256 * 1024, 0.05, 8
+    payload = random.Random(4).randbytes(windows * window)
+    profile = LinkProfile(bytes_per_second=bytes_per_second, delay=delay, window=window)
+    received, finished = _through_pipe(profile, payload, ack_delay=delay)
+    assert received == payload
+    cycle = 2 * delay + CHUNK_BYTES / bytes_per_second
+    expected = (windows - 1) * cycle + window / bytes_per_second + delay
+    assert finished == pytest.approx(expected, abs=1e-9)
+
+
+def test_window_sizes():
+    assert parse_window("1MiB") == 2**20
+    assert parse_window("4MB") == 4e6
+    assert parse_window("65536") == 65536
+    assert parse_window("unbounded") == float("inf")
+    with pytest.raises(ConfigError, match="--window 'big'"):
+        parse_window("big")
+    with pytest.raises(ConfigError, match="--window"):
+        parse_window("0")
 
 
 @pytest.mark.parametrize(
@@ -149,6 +180,58 @@ def test_real_sockets_through_the_emulator_and_a_cut_link():
     # a lower bound the emulator guarantees (it sleeps until then): both directions' delay
     # plus one serialization of the payload (the two directions overlap)
     assert elapsed >= len(payload) / 1_000_000 + 2 * 0.05
+
+
+async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    """Both ends of one real TCP connection on 127.0.0.1."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        accepted = []
+        nursery.start_soon(lambda: _accept(listeners[0], accepted))
+        client = await trio.testing.open_stream_to_socket_listener(listeners[0])
+    await listeners[0].aclose()
+    return client, accepted[0]
+
+
+async def _accept(listener, into: list) -> None:
+    into.append(await listener.accept())
+
+
+def test_a_windowed_stream_over_real_sockets_is_held_to_a_window_per_round_trip():
+    """Real TCP on both sides of the pipe: the window is reached, and never outrun."""
+    window, delay, windows = 256 * 1024, 0.05, 8
+    payload = random.Random(5).randbytes(windows * window)
+    pipe = ShapedPipe(LinkProfile(delay=delay, window=window), ack_delay=delay)
+
+    async def main():
+        sender, pipe_in = await _tcp_pair()
+        pipe_out, receiver = await _tcp_pair()
+        received = bytearray()
+
+        async def send():
+            await sender.send_all(payload)
+            await sender.send_eof()
+
+        async def receive():
+            while chunk := await receiver.receive_some(1 << 20):
+                received.extend(chunk)
+
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            nursery.start_soon(receive)
+            nursery.start_soon(pipe.run, pipe_in, pipe_out)
+        elapsed = trio.current_time() - started
+        for stream in (sender, pipe_in, pipe_out, receiver):
+            await stream.aclose()
+        return bytes(received), elapsed
+
+    received, elapsed = trio.run(main)
+    assert received == payload
+    assert pipe.peak_in_flight == window  # the sender kept the window full: it was the limit
+    # what the emulator guarantees (it sleeps until then): every window but the last waits a
+    # round trip for its acknowledgement, the last crosses one way; rate <= window / RTT
+    assert elapsed >= (windows - 1) * 2 * delay + delay
 
 
 @pytest.mark.e2e
