@@ -1,0 +1,199 @@
+"""A striped stream is one byte stream over K real TCP connections: exact, and it ends, never hangs.
+
+Every test runs over real sockets on 127.0.0.1. The piece size is small here
+(a few kilobytes) so that even modest payloads cross every connection many
+times and every boundary case (a send ending inside a piece, a receive
+stopping at a piece's end) is met.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from pcp_tui import protocol
+
+PIECE = 4096
+
+
+async def connection_pairs(count: int) -> tuple[list[trio.SocketStream], list[trio.SocketStream]]:
+    """`count` TCP connections on 127.0.0.1: (the connecting ends, the accepted ends), in order."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    clients, servers = [], []
+    for _ in range(count):
+        clients.append(await trio.testing.open_stream_to_socket_listener(listener))
+        servers.append(await listener.accept())
+    await listener.aclose()
+    return clients, servers
+
+
+async def striped_pair(count: int, piece_bytes: int = PIECE):
+    clients, servers = await connection_pairs(count)
+    return (
+        protocol.StripedStream(clients, piece_bytes=piece_bytes),
+        protocol.StripedStream(servers, piece_bytes=piece_bytes),
+    )
+
+
+@pytest.mark.parametrize("count", [1, 3, 4])
+def test_bytes_arrive_exactly_whatever_the_sizes_of_sends_and_receives(count):
+    """Sends of 1 byte to many pieces, both directions at once, receives of random sizes."""
+    rng = random.Random(count)
+    sizes = [1, 7, PIECE - 1, 1, PIECE, 3 * PIECE + 5, 100, 50_000, 1, 2, 1_000_000, 9]
+    sends = [rng.randbytes(size) for size in sizes]
+    expected = b"".join(sends)
+
+    async def main():
+        left, right = await striped_pair(count)
+        results = {}
+
+        async def send(stream, tag):
+            for data in sends:
+                await stream.send_all(data)
+            results[tag + " sent"] = True
+
+        async def receive(stream, tag):
+            got = bytearray()
+            while len(got) < len(expected):
+                got += await stream.receive_some(rng.choice([1, 13, PIECE, 1 << 20, None]))
+            results[tag] = bytes(got)
+
+        with trio.fail_after(60):  # a hang fails the test instead of stalling the suite
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send, left, "left")
+                nursery.start_soon(send, right, "right")
+                nursery.start_soon(receive, right, "at right")
+                nursery.start_soon(receive, left, "at left")
+        await left.aclose()
+        assert await right.receive_some(10) == b""  # the peer's close is an end of stream
+        await right.aclose()
+        return results
+
+    results = trio.run(main)
+    assert results["at right"] == expected and results["at left"] == expected
+
+
+def test_the_codec_runs_unchanged_over_a_striped_stream():
+    """Big and small PCP messages, back to back, with the default piece size."""
+    params = {"w": np.arange(3_000_000, dtype=np.float32), "b": np.ones(3, np.float32)}
+    bodies = [protocol.Heartbeat(1.5), protocol.RoundStart(round=2, inner_steps=4)]
+
+    async def main():
+        left, right = await striped_pair(4, protocol.PIECE_BYTES)
+        sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
+        received = []
+
+        async def send():
+            for body in bodies:
+                await sender.send(body, params if isinstance(body, protocol.RoundStart) else None)
+                await sender.send(protocol.Goodbye("between"))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                for _ in range(2 * len(bodies)):
+                    received.append(await receiver.receive())
+        await sender.aclose()
+        await receiver.aclose()
+        return received
+
+    received = trio.run(main)
+    assert [message.body for message in received[::2]] == bodies
+    assert all(message.body == protocol.Goodbye("between") for message in received[1::2])
+    for name, array in params.items():
+        np.testing.assert_array_equal(received[2].tensors[name], array)
+
+
+def _reset(stream: trio.SocketStream) -> None:
+    """Make the next close send a TCP reset (RST) instead of an orderly FIN."""
+    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+@pytest.mark.parametrize("how", ["closed", "reset"])
+def test_one_connection_lost_mid_message_ends_both_sides(how):
+    """The receiver loses one of its four connections while a 40 MB message is on its way:
+    the sender's send fails, the receiver's receive fails (ConnectionClosed), nothing hangs,
+    and every later call on either striped stream fails at once."""
+    payload = {"x": np.zeros(10_000_000, np.float32)}
+
+    async def main():
+        clients, servers = await connection_pairs(4)
+        sender = protocol.MessageStream(protocol.StripedStream(clients, piece_bytes=PIECE))
+        striped = protocol.StripedStream(servers, piece_bytes=PIECE)
+        receiver = protocol.MessageStream(striped)
+        errors = {}
+
+        async def send():
+            try:
+                await sender.send(protocol.RoundResult(round=1), payload)
+            except trio.BrokenResourceError as exc:
+                errors["send"] = exc
+
+        async def receive():
+            try:
+                await receiver.receive()
+            except protocol.ConnectionClosed as exc:
+                errors["receive"] = exc
+
+        async def cut():
+            while striped._received < 8 * PIECE:  # some bytes through, most still to come
+                await trio.sleep(0.001)
+            if how == "reset":
+                _reset(servers[2])
+            await servers[2].aclose()
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                nursery.start_soon(receive)
+                nursery.start_soon(cut)
+        with pytest.raises(trio.BrokenResourceError):
+            await sender.stream.send_all(b"more")
+        with pytest.raises(trio.BrokenResourceError):
+            await striped.receive_some()
+        await sender.aclose()
+        await receiver.aclose()
+        return errors
+
+    errors = trio.run(main)
+    assert "striped connections failed" in str(errors["send"])
+    assert "receive" in errors  # a ConnectionClosed: "striped connections failed" or, had the
+    # sender noticed first and closed all four, "peer closed the connection mid-frame"
+
+
+def test_a_cancelled_send_breaks_the_stream_rather_than_send_bytes_out_of_step():
+    async def main():
+        left, right = await striped_pair(2)
+        with trio.move_on_after(0.5):  # the peer never reads: the send fills every buffer, waits
+            await left.send_all(bytes(64 * 2**20))
+        with pytest.raises(trio.BrokenResourceError, match="cancelled part-way"):
+            await left.send_all(b"x")
+        await left.aclose()
+        await right.aclose()
+
+    trio.run(main)
+
+
+def test_misuse_is_refused_with_the_usual_trio_errors():
+    async def main():
+        left, right = await striped_pair(2)
+        with pytest.raises(ValueError, match="at least one"):
+            protocol.StripedStream([])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(right.receive_some)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(trio.BusyResourceError):
+                await right.receive_some()
+            await left.send_all(b"1")
+        await left.aclose()
+        with pytest.raises(trio.ClosedResourceError):
+            await left.send_all(b"x")
+        await right.aclose()
+
+    trio.run(main)
