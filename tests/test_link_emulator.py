@@ -16,6 +16,7 @@ from pcp_tui.app.link_emulator import (
     LinkEmulator,
     LinkProfile,
     ShapedPipe,
+    Wire,
     parse_bandwidth,
     parse_duration,
     parse_window,
@@ -87,6 +88,44 @@ def test_a_window_holds_one_stream_to_a_window_per_round_trip(bytes_per_second):
     cycle = 2 * delay + CHUNK_BYTES / bytes_per_second
     expected = (windows - 1) * cycle + window / bytes_per_second + delay
     assert finished == pytest.approx(expected, abs=1e-9)
+
+
+def test_connections_on_a_shared_wire_take_turns_on_its_bandwidth():
+    """Two connections at once on one 1 MB/s wire: together 2 MB cross in 2 s, as on one link;
+    each on a wire of its own, both finish after 1 s."""
+    payload = random.Random(6).randbytes(1_000_000)
+    profile = LinkProfile(bytes_per_second=1_000_000, delay=0.025)
+
+    def finish_times(shared: bool) -> list[float]:
+        wire = Wire() if shared else None
+        finished = []
+
+        async def one():
+            sender, pipe_in = trio.testing.memory_stream_pair()
+            pipe_out, receiver = trio.testing.memory_stream_pair()
+            pipe = ShapedPipe(profile, wire=wire or Wire())
+
+            async def send():
+                await sender.send_all(payload)
+                await sender.aclose()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                nursery.start_soon(pipe.run, pipe_in, pipe_out)
+                while await receiver.receive_some(1 << 20):
+                    pass
+            finished.append(trio.current_time())
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one)
+                nursery.start_soon(one)
+
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        return finished
+
+    assert max(finish_times(shared=True)) == pytest.approx(2.0 + 0.025, abs=1e-9)
+    assert finish_times(shared=False) == pytest.approx([1.025, 1.025], abs=1e-9)
 
 
 def test_window_sizes():

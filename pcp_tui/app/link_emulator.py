@@ -15,7 +15,9 @@ from the sender but not yet acknowledged, where a byte counts as acknowledged
 once it was delivered and the acknowledgement crossed back (the reverse
 direction's delay). That is what a TCP receive window does: one stream then
 moves at most window / RTT, whatever the bandwidth (4 MiB at 100 ms is about
-335 Mbit/s), which is why long fat pipes need several streams.
+335 Mbit/s), which is why long fat pipes need several streams. Each connection
+gets its own `--bandwidth` (a link per worker connection) unless `--shared`
+puts all of them on one wire, as several streams of one machine share its link.
 
     pcp-tui emulate-link --listen 127.0.0.1:9000 --to 127.0.0.1:8080 --bandwidth 1Gbit --rtt 50ms
     pcp-tui worker --connect 127.0.0.1:9000 ...
@@ -24,6 +26,7 @@ moves at most window / RTT, whatever the bandwidth (4 MiB at 100 ms is about
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import random
 import re
@@ -83,23 +86,40 @@ def parse_duration(text: str, option: str) -> float:
     return float(number) * (_UNITS_SECONDS[unit.lower()] if unit else 1e-3)
 
 
+class Wire:
+    """The serial line of one direction: when it finishes the bytes scheduled so far.
+
+    A pipe has its own wire, or shares one with the other connections' pipes of the
+    same direction (`--shared`): then their bytes queue one after another on it.
+    """
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+
+
 class ShapedPipe:
     """Copies one direction of a connection through a link of the given profile.
 
     `ack_delay` is how long an acknowledgement takes back (the reverse direction's
     delay): a windowed pipe gets a delivered byte's room back only then.
-    `peak_in_flight` is the most bytes it ever held unacknowledged.
+    `peak_in_flight` is the most bytes it ever held unacknowledged. `wire`: a
+    shared `Wire`, or None for a line of its own.
     """
 
     def __init__(
-        self, profile: LinkProfile, rng: random.Random | None = None, *, ack_delay: float = 0.0
+        self,
+        profile: LinkProfile,
+        rng: random.Random | None = None,
+        *,
+        ack_delay: float = 0.0,
+        wire: Wire | None = None,
     ):
         self.profile = profile
         self.bytes = 0
         self.peak_in_flight = 0
         self._rng = rng or random.Random()
         self._ack_delay = ack_delay
-        self._free_at = 0.0  # when the emulated wire finishes the bytes scheduled so far
+        self._wire = wire or Wire()
         self._last_delivery = 0.0
         self._in_flight = 0
         self._acks: collections.deque[tuple[float, int]] = collections.deque()  # (when, bytes)
@@ -108,10 +128,10 @@ class ShapedPipe:
     def _delivery_time(self, arrived: float, size: int) -> float:
         """When `size` bytes read at `arrived` reach the far side (never before earlier bytes)."""
         profile = self.profile
-        start = max(arrived, self._free_at)
-        self._free_at = start + size / profile.bytes_per_second
+        wire = self._wire
+        wire.free_at = max(arrived, wire.free_at) + size / profile.bytes_per_second
         jitter = self._rng.uniform(-profile.jitter, profile.jitter) if profile.jitter else 0.0
-        delivery = max(self._free_at + profile.delay + jitter, self._last_delivery)
+        delivery = max(wire.free_at + profile.delay + jitter, self._last_delivery)
         self._last_delivery = delivery
         return delivery
 
@@ -168,12 +188,19 @@ class LinkEmulator:
     upstream: LinkProfile  # client -> target
     downstream: LinkProfile  # target -> client
     cut_after: float = 0.0  # >0: each connection is cut this many seconds after it opened
+    shared: bool = False  # all connections share one wire per direction (else one each)
 
     async def serve(self, listeners, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        await trio.serve_listeners(self.handle, listeners, task_status=task_status)
+        wires = (Wire(), Wire()) if self.shared else None
+        handle = functools.partial(self.handle, wires=wires)
+        await trio.serve_listeners(handle, listeners, task_status=task_status)
 
-    async def handle(self, client: trio.SocketStream) -> None:
-        """Proxy one connection; a failure on either side closes both, never the emulator."""
+    async def handle(
+        self, client: trio.SocketStream, *, wires: tuple[Wire, Wire] | None = None
+    ) -> None:
+        """Proxy one connection; a failure on either side closes both, never the emulator.
+        `wires`: (upstream, downstream) shared with other connections, or None for own ones."""
+        up_wire, down_wire = wires or (None, None)
         try:
             server = await trio.open_tcp_stream(*self.target)
         except OSError:
@@ -182,8 +209,10 @@ class LinkEmulator:
         with trio.move_on_after(self.cut_after or math.inf):
             try:
                 async with trio.open_nursery() as nursery:
-                    up = ShapedPipe(self.upstream, ack_delay=self.downstream.delay)
-                    down = ShapedPipe(self.downstream, ack_delay=self.upstream.delay)
+                    up = ShapedPipe(self.upstream, ack_delay=self.downstream.delay, wire=up_wire)
+                    down = ShapedPipe(
+                        self.downstream, ack_delay=self.upstream.delay, wire=down_wire
+                    )
                     nursery.start_soon(up.run, client, server)
                     nursery.start_soon(down.run, server, client)
             except* (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -250,6 +279,12 @@ def add_parser(commands) -> None:
         "(one stream then moves at most window/RTT), e.g. 1MiB (default: unbounded)",
     )
     parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="all connections share one --bandwidth per direction, as the streams of one "
+        "machine share its link (default: each connection gets its own)",
+    )
+    parser.add_argument(
         "--cut-after",
         default="0s",
         metavar="DURATION",
@@ -264,7 +299,11 @@ def run(args) -> int:
     listen_host, listen_port = parse_connect(args.listen)
     upstream, downstream = profiles(args.bandwidth, args.rtt, args.jitter, args.window)
     emulator = LinkEmulator(
-        parse_connect(args.to), upstream, downstream, parse_duration(args.cut_after, "--cut-after")
+        parse_connect(args.to),
+        upstream,
+        downstream,
+        parse_duration(args.cut_after, "--cut-after"),
+        shared=args.shared,
     )
 
     async def serve() -> None:
