@@ -35,15 +35,19 @@ from ._errors import (
 )
 from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, read, write
 from ._schema import Envelope
+from ._striped import PIECE_BYTES, Prefixed, StripedStream
 from ._tensors import QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
 # 2: typed messages, enums for phase / batch kind / platform
 # 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
 #    version-2 peer's messages still read, with those fields at their defaults)
 # 4: Streaming DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued
-#    roundStart (a plain run's messages are as in 3, so older peers still join plain runs)
+#    roundStart (a plain run's messages are as in 3, so older peers still join plain runs);
+#    striped connections: welcome.streams/sessionKey, workerHello.attachIndex/attachProof. A
+#    worker that lists 4 in its hello can stripe; messages are still stamped 3 (fields added
+#    only), so a version-3 peer reads them and is simply never asked to stripe
 PROTOCOL_VERSION = 3
-SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3)
+SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4)
 _SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
 # awaited with (kind, payload bytes) before a message's tensor payload is read
 PayloadGate = Callable[[str, int], Awaitable[None]]
@@ -370,6 +374,28 @@ class MessageStream:
         if self.observer is not None:
             self.observer("received", message)
         return message
+
+    def stripe(self, extra: list[MessageStream], *, piece_bytes: int = PIECE_BYTES) -> None:
+        """From the next byte on, carry this conversation over this stream's transport and the
+        transports of `extra` (in that order), as one `StripedStream`; both sides call it at
+        the same point of the conversation (after the handshake says so).
+
+        Bytes already read ahead on any of them stay first in line on their connection.
+        Call it between messages, with no send or receive in progress on any of them.
+        """
+        streams = [self, *extra]
+        if any(stream._receiving or stream.sending for stream in streams):
+            raise RuntimeError("stripe() while a message is being sent or received")
+        transports = [stream._unread() for stream in streams]
+        activity = self._reader.last_activity
+        self.stream = StripedStream(transports, piece_bytes=piece_bytes)
+        self._reader = _StreamReader(self.stream)
+        self._reader.last_activity = activity
+
+    def _unread(self) -> trio.abc.Stream:
+        """The transport, with any bytes the reader took ahead of the last message put back."""
+        pending = bytes(self._reader._pending)
+        return Prefixed(self.stream, pending) if pending else self.stream
 
     @property
     def sending(self) -> bool:

@@ -148,6 +148,31 @@ class StripedStream(trio.abc.Stream):
                 nursery.start_soon(_close_quietly, stream)
 
 
+class Prefixed(trio.abc.Stream):
+    """`stream` with bytes already read from it put back in front of what comes next."""
+
+    def __init__(self, stream: trio.abc.Stream, first: bytes):
+        self.stream = stream
+        self._first = first
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if not self._first:
+            return await self.stream.receive_some(max_bytes)
+        size = len(self._first) if max_bytes is None else max_bytes
+        chunk, self._first = self._first[:size], self._first[size:]
+        await trio.lowlevel.checkpoint()
+        return chunk
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
 async def _send_pieces(
     stream: trio.abc.Stream,
     pieces: list[memoryview],

@@ -50,10 +50,21 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
             backend=BACKEND,
             proof=b"\x01" * 32,
             software="pcp-tui 0.1.0",
+            attach_index=3,
+            attach_proof=b"\x02" * 32,
         ),
         {},
     ),
-    "welcome": (protocol.Welcome(worker_index=2, run_id="run-7f3a", heartbeat_seconds=0.5), {}),
+    "welcome": (
+        protocol.Welcome(
+            worker_index=2,
+            run_id="run-7f3a",
+            heartbeat_seconds=0.5,
+            streams=4,
+            session_key=b"\x03" * 32,
+        ),
+        {},
+    ),
     "plan": (
         protocol.Plan(
             run_id="run-7f3a",
@@ -533,7 +544,7 @@ def test_version_mismatch_over_a_stream_names_both_sides():
     async def main():
         left, right = trio.testing.memory_stream_pair()
         hello = protocol.Hello(supported_versions=(5, 6))
-        for buffer in protocol.encode(hello, version=4):
+        for buffer in protocol.encode(hello, version=5):
             await left.send_all(buffer)
         with pytest.raises(protocol.VersionMismatch) as caught:
             await protocol.MessageStream(right).receive()
@@ -793,11 +804,11 @@ def test_errors_form_one_hierarchy_with_schema_codes():
 
 def test_wrong_version_wins_over_an_unknown_kind():
     """A newer peer may add message kinds: it must hear 'version mismatch', not 'malformed'."""
-    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=4))
+    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=9))
     frame[18] = 200
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(bytes(frame))
-    assert caught.value.peer_versions == (4,)
+    assert caught.value.peer_versions == (9,)
 
 
 def test_concurrent_receives_are_refused():

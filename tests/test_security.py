@@ -136,7 +136,7 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
             answers["v2"], _ = await handshake_answer(
                 shepherd.port,
                 lambda n: worker_hello(
-                    n, "s3cret", worker_id="from-the-future", version=protocol.PROTOCOL_VERSION + 1
+                    n, "s3cret", worker_id="from-the-future", version=max(protocol.SUPPORTED_VERSIONS) + 1
                 ),
             )
         return answers
@@ -151,7 +151,7 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
     mismatch = answers["v2"].body
     assert mismatch.code == "versionMismatch"
     assert (
-        "speaks protocol versions 2 and 3, this worker speaks version 4; upgrade pcp-tui on "
+        "speaks protocol versions 2, 3 and 4, this worker speaks version 5; upgrade pcp-tui on "
         "this shepherd" in mismatch.message
     )
 

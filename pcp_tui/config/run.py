@@ -250,6 +250,13 @@ class NetworkConfig:
         20.0,
         help="seconds of silence before a worker counts as lost (at least 3x --heartbeat-seconds)",
     )
+    streams: int = option(
+        1,
+        at_least=1,
+        at_most=16,
+        help="TCP connections each worker's session is striped over (1: one, as before); "
+        "one stream moves at most its window per round trip, so long fat links need several",
+    )
 
     def check(self) -> None:
         if self.heartbeat_timeout < HEARTBEATS_PER_TIMEOUT * self.heartbeat_seconds:

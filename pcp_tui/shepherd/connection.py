@@ -27,6 +27,10 @@ class Hello:
     platform: protocol.Platform
     devices: int = 1  # local devices the worker trains on as one (a JAX mesh)
     runtime: protocol.Runtime = protocol.Runtime.XLA
+    versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
+    nonce: bytes = b""  # this connection's challenge (an attach proof covers it too)
+    attach_index: int = 0  # > 0: an extra connection for the worker's striped session
+    attach_proof: bytes = b""
 
 
 class WorkerLink(Connection):
@@ -47,6 +51,9 @@ class WorkerLink(Connection):
         self.runtime = runtime  # with platform: which export this worker's plan carries
         self._state = state
         self.ready = trio.Event()
+        self.versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
+        # while the worker is asked to open more connections (shepherd.striping)
+        self.attachments = None
 
     @property
     def worker_id(self) -> str:
@@ -106,7 +113,18 @@ async def handshake(stream: protocol.MessageStream, *, token: str, run_id: str) 
         described = f"{described} x{devices}"
     if backend.runtime != protocol.Runtime.XLA:
         described += f" ({backend.runtime.value} {backend.target})".replace(" )", ")")
-    return Hello(worker_id, body.hostname, described, backend.platform, devices, backend.runtime)
+    return Hello(
+        worker_id,
+        body.hostname,
+        described,
+        backend.platform,
+        devices,
+        backend.runtime,
+        versions=body.supported_versions,
+        nonce=nonce,
+        attach_index=body.attach_index,
+        attach_proof=body.attach_proof,
+    )
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

@@ -22,6 +22,7 @@ from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
+from pcp_tui.shepherd import striping
 from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
@@ -93,6 +94,9 @@ class WorkerPool:
         admitted = await self.admission.admit(raw)  # TLS, token, limits; logs and closes refusals
         if admitted is None:
             return
+        if admitted.hello.attach_index:  # an extra connection of a session (--streams)
+            await self._attach(admitted)
+            return
         refusal = self._refusal(admitted.hello.worker_id)
         if refusal is not None:
             await self._refuse(admitted, *refusal)
@@ -154,6 +158,19 @@ class WorkerPool:
         with contextlib.suppress(*LINK_ERRORS):
             await trio.aclose_forcefully(admitted.stream.stream)
 
+    async def _attach(self, admitted: Admitted) -> None:
+        """Hand an extra connection to its worker's session, which then owns it; or refuse it."""
+        hello = admitted.hello
+        link = self._links.get(hello.worker_id)
+        pending = link.attachments if link is not None and not link.closed else None
+        problem = (
+            f"no session of worker {hello.worker_id!r} is asking for more connections"
+            if pending is None
+            else pending.offer(hello, admitted.stream)
+        )
+        if problem is not None:
+            await self._refuse(admitted, protocol.ErrorCode.AUTH_FAILED, problem)
+
     def _admit(self, stream: protocol.MessageStream, hello, peer: str) -> WorkerLink:
         old = self.state.workers.get(hello.worker_id)
         if old is not None:
@@ -175,6 +192,7 @@ class WorkerPool:
         )
         self.state.workers[hello.worker_id] = view
         link = WorkerLink(stream, view, self.state, hello.platform, hello.runtime)
+        link.versions = hello.versions
         previous = self._links.get(hello.worker_id)
         if previous is not None:
             previous.closed = True
@@ -236,8 +254,9 @@ class WorkerPool:
                 str(exc), code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value
             ) from None
         welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
-        sent = await link.send(welcome)
-        log.debug("worker %d: sent welcome (%d bytes)", link.view.index, sent)
+        wanted = striping.streams_for(link.versions, cfg.network.streams)
+        await striping.welcome(link, welcome, wanted)
+        log.debug("worker %d: welcomed", link.view.index)
         link.view.state = "compiling"
         plan, tensors = self._plan(slot, self.workload.shards[slot], graphs)
         sent = await link.send(plan, tensors)
