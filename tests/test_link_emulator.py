@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import random
-import subprocess
-import sys
 
 import pytest
 import trio
@@ -22,7 +20,6 @@ from pcp_tui.app.link_emulator import (
     parse_window,
 )
 from pcp_tui.config import ConfigError
-from pcp_tui.testing import free_port, shepherd_command, worker_command, worker_env
 
 
 def _through_pipe(
@@ -273,54 +270,4 @@ def test_a_windowed_stream_over_real_sockets_is_held_to_a_window_per_round_trip(
     assert elapsed >= (windows - 1) * 2 * delay + delay
 
 
-@pytest.mark.e2e
-def test_a_worker_trains_through_the_emulated_link(tmp_path):
-    shepherd_port, link_port = free_port(), free_port()
-    shepherd = subprocess.Popen(
-        shepherd_command(shepherd_port, "--workers", "1", "--rounds", "2", "--inner-steps", "4"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=worker_env(),
-    )
-    link = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pcp_tui",
-            "emulate-link",
-            "--listen",
-            f"127.0.0.1:{link_port}",
-            "--to",
-            f"127.0.0.1:{shepherd_port}",
-            "--bandwidth",
-            "200Mbit",
-            "--rtt",
-            "40ms",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    worker = None
-    try:
-        assert "emulating a 200Mbit link" in link.stdout.readline()
-        for line in shepherd.stdout:
-            if "listening on" in line:
-                break
-        worker = subprocess.Popen(
-            worker_command(link_port),
-            env=worker_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        out, _ = shepherd.communicate(timeout=300)
-        assert shepherd.returncode == 0, out
-        assert "run done after 2 rounds" in out
-        assert worker.wait(timeout=60) == 0
-    finally:
-        for process in (shepherd, link, worker):
-            if process is not None and process.poll() is None:
-                process.kill()
-                process.wait()
+# A worker training through `pcp-tui emulate-link` (the CLI, real processes): tests/test_streams_e2e.py

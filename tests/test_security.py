@@ -136,7 +136,10 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
             answers["v2"], _ = await handshake_answer(
                 shepherd.port,
                 lambda n: worker_hello(
-                    n, "s3cret", worker_id="from-the-future", version=max(protocol.SUPPORTED_VERSIONS) + 1
+                    n,
+                    "s3cret",
+                    worker_id="from-the-future",
+                    version=max(protocol.SUPPORTED_VERSIONS) + 1,
                 ),
             )
         return answers

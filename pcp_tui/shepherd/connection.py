@@ -51,6 +51,7 @@ class WorkerLink(Connection):
         self.runtime = runtime  # with platform: which export this worker's plan carries
         self._state = state
         self.ready = trio.Event()
+        self.ended = trio.Event()  # set once the connection is closed (its server task ends)
         self.versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments = None

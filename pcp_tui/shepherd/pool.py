@@ -119,6 +119,7 @@ class WorkerPool:
         finally:
             with trio.CancelScope(shield=True):  # tells the peer what it did wrong, if it did
                 await link.close("connection closed", error=ended)
+            link.ended.set()
 
     def _refusal(self, worker_id: str) -> tuple[protocol.ErrorCode, str] | None:
         """(code, reason) if an authenticated connection may not join now, else None.
@@ -170,6 +171,10 @@ class WorkerPool:
         )
         if problem is not None:
             await self._refuse(admitted, protocol.ErrorCode.AUTH_FAILED, problem)
+            return
+        # the session owns the connection now; trio's serve_listeners closes a connection once
+        # its handler returns, so this one returns when the session has ended
+        await link.ended.wait()
 
     def _admit(self, stream: protocol.MessageStream, hello, peer: str) -> WorkerLink:
         old = self.state.workers.get(hello.worker_id)
