@@ -11,6 +11,13 @@ the bound the link allows: min(bandwidth, K x window / RTT).
     python benchmarks/bench_streams.py [--mb 128] [--bandwidth 1Gbit] [--rtt 50ms]
                                        [--window 1MiB] [--streams 1,2,4,8] [--repeats 1]
 
+With `--round`, it times whole DiLoCo rounds instead: a real shepherd and one
+CPU worker (GPT-2 on bytes, 86M parameters: ~344 MB of parameters out and of
+pseudo-gradient back each round) through the same emulated link, with
+`--streams` K for each K, and prints the rounds' wall time after the first.
+
+    python benchmarks/bench_streams.py --round [--streams 1,4] [--rounds 3]
+
 The emulator runs in its own process (`pcp-tui emulate-link --shared`: the K
 connections share one wire of `--bandwidth`, as they would one machine's link),
 so the shaping does not share an interpreter with the sender and receiver.
@@ -19,8 +26,11 @@ so the shaping does not share an interpreter with the sender and receiver.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pcp_tui import protocol  # noqa: E402
 from pcp_tui.app.link_emulator import parse_bandwidth, parse_duration, parse_window  # noqa: E402
-from pcp_tui.testing import free_port  # noqa: E402
+from pcp_tui.testing import (  # noqa: E402
+    OutputProcess,
+    WorkerProcesses,
+    free_port,
+    shepherd_command,
+)
+
+ROUND_RUN = ("--model", "gpt2", "--batch-size", "1", "--seq-len", "64", "--inner-steps", "4")
+ROUND_RUN += ("--chunk-steps", "4", "--workers", "1", "--data-max-bytes", "1000000")
 
 
 async def accept_ordered(listener: trio.SocketListener, count: int) -> list[trio.abc.Stream]:
@@ -67,6 +85,55 @@ async def transfer(link_port: int, listener, count: int, params: dict) -> float:
     return elapsed
 
 
+def link_command(listen: int, target: int, args) -> list[str]:
+    """`pcp-tui emulate-link` with all connections on one shared wire of `args.bandwidth`."""
+    return (
+        [sys.executable, "-m", "pcp_tui", "emulate-link", "--listen", f"127.0.0.1:{listen}"]
+        + ["--to", f"127.0.0.1:{target}", "--bandwidth", args.bandwidth, "--rtt", args.rtt]
+        + ["--window", args.window, "--shared"]
+    )
+
+
+def round_seconds(count: int, args) -> list[float]:
+    """Wall seconds of each round after the first of a real run with `--streams count`."""
+    port, link_port = free_port(), free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        metrics = Path(folder) / "run.jsonl"
+        shepherd = OutputProcess(
+            shepherd_command(port, *ROUND_RUN, "--rounds", str(args.rounds))
+            + ["--streams", str(count), "--metrics", str(metrics)],
+            hang_guard=900,
+        )
+        link = OutputProcess(link_command(link_port, port, args))
+        try:
+            link.wait_for("emulating")
+            shepherd.wait_for("listening on")
+            with WorkerProcesses() as workers:
+                workers.spawn(link_port, "--id", "w0")
+                assert shepherd.finish() == 0, shepherd.output
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        finally:
+            shepherd.kill()
+            link.kill()
+    return [row["round_seconds"] for row in rows if row["event"] == "round"][1:]
+
+
+def rounds_table(counts: list[int], args) -> None:
+    seconds = {count: round_seconds(count, args) for count in counts}
+    print(
+        f"\nDiLoCo rounds ({' '.join(ROUND_RUN)}) through emulate-link "
+        f"({args.bandwidth}, RTT {args.rtt}, window {args.window} per connection)\n"
+    )
+    print(f"{'streams':>7} {'round s (median)':>17} {'rounds':>7} {'vs K=1':>7}")
+    base = statistics.median(seconds[counts[0]])
+    for count, values in seconds.items():
+        median = statistics.median(values)
+        print(f"{count:>7} {median:>17.2f} {len(values):>7} {base / median:>6.2f}x")
+    print(
+        f"ratio_round_k{counts[-1]}_vs_k{counts[0]}={base / statistics.median(seconds[counts[-1]]):.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=128, help="message size in MB")
@@ -75,8 +142,13 @@ def main() -> None:
     parser.add_argument("--window", default="1MiB")
     parser.add_argument("--streams", default="1,2,4,8", help="values of K, the first the baseline")
     parser.add_argument("--repeats", type=int, default=1, help="the best of this many per K")
+    parser.add_argument("--round", action="store_true", help="time whole DiLoCo rounds instead")
+    parser.add_argument("--rounds", type=int, default=3, help="with --round: rounds per run")
     args = parser.parse_args()
     counts = [int(value) for value in args.streams.split(",")]
+    if args.round:
+        rounds_table(counts, args)
+        return
     rate = parse_bandwidth(args.bandwidth)
     rtt = parse_duration(args.rtt, "--rtt")
     window = parse_window(args.window)
@@ -85,11 +157,7 @@ def main() -> None:
 
     target, link_port = free_port(), free_port()
     link = subprocess.Popen(
-        [sys.executable, "-m", "pcp_tui", "emulate-link", "--listen", f"127.0.0.1:{link_port}"]
-        + ["--to", f"127.0.0.1:{target}", "--bandwidth", args.bandwidth, "--rtt", args.rtt]
-        + ["--window", args.window, "--shared"],
-        stdout=subprocess.PIPE,
-        text=True,
+        link_command(link_port, target, args), stdout=subprocess.PIPE, text=True
     )
 
     async def run() -> dict[int, float]:

@@ -8,6 +8,7 @@ stopping at a piece's end) is met.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 import struct
@@ -18,6 +19,9 @@ import trio
 import trio.testing
 
 from pcp_tui import protocol
+from pcp_tui.contract import auth
+from pcp_tui.shepherd.connection import Hello
+from pcp_tui.shepherd.striping import Attachments, streams_for
 
 PIECE = 4096
 
@@ -197,3 +201,40 @@ def test_misuse_is_refused_with_the_usual_trio_errors():
         await right.aclose()
 
     trio.run(main)
+
+
+# --------------------------------------------------------------------------- attaching
+
+
+def _attach_hello(index: int, key: bytes, *, worker_id: str = "w0", nonce: bytes = b"n" * 32):
+    proof = auth.attach_proof(key, nonce, worker_id, index)
+    return Hello(worker_id, "", "cpu", protocol.Platform.CPU, nonce=nonce, attach_index=index,
+                 attach_proof=proof)  # fmt: skip
+
+
+def test_only_the_welcomed_session_can_attach_its_extra_connections():
+    """The join token (which every worker has) is not enough: an extra connection must prove the
+    session key of the welcome, over its own nonce, for an index not yet taken, in time."""
+    key, other_key = auth.new_session_key(), auth.new_session_key()
+    pending = Attachments("w0", key, wanted=3)
+    stream = object()  # held, never used, by this unit
+    assert "wrong session proof" in pending.offer(_attach_hello(1, other_key), stream)
+    replayed = dataclasses.replace(_attach_hello(1, key), nonce=b"m" * 32)  # another connection's
+    assert "wrong session proof" in pending.offer(replayed, stream)
+    assert "not 'w1'" in pending.offer(_attach_hello(1, key, worker_id="w1"), stream)
+    assert "not within 1..3" in pending.offer(_attach_hello(4, key), stream)
+    assert "not within 1..3" in pending.offer(_attach_hello(0, key), stream)
+    assert pending.offer(_attach_hello(1, key), stream) is None
+    assert "already attached" in pending.offer(_attach_hello(1, key), stream)
+    assert pending.offer(_attach_hello(2, key), stream) is None
+    assert not pending.complete.is_set()
+    assert pending.offer(_attach_hello(3, key), stream) is None
+    assert pending.complete.is_set() and sorted(pending.streams) == [1, 2, 3]
+    pending.open = False
+    assert "too late" in pending.offer(_attach_hello(2, key), stream)
+
+
+def test_only_workers_that_speak_protocol_4_are_asked_to_stripe():
+    assert streams_for((2, 3, 4), 4) == 4
+    assert streams_for((2, 3), 4) == 1  # an older worker joins as before, on one connection
+    assert streams_for((2, 3, 4), 1) == 1

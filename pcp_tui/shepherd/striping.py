@@ -46,6 +46,8 @@ class Attachments:
         index = hello.attach_index
         if not self.open:
             return "the session stopped taking extra connections (too late)"
+        if hello.worker_id != self.worker_id:
+            return f"this session is worker {self.worker_id!r}'s, not {hello.worker_id!r}'s"
         if not 1 <= index <= self.wanted:
             return f"attach index {index} is not within 1..{self.wanted}"
         if index in self.streams:
