@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pcp_tui.worker.client import Worker
 
 ATTACH_SECONDS = 10.0  # for each extra connection, from connect to its hello sent
+AT_ONCE = 4  # extra connections in their handshake at once (the shepherd caps those per address)
 MAX_STREAMS = 64  # a welcome asking for more is not from a sane shepherd
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,13 @@ async def attach(worker: Worker, main: protocol.MessageStream, welcome: protocol
         )
     extra: dict[int, protocol.MessageStream] = {}
     problems: list[str] = []
+    limiter = trio.CapacityLimiter(AT_ONCE)
     try:
         async with trio.open_nursery() as nursery:
             for index in range(1, wanted):
-                nursery.start_soon(_attach_one, worker, index, welcome.session_key, extra, problems)
+                nursery.start_soon(
+                    _attach_one, worker, index, welcome.session_key, extra, problems, limiter
+                )
         settled = (await _expect(main, "welcome")).body
         if settled.streams <= 1:
             why = "; ".join(sorted(problems)) or "the shepherd did not get them all in time"
@@ -67,20 +71,21 @@ async def _attach_one(
     session_key: bytes,
     extra: dict[int, protocol.MessageStream],
     problems: list[str],
+    limiter: trio.CapacityLimiter,
 ) -> None:
     """Open extra connection `index` and present the session proof; record why not if it fails."""
     from pcp_tui.worker.client import _expect
 
     stream = None
     try:
-        with trio.fail_after(ATTACH_SECONDS):
-            stream = protocol.MessageStream(
-                await worker._open(trio.current_time() + ATTACH_SECONDS)
-            )
-            hello = await _expect(stream, "hello")
-            await stream.send(
-                worker._hello(hello.body.nonce, attach_index=index, session_key=session_key)
-            )
+        async with limiter:
+            with trio.fail_after(ATTACH_SECONDS):
+                deadline = trio.current_time() + ATTACH_SECONDS
+                stream = protocol.MessageStream(await worker._open(deadline))
+                hello = await _expect(stream, "hello")
+                await stream.send(
+                    worker._hello(hello.body.nonce, attach_index=index, session_key=session_key)
+                )
         extra[index] = stream
     except (ConnectionEnded, trio.TooSlowError, *LINK_ERRORS) as exc:
         problems.append(f"connection {index + 1}: {exc or 'timed out'}")
