@@ -12,6 +12,7 @@ import dataclasses
 import random
 import socket
 import struct
+import types
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import trio.testing
 
 from pcp_tui import protocol
 from pcp_tui.contract import auth
+from pcp_tui.shepherd import striping
 from pcp_tui.shepherd.connection import Hello
 from pcp_tui.shepherd.striping import Attachments, streams_for
 
@@ -238,3 +240,62 @@ def test_only_workers_that_speak_protocol_4_are_asked_to_stripe():
     assert streams_for((2, 3, 4), 4) == 4
     assert streams_for((2, 3), 4) == 1  # an older worker joins as before, on one connection
     assert streams_for((2, 3, 4), 1) == 1
+
+
+class _Link:
+    """The part of a `WorkerLink` that `striping.welcome` uses (this unit's stand-in)."""
+
+    def __init__(self, stream: protocol.MessageStream):
+        self.stream, self.worker_id, self.attachments = stream, "w0", None
+        self.view = types.SimpleNamespace(index=0)
+
+    async def send(self, body, tensors=None) -> int:
+        return await self.stream.send(body, tensors)
+
+
+WELCOME = protocol.Welcome(worker_index=0, run_id="r", heartbeat_seconds=0.5)
+
+
+@pytest.mark.parametrize("attached", [3, 2])
+def test_the_second_welcome_settles_striped_or_one_connection(attached):
+    """Both sides of `striping.welcome` over in-memory streams, on a virtual clock: all three
+    extra connections attach and a message crosses the striped session; or one is missing,
+    the shepherd waits its window, says 1 and closes the two it got."""
+    params = {"w": np.arange(200_000, dtype=np.float32)}
+
+    async def main():
+        shepherd_end, worker_end = trio.testing.memory_stream_pair()
+        link = _Link(protocol.MessageStream(shepherd_end))
+        worker = protocol.MessageStream(worker_end)
+        result = {}
+
+        async def shepherd():
+            result["used"] = await striping.welcome(link, WELCOME, 4, wait=5.0)
+            if result["used"] == 4:
+                await link.send(protocol.RoundStart(round=1, inner_steps=4), params)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(shepherd)
+            offer = (await worker.receive()).body
+            assert offer.streams == 4 and len(offer.session_key) == 32
+            pairs = [trio.testing.memory_stream_pair() for _ in range(attached)]
+            for index, (theirs, _) in enumerate(pairs, start=1):
+                hello = _attach_hello(index, offer.session_key)
+                assert link.attachments.offer(hello, protocol.MessageStream(theirs)) is None
+            settled = (await worker.receive()).body
+            assert settled.streams == (4 if attached == 3 else 1)
+            if settled.streams == 4:
+                worker.stripe([protocol.MessageStream(ours) for _, ours in pairs])
+                result["message"] = await worker.receive()
+            else:  # the shepherd closed the ones it got: their far ends read the end of stream
+                assert [await ours.receive_some(10) for _, ours in pairs] == [b""] * attached
+        assert link.attachments is None
+        result["time"] = trio.current_time()
+        return result
+
+    result = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    if attached == 3:
+        assert result["used"] == 4 and result["time"] == 0.0
+        np.testing.assert_array_equal(result["message"].tensors["w"], params["w"])
+    else:
+        assert result["used"] == 1 and result["time"] == 5.0

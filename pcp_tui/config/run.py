@@ -292,7 +292,10 @@ class SecurityConfig:
     )
     tls_key: str | None = option(None, example="shepherd.key", help="PEM private key of --tls-cert")
     handshake_timeout: float = option(
-        10.0, above=0, help="seconds a new connection has to prove the token before it is dropped"
+        10.0,
+        above=0,
+        help="seconds a new connection has to prove the token before it is dropped (and a "
+        "welcomed worker to attach its --streams connections before it goes on with one)",
     )
     max_handshakes_per_host: int = option(
         8, at_least=1, help="unfinished handshakes one address may hold; more are closed at once"

@@ -260,7 +260,7 @@ class WorkerPool:
             ) from None
         welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
         wanted = striping.streams_for(link.versions, cfg.network.streams)
-        await striping.welcome(link, welcome, wanted)
+        await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
         log.debug("worker %d: welcomed", link.view.index)
         link.view.state = "compiling"
         plan, tensors = self._plan(slot, self.workload.shards[slot], graphs)

@@ -8,7 +8,7 @@ session key from the welcome, that it belongs to this worker's session: an
 HMAC over the connection's own nonce, so another token holder cannot attach to
 a session it did not open, and a captured proof is useless on a new connection.
 
-The shepherd waits `ATTACH_SECONDS` for all of them, then sends a second
+The shepherd waits `--handshake-timeout` for all of them, then sends a second
 welcome on the worker's first connection that settles it: `streams` = K, and
 from the next byte on both sides speak through one `protocol.StripedStream`
 over the K connections in index order; or `streams` = 1 (some did not arrive:
@@ -27,7 +27,6 @@ from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.connection import Hello, WorkerLink
 
-ATTACH_SECONDS = 10.0  # how long a welcomed worker has to attach its extra connections
 STRIPING_VERSION = 4  # a worker that lists this protocol version can stripe
 log = logging.getLogger(__name__)
 
@@ -67,9 +66,12 @@ def streams_for(hello_versions: tuple[int, ...], wanted: int) -> int:
     return wanted if wanted > 1 and STRIPING_VERSION in hello_versions else 1
 
 
-async def welcome(link: WorkerLink, welcome: protocol.Welcome, wanted: int) -> int:
+async def welcome(
+    link: WorkerLink, welcome: protocol.Welcome, wanted: int, *, wait: float = 10.0
+) -> int:
     """Send `welcome`, striping the session over `wanted` connections if the worker attaches
-    them in time; returns how many carry it now. Raises `LINK_ERRORS` as `link.send` does."""
+    them within `wait` seconds; returns how many carry it now. Raises `LINK_ERRORS` as
+    `link.send` does."""
     if wanted <= 1:
         await link.send(welcome)
         return 1
@@ -77,7 +79,7 @@ async def welcome(link: WorkerLink, welcome: protocol.Welcome, wanted: int) -> i
     pending = link.attachments = Attachments(link.worker_id, key, wanted - 1)
     try:
         await link.send(dataclasses.replace(welcome, streams=wanted, session_key=key))
-        with trio.move_on_after(ATTACH_SECONDS):
+        with trio.move_on_after(wait):
             await pending.complete.wait()
         pending.open = False
         used = wanted if pending.complete.is_set() else 1
@@ -92,7 +94,7 @@ async def welcome(link: WorkerLink, welcome: protocol.Welcome, wanted: int) -> i
                 link.view.index,
                 len(pending.streams),
                 wanted - 1,
-                ATTACH_SECONDS,
+                wait,
             )
         return used
     finally:
