@@ -94,8 +94,8 @@ def link_command(listen: int, target: int, args) -> list[str]:
     )
 
 
-def round_seconds(count: int, args) -> list[float]:
-    """Wall seconds of each round after the first of a real run with `--streams count`."""
+def round_seconds(count: int, args) -> list[dict]:
+    """The round events after the first of a real run with `--streams count`."""
     port, link_port = free_port(), free_port()
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "run.jsonl"
@@ -115,23 +115,30 @@ def round_seconds(count: int, args) -> list[float]:
         finally:
             shepherd.kill()
             link.kill()
-    return [row["round_seconds"] for row in rows if row["event"] == "round"][1:]
+    return [row for row in rows if row["event"] == "round"][1:]
 
 
 def rounds_table(counts: list[int], args) -> None:
-    seconds = {count: round_seconds(count, args) for count in counts}
+    rounds = {count: round_seconds(count, args) for count in counts}
+
+    def median(count: int, key: str) -> float:
+        return statistics.median(row[key] for row in rounds[count])
+
     print(
         f"\nDiLoCo rounds ({' '.join(ROUND_RUN)}) through emulate-link "
-        f"({args.bandwidth}, RTT {args.rtt}, window {args.window} per connection)\n"
+        f"({args.bandwidth}, RTT {args.rtt}, window {args.window} per connection), "
+        "medians of the rounds after the first\n"
     )
-    print(f"{'streams':>7} {'round s (median)':>17} {'rounds':>7} {'vs K=1':>7}")
-    base = statistics.median(seconds[counts[0]])
-    for count, values in seconds.items():
-        median = statistics.median(values)
-        print(f"{count:>7} {median:>17.2f} {len(values):>7} {base / median:>6.2f}x")
-    print(
-        f"ratio_round_k{counts[-1]}_vs_k{counts[0]}={base / statistics.median(seconds[counts[-1]]):.2f}"
-    )
+    print(f"{'streams':>7} {'round s':>8} {'compute s':>10} {'exchange s':>11} {'vs K=1':>7}")
+    base = median(counts[0], "round_seconds")
+    for count in counts:
+        seconds = median(count, "round_seconds")
+        print(
+            f"{count:>7} {seconds:>8.2f} {median(count, 'compute_seconds'):>10.2f} "
+            f"{median(count, 'communication_seconds'):>11.2f} {base / seconds:>6.2f}x"
+        )
+    last = median(counts[-1], "round_seconds")
+    print(f"ratio_round_k{counts[-1]}_vs_k{counts[0]}={base / last:.2f}")
 
 
 def main() -> None:
