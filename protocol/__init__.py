@@ -66,7 +66,7 @@ from ._messages import (
     WorkerStats,
 )
 from ._schema import ERROR_CODES, KINDS
-from ._striped import PIECE_BYTES, StripedStream
+from ._striped import PIECE_BYTES, Prefixed, StripedStream
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
 
 __all__ = [
@@ -97,6 +97,7 @@ __all__ = [
     "ParamLayout",
     "Phase",
     "Plan",
+    "Prefixed",
     "Platform",
     "Runtime",
     "Progress",

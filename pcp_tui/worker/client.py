@@ -39,6 +39,7 @@ from pcp_tui.contract.connection import (
     RunOver,
     ended_by,
 )
+from pcp_tui.contract.connection import expect as _expect
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
@@ -522,15 +523,3 @@ def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray, fi
         tuple(params), tuple(opt_state), batches, np.int32(first_step)
     )
     return list(params), list(opt_state), np.asarray(losses)  # np.asarray waits for the device
-
-
-async def _expect(stream: protocol.MessageStream | Connection, kind: str) -> protocol.Message:
-    """The next message, which must be a `kind`: an error or goodbye instead says why not."""
-    message = await stream.receive()
-    if message.kind == kind:
-        return message
-    if isinstance(message.body, protocol.Error):
-        raise ended_by(message.body)
-    if isinstance(message.body, protocol.Goodbye):
-        raise RunOver(message.body.reason)
-    raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")

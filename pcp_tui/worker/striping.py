@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.contract.connection import LINK_ERRORS, ConnectionEnded, ConnectionLost
+from pcp_tui.contract.connection import LINK_ERRORS, ConnectionEnded, ConnectionLost, expect
 
 if TYPE_CHECKING:
     from pcp_tui.worker.client import Worker
@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 async def attach(worker: Worker, main: protocol.MessageStream, welcome: protocol.Welcome) -> int:
     """Open the extra connections `welcome` asks for, then stripe `main` over them if the
     shepherd's second welcome says so; returns the connections that carry the session."""
-    from pcp_tui.worker.client import _expect  # the client's reader of expected messages
-
     wanted = welcome.streams
     if wanted > MAX_STREAMS or not welcome.session_key:
         raise protocol.MalformedMessage(
@@ -47,7 +45,7 @@ async def attach(worker: Worker, main: protocol.MessageStream, welcome: protocol
                 nursery.start_soon(
                     _attach_one, worker, index, welcome.session_key, extra, problems, limiter
                 )
-        settled = (await _expect(main, "welcome")).body
+        settled = (await expect(main, "welcome")).body
         if settled.streams <= 1:
             why = "; ".join(sorted(problems)) or "the shepherd did not get them all in time"
             log.warning("continuing on one connection: %s", why)
@@ -74,15 +72,13 @@ async def _attach_one(
     limiter: trio.CapacityLimiter,
 ) -> None:
     """Open extra connection `index` and present the session proof; record why not if it fails."""
-    from pcp_tui.worker.client import _expect
-
     stream = None
     try:
         async with limiter:
             with trio.fail_after(ATTACH_SECONDS):
                 deadline = trio.current_time() + ATTACH_SECONDS
                 stream = protocol.MessageStream(await worker._open(deadline))
-                hello = await _expect(stream, "hello")
+                hello = await expect(stream, "hello")
                 await stream.send(
                     worker._hello(hello.body.nonce, attach_index=index, session_key=session_key)
                 )
