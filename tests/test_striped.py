@@ -21,9 +21,11 @@ import trio.testing
 
 from pcp_tui import protocol
 from pcp_tui.contract import auth
+from pcp_tui.contract.connection import ConnectionLost
 from pcp_tui.shepherd import striping
 from pcp_tui.shepherd.connection import Hello
 from pcp_tui.shepherd.striping import Attachments, streams_for
+from pcp_tui.worker import striping as worker_striping
 
 PIECE = 4096
 
@@ -299,3 +301,29 @@ def test_the_second_welcome_settles_striped_or_one_connection(attached):
         np.testing.assert_array_equal(result["message"].tensors["w"], params["w"])
     else:
         assert result["used"] == 1 and result["time"] == 5.0
+
+
+class _UnreachableWorker:
+    """The part of a `Worker` that `worker.striping.attach` uses: its extra connections fail."""
+
+    async def _open(self, deadline: float):
+        raise ConnectionLost("cannot reach 127.0.0.1:9 (Connection refused)")
+
+
+def test_a_worker_that_cannot_open_its_extra_connections_goes_on_with_one(caplog):
+    async def main():
+        shepherd_end, worker_end = trio.testing.memory_stream_pair()
+        shepherd, main_stream = (
+            protocol.MessageStream(shepherd_end),
+            protocol.MessageStream(worker_end),
+        )
+        offer = dataclasses.replace(WELCOME, streams=3, session_key=auth.new_session_key())
+        await shepherd.send(dataclasses.replace(WELCOME, streams=1))  # its window passed
+        used = await worker_striping.attach(_UnreachableWorker(), main_stream, offer)
+        await shepherd.send(protocol.Heartbeat(2.0))  # the session goes on, on one connection
+        return used, (await main_stream.receive()).body
+
+    with caplog.at_level("WARNING"):
+        used, after = trio.run(main)
+    assert used == 1 and after == protocol.Heartbeat(2.0)
+    assert "continuing on one connection: connection 2: cannot reach" in caplog.text
