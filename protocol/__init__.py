@@ -6,6 +6,7 @@ turns it into bytes and back. It never imports `pcp_tui` or `backends`.
     stream = protocol.MessageStream(tcp_stream)
     await stream.send(protocol.RoundStart(round=3, inner_steps=50), params)
     message = await stream.receive()   # Message(body, tensors, version, wire_bytes); .kind
+    striped = protocol.MessageStream(protocol.StripedStream([tcp0, tcp1, tcp2, tcp3]))
     if isinstance(message.body, protocol.RoundResult): ...
 
 Message bodies are frozen dataclasses (`_messages`), checked field by field at
@@ -67,6 +68,7 @@ from ._messages import (
     WorkerStats,
 )
 from ._schema import ERROR_CODES, KINDS
+from ._striped import PIECE_BYTES, Prefixed, StripedStream
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
 
 __all__ = [
@@ -76,6 +78,7 @@ __all__ = [
     "ERROR_CODES",
     "ID_CHARS",
     "KINDS",
+    "PIECE_BYTES",
     "PROTOCOL_VERSION",
     "QUANTIZATIONS",
     "REASON_CHARS",
@@ -97,6 +100,7 @@ __all__ = [
     "ParamLayout",
     "Phase",
     "Plan",
+    "Prefixed",
     "Platform",
     "Runtime",
     "Progress",
@@ -105,6 +109,7 @@ __all__ = [
     "RoundResult",
     "RoundStart",
     "Sharding",
+    "StripedStream",
     "ShardingMode",
     "ShardingRule",
     "TensorSpec",

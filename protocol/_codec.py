@@ -35,15 +35,18 @@ from ._errors import (
 )
 from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, Plan, read, write
 from ._schema import Envelope
+from ._striped import PIECE_BYTES, Prefixed, StripedStream
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
 # 2: typed messages, enums for phase / batch kind / platform
 # 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
 #    version-2 peer's messages still read, with those fields at their defaults); Streaming
 #    DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued roundStart
-# 4: int4Block tensors and a plan's compression = int4Block (nothing else changed: a message
-#    that uses neither is stamped 3, so version-3 peers still join runs that do not use it,
-#    and the shepherd of a run that does refuses them at admission)
+# 4: int4Block tensors and a plan's compression = int4Block; striped connections
+#    (welcome.streams/sessionKey, workerHello.attachIndex/attachProof: fields added only).
+#    A message that uses no int4Block is stamped 3, so version-3 peers still join runs that
+#    do not use it (and are never asked to stripe); the shepherd of an int4Block run refuses
+#    them at admission. A worker that lists 4 in its hello can stripe.
 PROTOCOL_VERSION = 4
 SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4)
 #: The version `encode` stamps on a message that uses nothing newer (see `message_version`).
@@ -398,6 +401,28 @@ class MessageStream:
         if self.observer is not None:
             self.observer("received", message)
         return message
+
+    def stripe(self, extra: list[MessageStream], *, piece_bytes: int = PIECE_BYTES) -> None:
+        """From the next byte on, carry this conversation over this stream's transport and the
+        transports of `extra` (in that order), as one `StripedStream`; both sides call it at
+        the same point of the conversation (after the handshake says so).
+
+        Bytes already read ahead on any of them stay first in line on their connection.
+        Call it between messages, with no send or receive in progress on any of them.
+        """
+        streams = [self, *extra]
+        if any(stream._receiving or stream.sending for stream in streams):
+            raise RuntimeError("stripe() while a message is being sent or received")
+        transports = [stream._unread() for stream in streams]
+        activity = self._reader.last_activity
+        self.stream = StripedStream(transports, piece_bytes=piece_bytes)
+        self._reader = _StreamReader(self.stream)
+        self._reader.last_activity = activity
+
+    def _unread(self) -> trio.abc.Stream:
+        """The transport, with any bytes the reader took ahead of the last message put back."""
+        pending = bytes(self._reader._pending)
+        return Prefixed(self.stream, pending) if pending else self.stream
 
     @property
     def sending(self) -> bool:

@@ -180,6 +180,8 @@ class WorkerHello(Body):
     backend: BackendInfo = field(default_factory=BackendInfo)
     proof: bytes = field(default=b"", metadata={"bytes": 64})
     software: str = _text()
+    attach_index: int = 0  # > 0: an extra connection of a striped session (protocol 4)
+    attach_proof: bytes = field(default=b"", metadata={"bytes": 64})
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,8 @@ class Welcome(Body):
     worker_index: int = 0
     run_id: str = _text()
     heartbeat_seconds: float = _finite(2.0)
+    streams: int = 0  # > 1: connections to stripe the session over (protocol 4; 0, 1: one)
+    session_key: bytes = field(default=b"", metadata={"bytes": 64})
 
 
 @dataclass(frozen=True)

@@ -108,12 +108,22 @@ struct WorkerHello {
   backend @3 :BackendInfo;
   proof @4 :Data;              # HMAC-SHA256(token, nonce || workerId); never the token
   software @5 :Text;
+  # protocol 4, striped connections: 0 on a worker's own connection; i > 0 on the extra
+  # connection i that it attaches to its session (the welcome's `streams` > 1), with
+  # attachProof = HMAC-SHA256(the welcome's sessionKey, nonce || workerId || i)
+  attachIndex @6 :UInt16;
+  attachProof @7 :Data;
 }
 
 struct Welcome {
   workerIndex @0 :UInt32;
   runId @1 :Text;
   heartbeatSeconds @2 :Float32;
+  # protocol 4, striped connections (only to a worker that lists version 4): streams > 1 asks
+  # the worker to attach streams - 1 more connections with sessionKey; a second welcome on this
+  # connection then says how many carry the session from its next byte on (1: this one alone)
+  streams @3 :UInt16;
+  sessionKey @4 :Data;
 }
 
 struct GraphInfo {

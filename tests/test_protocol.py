@@ -50,10 +50,21 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
             backend=BACKEND,
             proof=b"\x01" * 32,
             software="pcp-tui 0.1.0",
+            attach_index=3,
+            attach_proof=b"\x02" * 32,
         ),
         {},
     ),
-    "welcome": (protocol.Welcome(worker_index=2, run_id="run-7f3a", heartbeat_seconds=0.5), {}),
+    "welcome": (
+        protocol.Welcome(
+            worker_index=2,
+            run_id="run-7f3a",
+            heartbeat_seconds=0.5,
+            streams=4,
+            session_key=b"\x03" * 32,
+        ),
+        {},
+    ),
     "plan": (
         protocol.Plan(
             run_id="run-7f3a",
@@ -793,11 +804,11 @@ def test_errors_form_one_hierarchy_with_schema_codes():
 
 def test_wrong_version_wins_over_an_unknown_kind():
     """A newer peer may add message kinds: it must hear 'version mismatch', not 'malformed'."""
-    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=5))
+    frame = bytearray(craft("heartbeat", {"sentAt": 1.0}, version=9))
     frame[18] = 200
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(bytes(frame))
-    assert caught.value.peer_versions == (5,)
+    assert caught.value.peer_versions == (9,)
 
 
 def test_concurrent_receives_are_refused():

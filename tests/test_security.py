@@ -136,7 +136,10 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
             answers["v2"], _ = await handshake_answer(
                 shepherd.port,
                 lambda n: worker_hello(
-                    n, "s3cret", worker_id="from-the-future", version=protocol.PROTOCOL_VERSION + 1
+                    n,
+                    "s3cret",
+                    worker_id="from-the-future",
+                    version=max(protocol.SUPPORTED_VERSIONS) + 1,
                 ),
             )
         return answers
@@ -328,6 +331,10 @@ def test_tls_run_and_workers_that_do_not_trust_the_shepherd(shepherds, spawn_wor
         str(cert),
         "--tls-key",
         str(key),
+        "--streams",  # each session over 2 TLS connections: the extra one passes TLS too
+        "2",
+        "--log-level",
+        "info",
         "--metrics",
         str(tmp_path / "m"),
     )
@@ -364,3 +371,4 @@ def test_tls_run_and_workers_that_do_not_trust_the_shepherd(shepherds, spawn_wor
     assert pinned.wait(timeout=HANG_GUARD) == 0 and with_ca.wait(timeout=HANG_GUARD) == 0
     assert round_workers(tmp_path / "m") == [2, 2]
     assert "TLS handshake failed" in shepherd.output
+    assert shepherd.output.count("session striped over 2 connections") == 2, shepherd.output

@@ -249,6 +249,13 @@ class NetworkConfig:
         20.0,
         help="seconds of silence before a worker counts as lost (at least 3x --heartbeat-seconds)",
     )
+    streams: int = option(
+        1,
+        at_least=1,
+        at_most=16,
+        help="TCP connections each worker's session is striped over (1: one, as before); "
+        "one stream moves at most its window per round trip, so long fat links need several",
+    )
 
     def check(self) -> None:
         if self.heartbeat_timeout < HEARTBEATS_PER_TIMEOUT * self.heartbeat_seconds:
@@ -284,7 +291,10 @@ class SecurityConfig:
     )
     tls_key: str | None = option(None, example="shepherd.key", help="PEM private key of --tls-cert")
     handshake_timeout: float = option(
-        10.0, above=0, help="seconds a new connection has to prove the token before it is dropped"
+        10.0,
+        above=0,
+        help="seconds a new connection has to prove the token before it is dropped (and a "
+        "welcomed worker to attach its --streams connections before it goes on with one)",
     )
     max_handshakes_per_host: int = option(
         8, at_least=1, help="unfinished handshakes one address may hold; more are closed at once"

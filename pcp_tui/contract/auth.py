@@ -29,3 +29,21 @@ def proof(token: str, nonce: bytes, worker_id: str) -> bytes:
 
 def verify(token: str, nonce: bytes, worker_id: str, claimed: bytes) -> bool:
     return hmac.compare_digest(proof(token, nonce, worker_id), bytes(claimed))
+
+
+def new_session_key() -> bytes:
+    """A per-session secret the shepherd hands one admitted worker (in its welcome)."""
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def attach_proof(session_key: bytes, nonce: bytes, worker_id: str, index: int) -> bytes:
+    """HMAC-SHA256 proving that extra connection `index` belongs to the session that got
+    `session_key`: the token alone (which every worker has) cannot attach to another's session."""
+    message = nonce + b"\x00" + worker_id.encode() + b"\x00" + str(index).encode()
+    return hmac.new(session_key, message, hashlib.sha256).digest()
+
+
+def verify_attach(
+    session_key: bytes, nonce: bytes, worker_id: str, index: int, claimed: bytes
+) -> bool:
+    return hmac.compare_digest(attach_proof(session_key, nonce, worker_id, index), bytes(claimed))

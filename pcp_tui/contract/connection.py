@@ -298,3 +298,16 @@ class Connection:
             await self.send(protocol.Goodbye(reason[: protocol.REASON_CHARS]))
         with contextlib.suppress(*LINK_ERRORS):
             await self.stream.aclose()
+
+
+async def expect(stream: protocol.MessageStream | Connection, kind: str) -> protocol.Message:
+    """The next message from the shepherd, which must be a `kind`: an error or goodbye instead
+    says why not (Refused, ConnectionLost or RunOver), anything else is a MalformedMessage."""
+    message = await stream.receive()
+    if message.kind == kind:
+        return message
+    if isinstance(message.body, protocol.Error):
+        raise ended_by(message.body)
+    if isinstance(message.body, protocol.Goodbye):
+        raise RunOver(message.body.reason)
+    raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")

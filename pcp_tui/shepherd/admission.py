@@ -229,7 +229,7 @@ class Admission:
         if first[:1] != _TLS_HANDSHAKE_RECORD:
             return "the peer speaks plain PCP" if first else "closed before the TLS handshake"
         with trio.fail_at(deadline):
-            return await self._tls.accept(_Replayed(raw, first))
+            return await self._tls.accept(protocol.Prefixed(raw, first))
 
     async def _refuse_plain_peer(
         self, raw: trio.abc.Stream, host: str, peer: str, why: str
@@ -244,31 +244,6 @@ class Admission:
         with trio.move_on_after(1):  # final for the worker: its handshake ends on authFailed
             await protocol.MessageStream(raw, PRE_AUTH_LIMITS).send_error("authFailed", TLS_ONLY)
         await _close(raw)
-
-
-class _Replayed(trio.abc.Stream):
-    """`stream` with bytes already read from it put back in front (for the TLS layer)."""
-
-    def __init__(self, stream: trio.abc.Stream, first: bytes):
-        self._stream = stream
-        self._first = first
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if not self._first:
-            return await self._stream.receive_some(max_bytes)
-        size = len(self._first) if max_bytes is None else max_bytes
-        chunk, self._first = self._first[:size], self._first[size:]
-        await trio.lowlevel.checkpoint()
-        return chunk
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._stream.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._stream.wait_send_all_might_not_block()
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
 
 
 def _drop_reason(exc: BaseException, timeout: float, past_tls: bool) -> str:

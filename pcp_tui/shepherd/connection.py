@@ -30,6 +30,10 @@ class Hello:
     platform: protocol.Platform
     devices: int = 1  # local devices the worker trains on as one (a JAX mesh)
     runtime: protocol.Runtime = protocol.Runtime.XLA
+    versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
+    nonce: bytes = b""  # this connection's challenge (an attach proof covers it too)
+    attach_index: int = 0  # > 0: an extra connection for the worker's striped session
+    attach_proof: bytes = b""
 
 
 class SendTooSlow(trio.BrokenResourceError):
@@ -73,6 +77,10 @@ class WorkerLink(Connection):
         self.min_send_rate, self.send_grace = min_send_rate, send_grace
         self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline
+        self.ended = trio.Event()  # set once the connection is closed (its server task ends)
+        self.versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
+        # while the worker is asked to open more connections (shepherd.striping)
+        self.attachments = None
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
@@ -199,8 +207,18 @@ async def handshake(
         described = f"{described} x{devices}"
     if backend.runtime != protocol.Runtime.XLA:
         described += f" ({backend.runtime.value} {shown(backend.target)})".replace(" )", ")")
-    hostname = shown(body.hostname)
-    return Hello(worker_id, hostname, described, backend.platform, devices, backend.runtime)
+    return Hello(
+        worker_id,
+        shown(body.hostname),
+        described,
+        backend.platform,
+        devices,
+        backend.runtime,
+        versions=body.supported_versions,
+        nonce=nonce,
+        attach_index=body.attach_index,
+        attach_proof=body.attach_proof,
+    )
 
 
 def shown(text: str) -> str:

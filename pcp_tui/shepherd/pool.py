@@ -22,6 +22,7 @@ from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
+from pcp_tui.shepherd import striping
 from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import WorkerLink, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
@@ -93,6 +94,9 @@ class WorkerPool:
         admitted = await self.admission.admit(raw)  # TLS, token, limits; logs and closes refusals
         if admitted is None:
             return
+        if admitted.hello.attach_index:  # an extra connection of a session (--streams)
+            await self._attach(admitted)
+            return
         refusal = self._refusal(admitted.hello.worker_id)
         if refusal is not None:
             await self._refuse(admitted, *refusal)
@@ -115,6 +119,7 @@ class WorkerPool:
         finally:
             with trio.CancelScope(shield=True):  # tells the peer what it did wrong, if it did
                 await link.close("connection closed", error=ended)
+            link.ended.set()
 
     def _refusal(self, worker_id: str) -> tuple[protocol.ErrorCode, str] | None:
         """(code, reason) if an authenticated connection may not join now, else None.
@@ -154,6 +159,23 @@ class WorkerPool:
         with contextlib.suppress(*LINK_ERRORS):
             await trio.aclose_forcefully(admitted.stream.stream)
 
+    async def _attach(self, admitted: Admitted) -> None:
+        """Hand an extra connection to its worker's session, which then owns it; or refuse it."""
+        hello = admitted.hello
+        link = self._links.get(hello.worker_id)
+        pending = link.attachments if link is not None and not link.closed else None
+        problem = (
+            f"no session of worker {hello.worker_id!r} is asking for more connections"
+            if pending is None
+            else pending.offer(hello, admitted.stream)
+        )
+        if problem is not None:
+            await self._refuse(admitted, protocol.ErrorCode.AUTH_FAILED, problem)
+            return
+        # the session owns the connection now; trio's serve_listeners closes a connection once
+        # its handler returns, so this one returns when the session has ended
+        await link.ended.wait()
+
     def _admit(self, stream: protocol.MessageStream, hello, peer: str) -> WorkerLink:
         old = self.state.workers.get(hello.worker_id)
         if old is not None:
@@ -184,6 +206,7 @@ class WorkerPool:
             min_send_rate=security.min_upload_rate,
             send_grace=security.upload_grace,
         )
+        link.versions = hello.versions
         previous = self._links.get(hello.worker_id)
         if previous is not None:
             previous.closed = True
@@ -245,8 +268,9 @@ class WorkerPool:
                 str(exc), code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value
             ) from None
         welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
-        sent = await link.send(welcome)
-        log.debug("worker %d: sent welcome (%d bytes)", link.view.index, sent)
+        wanted = striping.streams_for(link.versions, cfg.network.streams)
+        await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
+        log.debug("worker %d: welcomed", link.view.index)
         link.view.state = "compiling"
         plan, tensors = self._plan(slot, self.workload.shards[slot], graphs)
         sent = await link.send(plan, tensors)

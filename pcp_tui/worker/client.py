@@ -39,10 +39,12 @@ from pcp_tui.contract.connection import (
     RunOver,
     ended_by,
 )
+from pcp_tui.contract.connection import expect as _expect
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
 from pcp_tui.training.sharding import LayoutError
+from pcp_tui.worker import striping
 from pcp_tui.worker.mesh import GraphLayouts
 from pcp_tui.worker.reconnect import Reconnect
 from pcp_tui.worker.stats import WorkerCounters
@@ -177,10 +179,14 @@ class Worker:
         finally:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
+                await trio.aclose_forcefully(messages.stream)  # all of them, when striped
 
     async def _connect(self, deadline: float) -> trio.abc.Stream:
         """A TCP (or TLS) stream to the shepherd, or ConnectionLost (Refused: TLS)."""
         self.status.update(state="connecting", message="connecting")
+        return await self._open(deadline)
+
+    async def _open(self, deadline: float) -> trio.abc.Stream:
         try:
             with trio.fail_at(deadline):
                 stream = await trio.open_tcp_stream(self.host, self.port)
@@ -266,6 +272,23 @@ class Worker:
     async def _handshake(self, stream: protocol.MessageStream) -> None:
         self.status.update(state="connecting", message="handshake")
         hello = await _expect(stream, "hello")
+        await stream.send(self._hello(hello.body.nonce))
+        welcome = await _expect(stream, "welcome")
+        interval = welcome.body.heartbeat_seconds  # the run's; a broken shepherd's is bounded
+        self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
+        self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
+        log.info(
+            "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
+        )
+        self.status.update(worker_index=welcome.body.worker_index, message="admitted")
+        if welcome.body.streams > 1:
+            await striping.attach(self, stream, welcome.body)
+
+    def _hello(
+        self, nonce: bytes, *, attach_index: int = 0, session_key: bytes = b""
+    ) -> protocol.WorkerHello:
+        """This worker's hello for a connection whose challenge is `nonce`; with `attach_index`,
+        for extra connection `attach_index` of the session that got `session_key`."""
         info = self.backend.info
         backend = protocol.BackendInfo(
             platform=protocol.Platform(info.platform),
@@ -276,24 +299,20 @@ class Worker:
             runtime=protocol.Runtime(info.runtime),
             target=info.target[: protocol.ID_CHARS],
         )
-        await stream.send(
-            protocol.WorkerHello(
-                supported_versions=protocol.SUPPORTED_VERSIONS,
-                worker_id=self.worker_id,
-                hostname=host_platform.node()[: protocol.ID_CHARS],
-                backend=backend,
-                proof=auth.proof(self.token, hello.body.nonce, self.worker_id),
-                software=f"pcp-tui {__version__}",
-            )
+        return protocol.WorkerHello(
+            supported_versions=protocol.SUPPORTED_VERSIONS,
+            worker_id=self.worker_id,
+            hostname=host_platform.node()[: protocol.ID_CHARS],
+            backend=backend,
+            proof=auth.proof(self.token, nonce, self.worker_id),
+            software=f"pcp-tui {__version__}",
+            attach_index=attach_index,
+            attach_proof=(
+                auth.attach_proof(session_key, nonce, self.worker_id, attach_index)
+                if attach_index
+                else b""
+            ),
         )
-        welcome = await _expect(stream, "welcome")
-        interval = welcome.body.heartbeat_seconds  # the run's; a broken shepherd's is bounded
-        self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
-        self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
-        log.info(
-            "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
-        )
-        self.status.update(worker_index=welcome.body.worker_index, message="admitted")
 
     def _load_plan(self, message: protocol.Message) -> Training:
         plan, tensors = message.body, message.tensors
@@ -504,15 +523,3 @@ def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray, fi
         tuple(params), tuple(opt_state), batches, np.int32(first_step)
     )
     return list(params), list(opt_state), np.asarray(losses)  # np.asarray waits for the device
-
-
-async def _expect(stream: protocol.MessageStream | Connection, kind: str) -> protocol.Message:
-    """The next message, which must be a `kind`: an error or goodbye instead says why not."""
-    message = await stream.receive()
-    if message.kind == kind:
-        return message
-    if isinstance(message.body, protocol.Error):
-        raise ended_by(message.body)
-    if isinstance(message.body, protocol.Goodbye):
-        raise RunOver(message.body.reason)
-    raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")
