@@ -200,19 +200,25 @@ def worker_hello(nonce: bytes, versions: tuple[int, ...]) -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("compression", "versions", "admitted"),
+    ("compression", "fragments", "versions", "refusal"),
     [
-        ("int4Block", (2, 3), False),
-        ("int4Block", (3, 4), True),
-        ("int8Block", (2, 3), True),
+        ("int4Block", 1, (2, 3), "--compression int4Block, which protocol 4 added"),
+        ("int4Block", 1, (3, 4), None),
+        ("int8Block", 1, (2, 3), None),
+        ("int8Block", 4, (2,), "--streaming-fragments 4, which protocol 3 added"),
+        ("int8Block", 4, (2, 3), None),
+        ("int4Block", 4, (2, 3), "--compression int4Block, which protocol 4 added"),
     ],
 )
-def test_an_int4_block_run_refuses_workers_without_protocol_4_at_admission(
-    compression, versions, admitted
+def test_a_run_refuses_workers_without_the_protocol_its_options_need_at_admission(
+    compression, fragments, versions, refusal
 ):
+    admitted = refusal is None
+
     async def main():
         state = RunState(run_id="r", rounds_total=1, settings={})
-        admission = Admission(state, token="t", run_id="r", need=version_need(compression))
+        need = version_need(compression, fragments)
+        admission = Admission(state, token="t", run_id="r", need=need)
         server_side, client_side = trio.testing.memory_stream_pair()
         answers = []
 
@@ -230,7 +236,7 @@ def test_an_int4_block_run_refuses_workers_without_protocol_4_at_admission(
         if not admitted:
             (answer,) = answers
             assert answer.body.code == protocol.ErrorCode.VERSION_MISMATCH
-            assert "--compression int4Block, which protocol 4 added" in answer.body.message
-            assert "versions 2 and 3: upgrade pcp-tui on the worker" in answer.body.message
+            assert refusal in answer.body.message
+            assert "upgrade pcp-tui on the worker" in answer.body.message
 
     trio.run(main)

@@ -132,12 +132,22 @@ class VersionNeed:
     option: str
 
 
-def version_need(compression: str) -> VersionNeed | None:
-    """The version a run with `compression` needs of its workers; None if every supported one will do."""
+STREAMING_VERSION = 3  # fragmentResult, fragmentUpdate and the plan's fragments came in 3
+
+
+def version_need(compression: str, fragments: int = 1) -> VersionNeed | None:
+    """The newest protocol version this run's options need of a worker, naming the option.
+
+    None if every supported version will do. A version-2 worker in a streaming
+    run would otherwise be admitted and then cut off at its first result.
+    """
+    needs = []
+    if fragments > 1:
+        needs.append(VersionNeed(STREAMING_VERSION, f"--streaming-fragments {fragments}"))
     version = protocol.quantization_version(compression)
-    if version <= protocol.COMPATIBLE_VERSION:
-        return None
-    return VersionNeed(version, f"--compression {compression}")
+    if version > protocol.COMPATIBLE_VERSION:
+        needs.append(VersionNeed(version, f"--compression {compression}"))
+    return max(needs, key=lambda need: need.version, default=None)
 
 
 async def handshake(

@@ -103,7 +103,7 @@ class Shepherd:
             max_per_host=config.security.max_handshakes_per_host,
             max_pending=config.security.max_handshakes,
             trace=_open_trace(config.operator.trace),
-            need=version_need(config.outer.compression),
+            need=version_need(config.outer.compression, config.inner.streaming_fragments),
         )
         self.pool = WorkerPool(
             self.config,
