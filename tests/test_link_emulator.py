@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
 import random
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import trio
@@ -20,6 +25,9 @@ from pcp_tui.app.link_emulator import (
     parse_window,
 )
 from pcp_tui.config import ConfigError
+from pcp_tui.testing import free_port
+
+HANG_GUARD = 60  # seconds; only so that a broken emulator fails the test instead of hanging it
 
 
 def _through_pipe(
@@ -271,3 +279,60 @@ def test_a_windowed_stream_over_real_sockets_is_held_to_a_window_per_round_trip(
 
 
 # A worker training through `pcp-tui emulate-link` (the CLI, real processes): tests/test_streams_e2e.py
+
+
+def test_an_address_in_use_is_reported_and_a_closed_stdout_does_not_stop_the_link():
+    """`pcp-tui emulate-link` as a process: a busy port is a one-line error naming it;
+    a launcher that stops reading the emulator's output leaves the link working."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        refused = subprocess.run(
+            [*_EMULATE, "--listen", f"127.0.0.1:{port}", "--to", "127.0.0.1:9"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert refused.returncode == 1
+    assert refused.stdout.startswith(f"pcp-tui: error: cannot listen on 127.0.0.1:{port} ")
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # stdout is a pipe nobody reads: printing to it raises EPIPE
+    with socket.socket() as target:
+        target.bind(("127.0.0.1", 0))
+        target.listen()
+        listen = free_port()
+        emulator = subprocess.Popen(
+            [*_EMULATE, "--listen", f"127.0.0.1:{listen}", "--to", _address(target)],
+            stdout=write_end,
+        )
+        os.close(write_end)
+        try:
+            client = _connect_when_listening(listen, emulator)
+            with client, target.accept()[0] as server:
+                client.sendall(b"still here")
+                assert server.recv(64) == b"still here"
+        finally:
+            emulator.kill()
+            emulator.wait()
+
+
+_EMULATE = [sys.executable, "-m", "pcp_tui", "emulate-link", "--rtt", "0ms"]
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()
+    return f"{host}:{port}"
+
+
+def _connect_when_listening(port: int, process: subprocess.Popen) -> socket.socket:
+    """A connection to the emulator once it listens (it has no output to wait on here)."""
+    deadline = time.monotonic() + HANG_GUARD
+    while True:
+        assert process.poll() is None, "the emulator stopped"
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD)
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline, "the emulator never listened"
+            time.sleep(0.05)

@@ -26,6 +26,7 @@ puts all of them on one wire, as several streams of one machine share its link.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import random
@@ -306,19 +307,21 @@ def run(args) -> int:
         shared=args.shared,
     )
 
-    async def serve() -> None:
-        listeners = await trio.open_tcp_listeners(listen_port, host=listen_host)
-        print(
-            f"emulating a {args.bandwidth} link with {args.rtt} RTT"
-            f"{'' if args.window == 'unbounded' else f' and a {args.window} window'}: "
-            f"connect to {args.listen}, forwarded to {args.to}",
-            flush=True,
-        )
+    async def serve() -> int:
+        try:
+            listeners = await trio.open_tcp_listeners(listen_port, host=listen_host)
+        except OSError as exc:
+            print(f"pcp-tui: error: cannot listen on {args.listen} ({exc.strerror or exc})")
+            return 1
+        # a closed stdout (the launching process went away) must not stop the link
+        with contextlib.suppress(OSError):
+            print(
+                f"emulating a {args.bandwidth} link with {args.rtt} RTT"
+                f"{'' if args.window == 'unbounded' else f' and a {args.window} window'}: "
+                f"connect to {args.listen}, forwarded to {args.to}",
+                flush=True,
+            )
         await emulator.serve(listeners)
+        return 0
 
-    try:
-        trio.run(serve)
-    except OSError as exc:
-        print(f"pcp-tui: error: cannot listen on {args.listen} ({exc.strerror or exc})")
-        return 1
-    return 0
+    return trio.run(serve)
