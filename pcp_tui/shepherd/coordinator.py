@@ -85,6 +85,9 @@ class Shepherd:
             norms=None if config.outer.aggregate == "mean" else NormGuard(factor=math.inf),
         )
         self._stop_reason: str | None = None
+        # a stop before the run's end asks workers to come back for a --resume; False where
+        # the workers are this process's own (the demo's), which end with it
+        self.ask_workers_back = True
         self._failure: str | None = None
         self._checkpoints = CheckpointWriter(config.checkpoints.dir, self.state)
         self._paused = False
@@ -295,7 +298,8 @@ class Shepherd:
         finished = bool(history) and history[-1].round >= self.config.outer.rounds
         saved = self._checkpoints.saved is not None or self._resumed_from is not None
         failed = failure is not None or self._failure is not None
-        return self._stop_reason is not None and saved and not failed and not finished
+        stopped = self._stop_reason is not None and self.ask_workers_back
+        return stopped and saved and not failed and not finished
 
     def _inner_optimizer(self) -> InnerOptimizer:
         cfg = self.config
