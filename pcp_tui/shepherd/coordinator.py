@@ -161,7 +161,8 @@ class Shepherd:
     # -- commands (safe to call from the dashboard) -------------------------
 
     def request_stop(self, reason: str = "stopped by the operator") -> None:
-        """End the run after the current round; workers are told goodbye."""
+        """End the run after the current round; workers are told goodbye (and to come
+        back for a `--resume` when the run is not over and has a checkpoint: `_resumable`)."""
         self._stop_reason = reason
         self._resumed.set()
         self.pool.wake()
