@@ -373,10 +373,15 @@ class Error(Body):
 
 @dataclass(frozen=True)
 class Goodbye(Body):
-    """The sender closes the connection on purpose; `reason` is for people."""
+    """The sender closes the connection on purpose; `reason` is for people.
+
+    `resumable` (shepherd -> worker): the run stopped before its end and its checkpoint
+    lets `--resume` continue it, so the worker reconnects rather than exits.
+    """
 
     KIND: ClassVar[str] = "goodbye"
     reason: str = _text(REASON_CHARS)
+    resumable: bool = False
 
 
 # --------------------------------------------------------------------------- wire

@@ -270,4 +270,8 @@ struct Error {
 
 struct Goodbye {
   reason @0 :Text;
+  # the shepherd stopped before the run's end with a checkpoint to resume from: a worker that
+  # reads it reconnects (to `pcp-tui shepherd --resume`) instead of exiting. Added within
+  # version 4: an older worker ignores it and exits as on the end of the run.
+  resumable @1 :Bool;
 }

@@ -204,7 +204,7 @@ def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_
         "--metrics",
         str(metrics),
     )
-    worker = spawn_worker(shepherd.port(), token=TOKEN)
+    worker = spawn_worker(shepherd.port(), "--give-up-after", "60", token=TOKEN)
     shepherd.wait_for(metrics, r'"event": "round"')
     shepherd.process.send_signal(signum)
     assert shepherd.wait() == 128 + signum
@@ -214,7 +214,12 @@ def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_
     assert "Traceback" not in shepherd.out.read_text()
     saved = checkpoint.load_latest(checkpoints)  # written because the run stopped
     assert saved.round >= 1 and saved.meta["model"] == "gpt2-tiny"
-    assert worker.wait(timeout=GUARD) == 0, worker.stdout.read()  # told goodbye
+    # told goodbye, and that the run can be resumed: it waits for `--resume` instead of exiting
+    assert any("the run can be resumed: reconnecting" in line for line in worker.stdout)
+    assert worker.poll() is None
+    assert f"the run can be resumed: pcp-tui shepherd --resume {checkpoints}" in (
+        shepherd.out.read_text()
+    )
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r for r in rows if r["event"] == "done"][0]["message"].startswith("run stopped")
     # 14: the join token stays out of a metrics file

@@ -15,6 +15,7 @@ import trio
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
+    OutputProcess,
     faulty_worker_command,
     free_port,
     run_shepherd,
@@ -207,6 +208,61 @@ def test_shepherd_killed_and_resumed_equals_an_uninterrupted_run(tmp_path, spawn
     for name, array in reference_end.params.items():
         np.testing.assert_array_equal(resumed_end.params[name], array, err_msg=name)
     assert _final_eval(metrics) == _final_eval(reference_metrics)
+
+
+def test_sigterm_then_resume_brings_the_same_workers_back(tmp_path, spawn_worker):
+    """SIGTERM: the round finishes, the checkpoint is written, the goodbye says "come back";
+    the same two worker processes wait, rejoin the --resume'd shepherd on the same port,
+    keep their AdamW state (the same run id) and finish the run from the checkpoint."""
+    port = free_port()
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    command = shepherd_command(
+        port,
+        *("--workers", "2", "--rounds", "20", "--inner-steps", "4"),
+        *("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "100"),
+        *("--metrics", str(metrics)),
+    )
+    first = OutputProcess(command)
+    try:
+        first.wait_for("listening on")
+        logs = [tmp_path / f"w{i}.log" for i in range(2)]
+        workers = [
+            spawn_worker(port, "--id", f"w{i}", "--log-level", "info", "--log-file", str(log))
+            for i, log in enumerate(logs)
+        ]
+        first.wait_for(r"^round +1/")
+        first.process.send_signal(signal.SIGTERM)
+        assert first.finish() == 128 + signal.SIGTERM, first.output
+    finally:
+        first.kill()
+    assert "the run can be resumed: pcp-tui shepherd --resume" in first.output
+    stopped = checkpoint.load_latest(checkpoints)  # the stop wrote it: --checkpoint-every 100
+    assert 1 <= stopped.round < 20
+    assert all(worker.poll() is None for worker in workers)  # told to come back, not to leave
+    second = subprocess.run(
+        [*command, "--resume", str(checkpoints)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=worker_env(),
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    for worker in workers:
+        assert worker.wait(timeout=60) == 0, worker.stdout.read()
+    finished = checkpoint.load_latest(checkpoints)
+    assert finished.round == 20 and finished.meta["run_id"] == stopped.meta["run_id"]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    resumed = [r for r in rows if r["event"] == "resumed_from"]
+    assert len(resumed) == 1 and resumed[0]["round"] == stopped.round
+    after = [r["round"] for r in rows[rows.index(resumed[0]) :] if r["event"] == "round"]
+    assert after == list(range(stopped.round + 1, 21))  # continues from the checkpoint
+    assert all(r["workers"] == 2 for r in rows if r["event"] == "round")
+    run_id = stopped.meta["run_id"]
+    for log in logs:
+        text = log.read_text()
+        assert "the run can be resumed: reconnecting" in text, text
+        assert f"back in run {run_id}: keeping the inner optimizer state" in text, text
+        assert "fresh inner optimizer state" not in text, text
 
 
 def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever():

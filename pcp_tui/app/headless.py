@@ -38,6 +38,7 @@ _SHOWN = {
     "checkpoint_failed",
     "resumed_from",
     "stop_requested",
+    "resumable",
 }
 
 

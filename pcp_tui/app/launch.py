@@ -215,6 +215,7 @@ async def _worker_process(
     that fires when the *thread* that forked exits, and trio forks from a
     cached worker thread that exits after a few idle seconds.
     """
+    shepherd.ask_workers_back = False  # a --resume starts new local workers; these end with it
     posix = os.name == "posix"
     parent_end, demo_end = os.pipe() if posix else (None, None)
     command = local_worker_command(

@@ -19,7 +19,8 @@ The error taxonomy is the same for both sides (`ConnectionEnded` and its three
 kinds): `Refused` is final (bad token, wrong version, unusable plan or backend:
 retrying gets the same answer), `ConnectionLost` is not (the link broke, went
 silent or the peer broke the protocol: the worker reconnects, the shepherd hands
-the worker's shard on), `RunOver` is the shepherd's goodbye.
+the worker's shard on), `RunOver` is the shepherd's goodbye. A goodbye that says the
+run can be resumed is `RunResumable`, a ConnectionLost: the worker comes back.
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ class ConnectionLost(ConnectionEnded):
 
 class RunOver(ConnectionEnded):
     """The shepherd said goodbye: the run is finished."""
+
+
+class RunResumable(ConnectionLost):
+    """The shepherd stopped before the run's end and a `--resume` can continue it: reconnect.
+
+    A ConnectionLost, so the worker's reconnect loop (bounded by --give-up-after)
+    takes it: the restarted shepherd is welcome to the same worker.
+    """
+
+
+def goodbye_ended(goodbye: protocol.Goodbye) -> ConnectionEnded:
+    """What the shepherd's goodbye means: RunResumable when it says so, else RunOver."""
+    if goodbye.resumable:
+        return RunResumable(f"the shepherd stopped ({goodbye.reason})")
+    return RunOver(goodbye.reason)
 
 
 def lost(exc: BaseException) -> ConnectionLost:
@@ -281,8 +297,13 @@ class Connection:
 
     # -- the end ------------------------------------------------------------------
 
-    async def close(self, reason: str, *, error: ConnectionEnded | None = None) -> None:
+    async def close(
+        self, reason: str, *, error: ConnectionEnded | None = None, resumable: bool = False
+    ) -> None:
         """Say goodbye (after `error`, if it has a code the peer should hear) and close.
+
+        `resumable` (the shepherd's side): the run stopped before its end with a
+        checkpoint to resume from, so the worker should come back (`protocol.Goodbye`).
 
         Best effort and bounded by CLOSE_SECONDS: a peer that is gone or does not
         read cannot hold this side. Safe to call twice; call it shielded from
@@ -295,7 +316,7 @@ class Connection:
             if error is not None and error.code:
                 why = error.reason[: protocol.REASON_CHARS]
                 await self.send(protocol.Error(protocol.ErrorCode(error.code), why))
-            await self.send(protocol.Goodbye(reason[: protocol.REASON_CHARS]))
+            await self.send(protocol.Goodbye(reason[: protocol.REASON_CHARS], resumable))
         with contextlib.suppress(*LINK_ERRORS):
             await self.stream.aclose()
 
@@ -309,5 +330,5 @@ async def expect(stream: protocol.MessageStream | Connection, kind: str) -> prot
     if isinstance(message.body, protocol.Error):
         raise ended_by(message.body)
     if isinstance(message.body, protocol.Goodbye):
-        raise RunOver(message.body.reason)
+        raise goodbye_ended(message.body)
     raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")

@@ -31,6 +31,7 @@ class CheckpointWriter:
         self._state = state
         self._written = trio.Event()  # set while no checkpoint write is in flight
         self._written.set()
+        self.saved: int | None = None  # the round of the last checkpoint this run wrote
 
     async def save(
         self, number: int, meta: dict[str, Any], snapshot: Snapshot, nursery: trio.Nursery
@@ -60,6 +61,7 @@ class CheckpointWriter:
             return
         finally:
             self._written.set()
+        self.saved = number
         self._state.emit(
             "checkpoint",
             f"checkpoint of round {number} saved to {path}",

@@ -56,7 +56,10 @@ class Shepherd:
         self.token = config.security.token
         if not self.token:
             raise ValueError("the shepherd needs a join token (RunConfig.token)")
-        self.run_id = secrets.token_hex(4)
+        resume = config.checkpoints.resume
+        saved = checkpoint.load_latest(resume) if resume else None
+        # a resumed run is the same run: workers keep their inner optimizer state for it
+        self.run_id = _saved_run_id(saved) or secrets.token_hex(4)
         self.state = state or RunState(
             run_id=self.run_id, rounds_total=config.outer.rounds, settings=_settings(config)
         )
@@ -82,6 +85,9 @@ class Shepherd:
             norms=None if config.outer.aggregate == "mean" else NormGuard(factor=math.inf),
         )
         self._stop_reason: str | None = None
+        # a stop before the run's end asks workers to come back for a --resume; False where
+        # the workers are this process's own (the demo's), which end with it
+        self.ask_workers_back = True
         self._failure: str | None = None
         self._checkpoints = CheckpointWriter(config.checkpoints.dir, self.state)
         self._paused = False
@@ -123,12 +129,11 @@ class Shepherd:
             self.pool.fragments = self.fragment_sync.fragments
         # whose aggregation state (centered clip's history) the checkpoint keeps
         self._aggregation = self.fragment_sync or self._mean
-        if config.checkpoints.resume:
-            self._resume(config.checkpoints.resume)
+        if saved is not None:
+            self._resume(saved)
         self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
 
-    def _resume(self, directory: str) -> None:
-        saved = checkpoint.load_latest(directory)
+    def _resume(self, saved: checkpoint.Checkpoint) -> None:
         checkpoint.check_compatible(
             saved, self.workload.name, self._shapes, self.workload.corpus.fingerprint
         )
@@ -156,7 +161,8 @@ class Shepherd:
     # -- commands (safe to call from the dashboard) -------------------------
 
     def request_stop(self, reason: str = "stopped by the operator") -> None:
-        """End the run after the current round; workers are told goodbye."""
+        """End the run after the current round; workers are told goodbye (and to come
+        back for a `--resume` when the run is not over and has a checkpoint: `_resumable`)."""
         self._stop_reason = reason
         self._resumed.set()
         self.pool.wake()
@@ -262,9 +268,7 @@ class Shepherd:
                     failure = exc
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self.pool.goodbye_all(
-                            self._stop_reason or str(failure or "run finished")
-                        )
+                        await self._goodbye(failure)
                     nursery.cancel_scope.cancel()
         finally:
             self.state.finished_at = time.monotonic()
@@ -273,6 +277,30 @@ class Shepherd:
             self.state.emit("failed", str(failure))
             raise failure
         return self.state
+
+    async def _goodbye(self, failure: RunFailed | None) -> None:
+        """Tell the workers goodbye, and to come back when `--resume` can continue the run."""
+        resumable = self._resumable(failure)
+        if resumable:
+            directory = self.config.checkpoints.dir or self.config.checkpoints.resume
+            self.state.emit(
+                "resumable",
+                f"the run can be resumed: pcp-tui shepherd --resume {directory} "
+                "(with this run's options); its workers keep reconnecting until it is, "
+                "for their --give-up-after",
+                directory=directory,
+            )
+        reason = self._stop_reason or str(failure or "run finished")
+        await self.pool.goodbye_all(reason, resumable=resumable)
+
+    def _resumable(self, failure: RunFailed | None) -> bool:
+        """Whether the run stops before its end, not failed, with a checkpoint to resume from."""
+        history = self.state.history
+        finished = bool(history) and history[-1].round >= self.config.outer.rounds
+        saved = self._checkpoints.saved is not None or self._resumed_from is not None
+        failed = failure is not None or self._failure is not None
+        stopped = self._stop_reason is not None and self.ask_workers_back
+        return stopped and saved and not failed and not finished
 
     def _inner_optimizer(self) -> InnerOptimizer:
         cfg = self.config
@@ -491,6 +519,14 @@ class Shepherd:
         params = params if params is not None else self.params
         flat = tuple(params[n] for n in self.graphs.param_names)
         return float(self._eval.call(flat, self.workload.eval_tokens))
+
+
+def _saved_run_id(saved: checkpoint.Checkpoint | None) -> str | None:
+    """The run id a checkpoint was saved by (None: no checkpoint, or one that predates it)."""
+    run_id = saved.meta.get("run_id") if saved is not None else None
+    if not isinstance(run_id, str) or not 0 < len(run_id) <= protocol.ID_CHARS:
+        return None
+    return run_id
 
 
 def _open_trace(path: str | None) -> MessageTrace | None:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import trio
@@ -81,11 +82,12 @@ class WorkerPool:
         self._changed = trio.Event()
         await self._changed.wait()
 
-    async def goodbye_all(self, reason: str) -> None:
+    async def goodbye_all(self, reason: str, *, resumable: bool = False) -> None:
+        """Tell every worker goodbye; `resumable`: the run can be resumed, so come back."""
         async with trio.open_nursery() as nursery:
             for link in list(self._links.values()):
                 link.view.state, link.view.reason = "left", reason
-                nursery.start_soon(link.close, reason)
+                nursery.start_soon(partial(link.close, reason, resumable=resumable))
 
     # -- one connection -------------------------------------------------------
 

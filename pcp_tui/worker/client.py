@@ -37,7 +37,9 @@ from pcp_tui.contract.connection import (
     IdInUse,
     Refused,
     RunOver,
+    RunResumable,
     ended_by,
+    goodbye_ended,
 )
 from pcp_tui.contract.connection import expect as _expect
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
@@ -141,7 +143,8 @@ class Worker:
         self.heartbeat_seconds = 2.0  # the welcome says the run's interval
         self.heartbeat_timeout = 30.0
         self._plan: Training | None = None
-        self._opt_state = None
+        self.run_id: str | None = None  # the run the per-run state below belongs to
+        self._opt_state = None  # the inner optimizer's, kept across reconnects to one run
         self._compiled: dict[bytes, tuple[Callable, Callable, tuple | None]] = {}
         self._streaming: StreamingRounds | None = None  # the plan names fragments
 
@@ -171,6 +174,8 @@ class Worker:
             self.status.update(state="done", message="the shepherd ended the run")
             return True
         except _LostAfterWelcome as exc:
+            if isinstance(exc.__cause__, RunResumable):
+                return self._shepherd_stopped(exc.__cause__)
             log.info("connection to %s:%d lost: %s", self.host, self.port, exc.__cause__)
             if not self.reconnect.retry:
                 raise ConnectionLost(str(exc)) from exc
@@ -180,6 +185,36 @@ class Worker:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
                 await trio.aclose_forcefully(messages.stream)  # all of them, when striped
+
+    def _shepherd_stopped(self, stopped: RunResumable) -> bool:
+        """The shepherd stopped before the run's end and can resume it: True (done) only
+        with --no-reconnect, else False: reconnect, as after a lost connection."""
+        if not self.reconnect.retry:
+            log.info("%s; the run can be resumed, but --no-reconnect: exiting", stopped)
+            self.status.update(state="done", message=f"{stopped}; not reconnecting")
+            return True
+        message = f"{stopped}; the run can be resumed: reconnecting"
+        log.info("%s", message)
+        self.status.update(state="connecting", message=message)
+        return False
+
+    def _enter_run(self, run_id: str) -> None:
+        """Keep the per-run state (the inner optimizer's) only for the run it belongs to.
+
+        A shepherd resumed from its checkpoint keeps its run id; one started afresh
+        has a new one, and AdamW moments from another run would steer this one.
+        """
+        if run_id == self.run_id:
+            if self._opt_state is not None:
+                log.info("back in run %s: keeping the inner optimizer state", run_id)
+            return
+        if self.run_id is not None:
+            log.info(
+                "joined run %s (was run %s): starting with a fresh inner optimizer state",
+                run_id,
+                self.run_id,
+            )
+        self.run_id, self._opt_state = run_id, None
 
     async def _connect(self, deadline: float) -> trio.abc.Stream:
         """A TCP (or TLS) stream to the shepherd, or ConnectionLost (Refused: TLS)."""
@@ -280,6 +315,7 @@ class Worker:
         log.info(
             "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
         )
+        self._enter_run(welcome.body.run_id)
         self.status.update(worker_index=welcome.body.worker_index, message="admitted")
         if welcome.body.streams > 1:
             await striping.attach(self, stream, welcome.body)
@@ -377,7 +413,7 @@ class Worker:
                     )
                 self._streaming.updates.deliver(message)
             elif isinstance(body, protocol.Goodbye):
-                raise RunOver(body.reason)
+                raise goodbye_ended(body)
             elif isinstance(body, protocol.Error):
                 if body.code == protocol.ErrorCode.BAD_RESULT:
                     self.status.update(message=f"shepherd refused a result: {body.message}")
