@@ -16,9 +16,8 @@ import pytest
 
 from pcp_tui.diloco import reference
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import run_shepherd
+from pcp_tui.testing import run_shepherd, worker_batches
 from pcp_tui.training.build import build_workload
-from pcp_tui.training.shards import sample_batches
 
 from .conftest import small_config
 
@@ -28,23 +27,13 @@ LR = 0.5
 ROUNDS = 3
 
 
-def _batch(workload, config, slot: int, number: int) -> np.ndarray:
-    """Worker `slot`'s one batch of round `number`, as the worker samples it."""
-    return sample_batches(
-        workload.shards[slot],
-        steps=1,
-        batch_size=config.data.batch_size,
-        seq_len=config.data.seq_len,
-        seed=config.model.seed,
-        stream=(slot, number, 0),
-    )[0]
-
-
 def _synchronous_sgd(workload, config) -> dict[str, np.ndarray]:
     params = {n: jnp.asarray(v) for n, v in workload.params.items()}
     grad = jax.jit(jax.grad(workload.loss_fn))
     for number in range(1, ROUNDS + 1):
-        union = np.concatenate([_batch(workload, config, slot, number) for slot in range(2)])
+        union = np.concatenate(
+            [worker_batches(workload, config, slot, number, 1)[0] for slot in range(2)]
+        )
         g = grad(params, union)
         params = {n: params[n] - LR * g[n] for n in params}
     return {n: np.asarray(v) for n, v in params.items()}
@@ -53,7 +42,7 @@ def _synchronous_sgd(workload, config) -> dict[str, np.ndarray]:
 def _reference_diloco(workload, config) -> dict[str, np.ndarray]:
     tokens = float(config.data.batch_size * config.data.seq_len)
     rounds = [
-        [([_batch(workload, config, slot, number)], tokens) for slot in range(2)]
+        [(worker_batches(workload, config, slot, number, 1), tokens) for slot in range(2)]
         for number in range(1, ROUNDS + 1)
     ]
     return reference.diloco(

@@ -23,9 +23,8 @@ from pcp_tui.diloco import reference
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.pacing import SMOOTHING, SpeedEstimate, StepPacing
 from pcp_tui.shepherd.rounds import Round
-from pcp_tui.testing import faulty_worker_command, run_shepherd, until
+from pcp_tui.testing import faulty_worker_command, run_shepherd, until, worker_batches
 from pcp_tui.training.build import build_workload
-from pcp_tui.training.shards import sample_batches
 
 from .conftest import small_config, worker_env
 
@@ -198,7 +197,10 @@ def test_adaptive_streaming_scales_each_schedule_and_equals_the_reference(spawn_
     per_step = config.data.batch_size * config.data.seq_len
     rounds = [
         [
-            (_batches(workload, config, slot, number, given[number - 1][worker]), h * per_step)
+            (
+                worker_batches(workload, config, slot, number, given[number - 1][worker]),
+                h * per_step,
+            )
             for slot, worker in enumerate(("fast", "slow"))
             for h in [given[number - 1][worker]]
         ]
@@ -229,21 +231,6 @@ def _record_steps(pacing: StepPacing) -> list[dict[str, int]]:
 
     pacing.steps_for = recording
     return given
-
-
-def _batches(workload, config, slot: int, number: int, steps: int) -> list:
-    """Worker `slot`'s batches of round `number`, as it samples them in chunks of one step."""
-    return [
-        sample_batches(
-            workload.shards[slot],
-            steps=1,
-            batch_size=config.data.batch_size,
-            seq_len=config.data.seq_len,
-            seed=config.model.seed,
-            stream=(slot, number, step),
-        )[0]
-        for step in range(steps)
-    ]
 
 
 def test_a_worker_refuses_a_round_its_fragment_schedule_cannot_run():

@@ -25,9 +25,8 @@ from pcp_tui.config import ConfigError
 from pcp_tui.contract import plan as contract
 from pcp_tui.diloco import reference, streaming
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import run_shepherd, until
+from pcp_tui.testing import run_shepherd, until, worker_batches
 from pcp_tui.training.build import build_workload
-from pcp_tui.training.shards import sample_batches
 
 from .conftest import small_config
 
@@ -131,21 +130,6 @@ ROUNDS = 2
 H = 4
 
 
-def _batches(workload, config, slot: int, number: int) -> list[np.ndarray]:
-    """Worker `slot`'s H batches of round `number`, as the worker samples them (chunks of 1)."""
-    return [
-        sample_batches(
-            workload.shards[slot],
-            steps=1,
-            batch_size=config.data.batch_size,
-            seq_len=config.data.seq_len,
-            seed=config.model.seed,
-            stream=(slot, number, step),
-        )[0]
-        for step in range(H)
-    ]
-
-
 @pytest.mark.e2e
 def test_two_workers_streaming_equal_the_reference(spawn_worker):
     config = small_config(
@@ -172,7 +156,7 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker):
     assert [r.fragment_results for r in history] == [(2, 2)] * ROUNDS
     tokens = float(H * config.data.batch_size * config.data.seq_len)
     rounds = [
-        [(_batches(workload, config, slot, number), tokens) for slot in range(2)]
+        [(worker_batches(workload, config, slot, number, H), tokens) for slot in range(2)]
         for number in range(1, ROUNDS + 1)
     ]
     expected = reference.streaming_diloco(

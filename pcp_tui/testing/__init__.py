@@ -14,7 +14,7 @@ pseudo-gradient) are `pcp_tui.testing.faulty_worker`; its docstring lists the
 faults and their parameters.
 """
 
-from pcp_tui.testing._inprocess import run_shepherd, until
+from pcp_tui.testing._inprocess import run_shepherd, until, worker_batches
 from pcp_tui.testing._processes import (
     SMALL_RUN,
     OutputProcess,
@@ -37,6 +37,7 @@ __all__ = [
     "shepherd_command",
     "small_config",
     "until",
+    "worker_batches",
     "worker_command",
     "worker_env",
 ]

@@ -35,3 +35,21 @@ async def until(predicate: Callable[[], bool], *, polls: int = 6000) -> None:
             return
         await trio.sleep(0.05)
     raise AssertionError("condition never became true")
+
+
+def worker_batches(workload: Any, config: Any, slot: int, number: int, steps: int) -> list:
+    """The `steps` batches worker `slot` trains on in round `number`, sampled in chunks of one
+    step as a worker with `--chunk-steps 1` samples them: a reference run's inputs."""
+    from pcp_tui.training.shards import sample_batches
+
+    return [
+        sample_batches(
+            workload.shards[slot],
+            steps=1,
+            batch_size=config.data.batch_size,
+            seq_len=config.data.seq_len,
+            seed=config.model.seed,
+            stream=(slot, number, step),
+        )[0]
+        for step in range(steps)
+    ]
