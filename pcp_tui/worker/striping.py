@@ -12,15 +12,12 @@ them (a firewall, a connection limit) says why in its log and trains anyway.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from pcp_tui import protocol
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionEnded, ConnectionLost, expect
-
-if TYPE_CHECKING:
-    from pcp_tui.worker.client import Worker
 
 ATTACH_SECONDS = 10.0  # for each extra connection, from connect to its hello sent
 AT_ONCE = 4  # extra connections in their handshake at once (the shepherd caps those per address)
@@ -28,7 +25,18 @@ MAX_STREAMS = 64  # a welcome asking for more is not from a sane shepherd
 log = logging.getLogger(__name__)
 
 
-async def attach(worker: Worker, main: protocol.MessageStream, welcome: protocol.Welcome) -> int:
+class Dialer(Protocol):
+    """What `attach` needs of the worker (`worker.client.Worker` is one): a connection to
+    the shepherd opened by `deadline`, and the worker's hello for a connection's challenge."""
+
+    async def _open(self, deadline: float) -> trio.abc.Stream: ...
+
+    def _hello(
+        self, nonce: bytes, *, attach_index: int = 0, session_key: bytes = b""
+    ) -> protocol.WorkerHello: ...
+
+
+async def attach(worker: Dialer, main: protocol.MessageStream, welcome: protocol.Welcome) -> int:
     """Open the extra connections `welcome` asks for, then stripe `main` over them if the
     shepherd's second welcome says so; returns the connections that carry the session."""
     wanted = welcome.streams
@@ -64,7 +72,7 @@ async def attach(worker: Worker, main: protocol.MessageStream, welcome: protocol
 
 
 async def _attach_one(
-    worker: Worker,
+    worker: Dialer,
     index: int,
     session_key: bytes,
     extra: dict[int, protocol.MessageStream],
