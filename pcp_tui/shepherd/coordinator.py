@@ -39,7 +39,7 @@ from pcp_tui.shepherd.graphs import GraphLibrary
 from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.pacing import StepPacing
 from pcp_tui.shepherd.pool import WorkerPool
-from pcp_tui.shepherd.rounds import Round
+from pcp_tui.shepherd.rounds import Round, collect
 from pcp_tui.shepherd.state import RoundRecord, RunState
 from pcp_tui.training.export import InnerOptimizer, TrainingGraphs
 from pcp_tui.training.workload import Workload
@@ -430,7 +430,7 @@ class Shepherd:
                     round=number, inner_steps=steps.get(link.worker_id, cfg.inner.steps)
                 )
                 nursery.start_soon(self._send_round_start, link, body, tensors, current)
-        await self._collect(current)
+        await collect(current, self.config.network, self.state)
         await current.close()  # a result still being folded in finishes first
         self.pool.round = None
         if not current.contributors:
@@ -467,33 +467,6 @@ class Shepherd:
             await link.send(body, tensors)
         except CONNECTION_ERRORS:
             current.finish(link.worker_id)  # the connection task reports the loss
-
-    async def _collect(self, current: Round) -> None:
-        cfg = self.config
-        timeout = cfg.network.round_timeout if cfg.network.round_timeout > 0 else math.inf
-        with trio.move_on_after(timeout):
-            await current.done.wait()
-        if current.done.is_set():
-            return
-        late = sorted(current.pending)
-        if len(current.contributors) < cfg.network.min_workers:
-            self.state.emit(
-                "round_waiting",
-                f"round {current.number}: timeout with {len(current.contributors)} result(s); "
-                f"waiting for --min-workers {cfg.network.min_workers}",
-            )
-            while len(current.contributors) < cfg.network.min_workers and not current.done.is_set():
-                with trio.move_on_after(1):
-                    await current.done.wait()
-            late = sorted(current.pending)
-        for worker_id in late:
-            current.finish(worker_id)
-        if late:
-            self.state.emit(
-                "stragglers",
-                f"round {current.number} closed without {', '.join(late)}",
-                workers=late,
-            )
 
     def _record(self, current: Round, eval_loss: float | None) -> RoundRecord:
         record = current.record(

@@ -38,7 +38,7 @@ from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.diloco.streaming import Fragments, partition
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
-from pcp_tui.shepherd.rounds import Round
+from pcp_tui.shepherd.rounds import Round, collect
 
 
 class FragmentedOuter:
@@ -191,7 +191,7 @@ class FragmentSync:
 
     async def _sync(self, shepherd, p: int, current: Round, links, failed) -> None:
         """Fragment p: collect its results, take its outer step, send its global value back."""
-        await shepherd._collect(current)
+        await collect(current, shepherd.config.network, shepherd.state)
         await current.close()
         names, params = self.fragments[p], shepherd.params
         old = {n: params[n].copy() for n in names} if self.compression != "none" else {}

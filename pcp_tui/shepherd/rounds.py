@@ -11,11 +11,12 @@ import numpy as np
 import trio
 
 from pcp_tui import protocol
+from pcp_tui.config.run import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
-from pcp_tui.shepherd.state import RoundRecord
+from pcp_tui.shepherd.state import RoundRecord, RunState
 
-__all__ = ["BadResult", "Round", "data_parallel_bytes", "utilization"]
+__all__ = ["BadResult", "Round", "collect", "data_parallel_bytes", "utilization"]
 
 # Results smaller than this are screened and folded in on the event loop: that takes
 # well under a millisecond, less than handing them to a thread and back (~0.2 ms).
@@ -210,3 +211,33 @@ class Round:
         straggler = times[-1] - statistics.median(times)
         communication = max(total - compute - straggler, 0.0)
         return compute, communication, straggler
+
+
+async def collect(current: Round, network: NetworkConfig, state: RunState) -> None:
+    """Wait for `current`'s results: until all are in, or --round-timeout, then (if fewer
+    than --min-workers came) on until that many have; whoever is still out is dropped as a
+    straggler, said in a `stragglers` event."""
+    timeout = network.round_timeout if network.round_timeout > 0 else math.inf
+    with trio.move_on_after(timeout):
+        await current.done.wait()
+    if current.done.is_set():
+        return
+    late = sorted(current.pending)
+    if len(current.contributors) < network.min_workers:
+        state.emit(
+            "round_waiting",
+            f"round {current.number}: timeout with {len(current.contributors)} result(s); "
+            f"waiting for --min-workers {network.min_workers}",
+        )
+        while len(current.contributors) < network.min_workers and not current.done.is_set():
+            with trio.move_on_after(1):
+                await current.done.wait()
+        late = sorted(current.pending)
+    for worker_id in late:
+        current.finish(worker_id)
+    if late:
+        state.emit(
+            "stragglers",
+            f"round {current.number} closed without {', '.join(late)}",
+            workers=late,
+        )
