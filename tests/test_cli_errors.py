@@ -23,7 +23,7 @@ import pytest
 
 from pcp_tui.backends import BackendUnavailable, select_backend
 from pcp_tui.shepherd import checkpoint
-from pcp_tui.testing import faulty_worker_command
+from pcp_tui.testing import child_pids, faulty_worker_command
 
 from .conftest import worker_env
 
@@ -100,20 +100,12 @@ class Background:
 
     def kill(self) -> None:
         if self.process.poll() is None:
-            children = _children(self.process.pid)
+            children = child_pids(self.process.pid)
             self.process.kill()
             self.process.wait(timeout=30)
             for pid in children:  # the demo's local workers live in sessions of their own
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(FileNotFoundError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
 
 
 @pytest.fixture
@@ -307,7 +299,7 @@ def test_sighup_stops_the_demo_like_sigterm(tmp_path, background):
     """Closing the terminal sends SIGHUP: a message, the final checkpoint, workers told goodbye."""
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     demo = _demo(background, checkpoints, metrics)
-    workers = _children(demo.process.pid)
+    workers = child_pids(demo.process.pid)
     assert len(workers) == 1
     demo.process.send_signal(signal.SIGHUP)
     assert demo.wait() == 128 + signal.SIGHUP, demo.err.read_text()
@@ -321,7 +313,7 @@ def test_sighup_stops_the_demo_like_sigterm(tmp_path, background):
 
 def test_the_demos_workers_do_not_outlive_a_killed_demo(tmp_path, background):
     demo = _demo(background, tmp_path / "ckpt", tmp_path / "m.jsonl")
-    workers = _children(demo.process.pid)
+    workers = child_pids(demo.process.pid)
     assert len(workers) == 1 and all(_alive(pid) for pid in workers)
     demo.process.kill()  # SIGKILL: the demo runs no code of its own on the way out
     demo.wait()

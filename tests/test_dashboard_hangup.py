@@ -8,7 +8,6 @@ later read or write on the terminal fails.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pcp_tui.shepherd import checkpoint
-from pcp_tui.testing import worker_env
+from pcp_tui.testing import child_pids, worker_env
 
 pytestmark = pytest.mark.e2e
 
@@ -86,14 +85,6 @@ def _wait_for_round(process: subprocess.Popen, metrics: Path, terminal: Terminal
         time.sleep(0.1)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(FileNotFoundError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -116,7 +107,7 @@ def test_closing_the_terminal_stops_the_dashboard_demo_with_its_final_checkpoint
     )
     try:
         _wait_for_round(demo, metrics, terminal)
-        workers = _children(demo.pid)
+        workers = child_pids(demo.pid)
         assert len(workers) == 1
         terminal.close()
         assert demo.wait(timeout=GUARD) == 128 + signal.SIGHUP

@@ -5,6 +5,7 @@ The machinery behind `pcp_tui.testing`, which re-exports what is public here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
 
 from pcp_tui.app.launch import local_worker_command
@@ -229,3 +231,13 @@ class OutputProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (Linux /proc; every thread's children, since trio
+    forks from worker threads): how a test finds a demo's local workers."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
