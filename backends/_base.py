@@ -131,6 +131,43 @@ class Backend(abc.ABC):
             for k, a in zip(kept, self.to_host(after), strict=True)
         ]
 
+    # Streaming DiLoCo sends and merges fragments while training goes on; these three
+    # let a backend keep the device busy through them (the base class goes through the host).
+
+    def snapshot(self, device: Sequence[Any]) -> Any:
+        """Hold `device`'s values now, to read with `fetch` after they are donated to training.
+
+        Taking it must cost the training loop next to nothing; the base class
+        copies to the host at once, a device backend copies on the device.
+        """
+        return [np.array(a, copy=True) for a in self.to_host(device)]  # never a view of them
+
+    def fetch(self, snapshot: Any) -> list[np.ndarray]:
+        """A `snapshot`'s values as host arrays (waits for its copy; run it off the training loop)."""
+        return list(snapshot)
+
+    def stage(self, host: Sequence[np.ndarray], axes: Sequence[Axis] | None = None) -> Any:
+        """Host arrays made ready for `blend` ahead of time (a device backend uploads them now)."""
+        return [np.asarray(a, np.float32) for a in host]
+
+    def blend(
+        self,
+        local: Sequence[Any],
+        staged: Any,
+        alpha: float,
+        axes: Sequence[Axis] | None = None,
+    ) -> list[Any]:
+        """α·local + (1 − α)·staged per array (float32), as device arrays placed like `local`.
+
+        α = 0 is the staged values themselves, bit for bit.
+        """
+        if alpha == 0.0:
+            host = list(staged)
+        else:
+            a, b = np.float32(alpha), np.float32(1) - np.float32(alpha)
+            host = [a * x + b * y for x, y in zip(self.to_host(local), staged, strict=True)]
+        return self.to_device(host) if axes is None else self.to_device(host, axes)
+
 
 def deserialize(name: str, serialized: bytes) -> Any:
     """The `jax.export.Exported` in `serialized`; GraphError if the bytes are not one."""

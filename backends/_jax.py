@@ -97,6 +97,13 @@ class JaxBackend(Backend):
             lambda before, after: [b - a for b, a in zip(before, after, strict=True)],
             donate_argnums=0,
         )
+        # a Streaming DiLoCo merge: alpha * local + (1 - alpha) * new, one jit per alpha
+        self._blend = jax.jit(
+            lambda local, new, alpha: [
+                alpha * x + (np.float32(1) - alpha) * y for x, y in zip(local, new, strict=True)
+            ],
+            static_argnums=2,
+        )
         self._info = BackendInfo(
             platform=platform,
             device_kind=str(self._device.device_kind),
@@ -267,9 +274,7 @@ class JaxBackend(Backend):
     def keep(self, host: Sequence[np.ndarray], device: Sequence[Any]) -> Any:
         if self._platform == "cpu":  # the host arrays are as close as a device copy, and free
             return super().keep(host, device)
-        if self._mesh is not None:  # a copy placed as the original, shard by shard
-            return [self._jax.device_put(a, a.sharding, may_alias=False) for a in device]
-        return list(self._jax.device_put(list(device), self._device, may_alias=False))
+        return self._copy_on_device(device)
 
     def difference(self, kept: Any, after: Sequence[Any]) -> list[np.ndarray]:
         if self._platform == "cpu":
@@ -279,6 +284,37 @@ class JaxBackend(Backend):
         # on the device, so that only the difference crosses to the host
         with self._jax.default_device(self._device):
             return self.to_host(self._subtract(kept, list(after)))
+
+    def snapshot(self, device: Sequence[Any]) -> Any:
+        if self._platform == "cpu":  # a host copy is as cheap as a device one
+            return super().snapshot(device)
+        return self._copy_on_device(device)
+
+    def fetch(self, snapshot: Any) -> list[np.ndarray]:
+        if self._platform == "cpu":
+            return super().fetch(snapshot)
+        return self.to_host(snapshot)
+
+    def stage(self, host: Sequence[np.ndarray], axes: Sequence[Axis] | None = None) -> Any:
+        host = [np.asarray(a, np.float32) for a in host]
+        return self.to_device(host) if axes is None else self.to_device(host, axes)
+
+    def blend(
+        self,
+        local: Sequence[Any],
+        staged: Any,
+        alpha: float,
+        axes: Sequence[Axis] | None = None,
+    ) -> list[Any]:
+        if alpha == 0.0:
+            return list(staged)
+        return self._blend(list(local), list(staged), np.float32(alpha))
+
+    def _copy_on_device(self, device: Sequence[Any]) -> list[Any]:
+        """Copies of `device` placed as they are (dispatched, not waited for)."""
+        if self._mesh is not None:  # a copy placed as the original, shard by shard
+            return [self._jax.device_put(a, a.sharding, may_alias=False) for a in device]
+        return list(self._jax.device_put(list(device), self._device, may_alias=False))
 
 
 def _pinned_host(device: Any) -> Any:

@@ -4,12 +4,15 @@ Both sides run the same exported `train_chunk` on the same device, in a
 process with the same environment:
 
 - bare loop: a subprocess loads the exported graph and calls it back to back
-  on pre-sampled batches (no network, no protocol, no Python around it);
-  between two real rounds (the shepherd pauses) it times one round of the same
-  H steps, so both sides are measured under the same machine load;
+  on pre-sampled batches (no network, no protocol, no Python around it); it
+  times rounds of the same H steps before and after the real run
+  (`--bare-rounds`);
 - real run: a shepherd in this process, one `pcp-tui worker` process, H inner
-  steps per round; tokens/s = tokens / round seconds as the shepherd sees it
-  (parameter send, compute, pseudo-gradient return, outer step, all included).
+  steps per round, rounds back to back; tokens/s = a round's tokens / the time
+  from the previous round's end to its end (parameter send, compute,
+  pseudo-gradient return, outer step and the gap between rounds, all
+  included). The worker logs, per streaming round, what its training loop
+  waited for.
 
     python benchmarks/bench_worker_overhead.py [--model tiny] [--inner-steps 200] [--rounds 4]
         [--link 1Gbit/50ms] [--compression int8Block] [--streaming-fragments 4 --overlap-steps 25]
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -134,10 +138,19 @@ async def emulated_link(
             emulator.kill()
 
 
-async def interleaved(
+async def measured_run(
     args: argparse.Namespace, env: dict[str, str]
-) -> tuple[list[float], list[float]]:
-    """Real rounds and bare rounds alternate, so both see the same machine load."""
+) -> tuple[list[float], list[float], list[float]]:
+    """Bare rounds before and after a real run whose rounds go back to back.
+
+    The run is not paused between rounds: a streaming worker is still training
+    its last τ steps when the shepherd's round ends, so a pause would let a bare
+    round share the device with it and would cut the steady state the worker
+    lives in. A round's wall time is the time from the previous round's end to
+    its own (round 1, which compiles, is only a start mark), which is the
+    period a worker sees in a long run: parameter send, compute, the
+    pseudo-gradient's return, the outer step and the gap between rounds.
+    """
     from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.training.build import build_workload
 
@@ -156,24 +169,19 @@ async def interleaved(
         bare.stdin.flush()
         return json.loads(bare.stdout.readline())["tokens_per_second"]
 
+    before = (args.bare_rounds + 1) // 2
+    bare_rates = [bare_round() for _ in range(before)]
     config = _config(args)
     shepherd = Shepherd(config, build_workload(config, shards=1))
-    round_done = trio.Event()
-
-    def on_event(event) -> None:
-        if event.kind == "round" and event.data["record"].round < config.outer.rounds:
-            shepherd.pause()  # takes effect before the next round starts
-            round_done.set()
-
-    shepherd.state.subscribe(on_event)
-    bare_rates: list[float] = []
+    ends: list[float] = []
+    shepherd.state.subscribe(lambda e: ends.append(time.monotonic()) if e.kind == "round" else None)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
         link = trio.CancelScope()  # the emulator, if any, lives as long as the worker
         if args.link != "loopback":
             port = await nursery.start(emulated_link, args.link, port, link)
         command = local_worker_command(
-            port, token="bench", backend=args.backend, extra=("--quiet",)
+            port, token="bench", backend=args.backend, extra=("--quiet", "--log-level", "info")
         )
 
         async def worker() -> None:
@@ -181,24 +189,21 @@ async def interleaved(
             link.cancel()
 
         nursery.start_soon(worker)
-        for _ in range(config.outer.rounds - 1):
-            await round_done.wait()
-            round_done = trio.Event()
-            bare_rates.append(await trio.to_thread.run_sync(bare_round))
-            shepherd.resume()
+    bare_rates += [bare_round() for _ in range(args.bare_rounds - before)]
     bare.stdin.close()
     bare.wait()
-    for r in shepherd.state.history:
+    history = shepherd.state.history
+    periods = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    for r, period in zip(history, [math.nan, *periods], strict=False):
         print(
-            f"  round {r.round}: {r.round_seconds:.2f} s (worker compute {r.compute_seconds:.2f} s, "
-            f"communication {r.communication_seconds:.2f} s)",
+            f"  round {r.round}: {period:.2f} s since the last round ended (worker compute "
+            f"{r.compute_seconds:.2f} s; the shepherd's round {r.round_seconds:.2f} s)",
             flush=True,
         )
-    history = shepherd.state.history
     return (
         bare_rates,
-        [r.tokens_per_second for r in history],
-        [r.tokens / r.compute_seconds for r in history],
+        [r.tokens / period for r, period in zip(history[1:], periods, strict=False)],
+        [r.tokens / r.compute_seconds for r in history[1:]],
     )
 
 
@@ -212,6 +217,12 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=200)
     parser.add_argument("--chunk-steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--bare-rounds",
+        type=int,
+        default=2,
+        help="bare-loop rounds, half before the run, half after",
+    )
     parser.add_argument("--compute-dtype", default="float32")
     parser.add_argument("--attention", default="xla")
     parser.add_argument(
@@ -241,9 +252,10 @@ def main() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    bare_rates, run_rates, compute_rates = trio.run(interleaved, args, env)
-    steady = run_rates[1:] or run_rates  # round 1 also pays the shepherd's first outer-step compile
-    compute_median = float(np.median(compute_rates[1:] or compute_rates))
+    bare_rates, steady, compute_rates = trio.run(measured_run, args, env)
+    if not steady:
+        raise SystemExit("--rounds must be 2 or more: round 1 only marks the start")
+    compute_median = float(np.median(compute_rates))
     bare_median, run_median = float(np.median(bare_rates)), float(np.median(steady))
     print(
         f"\nworker overhead  model={args.model} backend={args.backend} H={args.inner_steps} "

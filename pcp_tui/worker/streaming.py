@@ -16,8 +16,9 @@ the parameters it carries.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import trio
@@ -25,7 +26,9 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import round_start_problem
-from pcp_tui.diloco.streaming import Event, Schedule, mix
+from pcp_tui.diloco.streaming import Event, Schedule
+
+log = logging.getLogger(__name__)
 
 
 class FragmentUpdates:
@@ -81,6 +84,7 @@ class StreamingRounds:
         self._since_sync = [0] * len(self.fragments)  # steps each fragment's Δ trained on
         self._unreported: list[float] = []  # losses of steps no fragment result has carried yet
         self._unreported_seconds = 0.0
+        self._round_ended: float | None = None  # when the last round ended, for `Pauses`
 
     async def train_round(self, sender, message: protocol.Message) -> None:
         """Round `message.body.round`: train H_k steps, sending and merging every fragment once.
@@ -88,33 +92,52 @@ class StreamingRounds:
         H_k is the roundStart's inner steps (the plan's H unless --adaptive-steps
         sized this worker's round to its speed); the schedule scales with it, so
         fragment p still syncs at (p + 1) / F of the round, as on every other worker.
+
+        The training loop itself only dispatches: at a send point it takes a
+        snapshot of the fragment (a device copy), and a background exchange reads
+        it to the host, forms Δ_p, sends it, waits for G_p, checks it and stages it
+        on the device; at the merge point the loop blends the staged G_p in. What
+        the loop still waits for is logged per round (`Pauses`).
         """
         number, steps = message.body.round, message.body.inner_steps or self.plan.inner_steps
         problem = contract.round_steps_problem(self.plan, steps)
         if problem is not None:
             await self.worker.refuse(sender, f"roundStart refused: {problem}")
             return
+        ended, self._round_ended = self._round_ended, None
+        pauses = Pauses(number, between=0.0 if ended is None else time.perf_counter() - ended)
         if not await self._start(sender, message):
             return
         params, step = self.params, 0
         self.params = None  # donated to the chunks; set again when the round is done
         schedule = Schedule(steps, len(self.fragments), self.plan.overlap_steps)
-        async with trio.open_nursery() as sends:
+        exchanges: dict[int, Exchange] = {}
+        async with trio.open_nursery() as background:
             for at, event, p in schedule.events():
                 if at > step:
+                    began = time.perf_counter()
                     params = await self._train(sender, number, steps, params, step, at)
+                    pauses.training += time.perf_counter() - began
                     step = at
+                began = time.perf_counter()
                 if event is Event.SEND:
-                    delta = await trio.to_thread.run_sync(self._delta, p, params)
-                    sends.start_soon(self._send, sender, self._result(number, p), delta)
-                else:
-                    update = await self.updates.take(number, p)
-                    problem = await trio.to_thread.run_sync(self._update_problem, p, update.tensors)
-                    if problem is not None:
-                        await self.worker.refuse(sender, f"fragmentUpdate refused: {problem}")
-                        return
-                    params = await trio.to_thread.run_sync(self._merge, p, params, update)
+                    exchanges[p] = Exchange(self, sender, number, p, self._result(number, p))
+                    snapshot = self._snapshot(p, params)
+                    background.start_soon(exchanges[p].run, snapshot)
+                    pauses.sends += time.perf_counter() - began
+                    continue
+                staged = await exchanges.pop(p).staged()
+                pauses.waits += time.perf_counter() - began
+                if isinstance(staged, str):
+                    background.cancel_scope.cancel()  # the other exchanges end with the round
+                    await self.worker.refuse(sender, f"fragmentUpdate refused: {staged}")
+                    return
+                began = time.perf_counter()
+                params = await trio.to_thread.run_sync(self._merge, p, params, staged)
+                pauses.merges += time.perf_counter() - began
         self.params = params
+        self._round_ended = time.perf_counter()
+        log.info("%s", pauses)
         self.worker.status.update(state="idle")
 
     async def _start(self, sender, message: protocol.Message) -> bool:
@@ -162,10 +185,14 @@ class StreamingRounds:
         self._since_sync = [n + len(losses) for n in self._since_sync]
         return params
 
-    def _delta(self, p: int, params: list) -> dict[str, np.ndarray]:
-        """Δ_p = fragment p's global value at its last sync − its local value now (float32)."""
+    def _snapshot(self, p: int, params: list) -> object:
+        """Fragment p's local values now, held past their donation to the next chunk."""
+        return self.worker.backend.snapshot([params[self._index[n]] for n in self.fragments[p]])
+
+    def delta(self, p: int, snapshot: object) -> dict[str, np.ndarray]:
+        """Δ_p = fragment p's global value at its last sync − its local value at the send point."""
         names = self.fragments[p]
-        local = self.worker.backend.to_host([params[self._index[n]] for n in names])
+        local = self.worker.backend.fetch(snapshot)
         return {n: self.last_global[n] - value for n, value in zip(names, local, strict=True)}
 
     def _result(self, number: int, p: int) -> protocol.FragmentResult:
@@ -182,35 +209,88 @@ class StreamingRounds:
         self._unreported, self._unreported_seconds = [], 0.0
         return result
 
-    async def _send(self, sender, result: protocol.FragmentResult, delta) -> None:
-        await sender.send(result, delta, quantization=self.plan.compression)
-
-    def _update_problem(self, p: int, update: Mapping[str, np.ndarray]) -> str | None:
-        names = self.fragments[p]
-        shapes = {n: tuple(self.last_global[n].shape) for n in names}
-        return round_start_problem(update, names, shapes)
-
-    def _merge(self, p: int, params: list, update: protocol.Message) -> list:
-        """θ_p ← α θ_p + (1 − α) G_p on the device; G_p becomes fragment p's last global value.
+    def prepare(self, p: int, update: protocol.Message) -> object | str:
+        """Fragment p's new global value G_p, checked and staged for the merge; or the problem.
 
         G_p is the update itself, or (`change`, compressed runs) the last global
-        value plus the decoded change: the very sum the shepherd keeps.
+        value plus the decoded change: the very sum the shepherd keeps. It
+        becomes fragment p's last global value at the merge.
         """
         names = self.fragments[p]
-        backend, alpha = self.worker.backend, self.plan.mix_alpha
+        shapes = {n: tuple(self.last_global[n].shape) for n in names}
+        problem = round_start_problem(update.tensors, names, shapes)
+        if problem is not None:
+            return problem
         if update.body.change:
             new = {n: self.last_global[n] + update.tensors[n] for n in names}
         else:
             new = {n: np.asarray(update.tensors[n], np.float32) for n in names}
-        local = backend.to_host([params[self._index[n]] for n in names])
-        mixed = [mix(value, new[n], alpha) for n, value in zip(names, local, strict=True)]
-        axes = self.worker._plan.param_axes  # a mesh worker's layouts, or None
-        if axes is None:
-            placed = backend.to_device(mixed)
-        else:
-            placed = backend.to_device(mixed, [axes[self._index[n]] for n in names])
+        return new, self.worker.backend.stage([new[n] for n in names], self._axes(p))
+
+    def _merge(self, p: int, params: list, staged: tuple) -> list:
+        """θ_p ← α θ_p + (1 − α) G_p on the device; G_p becomes fragment p's last global value."""
+        names = self.fragments[p]
+        new, on_device = staged
+        local = [params[self._index[n]] for n in names]
+        placed = self.worker.backend.blend(local, on_device, self.plan.mix_alpha, self._axes(p))
         params = list(params)
         for name, array in zip(names, placed, strict=True):
             params[self._index[name]] = array
             self.last_global[name] = new[name]
         return params
+
+    def _axes(self, p: int) -> list | None:
+        """Fragment p's tensors' mesh axes (a worker over several devices), or None."""
+        axes = self.worker._plan.param_axes
+        return None if axes is None else [axes[self._index[n]] for n in self.fragments[p]]
+
+
+class Exchange:
+    """One fragment's trip, in the background of training: Δ_p up, G_p back, staged.
+
+    `staged()` is what the merge point waits for: the staged G_p, or a problem
+    (a string) with the update, which ends the round with a refusal.
+    """
+
+    def __init__(self, rounds: StreamingRounds, sender, number: int, p: int, result):
+        self.rounds = rounds
+        self.sender = sender
+        self.number = number
+        self.p = p
+        self.result = result  # the FragmentResult that carries Δ_p
+        self._done = trio.Event()
+        self._staged: object | str = "the exchange did not finish"
+
+    async def run(self, snapshot: object) -> None:
+        rounds, p = self.rounds, self.p
+        delta = await trio.to_thread.run_sync(rounds.delta, p, snapshot)
+        del snapshot
+        await self.sender.send(self.result, delta, quantization=rounds.plan.compression)
+        del delta
+        update = await rounds.updates.take(self.number, p)
+        self._staged = await trio.to_thread.run_sync(rounds.prepare, p, update)
+        self._done.set()
+
+    async def staged(self) -> object | str:
+        await self._done.wait()
+        return self._staged
+
+
+@dataclass
+class Pauses:
+    """Where one streaming round's wall time went, as the training loop saw it."""
+
+    round: int
+    between: float  # from the last round's end to this round's start (waiting for roundStart)
+    training: float = 0.0
+    sends: float = 0.0  # taking the fragments' snapshots
+    waits: float = 0.0  # waiting for fragment updates (τ too short for the link)
+    merges: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"round {self.round}: training {self.training:.2f} s; the loop waited "
+            f"{self.sends + self.waits + self.merges:.2f} s (snapshots {self.sends:.2f}, "
+            f"fragment updates {self.waits:.2f}, merges {self.merges:.2f}), and "
+            f"{self.between:.2f} s for the round to start"
+        )
