@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import subprocess
@@ -169,6 +170,8 @@ async def measured_run(
         bare.stdin.flush()
         return json.loads(bare.stdout.readline())["tokens_per_second"]
 
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("pcp_tui.shepherd.fragments").setLevel(logging.DEBUG)  # per-fragment times
     before = (args.bare_rounds + 1) // 2
     bare_rates = [bare_round() for _ in range(before)]
     config = _config(args)

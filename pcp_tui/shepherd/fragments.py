@@ -24,6 +24,7 @@ beside its outer state (`FragmentSync.state_arrays`).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.diloco.streaming import Fragments, partition
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.rounds import Round, collect
+
+log = logging.getLogger(__name__)
 
 
 class FragmentedOuter:
@@ -193,6 +196,7 @@ class FragmentSync:
         """Fragment p: collect its results, take its outer step, send its global value back."""
         await collect(current, shepherd.config.network, shepherd.state)
         await current.close()
+        collected = time.monotonic()
         names, params = self.fragments[p], shepherd.params
         old = {n: params[n].copy() for n in names} if self.compression != "none" else {}
         if current.contributors:
@@ -217,10 +221,20 @@ class FragmentSync:
         else:
             body = protocol.FragmentUpdate(round=current.number, fragment=p)
             update = {n: params[n] for n in names}
+        stepped = time.monotonic()
         async with trio.open_nursery() as nursery:
             for link in links:
                 if link not in failed:
                     nursery.start_soon(_send_update, link, body, update, failed, self.compression)
+        log.debug(
+            "round %d, fragment %d: results in %.2f s after the round began, outer step "
+            "%.2f s, update sent in %.2f s",
+            current.number,
+            p,
+            collected - current.started,
+            stepped - collected,
+            time.monotonic() - stepped,
+        )
 
     def _change(self, p: int, number: int, old: dict, params: dict):
         """The compressed form of fragment p's outer step, and the global value made exactly it.

@@ -126,8 +126,10 @@ class StreamingRounds:
                     background.start_soon(exchanges[p].run, snapshot)
                     pauses.sends += time.perf_counter() - began
                     continue
-                staged = await exchanges.pop(p).staged()
+                exchange = exchanges.pop(p)
+                staged = await exchange.staged()
                 pauses.waits += time.perf_counter() - began
+                pauses.exchange(exchange.phases)
                 if isinstance(staged, str):
                     background.cancel_scope.cancel()  # the other exchanges end with the round
                     await self.worker.refuse(sender, f"fragmentUpdate refused: {staged}")
@@ -260,15 +262,23 @@ class Exchange:
         self.result = result  # the FragmentResult that carries Δ_p
         self._done = trio.Event()
         self._staged: object | str = "the exchange did not finish"
+        # seconds of: reading Δ_p, sending it, waiting for G_p (the shepherd and the link), staging
+        self.phases: tuple[float, ...] = ()
 
     async def run(self, snapshot: object) -> None:
         rounds, p = self.rounds, self.p
+        marks = [time.perf_counter()]
         delta = await trio.to_thread.run_sync(rounds.delta, p, snapshot)
         del snapshot
+        marks.append(time.perf_counter())
         await self.sender.send(self.result, delta, quantization=rounds.plan.compression)
         del delta
+        marks.append(time.perf_counter())
         update = await rounds.updates.take(self.number, p)
+        marks.append(time.perf_counter())
         self._staged = await trio.to_thread.run_sync(rounds.prepare, p, update)
+        marks.append(time.perf_counter())
+        self.phases = tuple(b - a for a, b in zip(marks, marks[1:], strict=False))
         self._done.set()
 
     async def staged(self) -> object | str:
@@ -286,11 +296,19 @@ class Pauses:
     sends: float = 0.0  # taking the fragments' snapshots
     waits: float = 0.0  # waiting for fragment updates (τ too short for the link)
     merges: float = 0.0
+    slowest: tuple[float, ...] = ()  # the longest exchange's phases (see `Exchange.phases`)
+
+    def exchange(self, phases: tuple[float, ...]) -> None:
+        if sum(phases) > sum(self.slowest):
+            self.slowest = phases
 
     def __str__(self) -> str:
+        read, send, back, stage = self.slowest or (0.0,) * 4
         return (
             f"round {self.round}: training {self.training:.2f} s; the loop waited "
             f"{self.sends + self.waits + self.merges:.2f} s (snapshots {self.sends:.2f}, "
             f"fragment updates {self.waits:.2f}, merges {self.merges:.2f}), and "
-            f"{self.between:.2f} s for the round to start"
+            f"{self.between:.2f} s for the round to start; the slowest exchange took "
+            f"{sum(self.slowest):.2f} s (reading Δ {read:.2f}, sending it {send:.2f}, "
+            f"the update back {back:.2f}, staging it {stage:.2f})"
         )
