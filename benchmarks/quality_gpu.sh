@@ -22,12 +22,15 @@ seq=${SEQ:-256} h=${H:-40} deadline=${DEADLINE:-450} max_bytes=${MAX_BYTES:-1600
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 rows=(sync plain streaming)
-# processes on the GPU: per corpus a shepherd per row, 1 + 4 + 4 workers
-processes=$(($# * (${#rows[@]} + 9)))
+# GPU memory caps, per process (each process also holds a CUDA context, ~0.5 GB, outside its
+# cap): the sync row's worker holds a 4x batch (attention scores of 64 x 8 x 256 x 256 floats a
+# layer), so the 2 processes of a sync row get 0.05 each; the 2 x (1 + 4) processes of each
+# corpus' DiLoCo rows share the rest of 0.75.
+sync_fraction=${SYNC_FRACTION:-0.05}
+fraction=${MEM_FRACTION:-$(python3 -c "print(round((0.75 - 2 * $# * $sync_fraction) / (10 * $#), 4))")}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-$(python3 -c "print(round(0.85 / $processes, 4))")}
-echo "$(date -u +%T) $# corpora x ${#rows[@]} rows, $processes processes on $backend," \
-  "memory fraction $XLA_PYTHON_CLIENT_MEM_FRACTION each; model $model, $steps steps, H=$h"
+echo "$(date -u +%T) $# corpora x ${#rows[@]} rows on $backend, GPU memory fraction $fraction a" \
+  "process ($sync_fraction in sync rows); model $model, $steps steps, batch $batch x $seq, H=$h"
 started=$SECONDS
 index=0
 for corpus in "$@"; do
@@ -35,8 +38,11 @@ for corpus in "$@"; do
   for row in "${rows[@]}"; do
     dir="$out/c$index-$row"
     mkdir -p "$dir"
+    share=$fraction
+    [[ $row == sync ]] && share=$sync_fraction
     # shellcheck disable=SC2086
-    timeout --signal=INT --kill-after=20 "$deadline" python3 "$here/bench_quality.py" \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$share XLA_CLIENT_MEM_FRACTION=$share \
+      timeout --signal=INT --kill-after=20 "$deadline" python3 "$here/bench_quality.py" \
       --backend "$backend" --model "$model" --steps "$steps" --batch-size "$batch" --seq-len "$seq" \
       --corpus "$corpus" --data-max-bytes "$max_bytes" --rows "$row" --h "$h" --stream-h "$h" \
       --eval-batches 32 --out "$dir" ${EXTRA:-} >"$dir.log" 2>&1 &
