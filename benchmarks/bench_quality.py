@@ -281,10 +281,15 @@ def main() -> None:
     if args.merge:
         results = [Result(**r) for path in args.merge for r in json.loads(path.read_text())]
     else:
-        results = []
-        for label, row, config in plans(args):
-            results.append(run(label, row, config, args))
-            write_json(args.out / "quality.json", results)
+        results, stopped = [], False
+        try:
+            for label, row, config in plans(args):
+                results.append(run(label, row, config, args))
+                write_json(args.out / "quality.json", results)
+        except* KeyboardInterrupt:  # quality_gpu.sh's deadline, or Ctrl-C
+            stopped = True
+        if stopped:  # (an exit inside except* would come out as an exception group)
+            sys.exit(f"stopped: {args.out / 'partial.json'} holds the unfinished run's curve")
         (args.out / "partial.json").unlink(missing_ok=True)
     write_json(args.out / "quality.json", results)
     report(results, args.out)

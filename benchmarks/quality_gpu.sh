@@ -31,6 +31,10 @@ fraction=${MEM_FRACTION:-$(python3 -c "print(round((0.75 - 2 * $# * $sync_fracti
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 echo "$(date -u +%T) $# corpora x ${#rows[@]} rows on $backend, GPU memory fraction $fraction a" \
   "process ($sync_fraction in sync rows); model $model, $steps steps, batch $batch x $seq, H=$h"
+if [[ $backend == cuda ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+fi
 started=$SECONDS
 index=0
 for corpus in "$@"; do
