@@ -106,8 +106,8 @@ def plot(groups: dict[str, list[Result]], path: Path) -> bool:
         finals = [r.final_eval_loss for r in results if math.isfinite(r.final_eval_loss)]
         if finals:  # the first points (loss ~5.5) would flatten the curves where they differ
             axes.set_ylim(top=min(4.0, 1.5 * max(finals)))
-        name, _, path = corpus.partition(":")
-        title = f"{name} ({Path(path).name})" if path else corpus
+        name, _, archive = corpus.partition(":")
+        title = f"{name} ({Path(archive).name})" if archive else corpus
         axes.set(xlabel="training tokens (millions)", ylabel="held-out loss", title=title)
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
