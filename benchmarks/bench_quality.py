@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import trio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -157,6 +158,7 @@ def summarize(label, row, config, args, workload, shepherd, initial, finished) -
         bytes_measured=row != "sync",
         finished=finished,
         planned_rounds=config.outer.rounds,
+        eval_windows=int(np.prod(np.shape(workload.eval_tokens)[:2])),
     )
 
 
@@ -194,6 +196,7 @@ def plans(args: argparse.Namespace) -> list[tuple[str, str, RunConfig]]:
         config = base.replace(
             workers=1,
             batch_size=K * args.batch_size,
+            eval_batches=args.eval_batches // K,  # the same held-out windows, K to a batch
             inner_steps=every,
             rounds=steps // every,
             **sgd,
@@ -266,7 +269,7 @@ def arguments() -> argparse.Namespace:
     add("--warmup", type=int, default=40)
     add("--outer-lr", type=float, default=1.0, help="docs/quality.md: 1.0 / 0.5 at H=50")
     add("--outer-momentum", type=float, default=0.5)
-    add("--eval-batches", type=int, default=16)
+    add("--eval-batches", type=int, default=16, help="held-out batches of B (a multiple of 4)")
     add("--evals", type=int, default=20, help="points on each curve")
     add("--seed", type=int, default=0)
     add("--label-suffix", default="", help="appended to every run's label")
@@ -277,6 +280,10 @@ def arguments() -> argparse.Namespace:
 
 def main() -> None:
     args = arguments()
+    if args.eval_batches % K:
+        sys.exit(
+            f"--eval-batches must be a multiple of {K}: the sync row's batches are {K}x larger"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         results = [Result(**r) for path in args.merge for r in json.loads(path.read_text())]

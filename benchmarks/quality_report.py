@@ -35,6 +35,7 @@ class Result:
     bytes_measured: bool = True  # False: computed (the sync row's all-reduce)
     finished: bool = True  # False: a partial.json of a run cut short
     planned_rounds: int = 0
+    eval_windows: int = 0  # held-out sequences each evaluation averages over
 
 
 def _versus(result: Result, reference: Result | None) -> str:
@@ -64,6 +65,13 @@ def table(results: list[Result]) -> str:
             f"| {r.label} | {rounds} | {r.tokens:,} | {r.final_eval_loss:.4f} | "
             f"{_versus(r, sync)} | {_versus(r, plain)} | "
             f"{r.bytes_communicated / 1e6:,.1f} MB{star} | {fewer} | {r.train_seconds:.0f} s |"
+        )
+    windows = {r.eval_windows for r in results}
+    if len(windows) > 1:
+        lines.append(
+            f"\n**Rows were evaluated on different held-out windows** ({sorted(windows)}): "
+            "their losses are not comparable; give the corpus more held-out text or pass "
+            "fewer --eval-batches."
         )
     if sync is not None:
         lines.append(
