@@ -48,7 +48,7 @@ for corpus in "$@"; do
     share=$fraction
     [[ $row == sync ]] && share=$sync_fraction
     # shellcheck disable=SC2086
-    XLA_PYTHON_CLIENT_MEM_FRACTION=$share XLA_CLIENT_MEM_FRACTION=$share \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$share \
       timeout --signal=INT --kill-after=20 "$deadline" python3 "$here/bench_quality.py" \
       --backend "$backend" --model "$model" --steps "$steps" --batch-size "$batch" --seq-len "$seq" \
       --corpus "$corpus" --data-max-bytes "$max_bytes" --rows "$row" --h "$h" --stream-h "$h" \
