@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,3 +118,20 @@ def test_graph_bytes_are_not_pickles_and_wrong_platform_is_refused(workload):
         select_backend("cpu").load("train_chunk", graphs.train_chunk)
     with pytest.raises(GraphError, match="not a valid jax.export artifact"):
         select_backend("cpu").load("train_chunk", b"definitely not a graph")
+
+
+@pytest.mark.parametrize("lookup", ["gather", "onehot"])
+def test_iree_gpu_friendly_export_has_no_scatter_and_no_scalar_select(lookup):
+    """What makes IREE slow on a GPU, checked in the StableHLO every worker gets.
+
+    A scatter-add with repeating indices (the gradient of a gather) runs in one GPU thread
+    under IREE; --token-lookup onehot takes it out. A select on one boolean (optax's
+    gradient clipping) makes IREE wait for the GPU mid-step to read it; the exported
+    clipping multiplies by a factor instead, for every lookup.
+    """
+    workload = build_workload(small_config(token_lookup=lookup), shards=1)
+    graphs = _graphs(workload, InnerOptimizer(name="adamw", lr=1e-3, grad_clip=1.0), chunk=1)
+    text = jax.export.deserialize(bytearray(graphs.train_chunk)).mlir_module()
+    assert ("stablehlo.scatter" in text) == (lookup == "gather")
+    assert "stablehlo.sqrt" in text  # the global norm is there: clipping was exported
+    assert not re.search(r"stablehlo\.select .*: tensor<i1>, tensor<\d", text)
