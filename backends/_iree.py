@@ -166,18 +166,7 @@ class IreeBackend(Backend):
         One device: `layout` (for backends of several devices) is never passed here.
         """
         exported = _deserialize_for_iree(name, serialized)
-        if SOURCE_PLATFORM not in exported.platforms:
-            raise GraphError(
-                f"graph {name!r} was lowered for {', '.join(exported.platforms)}; IREE compiles "
-                f"the {SOURCE_PLATFORM} lowering, so the shepherd must export for {SOURCE_PLATFORM}"
-            )
-        text = exported.mlir_module()
-        try:
-            module = self._compiled(text)
-        except GraphError as exc:
-            raise GraphError(
-                f"graph {name!r} does not compile with IREE for {self.target}: {exc}"
-            ) from None
+        module = self._module(name, exported)
         return LoadedGraph(
             name=name,
             platforms=tuple(exported.platforms),
@@ -185,6 +174,27 @@ class IreeBackend(Backend):
             out_avals=tuple(exported.out_avals),
             call=_IreeCall(self, exported, module),
         )
+
+    def compiled_module(self, name: str, serialized: bytes) -> bytes:
+        """The IREE module (vmfb bytes) that `load` runs for an artifact: cached, or compiled now.
+
+        For tools that take a module file, e.g. `iree-benchmark-module`, which times
+        a graph kernel by kernel on the device (benchmarks/bench_iree.py --dump-module).
+        """
+        return self._module(name, _deserialize_for_iree(name, serialized))
+
+    def _module(self, name: str, exported: Any) -> bytes:
+        if SOURCE_PLATFORM not in exported.platforms:
+            raise GraphError(
+                f"graph {name!r} was lowered for {', '.join(exported.platforms)}; IREE compiles "
+                f"the {SOURCE_PLATFORM} lowering, so the shepherd must export for {SOURCE_PLATFORM}"
+            )
+        try:
+            return self._compiled(exported.mlir_module())
+        except GraphError as exc:
+            raise GraphError(
+                f"graph {name!r} does not compile with IREE for {self.target}: {exc}"
+            ) from None
 
     def _compiled(self, text: str) -> bytes:
         flags = [*self._target.flags, *self._flags]

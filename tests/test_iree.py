@@ -106,7 +106,13 @@ def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
         for p, n in zip(xla[0], graphs.param_names, strict=True)
     )
     assert moved > 10 * PARAM_ATOL  # the chunk trained: equal numbers are not equal garbage
-    assert any((iree_cache / "iree").glob("*.vmfb"))  # compiled modules went to the cache
+    cached = {path.read_bytes() for path in (iree_cache / "iree").glob("*.vmfb")}
+    assert cached  # compiled modules went to the cache
+    # the module a tool (iree-benchmark-module) gets is the one the worker ran, from the cache
+    module = IreeBackend("cpu", cache_dir=iree_cache).compiled_module(
+        "train_chunk", graphs.train_chunk
+    )
+    assert module in cached
     # a worker checks each round's parameters against the shapes its graph expects
     init = IreeBackend("cpu", cache_dir=iree_cache).load("init_opt_state", graphs.init_opt_state)
     shapes = {n: workload.params[n].shape for n in graphs.param_names}
