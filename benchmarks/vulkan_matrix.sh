@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # IREE-Vulkan against XLA-CUDA on one GPU: several IREE builds of GPT-2's train_chunk timed
-# against one XLA baseline, then the fastest build's time per dispatch (docs/performance.md, 7).
-# Usage (repo root, on the CUDA host; ONE device command, ~6 minutes):
+# against one XLA baseline, then where the time goes, dispatch by dispatch (docs/performance.md, 7).
+# Usage (repo root, on the CUDA host; ONE device command, 4-6 minutes, at most 7.5):
 #   bash benchmarks/vulkan_matrix.sh [OUT_DIR]
 # Needs: IREE's wheels (carry .irx, made by ../shared/device/iree-wheels.sh) and the Vulkan
 # loader (carry .gl, see the device README); both are unpacked here when present.
@@ -22,8 +22,8 @@ python3 -c "import jax, iree.compiler as c; print('jax', jax.__version__, jax.de
 ampere=--iree-vulkan-target=ampere
 split=--iree-dispatch-creation-enable-split-reduction
 # GPT-2 tiny, 8x128, 5 steps a call. "gather" is the export before this change's --token-lookup.
-timeout 330 python3 benchmarks/bench_iree.py --xla cuda --iree vulkan --chunks 7 \
-  --compile-budget 90 --cache "$out/iree-cache" --dump-modules "$out/modules" \
+timeout 220 python3 benchmarks/bench_iree.py --xla cuda --iree vulkan --chunks 7 \
+  --compile-budget 90 --cache /tmp/iree-cache --dump-modules /tmp/vulkan-modules \
   --variant "onehot=lookup=onehot $ampere" \
   --variant "gather=$ampere" \
   --variant "onehot+split=lookup=onehot $ampere $split" \
@@ -32,13 +32,15 @@ timeout 330 python3 benchmarks/bench_iree.py --xla cuda --iree vulkan --chunks 7
   2>&1 | grep -v -i warning | tee "$out/vulkan_tiny.txt"
 # Where a call's GPU time goes, kernel by kernel: the gather build (today's export) and onehot.
 for build in gather onehot; do
-  [ -f "$out/modules/$build/benchmark.sh" ] || continue
+  [ -f "/tmp/vulkan-modules/$build/benchmark.sh" ] || continue
   echo "== $build: iree-benchmark-module --dispatch_statistics, the 30 slowest dispatches"
-  timeout 45 bash "$out/modules/$build/benchmark.sh" --dispatch_statistics --benchmark_repetitions=3 \
+  timeout 30 bash "/tmp/vulkan-modules/$build/benchmark.sh" --dispatch_statistics --benchmark_repetitions=3 \
     2>&1 | grep -E "BM_main|rror" | head -31
 done 2>&1 | tee "$out/vulkan_tiny_dispatches.txt"
-# GPT-2 small, 16x256: never timed on Vulkan. split-reduction keeps its compile near 100 s.
-timeout 200 python3 benchmarks/bench_iree.py --model small --batch-size 16 --seq-len 256 \
-  --xla cuda --iree vulkan --chunks 5 --compile-budget 150 --cache "$out/iree-cache" \
+# GPT-2 small, 16x256: never timed on Vulkan. onehot compiles in ~15 s here, gather+split ~100 s.
+timeout 150 python3 benchmarks/bench_iree.py --model small --batch-size 16 --seq-len 256 \
+  --xla cuda --iree vulkan --chunks 5 --compile-budget 100 --cache /tmp/iree-cache \
+  --variant "onehot=lookup=onehot $ampere" \
   --variant "onehot+split=lookup=onehot $ampere $split" \
+  --variant "gather+split=$ampere $split" \
   2>&1 | grep -v -i warning | tee "$out/vulkan_small.txt"
