@@ -17,6 +17,7 @@ the compiler's diagnostics).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from ._base import (
 )
 
 INSTALL_HINT = "pip install 'pcp-tui[iree]'"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ _OP_ERROR = re.compile(r"error: '([\w.]+)' op ([^\n]*)")
 _ILLEGAL_OP = re.compile(r"error: failed to legalize operation '([\w.]+)'")
 _CALL_TARGET = re.compile(r'call_target_name = "([^"]+)"')
 _ANY_ERROR = re.compile(r"error: ([^\n]*)")
+_SCATTER = re.compile(r'"stablehlo\.scatter"\([^\n]*')
 _LOCATION_ALIAS = re.compile(r"^#loc\d* = $\n?", re.MULTILINE)  # what is left of `#loc3 = loc(...)`
 
 
@@ -189,8 +192,17 @@ class IreeBackend(Backend):
                 f"graph {name!r} was lowered for {', '.join(exported.platforms)}; IREE compiles "
                 f"the {SOURCE_PLATFORM} lowering, so the shepherd must export for {SOURCE_PLATFORM}"
             )
+        text = exported.mlir_module()
+        if self._platform != "cpu" and (scatters := serial_scatters(text)):
+            log.warning(
+                "graph %r holds %d scatter(s) with repeating indices, which IREE runs in one "
+                "GPU thread: most of a step's time. Ask the shepherd to export without them "
+                "(--token-lookup onehot for GPT-2)",
+                name,
+                scatters,
+            )
         try:
-            return self._compiled(exported.mlir_module())
+            return self._compiled(text)
         except GraphError as exc:
             raise GraphError(
                 f"graph {name!r} does not compile with IREE for {self.target}: {exc}"
@@ -270,6 +282,16 @@ class _IreeCall:
         if isinstance(value, np.ndarray | np.generic | int | float):
             return np.asarray(value, self._in_dtypes[index])
         return value  # already an IREE device array
+
+
+def serial_scatters(text: str) -> int:
+    """Scatters in StableHLO text that IREE must run in one thread: not marked unique_indices.
+
+    A scatter whose indices may repeat (the gradient of a gather: an embedding
+    lookup, a picked logit) cannot be split without atomics, so IREE gives it one
+    workgroup of one thread; on a GPU that is thousands of dependent memory trips.
+    """
+    return sum("unique_indices = true" not in m.group(0) for m in _SCATTER.finditer(text))
 
 
 def _deserialize_for_iree(name: str, serialized: bytes) -> Any:
