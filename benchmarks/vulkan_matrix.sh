@@ -33,9 +33,9 @@ timeout 220 python3 benchmarks/bench_iree.py --xla cuda --iree vulkan --chunks 7
 # Where a call's GPU time goes, kernel by kernel: the gather build (today's export) and onehot.
 for build in gather onehot; do
   [ -f "/tmp/vulkan-modules/$build/benchmark.sh" ] || continue
-  echo "== $build: iree-benchmark-module --dispatch_statistics, the 30 slowest dispatches"
-  timeout 30 bash "/tmp/vulkan-modules/$build/benchmark.sh" --dispatch_statistics --benchmark_repetitions=3 \
-    2>&1 | grep -E "BM_main|rror" | head -31
+  echo "== $build: iree-benchmark-module --dispatch_statistics, the slowest dispatches"
+  timeout 30 bash "/tmp/vulkan-modules/$build/benchmark.sh" --dispatch_statistics \
+    2>&1 | grep -E "BM_main|rror" | head -36
 done 2>&1 | tee "$out/vulkan_tiny_dispatches.txt"
 # GPT-2 small, 16x256: never timed on Vulkan. onehot compiles in ~15 s here, gather+split ~100 s.
 timeout 150 python3 benchmarks/bench_iree.py --model small --batch-size 16 --seq-len 256 \
