@@ -182,7 +182,7 @@ class IreeBackend(Backend):
         """The IREE module (vmfb bytes) that `load` runs for an artifact: cached, or compiled now.
 
         For tools that take a module file, e.g. `iree-benchmark-module`, which times
-        a graph kernel by kernel on the device (benchmarks/bench_iree.py --dump-module).
+        a graph kernel by kernel on the device (benchmarks/bench_iree.py --dump-modules).
         """
         return self._module(name, _deserialize_for_iree(name, serialized))
 
