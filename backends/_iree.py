@@ -37,6 +37,7 @@ from ._base import (
     LoadedGraph,
     deserialize,
 )
+from ._iree_arrays import to_host_array
 
 INSTALL_HINT = "pip install 'pcp-tui[iree]'"
 log = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ class IreeBackend(Backend):
         return [self._runtime.asdevicearray(self._device, np.asarray(a)) for a in arrays]
 
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        return [_host(a) for a in arrays]
+        return [to_host_array(a) for a in arrays]
 
 
 class _IreeCall:
@@ -398,12 +399,6 @@ def host_cpu() -> str:
         return f"{platform.machine()} {platform.processor()}"
     wanted = ("vendor_id", "model name", "flags", "Features", "CPU part")
     return "\n".join(line for line in first.splitlines() if line.startswith(wanted))
-
-
-def _host(array: Any) -> np.ndarray:
-    if isinstance(array, np.ndarray):
-        return array
-    return np.asarray(array.to_host())
 
 
 def _host_memory() -> int:
