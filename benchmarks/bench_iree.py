@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -121,25 +122,33 @@ def compile_in_child(args, variant: Variant, graphs, scratch: str) -> float | st
     command = [sys.executable, __file__, "--compile-only", prefix, "--iree", args.iree]
     command += ["--cache", args.cache, *(f"--iree-flag={flag}" for flag in variant.flags)]
     started = time.perf_counter()
+    child = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},  # the child leaves the GPU to the runs
+        start_new_session=True,  # its own process group: iree-compile runs under it
+    )
     try:
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=args.compile_budget
-        )
+        _, stderr = child.communicate(timeout=args.compile_budget)
     except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # the child and the iree-compile it started
+        child.communicate()
         return f"skipped: compile ran past --compile-budget {args.compile_budget:.0f} s"
-    if result.returncode != 0:
-        lines = result.stderr.strip().splitlines() or ["?"]
+    if child.returncode != 0:
+        lines = stderr.strip().splitlines() or ["?"]
         errors = [line for line in lines if "Error" in line or "error:" in line]
         return "failed: " + (errors or lines)[-1][:300]
     return time.perf_counter() - started
 
 
 def compile_only(prefix: str, platform: str, cache: str, flags: list[str]) -> None:
-    """The child's side of compile_in_child: load both graphs once, which fills the cache."""
+    """The child's side of compile_in_child: compile both graphs into the cache."""
     backend = IreeBackend(platform, cache_dir=cache, flags=flags)
     for entry in ("train_chunk", "init_opt_state"):
         with open(f"{prefix}.{entry}", "rb") as graph:
-            backend.load(entry, graph.read())
+            backend.compiled_module(entry, graph.read())
 
 
 def export(args, workload_for, export_key, platform):
