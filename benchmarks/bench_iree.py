@@ -15,7 +15,8 @@ space-separated: words starting with `--` are iree-compile flags, `lookup=onehot
 and `dtype=bfloat16` change the export (`--token-lookup`, `--compute-dtype`);
 an export change also adds an XLA row with that export, so its cost on XLA shows.
 Each build compiles in a child process under `--compile-budget` seconds: one that
-takes longer is reported as skipped and the others still run. Compiled modules
+takes longer is reported as skipped and the others still run; after `--time-budget`
+seconds no further build is compiled, so a run under a time limit still prints its table. Compiled modules
 go to `--cache` (IREE's compile cache), so a second invocation skips compiling.
 
 Besides wall-clock seconds a chunk, the table gives the process's CPU seconds a
@@ -32,6 +33,7 @@ chunk (all threads) and the load average before and after.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import signal
@@ -113,7 +115,7 @@ class Run:
         self.cpu_seconds.append(time.process_time() - cpu)
 
 
-def compile_in_child(args, variant: Variant, graphs, scratch: str) -> float | str:
+def compile_in_child(args, variant: Variant, graphs, scratch: str, budget: float) -> float | str:
     """Compile `variant` into the cache in a child process: its seconds, or why it was skipped."""
     prefix = os.path.join(scratch, variant.name.replace("/", "_"))
     for entry in ("train_chunk", "init_opt_state"):
@@ -131,11 +133,11 @@ def compile_in_child(args, variant: Variant, graphs, scratch: str) -> float | st
         start_new_session=True,  # its own process group: iree-compile runs under it
     )
     try:
-        _, stderr = child.communicate(timeout=args.compile_budget)
+        _, stderr = child.communicate(timeout=budget)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)  # the child and the iree-compile it started
         child.communicate()
-        return f"skipped: compile ran past --compile-budget {args.compile_budget:.0f} s"
+        return f"skipped: compile ran past its budget, {budget:.0f} s"
     if child.returncode != 0:
         lines = stderr.strip().splitlines() or ["?"]
         errors = [line for line in lines if "Error" in line or "error:" in line]
@@ -245,6 +247,13 @@ def arguments() -> argparse.Namespace:
         default=300.0,
         help="seconds one build may take to compile before it is skipped (default: 300)",
     )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=math.inf,
+        help="seconds from the start after which no further build is compiled: those left are "
+        "reported as skipped and the rest timed, so a run inside a time limit prints its table",
+    )
     parser.add_argument("--cache", default=None, help="IREE compile cache (default: a temp dir)")
     parser.add_argument(
         "--dump-modules",
@@ -257,6 +266,7 @@ def arguments() -> argparse.Namespace:
 
 
 def main() -> None:
+    started = time.perf_counter()
     args = arguments()
     if args.compile_only:
         return compile_only(args.compile_only, args.iree, args.cache, args.iree_flag)
@@ -296,7 +306,12 @@ def main() -> None:
         if variant.export != default:
             label += f" [{'/'.join(variant.export)}]"
         graphs = export(args, workload_for, variant.export, "cpu")
-        compiled = compile_in_child(args, variant, graphs, scratch)
+        left = args.time_budget - (time.perf_counter() - started)
+        compiled = (
+            compile_in_child(args, variant, graphs, scratch, min(args.compile_budget, left))
+            if left > 0
+            else f"skipped: --time-budget {args.time_budget:.0f} s spent"
+        )
         print(f"{label}: {compiled if isinstance(compiled, str) else f'{compiled:.1f} s'}")
         if isinstance(compiled, str):
             runs[label] = compiled

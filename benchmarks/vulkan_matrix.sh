@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # IREE-Vulkan against XLA-CUDA on one GPU: several IREE builds of GPT-2's train_chunk timed
 # against one XLA baseline, then where the time goes, dispatch by dispatch (docs/performance.md, 7).
-# Usage (repo root, on the CUDA host; ONE device command, 4-6 minutes, at most 7.5):
+# Usage (repo root, on the CUDA host; ONE device command, 4-6 minutes, at most 8):
 #   bash benchmarks/vulkan_matrix.sh [OUT_DIR]
 # Needs: IREE's wheels (carry .irx, made by ../shared/device/iree-wheels.sh) and the Vulkan
 # loader (carry .gl, see the device README); both are unpacked here when present.
@@ -22,8 +22,8 @@ python3 -c "import jax, iree.compiler as c; print('jax', jax.__version__, jax.de
 ampere=--iree-vulkan-target=ampere
 split=--iree-dispatch-creation-enable-split-reduction
 # GPT-2 tiny, 8x128, 5 steps a call. "gather" is the export before this change's --token-lookup.
-timeout 220 python3 benchmarks/bench_iree.py --xla cuda --iree vulkan --chunks 7 \
-  --compile-budget 90 --cache /tmp/iree-cache --dump-modules /tmp/vulkan-modules \
+timeout 250 python3 benchmarks/bench_iree.py --xla cuda --iree vulkan --chunks 7 \
+  --compile-budget 80 --time-budget 190 --cache /tmp/iree-cache --dump-modules /tmp/vulkan-modules \
   --variant "onehot=lookup=onehot $ampere" \
   --variant "gather=$ampere" \
   --variant "onehot+split=lookup=onehot $ampere $split" \
@@ -34,12 +34,12 @@ timeout 220 python3 benchmarks/bench_iree.py --xla cuda --iree vulkan --chunks 7
 for build in gather onehot; do
   [ -f "/tmp/vulkan-modules/$build/benchmark.sh" ] || continue
   echo "== $build: iree-benchmark-module --dispatch_statistics, the slowest dispatches"
-  timeout 30 bash "/tmp/vulkan-modules/$build/benchmark.sh" --dispatch_statistics \
+  timeout 25 bash "/tmp/vulkan-modules/$build/benchmark.sh" --dispatch_statistics \
     2>&1 | grep -E "BM_main|rror" | head -36
 done 2>&1 | tee "$out/vulkan_tiny_dispatches.txt"
 # GPT-2 small, 16x256: never timed on Vulkan. onehot compiles in ~15 s here, gather+split ~100 s.
 timeout 150 python3 benchmarks/bench_iree.py --model small --batch-size 16 --seq-len 256 \
-  --xla cuda --iree vulkan --chunks 5 --compile-budget 100 --cache /tmp/iree-cache \
+  --xla cuda --iree vulkan --chunks 5 --compile-budget 90 --time-budget 110 --cache /tmp/iree-cache \
   --variant "onehot=lookup=onehot $ampere" \
   --variant "onehot+split=lookup=onehot $ampere $split" \
   --variant "gather+split=$ampere $split" \
