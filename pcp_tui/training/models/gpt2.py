@@ -116,7 +116,7 @@ def _embed(config: GPTConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
     most of a step's time on a GPU through Vulkan (docs/performance.md, section 7).
     token_lookup="onehot" keeps the forward gather (the same numbers) and takes the
     gradient as one_hot(tokens)^T @ grad, a matmul every runtime splits; it costs
-    2*B*T*vocab*n_embd FLOPs, small at vocab 256, a fifth of the step at GPT-2's 50,304.
+    2*B*T*vocab*n_embd FLOPs, small at vocab 256, a tenth of the step at GPT-2's 50,304.
     """
     if config.token_lookup == "onehot":
         return _embed_onehot_grad(table, tokens)
