@@ -153,9 +153,9 @@ def compile_only(prefix: str, platform: str, cache: str, flags: list[str]) -> No
             backend.compiled_module(entry, graph.read())
 
 
-def export(args, workload_for, export_key, platform):
-    """The graphs of `export_key` (lookup, dtype) for `platform`, exported once per run."""
-    workload = workload_for(export_key)
+def export(args, workloads, export_key, platform):
+    """The graphs of `export_key` (lookup, dtype) for `platform`."""
+    workload = workloads(export_key)
     return build_graphs(
         workload.loss_fn,
         workload.params,
@@ -265,30 +265,53 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
-    started = time.perf_counter()
-    args = arguments()
-    if args.compile_only:
-        return compile_only(args.compile_only, args.iree, args.cache, args.iree_flag)
-    variants = args.variant or [Variant("", tuple(args.iree_flag))]
-    scratch = tempfile.mkdtemp(prefix="bench-iree-")
-    args.cache = args.cache or scratch
-    workloads = {}
+DEFAULT_EXPORT = ("gather", "float32")
 
-    def workload_for(export_key):
-        lookup, dtype = export_key
-        if export_key not in workloads:
+
+class Workloads:
+    """GPT-2 workloads (parameters, data) per export (lookup, dtype), built once each."""
+
+    def __init__(self, args: argparse.Namespace):
+        self._args, self._built = args, {}
+
+    def __call__(self, export_key: tuple[str, str]):
+        if export_key not in self._built:
+            args, (lookup, dtype) = self._args, export_key
             config = RunConfig(
                 model=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                 data_max_bytes=2_000_000, eval_batches=1, platforms=("cpu",),
                 token_lookup=lookup, compute_dtype=dtype,
             )  # fmt: skip
-            workloads[export_key] = build_workload(config, shards=1)
-        return workloads[export_key]
+            self._built[export_key] = build_workload(config, shards=1)
+        return self._built[export_key]
 
-    default = ("gather", "float32")
+
+def load_iree(args, variant: Variant, workloads, batches, scratch: str, left: float) -> Run | str:
+    """Compile `variant` (in a child, under its budget), load it and warm it up; or why not."""
+    graphs = export(args, workloads, variant.export, "cpu")
+    compiled = (
+        compile_in_child(args, variant, graphs, scratch, min(args.compile_budget, left))
+        if left > 0
+        else f"skipped: --time-budget {args.time_budget:.0f} s spent"
+    )
+    print(f"{variant.name}: {compiled if isinstance(compiled, str) else f'{compiled:.1f} s'}")
+    if isinstance(compiled, str):
+        return compiled
+    backend = IreeBackend(args.iree, cache_dir=args.cache, flags=variant.flags)
+    run = Run(backend, graphs, workloads(variant.export), batches, compiled)
+    if args.dump_modules:
+        folder = os.path.join(args.dump_modules, variant.name or "iree")
+        dump_module(backend, graphs, workloads(variant.export), batches, folder, args.iree)
+    return run
+
+
+def measure(args, scratch: str, started: float) -> None:
+    """Load every run (XLA per export, then each IREE build), time them alternately, print."""
+    variants = args.variant or [Variant("", tuple(args.iree_flag))]
+    args.cache = args.cache or os.path.join(scratch, "cache")
+    workloads = Workloads(args)
     batches = sample_batches(
-        workload_for(default).shards[0], steps=args.chunk, batch_size=args.batch_size,
+        workloads(DEFAULT_EXPORT).shards[0], steps=args.chunk, batch_size=args.batch_size,
         seq_len=args.seq_len, seed=0, stream=(0,),
     )  # fmt: skip
     print(
@@ -296,31 +319,18 @@ def main() -> None:
         f"XLA {args.xla} against IREE {args.iree}"
     )
     runs: dict[str, Run | str] = {}
-    for export_key in dict.fromkeys([default, *(v.export for v in variants)]):
-        label = f"XLA {args.xla}" + ("" if export_key == default else f" {'/'.join(export_key)}")
-        graphs = export(args, workload_for, export_key, args.xla)
-        backend = select_backend(args.xla, 1, runtime="xla")
-        runs[label] = Run(backend, graphs, workload_for(export_key), batches)
+    for key in dict.fromkeys([DEFAULT_EXPORT, *(v.export for v in variants)]):
+        label = f"XLA {args.xla}" + ("" if key == DEFAULT_EXPORT else f" {'/'.join(key)}")
+        graphs = export(args, workloads, key, args.xla)
+        runs[label] = Run(
+            select_backend(args.xla, 1, runtime="xla"), graphs, workloads(key), batches
+        )
     for variant in variants:
         label = f"IREE {args.iree} {variant.name or ' '.join(variant.flags)}"
-        if variant.export != default:
+        if variant.export != DEFAULT_EXPORT:
             label += f" [{'/'.join(variant.export)}]"
-        graphs = export(args, workload_for, variant.export, "cpu")
         left = args.time_budget - (time.perf_counter() - started)
-        compiled = (
-            compile_in_child(args, variant, graphs, scratch, min(args.compile_budget, left))
-            if left > 0
-            else f"skipped: --time-budget {args.time_budget:.0f} s spent"
-        )
-        print(f"{label}: {compiled if isinstance(compiled, str) else f'{compiled:.1f} s'}")
-        if isinstance(compiled, str):
-            runs[label] = compiled
-            continue
-        backend = IreeBackend(args.iree, cache_dir=args.cache, flags=variant.flags)
-        runs[label] = Run(backend, graphs, workload_for(variant.export), batches, compiled)
-        if args.dump_modules:
-            folder = os.path.join(args.dump_modules, variant.name or "iree")
-            dump_module(backend, graphs, workload_for(variant.export), batches, folder, args.iree)
+        runs[label] = load_iree(args, variant, workloads, batches, scratch, left)
     timed = [run for run in runs.values() if isinstance(run, Run)]
     load_before = os.getloadavg()[0]
     for _ in range(args.chunks):  # alternate, so that load from other work hits all alike
@@ -328,6 +338,15 @@ def main() -> None:
             run.chunk()
     print(f"load average {load_before:.1f} before the timed chunks, {os.getloadavg()[0]:.1f} after")
     print_table(runs, args.chunk * args.batch_size * args.seq_len)
+
+
+def main() -> None:
+    started = time.perf_counter()
+    args = arguments()
+    if args.compile_only:
+        return compile_only(args.compile_only, args.iree, args.cache, args.iree_flag)
+    with tempfile.TemporaryDirectory(prefix="bench-iree-") as scratch:
+        measure(args, scratch, started)
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def test_flops_per_token_is_palm_style():
     assert flops_per_token(config, 1024) == expected
 
 
-def test_onehot_token_lookup_has_gathers_loss_and_a_matmul_gradient():
+def test_onehot_token_lookup_has_the_gathers_loss_and_a_matmul_gradient():
     """token_lookup="onehot" (for IREE GPU workers) computes the same loss as the gather, to
     the bit, and the same gradients to float32 reassociation (its embedding gradient sums the
     same rows in another order)."""
