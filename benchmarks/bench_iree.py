@@ -11,8 +11,9 @@ so a fast wrong run shows. The ratio column is tokens/s over the first row's
 
 Several IREE builds in one invocation (one device session compiles and times
 them all against one baseline): `--variant NAME=SPEC`, repeatable. SPEC is
-space-separated: words starting with `--` are iree-compile flags, `lookup=onehot`
-and `dtype=bfloat16` change the export (`--token-lookup`, `--compute-dtype`);
+space-separated: words starting with `--` are iree-compile flags, `lookup=onehot`,
+`dtype=bfloat16` and `unroll=N` change the export (`--token-lookup`, `--compute-dtype`,
+`build_graphs(scan_unroll=N)`);
 an export change also adds an XLA row with that export, so its cost on XLA shows.
 Each build compiles in a child process under `--compile-budget` seconds: one that
 takes longer is reported as skipped and the others still run; after `--time-budget`
@@ -53,7 +54,7 @@ from pcp_tui.training.build import build_workload  # noqa: E402
 from pcp_tui.training.export import InnerOptimizer, build_graphs  # noqa: E402
 from pcp_tui.training.shards import sample_batches  # noqa: E402
 
-EXPORT_KEYS = {"lookup": ("gather", "onehot"), "dtype": ("float32", "bfloat16")}
+EXPORT_KEYS = {"lookup": ("gather", "onehot"), "dtype": ("float32", "bfloat16"), "unroll": ("N",)}
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,11 @@ class Variant:
     flags: tuple[str, ...]
     lookup: str = "gather"
     dtype: str = "float32"
+    unroll: str = "1"
 
     @property
-    def export(self) -> tuple[str, str]:
-        return (self.lookup, self.dtype)
+    def export(self) -> tuple[str, str, str]:
+        return (self.lookup, self.dtype, self.unroll)
 
 
 def parse_variant(text: str) -> Variant:
@@ -81,7 +83,7 @@ def parse_variant(text: str) -> Variant:
             flags.append(word)
             continue
         key, _, value = word.partition("=")
-        if value not in EXPORT_KEYS.get(key, ()):
+        if value not in EXPORT_KEYS.get(key, ()) and not (key == "unroll" and value.isdigit()):
             choices = ", ".join(f"{k}={'|'.join(v)}" for k, v in EXPORT_KEYS.items())
             raise ValueError(f"--variant {name}: {word!r} is neither a --flag nor {choices}")
         export[key] = value
@@ -154,7 +156,7 @@ def compile_only(prefix: str, platform: str, cache: str, flags: list[str]) -> No
 
 
 def export(args, workloads, export_key, platform):
-    """The graphs of `export_key` (lookup, dtype) for `platform`."""
+    """The graphs of `export_key` (lookup, dtype, unroll) for `platform`."""
     workload = workloads(export_key)
     return build_graphs(
         workload.loss_fn,
@@ -164,6 +166,7 @@ def export(args, workloads, export_key, platform):
         chunk_steps=args.chunk,
         eval_batches=1,
         platforms=(platform,),
+        scan_unroll=int(export_key[2]),
     )
 
 
@@ -265,7 +268,7 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-DEFAULT_EXPORT = ("gather", "float32")
+DEFAULT_EXPORT = ("gather", "float32", "1")
 
 
 class Workloads:
@@ -274,16 +277,16 @@ class Workloads:
     def __init__(self, args: argparse.Namespace):
         self._args, self._built = args, {}
 
-    def __call__(self, export_key: tuple[str, str]):
-        if export_key not in self._built:
-            args, (lookup, dtype) = self._args, export_key
+    def __call__(self, export_key: tuple[str, str, str]):
+        args, (lookup, dtype, _) = self._args, export_key
+        if (lookup, dtype) not in self._built:
             config = RunConfig(
                 model=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                 data_max_bytes=2_000_000, eval_batches=1, platforms=("cpu",),
                 token_lookup=lookup, compute_dtype=dtype,
             )  # fmt: skip
-            self._built[export_key] = build_workload(config, shards=1)
-        return self._built[export_key]
+            self._built[lookup, dtype] = build_workload(config, shards=1)
+        return self._built[lookup, dtype]
 
 
 def load_iree(args, variant: Variant, workloads, batches, scratch: str, left: float) -> Run | str:

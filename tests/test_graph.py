@@ -136,3 +136,25 @@ def test_iree_gpu_friendly_export_has_no_scatter_and_no_scalar_select(lookup):
     assert serial_scatters(text) == (2 if lookup == "gather" else 0)  # embedding, loss target
     assert "stablehlo.sqrt" in text  # the global norm is there: clipping was exported
     assert not re.search(r"stablehlo\.select .*: tensor<i1>, tensor<\d", text)
+
+
+def test_an_unrolled_chunk_has_no_loop_and_the_same_steps(workload):
+    """scan_unroll=chunk_steps leaves IREE straight-line code it records once (no loop)."""
+    inner = InnerOptimizer(name="adamw", lr=1e-3)
+    batches = sample_batches(
+        workload.shards[0], steps=2, batch_size=4, seq_len=32, seed=0, stream=(0, 1, 0)
+    )
+    backend = select_backend("cpu")
+    flat = tuple(jnp.asarray(workload.params[n]) for n in sorted(workload.params))
+    results = []
+    for unroll in (1, 2):
+        graphs = build_graphs(
+            workload.loss_fn, workload.params, workload.batch_spec, inner=inner,
+            chunk_steps=2, eval_batches=1, platforms=("cpu",), scan_unroll=unroll,
+        )  # fmt: skip
+        text = jax.export.deserialize(bytearray(graphs.train_chunk)).mlir_module()
+        assert ("stablehlo.while" in text) == (unroll == 1)
+        init = backend.load("init_opt_state", graphs.init_opt_state)
+        train = backend.load("train_chunk", graphs.train_chunk)
+        results.append(np.asarray(train.call(flat, init.call(flat), batches, np.int32(0))[2]))
+    np.testing.assert_array_equal(results[1], results[0])

@@ -130,6 +130,7 @@ def build_graphs(
     eval_batches: int,
     platforms: tuple[str, ...] = ("cpu", "cuda", "rocm"),
     custom_calls: tuple[str, ...] = (),
+    scan_unroll: int = 1,
 ) -> TrainingGraphs:
     """Export the worker's graphs for `platforms`.
 
@@ -139,6 +140,10 @@ def build_graphs(
     `custom_calls` names custom-call targets (e.g. cuDNN fused attention) that
     jax.export would otherwise refuse because their ABI is not guaranteed
     stable: such graphs run only on workers whose jaxlib has the same kernels.
+    `scan_unroll` inner steps are unrolled into straight-line code per loop trip
+    (`lax.scan`'s `unroll`; `chunk_steps` leaves no loop). XLA gains nothing from it;
+    IREE then records the chunk's GPU commands once and replays them (memoized, no
+    copies of the loop's carried state between steps), for a compile of more code.
     """
     started = time.perf_counter()
     names = tuple(sorted(params))
@@ -165,7 +170,7 @@ def build_graphs(
 
         carry = (as_dict(flat_params), jax.tree.unflatten(opt_tree, opt_leaves))
         steps = first_step + jnp.arange(chunk_steps, dtype=jnp.int32)
-        (p, s), losses = jax.lax.scan(one_step, carry, (batches, steps))
+        (p, s), losses = jax.lax.scan(one_step, carry, (batches, steps), unroll=scan_unroll)
         return tuple(p[n] for n in names), tuple(jax.tree.leaves(s)), losses
 
     def eval_loss(flat_params: tuple, batches: jax.Array) -> jax.Array:
