@@ -17,6 +17,7 @@ the compiler's diagnostics).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -36,8 +37,10 @@ from ._base import (
     LoadedGraph,
     deserialize,
 )
+from ._iree_arrays import to_host_array
 
 INSTALL_HINT = "pip install 'pcp-tui[iree]'"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ _OP_ERROR = re.compile(r"error: '([\w.]+)' op ([^\n]*)")
 _ILLEGAL_OP = re.compile(r"error: failed to legalize operation '([\w.]+)'")
 _CALL_TARGET = re.compile(r'call_target_name = "([^"]+)"')
 _ANY_ERROR = re.compile(r"error: ([^\n]*)")
+_SCATTER = re.compile(r'"stablehlo\.scatter"\([^\n]*')
 _LOCATION_ALIAS = re.compile(r"^#loc\d* = $\n?", re.MULTILINE)  # what is left of `#loc3 = loc(...)`
 
 
@@ -166,18 +170,7 @@ class IreeBackend(Backend):
         One device: `layout` (for backends of several devices) is never passed here.
         """
         exported = _deserialize_for_iree(name, serialized)
-        if SOURCE_PLATFORM not in exported.platforms:
-            raise GraphError(
-                f"graph {name!r} was lowered for {', '.join(exported.platforms)}; IREE compiles "
-                f"the {SOURCE_PLATFORM} lowering, so the shepherd must export for {SOURCE_PLATFORM}"
-            )
-        text = exported.mlir_module()
-        try:
-            module = self._compiled(text)
-        except GraphError as exc:
-            raise GraphError(
-                f"graph {name!r} does not compile with IREE for {self.target}: {exc}"
-            ) from None
+        module = self._module(name, exported)
         return LoadedGraph(
             name=name,
             platforms=tuple(exported.platforms),
@@ -185,6 +178,36 @@ class IreeBackend(Backend):
             out_avals=tuple(exported.out_avals),
             call=_IreeCall(self, exported, module),
         )
+
+    def compiled_module(self, name: str, serialized: bytes) -> bytes:
+        """The IREE module (vmfb bytes) that `load` runs for an artifact: cached, or compiled now.
+
+        For tools that take a module file, e.g. `iree-benchmark-module`, which times
+        a graph kernel by kernel on the device (benchmarks/bench_iree.py --dump-modules).
+        """
+        return self._module(name, _deserialize_for_iree(name, serialized))
+
+    def _module(self, name: str, exported: Any) -> bytes:
+        if SOURCE_PLATFORM not in exported.platforms:
+            raise GraphError(
+                f"graph {name!r} was lowered for {', '.join(exported.platforms)}; IREE compiles "
+                f"the {SOURCE_PLATFORM} lowering, so the shepherd must export for {SOURCE_PLATFORM}"
+            )
+        text = exported.mlir_module()
+        if self._platform != "cpu" and (scatters := serial_scatters(text)):
+            log.warning(
+                "graph %r holds %d scatter(s) with repeating indices, which IREE runs in one "
+                "GPU thread: most of a step's time. Ask the shepherd to export without them "
+                "(--token-lookup onehot for GPT-2)",
+                name,
+                scatters,
+            )
+        try:
+            return self._compiled(text)
+        except GraphError as exc:
+            raise GraphError(
+                f"graph {name!r} does not compile with IREE for {self.target}: {exc}"
+            ) from None
 
     def _compiled(self, text: str) -> bytes:
         flags = [*self._target.flags, *self._flags]
@@ -221,7 +244,7 @@ class IreeBackend(Backend):
         return [self._runtime.asdevicearray(self._device, np.asarray(a)) for a in arrays]
 
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        return [_host(a) for a in arrays]
+        return [to_host_array(a) for a in arrays]
 
 
 class _IreeCall:
@@ -260,6 +283,16 @@ class _IreeCall:
         if isinstance(value, np.ndarray | np.generic | int | float):
             return np.asarray(value, self._in_dtypes[index])
         return value  # already an IREE device array
+
+
+def serial_scatters(text: str) -> int:
+    """Scatters in StableHLO text that IREE must run in one thread: not marked unique_indices.
+
+    A scatter whose indices may repeat (the gradient of a gather: an embedding
+    lookup, a picked logit) cannot be split without atomics, so IREE gives it one
+    workgroup of one thread; on a GPU that is thousands of dependent memory trips.
+    """
+    return sum("unique_indices = true" not in m.group(0) for m in _SCATTER.finditer(text))
 
 
 def _deserialize_for_iree(name: str, serialized: bytes) -> Any:
@@ -366,12 +399,6 @@ def host_cpu() -> str:
         return f"{platform.machine()} {platform.processor()}"
     wanted = ("vendor_id", "model name", "flags", "Features", "CPU part")
     return "\n".join(line for line in first.splitlines() if line.startswith(wanted))
-
-
-def _host(array: Any) -> np.ndarray:
-    if isinstance(array, np.ndarray):
-        return array
-    return np.asarray(array.to_host())
 
 
 def _host_memory() -> int:

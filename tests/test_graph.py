@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import optax
 import pytest
 
 from pcp_tui.backends import GraphError, select_backend
+from pcp_tui.backends._iree import serial_scatters
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.export import InnerOptimizer, build_graphs
 from pcp_tui.training.shards import sample_batches
@@ -116,3 +119,42 @@ def test_graph_bytes_are_not_pickles_and_wrong_platform_is_refused(workload):
         select_backend("cpu").load("train_chunk", graphs.train_chunk)
     with pytest.raises(GraphError, match="not a valid jax.export artifact"):
         select_backend("cpu").load("train_chunk", b"definitely not a graph")
+
+
+@pytest.mark.parametrize("lookup", ["gather", "onehot"])
+def test_iree_gpu_friendly_export_has_no_scatter_and_no_scalar_select(lookup):
+    """What makes IREE slow on a GPU, checked in the StableHLO every worker gets.
+
+    A scatter-add with repeating indices (the gradient of a gather) runs in one GPU thread
+    under IREE; --token-lookup onehot takes it out. A select on one boolean (optax's
+    gradient clipping) makes IREE wait for the GPU mid-step to read it; the exported
+    clipping multiplies by a factor instead, for every lookup.
+    """
+    workload = build_workload(small_config(token_lookup=lookup), shards=1)
+    graphs = _graphs(workload, InnerOptimizer(name="adamw", lr=1e-3, grad_clip=1.0), chunk=1)
+    text = jax.export.deserialize(bytearray(graphs.train_chunk)).mlir_module()
+    assert serial_scatters(text) == (2 if lookup == "gather" else 0)  # embedding, loss target
+    assert "stablehlo.sqrt" in text  # the global norm is there: clipping was exported
+    assert not re.search(r"stablehlo\.select .*: tensor<i1>, tensor<\d", text)
+
+
+def test_an_unrolled_chunk_has_no_loop_and_the_same_steps(workload):
+    """scan_unroll=chunk_steps leaves IREE straight-line code it records once (no loop)."""
+    inner = InnerOptimizer(name="adamw", lr=1e-3)
+    batches = sample_batches(
+        workload.shards[0], steps=2, batch_size=4, seq_len=32, seed=0, stream=(0, 1, 0)
+    )
+    backend = select_backend("cpu")
+    flat = tuple(jnp.asarray(workload.params[n]) for n in sorted(workload.params))
+    results = []
+    for unroll in (1, 2):
+        graphs = build_graphs(
+            workload.loss_fn, workload.params, workload.batch_spec, inner=inner,
+            chunk_steps=2, eval_batches=1, platforms=("cpu",), scan_unroll=unroll,
+        )  # fmt: skip
+        text = jax.export.deserialize(bytearray(graphs.train_chunk)).mlir_module()
+        assert ("stablehlo.while" in text) == (unroll == 1)
+        init = backend.load("init_opt_state", graphs.init_opt_state)
+        train = backend.load("train_chunk", graphs.train_chunk)
+        results.append(np.asarray(train.call(flat, init.call(flat), batches, np.int32(0))[2]))
+    np.testing.assert_array_equal(results[1], results[0])

@@ -137,3 +137,21 @@ def test_flops_per_token_is_palm_style():
     n = param_count(shapes) - config.block_size * config.n_embd  # all but wpe
     expected = 6 * n + 12 * config.n_layer * config.n_embd * 1024
     assert flops_per_token(config, 1024) == expected
+
+
+def test_onehot_token_lookup_has_the_gathers_loss_and_a_matmul_gradient():
+    """token_lookup="onehot" (for IREE GPU workers) computes the same loss as the gather, to
+    the bit, and the same gradients to float32 reassociation (its embedding gradient sums the
+    same rows in another order)."""
+    onehot = dataclasses.replace(MICRO, token_lookup="onehot")
+    params = init(MICRO, jax.random.PRNGKey(0))
+    tokens = random_tokens(MICRO, (3, 17))
+    gradient = jax.jit(jax.value_and_grad(eager_loss, argnums=1), static_argnums=0)
+    value, grads = gradient(MICRO, params, tokens)
+    value_1h, grads_1h = gradient(onehot, params, tokens)
+    assert float(value_1h) == float(value)
+    for name, grad in grads.items():
+        np.testing.assert_allclose(grads_1h[name], grad, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert float(jnp.max(jnp.abs(grads["wte"]))) > 1e-3  # the embedding gradient is not all zero
+    with pytest.raises(ValueError, match="token_lookup"):
+        loss(dataclasses.replace(MICRO, token_lookup="scatter"), params, tokens)

@@ -39,6 +39,13 @@ class ModelConfig:
     attention: str = option(
         "xla", choices=("xla", "cudnn"), help="attention kernel (cudnn: GPU workers only)"
     )
+    token_lookup: str = option(
+        "gather",
+        choices=("gather", "onehot"),
+        help="how token rows are picked (embedding, loss target): gather, or onehot, whose "
+        "gradient is a matmul instead of a scatter-add that IREE runs in one GPU thread; "
+        "onehot for Vulkan/IREE GPU workers (same loss, ~2*tokens*vocab*n_embd more FLOPs)",
+    )
     platforms: tuple[str, ...] = option(
         ("cpu", "cuda", "rocm"), cli=False, help="platforms the training graphs are exported for"
     )

@@ -36,6 +36,7 @@ def model_config(config: RunConfig, vocab_size: int) -> gpt2.GPTConfig:
         block_size=max(preset.block_size, config.data.seq_len),
         compute_dtype=config.model.compute_dtype,
         attention=config.model.attention,
+        token_lookup=config.model.token_lookup,
     )
 
 

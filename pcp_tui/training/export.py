@@ -76,8 +76,28 @@ class InnerOptimizer:
         else:
             raise ValueError(f"unknown inner optimizer {self.name!r} (adamw | sgd)")
         if self.grad_clip > 0:
-            return optax.chain(optax.clip_by_global_norm(self.grad_clip), step)
+            return optax.chain(clip_by_global_norm(self.grad_clip), step)
         return step
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm written as a product: updates * min(1, max_norm / norm).
+
+    The same numbers when no clipping happens (the factor is exactly 1), within one
+    rounding when it does. optax picks between the clipped and unclipped updates
+    with a select on one boolean; IREE reads such a scalar predicate back to the
+    host, which ends the step's command buffer and waits for the GPU in the middle
+    of every inner step (a `hal.fence.await` per step in the compiled program).
+    A float factor stays on the device.
+    """
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        norm = optax.tree.norm(updates)
+        factor = jnp.minimum(1.0, max_norm / norm)
+        return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 @dataclass(frozen=True)
@@ -110,6 +130,7 @@ def build_graphs(
     eval_batches: int,
     platforms: tuple[str, ...] = ("cpu", "cuda", "rocm"),
     custom_calls: tuple[str, ...] = (),
+    scan_unroll: int = 1,
 ) -> TrainingGraphs:
     """Export the worker's graphs for `platforms`.
 
@@ -119,6 +140,10 @@ def build_graphs(
     `custom_calls` names custom-call targets (e.g. cuDNN fused attention) that
     jax.export would otherwise refuse because their ABI is not guaranteed
     stable: such graphs run only on workers whose jaxlib has the same kernels.
+    `scan_unroll` inner steps are unrolled into straight-line code per loop trip
+    (`lax.scan`'s `unroll`; `chunk_steps` leaves no loop). XLA gains nothing from it;
+    IREE then records the chunk's GPU commands once and replays them (memoized, no
+    copies of the loop's carried state between steps), for a compile of more code.
     """
     started = time.perf_counter()
     names = tuple(sorted(params))
@@ -145,7 +170,7 @@ def build_graphs(
 
         carry = (as_dict(flat_params), jax.tree.unflatten(opt_tree, opt_leaves))
         steps = first_step + jnp.arange(chunk_steps, dtype=jnp.int32)
-        (p, s), losses = jax.lax.scan(one_step, carry, (batches, steps))
+        (p, s), losses = jax.lax.scan(one_step, carry, (batches, steps), unroll=scan_unroll)
         return tuple(p[n] for n in names), tuple(jax.tree.leaves(s)), losses
 
     def eval_loss(flat_params: tuple, batches: jax.Array) -> jax.Array:

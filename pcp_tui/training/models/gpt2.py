@@ -32,6 +32,7 @@ class GPTConfig:
     n_embd: int = 128
     compute_dtype: str = "float32"  # float32 | bfloat16 (params stay float32)
     attention: str = "xla"  # xla | cudnn: the jax.nn.dot_product_attention implementation
+    token_lookup: str = "gather"  # gather | onehot: how token rows are picked (see `_embed`)
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -103,6 +104,44 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
     return (centered * jax.lax.rsqrt(var + 1e-5) * scale + bias).astype(x.dtype)
 
 
+TOKEN_LOOKUPS = ("gather", "onehot")
+
+
+def _embed(config: GPTConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Rows of the token embedding for int32 tokens[B, T]: table[tokens].
+
+    The gradient of a gather is a scatter-add whose indices repeat (a token occurs
+    many times in a batch). XLA runs that in parallel; IREE cannot split such a
+    scatter and runs it in ONE GPU thread: B*T*n_embd dependent read-modify-writes,
+    most of a step's time on a GPU through Vulkan (docs/performance.md, section 7).
+    token_lookup="onehot" keeps the forward gather (the same numbers) and takes the
+    gradient as one_hot(tokens)^T @ grad, a matmul every runtime splits; it costs
+    2*B*T*vocab*n_embd FLOPs, small at vocab 256, a tenth of the step at GPT-2's 50,304.
+    """
+    if config.token_lookup == "onehot":
+        return _embed_onehot_grad(table, tokens)
+    return table[tokens]
+
+
+@jax.custom_vjp
+def _embed_onehot_grad(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    return table[tokens]
+
+
+def _embed_forward(table: jax.Array, tokens: jax.Array) -> tuple[jax.Array, tuple]:
+    return table[tokens], (table, tokens)
+
+
+def _embed_backward(residuals: tuple, grad: jax.Array) -> tuple[jax.Array, None]:
+    table, tokens = residuals
+    hot = jax.nn.one_hot(tokens, table.shape[0], dtype=grad.dtype)
+    table_grad = jnp.einsum("btv,btc->vc", hot, grad, precision=jax.lax.Precision.HIGHEST)
+    return table_grad.astype(table.dtype), None
+
+
+_embed_onehot_grad.defvjp(_embed_forward, _embed_backward)
+
+
 def _attention(config: GPTConfig, p: Params, prefix: str, x: jax.Array) -> jax.Array:
     b, t, c = x.shape
     qkv = x @ p[prefix + "c_attn.w"] + p[prefix + "c_attn.b"]
@@ -124,13 +163,17 @@ def _logits(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
         raise ValueError(f"sequence length {t} is longer than block_size {config.block_size}")
     if config.attention not in ("xla", "cudnn"):
         raise ValueError(f"attention must be 'xla' or 'cudnn', got {config.attention!r}")
+    if config.token_lookup not in TOKEN_LOOKUPS:
+        raise ValueError(
+            f"token_lookup must be one of {TOKEN_LOOKUPS}, got {config.token_lookup!r}"
+        )
     if config.attention == "cudnn" and config.compute_dtype == "float32":
         raise ValueError(
             "cuDNN attention needs compute_dtype='bfloat16' (it has no float32 kernel)"
         )
     dtype = jnp.dtype(config.compute_dtype)
     p = {name: value.astype(dtype) for name, value in params.items()}
-    x = p["wte"][tokens] + p["wpe"][:t]
+    x = _embed(config, p["wte"], tokens) + p["wpe"][:t]
     for i in range(config.n_layer):
         h = f"h.{i}."
         x = x + _attention(
@@ -154,10 +197,19 @@ def loss(config: GPTConfig, params: Params, tokens: jax.Array) -> jax.Array:
     dtype: the float32 upcast fuses into the reduction, so no float32
     [B, T, vocab] array (3.3 GB per step for GPT-2 at 16 x 1024) is written
     and read back, forward or backward.
+
+    With token_lookup="onehot" the target's logit is summed out of a one-hot
+    product (the same number: every other term is an exact zero), so its gradient
+    is a product too, not a scatter (see `_embed`).
     """
     logits = _logits(config, params, tokens[:, :-1])
     normalizer = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-    target = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0].astype(jnp.float32)
+    if config.token_lookup == "onehot":
+        hot = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=logits.dtype)
+        target = jnp.sum(logits * hot, axis=-1).astype(jnp.float32)
+    else:
+        target = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+        target = target.astype(jnp.float32)
     return jnp.mean(normalizer - target)
 
 
