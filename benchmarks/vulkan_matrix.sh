@@ -13,7 +13,7 @@ if [ -d .gl ]; then for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig; fi
 if [ -d .irx ]; then
   mkdir -p /tmp/site && for t in .irx/*.tar.xz; do tar xJf "$t" -C /tmp/site; done
   chmod +x /tmp/site/iree/compiler/_mlir_libs/iree-* /tmp/site/iree/_runtime_libs/iree-* 2>/dev/null
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/iree/_runtime_libs:$PATH
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/iree/_runtime_libs:$PATH
 fi
 [ -e /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] &&
   export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
