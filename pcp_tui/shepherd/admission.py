@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import trio
 
 from pcp_tui import protocol
+from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.shepherd.connection import Hello, VersionNeed, handshake
+from pcp_tui.shepherd.connection import Hello, VersionNeed, handshake, version_need
 from pcp_tui.shepherd.state import RunState
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
@@ -149,6 +150,24 @@ class Admission:
         self.refusals = refusals or RefusalLog(state)
         self._pending: collections.Counter[str] = collections.Counter()
 
+    @classmethod
+    def for_run(
+        cls, config: RunConfig, state: RunState, *, run_id: str, tls: ServerTLS | None
+    ) -> Admission:
+        """The admission `config.security` sets (limits, deadline), with --trace if asked for."""
+        security = config.security
+        return cls(
+            state,
+            token=security.token,
+            run_id=run_id,
+            tls=tls,
+            timeout=security.handshake_timeout,
+            max_per_host=security.max_handshakes_per_host,
+            max_pending=security.max_handshakes,
+            trace=_open_trace(config.operator.trace),
+            need=version_need(config.outer.compression, config.inner.streaming_fragments),
+        )
+
     @property
     def pending(self) -> int:
         return sum(self._pending.values())
@@ -266,3 +285,13 @@ def peer_name(stream: trio.abc.Stream) -> str:
     except (AttributeError, OSError):
         return "unknown peer"
     return f"{host}:{port}"
+
+
+def _open_trace(path: str | None) -> MessageTrace | None:
+    """The --trace file, opened for the run; ConfigError (what to fix) if it cannot be written."""
+    if not path:
+        return None
+    try:
+        return MessageTrace(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write --trace {path} ({exc.strerror or exc})") from None

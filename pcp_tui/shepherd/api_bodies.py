@@ -37,10 +37,6 @@ def worker_utilization(state: RunState, worker_id: str) -> float | None:
     return last.worker_utilization.get(worker_id) if last else None
 
 
-def _last_eval(state: RunState) -> float | None:
-    return next((r.eval_loss for r in reversed(state.history) if r.eval_loss is not None), None)
-
-
 def controller_json(state: RunState) -> dict[str, Any]:
     """/v1/controller: which run this is and where it listens (never the join token)."""
     return {
@@ -65,7 +61,7 @@ def job_json(state: RunState) -> dict[str, Any]:
         "rounds_total": state.rounds_total,
         "rounds_done": len(state.history),
         "train_loss": last.train_loss if last else None,
-        "eval_loss": _last_eval(state),
+        "eval_loss": state.last_eval_loss(),
         "tokens_per_second": last.tokens_per_second if last else None,
         "utilization": last.utilization if last else None,
         "bytes_exchanged": last.bytes_exchanged if last else None,
@@ -199,7 +195,7 @@ class RunCollector(Collector):
                 "Mean inner-step train loss of the last round",
                 last and last.train_loss,
             ),
-            "pcp_eval_loss": ("Latest held-out loss", _last_eval(state)),
+            "pcp_eval_loss": ("Latest held-out loss", state.last_eval_loss()),
             "pcp_tokens_per_second": (
                 "Tokens per second of the last round",
                 last and last.tokens_per_second,

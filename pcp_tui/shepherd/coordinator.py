@@ -1,18 +1,16 @@
-"""The shepherd: runs DiLoCo rounds over the workers its `WorkerPool` serves.
+"""The shepherd: one DiLoCo run over the workers its `WorkerPool` serves, start to end.
 
-It is a plain trio program. Headless mode runs it under `trio.run`; the
-dashboard hosts the very same object in Textual's loop via trio guest mode and
-only reads `shepherd.state` and calls `request_stop` / `pause` / `resume`.
+`Shepherd` owns the run's lifecycle: it listens (`listening.py`), waits for
+workers, loops over the rounds (each one plain, `plain_round.py`, or streaming,
+`fragments.py`), checkpoints, and says goodbye. It is a plain trio program.
+Headless mode runs it under `trio.run`; the dashboard hosts the very same
+object in Textual's loop via trio guest mode and only reads `shepherd.state` and calls `request_stop` / `pause` / `resume`.
 Connections (welcome, plan, results, liveness) are `pool.WorkerPool`'s business.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import math
 import secrets
-import socket
 import time
 from collections.abc import Mapping
 
@@ -22,26 +20,37 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.backends import select_backend
-from pcp_tui.config import ConfigError, RunConfig
-from pcp_tui.contract import plan as contract
+from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
-from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.diloco.aggregate import CenteredClip, distance, inner_update_bound, make_aggregate
+from pcp_tui.diloco.aggregate import make_aggregate
 from pcp_tui.diloco.outer import OuterOptimizer
-from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
-from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink, version_need
 from pcp_tui.shepherd.fragments import FragmentSync
 from pcp_tui.shepherd.graphs import GraphLibrary
 from pcp_tui.shepherd.ledger import ShardLedger
+from pcp_tui.shepherd.listening import (
+    EVERYWHERE,
+    CannotListen,
+    address_for_others,
+    advertised,
+    join_command,
+    open_listeners,
+)
 from pcp_tui.shepherd.pacing import StepPacing
+from pcp_tui.shepherd.plain_round import (
+    PlainRound,
+    inner_optimizer,
+    record_round,
+    result_screen,
+    round_lr_sum,
+    update_bound,
+)
 from pcp_tui.shepherd.pool import WorkerPool
-from pcp_tui.shepherd.rounds import Round, collect
-from pcp_tui.shepherd.state import RoundRecord, RunState
-from pcp_tui.training.export import InnerOptimizer, TrainingGraphs
+from pcp_tui.shepherd.state import RoundRecord, RunState, run_settings
+from pcp_tui.training.export import TrainingGraphs
 from pcp_tui.training.workload import Workload
 
 
@@ -61,7 +70,7 @@ class Shepherd:
         # a resumed run is the same run: workers keep their inner optimizer state for it
         self.run_id = _saved_run_id(saved) or secrets.token_hex(4)
         self.state = state or RunState(
-            run_id=self.run_id, rounds_total=config.outer.rounds, settings=_settings(config)
+            run_id=self.run_id, rounds_total=config.outer.rounds, settings=run_settings(config)
         )
         self.state.shards = ShardLedger(len(workload.shards))
         self.state.model_name = workload.name
@@ -73,17 +82,9 @@ class Shepherd:
         self.outer = OuterOptimizer(config.outer.optimizer, config.outer.lr, config.outer.momentum)
         self.graphs: TrainingGraphs | None = None
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        self._mean = make_aggregate(
-            config.outer.aggregate, tuple(sorted(self.params))
-        )  # every round's
-        rows = not isinstance(workload.shards[0], np.ndarray)  # see training.shards.shard_plan
-        batch_kind = protocol.BatchKind.ROWS if rows else protocol.BatchKind.WINDOWS
-        per_row = contract.tokens_per_row(batch_kind, config.data.seq_len)
-        self._screen = ResultScreen(
-            self._shapes,
-            max_tokens=config.inner.steps * config.data.batch_size * per_row,
-            norms=None if config.outer.aggregate == "mean" else NormGuard(factor=math.inf),
-        )
+        # every round's aggregate and screen (fragments.py builds its own per fragment)
+        self._mean = make_aggregate(config.outer.aggregate, tuple(sorted(self.params)))
+        self._screen = result_screen(config, workload, self._shapes)
         self._stop_reason: str | None = None
         # a stop before the run's end asks workers to come back for a --resume; False where
         # the workers are this process's own (the demo's), which end with it
@@ -100,17 +101,7 @@ class Shepherd:
             if config.security.tls_cert
             else None
         )
-        self._admission = Admission(
-            self.state,
-            token=self.token,
-            run_id=self.run_id,
-            tls=self.tls,
-            timeout=config.security.handshake_timeout,
-            max_per_host=config.security.max_handshakes_per_host,
-            max_pending=config.security.max_handshakes,
-            trace=_open_trace(config.operator.trace),
-            need=version_need(config.outer.compression, config.inner.streaming_fragments),
-        )
+        self._admission = Admission.for_run(config, self.state, run_id=self.run_id, tls=self.tls)
         self.pool = WorkerPool(
             self.config,
             workload,
@@ -119,7 +110,7 @@ class Shepherd:
             run_id=self.run_id,
             stopping=lambda: self._stop_reason is not None,
         )
-        self.library = GraphLibrary.for_run(self.config, workload, self._inner_optimizer())
+        self.library = GraphLibrary.for_run(self.config, workload, inner_optimizer(config))
         self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
         inner = config.inner
         self.pacing = StepPacing.for_config(inner) if inner.adaptive_steps else None
@@ -129,6 +120,19 @@ class Shepherd:
             self.pool.fragments = self.fragment_sync.fragments
         # whose aggregation state (centered clip's history) the checkpoint keeps
         self._aggregation = self.fragment_sync or self._mean
+        self.plain_round = (
+            None  # the fragments' rounds are fragment_sync's
+            if inner.streaming
+            else PlainRound(
+                config,
+                self.state,
+                self.pool,
+                mean=self._mean,
+                screen=self._screen,
+                outer=self.outer,
+                pacing=self.pacing,
+            )
+        )
         if saved is not None:
             self._resume(saved)
         self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
@@ -145,18 +149,14 @@ class Shepherd:
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
 
+    # fragments.py calls these two by these names
     def _update_bound(self) -> float:
         """The largest pseudo-gradient norm an honest worker can send this round."""
-        cfg = self.config
-        return inner_update_bound(
-            cfg.inner.optimizer,
-            cfg.inner.lr,
-            cfg.inner.steps,
-            sum(p.size for p in self.params.values()),
-            distance(self.params, None),
-            weight_decay=cfg.inner.weight_decay,
-            grad_clip=cfg.inner.grad_clip,
-        )
+        return update_bound(self.config, self.params)
+
+    def _round_lr_sum(self, number: int) -> float:
+        """Σ of the inner learning rate over round `number`'s steps (`plain_round.round_lr_sum`)."""
+        return round_lr_sum(self.config, number)
 
     # -- commands (safe to call from the dashboard) -------------------------
 
@@ -193,10 +193,9 @@ class Shepherd:
         """
         if self.api is None:
             return await self._run(task_status=task_status)
-        everywhere = self.api.host in ("0.0.0.0", "::", "")
         try:
             self.state.api_address = self.api.bind(
-                advertise=_address_for_others() if everywhere else None
+                advertise=address_for_others() if self.api.host in EVERYWHERE else None
             )
         except OSError as exc:
             raise RunFailed(
@@ -224,32 +223,11 @@ class Shepherd:
             seconds=self.graphs.export_seconds,
         )
         try:
-            listeners = await trio.open_tcp_listeners(cfg.network.port, host=cfg.network.host)
-        except OSError as exc:
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise RunFailed(
-                    f"cannot listen on {cfg.network.host}:{cfg.network.port}: {cfg.network.host} is not an address of "
-                    "this machine; use one of its addresses or 0.0.0.0"
-                ) from None
-            raise RunFailed(
-                f"cannot listen on {cfg.network.host}:{cfg.network.port} ({exc.strerror}); pick another --port"
-            ) from None
-        port = listeners[0].socket.getsockname()[1]
-        shown_host = (
-            _address_for_others() if cfg.network.host in ("0.0.0.0", "::", "") else cfg.network.host
-        )
-        self.state.address = f"{shown_host}:{port}"
-        self.state.join_command = " ".join(
-            [
-                "pcp-tui",
-                "worker",
-                "--connect",
-                self.state.address,
-                "--token",
-                self.token,
-                *(self.tls.worker_flags() if self.tls else []),
-            ]
-        )
+            listeners, port = await open_listeners(cfg.network)
+        except CannotListen as exc:
+            raise RunFailed(str(exc)) from None
+        self.state.address = f"{advertised(cfg.network.host)}:{port}"
+        self.state.join_command = join_command(self.state.address, self.token, self.tls)
         failure: RunFailed | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -302,23 +280,6 @@ class Shepherd:
         stopped = self._stop_reason is not None and self.ask_workers_back
         return stopped and saved and not failed and not finished
 
-    def _inner_optimizer(self) -> InnerOptimizer:
-        cfg = self.config
-        return InnerOptimizer(
-            name=cfg.inner.optimizer,
-            lr=cfg.inner.lr,
-            warmup_steps=cfg.inner.warmup_steps,
-            decay_steps=cfg.outer.rounds * cfg.inner.steps if cfg.inner.optimizer == "adamw" else 0,
-            weight_decay=cfg.inner.weight_decay,
-            grad_clip=cfg.inner.grad_clip,
-        )
-
-    def _round_lr_sum(self, number: int) -> float:
-        """Σ of the inner learning rate over round `number`'s steps: what its updates scale with."""
-        steps = self.config.inner.steps
-        schedule = self._inner_optimizer().schedule()
-        return float(np.sum(schedule(np.arange((number - 1) * steps, number * steps))))
-
     def _export(self) -> TrainingGraphs:
         """The run's first export (the shepherd evaluates with it); others are made as workers need."""
         graphs = self.library.export_main()
@@ -364,7 +325,7 @@ class Shepherd:
             "done",
             f"run {self.state.status} after {len(self.state.history)} rounds",
             rounds=len(self.state.history),
-            final_eval_loss=_last_eval(self.state),
+            final_eval_loss=self.state.last_eval_loss(),
             seconds=self.state.elapsed(),
         )
 
@@ -378,7 +339,7 @@ class Shepherd:
             "data_positions": {"seed": self.config.model.seed, "next_round": number + 1},
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
             "shard_ledger": self.state.shards.as_meta(),
-            "eval_loss": _last_eval(self.state),
+            "eval_loss": self.state.last_eval_loss(),
         }
         await self._checkpoints.save(number, meta, self._snapshot, nursery)
 
@@ -400,58 +361,14 @@ class Shepherd:
     # -- one round ------------------------------------------------------------
 
     async def _run_round(self, number: int) -> RoundRecord | None:
-        cfg = self.config
-        if self.fragment_sync is not None:  # Streaming DiLoCo: shepherd/fragments.py
+        """Round `number`, plain (`plain_round.py`) or streaming (`fragments.py`), recorded."""
+        if self.fragment_sync is not None:  # Streaming DiLoCo (--streaming-fragments)
             current = await self.fragment_sync.run_round(self, number)
-            if current is None:
-                return None
-            return self._record(current, await self._round_eval(number))
-        links = self.pool.ready_links()
-        self._screen.bound = await trio.to_thread.run_sync(self._update_bound)
-        if isinstance(self._mean, CenteredClip):  # warm-up and decay move its radius
-            self._mean.step_scale = await trio.to_thread.run_sync(self._round_lr_sum, number)
-        current = Round(
-            number,
-            [link.worker_id for link in links],
-            self._mean,
-            self._screen,
-            connections={link.worker_id: link for link in links},
-        )
-        current.bytes_at_start = (self.state.bytes_sent, self.state.bytes_received)
-        self.pool.round = current
-        self.state.round = number
-        tensors = {name: self.params[name] for name in self.graphs.param_names}
-        pacing = self.pacing  # --adaptive-steps
-        steps = pacing.steps_for(current.participants, current.connections) if pacing else {}
-        async with trio.open_nursery() as nursery:
-            for link in links:
-                link.view.state, link.view.round, link.view.step = "syncing", number, 0
-                body = protocol.RoundStart(
-                    round=number, inner_steps=steps.get(link.worker_id, cfg.inner.steps)
-                )
-                nursery.start_soon(self._send_round_start, link, body, tensors, current)
-        await collect(current, self.config.network, self.state)
-        await current.close()  # a result still being folded in finishes first
-        self.pool.round = None
-        if not current.contributors:
+        else:
+            current = await self.plain_round.run(number, self.params, self.graphs.param_names)
+        if current is None:
             return None
-        if self.pacing is not None:
-            self.pacing.observe(current)
-        mean = current.mean  # the outer step forms the mean from the sums as it goes
-        scales = await trio.to_thread.run_sync(mean.finish)
-        for worker_id, clip in zip(current.contributors, scales, strict=False):
-            if clip == 1.0:
-                continue
-            self.state.emit(
-                "result_clipped",
-                f"round {number}: worker {self.state.workers[worker_id].index}'s result was "
-                f"scaled by {clip:.3g} to the clip radius {mean.radius:.4g}",
-                worker=worker_id,
-                round=number,
-                scale=clip,
-            )
-        await trio.to_thread.run_sync(self.outer.apply, self.params, mean.sums, mean.scale)
-        return self._record(current, await self._round_eval(number))
+        return record_round(self.state, self.config, current, await self._round_eval(number))
 
     async def _round_eval(self, number: int) -> float | None:
         """The eval loss after round `number`, on the rounds --eval-every asks for (and the last)."""
@@ -459,33 +376,6 @@ class Shepherd:
         if number % cfg.evaluation.every == 0 or number == cfg.outer.rounds:
             return await trio.to_thread.run_sync(self.evaluate)
         return None
-
-    async def _send_round_start(
-        self, link: WorkerLink, body: protocol.RoundStart, tensors: dict, current: Round
-    ) -> None:
-        try:
-            await link.send(body, tensors)
-        except CONNECTION_ERRORS:
-            current.finish(link.worker_id)  # the connection task reports the loss
-
-    def _record(self, current: Round, eval_loss: float | None) -> RoundRecord:
-        record = current.record(
-            eval_loss,
-            self.state.bytes_sent,
-            self.state.bytes_received,
-            parameter_count=self.state.param_count,
-            inner_steps=self.config.inner.steps,
-        )
-        trained = set()
-        for worker_id in current.contributors:
-            self.state.workers[worker_id].rounds_contributed += 1
-            self.state.shards.trained(worker_id, current.tokens_by_worker[worker_id])
-            trained.add(self.state.workers[worker_id].shard)
-        untrained = tuple(s.index for s in self.state.shards.shards if s.index not in trained)
-        record = dataclasses.replace(record, untrained_shards=untrained)
-        self.state.history.append(record)
-        self.state.emit("round", f"round {current.number} done", record=record)
-        return record
 
     def evaluate(self, params: Mapping[str, np.ndarray] | None = None) -> float:
         """Mean loss on the held-out batches (exported eval graph, local backend)."""
@@ -500,61 +390,3 @@ def _saved_run_id(saved: checkpoint.Checkpoint | None) -> str | None:
     if not isinstance(run_id, str) or not 0 < len(run_id) <= protocol.ID_CHARS:
         return None
     return run_id
-
-
-def _open_trace(path: str | None) -> MessageTrace | None:
-    if not path:
-        return None
-    try:
-        return MessageTrace(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot write --trace {path} ({exc.strerror or exc})") from None
-
-
-def _last_eval(state: RunState) -> float | None:
-    for record in reversed(state.history):
-        if record.eval_loss is not None:
-            return record.eval_loss
-    return None
-
-
-def _settings(config: RunConfig) -> dict:
-    return {
-        "algorithm": "DiLoCo",
-        "workers": config.network.workers,
-        "inner_steps": config.inner.steps,
-        "inner_optimizer": config.inner.optimizer,
-        "inner_lr": config.inner.lr,
-        "outer_optimizer": config.outer.optimizer,
-        "outer_lr": config.outer.lr,
-        "outer_momentum": config.outer.momentum,
-        "batch_size": config.data.batch_size,
-        "seq_len": config.data.seq_len,
-        "compression": config.outer.compression,
-        "sharding": config.sharding.mode,  # inside multi-device workers: data | fsdp
-        **(
-            {
-                "streaming_fragments": config.inner.streaming_fragments,
-                "overlap_steps": config.inner.overlap_steps,
-                "mix_alpha": config.inner.mix_alpha,
-            }
-            if config.inner.streaming
-            else {}
-        ),
-    }
-
-
-def _address_for_others() -> str:
-    """The address other machines most likely reach this one at, for the join command.
-
-    Listening on all interfaces says nothing about which one: ask the routing
-    table which source address a packet to a public address would leave from
-    (a UDP connect sends nothing). A machine with no route out gets 127.0.0.1,
-    which is right for workers on the same machine.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737): never answered, never sent
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"

@@ -2,21 +2,20 @@
 
 `WorkerPool.serve` takes a connection that `Admission` let in, welcomes the worker,
 sends it the plan (graphs, data shard), then reads what it sends: progress,
-round results (screened and folded into the current `Round`), heartbeats. The
+round results (screened and folded into the current `Round`), heartbeats. What
+the plan holds, and what it lets the worker send, is `worker_plan.py`'s. The
 link's watchdog (`Connection.alive`) drops a worker that falls silent or uploads
-too slowly. The shepherd asks the pool who is
-ready and sets `pool.round` while a round runs; it never touches a socket.
+too slowly. The shepherd asks the pool who is ready and sets `pool.round` while
+a round runs; it never touches a socket.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable
 from functools import partial
 
-import numpy as np
 import trio
 
 from pcp_tui import protocol
@@ -30,8 +29,7 @@ from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.rounds import BadResult, Round
 from pcp_tui.shepherd.state import RunState, WorkerView
 from pcp_tui.shepherd.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
-from pcp_tui.training import shards
-from pcp_tui.training.export import TrainingGraphs
+from pcp_tui.shepherd.worker_plan import bind_to_plan, worker_plan
 from pcp_tui.training.workload import Workload
 
 log = logging.getLogger(__name__)  # connection-level diagnostics; RunState has the run's events
@@ -274,92 +272,18 @@ class WorkerPool:
         await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
         log.debug("worker %d: welcomed", link.view.index)
         link.view.state = "compiling"
-        plan, tensors = self._plan(slot, self.workload.shards[slot], graphs)
+        plan, tensors = worker_plan(
+            cfg, self.workload, graphs, run_id=self.run_id, slot=slot, fragments=self.fragments
+        )
         sent = await link.send(plan, tensors)
         log.debug("worker %d: sent plan (%d bytes)", link.view.index, sent)
-        self._bound(link, plan)
+        bind_to_plan(link, plan, self.workload, self.fragments)
         async with link.alive(
             heartbeat_seconds=cfg.network.heartbeat_seconds,
             timeout=cfg.network.heartbeat_timeout,
             too_slow=lambda: upload_too_slow(link, self.config),
         ):
             await self._receive_loop(link)
-
-    def _plan(
-        self, slot: int, shard: np.ndarray | dict[str, np.ndarray], graphs: TrainingGraphs
-    ) -> tuple[protocol.Plan, dict[str, np.ndarray]]:
-        cfg = self.config
-        tensors = {
-            f"graph/{name}": np.frombuffer(blob, np.uint8)
-            for name, blob in graphs.as_dict().items()
-            if name != "eval_loss"
-        }
-        shipped = shards.shard_plan(shard)  # LM windows or rows of a custom dataset
-        tensors.update(shipped.tensors)
-        plan = protocol.Plan(
-            run_id=self.run_id,
-            model_name=self.workload.name,
-            param_count=self.workload.param_count,
-            graphs=tuple(
-                protocol.GraphInfo(name, tuple(graphs.platforms), f"graph/{name}")
-                for name in ("train_chunk", "init_opt_state")
-            ),
-            param_names=tuple(graphs.param_names),
-            inner_steps=cfg.inner.steps,
-            chunk_steps=graphs.chunk_steps,
-            batch_size=cfg.data.batch_size,
-            seq_len=cfg.data.seq_len,
-            seed=cfg.model.seed,
-            shard_tensor=shipped.shard_tensor,
-            shard_fingerprint=shipped.fingerprint,
-            worker_slot=slot,
-            compression=protocol.Quantization(cfg.outer.compression),
-            batch_kind=shipped.batch_kind,
-            data_tensors=shipped.data_tensors,
-            tokens_per_row=contract.tokens_per_row(shipped.batch_kind, cfg.data.seq_len),
-            sharding=cfg.sharding.to_wire(),
-            fragments=tuple(protocol.Fragment(names) for names in self.fragments),
-            overlap_steps=cfg.inner.overlap_steps if self.fragments else 0,
-            mix_alpha=cfg.inner.mix_alpha if self.fragments else 0.0,
-        )
-        return plan, tensors
-
-    def _bound(self, link: WorkerLink, plan: protocol.Plan) -> None:
-        """From now on this peer may send only small messages, and results of the plan's size.
-
-        Every message is checked from its header, before any payload byte is
-        read: its kind against the stage of the connection (`contract.RECEIVES`),
-        its tensors against the plan's parameters (the stage check is the link's own).
-        """
-        shapes = {name: tuple(self.workload.params[name].shape) for name in plan.param_names}
-        link.stream.limits = dataclasses.replace(
-            link.stream.limits,
-            max_message_bytes=contract.result_frame_bytes(plan.param_names, plan.inner_steps),
-            max_tensors=len(shapes),
-            max_losses=plan.inner_steps,
-        )
-
-        def check(body: protocol.Body, specs, frame_bytes: int) -> None:
-            if isinstance(body, protocol.RoundResult) and self.fragments:
-                raise protocol.MalformedMessage(
-                    "a roundResult in a Streaming DiLoCo run: this worker ignores the plan's "
-                    "fragments (it predates protocol 3); upgrade pcp-tui on it"
-                )
-            if isinstance(body, protocol.RoundResult):
-                problem = contract.result_header_problem(shapes, specs)
-                if problem is not None:
-                    raise contract.ResultRefused(f"round result refused: {problem}")
-            elif isinstance(body, protocol.FragmentResult):
-                problem = contract.fragment_header_problem(shapes, self.fragments, body, specs)
-                if problem is not None:
-                    raise contract.ResultRefused(f"fragment result refused: {problem}")
-            elif specs or frame_bytes > contract.SMALL_MESSAGE_BYTES:
-                raise protocol.FrameTooLarge(
-                    f"a {body.KIND} may carry no tensors and at most "
-                    f"{contract.SMALL_MESSAGE_BYTES} bytes"
-                )
-
-        link.check_tensors = check
 
     async def _receive_loop(self, link: WorkerLink) -> None:
         while True:

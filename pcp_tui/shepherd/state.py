@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pcp_tui.shepherd.ledger import ShardLedger
 
 if TYPE_CHECKING:
+    from pcp_tui.config import RunConfig
     from pcp_tui.protocol import WorkerStats
 
 # Worker states, in the order a worker normally passes through them.
@@ -191,5 +192,39 @@ class RunState:
         mean = sum(r.round_seconds for r in self.history) / len(self.history)
         return mean * max(self.rounds_total - len(self.history), 0)
 
+    def last_eval_loss(self) -> float | None:
+        """The eval loss of the last round that was evaluated (None: none was yet)."""
+        for entry in reversed(self.history):
+            if entry.eval_loss is not None:
+                return entry.eval_loss
+        return None
+
     def active_workers(self) -> list[WorkerView]:
         return [w for w in self.workers.values() if w.state not in ("lost", "refused", "left")]
+
+
+def run_settings(config: RunConfig) -> dict[str, Any]:
+    """The run's algorithm and hyper-parameters as views show them (`RunState.settings`)."""
+    return {
+        "algorithm": "DiLoCo",
+        "workers": config.network.workers,
+        "inner_steps": config.inner.steps,
+        "inner_optimizer": config.inner.optimizer,
+        "inner_lr": config.inner.lr,
+        "outer_optimizer": config.outer.optimizer,
+        "outer_lr": config.outer.lr,
+        "outer_momentum": config.outer.momentum,
+        "batch_size": config.data.batch_size,
+        "seq_len": config.data.seq_len,
+        "compression": config.outer.compression,
+        "sharding": config.sharding.mode,  # inside multi-device workers: data | fsdp
+        **(
+            {
+                "streaming_fragments": config.inner.streaming_fragments,
+                "overlap_steps": config.inner.overlap_steps,
+                "mix_alpha": config.inner.mix_alpha,
+            }
+            if config.inner.streaming
+            else {}
+        ),
+    }

@@ -1,9 +1,11 @@
-"""The worker: joins a shepherd, compiles the shipped graphs, trains its shard.
+"""The worker: trains its shard with the graphs the shepherd's plan ships.
 
 It runs no model code and unpickles nothing: everything it executes is a
-`jax.export` artifact from the plan. Compute, device transfers and the checks
-of a round's parameters run in threads (`trio.to_thread`), so heartbeats and
-progress keep flowing while they run.
+`jax.export` artifact from the plan. `Worker` is a `session.Session` (the
+connection, handshake, receive loop and reconnects) that loads and compiles
+the plan and trains the rounds it is handed. Compute, device transfers and
+the checks of a round's parameters run in threads (`trio.to_thread`), so
+heartbeats and progress keep flowing while they run.
 """
 
 from __future__ import annotations
@@ -11,82 +13,48 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import platform as host_platform
-import secrets
 import shlex
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import trio
 
-from pcp_tui import __version__, protocol
+from pcp_tui import protocol
 from pcp_tui.backends import Backend, GraphError, select_backend
 from pcp_tui.config import WorkerConfig
-from pcp_tui.contract import auth
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import expected_shapes, round_start_problem
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
     Connection,
-    ConnectionEnded,
     ConnectionLost,
     IdInUse,
     Refused,
-    RunOver,
-    RunResumable,
-    ended_by,
-    goodbye_ended,
 )
-from pcp_tui.contract.connection import expect as _expect
-from pcp_tui.contract.tls import ClientTLS, TLSRefused
+from pcp_tui.contract.tls import ClientTLS
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
 from pcp_tui.training.sharding import LayoutError
-from pcp_tui.worker import striping
 from pcp_tui.worker.mesh import GraphLayouts
-from pcp_tui.worker.reconnect import Reconnect
+from pcp_tui.worker.session import CannotRun, Session, WorkerStatus
 from pcp_tui.worker.stats import WorkerCounters
 from pcp_tui.worker.streaming import StreamingRounds
 
+# the names callers import from here; the connection's live in worker/session.py
+__all__ = [
+    "CannotRun",
+    "ConnectionLost",
+    "IdInUse",
+    "Refused",
+    "Training",
+    "Worker",
+    "WorkerStatus",
+]
+
 PROGRESS_INTERVAL = 0.25  # seconds between progress messages, at most
-MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
-log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level, --log-file)
-
-
-class CannotRun(Refused):
-    """This worker cannot compile or run the plan's graphs: it tells the shepherd and leaves.
-
-    Reconnecting would fetch the same graphs and fail the same way.
-    """
-
-    def __init__(self, reason: str):
-        super().__init__(reason, code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value)
-
-
-@dataclass
-class WorkerStatus:
-    """What the worker's own status line shows."""
-
-    state: str = "connecting"
-    shepherd: str = ""
-    worker_index: int | None = None
-    round: int = 0
-    step: int = 0
-    total_steps: int = 0
-    loss: float | None = None
-    tokens_per_second: float = 0.0
-    message: str = ""
-    listeners: list[Callable[[WorkerStatus], None]] = field(default_factory=list, repr=False)
-
-    def update(self, **changes) -> None:
-        for key, value in changes.items():
-            setattr(self, key, value)
-        for listener in self.listeners:
-            listener(self)
+log = logging.getLogger(__name__)  # --log-level, --log-file (worker/session.py logs here too)
 
 
 @dataclass
@@ -100,7 +68,9 @@ class Training:
     param_axes: tuple | None = None  # on a worker of several devices: see worker.mesh
 
 
-class Worker:
+class Worker(Session):
+    """A worker: a session to the shepherd that compiles the plan and trains its rounds."""
+
     def __init__(
         self,
         config: WorkerConfig,
@@ -116,87 +86,21 @@ class Worker:
         `tls` and `trace` are built from the config by the caller (`launch.run_worker`),
         which turns their errors into exit codes.
         """
-        connection = config.connection
-        host, port = connection.address
-        self.host, self.port, self.token = host, port, connection.token
-        self.trace = trace  # --trace: every message to and from the shepherd
-        self.tls = tls  # None: plain TCP
         compute = config.compute
-        self.backend = backend or select_backend(
+        backend = backend or select_backend(
             compute.backend,
             compute.device_count,
             runtime=compute.runtime,
             cache_dir=compute.compile_cache or None,
             iree_flags=tuple(shlex.split(compute.iree_flags)),
         )
+        super().__init__(config, backend, tls=tls, trace=trace, max_backoff=max_backoff)
         self.counters = WorkerCounters(self.backend)  # steps, tokens, memory: sent with progress
-        self.worker_id = connection.worker_id or (
-            f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
-        )
-        self.reconnect = Reconnect(  # give_up_after: seconds of trying to get (back) in
-            give_up_after=connection.give_up_after,
-            max_backoff=max_backoff,
-            retry=connection.reconnect,
-            on_wait=self._show_wait,
-        )
-        self.status = WorkerStatus(shepherd=f"{host}:{port}")
-        self.heartbeat_seconds = 2.0  # the welcome says the run's interval
-        self.heartbeat_timeout = 30.0
         self._plan: Training | None = None
         self.run_id: str | None = None  # the run the per-run state below belongs to
         self._opt_state = None  # the inner optimizer's, kept across reconnects to one run
         self._compiled: dict[bytes, tuple[Callable, Callable, tuple | None]] = {}
         self._streaming: StreamingRounds | None = None  # the plan names fragments
-
-    async def run(self) -> None:
-        """Train until the shepherd says goodbye. Raises Refused on a final refusal.
-
-        Raises ConnectionLost once --give-up-after seconds of trying to get in (or
-        back in, counted from the loss of an admitted connection) pass without a
-        welcome: see `Reconnect`.
-        """
-        lost = False
-        while not await self.reconnect.run(self._attempt, pause_first=lost):
-            lost = True  # an admitted connection was lost: a fresh budget to get back
-
-    async def _attempt(self, deadline: float) -> bool:
-        """One connection: True once the run is over, False when it was lost after a
-        welcome; ConnectionLost when it failed before one (`deadline` bounds that part)."""
-        stream = await self._connect(deadline)
-        messages = protocol.MessageStream(stream)
-        if self.trace is not None:
-            messages.observer = self.trace.observer(f"{self.host}:{self.port}")
-        try:
-            await self._join(messages, deadline)  # a ConnectionLost here is retried in the budget
-            await self._session(messages)
-        except RunOver:
-            log.info("the shepherd ended the run")
-            self.status.update(state="done", message="the shepherd ended the run")
-            return True
-        except _LostAfterWelcome as exc:
-            if isinstance(exc.__cause__, RunResumable):
-                return self._shepherd_stopped(exc.__cause__)
-            log.info("connection to %s:%d lost: %s", self.host, self.port, exc.__cause__)
-            if not self.reconnect.retry:
-                raise ConnectionLost(str(exc)) from exc
-            self.status.update(state="connecting", message=str(exc))
-            return False
-        finally:
-            with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(stream)
-                await trio.aclose_forcefully(messages.stream)  # all of them, when striped
-
-    def _shepherd_stopped(self, stopped: RunResumable) -> bool:
-        """The shepherd stopped before the run's end and can resume it: True (done) only
-        with --no-reconnect, else False: reconnect, as after a lost connection."""
-        if not self.reconnect.retry:
-            log.info("%s; the run can be resumed, but --no-reconnect: exiting", stopped)
-            self.status.update(state="done", message=f"{stopped}; not reconnecting")
-            return True
-        message = f"{stopped}; the run can be resumed: reconnecting"
-        log.info("%s", message)
-        self.status.update(state="connecting", message=message)
-        return False
 
     def _enter_run(self, run_id: str) -> None:
         """Keep the per-run state (the inner optimizer's) only for the run it belongs to.
@@ -216,81 +120,6 @@ class Worker:
             )
         self.run_id, self._opt_state = run_id, None
 
-    async def _connect(self, deadline: float) -> trio.abc.Stream:
-        """A TCP (or TLS) stream to the shepherd, or ConnectionLost (Refused: TLS)."""
-        self.status.update(state="connecting", message="connecting")
-        return await self._open(deadline)
-
-    async def _open(self, deadline: float) -> trio.abc.Stream:
-        try:
-            with trio.fail_at(deadline):
-                stream = await trio.open_tcp_stream(self.host, self.port)
-                if self.tls is not None:
-                    stream = await self.tls.connect(stream, self.host)
-                return stream
-        except TLSRefused as exc:
-            raise Refused(str(exc)) from None
-        except socket.gaierror as exc:
-            raise ConnectionLost(
-                f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
-            ) from None
-        except (OSError, trio.TooSlowError) as exc:
-            why = "timed out" if isinstance(exc, trio.TooSlowError) else exc.strerror or exc
-            raise ConnectionLost(f"cannot reach {self.host}:{self.port} ({why})") from None
-
-    async def _join(self, stream: protocol.MessageStream, deadline: float) -> None:
-        """The handshake, until the welcome; ConnectionLost to retry, Refused if final."""
-        try:
-            with trio.fail_at(deadline):
-                await self._handshake(stream)
-        except trio.TooSlowError:
-            raise ConnectionLost(
-                f"connection lost (no welcome from {self.host}:{self.port} in time)"
-            ) from None
-        except IdInUse as exc:
-            if self.status.worker_index is None:  # never admitted: a twin, not a reconnect
-                raise
-            raise ConnectionLost(str(exc)) from None
-        except protocol.VersionMismatch as exc:
-            raise Refused(str(exc)) from None
-        except (ConnectionLost, *LINK_ERRORS) as exc:
-            raise ConnectionLost(f"connection lost ({exc})") from None
-
-    def _show_wait(self, reason: str, seconds: float) -> None:
-        self.status.update(state="connecting", message=f"{reason}; retrying in {seconds:.1f} s")
-
-    async def _session(self, stream: protocol.MessageStream) -> None:
-        """One admitted connection, from the plan to the goodbye; always ends by raising why.
-
-        RunOver when the shepherd ends the run, ConnectionLost when the link breaks
-        or goes silent, Refused when the shepherd turns this worker away for good.
-        """
-        connection = Connection(stream, "worker", log=log)
-        ended: ConnectionEnded | None = None
-        try:
-            async with connection.alive(
-                heartbeat_seconds=self.heartbeat_seconds, timeout=self.heartbeat_timeout
-            ) as tasks:
-                plan_message = await _expect(connection, "plan")
-                connection.stage = contract.Stage.READY
-                self.status.update(state="compiling", message="compiling the training graph")
-                with connection.paused():  # compiling does not read the socket: not silence
-                    await self._compile(connection, plan_message)
-                rounds_out, rounds_in = trio.open_memory_channel(1)
-                tasks.start_soon(self._train_rounds, connection, rounds_in)
-                await self._receive_loop(connection, rounds_out)
-        except ConnectionLost as exc:
-            ended = exc
-            raise _LostAfterWelcome(f"connection lost ({exc})") from exc
-        except ConnectionEnded as exc:
-            ended = exc
-            raise
-        finally:
-            with trio.CancelScope(shield=True):  # tells the shepherd what it sent wrong, if it did
-                lost = ended if isinstance(ended, ConnectionLost | CannotRun) else None
-                await connection.close(str(ended or "the worker stopped"), error=lost)
-        raise _LostAfterWelcome("connection lost (the session ended)")
-
     async def _compile(self, connection: Connection, plan_message: protocol.Message) -> None:
         started = time.perf_counter()
         self._plan = await trio.to_thread.run_sync(self._load_plan, plan_message)
@@ -304,51 +133,10 @@ class Worker:
             state="idle", message=f"compiled in {seconds:.1f} s; waiting for a round"
         )
 
-    async def _handshake(self, stream: protocol.MessageStream) -> None:
-        self.status.update(state="connecting", message="handshake")
-        hello = await _expect(stream, "hello")
-        await stream.send(self._hello(hello.body.nonce))
-        welcome = await _expect(stream, "welcome")
-        interval = welcome.body.heartbeat_seconds  # the run's; a broken shepherd's is bounded
-        self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
-        self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
-        log.info(
-            "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
-        )
-        self._enter_run(welcome.body.run_id)
-        self.status.update(worker_index=welcome.body.worker_index, message="admitted")
-        if welcome.body.streams > 1:
-            await striping.attach(self, stream, welcome.body)
-
-    def _hello(
-        self, nonce: bytes, *, attach_index: int = 0, session_key: bytes = b""
-    ) -> protocol.WorkerHello:
-        """This worker's hello for a connection whose challenge is `nonce`; with `attach_index`,
-        for extra connection `attach_index` of the session that got `session_key`."""
-        info = self.backend.info
-        backend = protocol.BackendInfo(
-            platform=protocol.Platform(info.platform),
-            device_kind=info.device_kind[: protocol.ID_CHARS],
-            device_count=info.device_count,
-            memory_bytes=info.memory_bytes,
-            jax_version=info.jax_version,
-            runtime=protocol.Runtime(info.runtime),
-            target=info.target[: protocol.ID_CHARS],
-        )
-        return protocol.WorkerHello(
-            supported_versions=protocol.SUPPORTED_VERSIONS,
-            worker_id=self.worker_id,
-            hostname=host_platform.node()[: protocol.ID_CHARS],
-            backend=backend,
-            proof=auth.proof(self.token, nonce, self.worker_id),
-            software=f"pcp-tui {__version__}",
-            attach_index=attach_index,
-            attach_proof=(
-                auth.attach_proof(session_key, nonce, self.worker_id, attach_index)
-                if attach_index
-                else b""
-            ),
-        )
+    def _deliver_fragment_update(self, message: protocol.Message) -> None:
+        if self._streaming is None:
+            raise protocol.MalformedMessage("a fragmentUpdate, but the plan has no fragments")
+        self._streaming.updates.deliver(message)
 
     def _load_plan(self, message: protocol.Message) -> Training:
         plan, tensors = message.body, message.tensors
@@ -395,30 +183,6 @@ class Worker:
         if layouts is not None:  # only then: a one-device backend need not know layouts
             options["layout"] = layouts.of(name)
         return self.backend.load(name, graphs[name], **options)
-
-    async def _receive_loop(self, connection: Connection, rounds: trio.MemorySendChannel) -> None:
-        """Hand round starts to the training task; end on the shepherd's goodbye or error.
-
-        The connection refuses kinds out of turn (`contract.RECEIVES`) from their header.
-        """
-        while True:
-            message = await connection.receive()
-            body = message.body
-            if isinstance(body, protocol.RoundStart):
-                await rounds.send(message)
-            elif isinstance(body, protocol.FragmentUpdate):  # Streaming DiLoCo
-                if self._streaming is None:
-                    raise protocol.MalformedMessage(
-                        "a fragmentUpdate, but the plan has no fragments"
-                    )
-                self._streaming.updates.deliver(message)
-            elif isinstance(body, protocol.Goodbye):
-                raise goodbye_ended(body)
-            elif isinstance(body, protocol.Error):
-                if body.code == protocol.ErrorCode.BAD_RESULT:
-                    self.status.update(message=f"shepherd refused a result: {body.message}")
-                    continue
-                raise ended_by(body)
 
     async def _train_rounds(
         self, connection: Connection, rounds: trio.MemoryReceiveChannel
@@ -548,10 +312,6 @@ class Worker:
                 await connection.send(progress)
         self._opt_state = opt_state
         return params, losses
-
-
-class _LostAfterWelcome(Exception):
-    """An admitted connection was lost: the worker gets a fresh budget to come back."""
 
 
 def _run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray, first_step: int):

@@ -1,0 +1,67 @@
+"""Where the shepherd can be reached: its workers' listening sockets and the join command.
+
+The shepherd listens on `--host:--port`; what it shows people (the address in
+the dashboard, the `pcp-tui worker --connect ...` line to copy) must be an
+address other machines can use, which "0.0.0.0" is not: `advertised` asks the
+routing table for this machine's outward address instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import trio
+
+from pcp_tui.config.run import NetworkConfig
+from pcp_tui.contract.tls import ServerTLS
+
+EVERYWHERE = ("0.0.0.0", "::", "")  # hosts that mean "every interface of this machine"
+
+
+class CannotListen(OSError):
+    """The shepherd cannot listen where it was told; the message says what to pick instead."""
+
+
+async def open_listeners(network: NetworkConfig) -> tuple[list[trio.SocketListener], int]:
+    """(the listeners on `network.host:network.port`, the port they got); CannotListen."""
+    try:
+        listeners = await trio.open_tcp_listeners(network.port, host=network.host)
+    except OSError as exc:
+        where = f"{network.host}:{network.port}"
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise CannotListen(
+                f"cannot listen on {where}: {network.host} is not an address of "
+                "this machine; use one of its addresses or 0.0.0.0"
+            ) from None
+        raise CannotListen(
+            f"cannot listen on {where} ({exc.strerror}); pick another --port"
+        ) from None
+    return listeners, listeners[0].socket.getsockname()[1]
+
+
+def advertised(host: str) -> str:
+    """The address to show for a socket bound to `host`: `host`, or this machine's own."""
+    return address_for_others() if host in EVERYWHERE else host
+
+
+def join_command(address: str, token: str, tls: ServerTLS | None) -> str:
+    """The command line that joins a worker to the shepherd at `address`."""
+    flags = tls.worker_flags() if tls else []
+    return " ".join(["pcp-tui", "worker", "--connect", address, "--token", token, *flags])
+
+
+def address_for_others() -> str:
+    """The address other machines most likely reach this one at, for the join command.
+
+    Listening on all interfaces says nothing about which one: ask the routing
+    table which source address a packet to a public address would leave from
+    (a UDP connect sends nothing). A machine with no route out gets 127.0.0.1,
+    which is right for workers on the same machine.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737): never answered, never sent
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

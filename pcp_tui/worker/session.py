@@ -1,0 +1,331 @@
+"""The worker's side of the link: connect, handshake, one admitted session, goodbye.
+
+`Session.run` connects to the shepherd (TCP, or TLS), proves the join token
+in the handshake, and serves the admitted connection: the watchdog and
+heartbeats (`Connection.alive`), the receive loop that hands round starts to
+the training task, and the goodbye or error that ends it. A connection lost
+after a welcome is retried within --give-up-after (`reconnect.Reconnect`); a
+refusal is final. What the worker does with the plan and the rounds is its
+subclass's, `client.Worker`: `Session` calls it through the hooks below
+(`_enter_run`, `_compile`, `_train_rounds`, `_deliver_fragment_update`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform as host_platform
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from pcp_tui import __version__, protocol
+from pcp_tui.backends import Backend
+from pcp_tui.config import WorkerConfig
+from pcp_tui.contract import auth
+from pcp_tui.contract import plan as contract
+from pcp_tui.contract.connection import (
+    LINK_ERRORS,
+    Connection,
+    ConnectionEnded,
+    ConnectionLost,
+    IdInUse,
+    Refused,
+    RunOver,
+    RunResumable,
+    ended_by,
+    goodbye_ended,
+)
+from pcp_tui.contract.connection import expect as _expect
+from pcp_tui.contract.tls import ClientTLS, TLSRefused
+from pcp_tui.contract.trace import MessageTrace
+from pcp_tui.worker import striping
+from pcp_tui.worker.reconnect import Reconnect
+
+MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
+# connection-level diagnostics (--log-level, --log-file), under the name the worker's
+# log lines have always carried
+log = logging.getLogger("pcp_tui.worker.client")
+
+
+class CannotRun(Refused):
+    """This worker cannot compile or run the plan's graphs: it tells the shepherd and leaves.
+
+    Reconnecting would fetch the same graphs and fail the same way.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason, code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value)
+
+
+@dataclass
+class WorkerStatus:
+    """What the worker's own status line shows."""
+
+    state: str = "connecting"
+    shepherd: str = ""
+    worker_index: int | None = None
+    round: int = 0
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    tokens_per_second: float = 0.0
+    message: str = ""
+    listeners: list[Callable[[WorkerStatus], None]] = field(default_factory=list, repr=False)
+
+    def update(self, **changes) -> None:
+        for key, value in changes.items():
+            setattr(self, key, value)
+        for listener in self.listeners:
+            listener(self)
+
+
+class Session:
+    """One worker's connections to its shepherd, from the first connect to the run's end."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        backend: Backend,
+        *,
+        tls: ClientTLS | None = None,
+        trace: MessageTrace | None = None,
+        max_backoff: float = 30.0,
+    ):
+        """A session with `config.connection`'s settings, for a worker that runs `backend`."""
+        connection = config.connection
+        host, port = connection.address
+        self.host, self.port, self.token = host, port, connection.token
+        self.trace = trace  # --trace: every message to and from the shepherd
+        self.tls = tls  # None: plain TCP
+        self.backend = backend  # what the hello describes
+        self.worker_id = connection.worker_id or (
+            f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
+        )
+        self.reconnect = Reconnect(  # give_up_after: seconds of trying to get (back) in
+            give_up_after=connection.give_up_after,
+            max_backoff=max_backoff,
+            retry=connection.reconnect,
+            on_wait=self._show_wait,
+        )
+        self.status = WorkerStatus(shepherd=f"{host}:{port}")
+        self.heartbeat_seconds = 2.0  # the welcome says the run's interval
+        self.heartbeat_timeout = 30.0
+
+    async def run(self) -> None:
+        """Train until the shepherd says goodbye. Raises Refused on a final refusal.
+
+        Raises ConnectionLost once --give-up-after seconds of trying to get in (or
+        back in, counted from the loss of an admitted connection) pass without a
+        welcome: see `Reconnect`.
+        """
+        lost = False
+        while not await self.reconnect.run(self._attempt, pause_first=lost):
+            lost = True  # an admitted connection was lost: a fresh budget to get back
+
+    async def _attempt(self, deadline: float) -> bool:
+        """One connection: True once the run is over, False when it was lost after a
+        welcome; ConnectionLost when it failed before one (`deadline` bounds that part)."""
+        stream = await self._connect(deadline)
+        messages = protocol.MessageStream(stream)
+        if self.trace is not None:
+            messages.observer = self.trace.observer(f"{self.host}:{self.port}")
+        try:
+            await self._join(messages, deadline)  # a ConnectionLost here is retried in the budget
+            await self._session(messages)
+        except RunOver:
+            log.info("the shepherd ended the run")
+            self.status.update(state="done", message="the shepherd ended the run")
+            return True
+        except _LostAfterWelcome as exc:
+            if isinstance(exc.__cause__, RunResumable):
+                return self._shepherd_stopped(exc.__cause__)
+            log.info("connection to %s:%d lost: %s", self.host, self.port, exc.__cause__)
+            if not self.reconnect.retry:
+                raise ConnectionLost(str(exc)) from exc
+            self.status.update(state="connecting", message=str(exc))
+            return False
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+                await trio.aclose_forcefully(messages.stream)  # all of them, when striped
+
+    def _shepherd_stopped(self, stopped: RunResumable) -> bool:
+        """The shepherd stopped before the run's end and can resume it: True (done) only
+        with --no-reconnect, else False: reconnect, as after a lost connection."""
+        if not self.reconnect.retry:
+            log.info("%s; the run can be resumed, but --no-reconnect: exiting", stopped)
+            self.status.update(state="done", message=f"{stopped}; not reconnecting")
+            return True
+        message = f"{stopped}; the run can be resumed: reconnecting"
+        log.info("%s", message)
+        self.status.update(state="connecting", message=message)
+        return False
+
+    async def _connect(self, deadline: float) -> trio.abc.Stream:
+        """A TCP (or TLS) stream to the shepherd, or ConnectionLost (Refused: TLS)."""
+        self.status.update(state="connecting", message="connecting")
+        return await self._open(deadline)
+
+    async def _open(self, deadline: float) -> trio.abc.Stream:
+        try:
+            with trio.fail_at(deadline):
+                stream = await trio.open_tcp_stream(self.host, self.port)
+                if self.tls is not None:
+                    stream = await self.tls.connect(stream, self.host)
+                return stream
+        except TLSRefused as exc:
+            raise Refused(str(exc)) from None
+        except socket.gaierror as exc:
+            raise ConnectionLost(
+                f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
+            ) from None
+        except (OSError, trio.TooSlowError) as exc:
+            why = "timed out" if isinstance(exc, trio.TooSlowError) else exc.strerror or exc
+            raise ConnectionLost(f"cannot reach {self.host}:{self.port} ({why})") from None
+
+    async def _join(self, stream: protocol.MessageStream, deadline: float) -> None:
+        """The handshake, until the welcome; ConnectionLost to retry, Refused if final."""
+        try:
+            with trio.fail_at(deadline):
+                await self._handshake(stream)
+        except trio.TooSlowError:
+            raise ConnectionLost(
+                f"connection lost (no welcome from {self.host}:{self.port} in time)"
+            ) from None
+        except IdInUse as exc:
+            if self.status.worker_index is None:  # never admitted: a twin, not a reconnect
+                raise
+            raise ConnectionLost(str(exc)) from None
+        except protocol.VersionMismatch as exc:
+            raise Refused(str(exc)) from None
+        except (ConnectionLost, *LINK_ERRORS) as exc:
+            raise ConnectionLost(f"connection lost ({exc})") from None
+
+    def _show_wait(self, reason: str, seconds: float) -> None:
+        self.status.update(state="connecting", message=f"{reason}; retrying in {seconds:.1f} s")
+
+    async def _session(self, stream: protocol.MessageStream) -> None:
+        """One admitted connection, from the plan to the goodbye; always ends by raising why.
+
+        RunOver when the shepherd ends the run, ConnectionLost when the link breaks
+        or goes silent, Refused when the shepherd turns this worker away for good.
+        """
+        connection = Connection(stream, "worker", log=log)
+        ended: ConnectionEnded | None = None
+        try:
+            async with connection.alive(
+                heartbeat_seconds=self.heartbeat_seconds, timeout=self.heartbeat_timeout
+            ) as tasks:
+                plan_message = await _expect(connection, "plan")
+                connection.stage = contract.Stage.READY
+                self.status.update(state="compiling", message="compiling the training graph")
+                with connection.paused():  # compiling does not read the socket: not silence
+                    await self._compile(connection, plan_message)
+                rounds_out, rounds_in = trio.open_memory_channel(1)
+                tasks.start_soon(self._train_rounds, connection, rounds_in)
+                await self._receive_loop(connection, rounds_out)
+        except ConnectionLost as exc:
+            ended = exc
+            raise _LostAfterWelcome(f"connection lost ({exc})") from exc
+        except ConnectionEnded as exc:
+            ended = exc
+            raise
+        finally:
+            with trio.CancelScope(shield=True):  # tells the shepherd what it sent wrong, if it did
+                lost = ended if isinstance(ended, ConnectionLost | CannotRun) else None
+                await connection.close(str(ended or "the worker stopped"), error=lost)
+        raise _LostAfterWelcome("connection lost (the session ended)")
+
+    async def _handshake(self, stream: protocol.MessageStream) -> None:
+        self.status.update(state="connecting", message="handshake")
+        hello = await _expect(stream, "hello")
+        await stream.send(self._hello(hello.body.nonce))
+        welcome = await _expect(stream, "welcome")
+        interval = welcome.body.heartbeat_seconds  # the run's; a broken shepherd's is bounded
+        self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
+        self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
+        log.info(
+            "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
+        )
+        self._enter_run(welcome.body.run_id)
+        self.status.update(worker_index=welcome.body.worker_index, message="admitted")
+        if welcome.body.streams > 1:
+            await striping.attach(self, stream, welcome.body)
+
+    def _hello(
+        self, nonce: bytes, *, attach_index: int = 0, session_key: bytes = b""
+    ) -> protocol.WorkerHello:
+        """This worker's hello for a connection whose challenge is `nonce`; with `attach_index`,
+        for extra connection `attach_index` of the session that got `session_key`."""
+        info = self.backend.info
+        backend = protocol.BackendInfo(
+            platform=protocol.Platform(info.platform),
+            device_kind=info.device_kind[: protocol.ID_CHARS],
+            device_count=info.device_count,
+            memory_bytes=info.memory_bytes,
+            jax_version=info.jax_version,
+            runtime=protocol.Runtime(info.runtime),
+            target=info.target[: protocol.ID_CHARS],
+        )
+        return protocol.WorkerHello(
+            supported_versions=protocol.SUPPORTED_VERSIONS,
+            worker_id=self.worker_id,
+            hostname=host_platform.node()[: protocol.ID_CHARS],
+            backend=backend,
+            proof=auth.proof(self.token, nonce, self.worker_id),
+            software=f"pcp-tui {__version__}",
+            attach_index=attach_index,
+            attach_proof=(
+                auth.attach_proof(session_key, nonce, self.worker_id, attach_index)
+                if attach_index
+                else b""
+            ),
+        )
+
+    async def _receive_loop(self, connection: Connection, rounds: trio.MemorySendChannel) -> None:
+        """Hand round starts to the training task; end on the shepherd's goodbye or error.
+
+        The connection refuses kinds out of turn (`contract.RECEIVES`) from their header.
+        """
+        while True:
+            message = await connection.receive()
+            body = message.body
+            if isinstance(body, protocol.RoundStart):
+                await rounds.send(message)
+            elif isinstance(body, protocol.FragmentUpdate):  # Streaming DiLoCo
+                self._deliver_fragment_update(message)
+            elif isinstance(body, protocol.Goodbye):
+                raise goodbye_ended(body)
+            elif isinstance(body, protocol.Error):
+                if body.code == protocol.ErrorCode.BAD_RESULT:
+                    self.status.update(message=f"shepherd refused a result: {body.message}")
+                    continue
+                raise ended_by(body)
+
+    # -- what the training side does (client.Worker) ----------------------------
+
+    def _enter_run(self, run_id: str) -> None:
+        """The welcome admitted this worker to run `run_id` (before any plan of it)."""
+        raise NotImplementedError
+
+    async def _compile(self, connection: Connection, plan_message: protocol.Message) -> None:
+        """Load and compile the plan, then tell the shepherd this worker is ready."""
+        raise NotImplementedError
+
+    async def _train_rounds(
+        self, connection: Connection, rounds: trio.MemoryReceiveChannel
+    ) -> None:
+        """Train every round start the receive loop hands over, until the channel closes."""
+        raise NotImplementedError
+
+    def _deliver_fragment_update(self, message: protocol.Message) -> None:
+        """Hand a fragmentUpdate (Streaming DiLoCo) to the round that waits for it."""
+        raise NotImplementedError
+
+
+class _LostAfterWelcome(Exception):
+    """An admitted connection was lost: the worker gets a fresh budget to come back."""
