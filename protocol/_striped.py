@@ -135,9 +135,12 @@ class StripedStream(trio.abc.Stream):
         """A stream's failure as the striped stream's: closed here, or broken."""
         if self._closed:
             raise trio.ClosedResourceError("this striped stream was closed") from exc
+        # the first failure, not this one: after it, another task's read ends with "another
+        # task closed this fd", which says nothing of what went wrong
+        why = self._broken or str(exc) or type(exc).__name__
         # not chained: a reader that reports `__cause__` (the codec does) names the striping
         raise trio.BrokenResourceError(
-            f"one of the {len(self.streams)} striped connections failed: {exc or type(exc).__name__}"
+            f"one of the {len(self.streams)} striped connections failed: {why}"
         ) from None
 
     async def aclose(self) -> None:

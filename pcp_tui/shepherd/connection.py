@@ -87,7 +87,9 @@ class WorkerLink(Connection):
 
         The deadline counts from when the message's turn comes, not while it waits
         behind another (a heartbeat behind a long plan is not late). A message cut
-        off mid-frame leaves the stream unusable, so the link is closed at once.
+        off mid-frame leaves the stream unusable, so the link is closed at once; so is
+        a link whose message with tensors is cancelled (a round that closes at its
+        --round-timeout stops the roundStarts still on their way).
         """
         if self.failure is not None:
             raise SendTooSlow(self.failure.reason)
@@ -96,18 +98,31 @@ class WorkerLink(Connection):
         async with self._turn:
             nbytes = sum(np.asarray(t).nbytes for t in (tensors or {}).values())
             seconds = self.send_grace + nbytes / self.min_send_rate
-            with trio.move_on_after(seconds):
-                return await super().send(body, tensors, **options)
+            try:
+                with trio.move_on_after(seconds):
+                    return await super().send(body, tensors, **options)
+            except trio.Cancelled:
+                if nbytes and self.failure is None:  # part of a big message may have gone out
+                    await self._cut_off(
+                        f"the worker had not taken all of a {nbytes}-byte {body.KIND} when the "
+                        "shepherd stopped sending it (its round closed at --round-timeout, or "
+                        "the run ended); it reconnects and trains from the next round"
+                    )
+                raise
             reason = (
                 f"download too slow: the worker did not take a {nbytes}-byte {body.KIND} in "
                 f"{seconds:.0f} s (--upload-grace {self.send_grace:g} s, then "
                 f"--min-upload-rate {self.min_send_rate:g} B/s); a worker must keep reading"
             )
-            self.failure = ConnectionLost(reason, code=protocol.ErrorCode.TIMEOUT.value)
-            self.closed = True
-            with trio.CancelScope(shield=True):  # half a frame went out: nothing more to say
-                await trio.aclose_forcefully(self.stream.stream)
+            await self._cut_off(reason)
             raise SendTooSlow(reason)
+
+    async def _cut_off(self, reason: str) -> None:
+        """End the link after a message was cut off part-way: the stream is out of frame."""
+        self.failure = ConnectionLost(reason, code=protocol.ErrorCode.TIMEOUT.value)
+        self.closed = True
+        with trio.CancelScope(shield=True):  # half a frame went out: nothing more to say
+            await trio.aclose_forcefully(self.stream.stream)
 
     @property
     def worker_id(self) -> str:

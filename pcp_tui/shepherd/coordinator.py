@@ -430,7 +430,8 @@ class Shepherd:
                     round=number, inner_steps=steps.get(link.worker_id, cfg.inner.steps)
                 )
                 nursery.start_soon(self._send_round_start, link, body, tensors, current)
-        await collect(current, self.config.network, self.state)
+            await collect(current, self.config.network, self.state)  # from the round's start
+            nursery.cancel_scope.cancel()  # a roundStart still on its way is a straggler's
         await current.close()  # a result still being folded in finishes first
         self.pool.round = None
         if not current.contributors:
