@@ -157,14 +157,14 @@ class FragmentSync:
         failed: set[WorkerLink] = set()
         pacing = shepherd.pacing  # --adaptive-steps
         steps = pacing.steps_for(ids, connections) if pacing else {}
-        started: set[WorkerLink] = set()  # links that have their whole roundStart
+        delivered: set[WorkerLink] = set()  # links that have their whole roundStart
         async with trio.open_nursery() as starts:  # --round-timeout counts from here
             for link in links:
                 h = steps.get(link.worker_id, shepherd.config.inner.steps)
-                starts.start_soon(self._start, shepherd, link, number, h, rounds, started, failed)
+                starts.start_soon(self._start, shepherd, link, number, h, rounds, delivered, failed)
             async with trio.open_nursery() as nursery:
                 for p in range(len(self.fragments)):
-                    nursery.start_soon(self._sync, shepherd, p, rounds[p], links, started, failed)
+                    nursery.start_soon(self._sync, shepherd, p, rounds[p], links, delivered, failed)
             starts.cancel_scope.cancel()  # a roundStart still on its way is a straggler's
         shepherd.pool.fragment_rounds = []
         self.in_sync = {link for link in links if link not in failed and not link.closed}
@@ -177,7 +177,7 @@ class FragmentSync:
         return summary
 
     async def _start(
-        self, shepherd, link: WorkerLink, number: int, steps: int, rounds, started, failed
+        self, shepherd, link: WorkerLink, number: int, steps: int, rounds, delivered, failed
     ) -> None:
         """Send round `number`'s start (`steps` inner steps) to `link`, parameters unless in sync."""
         continued = link in self.in_sync
@@ -186,18 +186,18 @@ class FragmentSync:
         link.view.state, link.view.round, link.view.step = "syncing", number, 0
         try:
             await link.send(body, tensors)
-            started.add(link)
+            delivered.add(link)
         except CONNECTION_ERRORS:
             failed.add(link)
             for current in rounds:  # the connection task reports the loss
                 current.finish(link.worker_id)
 
-    async def _sync(self, shepherd, p: int, current: Round, links, started, failed) -> None:
+    async def _sync(self, shepherd, p: int, current: Round, links, delivered, failed) -> None:
         """Fragment p: collect its results, take its outer step, send its global value back
         (to the workers that got their roundStart: one still taking it is a straggler, whose
         next round starts from the full parameters)."""
         await collect(current, shepherd.config.network, shepherd.state)
-        failed.update(link for link in links if link not in started)
+        failed.update(link for link in links if link not in delivered)
         await current.close()
         names, params = self.fragments[p], shepherd.params
         old = {n: params[n].copy() for n in names} if self.compression != "none" else {}
