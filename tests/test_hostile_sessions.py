@@ -24,9 +24,11 @@ connections), peers in this process that speak the real protocol over 127.0.0.1.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
+import numpy as np
 import pytest
 import trio
 
@@ -42,6 +44,7 @@ pytestmark = pytest.mark.e2e
 
 TOKEN = "test-token"
 NOT_STRIPING = (2, 3)  # a peer that does not list protocol 4 is not asked to stripe
+REPEATS = 200  # copies of one result a peer sends
 
 
 async def connect(port: int, receive_buffer: int = 0) -> tuple[protocol.MessageStream, bytes]:
@@ -76,6 +79,34 @@ async def deaf_peer(port: int) -> None:
                 await stream.send(protocol.Heartbeat(time.time()))
                 await trio.sleep(0.2)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # the shepherd hung up on us
+
+
+async def repeating_peer(port: int, seen: dict) -> None:
+    """Join, say ready, answer round 1 with a well-formed result, then send it again and again
+    (and one for a round that has not started): a flood of results no worker sends."""
+    stream, nonce = await connect(port)
+    async with stream.stream:
+        await stream.send(hello("repeater", nonce, supported_versions=NOT_STRIPING))
+        assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
+        await stream.send(protocol.Ready(compile_seconds=0.1))
+        start = await stream.receive()
+        while start.kind != "roundStart":
+            start = await stream.receive()
+        zeros = {name: np.zeros_like(value) for name, value in start.tensors.items()}
+        result = protocol.RoundResult(
+            round=start.body.round, tokens=256, losses=(3.0, 3.0), compute_seconds=0.1,
+            inner_steps=2,
+        )  # fmt: skip
+        seen["repeats sent"] = 0
+        try:
+            for _ in range(REPEATS):
+                await stream.send(result, zeros)
+                seen["repeats sent"] += 1
+            await stream.send(dataclasses.replace(result, round=99), zeros)
+            while True:
+                await stream.receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError):
             return  # the shepherd hung up on us
 
 
@@ -133,7 +164,7 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
     spawn_worker,
 ):
     config = small_config(
-        workers=3,
+        workers=4,
         rounds=3,
         inner_steps=2,
         streams=2,
@@ -141,7 +172,7 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
         upload_grace=60.0,  # the deaf peer's roundStart may take a minute before this change
         min_upload_rate=1e7,
     )
-    shepherd = Shepherd(config, build_workload(config, shards=3))
+    shepherd = Shepherd(config, build_workload(config, shards=4))
     seen = {}
 
     async def scenario(port):
@@ -149,6 +180,7 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
         async with trio.open_nursery() as peers:
             peers.start_soon(deaf_peer, port)
             peers.start_soon(striping_peer, port, seen)
+            peers.start_soon(repeating_peer, port, seen)
             await until(lambda: len(shepherd.state.history) == 3, polls=2400)  # a hang guard
         seen["honest"] = honest
 
@@ -156,7 +188,7 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
     events = shepherd.state.events
     lost = {e.data["worker"]: e.message for e in events if e.kind == "lost"}
     # 1. round 1 closed at its timeout, without the peer that never took its roundStart
-    assert [r.worker_ids for r in shepherd.state.history][0] == ("honest",)
+    assert sorted([r.worker_ids for r in shepherd.state.history][0]) == ["honest", "repeater"]
     stragglers = [e for e in events if e.kind == "stragglers"]
     assert "deaf" in stragglers[0].data["workers"], [e.message for e in events]
     assert "deaf" in lost and "--round-timeout" in lost["deaf"], lost
@@ -183,3 +215,9 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
     # 3. the cut extra connection is noticed when the next roundStart reaches it
     assert "one of the 2 striped connections failed" in lost["striper"], lost
     assert "another task closed this fd" not in lost["striper"]  # the first failure is named
+    # 4. one result counts once; sending it again (or one for a round not started) ends the
+    # connection at the first copy, instead of a late_result line in the log for every copy
+    assert [r.worker_ids.count("repeater") for r in shepherd.state.history] == [1, 0, 0]
+    assert not [e for e in events if e.kind == "late_result"]
+    assert "sent its result for round 1 twice" in lost["repeater"], lost
+    assert seen["repeats sent"] < REPEATS  # the shepherd stopped reading them

@@ -81,6 +81,26 @@ class WorkerLink(Connection):
         self.versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments = None
+        self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
+
+    def note_result(self, body: protocol.RoundResult | protocol.FragmentResult, running: int):
+        """Raise ConnectionLost for a result no worker sends: one for a round that has not
+        started (`running` is the latest that has), or a second for the same round (and
+        fragment). Each would be dropped, but a peer that sends them without end would
+        write a `late_result` line in the log for every copy."""
+        fragment = body.fragment if isinstance(body, protocol.FragmentResult) else -1
+        part = f" fragment {fragment}" if fragment >= 0 else ""
+        if body.round > running:
+            raise ConnectionLost(
+                f"sent a result for round {body.round}{part} while round {running} runs: "
+                "a worker answers only the rounds it was sent"
+            )
+        if (body.round, fragment) in self._results:
+            raise ConnectionLost(
+                f"sent its result for round {body.round}{part} twice: a worker sends each "
+                "result once; this peer is not a pcp-tui worker, or a broken one"
+            )
+        self._results.add((body.round, fragment))
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
