@@ -18,6 +18,14 @@ the run go on.
 shepherd next sends to it (its next roundStart), not before: nothing reads an
 idle connection. The run goes on.
 
+4. A peer that sends one result again and again (or one for a round not yet
+started) is cut off at the first copy. Before, each copy was dropped as a
+late result, with a line in the log and a metrics row, for as long as it sent.
+
+5. A run stopped after its checkpoint directory was removed cannot be
+resumed: it says so and ends its workers, rather than asking them to wait
+half an hour for a --resume that has nothing to load.
+
 One shepherd in this process, one real worker process (striped over 2
 connections), peers in this process that speak the real protocol over 127.0.0.1.
 """
@@ -25,6 +33,7 @@ connections), peers in this process that speak the real protocol over 127.0.0.1.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import socket
 import time
 
@@ -161,11 +170,14 @@ async def striping_peer(port: int, seen: dict) -> None:
 
 
 def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_session(
-    spawn_worker,
+    spawn_worker, tmp_path
 ):
+    checkpoints = tmp_path / "checkpoints"
     config = small_config(
         workers=4,
-        rounds=3,
+        rounds=20,
+        checkpoint_dir=str(checkpoints),
+        checkpoint_every=1,
         inner_steps=2,
         streams=2,
         round_timeout=3.0,
@@ -182,6 +194,9 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
             peers.start_soon(striping_peer, port, seen)
             peers.start_soon(repeating_peer, port, seen)
             await until(lambda: len(shepherd.state.history) == 3, polls=2400)  # a hang guard
+            shutil.rmtree(checkpoints)  # an operator's slip, a cleanup job
+            checkpoints.write_text("not a directory any more")  # and no later one is written
+            shepherd.request_stop("test over")
         seen["honest"] = honest
 
     run_shepherd(shepherd, scenario)
@@ -195,7 +210,7 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
     assert "download too slow" not in lost["deaf"]
     [deaf_lost] = [e for e in events if e.kind == "lost" and e.data["worker"] == "deaf"]
     assert events.index(stragglers[0]) < events.index(deaf_lost)  # late first, then cut off
-    assert shepherd.state.status == "done"
+    assert shepherd.state.status == "stopped"
     output = seen["honest"].communicate(timeout=60)[0]
     assert seen["honest"].returncode == 0, output
     assert "session striped over 2 connections" in output, output
@@ -217,7 +232,14 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
     assert "another task closed this fd" not in lost["striper"]  # the first failure is named
     # 4. one result counts once; sending it again (or one for a round not started) ends the
     # connection at the first copy, instead of a late_result line in the log for every copy
-    assert [r.worker_ids.count("repeater") for r in shepherd.state.history] == [1, 0, 0]
+    contributions = [r.worker_ids.count("repeater") for r in shepherd.state.history]
+    assert contributions == [1] + [0] * (len(contributions) - 1)
     assert not [e for e in events if e.kind == "late_result"]
     assert "sent its result for round 1 twice" in lost["repeater"], lost
     assert seen["repeats sent"] < REPEATS  # the shepherd stopped reading them
+    # 5. stopped with its checkpoints gone: the workers are not asked to wait for a --resume
+    assert not [e for e in events if e.kind == "resumable"]
+    [why] = [e.message for e in events if e.kind == "not_resumable"]
+    assert f"no checkpoint at {checkpoints}: no such directory" in why
+    assert "told the run ended" in why
+    assert "the run can be resumed" not in output  # the honest worker ended (code 0 above)
