@@ -7,6 +7,7 @@ then start its timeout, so the round lasted the send's own deadline
 (--upload-grace + bytes / --min-upload-rate: a minute here) plus the timeout.
 Now the timeout counts from the round's start; a roundStart still unsent then
 is cut off, and since half a message cannot be taken back, its connection ends.
+Streaming DiLoCo rounds the same, fragment by fragment (the second test).
 
 2. Extra connections of a striped session (`--streams 2`) that are not the
 session's own: a wrong session key, a proof replayed from another
@@ -33,7 +34,6 @@ connections), peers in this process that speak the real protocol over 127.0.0.1.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import socket
 import time
 
@@ -194,7 +194,9 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
             peers.start_soon(striping_peer, port, seen)
             peers.start_soon(repeating_peer, port, seen)
             await until(lambda: len(shepherd.state.history) == 3, polls=2400)  # a hang guard
-            shutil.rmtree(checkpoints)  # an operator's slip, a cleanup job
+            # removed by an operator's slip or a cleanup job (a rename: atomic, so no tree
+            # removal races the writer's thread); a file in its place fails every later write
+            checkpoints.rename(tmp_path / "moved away")
             checkpoints.write_text("not a directory any more")  # and no later one is written
             shepherd.request_stop("test over")
         seen["honest"] = honest
@@ -243,3 +245,41 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
     assert f"no checkpoint at {checkpoints}: no such directory" in why
     assert "told the run ended" in why
     assert "the run can be resumed" not in output  # the honest worker ended (code 0 above)
+
+
+def test_a_streaming_round_cuts_off_a_roundstart_still_on_its_way_when_a_fragment_closes(
+    spawn_worker,
+):
+    """The same deadline in Streaming DiLoCo: fragment results are collected while the
+    roundStarts go out; one still on its way when a fragment closes is cut off (that worker
+    would wait for the fragment's update, which only workers with their roundStart get)."""
+    config = small_config(
+        workers=2,
+        rounds=2,
+        inner_steps=4,
+        streaming_fragments=2,
+        overlap_steps=0,
+        round_timeout=3.0,
+        upload_grace=60.0,
+        min_upload_rate=1e7,
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    seen = {}
+
+    async def scenario(port):
+        seen["honest"] = spawn_worker(port, "--id", "honest")
+        async with trio.open_nursery() as peers:
+            peers.start_soon(deaf_peer, port)
+            await until(lambda: len(shepherd.state.history) == 2, polls=2400)  # a hang guard
+
+    run_shepherd(shepherd, scenario)
+    events = shepherd.state.events
+    lost = {e.data["worker"]: e.message for e in events if e.kind == "lost"}
+    assert "--round-timeout" in lost["deaf"] and "roundStart" in lost["deaf"], lost
+    stragglers = [e for e in events if e.kind == "stragglers"]
+    [deaf_lost] = [e for e in events if e.kind == "lost" and e.data["worker"] == "deaf"]
+    assert events.index(stragglers[0]) < events.index(deaf_lost)
+    assert [r.worker_ids for r in shepherd.state.history] == [("honest",), ("honest",)]
+    assert [r.fragment_results for r in shepherd.state.history] == [(1, 1), (1, 1)]
+    assert shepherd.state.status == "done"
+    assert seen["honest"].wait(timeout=60) == 0

@@ -108,8 +108,8 @@ class WorkerLink(Connection):
         The deadline counts from when the message's turn comes, not while it waits
         behind another (a heartbeat behind a long plan is not late). A message cut
         off mid-frame leaves the stream unusable, so the link is closed at once; so is
-        a link whose message with tensors is cancelled (a round that closes at its
-        --round-timeout stops the roundStarts still on their way).
+        a link whose message (but a heartbeat) is cancelled: a round that closes at its
+        --round-timeout stops the roundStarts still on their way.
         """
         if self.failure is not None:
             raise SendTooSlow(self.failure.reason)
@@ -122,7 +122,8 @@ class WorkerLink(Connection):
                 with trio.move_on_after(seconds):
                     return await super().send(body, tensors, **options)
             except trio.Cancelled:
-                if nbytes and self.failure is None:  # part of a big message may have gone out
+                # part of it may have gone out (a heartbeat is cancelled only as the link ends)
+                if self.failure is None and not isinstance(body, protocol.Heartbeat):
                     await self._cut_off(
                         f"the worker had not taken all of a {nbytes}-byte {body.KIND} when the "
                         "shepherd stopped sending it (its round closed at --round-timeout, or "
