@@ -12,12 +12,18 @@ A send drives all K streams at once (one task each, for the duration of the
 send), so K windows are in flight together. A failure of any one stream ends
 the whole striped stream: the others are closed too, so the peer notices on
 whichever stream it reads, and every later call raises BrokenResourceError. A
-stream that is cut while idle is noticed when a send or a receive reaches it.
+stream that is reset or closed while idle is found by `idle_problem`, which
+peeks (never reads) at the streams no piece is due on; the connection that owns
+the striped stream calls it now and then (`contract.connection`'s `alive`) and
+ends it with `fail`. A connection cut silently (no reset, no close) shows nothing
+until a send or a receive reaches it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 from collections.abc import Sequence
 
 import trio
@@ -123,6 +129,33 @@ class StripedStream(trio.abc.Stream):
         self._received += len(chunk)
         return chunk
 
+    def idle_problem(self) -> str | None:
+        """Why a connection that no piece is due on now has failed, if one has: reset, or
+        closed by the peer; None while every one looks healthy. Peeks at each socket without
+        waiting or reading, so it never competes with the task that receives."""
+        if self._closed or self._broken is not None:
+            return None
+        due = self._where(self._received)[0]  # the receiving task watches that one itself
+        for index, stream in enumerate(self.streams):
+            fd = _socket_fd(stream) if index != due else None
+            if fd is None:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as probe:  # a dup: closing it closes no link
+                    waiting = probe.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue  # open, and nothing sent ahead on it: healthy
+            except OSError as exc:
+                return f"connection {index + 1} of {len(self.streams)} failed while idle ({exc})"
+            if not waiting:
+                return f"connection {index + 1} of {len(self.streams)} was closed by the peer"
+        return None
+
+    async def fail(self, why: str) -> None:
+        """End the striped stream for `why` (an `idle_problem`): every stream is closed, so a
+        task waiting to receive or send gets BrokenResourceError naming it."""
+        await self._break(why)
+
     async def _break(self, why: BaseException | str) -> None:
         """After a failure the streams are out of step: close them all now, so the peer's reads
         and writes on every one of them end too."""
@@ -135,9 +168,12 @@ class StripedStream(trio.abc.Stream):
         """A stream's failure as the striped stream's: closed here, or broken."""
         if self._closed:
             raise trio.ClosedResourceError("this striped stream was closed") from exc
+        # the first failure, not this one: after it, another task's read ends with "another
+        # task closed this fd", which says nothing of what went wrong
+        why = self._broken or str(exc) or type(exc).__name__
         # not chained: a reader that reports `__cause__` (the codec does) names the striping
         raise trio.BrokenResourceError(
-            f"one of the {len(self.streams)} striped connections failed: {exc or type(exc).__name__}"
+            f"one of the {len(self.streams)} striped connections failed: {why}"
         ) from None
 
     async def aclose(self) -> None:
@@ -187,6 +223,19 @@ async def _send_pieces(
         failures.append(exc)
         if nursery is not None:
             nursery.cancel_scope.cancel()
+
+
+def _socket_fd(stream: trio.abc.Stream) -> int | None:
+    """The file descriptor of the TCP socket under `stream` (through TLS and `Prefixed`), or
+    None for a stream that has none (an in-memory pair, say)."""
+    for _ in range(4):  # a few wrappers deep at most
+        if isinstance(stream, trio.SocketStream):
+            fd = stream.socket.fileno()
+            return fd if fd >= 0 else None
+        stream = getattr(stream, "transport_stream", None) or getattr(stream, "stream", None)
+        if stream is None:
+            return None
+    return None
 
 
 async def _close_quietly(stream: trio.abc.Stream) -> None:

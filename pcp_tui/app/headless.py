@@ -39,6 +39,7 @@ _SHOWN = {
     "resumed_from",
     "stop_requested",
     "resumable",
+    "not_resumable",
 }
 
 

@@ -255,6 +255,8 @@ class Connection:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, heartbeat_seconds)
             nursery.start_soon(self._watchdog, timeout, too_slow, nursery.cancel_scope, watchdog)
+            if isinstance(self.stream.stream, protocol.StripedStream):  # --streams K
+                nursery.start_soon(_watch_idle_connections, self.stream.stream, heartbeat_seconds)
             try:
                 yield nursery
             except LINK_ERRORS as exc:
@@ -332,3 +334,21 @@ async def expect(stream: protocol.MessageStream | Connection, kind: str) -> prot
     if isinstance(message.body, protocol.Goodbye):
         raise goodbye_ended(message.body)
     raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")
+
+
+async def _watch_idle_connections(striped: protocol.StripedStream, interval: float) -> None:
+    """End `striped` once one of its connections that carries no piece now has been reset or
+    closed (`StripedStream.idle_problem`) at two looks in a row, `interval` s apart.
+
+    Otherwise that is noticed only when the next piece is due on it, maybe a whole round
+    later. The second look is the grace a peer closing all its connections after a goodbye
+    gets: the goodbye is read, and this task ended with the link, before then.
+    """
+    seen = None
+    while True:
+        await trio.sleep(interval)
+        problem = striped.idle_problem()
+        if problem is not None and seen is not None:
+            await striped.fail(seen)
+            return
+        seen = problem

@@ -81,13 +81,35 @@ class WorkerLink(Connection):
         self.versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments = None
+        self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
+
+    def note_result(self, body: protocol.RoundResult | protocol.FragmentResult, running: int):
+        """Raise ConnectionLost for a result no worker sends: one for a round that has not
+        started (`running` is the latest that has), or a second for the same round (and
+        fragment). Each would be dropped, but a peer that sends them without end would
+        write a `late_result` line in the log for every copy."""
+        fragment = body.fragment if isinstance(body, protocol.FragmentResult) else -1
+        part = f" fragment {fragment}" if fragment >= 0 else ""
+        if body.round > running:
+            raise ConnectionLost(
+                f"sent a result for round {body.round}{part} while round {running} runs: "
+                "a worker answers only the rounds it was sent"
+            )
+        if (body.round, fragment) in self._results:
+            raise ConnectionLost(
+                f"sent its result for round {body.round}{part} twice: a worker sends each "
+                "result once; this peer is not a pcp-tui worker, or a broken one"
+            )
+        self._results.add((body.round, fragment))
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
 
         The deadline counts from when the message's turn comes, not while it waits
         behind another (a heartbeat behind a long plan is not late). A message cut
-        off mid-frame leaves the stream unusable, so the link is closed at once.
+        off mid-frame leaves the stream unusable, so the link is closed at once; so is
+        a link whose message (but a heartbeat) is cancelled: a round that closes at its
+        --round-timeout stops the roundStarts still on their way.
         """
         if self.failure is not None:
             raise SendTooSlow(self.failure.reason)
@@ -96,18 +118,32 @@ class WorkerLink(Connection):
         async with self._turn:
             nbytes = sum(np.asarray(t).nbytes for t in (tensors or {}).values())
             seconds = self.send_grace + nbytes / self.min_send_rate
-            with trio.move_on_after(seconds):
-                return await super().send(body, tensors, **options)
+            try:
+                with trio.move_on_after(seconds):
+                    return await super().send(body, tensors, **options)
+            except trio.Cancelled:
+                # part of it may have gone out (a heartbeat is cancelled only as the link ends)
+                if self.failure is None and not isinstance(body, protocol.Heartbeat):
+                    await self._cut_off(
+                        f"the worker had not taken all of a {nbytes}-byte {body.KIND} when the "
+                        "shepherd stopped sending it (its round closed at --round-timeout, or "
+                        "the run ended); it reconnects and trains from the next round"
+                    )
+                raise
             reason = (
                 f"download too slow: the worker did not take a {nbytes}-byte {body.KIND} in "
                 f"{seconds:.0f} s (--upload-grace {self.send_grace:g} s, then "
                 f"--min-upload-rate {self.min_send_rate:g} B/s); a worker must keep reading"
             )
-            self.failure = ConnectionLost(reason, code=protocol.ErrorCode.TIMEOUT.value)
-            self.closed = True
-            with trio.CancelScope(shield=True):  # half a frame went out: nothing more to say
-                await trio.aclose_forcefully(self.stream.stream)
+            await self._cut_off(reason)
             raise SendTooSlow(reason)
+
+    async def _cut_off(self, reason: str) -> None:
+        """End the link after a message was cut off part-way: the stream is out of frame."""
+        self.failure = ConnectionLost(reason, code=protocol.ErrorCode.TIMEOUT.value)
+        self.closed = True
+        with trio.CancelScope(shield=True):  # half a frame went out: nothing more to say
+            await trio.aclose_forcefully(self.stream.stream)
 
     @property
     def worker_id(self) -> str:

@@ -278,7 +278,18 @@ class Shepherd:
         saved = self._checkpoints.saved is not None or self._resumed_from is not None
         failed = failure is not None or self._failure is not None
         stopped = self._stop_reason is not None and self.ask_workers_back
-        return stopped and saved and not failed and not finished
+        # last: it says why not when the checkpoint it saved is gone (the directory removed)
+        return stopped and saved and not failed and not finished and self._checkpoint_on_disk()
+
+    def _checkpoint_on_disk(self) -> bool:
+        """Whether a checkpoint can still be read where `--resume` would look; if not, why not."""
+        directory = self.config.checkpoints.dir or self.config.checkpoints.resume
+        try:
+            checkpoint.inspect(directory, hint="its workers are told the run ended")
+        except checkpoint.CheckpointError as exc:
+            self.state.emit("not_resumable", f"the run cannot be resumed: {exc}")
+            return False
+        return True
 
     def _export(self) -> TrainingGraphs:
         """The run's first export (the shepherd evaluates with it); others are made as workers need."""

@@ -160,13 +160,19 @@ class FragmentSync:
         failed: set[WorkerLink] = set()
         pacing = shepherd.pacing  # --adaptive-steps
         steps = pacing.steps_for(ids, connections) if pacing else {}
+        # --round-timeout counts from here: each fragment's results are collected while
+        # the roundStarts go out, and a roundStart still on its way when a fragment closes
+        # is cancelled (its link ends: the worker would wait for that fragment's update)
+        sending = {link: trio.CancelScope() for link in links}
+        delivered: set[WorkerLink] = set()  # links that have their whole roundStart
         async with trio.open_nursery() as nursery:
             for link in links:
                 h = steps.get(link.worker_id, shepherd.config.inner.steps)
-                nursery.start_soon(self._start, shepherd, link, number, h, rounds, failed)
-        async with trio.open_nursery() as nursery:
+                start = (sending[link], delivered)
+                nursery.start_soon(self._start, shepherd, link, number, h, rounds, start, failed)
             for p in range(len(self.fragments)):
-                nursery.start_soon(self._sync, shepherd, p, rounds[p], links, failed)
+                start = (sending, delivered)
+                nursery.start_soon(self._sync, shepherd, p, rounds[p], links, start, failed)
         shepherd.pool.fragment_rounds = []
         self.in_sync = {link for link in links if link not in failed and not link.closed}
         if not any(r.contributors for r in rounds):
@@ -178,23 +184,38 @@ class FragmentSync:
         return summary
 
     async def _start(
-        self, shepherd, link: WorkerLink, number: int, steps: int, rounds, failed
+        self, shepherd, link: WorkerLink, number: int, steps: int, rounds, start, failed
     ) -> None:
-        """Send round `number`'s start (`steps` inner steps) to `link`, parameters unless in sync."""
+        """Send round `number`'s start (`steps` inner steps) to `link`, parameters unless in sync.
+
+        `start`: (the scope a closing fragment cancels it by, the set it joins once sent)."""
+        scope, delivered = start
         continued = link in self.in_sync
         body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
         tensors = {} if continued else {n: shepherd.params[n] for n in shepherd.graphs.param_names}
         link.view.state, link.view.round, link.view.step = "syncing", number, 0
         try:
-            await link.send(body, tensors)
+            with scope:
+                await link.send(body, tensors)
+                delivered.add(link)
         except CONNECTION_ERRORS:
             failed.add(link)
             for current in rounds:  # the connection task reports the loss
                 current.finish(link.worker_id)
 
-    async def _sync(self, shepherd, p: int, current: Round, links, failed) -> None:
-        """Fragment p: collect its results, take its outer step, send its global value back."""
+    async def _sync(self, shepherd, p: int, current: Round, links, starts, failed) -> None:
+        """Fragment p: collect its results, take its outer step, send its global value back.
+
+        `starts` is (each link's roundStart scope, the links that have their roundStart):
+        a worker still taking its roundStart when the fragment closes is a straggler, cut
+        off as in a plain round; it would wait for this fragment's update.
+        """
         await collect(current, shepherd.config.network, shepherd.state)
+        sending, delivered = starts
+        for link in links:
+            if link not in delivered:
+                sending[link].cancel()  # WorkerLink.send ends the link
+                failed.add(link)
         await current.close()
         collected = time.monotonic()
         names, params = self.fragments[p], shepherd.params

@@ -124,8 +124,7 @@ class PlainRound:
         current.bytes_at_start = (self.state.bytes_sent, self.state.bytes_received)
         self.pool.round = current
         self.state.round = number
-        await self._start(current, links, {name: params[name] for name in param_names})
-        await collect(current, self.config.network, self.state)
+        await self._start_and_collect(current, links, {n: params[n] for n in param_names})
         await current.close()  # a result still being folded in finishes first
         self.pool.round = None
         if not current.contributors:
@@ -135,8 +134,12 @@ class PlainRound:
         await self._outer_step(current, params)
         return current
 
-    async def _start(self, current: Round, links: list[WorkerLink], tensors: dict) -> None:
-        """Send every link its roundStart (θ, and its H_k under --adaptive-steps) at once."""
+    async def _start_and_collect(
+        self, current: Round, links: list[WorkerLink], tensors: dict
+    ) -> None:
+        """Send every link its roundStart (θ, and its H_k under --adaptive-steps) at once, and
+        collect results from the round's start: --round-timeout counts from there, and a
+        roundStart still on its way when the round closes is a straggler's, cut off."""
         pacing = self.pacing  # --adaptive-steps
         steps = pacing.steps_for(current.participants, current.connections) if pacing else {}
         async with trio.open_nursery() as nursery:
@@ -147,6 +150,8 @@ class PlainRound:
                     inner_steps=steps.get(link.worker_id, self.config.inner.steps),
                 )
                 nursery.start_soon(_send_round_start, link, body, tensors, current)
+            await collect(current, self.config.network, self.state)
+            nursery.cancel_scope.cancel()
 
     async def _outer_step(self, current: Round, params: dict[str, np.ndarray]) -> None:
         """Finish the round's mean (said in a `result_clipped` event per clipped result),

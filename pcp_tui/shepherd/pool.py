@@ -337,6 +337,7 @@ class WorkerPool:
         if isinstance(message.body, protocol.FragmentResult):  # the header check bounds the index
             current = self.fragment_rounds[message.body.fragment] if self.fragment_rounds else None
         number = message.body.round
+        link.note_result(message.body, self.state.round)  # a repeat ends the connection
         try:
             added = (
                 current is not None

@@ -190,6 +190,7 @@ class OutputProcess:
             text=True,
         )
         self.lines: list[str] = []
+        self.output_closed = False  # the process closed its output: no line will come any more
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -200,6 +201,7 @@ class OutputProcess:
                 self.lines.append(line)
                 self._changed.notify_all()
         with self._changed:
+            self.output_closed = True
             self._changed.notify_all()
 
     def matches(self, pattern: str) -> list[re.Match]:
@@ -207,14 +209,31 @@ class OutputProcess:
         return [m for m in (re.search(pattern, line) for line in self.lines) if m]
 
     def wait_for(self, pattern: str, count: int = 1) -> re.Match:
-        """The `count`-th line matching `pattern`, waiting for it; AssertionError if the process ends first."""
+        """The `count`-th line matching `pattern`, waiting for it; AssertionError if the process
+        ends or closes its output first (no line can come then, even if it lives on)."""
         with self._changed:
-            ok = self._changed.wait_for(
-                lambda: len(self.matches(pattern)) >= count or self.process.poll() is not None,
+            self._changed.wait_for(
+                lambda: (
+                    len(self.matches(pattern)) >= count
+                    or self.output_closed
+                    or self.process.poll() is not None
+                ),
                 timeout=self.hang_guard,
             )
             found = self.matches(pattern)
-        assert ok and len(found) >= count, self.output
+        if len(found) < count and self.process.poll() is not None:
+            self._reader.join(timeout=10)  # it ended: its last lines may still be in the pipe
+            found = self.matches(pattern)
+        if len(found) < count:
+            code = self.process.poll()
+            why = (
+                "closed its output" + (f", exit code {code}" if code is not None else "")
+                if self.output_closed
+                else f"ended with exit code {code}"
+                if code is not None
+                else f"gave no such line in {self.hang_guard:g} s"
+            )
+            raise AssertionError(f"{pattern!r}: the process {why}; its output:\n{self.output}")
         return found[count - 1]
 
     @property

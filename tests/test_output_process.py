@@ -1,0 +1,40 @@
+"""`OutputProcess.wait_for` answers as soon as the line can no longer come.
+
+A process that closes its stdout and stderr but lives on (a daemon detaching,
+a server handing its output to a log file) wrote its last line. Before, the
+waiter only looked again when a line came or the process ended, so it waited
+its whole hang guard (120 s by default) for a line that could not come.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pcp_tui.testing import OutputProcess
+
+# prints one line, closes its output, then lives on until killed
+CLOSES_ITS_OUTPUT = (
+    "import os, time; print('started', flush=True); os.close(1); os.close(2); time.sleep(600)"
+)
+
+
+def test_a_process_that_closes_its_output_ends_the_wait_though_it_lives_on():
+    process = OutputProcess([sys.executable, "-c", CLOSES_ITS_OUTPUT], hang_guard=60)
+    try:
+        assert process.wait_for("started").group() == "started"
+        with pytest.raises(AssertionError, match="the process closed its output") as failure:
+            process.wait_for("never printed")
+        assert process.process.poll() is None  # it still runs: the closed output ended the wait
+        assert "started" in str(failure.value)  # the output so far, to read in the report
+    finally:
+        process.kill()
+
+
+def test_a_process_that_ends_ends_the_wait_with_its_last_lines_read():
+    process = OutputProcess([sys.executable, "-c", "print('last words'); raise SystemExit(3)"])
+    with pytest.raises(AssertionError, match="the process closed its output") as failure:
+        process.wait_for("never printed")
+    assert "last words" in str(failure.value)
+    assert process.finish() == 3
