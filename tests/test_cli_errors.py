@@ -311,6 +311,22 @@ def test_sighup_stops_the_demo_like_sigterm(tmp_path, background):
     assert not [pid for pid in workers if _alive(pid)]  # the demo waited for their goodbye
 
 
+def test_ctrl_c_before_the_demos_workers_joined_ends_the_demo_and_them(tmp_path, background):
+    """Its workers are still starting, so no goodbye reaches them: the demo ends them itself.
+
+    Before, they retried for their --give-up-after (30 minutes) and held the demo open.
+    """
+    demo = background("demo", "--headless", "--workers", "1", *SMALL, start_new_session=True)
+    demo.wait_for(demo.out, r"waiting for 1 worker")
+    while not (workers := child_pids(demo.process.pid)):  # spawned once the shepherd listens
+        assert demo.process.poll() is None, demo.err.read_text()
+        time.sleep(0.05)
+    os.killpg(demo.process.pid, signal.SIGINT)
+    assert demo.wait() == 130, demo.err.read_text()
+    assert "run stopped after 0 rounds" in demo.out.read_text()
+    assert not [pid for pid in workers if _alive(pid)]
+
+
 def test_the_demos_workers_do_not_outlive_a_killed_demo(tmp_path, background):
     demo = _demo(background, tmp_path / "ckpt", tmp_path / "m.jsonl")
     workers = child_pids(demo.process.pid)
