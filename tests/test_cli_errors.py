@@ -466,8 +466,12 @@ def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["shepherd", "--port", "0", "--inner-step", "5"], "unrecognized arguments: --inner-step"),
-        (["demo", "--port", "0", "--inner-step", "5"], "unrecognized arguments: --inner-step"),
+        (
+            ["shepherd", "--port", "0", "--inner-step", "5"],
+            "pcp-tui shepherd: error: unrecognized arguments: --inner-step 5; "
+            "did you mean --inner-steps? (pcp-tui shepherd --help lists every option)",
+        ),
+        (["demo", "--port", "0", "--wokers", "2"], "--wokers 2; did you mean --workers?"),
         (["worker", "--conn", "127.0.0.1:9", "--no-reconnect"], "required: --connect"),
         (["sample", "--check", "ckpt"], "required: --checkpoint"),
     ],
