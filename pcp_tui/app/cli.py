@@ -17,6 +17,7 @@ from pcp_tui.app.config_file import load_config_file
 from pcp_tui.app.options_cli import add_flags, passed_values
 from pcp_tui.config import ConfigError, LogConfig, RunConfig, WorkerConfig
 from pcp_tui.config.options import validate_section
+from pcp_tui.config.worker import BACKENDS
 
 
 def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
@@ -103,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
     demo.add_argument(
-        "--backend", default="cpu", help="backend of the local workers (default: cpu)"
+        "--backend",
+        default="cpu",
+        choices=BACKENDS,
+        help="backend of the local workers (default: cpu)",
     )
     _add_run_options(
         demo,
