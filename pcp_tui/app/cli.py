@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run's --checkpoint-dir (its latest checkpoint) or one of its round-NNNNNN directories",
     )
     sample.add_argument("--prompt", default="", help="text to continue")
-    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: 200)")
     sample.add_argument(
         "--temperature",
         type=float,
