@@ -324,6 +324,8 @@ def test_ctrl_c_before_the_demos_workers_joined_ends_the_demo_and_them(tmp_path,
     os.killpg(demo.process.pid, signal.SIGINT)
     assert demo.wait() == 130, demo.err.read_text()
     assert "run stopped after 0 rounds" in demo.out.read_text()
+    line = "pcp-tui: SIGINT: stopping and telling workers goodbye (SIGINT again: stop at once)"
+    assert line in demo.err.read_text().splitlines()  # no round to finish, no checkpoint to write
     assert not [pid for pid in workers if _alive(pid)]
 
 

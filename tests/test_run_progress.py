@@ -1,4 +1,5 @@
-"""How far a run got, as the headless log, the ETA and /v1/job say it, also after a --resume.
+"""How far a run got, as the headless log, the ETA and /v1/job say it, also after a --resume;
+and what stopping it now will do, as the line a signal prints says.
 
 A resumed shepherd's history holds only the rounds it ran itself; the round numbers
 go on from the checkpoint's. Counting the history as "rounds done" made a run
@@ -8,6 +9,7 @@ estimate 19 rounds left after its first.
 
 from __future__ import annotations
 
+from pcp_tui.app.headless import clean_stop_plan
 from pcp_tui.shepherd.api_bodies import job_json
 from pcp_tui.shepherd.state import RoundRecord, RunState
 
@@ -48,3 +50,20 @@ def test_a_resumed_run_counts_from_its_checkpoints_round():
     assert state.rounds_done() == 12
     assert state.eta_seconds() == 32.0  # 8 rounds left, not 18
     assert state.rounds_summary() == "after round 12 of 20 (2 rounds since resuming after round 10)"
+
+
+def test_the_stop_line_promises_only_what_the_stop_will_do():
+    state = RunState(run_id="r", rounds_total=5, settings={})
+    state.status = "waiting"  # for workers: no round to finish, nothing to checkpoint yet
+    assert clean_stop_plan(state, checkpoints=True) == "stopping and telling workers goodbye"
+    state.status = "training"
+    assert clean_stop_plan(state, checkpoints=True) == (
+        "stopping after the current round, writing the checkpoint and telling workers goodbye"
+    )
+    assert clean_stop_plan(state, checkpoints=False) == (
+        "stopping after the current round and telling workers goodbye"
+    )
+    state.status, state.history = "paused", [record(1, 4.0)]
+    assert clean_stop_plan(state, checkpoints=True) == (
+        "stopping, writing the checkpoint and telling workers goodbye"
+    )

@@ -11,7 +11,7 @@ from functools import partial
 
 import trio
 
-from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop
+from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop, clean_stop_plan
 from pcp_tui.app.preflight import preflight
 from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
@@ -91,7 +91,10 @@ def _run_headless(
     A model file's loss first runs when the shepherd exports the graph, inside
     the run: its ModelFileError ends the run like a RunFailed, in one line.
     """
-    stop = SignalStop(shepherd.request_stop)
+    checkpoints = bool(shepherd.config.checkpoints.dir)
+    stop = SignalStop(
+        shepherd.request_stop, plan=lambda: clean_stop_plan(shepherd.state, checkpoints)
+    )
     try:
         failure = _run_with_signals(stop, body, (RunFailed, ModelFileError))
     finally:
