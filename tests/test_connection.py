@@ -175,8 +175,9 @@ def test_error_codes_fall_into_the_three_kinds():
         (b"", r"no hello from shepherd:8080 in 60 s: is --connect the address in the shepherd's"),
         (b"SSH-2.0-OpenSSH_9.6\r\n", r"shepherd:8080 does not speak PCP \(frame claims \d+ "),
         (b"HTTP/1.1 400 Bad Request\r\n\r\n", r"shepherd:8080 does not speak PCP \("),
+        (None, r"shepherd:8080 closed the connection before its hello \(.*if it goes on: is"),
     ],
-    ids=["silent", "ssh", "http"],
+    ids=["silent", "ssh", "http", "closed"],
 )
 def test_a_port_that_is_no_shepherd_is_named_not_waited_on(answer, error):
     """--connect at another service: it says nothing (the worker waited in its handshake
@@ -184,11 +185,14 @@ def test_a_port_that_is_no_shepherd_is_named_not_waited_on(answer, error):
 
     async def main():
         ours, theirs = trio.testing.memory_stream_pair()
-        await theirs.send_all(answer)
+        if answer is None:
+            await theirs.aclose()
+        else:
+            await theirs.send_all(answer)
         started = trio.current_time()
         with pytest.raises(ConnectionLost, match=error):
             await expect_hello(protocol.MessageStream(ours), "shepherd:8080")
-        assert trio.current_time() - started == (0 if answer else HELLO_SECONDS)
+        assert trio.current_time() - started == (HELLO_SECONDS if answer == b"" else 0)
 
     _run(main)
 

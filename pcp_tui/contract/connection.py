@@ -330,10 +330,10 @@ async def expect_hello(stream: protocol.MessageStream, address: str) -> protocol
     """The shepherd's hello, the first message of a connection; ConnectionLost, saying what to
     check, when whatever answers at `address` is no shepherd.
 
-    Something else on that port (a web server, SSH, the operator API) either says
-    nothing, which held the worker in its handshake for all of --give-up-after (30
-    minutes), or sends bytes that are no PCP frame, which read as a bare
-    "frame claims 759714644 segments".
+    Something else on that port (a web server, SSH, the operator API) says nothing,
+    which held the worker in its handshake for all of --give-up-after (30 minutes),
+    sends bytes that are no PCP frame, which read as a bare "frame claims 759714644
+    segments", or closes the connection, which read as a bare "peer closed the connection".
     """
     hint = "is --connect the address in the shepherd's join command?"
     with trio.move_on_after(HELLO_SECONDS):
@@ -341,6 +341,11 @@ async def expect_hello(stream: protocol.MessageStream, address: str) -> protocol
             return await expect(stream, "hello")
         except (protocol.FrameTooLarge, protocol.MalformedMessage) as exc:
             raise ConnectionLost(f"{address} does not speak PCP ({exc}): {hint}") from None
+        except protocol.ConnectionClosed:
+            raise ConnectionLost(
+                f"{address} closed the connection before its hello (a shepherd with too many "
+                f"unfinished handshakes does that; if it goes on: {hint})"
+            ) from None
     raise ConnectionLost(f"no hello from {address} in {HELLO_SECONDS:.0f} s: {hint}")
 
 
