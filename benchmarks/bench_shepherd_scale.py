@@ -36,11 +36,9 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pcp_tui import (
-    auth,  # noqa: E402
-    protocol,  # noqa: E402
-)
+from pcp_tui import protocol  # noqa: E402
 from pcp_tui.config import RunConfig  # noqa: E402
+from pcp_tui.contract import auth  # noqa: E402
 
 
 async def fake_worker(port: int, index: int) -> None:

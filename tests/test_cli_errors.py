@@ -311,6 +311,24 @@ def test_sighup_stops_the_demo_like_sigterm(tmp_path, background):
     assert not [pid for pid in workers if _alive(pid)]  # the demo waited for their goodbye
 
 
+def test_ctrl_c_before_the_demos_workers_joined_ends_the_demo_and_them(tmp_path, background):
+    """Its workers are still starting, so no goodbye reaches them: the demo ends them itself.
+
+    Before, they retried for their --give-up-after (30 minutes) and held the demo open.
+    """
+    demo = background("demo", "--headless", "--workers", "1", *SMALL, start_new_session=True)
+    demo.wait_for(demo.out, r"waiting for 1 worker")
+    while not (workers := child_pids(demo.process.pid)):  # spawned once the shepherd listens
+        assert demo.process.poll() is None, demo.err.read_text()
+        time.sleep(0.05)
+    os.killpg(demo.process.pid, signal.SIGINT)
+    assert demo.wait() == 130, demo.err.read_text()
+    assert "run stopped after 0 rounds" in demo.out.read_text()
+    line = "pcp-tui: SIGINT: stopping and telling workers goodbye (SIGINT again: stop at once)"
+    assert line in demo.err.read_text().splitlines()  # no round to finish, no checkpoint to write
+    assert not [pid for pid in workers if _alive(pid)]
+
+
 def test_the_demos_workers_do_not_outlive_a_killed_demo(tmp_path, background):
     demo = _demo(background, tmp_path / "ckpt", tmp_path / "m.jsonl")
     workers = child_pids(demo.process.pid)
@@ -450,8 +468,12 @@ def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["shepherd", "--port", "0", "--inner-step", "5"], "unrecognized arguments: --inner-step"),
-        (["demo", "--port", "0", "--inner-step", "5"], "unrecognized arguments: --inner-step"),
+        (
+            ["shepherd", "--port", "0", "--inner-step", "5"],
+            "pcp-tui shepherd: error: unrecognized arguments: --inner-step 5; "
+            "did you mean --inner-steps? (pcp-tui shepherd --help lists every option)",
+        ),
+        (["demo", "--port", "0", "--wokers", "2"], "--wokers 2; did you mean --workers?"),
         (["worker", "--conn", "127.0.0.1:9", "--no-reconnect"], "required: --connect"),
         (["sample", "--check", "ckpt"], "required: --checkpoint"),
     ],
@@ -657,6 +679,8 @@ def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, backgrou
     assert shepherd.wait() == 0, shepherd.err.read_text()
     assert worker.wait(timeout=GUARD) == 0
     assert checkpoint.load_latest(resumed).round == 2  # no --checkpoint-dir needed
+    done = "run done after round 2 of 2 (1 rounds since resuming after round 1)"
+    assert done in shepherd.out.read_text()  # not "after 1 rounds": round 1 was the first run's
 
 
 # -- 15. help text --------------------------------------------------------------------

@@ -13,11 +13,13 @@ import trio.testing
 from pcp_tui import protocol
 from pcp_tui.contract.connection import (
     CLOSE_SECONDS,
+    HELLO_SECONDS,
     Connection,
     ConnectionLost,
     IdInUse,
     Refused,
     ended_by,
+    expect_hello,
 )
 from pcp_tui.contract.plan import Stage
 from pcp_tui.testing import OutputProcess, free_port, worker_command
@@ -167,6 +169,34 @@ def test_error_codes_fall_into_the_three_kinds():
     assert type(ended_by(error(protocol.ErrorCode.MALFORMED))) is ConnectionLost
 
 
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"", r"no hello from shepherd:8080 in 60 s: is --connect the address in the shepherd's"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", r"shepherd:8080 does not speak PCP \(frame claims \d+ "),
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", r"shepherd:8080 does not speak PCP \("),
+        (None, r"shepherd:8080 closed the connection before its hello \(.*if it goes on: is"),
+    ],
+    ids=["silent", "ssh", "http", "closed"],
+)
+def test_a_port_that_is_no_shepherd_is_named_not_waited_on(answer, error):
+    """--connect at another service: it says nothing (the worker waited in its handshake
+    for all of --give-up-after) or sends bytes that are no PCP frame."""
+
+    async def main():
+        ours, theirs = trio.testing.memory_stream_pair()
+        if answer is None:
+            await theirs.aclose()
+        else:
+            await theirs.send_all(answer)
+        started = trio.current_time()
+        with pytest.raises(ConnectionLost, match=error):
+            await expect_hello(protocol.MessageStream(ours), "shepherd:8080")
+        assert trio.current_time() - started == (HELLO_SECONDS if answer == b"" else 0)
+
+    _run(main)
+
+
 def test_give_up_after_is_the_total_time_spent_trying():
     """Nobody listens: the worker retries with growing waits that fit the 3 s budget,
     logs each attempt and why, then exits 1 naming the option."""
@@ -181,7 +211,8 @@ def test_give_up_after_is_the_total_time_spent_trying():
     assert sum(waits) <= 3.0 + 0.05 * len(waits), waits  # each wait is cut to fit the budget
     last = worker.output.strip().splitlines()[-1]
     assert re.fullmatch(
-        rf"pcp-tui: error: cannot reach 127\.0\.0\.1:{port} \(all attempts .* failed\); gave up "
+        rf"pcp-tui: error: cannot reach 127\.0\.0\.1:{port} \(connection refused: no shepherd "
+        r"listens on that port \(yet\)\); gave up "
         r"after \d+ s of retrying without a welcome \(.*--give-up-after sets the limit\)",
         last,
     ), last

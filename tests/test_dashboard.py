@@ -381,6 +381,38 @@ async def test_dashboard_hosts_a_real_run_and_quits_cleanly():
     assert f"{len(state.history)}/40 rounds" in summary(state)
 
 
+@pytest.mark.e2e
+@run_async
+async def test_q_before_the_local_workers_joined_ends_them_with_the_run():
+    """The demo's dashboard: a worker still starting hears no goodbye, and would retry for its
+    --give-up-after (30 minutes) with the app waiting on it; the app ends it instead."""
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.build import build_workload
+
+    config = small_config(rounds=40, inner_steps=5, workers=1)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    processes: list[trio.Process] = []
+
+    async def spawn(nursery: trio.Nursery, port: int) -> list[trio.Process]:
+        command = worker_command(port, "--quiet")
+        run = functools.partial(trio.run_process, command, env=worker_env(), check=False)
+        processes.append(await nursery.start(run))
+        return processes
+
+    app = DashboardApp(shepherd.state, shepherd, spawn)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_until(pilot, lambda: bool(processes))
+            await pilot.press("q")
+            await wait_until(pilot, lambda: not app.is_running)
+    finally:
+        for process in processes:
+            if process.returncode is None:
+                process.kill()
+    assert shepherd.state.status == "stopped" and not shepherd.state.history
+    assert all(process.returncode is not None for process in processes)
+
+
 @run_async
 async def test_an_app_that_ends_without_q_does_not_leave_its_guest_run_behind():
     """Whatever ends the app (an error, a test failing mid-way), the shepherd's guest run is

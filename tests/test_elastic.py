@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import signal
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import trio
 
+from pcp_tui.app.headless import HeadlessPrinter
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
@@ -62,25 +64,43 @@ def test_kill_one_of_three_workers_mid_round(spawn_worker):
     assert all(np.isfinite(p).all() for p in shepherd.params.values())
 
 
-def test_late_worker_joins_at_the_next_round_boundary(spawn_worker):
-    config = small_config(workers=1, rounds=5, inner_steps=10)
+def test_late_worker_joins_at_the_next_round_boundary_and_one_that_leaves_is_told(spawn_worker):
+    """A late joiner trains from the next round; a worker stopped by its operator (SIGTERM:
+    it says goodbye, it is not lost) gets a headless line, and so does its orphaned shard."""
+    config = small_config(workers=1, rounds=6, inner_steps=10)
     shepherd = Shepherd(config, build_workload(config, shards=2))
+    headless = io.StringIO()
+    shepherd.state.subscribe(HeadlessPrinter(shepherd.state, headless))
 
     async def scenario(port):
-        spawn_worker(port, "--id", "early")
+        early = spawn_worker(port, "--id", "early")
         await until(lambda: len(shepherd.state.history) >= 2)
         shepherd.pause()  # hold the run at a round boundary until the newcomer has compiled
         spawn_worker(port, "--id", "late")
         workers = shepherd.state.workers
         await until(lambda: "late" in workers and workers["late"].state == "idle")
         shepherd.resume()
+        await until(lambda: len(shepherd.state.history) >= 4)
+        shepherd.pause()  # round 6 is still to come when it leaves
+        early.send_signal(signal.SIGTERM)
+        await until(lambda: bool(_kinds(shepherd, "left")))
+        shepherd.resume()
 
     run_shepherd(shepherd, scenario)
     history = shepherd.state.history
-    assert [r.round for r in history] == [1, 2, 3, 4, 5]
+    assert [r.round for r in history] == [1, 2, 3, 4, 5, 6]
     assert all(r.worker_ids == ("early",) for r in history[:2])
-    assert all(set(r.worker_ids) == {"early", "late"} for r in history[-2:])
+    both = [r.round for r in history if set(r.worker_ids) == {"early", "late"}]
+    assert both and both == list(range(both[0], both[-1] + 1)), [r.worker_ids for r in history]
+    assert history[-1].worker_ids == ("late",)  # early left while round 6 was still to come
     assert shepherd.state.workers["late"].rounds_contributed >= 2
+    assert [e.data["worker"] for e in _kinds(shepherd, "left")] == ["early"]
+    assert not _kinds(shepherd, "lost")
+    lines = headless.getvalue().splitlines()
+    early = shepherd.state.workers["early"]
+    assert f"worker {early.index} left: the worker stopped" in lines, lines
+    orphaned = f"shard {early.shard} has no worker since worker {early.index} left"
+    assert any(line.startswith(orphaned) for line in lines), lines
 
 
 def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):

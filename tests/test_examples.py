@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from pcp_tui.app.cli import _config_from, build_parser
+from pcp_tui.app.cli import _config_from, build_parser, parse_args
 from pcp_tui.app.config_file import load_config_file, reference_toml
 from pcp_tui.config import RunConfig
 from pcp_tui.training.build import model_config, preset_name
@@ -76,6 +76,34 @@ def test_multi_host_commands_parse_with_the_real_cli(argv, monkeypatch):
     else:
         host, _, port = args.connect.rpartition(":")
         assert host == "10.0.0.5" and port.isdigit()
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    """(file, argv) of every `pcp-tui ...` line in a bash block of the README and docs/
+    (continuation lines joined, comments dropped; `...` stands for more options).
+    examples/multi_host.md has its own test above."""
+    root = EXAMPLES.parent
+    found = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if line.strip().startswith("pcp-tui ") and "..." not in line:
+                    found.append((path.name, shlex.split(line, comments=True)[1:]))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("where", "argv"),
+    _documented_commands(),
+    ids=lambda x: " ".join(x[:3]) if isinstance(x, list) else x,
+)
+def test_every_documented_command_parses_with_the_real_cli(where, argv, capsys):
+    """An option renamed or dropped in the CLI fails here, not on a user's first try."""
+    try:
+        parse_args(build_parser(), argv)
+    except SystemExit as exc:
+        if exc.code:
+            pytest.fail(f"{where}: pcp-tui {' '.join(argv)}: {capsys.readouterr().err.strip()}")
 
 
 def test_multi_host_recipe_covers_workers_tls_and_custom_models():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ from pcp_tui.app.config_file import load_config_file
 from pcp_tui.app.options_cli import add_flags, passed_values
 from pcp_tui.config import ConfigError, LogConfig, RunConfig, WorkerConfig
 from pcp_tui.config.options import validate_section
+from pcp_tui.config.worker import BACKENDS
 
 
 def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
@@ -102,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
     demo.add_argument(
-        "--backend", default="cpu", help="backend of the local workers (default: cpu)"
+        "--backend",
+        default="cpu",
+        choices=BACKENDS,
+        help="backend of the local workers (default: cpu)",
     )
     _add_run_options(
         demo,
@@ -126,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run's --checkpoint-dir (its latest checkpoint) or one of its round-NNNNNN directories",
     )
     sample.add_argument("--prompt", default="", help="text to continue")
-    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: 200)")
     sample.add_argument(
         "--temperature",
         type=float,
@@ -168,8 +173,39 @@ def _terminate(signum: int, frame: object) -> None:
     raise Interrupted(signum)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, but an unknown option is named with its command and the closest option.
+
+    argparse alone answers `pcp-tui shepherd --wokers 2` with the top-level usage
+    (which lists only the commands) and no hint; exits 2 like argparse.
+    """
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = f"pcp-tui {args.command}"
+        hint = _closest_option(parser, args.command, unknown)
+        print(
+            f"{command}: error: unrecognized arguments: {' '.join(unknown)}{hint} "
+            f"({command} --help lists every option)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return args
+
+
+def _closest_option(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> str:
+    """'; did you mean --workers?' for the first unknown option close to one of `command`'s."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = [o for a in commands.choices[command]._actions for o in a.option_strings]
+    for word in unknown:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.7)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     if threading.current_thread() is not threading.main_thread():
         return _main(args)
     # like Ctrl-C: a message, not a death (SIGHUP: the terminal closed)

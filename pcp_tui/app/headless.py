@@ -25,6 +25,9 @@ _SHOWN = {
     "rejoined",
     "compiled",
     "lost",
+    "left",
+    "shard_orphaned",
+    "shard_adopted",
     "refused",
     "round_repeated",
     "late_result",
@@ -181,9 +184,22 @@ class SignalStop:
         *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []),
     )
 
-    def __init__(self, stop: Callable[[str], None] | None = None, out: IO[str] = sys.stderr):
+    def __init__(
+        self,
+        stop: Callable[[str], None] | None = None,
+        out: IO[str] = sys.stderr,
+        *,
+        plan: Callable[[], str] | None = None,
+    ):
         self._stop = stop
         self._out = out
+        # what the clean stop will do, said in the first signal's line (see clean_stop_plan)
+        self._plan = plan or (
+            lambda: (
+                "stopping after the current round, writing the checkpoint and "
+                "telling workers goodbye"
+            )
+        )
         self.received: int | None = None
 
     @property
@@ -199,10 +215,7 @@ class SignalStop:
                 first = self.received is None
                 self.received = signum
                 if first and self._stop is not None:
-                    self._say(
-                        f"{name}: stopping after the current round, writing the checkpoint and "
-                        f"telling workers goodbye ({name} again: stop at once)"
-                    )
+                    self._say(f"{name}: {self._plan()} ({name} again: stop at once)")
                     self._stop(f"interrupted ({name})")
                     continue
                 self._say(f"{name}: stopping at once")
@@ -211,6 +224,19 @@ class SignalStop:
 
     def _say(self, line: str) -> None:
         print(f"pcp-tui: {line}", file=self._out, flush=True)
+
+
+def clean_stop_plan(state: RunState, checkpoints: bool) -> str:
+    """What a clean stop of the run will do now, for the line that announces it.
+
+    While the shepherd waits for workers there is no round to finish, and there is no
+    checkpoint to write without --checkpoint-dir or before a round is done.
+    """
+    training = state.status == "training"
+    steps = ["stopping after the current round" if training else "stopping"]
+    if checkpoints and (training or state.history):
+        steps.append("writing the checkpoint")
+    return ", ".join(steps) + " and telling workers goodbye"
 
 
 def _plain(data: dict[str, Any]) -> dict[str, Any]:

@@ -7,10 +7,11 @@ import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 
 import trio
 
-from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop
+from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop, clean_stop_plan
 from pcp_tui.app.preflight import preflight
 from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
@@ -90,7 +91,10 @@ def _run_headless(
     A model file's loss first runs when the shepherd exports the graph, inside
     the run: its ModelFileError ends the run like a RunFailed, in one line.
     """
-    stop = SignalStop(shepherd.request_stop)
+    checkpoints = bool(shepherd.config.checkpoints.dir)
+    stop = SignalStop(
+        shepherd.request_stop, plan=lambda: clean_stop_plan(shepherd.state, checkpoints)
+    )
     try:
         failure = _run_with_signals(stop, body, (RunFailed, ModelFileError))
     finally:
@@ -180,12 +184,32 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
             return launched
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
 
-    async def shepherd_and_workers() -> None:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            await spawn(nursery, port)
+    return _run_headless(shepherd, metrics, partial(run_with_local_workers, shepherd, spawn))
 
-    return _run_headless(shepherd, metrics, shepherd_and_workers)
+
+# Seconds the local workers get, once the run is over, to leave by themselves.
+LEAVE_SECONDS = 5.0
+
+
+async def run_with_local_workers(
+    shepherd: Shepherd,
+    spawn: Callable[[trio.Nursery, int], Awaitable[object]],
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The shepherd's run beside the local workers `spawn` starts; they end with it.
+
+    Workers the shepherd told goodbye leave by themselves. One that had not joined
+    yet (the run was stopped while it was still starting, or it was still
+    compiling) hears no goodbye and would retry for its --give-up-after, 30
+    minutes, holding the demo open: LEAVE_SECONDS after the run, the ones still
+    running are terminated (trio sends SIGTERM, then SIGKILL).
+    """
+    async with trio.open_nursery() as workers:
+        async with trio.open_nursery() as run:
+            port = await run.start(shepherd.run)
+            task_status.started(await spawn(workers, port))
+        workers.cancel_scope.deadline = trio.current_time() + LEAVE_SECONDS
 
 
 def local_worker_command(

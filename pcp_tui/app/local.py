@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import trio
 
 from pcp_tui.app.headless import HeadlessPrinter
-from pcp_tui.app.launch import _worker_process, run_unwrapped
+from pcp_tui.app.launch import _worker_process, run_unwrapped, run_with_local_workers
 from pcp_tui.app.preflight import preflight
 from pcp_tui.config import RunConfig
 from pcp_tui.contract.auth import new_token
@@ -44,13 +45,11 @@ def train(
     if progress:
         shepherd.state.subscribe(HeadlessPrinter(shepherd.state, sys.stdout))
 
-    async def shepherd_and_workers() -> None:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            for index in range(config.network.workers):
-                await nursery.start(_worker_process, shepherd, port, backend, index)
+    async def spawn(nursery: trio.Nursery, port: int) -> None:
+        for index in range(config.network.workers):
+            await nursery.start(_worker_process, shepherd, port, backend, index)
 
-    failed = run_unwrapped(shepherd_and_workers, RunFailed)
+    failed = run_unwrapped(partial(run_with_local_workers, shepherd, spawn), RunFailed)
     if failed is not None:
         raise failed
     return shepherd.state

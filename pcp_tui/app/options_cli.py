@@ -31,11 +31,12 @@ def add_flags(
     chosen = list(sections or section_types(root))
     for name in chosen:
         title, _, description = (section_types(root)[name].__doc__ or name).partition(": ")
+        flags = [spec for spec in specs(root) if spec.section == name and spec.option.cli]
+        if not flags:  # else --help shows an empty group and no way to set it
+            description = f"{description}; no flags: set it in a [{name}] section of --config"
         group = parser.add_argument_group(title, description or None)
-        for spec in specs(root):
-            if spec.section == name and spec.option.cli:
-                default = getattr(getattr(defaults, name), spec.name)
-                _add_flag(group, spec, default, only_passed)
+        for spec in flags:
+            _add_flag(group, spec, getattr(getattr(defaults, name), spec.name), only_passed)
 
 
 def _add_flag(group: Any, spec: Spec, default: Any, only_passed: bool) -> None:

@@ -323,6 +323,34 @@ class Connection:
             await self.stream.aclose()
 
 
+# The most a worker waits for the shepherd's hello (a shepherd speaks first, at once; a TLS
+# shepherd tells a plain worker so after its --handshake-timeout, 10 s by default).
+HELLO_SECONDS = 60.0
+
+
+async def expect_hello(stream: protocol.MessageStream, address: str) -> protocol.Message:
+    """The shepherd's hello, the first message of a connection; ConnectionLost, saying what to
+    check, when whatever answers at `address` is no shepherd.
+
+    Something else on that port (a web server, SSH, the operator API) says nothing,
+    which held the worker in its handshake for all of --give-up-after (30 minutes),
+    sends bytes that are no PCP frame, which read as a bare "frame claims 759714644
+    segments", or closes the connection, which read as a bare "peer closed the connection".
+    """
+    hint = "is --connect the address in the shepherd's join command?"
+    with trio.move_on_after(HELLO_SECONDS):
+        try:
+            return await expect(stream, "hello")
+        except (protocol.FrameTooLarge, protocol.MalformedMessage) as exc:
+            raise ConnectionLost(f"{address} does not speak PCP ({exc}): {hint}") from None
+        except protocol.ConnectionClosed:
+            raise ConnectionLost(
+                f"{address} closed the connection before its hello (a shepherd with too many "
+                f"unfinished handshakes does that; if it goes on: {hint})"
+            ) from None
+    raise ConnectionLost(f"no hello from {address} in {HELLO_SECONDS:.0f} s: {hint}")
+
+
 async def expect(stream: protocol.MessageStream | Connection, kind: str) -> protocol.Message:
     """The next message from the shepherd, which must be a `kind`: an error or goodbye instead
     says why not (Refused, ConnectionLost or RunOver), anything else is a MalformedMessage."""

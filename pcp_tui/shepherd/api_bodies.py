@@ -59,7 +59,7 @@ def job_json(state: RunState) -> dict[str, Any]:
         "status": state.status,
         "round": state.round,
         "rounds_total": state.rounds_total,
-        "rounds_done": len(state.history),
+        "rounds_done": state.rounds_done(),
         "train_loss": last.train_loss if last else None,
         "eval_loss": state.last_eval_loss(),
         "tokens_per_second": last.tokens_per_second if last else None,

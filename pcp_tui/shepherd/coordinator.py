@@ -144,7 +144,7 @@ class Shepherd:
         self.params = {n: np.array(p, np.float32) for n, p in saved.params.items()}
         self.outer.load_state_arrays(self.params, saved.outer_state)
         self._aggregation.load_state_arrays(saved.outer_state)
-        self.start_round = saved.round + 1
+        self.start_round = self.state.first_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
@@ -334,7 +334,7 @@ class Shepherd:
         self.state.status = "stopped" if self._stop_reason else "done"
         self.state.emit(
             "done",
-            f"run {self.state.status} after {len(self.state.history)} rounds",
+            f"run {self.state.status} {self.state.rounds_summary()}",
             rounds=len(self.state.history),
             final_eval_loss=self.state.last_eval_loss(),
             seconds=self.state.elapsed(),

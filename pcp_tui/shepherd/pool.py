@@ -251,6 +251,10 @@ class WorkerPool:
                 self.state.emit(
                     "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
                 )
+            elif not ending:  # said goodbye mid-run (stopped by its operator): worth a line too
+                self.state.emit(
+                    "left", f"worker {link.view.index} left: {reason}", worker=link.worker_id
+                )
         link.closed = True
         for current in [self.round, *self.fragment_rounds]:
             if current is not None and current.bound_to(link.worker_id, link):

@@ -158,6 +158,7 @@ class RunState:
         self.api_address = ""  # "host:port" of the operator API, when it is on
         self.status = "starting"  # starting | waiting | training | paused | done | failed | stopped
         self.round = 0
+        self.first_round = 1  # the first this shepherd runs: after --resume, the checkpoint's + 1
         self.started_at = time.monotonic()
         self.finished_at: float | None = None
         self.workers: dict[str, WorkerView] = {}
@@ -186,11 +187,25 @@ class RunState:
         end = self.finished_at if self.finished_at is not None else time.monotonic()
         return end - self.started_at
 
+    def rounds_done(self) -> int:
+        """The last round finished, counting those before a --resume (history holds only ours)."""
+        return self.history[-1].round if self.history else self.first_round - 1
+
+    def rounds_summary(self) -> str:
+        """How far the run got: 'after 12 rounds', or after a --resume
+        'after round 12 of 20 (2 rounds since resuming after round 10)'."""
+        if self.first_round == 1:
+            return f"after {len(self.history)} rounds"
+        return (
+            f"after round {self.rounds_done()} of {self.rounds_total} ({len(self.history)} rounds "
+            f"since resuming after round {self.first_round - 1})"
+        )
+
     def eta_seconds(self) -> float | None:
         if not self.history:
             return None
         mean = sum(r.round_seconds for r in self.history) / len(self.history)
-        return mean * max(self.rounds_total - len(self.history), 0)
+        return mean * max(self.rounds_total - self.rounds_done(), 0)
 
     def last_eval_loss(self) -> float | None:
         """The eval loss of the last round that was evaluated (None: none was yet)."""

@@ -24,6 +24,7 @@ doubling range, which lets a later wait be shorter than an earlier one.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -115,3 +116,18 @@ class Reconnect:
                 "without a welcome (the run may have ended while this worker was cut off; "
                 "--give-up-after sets the limit)"
             ) from last
+
+
+def connect_failure(exc: OSError) -> str:
+    """Why a TCP connect failed, in words: trio's own error says only "all attempts to
+    connect to HOST:PORT failed" and keeps each address's reason in its cause."""
+    cause: BaseException | None = exc
+    while isinstance(cause.__cause__, OSError | BaseExceptionGroup):
+        cause = cause.__cause__
+        while isinstance(cause, BaseExceptionGroup):
+            cause = cause.exceptions[-1]
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused: no shepherd listens on that port (yet)"
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return os.strerror(cause.errno).lower()
+    return str(exc)

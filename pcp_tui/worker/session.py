@@ -37,13 +37,14 @@ from pcp_tui.contract.connection import (
     RunOver,
     RunResumable,
     ended_by,
+    expect_hello,
     goodbye_ended,
 )
 from pcp_tui.contract.connection import expect as _expect
 from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.worker import striping
-from pcp_tui.worker.reconnect import Reconnect
+from pcp_tui.worker.reconnect import Reconnect, connect_failure
 
 MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
 # connection-level diagnostics (--log-level, --log-file), under the name the worker's
@@ -167,7 +168,7 @@ class Session:
 
     async def _connect(self, deadline: float) -> trio.abc.Stream:
         """A TCP (or TLS) stream to the shepherd, or ConnectionLost (Refused: TLS)."""
-        self.status.update(state="connecting", message="connecting")
+        self.status.update(state="connecting", message=f"connecting to {self.host}:{self.port}")
         return await self._open(deadline)
 
     async def _open(self, deadline: float) -> trio.abc.Stream:
@@ -184,7 +185,7 @@ class Session:
                 f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
             ) from None
         except (OSError, trio.TooSlowError) as exc:
-            why = "timed out" if isinstance(exc, trio.TooSlowError) else exc.strerror or exc
+            why = "timed out" if isinstance(exc, trio.TooSlowError) else connect_failure(exc)
             raise ConnectionLost(f"cannot reach {self.host}:{self.port} ({why})") from None
 
     async def _join(self, stream: protocol.MessageStream, deadline: float) -> None:
@@ -242,7 +243,7 @@ class Session:
 
     async def _handshake(self, stream: protocol.MessageStream) -> None:
         self.status.update(state="connecting", message="handshake")
-        hello = await _expect(stream, "hello")
+        hello = await expect_hello(stream, f"{self.host}:{self.port}")
         await stream.send(self._hello(hello.body.nonce))
         welcome = await _expect(stream, "welcome")
         interval = welcome.body.heartbeat_seconds  # the run's; a broken shepherd's is bounded

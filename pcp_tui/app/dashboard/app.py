@@ -134,9 +134,14 @@ class DashboardApp(App[None]):
         self._trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self._cancel_scope = nursery.cancel_scope
-            port = await nursery.start(self.shepherd.run)
-            if self._spawn_workers is not None:
-                self.processes = await self._spawn_workers(nursery, port)
+            if self._spawn_workers is None:
+                await nursery.start(self.shepherd.run)
+                return
+            from pcp_tui.app.launch import run_with_local_workers  # they end with the run
+
+            self.processes = await nursery.start(
+                run_with_local_workers, self.shepherd, self._spawn_workers
+            )
 
     def _guest_done(self, result: outcome.Outcome) -> None:
         self.guest_running = False
