@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import time
 
 import pytest
 import trio
@@ -34,7 +33,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import run_shepherd, until
+from pcp_tui.testing import heartbeat_until_hung_up, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -73,12 +72,7 @@ async def deaf_peer(port: int, worker_id: str, read_plan: bool) -> None:
         if read_plan:
             assert (await stream.receive()).kind == "plan"
             await stream.send(protocol.Ready(compile_seconds=0.1))
-        try:
-            while True:  # alive to the watchdog, deaf to everything else
-                await stream.send(protocol.Heartbeat(time.time()))
-                await trio.sleep(0.2)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return  # the shepherd hung up on us
+        await heartbeat_until_hung_up(stream)  # alive to the watchdog, deaf to everything else
 
 
 async def compiling_peer(port: int, seen: dict) -> None:

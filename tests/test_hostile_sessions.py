@@ -45,7 +45,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import run_shepherd, until
+from pcp_tui.testing import heartbeat_until_hung_up, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -84,12 +84,7 @@ async def deaf_peer(port: int) -> None:
         await stream.send(hello("deaf", nonce, supported_versions=NOT_STRIPING))
         assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
         await stream.send(protocol.Ready(compile_seconds=0.1))
-        try:
-            while True:  # alive to the watchdog, deaf to everything else
-                await stream.send(protocol.Heartbeat(time.time()))
-                await trio.sleep(0.2)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return  # the shepherd hung up on us
+        await heartbeat_until_hung_up(stream)  # alive to the watchdog, deaf to everything else
 
 
 async def repeating_peer(port: int, seen: dict) -> None:

@@ -12,6 +12,7 @@ from functools import partial
 import trio
 
 from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop, clean_stop_plan
+from pcp_tui.app.local_run import run_with_local_workers
 from pcp_tui.app.preflight import preflight
 from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
@@ -188,30 +189,6 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
 
 
 # Seconds the local workers get, once the run is over, to leave by themselves.
-LEAVE_SECONDS = 5.0
-
-
-async def run_with_local_workers(
-    shepherd: Shepherd,
-    spawn: Callable[[trio.Nursery, int], Awaitable[object]],
-    *,
-    task_status=trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The shepherd's run beside the local workers `spawn` starts; they end with it.
-
-    Workers the shepherd told goodbye leave by themselves. One that had not joined
-    yet (the run was stopped while it was still starting, or it was still
-    compiling) hears no goodbye and would retry for its --give-up-after, 30
-    minutes, holding the demo open: LEAVE_SECONDS after the run, the ones still
-    running are terminated (trio sends SIGTERM, then SIGKILL).
-    """
-    async with trio.open_nursery() as workers:
-        async with trio.open_nursery() as run:
-            port = await run.start(shepherd.run)
-            task_status.started(await spawn(workers, port))
-        workers.cancel_scope.deadline = trio.current_time() + LEAVE_SECONDS
-
-
 def local_worker_command(
     port: int, *, token: str | None = None, backend: str = "cpu", extra: Sequence[str] = ()
 ) -> list[str]:

@@ -8,7 +8,8 @@ from functools import partial
 import trio
 
 from pcp_tui.app.headless import HeadlessPrinter
-from pcp_tui.app.launch import _worker_process, run_unwrapped, run_with_local_workers
+from pcp_tui.app.launch import _worker_process, run_unwrapped
+from pcp_tui.app.local_run import run_with_local_workers
 from pcp_tui.app.preflight import preflight
 from pcp_tui.config import RunConfig
 from pcp_tui.contract.auth import new_token

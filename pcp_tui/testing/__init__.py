@@ -14,7 +14,7 @@ pseudo-gradient) are `pcp_tui.testing.faulty_worker`; its docstring lists the
 faults and their parameters.
 """
 
-from pcp_tui.testing._inprocess import run_shepherd, until, worker_batches
+from pcp_tui.testing._inprocess import heartbeat_until_hung_up, run_shepherd, until, worker_batches
 from pcp_tui.testing._processes import (
     SMALL_RUN,
     OutputProcess,
@@ -29,6 +29,7 @@ from pcp_tui.testing._processes import (
 )
 
 __all__ = [
+    "heartbeat_until_hung_up",
     "SMALL_RUN",
     "OutputProcess",
     "WorkerProcesses",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from typing import Any
 
 import trio
+
+from pcp_tui import protocol
 
 
 def run_shepherd(shepherd: Any, scenario: Callable[[int], Any]) -> None:
@@ -53,3 +56,16 @@ def worker_batches(workload: Any, config: Any, slot: int, number: int, steps: in
         )[0]
         for step in range(steps)
     ]
+
+
+async def heartbeat_until_hung_up(stream: Any, every: float = 0.2) -> None:
+    """A hostile peer's tail: heartbeats forever (alive to the watchdog), reading nothing more.
+
+    Returns when the shepherd hangs up. `stream` is a `protocol.MessageStream`.
+    """
+    try:
+        while True:
+            await stream.send(protocol.Heartbeat(time.time()))
+            await trio.sleep(every)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return

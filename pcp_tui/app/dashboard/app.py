@@ -27,6 +27,7 @@ from pcp_tui.app.dashboard.loss_chart import StepMeans
 from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory
+from pcp_tui.app.local_run import run_with_local_workers
 from pcp_tui.shepherd.state import Event, RunState
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
@@ -137,8 +138,6 @@ class DashboardApp(App[None]):
             if self._spawn_workers is None:
                 await nursery.start(self.shepherd.run)
                 return
-            from pcp_tui.app.launch import run_with_local_workers  # they end with the run
-
             self.processes = await nursery.start(
                 run_with_local_workers, self.shepherd, self._spawn_workers
             )
