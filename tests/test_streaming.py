@@ -359,3 +359,39 @@ def test_streaming_survives_a_lost_worker_and_a_newcomer_starts_from_the_global_
     assert set(history[-1].worker_ids) == {"steady", "late"}
     assert not any(e.kind == "bad_result" for e in shepherd.state.events)
     assert all(np.isfinite(p).all() for p in shepherd.params.values())
+
+
+@pytest.mark.e2e
+def test_a_worker_refuses_a_broken_fragment_update_and_the_run_goes_on(spawn_worker, monkeypatch):
+    """A shepherd that sends a fragment update holding NaN (tampered here, once) hears from the
+    worker why it hung up ("fragmentUpdate refused: ..."), and the worker rejoins and finishes."""
+    from pcp_tui.shepherd import fragments as shepherd_fragments
+
+    honest = shepherd_fragments._send_update
+    tampered = []
+
+    async def send_update(link, body, update, failed, compression):
+        if not tampered:
+            tampered.append(body.fragment)
+            update = {name: np.full_like(value, np.nan) for name, value in update.items()}
+            compression = "none"
+            body = protocol.FragmentUpdate(round=body.round, fragment=body.fragment)
+        await honest(link, body, update, failed, compression)
+
+    monkeypatch.setattr(shepherd_fragments, "_send_update", send_update)
+    config = small_config(
+        rounds=3,
+        inner_steps=4,
+        chunk_steps=1,
+        workers=1,
+        eval_every=3,
+        streaming_fragments=2,
+        overlap_steps=1,
+        round_timeout=30,  # a worker that never says why would leave the round waiting
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    run_shepherd(shepherd, lambda port: [spawn_worker(port)])
+    lost = [e.message for e in shepherd.state.events if e.kind == "lost"]
+    assert tampered == [0]
+    assert any("fragmentUpdate refused" in m and "NaN" in m for m in lost), lost
+    assert [r.round for r in shepherd.state.history][-1] == 3  # the run went on to its end

@@ -112,6 +112,7 @@ class StreamingRounds:
         self.params = None  # donated to the chunks; set again when the round is done
         schedule = Schedule(steps, len(self.fragments), self.plan.overlap_steps)
         exchanges: dict[int, Exchange] = {}
+        refusal = None  # a fragment update's problem: the round ends, the shepherd hears why
         async with trio.open_nursery() as background:
             for at, event, p in schedule.events():
                 if at > step:
@@ -131,12 +132,15 @@ class StreamingRounds:
                 pauses.waits += time.perf_counter() - began
                 pauses.exchange(exchange.phases)
                 if isinstance(staged, str):
+                    refusal = staged
                     background.cancel_scope.cancel()  # the other exchanges end with the round
-                    await self.worker.refuse(sender, f"fragmentUpdate refused: {staged}")
-                    return
+                    break
                 began = time.perf_counter()
                 params = await trio.to_thread.run_sync(self._merge, p, params, staged)
                 pauses.merges += time.perf_counter() - began
+        if refusal is not None:
+            await self.worker.refuse(sender, f"fragmentUpdate refused: {refusal}")
+            return
         self.params = params
         self._round_ended = time.perf_counter()
         log.info("%s", pauses)
