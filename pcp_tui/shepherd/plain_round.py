@@ -151,7 +151,10 @@ class PlainRound:
                 )
                 nursery.start_soon(_send_round_start, link, body, tensors, current)
             await collect(current, self.config.network, self.state)
-            nursery.cancel_scope.cancel()
+            if set(current.participants) - set(current.contributors):
+                # a worker whose result counts has its roundStart, even if the task that
+                # sent it has not resumed yet: cancel only when the round closed without some
+                nursery.cancel_scope.cancel()
 
     async def _outer_step(self, current: Round, params: dict[str, np.ndarray]) -> None:
         """Finish the round's mean (said in a `result_clipped` event per clipped result),
