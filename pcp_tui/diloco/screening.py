@@ -1,8 +1,15 @@
 """What a round result must pass before the shepherd averages it in.
 
 The shepherd screens a pseudo-gradient's names, shapes and finiteness, and
-beyond that its global L2 norm: one that is absurd next to the recently
-accepted ones would wreck the model even though every number in it is finite.
+beyond that its global L2 norm: one that is absurd next to the recent ones
+would wreck the model even though every number in it is finite.
+
+Norms are compared per unit of inner learning rate (the norm over Σ lr of the
+steps the result covers): warm-up, decay and results that cover fewer steps
+(a streaming fragment's first round: (p + 1) H / F − τ steps) then stay
+comparable. Compared as they are, a fragment whose first result trained 5
+steps at the start of warm-up had every later, honest result refused as
+"over 10x the median", and it never moved again.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -21,9 +28,9 @@ class BadResult(ValueError):
     """A round result that must not be averaged in (wrong tensors, NaN, Inf)."""
 
 
-NORM_FACTOR = 10.0  # refuse a norm above this many times the median of recent accepted ones
-NORM_BASELINE = 2  # accepted norms needed before the check applies
-NORM_WINDOW = 8  # recent accepted norms the median is taken over (a few rounds)
+NORM_FACTOR = 10.0  # refuse a norm above this many times the median of recent ones
+NORM_BASELINE = 2  # norms needed before the check applies
+NORM_WINDOW = 8  # recent norms the median is taken over (a few rounds)
 
 
 def global_norm(tensors: Mapping[str, np.ndarray]) -> float:
@@ -60,10 +67,15 @@ def check_pseudo_gradient(
 
 
 class NormGuard:
-    """Remembers the norms of recently accepted pseudo-gradients and refuses outliers.
+    """Remembers the norms of recent pseudo-gradients and refuses outliers.
 
-    The window is short so that norms may drift over a run (warm-up, decay)
-    while a single update ten times larger than its peers is still caught.
+    A norm is judged per unit of learning rate (`scale`: Σ inner lr over the
+    steps the result covers; 1 when the caller has no schedule), against the
+    lower median of the recent ones. Refused norms join the window too: when
+    every honest result moves at once (a learning rate raised on `--resume`, a
+    new phase of training), the baseline follows within a window instead of
+    refusing everyone forever. The lower median keeps a minority of outliers,
+    and a half at most, from raising it.
     """
 
     def __init__(
@@ -72,28 +84,28 @@ class NormGuard:
         self.factor, self.baseline = factor, baseline
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
 
-    def check(self, tensors: Mapping[str, np.ndarray]) -> float:
+    def check(self, tensors: Mapping[str, np.ndarray], scale: float = 1.0) -> float:
         """The pseudo-gradient's global norm; BadResult if it is not finite or absurdly large."""
-        return self.judge(global_norm(tensors))
+        return self.judge(global_norm(tensors), scale)
 
-    def judge(self, norm: float) -> float:
+    def judge(self, norm: float, scale: float = 1.0) -> float:
         """`norm`, unless it is not finite or absurdly large next to recent ones (BadResult)."""
         if not math.isfinite(norm):
             raise BadResult("its global L2 norm overflows float32")
-        if len(self._recent) >= self.baseline:
-            typical = statistics.median(self._recent)
-            if (
-                typical > 0 and norm > self.factor * typical
-            ):  # a zero median (lr 0 at warm-up start) says nothing
-                raise BadResult(
-                    f"its global L2 norm {norm:.4g} is over {self.factor:g}x the median "
-                    f"{typical:.4g} of recently accepted results"
-                )
+        if not scale > 0:  # lr 0 (warm-up's first step) moves nothing: nothing to compare
+            return norm
+        relative = norm / scale
+        typical = statistics.median(self._recent) if len(self._recent) >= self.baseline else 0
+        self._recent.append(relative)
+        if typical > 0 and relative > self.factor * typical:  # a zero median says nothing
+            raise BadResult(
+                f"its global L2 norm {norm:.4g} is over {self.factor:g}x the median of recent "
+                f"results ({typical * scale:.4g} for the learning rate of the steps it covers)"
+            )
         return norm
 
     def accept(self, norm: float) -> None:
-        """Record the norm of a result that was averaged in."""
-        self._recent.append(norm)
+        """A judged result was averaged in (its norm is in the window already)."""
 
 
 def check_token_count(reported: object, most: int) -> None:
@@ -120,6 +132,8 @@ class ResultScreen:
         self.max_tokens = max_tokens
         self.norms = norms or NormGuard()
         self.bound = bound  # the largest norm an honest worker can send; set every round
+        # Σ inner lr over the steps a result of so many tokens covers; set every round
+        self.lr_sum: Callable[[int], float] | None = None
 
     def check(self, tensors: Mapping[str, np.ndarray], tokens: object) -> float:
         """The result's global norm; BadResult for wrong tensors, NaN/Inf, a bad token count or norm."""
@@ -131,7 +145,8 @@ class ResultScreen:
                 f"its global L2 norm {norm:.4g} is over {most:.4g}, the most the plan's inner "
                 "optimizer can move the parameters in a round"
             )
-        return self.norms.judge(norm)
+        scale = self.lr_sum(int(tokens)) if self.lr_sum is not None else 1.0
+        return self.norms.judge(norm, scale)
 
     def accept(self, norm: float) -> None:
         """The result was averaged in: its norm joins the baseline."""

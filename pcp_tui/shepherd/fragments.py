@@ -37,8 +37,9 @@ from pcp_tui.config import RunConfig
 from pcp_tui.diloco.aggregate import CenteredClip, PseudoGradientMean, make_aggregate
 from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
-from pcp_tui.diloco.streaming import Fragments, partition
+from pcp_tui.diloco.streaming import Fragments, Schedule, partition
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
+from pcp_tui.shepherd.plain_round import result_lr_sum
 from pcp_tui.shepherd.rounds import Round, collect
 
 log = logging.getLogger(__name__)
@@ -140,16 +141,21 @@ class FragmentSync:
         """Run round `number` fragment by fragment; the combined Round, or None without results."""
         links = shepherd.pool.ready_links()
         bound = await trio.to_thread.run_sync(shepherd._update_bound)
-        clips = [a for a in self.aggregates if isinstance(a, CenteredClip)]
-        if clips:  # warm-up and decay move their radius, as in a plain round
-            step_scale = await trio.to_thread.run_sync(shepherd._round_lr_sum, number)
-            for clip in clips:
-                clip.step_scale = step_scale
         ids = [link.worker_id for link in links]
         connections = {link.worker_id: link for link in links}
         rounds = []
-        for aggregate, screen in zip(self.aggregates, self.screens, strict=True):
+        config, h = shepherd.config, shepherd.config.inner.steps
+        per_step = self.screens[0].max_tokens // h
+        schedule = Schedule(h, len(self.fragments), config.inner.overlap_steps)
+        for p, (aggregate, screen) in enumerate(zip(self.aggregates, self.screens, strict=True)):
+            # fragment p's results cover the steps since its last send: they scale with
+            # their Σ lr (round 1: the (p + 1) H / F - τ steps of warm-up's start)
             screen.bound = bound
+            screen.lr_sum = result_lr_sum(
+                config, per_step, end=(number - 1) * h + schedule.send_step(p)
+            )
+            if isinstance(aggregate, CenteredClip):  # its radius scales the same way
+                aggregate.step_scale = await trio.to_thread.run_sync(screen.lr_sum, h * per_step)
             rounds.append(Round(number, ids, aggregate, screen, connections=connections))
         started, at_start = (
             time.monotonic(),

@@ -16,8 +16,9 @@ what it was built with (the run's aggregate, screen, outer optimizer, pacing).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import trio
@@ -71,6 +72,28 @@ def round_lr_sum(config: RunConfig, number: int) -> float:
     return float(np.sum(schedule(np.arange((number - 1) * steps, number * steps))))
 
 
+def result_lr_sum(
+    config: RunConfig, per_step: int, *, start: int | None = None, end: int | None = None
+) -> Callable[[int], float]:
+    """tokens → Σ inner lr over the run's steps a result of that many tokens covers.
+
+    The steps begin at global step `start` (a plain round's result) or end at
+    `end` (a fragment's, sent after step `end`); one step is `per_step` tokens.
+    A result's norm scales with this sum, which is how `NormGuard` compares
+    results of warm-up, of decay and of fewer steps. With --adaptive-steps a
+    fragment's send point moves with the worker's H_k; `end` is the plan's.
+    """
+    schedule = inner_optimizer(config).schedule()
+
+    @functools.lru_cache(maxsize=16)
+    def covered(tokens: int) -> float:
+        steps = max(tokens // per_step, 1)
+        first, last = (start, start + steps) if start is not None else (max(end - steps, 0), end)
+        return float(np.sum(schedule(np.arange(first, last))))
+
+    return covered
+
+
 def result_screen(
     config: RunConfig, workload: Workload, shapes: Mapping[str, tuple]
 ) -> ResultScreen:
@@ -112,6 +135,9 @@ class PlainRound:
         """Round `number`: θ out, Δ_k in, outer step on `params` in place; None without results."""
         links = self.pool.ready_links()
         self.screen.bound = await trio.to_thread.run_sync(update_bound, self.config, params)
+        per_step = self.screen.max_tokens // self.config.inner.steps
+        start = (number - 1) * self.config.inner.steps
+        self.screen.lr_sum = result_lr_sum(self.config, per_step, start=start)
         if isinstance(self.mean, CenteredClip):  # warm-up and decay move its radius
             self.mean.step_scale = await trio.to_thread.run_sync(round_lr_sum, self.config, number)
         current = Round(
