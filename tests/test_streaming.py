@@ -231,7 +231,9 @@ def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment
         workload.loss_fn,
         workload.params,
         batches,
-        inner=optax.chain(inner.direction(), optax.scale_by_schedule(lambda t: -inner.schedule()(t))),
+        inner=optax.chain(
+            inner.direction(), optax.scale_by_schedule(lambda t: -inner.schedule()(t))
+        ),
         outer=reference.outer_optimizer("nesterov", config.outer.lr, config.outer.momentum),
         fragments=shepherd.fragment_sync.fragments,
         overlap=5,
