@@ -15,7 +15,8 @@ from ._base import (
 )
 from ._iree import SOURCE_PLATFORM, IreeBackend, compile_stablehlo
 from ._iree import TARGETS as IREE_TARGETS
-from ._jax import JaxBackend, enable_compilation_cache, select_backend
+from ._jax import JaxBackend, enable_compilation_cache
+from ._select import select_backend
 
 __all__ = [
     "PLATFORMS",

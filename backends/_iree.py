@@ -37,6 +37,8 @@ from ._base import (
     LoadedGraph,
     deserialize,
 )
+from ._host import cgroup_cpu_quota as cgroup_cpu_quota  # re-exported: tests read it here
+from ._host import cpu_cores, host_cpu, host_memory
 from ._iree_arrays import to_host_array
 
 INSTALL_HINT = "pip install 'pcp-tui[iree]'"
@@ -142,7 +144,7 @@ class IreeBackend(Backend):
             platform=platform,
             device_kind=self._target.compiler_backend if platform == "cpu" else platform,
             device_count=1,
-            memory_bytes=_host_memory(),
+            memory_bytes=host_memory(),
             jax_version=_jax_version(),
             runtime="iree",
             target=self._target.compiler_backend,
@@ -346,66 +348,6 @@ def _unpin_cpu_workers(runtime: Any) -> None:
     if "--task_topology" in os.environ.get("IREE_PY_RUNTIME_FLAGS", ""):
         return
     runtime.flags.parse_flags(f"--task_topology_group_count={cpu_cores()}")
-
-
-def cpu_cores() -> int:
-    """Cores this process may use: SMT siblings count once (as IREE counts), a cgroup quota caps.
-
-    A container limited to 2 CPUs on a 64-core host sees all 64 in its affinity
-    mask; 64 workers sharing 2 CPUs' worth of time would stall on each other.
-    """
-    try:
-        cpus = os.sched_getaffinity(0)
-    except AttributeError:  # not Linux: no affinity mask, no sysfs topology, no cgroups
-        return os.cpu_count() or 1
-    cores = set()
-    for cpu in cpus:
-        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        try:
-            cores.add(siblings.read_text().strip())
-        except OSError:
-            cores.add(str(cpu))
-    return max(1, min(len(cores), cgroup_cpu_quota() or len(cores)))
-
-
-def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """CPUs' worth of time this process's cgroup may use (rounded up); None when unlimited."""
-    try:  # cgroup v2: "max 100000" or "150000 100000" (quota and period, in microseconds)
-        quota, period = (root / "cpu.max").read_text().split()
-    except (OSError, ValueError):
-        try:  # cgroup v1
-            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
-            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
-        except OSError:
-            return None
-    try:
-        return max(1, -(-int(quota) // int(period))) if int(quota) > 0 else None
-    except (ValueError, ZeroDivisionError):  # "max" (v2) or garbage; v1 says -1
-        return None
-
-
-def host_cpu() -> str:
-    """What `--iree-llvmcpu-target-cpu=host` compiles for here: the CPU's model and features.
-
-    Code compiled for one CPU may use instructions another lacks (a cache on a
-    shared disk, a copied cache directory), so the cache key names the CPU.
-    """
-    try:
-        with open("/proc/cpuinfo") as info:
-            first = info.read().split("\n\n", 1)[0]
-    except OSError:  # not Linux
-        import platform
-
-        return f"{platform.machine()} {platform.processor()}"
-    wanted = ("vendor_id", "model name", "flags", "Features", "CPU part")
-    return "\n".join(line for line in first.splitlines() if line.startswith(wanted))
-
-
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
 
 
 def _jax_version() -> str:

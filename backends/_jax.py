@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from ._base import (
-    RUNTIMES,
     Axis,
     Backend,
     BackendInfo,
@@ -20,12 +19,12 @@ from ._base import (
     MemoryUse,
     deserialize,
 )
-from ._iree import INSTALL_HINT, IreeBackend
+from ._host import host_memory, process_memory
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
 # Metal plugins name their platform differently: Apple's jax-metal and metaljax "METAL"/"metal",
 # jax-mps and its forks "mps"; the first one installed wins.
-_JAX_PLATFORM = {"cpu": ("cpu",), "cuda": ("cuda",), "rocm": ("rocm",), "metal": ("METAL", "mps")}
+JAX_PLATFORMS = {"cpu": ("cpu",), "cuda": ("cuda",), "rocm": ("rocm",), "metal": ("METAL", "mps")}
 _INSTALL_HINT = {
     "cpu": "pip install jax jaxlib",
     "cuda": "pip install 'jax[cuda12]' (or jax[cuda13]) on a machine with an NVIDIA GPU and driver",
@@ -60,12 +59,12 @@ class JaxBackend(Backend):
     def __init__(self, platform: str, devices: int | None = None):
         import jax
 
-        if platform not in _JAX_PLATFORM:
+        if platform not in JAX_PLATFORMS:
             raise BackendUnavailable(
-                f"unknown backend {platform!r}; choose one of {sorted(_JAX_PLATFORM)}"
+                f"unknown backend {platform!r}; choose one of {sorted(JAX_PLATFORMS)}"
             )
         found, problem = [], ""
-        for name in _JAX_PLATFORM[platform]:
+        for name in JAX_PLATFORMS[platform]:
             try:
                 found = jax.devices(name)
                 break
@@ -184,7 +183,7 @@ class JaxBackend(Backend):
             )
         if self._platform != "cpu":
             return MemoryUse()
-        return _process_memory(self._info.memory_bytes)
+        return process_memory(self._info.memory_bytes)
 
     def _on_mesh(
         self, name: str, exported: Any, donate_argnums: Sequence[int], layout_for: LayoutFor
@@ -330,79 +329,12 @@ def _pinned_host(device: Any) -> Any:
     return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
-def _process_memory(limit: int) -> MemoryUse:
-    """This process's resident memory now and at its peak (Linux and macOS; zeros elsewhere)."""
-    try:
-        import resource
-
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            in_use = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    except (ImportError, OSError, ValueError, IndexError):
-        return MemoryUse(limit=limit)
-    return MemoryUse(in_use=in_use, peak=max(peak_kib * 1024, in_use), limit=limit)
-
-
 def _device_memory(device: Any) -> int:
+    """The device's memory limit as its allocator reports it, else this machine's memory."""
     try:
         stats = device.memory_stats() or {}
     except Exception:  # CPU and some plugins do not implement memory_stats
         stats = {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
-
-
-def select_backend(
-    name: str = "auto",
-    devices: int | None = None,
-    *,
-    runtime: str = "auto",
-    cache_dir: str | os.PathLike | None = None,
-    iree_flags: Sequence[str] = (),
-) -> Backend:
-    """Pick a backend over `devices` local devices (None: all) and the runtime that runs graphs.
-
-    `name` auto prefers cuda, rocm, metal, then cpu through XLA (with `runtime`
-    iree: vulkan, metal, then cpu). `runtime` auto is XLA where JAX serves the
-    platform and IREE where only IREE does (vulkan; metal without a JAX plugin);
-    IREE runs on one device. `cache_dir` holds IREE's compiled modules (XLA's
-    cache is global: `enable_compilation_cache`); `iree_flags` go to IREE's
-    compiler (e.g. `--iree-vulkan-target=ampere` for GPU-specific code).
-    """
-    if runtime not in ("auto", *RUNTIMES):
-        raise BackendUnavailable(f"unknown runtime {runtime!r}; choose one of {RUNTIMES}")
-    options = dict(runtime=runtime, cache_dir=cache_dir, iree_flags=iree_flags)
-    if name == "auto":
-        order = ("vulkan", "metal") if runtime == "iree" else ("cuda", "rocm", "metal")
-        for platform in order:
-            try:
-                return select_backend(platform, devices, **options)
-            except BackendUnavailable:
-                continue
-        return select_backend("cpu", devices, **options)
-
-    def iree() -> IreeBackend:
-        if devices not in (None, 1):
-            raise BackendUnavailable(f"--runtime iree runs on one device, not --devices {devices}")
-        return IreeBackend(name, cache_dir=cache_dir, flags=iree_flags)
-
-    if runtime == "iree" or (runtime == "auto" and name not in _JAX_PLATFORM):
-        return iree()
-    if runtime == "auto" and name == "metal":
-        try:
-            return JaxBackend(name, devices)
-        except BackendUnavailable as exc:
-            try:
-                return iree()
-            except BackendUnavailable:
-                raise exc from None
-    if name not in _JAX_PLATFORM:
-        raise BackendUnavailable(
-            f"JAX (--runtime xla) has no {name} platform; run {name} with --runtime iree "
-            f"({INSTALL_HINT})"
-        )
-    return JaxBackend(name, devices)
+    return host_memory()

@@ -21,7 +21,6 @@ from ._codec import (
     HeaderCheck,
     Limits,
     Message,
-    MessageStream,
     PayloadGate,
     decode,
     encode,
@@ -68,6 +67,7 @@ from ._messages import (
     WorkerStats,
 )
 from ._schema import ERROR_CODES, KINDS
+from ._stream import MessageStream
 from ._striped import PIECE_BYTES, Prefixed, StripedStream
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
 

@@ -1,4 +1,4 @@
-"""Encoding, decoding and streaming PCP messages.
+"""Encoding and decoding PCP messages; `_stream.MessageStream` carries them on trio streams.
 
 A message on the wire is one Cap'n Proto `Envelope` in standard stream framing
 (uint32 segment count - 1, uint32 segment sizes in words, padding to 8 bytes,
@@ -7,15 +7,14 @@ order. Big tensors never pass through a Cap'n Proto `Data` field: building and
 copying those ran at 0.17 GB/s, while raw payloads go to and from the socket
 with no extra copy on the send side and one on the receive side.
 
-Reading is written once, as `_read_message`, against a tiny reader interface;
-`MessageStream.receive` feeds it from a trio stream, `decode` from a buffer.
+Reading is written once, as `read_message`, against a tiny reader interface;
+`MessageStream.receive` (`_stream`) feeds it from a trio stream, `decode` from a buffer.
 Every length is checked against `Limits` before anything of that size is
 allocated, and every failure caused by the peer's bytes is a `ProtocolError`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import struct
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,16 +24,13 @@ import numpy as np
 import trio
 
 from ._errors import (
-    ConnectionClosed,
     FrameTooLarge,
     MalformedMessage,
-    ProtocolError,
     VersionMismatch,
 )
-from ._messages import BODY_TYPES, REASON_CHARS, Body, Error, ErrorCode, Plan, read, write
-from ._readers import BufferReader, StreamReader, run_sync
+from ._messages import BODY_TYPES, Body, Plan, read, write
+from ._readers import BufferReader, run_sync
 from ._schema import Envelope
-from ._striped import PIECE_BYTES, Prefixed, StripedStream
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
 
 # 2: typed messages, enums for phase / batch kind / platform
@@ -52,14 +48,13 @@ SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4)
 COMPATIBLE_VERSION = 3
 #: Quantizations added after COMPATIBLE_VERSION, with the version that added each.
 QUANTIZATION_VERSIONS: dict[str, int] = {"int4Block": 4}
-_SMALL_BUFFER = 64 * 1024  # buffers below this are joined into one send_all
 # awaited with (kind, payload bytes) before a message's tensor payload is read
 PayloadGate = Callable[[str, int], Awaitable[None]]
 # called with (body, tensor specs, frame bytes) once a header is read, before any payload byte is;
 # raises a ProtocolError to refuse the message (e.g. tensors a kind may not carry)
 HeaderCheck = Callable[[Body, tuple[TensorSpec, ...], int], None]
 
-_OFFLOAD_BYTES = 8 * 2**20  # (de)quantizing arrays above this (decoded) size runs in a thread
+OFFLOAD_BYTES = 8 * 2**20  # (de)quantizing arrays above this (decoded) size runs in a thread
 _PEER_CAPNP_ERRORS = (capnp.KjException, RuntimeError, ValueError, TypeError, OverflowError)
 
 
@@ -170,13 +165,13 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> M
     VersionMismatch for a version this side does not speak. Tensors are copies.
     """
     reader = BufferReader(data)
-    message = run_sync(_read_message(reader, limits, offload=False))
+    message = run_sync(read_message(reader, limits, offload=False))
     if reader.remaining:
         raise MalformedMessage(f"{reader.remaining} extra bytes after the message")
     return message
 
 
-async def _read_message(
+async def read_message(
     reader,
     limits: Limits,
     *,
@@ -198,7 +193,7 @@ async def _read_message(
         payload = np.empty(spec.payload_bytes, np.uint8)
         await reader.read_into(memoryview(payload))
         decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
-        if offload and spec.quantization != "none" and decoded_bytes > _OFFLOAD_BYTES:
+        if offload and spec.quantization != "none" and decoded_bytes > OFFLOAD_BYTES:
             tensors[spec.name] = await trio.to_thread.run_sync(dequantize, payload, spec)
         else:
             tensors[spec.name] = dequantize(payload, spec)
@@ -309,172 +304,7 @@ def _describe(exc: BaseException) -> str:
     return text.split("\nstack:")[0].strip() or type(exc).__name__
 
 
-# --------------------------------------------------------------------------- stream
-
-
-class MessageStream:
-    """Sends and receives whole PCP messages over a trio byte stream (usually TCP).
-
-    One task may send while another receives. Sends are serialised by a lock;
-    concurrent receives raise trio.BusyResourceError. A receive that fails or
-    is cancelled part-way through a frame leaves the stream out of sync, so
-    every later receive raises ConnectionClosed: close it and reconnect.
-    """
-
-    def __init__(self, stream: trio.abc.Stream, limits: Limits = Limits()):  # noqa: B008
-        self.stream = stream
-        self.limits = limits
-        # what this connection's peer may send, checked before payloads (see HeaderCheck)
-        self.check_header: HeaderCheck | None = None
-        # called with ("sent" | "received", message) after each whole message (a trace, say)
-        self.observer: Callable[[str, Message], None] | None = None
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self._reader = StreamReader(stream)
-        self._send_lock = trio.Lock()
-        self._receiving = False
-        self._broken: str | None = None
-
-    async def send(
-        self,
-        body: Body,
-        tensors=None,
-        *,
-        quantization: str = "none",
-        block_size: int = 256,
-    ) -> int:
-        """Encode and write one message; returns the bytes written.
-
-        trio.BrokenResourceError / ClosedResourceError pass through if the
-        connection is gone; ValueError for a body or tensor that cannot be encoded.
-        """
-
-        def build():
-            return encode(body, tensors, quantization=quantization, block_size=block_size)
-
-        big = quantization != "none" and _tensor_bytes(tensors) > _OFFLOAD_BYTES
-        buffers = await trio.to_thread.run_sync(build) if big else build()
-        total = sum(memoryview(buffer).nbytes for buffer in buffers)
-        async with self._send_lock:
-            for chunk in _coalesce(buffers):
-                await self.stream.send_all(chunk)
-                self.bytes_sent += memoryview(chunk).nbytes
-        if self.observer is not None:
-            self.observer("sent", Message(body, dict(tensors or {}), wire_bytes=total))
-        return total
-
-    async def receive(self, *, before_payload: PayloadGate | None = None) -> Message:
-        """Read the next whole message; raises ProtocolError subclasses on bad or missing bytes.
-
-        `before_payload(kind, nbytes)`, if given, is awaited once the message's
-        header has been read and checked and before its `nbytes` (> 0) of tensor
-        payload are. A receiver of many big messages uses it to bound how many it
-        holds in memory at once: while it waits, the sender waits in TCP flow
-        control and nothing is allocated for the payload.
-        """
-        if self._broken:
-            raise ConnectionClosed(f"stream is unusable after an earlier failure: {self._broken}")
-        if self._receiving:
-            raise trio.BusyResourceError("another task is already receiving on this MessageStream")
-        self._receiving = True
-        reader = self._reader
-        reader.start_frame()
-        try:
-            message = await _read_message(
-                reader,
-                self.limits,
-                offload=True,
-                before_payload=before_payload,
-                check_header=self.check_header,
-            )
-        except BaseException as exc:
-            if isinstance(exc, ProtocolError) or reader.frame_consumed:
-                self._broken = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            raise
-        finally:
-            self.bytes_received += reader.frame_consumed
-            self._receiving = False
-        if self.observer is not None:
-            self.observer("received", message)
-        return message
-
-    def stripe(self, extra: list[MessageStream], *, piece_bytes: int = PIECE_BYTES) -> None:
-        """From the next byte on, carry this conversation over this stream's transport and the
-        transports of `extra` (in that order), as one `StripedStream`; both sides call it at
-        the same point of the conversation (after the handshake says so).
-
-        Bytes already read ahead on any of them stay first in line on their connection.
-        Call it between messages, with no send or receive in progress on any of them.
-        """
-        streams = [self, *extra]
-        if any(stream._receiving or stream.sending for stream in streams):
-            raise RuntimeError("stripe() while a message is being sent or received")
-        transports = [stream._unread() for stream in streams]
-        activity = self._reader.last_activity
-        self.stream = StripedStream(transports, piece_bytes=piece_bytes)
-        self._reader = StreamReader(self.stream)
-        self._reader.last_activity = activity
-
-    def _unread(self) -> trio.abc.Stream:
-        """The transport, with any bytes the reader took ahead of the last message put back."""
-        pending = bytes(self._reader._pending)
-        return Prefixed(self.stream, pending) if pending else self.stream
-
-    @property
-    def sending(self) -> bool:
-        """Whether a message is being written now (e.g. a long upload)."""
-        return self._send_lock.locked()
-
-    @property
-    def last_activity(self) -> float:
-        """`time.monotonic()` when bytes last arrived, also in the middle of a message.
-
-        A peer sending a 500 MB message over a slow link is silent in whole
-        messages for minutes, but not in bytes: liveness checks read this.
-        """
-        return self._reader.last_activity
-
-    @property
-    def partial_message(self) -> tuple[float, int] | None:
-        """(`time.monotonic()` when its first bytes were taken, bytes taken so far) of the
-        message being received; None between messages.
-
-        Lets a receiver require a minimum rate of a message in progress: a peer
-        that sends one byte a second is active, but never finishes.
-        """
-        if not self._receiving or self._reader.frame_started is None:
-            return None
-        return self._reader.frame_started, self._reader.frame_consumed
-
-    async def send_error(self, code: ErrorCode | str, message: str) -> None:
-        """Best effort: tell the peer why we are about to close; silent if it is already gone."""
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.send(Error(ErrorCode(code), message[:REASON_CHARS]))
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-def _tensor_bytes(tensors) -> int:
-    return sum(np.asarray(array).nbytes for array in (tensors or {}).values())
-
-
-def _coalesce(buffers):
-    """Join runs of small buffers into one write; hand big ones over as they are (no copy)."""
-    small: list = []
-    for buffer in buffers:
-        if memoryview(buffer).nbytes < _SMALL_BUFFER:
-            small.append(buffer)
-            continue
-        if small:
-            yield b"".join(small)
-            small = []
-        yield buffer
-    if small:
-        yield b"".join(small)
-
-
 # --------------------------------------------------------------------------- readers
-# `_read_message` needs three things from its source: `read_exact(n)` for the
+# `read_message` needs three things from its source: `read_exact(n)` for the
 # small segment table, `read_into(view)` to fill preallocated buffers, and
 # `expect(n)` to refuse early what a bounded source can never supply.

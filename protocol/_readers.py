@@ -1,6 +1,6 @@
-"""The two readers `_codec._read_message` reads a frame through: a buffer or a trio stream.
+"""The two readers `_codec.read_message` reads a frame through: a buffer or a trio stream.
 
-`_read_message` is written once against their small interface (`expect`,
+`read_message` is written once against their small interface (`expect`,
 `read_exact`, `read_into`): `decode` runs it over a `BufferReader` without an
 event loop (`run_sync`), `MessageStream.receive` over a `StreamReader`.
 """

@@ -1,0 +1,119 @@
+"""What the dashboard's keys do: the actions `DashboardApp.BINDINGS` names, and the filter box.
+
+`KeyActions` is mixed into `DashboardApp`. Commands for the run (quit, pause,
+resume) go through `GuestRun._in_trio`; everything else only changes a view.
+`check_action` decides which of them the footer shows right now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from textual.widgets import Input
+
+from pcp_tui.app.dashboard.help_screen import HelpScreen
+from pcp_tui.app.dashboard.run_text import FINISHED
+from pcp_tui.app.dashboard.widgets import EventLog, LossChart, WorkerTable
+from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory
+from pcp_tui.shepherd.state import RunState
+
+
+class KeyActions:
+    """The actions behind the bindings; the attributes are set by `DashboardApp.__init__`."""
+
+    state: RunState
+    shepherd: Any
+    _clock: Callable[[], float]
+    _quitting: bool
+    _pause_wanted: bool
+    guest_running: bool
+    worker_history: dict[str, WorkerHistory]
+
+    async def action_quit(self) -> None:
+        if not self.guest_running:
+            self.exit(return_code=self.exit_code)
+            return
+        if not self._quitting:
+            self._quitting = True
+            self._in_trio(lambda: self.shepherd.request_stop("quit from the dashboard"))
+            self.notify(
+                "finishing the current round and saying goodbye to the workers; q again stops at once"
+            )
+        elif self._cancel_scope is not None:
+            self._in_trio(self._cancel_scope.cancel)
+        self._after_command()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Show `p pause` or `p resume`, and neither once the run is over; `c` once there is a join command."""
+        if action in ("pause", "resume"):
+            if self.shepherd is None or not self.guest_running or self._quitting:
+                return False
+            if self.state.status in FINISHED:
+                return False
+            return self._pause_wanted == (action == "resume")
+        if action == "copy_join":
+            return bool(self.state.join_command)
+        return True
+
+    def action_pause(self) -> None:
+        if self.check_action("pause", ()):
+            self._pause_wanted = True
+            self._in_trio(self.shepherd.pause)
+            self._after_command()
+
+    def action_resume(self) -> None:
+        if self.check_action("resume", ()):
+            self._pause_wanted = False
+            self._in_trio(self.shepherd.resume)
+            self._after_command()
+
+    def _after_command(self) -> None:
+        self.refresh_bindings()
+        self.refresh_from_state()
+
+    def action_log_scale(self) -> None:
+        self.query_one(LossChart).toggle_log()
+
+    def action_zoom(self) -> None:
+        self.query_one(LossChart).cycle_window()
+
+    def action_copy_join(self) -> None:
+        if self.state.join_command:
+            self.copy_to_clipboard(self.state.join_command)
+            self.notify("join command copied (terminals with OSC 52 clipboard support)")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_filter_events(self) -> None:
+        box = self.query_one("#event-filter", Input)
+        box.add_class("-open")
+        box.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#event-filter", Input)
+        box.value = ""
+        box.remove_class("-open")
+        self.query_one(EventLog).set_filter("")
+        self.set_focus(None)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "event-filter":
+            self.query_one(EventLog).set_filter(event.value)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "event-filter":
+            if not event.value.strip():
+                event.input.remove_class("-open")
+            self.set_focus(None)
+
+    def on_data_table_row_selected(self, event: WorkerTable.RowSelected) -> None:
+        """Enter on a worker's row: its detail view (a refused connection has none)."""
+        key = event.row_key.value
+        if key in self.state.workers:
+            self.push_screen(WorkerDetail(key, self._worker_detail))
+
+    def _worker_detail(self, worker_id: str) -> tuple:
+        now = self.state.finished_at if self.state.finished_at is not None else self._clock()
+        return self.state.workers.get(worker_id), self.worker_history.get(worker_id), now

@@ -1,0 +1,98 @@
+"""The messages of a round: its start, a worker's progress, and its result.
+
+Plain DiLoCo: `RoundStart` (global parameters as tensors), `Progress` while the
+worker trains, one `RoundResult` (the pseudo-gradient as tensors). Streaming
+DiLoCo adds one `FragmentResult` and one `FragmentUpdate` per fragment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ._enums import Phase
+from ._fields import Body, _finite, _items, _within
+
+
+@dataclass(frozen=True)
+class RoundStart(Body):
+    """shepherd -> worker; the global parameters ride as tensors."""
+
+    KIND: ClassVar[str] = "roundStart"
+    round: int = 0
+    inner_steps: int = 0
+    continued: bool = False  # streaming: no tensors; go on from the worker's own parameters
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """What a worker measures about itself, sent with its progress (protocol 3).
+
+    Zero memory means the worker could not measure it; a gpu_utilization of -1
+    means not measured (no NVML, or not an NVIDIA device).
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    memory_in_use_bytes: int = 0
+    memory_peak_bytes: int = 0
+    memory_limit_bytes: int = 0
+    gpu_utilization: float = _within(-1.0, 1.0, -1.0)
+
+
+@dataclass(frozen=True)
+class Progress(Body):
+    """worker -> shepherd, a few per second at most: where its round is, and its statistics."""
+
+    KIND: ClassVar[str] = "progress"
+    round: int = 0
+    step: int = 0
+    total_steps: int = 0
+    loss: float = _finite()
+    tokens_per_second: float = _finite()
+    phase: Phase = Phase.COMPILING
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+
+@dataclass(frozen=True)
+class RoundResult(Body):
+    """worker -> shepherd; the pseudo-gradient (global - local) rides as tensors.
+
+    `losses` is bounded by the receiver's `Limits.max_losses`; whether each loss
+    is finite is the result screen's call (a refused result, not a broken peer).
+    """
+
+    KIND: ClassVar[str] = "roundResult"
+    round: int = 0
+    tokens: int = 0
+    losses: tuple[float, ...] = _items("max_losses")
+    compute_seconds: float = _finite()
+    inner_steps: int = 0
+
+
+@dataclass(frozen=True)
+class FragmentResult(Body):
+    """Streaming, worker -> shepherd: one fragment's pseudo-gradient rides as tensors.
+
+    `tokens` is what the pseudo-gradient trained on (its weight in the mean);
+    `losses`, `compute_seconds` and `inner_steps` cover the steps since the
+    worker's previous fragmentResult, so a run's results count each step once.
+    """
+
+    KIND: ClassVar[str] = "fragmentResult"
+    round: int = 0
+    fragment: int = 0
+    tokens: int = 0
+    losses: tuple[float, ...] = _items("max_losses")
+    compute_seconds: float = _finite()
+    inner_steps: int = 0
+
+
+@dataclass(frozen=True)
+class FragmentUpdate(Body):
+    """Streaming, shepherd -> worker: one fragment's new global value rides as tensors."""
+
+    KIND: ClassVar[str] = "fragmentUpdate"
+    round: int = 0
+    fragment: int = 0
+    change: bool = False  # tensors: the change since the fragment's last global value

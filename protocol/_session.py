@@ -1,0 +1,96 @@
+"""The messages that open, keep and close a connection: handshake, heartbeat, error, goodbye.
+
+A shepherd opens with `Hello` (versions and the join-token challenge), the
+worker answers `WorkerHello` (who it is, its `BackendInfo`, its proof) and is
+admitted with `Welcome`. `Heartbeat` keeps a quiet connection alive; `Error`
+and `Goodbye` say why a side is about to close it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ._enums import ErrorCode, Platform, Runtime
+from ._fields import REASON_CHARS, Body, _finite, _items, _text
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a worker runs on, as it reports it in its hello."""
+
+    platform: Platform = Platform.CPU
+    device_kind: str = _text()
+    device_count: int = 0
+    memory_bytes: int = 0
+    jax_version: str = _text()
+    runtime: Runtime = Runtime.XLA
+    target: str = _text()
+
+
+@dataclass(frozen=True)
+class Hello(Body):
+    """shepherd -> worker, first on a connection: versions and the join-token challenge."""
+
+    KIND: ClassVar[str] = "hello"
+    supported_versions: tuple[int, ...] = _items(16)
+    nonce: bytes = field(default=b"", metadata={"bytes": 64})
+    run_id: str = _text()
+    software: str = _text()
+
+
+@dataclass(frozen=True)
+class WorkerHello(Body):
+    """worker -> shepherd: who it is, what it runs on, and its proof of the token."""
+
+    KIND: ClassVar[str] = "workerHello"
+    supported_versions: tuple[int, ...] = _items(16)
+    worker_id: str = _text()
+    hostname: str = _text()
+    backend: BackendInfo = field(default_factory=BackendInfo)
+    proof: bytes = field(default=b"", metadata={"bytes": 64})
+    software: str = _text()
+    attach_index: int = 0  # > 0: an extra connection of a striped session (protocol 4)
+    attach_proof: bytes = field(default=b"", metadata={"bytes": 64})
+
+
+@dataclass(frozen=True)
+class Welcome(Body):
+    """shepherd -> worker: admitted; its index (and so its shard) and the heartbeat interval."""
+
+    KIND: ClassVar[str] = "welcome"
+    worker_index: int = 0
+    run_id: str = _text()
+    heartbeat_seconds: float = _finite(2.0)
+    streams: int = 0  # > 1: connections to stripe the session over (protocol 4; 0, 1: one)
+    session_key: bytes = field(default=b"", metadata={"bytes": 64})
+
+
+@dataclass(frozen=True)
+class Heartbeat(Body):
+    """Either way, while nothing else is sent: the peer is alive."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    sent_at: float = _finite()
+
+
+@dataclass(frozen=True)
+class Error(Body):
+    """Why the sender is about to close the connection (or refused one result: badResult)."""
+
+    KIND: ClassVar[str] = "error"
+    code: ErrorCode = ErrorCode.UNKNOWN
+    message: str = _text(REASON_CHARS)
+
+
+@dataclass(frozen=True)
+class Goodbye(Body):
+    """The sender closes the connection on purpose; `reason` is for people.
+
+    `resumable` (shepherd -> worker): the run stopped before its end and its checkpoint
+    lets `--resume` continue it, so the worker reconnects rather than exits.
+    """
+
+    KIND: ClassVar[str] = "goodbye"
+    reason: str = _text(REASON_CHARS)
+    resumable: bool = False

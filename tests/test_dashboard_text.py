@@ -1,0 +1,82 @@
+"""The dashboard's words about the run (`run_text`), as pure functions of a real RunState.
+
+Each case is one branch of the header's advice; the app tests see only a few of
+them on screen, so the precedence (a failure beats a stop, a stop beats a pause)
+is pinned here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pcp_tui.app.dashboard.run_text import EventNotes, header_note, orphan_warning, status_text
+from pcp_tui.shepherd.ledger import ShardLedger
+from pcp_tui.shepherd.state import Event, RunState, WorkerView
+
+
+def run_state(status: str, shards: int = 0) -> RunState:
+    state = RunState(run_id="r", rounds_total=4, settings={})
+    state.status = status
+    state.shards = ShardLedger(shards)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("status", "asked", "note"),
+    [
+        ("training", {"failure": "RunFailed: no workers"}, "RunFailed: no workers · q exits"),
+        ("done", {"quitting": True}, "q exits"),
+        ("training", {"quitting": True, "pause_wanted": True}, "finishing this round, then"),
+        ("training", {"pause_wanted": True}, "pausing after this round"),
+        ("paused", {}, "p resumes"),
+        ("starting", {"phase_note": "exporting the graph"}, "exporting the graph"),
+        ("training", {}, "shards 0, 1 untrained (no worker): the next to join takes it"),
+    ],
+)
+def test_the_header_note_follows_what_was_asked_before_the_state(status, asked, note):
+    state = run_state(status, shards=2)
+    options = dict(failure=None, quitting=False, pause_wanted=False, phase_note="")
+    assert header_note(state, **{**options, **asked}).startswith(note)
+
+
+def test_compiling_workers_are_counted_while_waiting_else_the_phase_note_shows():
+    state = run_state("waiting")
+    assert (
+        header_note(
+            state, failure=None, quitting=False, pause_wanted=False, phase_note="waiting for 2"
+        )
+        == "waiting for 2"
+    )
+    for worker_id in ("a", "b"):
+        state.workers[worker_id] = WorkerView(worker_id, index=0, host="h", state="compiling")
+    assert (
+        header_note(state, failure=None, quitting=False, pause_wanted=False, phase_note="x")
+        == "2 workers compiling"
+    )
+
+
+def test_status_text_and_orphans():
+    assert status_text("training", failure="boom", quitting=False) == "failed"
+    assert status_text("training", failure=None, quitting=True) == "stopping"
+    assert status_text("done", failure=None, quitting=True) == "done"
+    assert (orphan_warning([]), orphan_warning([3])) == (
+        "",
+        "shard 3 untrained (no worker): the next to join takes it",
+    )
+
+
+def test_event_notes_key_refusals_by_host_and_keep_the_latest_phase():
+    notes = EventNotes()
+    notes.fold(
+        [
+            Event(
+                "refused", "refused 10.0.0.66:50000: wrong join token", {"peer": "10.0.0.66:50000"}
+            ),
+            Event("exporting", "exporting the graph", {}),
+            Event("refused", "refused 10.0.0.66:50001: version 2", {"peer": "10.0.0.66:50001"}),
+            Event("waiting", "waiting for 2 workers", {}),
+            Event("round", "round 1 done", {}),
+        ]
+    )
+    assert notes.refused == {"10.0.0.66": "version 2"}
+    assert notes.phase == "waiting for 2 workers"
