@@ -20,9 +20,8 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from pcp_tui.diloco import reference
-
-CHUNK = 1 << 18  # elements per step of the in-place loops: 1 MiB of float32 stays in cache
+from pcp_tui.diloco import fused, reference
+from pcp_tui.diloco.fused import CHUNK
 
 
 def _chunks(size: int):
@@ -123,14 +122,13 @@ class OuterOptimizer:
     pytree, checkpointed leaf by leaf under `jax.tree_util.keystr` of its path
     (`[0].trace['wte']`): another optax chain is a matter of configuration, and
     checkpoints of the hand-written numpy step of before, which used the same
-    names, load as they are. The price against that in-place step: the
-    gradient, the update and the new state are fresh model-sized arrays each
-    round: best of 5 on this shared 2-core machine for 30M parameters, 0.31 s
-    against 0.07 s.
+    names, load as they are. The step itself runs optax's arithmetic fused
+    in place (`apply`; `apply_optax` is optax's update as it is, the same bits
+    at several times the time: docs/performance.md, "The outer step, fused").
     """
 
     def __init__(self, kind: str = "nesterov", lr: float = 0.7, momentum: float = 0.9):
-        self.kind = kind
+        self.kind, self.lr, self.momentum = kind, lr, momentum
         self.transform = reference.outer_optimizer(kind, lr, momentum)
         self.state = None  # the optax state, made on the first step (or loaded)
 
@@ -147,23 +145,55 @@ class OuterOptimizer:
         params: Mapping[str, np.ndarray],
         gradient_sum: Mapping[str, np.ndarray],
         scale: np.float32,
+        threads: int = fused.THREADS,
     ) -> None:
         """One outer step in place on `params` (float32), with the gradient `gradient_sum * scale`.
 
         `PseudoGradientMean.sums` and `.scale` go in as they are, rounded to the
-        mean as `mean()` rounds it. optax runs op by op, as in
-        `reference.outer_step`, so the two agree to the bit (jitted, XLA fuses
-        multiply-adds and they differ by an ulp; it is about 2x faster).
+        mean as `mean()` rounds it. The arithmetic is optax's own chain, op for
+        op (`apply_optax` runs optax itself), fused into one pass over memory in
+        cache-sized chunks over `threads` threads (`fused.py`): the same bits as
+        `reference.outer_step`, without its six model-sized temporaries. optax
+        jitted would fuse multiply-adds and differ by an ulp.
         """
-        for name, param in params.items():
-            if param.dtype != np.float32 or not param.flags.writeable:
-                raise ValueError(f"{name}: the outer step updates writable float32 arrays")
+        _check_writable(params)
+        self._own_state(params)
+        momentum, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
+        if self.kind == "nesterov":
+            trace = self.state[0].trace
+            rows = [(params[n], trace[n], gradient_sum[n]) for n in params]
+            fused.over_chunks(fused.nesterov_chunk, rows, (scale, momentum, neg_lr), threads)
+        else:
+            rows = [(params[n], gradient_sum[n]) for n in params]
+            fused.over_chunks(fused.sgd_chunk, rows, (scale, neg_lr), threads)
+
+    def apply_optax(
+        self,
+        params: Mapping[str, np.ndarray],
+        gradient_sum: Mapping[str, np.ndarray],
+        scale: np.float32,
+    ) -> None:
+        """`apply` through optax's update itself, op by op: the oracle of `apply`, and slower.
+
+        Kept for the tests and for `benchmarks/bench_outer_step.py`'s baseline.
+        """
+        _check_writable(params)
         gradient = {n: np.multiply(gradient_sum[n], scale, dtype=np.float32) for n in params}
         if self.state is None:
             self.state = self.transform.init(gradient)
         updates, self.state = self.transform.update(gradient, self.state)
         for name, param in params.items():
             np.add(param, np.asarray(updates[name]), out=param)
+
+    def _own_state(self, params: Mapping[str, np.ndarray]) -> None:
+        """Make the state (zeros on the first step) and hold its leaves as writable numpy arrays."""
+        if self.state is None:
+            self.state = self.transform.init(
+                {n: np.zeros(np.shape(p), np.float32) for n, p in params.items()}
+            )
+        leaves = jax.tree_util.tree_leaves(self.state)
+        if not all(isinstance(leaf, np.ndarray) and leaf.flags.writeable for leaf in leaves):
+            self.state = jax.tree_util.tree_map(lambda leaf: np.array(leaf, np.float32), self.state)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """The optimizer state as arrays named by key path (for checkpoints)."""
@@ -191,3 +221,9 @@ class OuterOptimizer:
         if wrong:
             raise ValueError(f"checkpoint's outer optimizer state does not fit {wrong[:3]}")
         self.state = jax.tree_util.tree_unflatten(tree, loaded)
+
+
+def _check_writable(params: Mapping[str, np.ndarray]) -> None:
+    for name, param in params.items():
+        if param.dtype != np.float32 or not param.flags.writeable:
+            raise ValueError(f"{name}: the outer step updates writable float32 arrays")

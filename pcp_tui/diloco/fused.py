@@ -1,0 +1,148 @@
+"""The outer step's arithmetic in place: one pass over memory, a cache-sized chunk at a time.
+
+optax's SGD with Nesterov momentum, run op by op as `reference.outer_step`
+runs it, makes six model-sized temporaries per step (the gradient, the decayed
+trace, the new trace, its decayed copy, the update, the scaled update) and
+reads and writes each once: most of a 31M-value fragment's outer step is page
+faults and memory traffic, not arithmetic. Here every op of the same chain
+runs on a 1 MiB chunk that stays in cache, into reused scratch buffers, and the
+chunks of a step are spread over a few threads (numpy releases the GIL in its
+loops; each chunk is independent, so the split changes no bit).
+
+Bit-equality with optax takes one more care: XLA's CPU runtime flushes
+subnormal inputs and results to zero, numpy does not. Each op's result is
+checked for subnormals (an AND of the exponent bits and two counts, in cache);
+a chunk that has one (a trace decayed below 1.2e-38 over hundreds of rounds
+without gradient) is recomputed with every op's inputs and result flushed, as
+XLA computes it. The last `θ += update` was numpy's in the optax path too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CHUNK = 1 << 18  # elements per step of the in-place loops: 1 MiB of float32 stays in cache
+THREADS = min(8, os.cpu_count() or 1)  # memory bandwidth, not cores, bounds the step beyond ~8
+_EXPONENT = np.uint32(0x7F800000)
+_TINY = np.finfo(np.float32).tiny
+
+
+@dataclass
+class _Scratch:
+    """One thread's chunk-sized buffers."""
+
+    size: int
+    floats: list[np.ndarray] = field(default_factory=list)
+    bits: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.floats = [np.empty(self.size, np.float32) for _ in range(4)]
+        self.bits = np.empty(self.size, np.uint32)
+
+    def subnormal(self, values: np.ndarray) -> bool:
+        """Whether `values` holds a subnormal (exponent bits zero, value not zero)."""
+        bits = np.bitwise_and(values.view(np.uint32), _EXPONENT, out=self.bits[: values.size])
+        return np.count_nonzero(values) != np.count_nonzero(bits)
+
+
+def _flushed(values: np.ndarray) -> np.ndarray:
+    """`values` with subnormals set to zero, in place (what XLA's CPU runtime reads and writes)."""
+    values[np.abs(values) < _TINY] = 0
+    return values
+
+
+def nesterov_chunk(scratch, param, trace, gradient_sum, scale, momentum, neg_lr) -> None:
+    """optax's `trace(momentum, nesterov=True)` then `scale(-lr)`, and θ += update, on one chunk."""
+    n = param.size
+    g, a, t, u = (f[:n] for f in scratch.floats)
+    np.multiply(gradient_sum, scale, out=g)
+    np.multiply(trace, momentum, out=a)
+    clean = not scratch.subnormal(g) and not scratch.subnormal(a)
+    np.add(g, a, out=t)
+    clean = clean and not scratch.subnormal(t)
+    np.multiply(t, momentum, out=a)
+    clean = clean and not scratch.subnormal(a)
+    np.add(g, a, out=u)
+    clean = clean and not scratch.subnormal(u)
+    np.multiply(u, neg_lr, out=u)
+    if not (clean and not scratch.subnormal(u)):
+        _flushed(g)  # recompute as XLA does: every op's inputs and result flushed
+        np.add(g, _flushed(np.multiply(trace, momentum, out=a)), out=t)
+        _flushed(t)
+        np.add(g, _flushed(np.multiply(t, momentum, out=a)), out=u)
+        _flushed(np.multiply(_flushed(u), neg_lr, out=u))
+    np.copyto(trace, t)
+    np.add(param, u, out=param)
+
+
+def sgd_chunk(scratch, param, gradient_sum, scale, neg_lr) -> None:
+    """optax's `scale(-lr)` of the gradient, and θ += update, on one chunk."""
+    n = param.size
+    g, u = scratch.floats[0][:n], scratch.floats[1][:n]
+    np.multiply(gradient_sum, scale, out=g)
+    np.multiply(g, neg_lr, out=u)
+    if scratch.subnormal(g) or scratch.subnormal(u):
+        np.multiply(_flushed(g), neg_lr, out=u)
+        _flushed(u)
+    np.add(param, u, out=param)
+
+
+def center_chunk(scratch, gradient_sum, center, center_weight, scale) -> None:
+    """Centered clip's close on one chunk: Σ += center · weight, then center = Σ · scale."""
+    n = gradient_sum.size
+    product = scratch.floats[0][:n]
+    if center_weight is not None:
+        np.multiply(center, center_weight, out=product)
+        np.add(gradient_sum, product, out=gradient_sum)
+    np.multiply(gradient_sum, scale, out=center)
+
+
+def over_chunks(
+    kernel: Callable[..., None],
+    tensors: Sequence[Sequence[np.ndarray]],
+    constants: tuple,
+    threads: int = THREADS,
+) -> None:
+    """Run `kernel(scratch, *chunk of each array, *constants)` over every chunk of every row.
+
+    Each row of `tensors` holds arrays of one size (a parameter and its
+    trace and gradient sum, say); they are cut into the same CHUNK-sized
+    flat slices. With `threads` > 1 the chunks go to that many threads,
+    which pull the next chunk as they finish one; the call returns once all
+    are done (or raises the first error, once every thread has stopped).
+    """
+    if any(not np.asarray(array).flags.c_contiguous for row in tensors for array in row):
+        raise ValueError("the outer step works in place on C-contiguous arrays only")
+    flats = [[np.ravel(array) for array in row] for row in tensors]
+    work = [
+        (row, slice(start, min(start + CHUNK, row[0].size)))
+        for row in flats
+        for start in range(0, row[0].size, CHUNK)
+    ]
+    threads = max(1, min(threads, len(work)))
+    lock = threading.Lock()
+    pending = iter(work)
+
+    def drain() -> None:
+        scratch = _Scratch(min(CHUNK, max((row[0].size for row, _ in work), default=0)))
+        while True:
+            with lock:
+                item = next(pending, None)
+            if item is None:
+                return
+            row, part = item
+            kernel(scratch, *(flat[part] for flat in row), *constants)
+
+    if threads == 1:
+        drain()
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="outer-step") as pool:
+        done = [pool.submit(drain) for _ in range(threads)]
+    for future in done:
+        future.result()
