@@ -10,11 +10,15 @@ chunks of a step are spread over a few threads (numpy releases the GIL in its
 loops; each chunk is independent, so the split changes no bit).
 
 Bit-equality with optax takes one more care: XLA's CPU runtime flushes
-subnormal inputs and results to zero, numpy does not. Each op's result is
-checked for subnormals (an AND of the exponent bits and two counts, in cache);
-a chunk that has one (a trace decayed below 1.2e-38 over hundreds of rounds
-without gradient) is recomputed with every op's inputs and result flushed, as
-XLA computes it. The last `θ += update` was numpy's in the optax path too.
+subnormal inputs and results to zero, numpy does not. Where every nonzero
+|g| and |trace| of a chunk is at least 2^-100, no op of the chain can meet a
+subnormal (a sum of two such values, or of one and a product of 0.9 with
+one, is 0 or at least 2^-124: the exact sum is a multiple of the smaller
+operand's ulp, and cancellation needs operands of similar size), so numpy's
+bits are XLA's. A chunk with a smaller value (a trace decaying over hundreds
+of rounds without gradient) is computed with every op's inputs and result
+flushed, as XLA computes it. The check is three integer passes over each of
+the two inputs, in cache. The last `θ += update` was numpy's in the optax path too.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import numpy as np
 
 CHUNK = 1 << 18  # elements per step of the in-place loops: 1 MiB of float32 stays in cache
 THREADS = min(8, os.cpu_count() or 1)  # memory bandwidth, not cores, bounds the step beyond ~8
-_EXPONENT = np.uint32(0x7F800000)
+_MAGNITUDE = np.uint32(0x7FFFFFFF)
+_SMALL = np.uint32((127 - 100) << 23)  # the bits of 2^-100: below it a chain may go subnormal
+_ONE = np.uint32(1)
 _TINY = np.finfo(np.float32).tiny
 
 
@@ -45,10 +51,14 @@ class _Scratch:
         self.floats = [np.empty(self.size, np.float32) for _ in range(4)]
         self.bits = np.empty(self.size, np.uint32)
 
-    def subnormal(self, values: np.ndarray) -> bool:
-        """Whether `values` holds a subnormal (exponent bits zero, value not zero)."""
-        bits = np.bitwise_and(values.view(np.uint32), _EXPONENT, out=self.bits[: values.size])
-        return np.count_nonzero(values) != np.count_nonzero(bits)
+    def small(self, values: np.ndarray) -> bool:
+        """Whether some nonzero value of `values` is below 2^-100 in magnitude.
+
+        |x|'s bits minus one, as unsigned: zero wraps to the largest value.
+        """
+        bits = np.bitwise_and(values.view(np.uint32), _MAGNITUDE, out=self.bits[: values.size])
+        np.subtract(bits, _ONE, out=bits)
+        return values.size > 0 and bits.min() < _SMALL - _ONE
 
 
 def _flushed(values: np.ndarray) -> np.ndarray:
@@ -58,26 +68,26 @@ def _flushed(values: np.ndarray) -> np.ndarray:
 
 
 def nesterov_chunk(scratch, param, trace, gradient_sum, scale, momentum, neg_lr) -> None:
-    """optax's `trace(momentum, nesterov=True)` then `scale(-lr)`, and θ += update, on one chunk."""
+    """optax's `trace(momentum, nesterov=True)` then `scale(-lr)`, and θ += update, on one chunk.
+
+    The new trace is g + m·t, the update −lr·(g + m·new trace), each op
+    rounded to float32 as optax's are.
+    """
     n = param.size
-    g, a, t, u = (f[:n] for f in scratch.floats)
+    g, a, u = (f[:n] for f in scratch.floats[:3])
     np.multiply(gradient_sum, scale, out=g)
-    np.multiply(trace, momentum, out=a)
-    clean = not scratch.subnormal(g) and not scratch.subnormal(a)
-    np.add(g, a, out=t)
-    clean = clean and not scratch.subnormal(t)
-    np.multiply(t, momentum, out=a)
-    clean = clean and not scratch.subnormal(a)
-    np.add(g, a, out=u)
-    clean = clean and not scratch.subnormal(u)
-    np.multiply(u, neg_lr, out=u)
-    if not (clean and not scratch.subnormal(u)):
-        _flushed(g)  # recompute as XLA does: every op's inputs and result flushed
-        np.add(g, _flushed(np.multiply(trace, momentum, out=a)), out=t)
-        _flushed(t)
-        np.add(g, _flushed(np.multiply(t, momentum, out=a)), out=u)
+    if scratch.small(g) or scratch.small(trace):
+        _flushed(g)  # as XLA computes it: every op's inputs and result flushed
+        np.add(g, _flushed(np.multiply(trace, momentum, out=a)), out=trace)
+        _flushed(trace)
+        np.add(g, _flushed(np.multiply(trace, momentum, out=a)), out=u)
         _flushed(np.multiply(_flushed(u), neg_lr, out=u))
-    np.copyto(trace, t)
+    else:
+        np.multiply(trace, momentum, out=a)
+        np.add(g, a, out=trace)
+        np.multiply(trace, momentum, out=a)
+        np.add(g, a, out=u)
+        np.multiply(u, neg_lr, out=u)
     np.add(param, u, out=param)
 
 
@@ -86,10 +96,11 @@ def sgd_chunk(scratch, param, gradient_sum, scale, neg_lr) -> None:
     n = param.size
     g, u = scratch.floats[0][:n], scratch.floats[1][:n]
     np.multiply(gradient_sum, scale, out=g)
-    np.multiply(g, neg_lr, out=u)
-    if scratch.subnormal(g) or scratch.subnormal(u):
-        np.multiply(_flushed(g), neg_lr, out=u)
-        _flushed(u)
+    if scratch.small(g):
+        _flushed(g)
+        _flushed(np.multiply(g, neg_lr, out=u))
+    else:
+        np.multiply(g, neg_lr, out=u)
     np.add(param, u, out=param)
 
 
