@@ -15,7 +15,10 @@ arrays: as before this change (optax's update op by op; the close with
 model-sized temporaries) and as now (fused in place, `--threads` threads),
 and both results are compared bit for bit. The baseline of every ratio is
 the least work a step could be: a bare numpy mean of the k results and
-`p -= lr * g`, timed in the same run. Medians of `--repeat`.
+`p -= lr * g`, timed in the same run. Last, the fused step runs in
+`trio.to_thread.run_sync` beside a 1 ms trio ticker: the longest gap between
+its wake-ups is how long the event loop (heartbeats, other links) stalls while
+the step computes. Medians of `--repeat`.
 
     python benchmarks/bench_outer_step.py [--sizes 31 124] [--results 2 4 8] [--repeat 3]
 """
@@ -29,6 +32,7 @@ import sys
 import time
 
 import numpy as np
+import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -111,6 +115,9 @@ def one_case(shapes, k: int, quantization: str, threads: int, rng) -> dict[str, 
     )
     if not same:
         raise SystemExit("the fused outer step or close changed a bit: not a valid measurement")
+    times["step in thread"], times["longest stall"] = event_loop_stall(
+        now, p_now, clips[1], threads
+    )
     if quantization != "none":
         times["change"] = timed(change_round_trip, p_now, params, quantization)[0]
     baseline = list(results) * (k // 2) + results[: k % 2]
@@ -127,10 +134,46 @@ def change_round_trip(params, old, quantization: str) -> None:
 
 
 def bare_step(params, results) -> None:
-    """The least a step could be: the plain mean of the results and p -= lr * g."""
+    """The least a step could be: the plain mean of the results and p -= lr * g, in place."""
     for name, param in params.items():
-        mean = np.mean([r[name] for r in results], axis=0, dtype=np.float32)
-        param -= np.float32(0.7) * mean
+        mean = np.copy(results[0][name])
+        for result in results[1:]:
+            np.add(mean, result[name], out=mean)
+        mean *= np.float32(1 / len(results))
+        mean *= np.float32(0.7)
+        param -= mean
+
+
+def event_loop_stall(
+    outer: OuterOptimizer, params, clip: CenteredClip, threads: int
+) -> tuple[float, float]:
+    """The outer step in `trio.to_thread.run_sync`, as the shepherd runs it, beside a 1 ms ticker.
+
+    Returns (the step's seconds, the longest gap between the ticker's wake-ups):
+    how long heartbeats and other links would wait while the step computes.
+    """
+    gaps = [0.0]
+
+    async def tick(done: trio.Event) -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await trio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async def main() -> float:
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tick, done)
+            await trio.sleep(0.01)
+            start = time.perf_counter()
+            await trio.to_thread.run_sync(outer.apply, params, clip.sums, clip.scale, threads)
+            seconds = time.perf_counter() - start
+            done.set()
+        return seconds
+
+    return trio.run(main), max(gaps)
 
 
 PHASES = ("decode", "screen", "fold", "close before", "close now", "outer before", "outer now")
@@ -138,7 +181,7 @@ PHASES = ("decode", "screen", "fold", "close before", "close now", "outer before
 
 def header() -> None:
     head = ["M values", "k", "results", *PHASES, "change", "baseline"]
-    head += ["close+outer before", "now", "speed-up", "now / baseline"]
+    head += ["close+outer before", "now", "speed-up", "now / baseline", "loop stall"]
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
 
@@ -150,6 +193,7 @@ def report(rows) -> None:
         cells = [f"{size:g}", str(k), quantization] + [f"{t[p]:.3f}" for p in PHASES]
         cells += [f"{t['change']:.3f}" if "change" in t else "-", f"{t['baseline']:.3f}"]
         cells += [f"{old:.3f}", f"{new:.3f}", f"{old / new:.2f}x", f"{new / t['baseline']:.2f}"]
+        cells += [f"{t['longest stall'] * 1000:.0f} ms of {t['step in thread']:.3f} s"]
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
