@@ -30,7 +30,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from pcp_tui.diloco import fused
-from pcp_tui.diloco.outer import CHUNK, PseudoGradientMean
+from pcp_tui.diloco.fused import CHUNK
+from pcp_tui.diloco.outer import PseudoGradientMean
 
 CLIP_FACTOR = 2.0  # clip radius: this many times the median distance of recent results
 CLIP_WINDOW = 32  # recent distances the median is taken over (a few rounds of results)
@@ -126,7 +127,15 @@ class CenteredClip:
         self.total_weight = 0.0
         self._center_weight = 0.0
         self.contributors = 0
-        self.threads = fused.THREADS  # threads of the closing pass (`fused.over_chunks`)
+
+    @property
+    def threads(self) -> int:
+        """Threads of each fold and of the close (`fused.over_chunks`)."""
+        return self._sum.threads
+
+    @threads.setter
+    def threads(self, count: int) -> None:
+        self._sum.threads = count
 
     def reset(self) -> None:
         """Start a round: its radius comes from the distances of earlier rounds."""

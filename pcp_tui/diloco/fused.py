@@ -104,6 +104,16 @@ def sgd_chunk(scratch, param, gradient_sum, scale, neg_lr) -> None:
     np.add(param, u, out=param)
 
 
+def fold_chunk(scratch, total, array, weight, first) -> None:
+    """`total += array · weight` on one chunk (`total = array · weight` for the `first` result)."""
+    if first:
+        np.multiply(array, weight, out=total)
+        return
+    product = scratch.floats[0][: total.size]
+    np.multiply(array, weight, out=product)
+    np.add(total, product, out=total)
+
+
 def center_chunk(scratch, gradient_sum, center, center_weight, scale) -> None:
     """Centered clip's close on one chunk: Σ += center · weight, then center = Σ · scale."""
     n = gradient_sum.size
@@ -136,6 +146,8 @@ def over_chunks(
         for row in flats
         for start in range(0, row[0].size, CHUNK)
     ]
+    if sum(row[0].size for row in flats) < 4 * CHUNK:
+        threads = 1  # a thread pool costs more than a few MB of arithmetic saves
     threads = max(1, min(threads, len(work)))
     lock = threading.Lock()
     pending = iter(work)

@@ -10,7 +10,9 @@ The mean runs in place on float32 buffers kept from round to round, a
 cache-sized chunk at a time: a pass over memory per result, with no model-sized
 temporaries to allocate (a fresh 500 MB array costs more in page faults than
 the arithmetic on it). The outer step is a library optimizer (optax), as in
-`reference.py`, applied to the same host buffers.
+`reference.py`: its state is optax's, and its arithmetic optax's chain op for
+op, fused in place on the same host buffers (`fused.py`; `apply_optax` runs
+optax's update itself, the oracle of the tests).
 """
 
 from __future__ import annotations
@@ -21,27 +23,17 @@ import jax
 import numpy as np
 
 from pcp_tui.diloco import fused, reference
-from pcp_tui.diloco.fused import CHUNK
+from pcp_tui.diloco.fused import CHUNK as CHUNK  # re-exported: the chunk of the in-place loops
 
 
-def _chunks(size: int):
-    for start in range(0, size, CHUNK):
-        yield slice(start, min(start + CHUNK, size))
-
-
-def scaled_add(total: np.ndarray, array: np.ndarray, weight: np.float32, scratch: np.ndarray):
+def scaled_add(
+    total: np.ndarray, array: np.ndarray, weight: np.float32, threads: int = fused.THREADS
+) -> None:
     """`total += array * weight` in place, with the same float32 roundings, without a temporary.
 
-    `scratch` holds at least min(CHUNK, total.size) float32 values.
+    A cache-sized chunk at a time, over `threads` threads (`fused.over_chunks`).
     """
-    if total.size <= CHUNK:  # small enough that the temporary is cheap and stays in cache
-        total += array * weight
-        return
-    flat_total, flat = total.reshape(-1), array.reshape(-1)
-    for part in _chunks(flat_total.size):
-        product = scratch[: part.stop - part.start]
-        np.multiply(flat[part], weight, out=product)
-        np.add(flat_total[part], product, out=flat_total[part])
+    fused.over_chunks(fused.fold_chunk, [(total, array)], (weight, False), threads)
 
 
 class PseudoGradientMean:
@@ -53,7 +45,7 @@ class PseudoGradientMean:
     def __init__(self, names: tuple[str, ...]):
         self._names = names
         self._sum: dict[str, np.ndarray] = {}
-        self._scratch = np.empty(0, np.float32)
+        self.threads = fused.THREADS  # threads of each fold (`fused.over_chunks`)
         self.total_weight = 0.0
         self.contributors = 0
 
@@ -67,15 +59,15 @@ class PseudoGradientMean:
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         scale = np.float32(weight)
+        rows = []
         for n in self._names:
-            array = np.asarray(pseudo_gradient[n], np.float32)
+            array = np.ascontiguousarray(pseudo_gradient[n], np.float32)
             total = self._sum.get(n)
             if total is None or total.shape != array.shape:
                 total = self._sum[n] = np.empty(array.shape, np.float32)
-            if self.contributors == 0:
-                np.multiply(array, scale, out=total)
-            else:
-                scaled_add(total, array, scale, self._scratch_for(array.size))
+            rows.append((total, array))
+        first = self.contributors == 0  # the sum starts as the first result times its weight
+        fused.over_chunks(fused.fold_chunk, rows, (scale, first), self.threads)
         self.total_weight += weight
         self.contributors += 1
 
@@ -89,11 +81,6 @@ class PseudoGradientMean:
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Nothing to restore."""
-
-    def _scratch_for(self, size: int) -> np.ndarray:
-        if self._scratch.size < min(size, CHUNK):
-            self._scratch = np.empty(min(size, CHUNK), np.float32)
-        return self._scratch
 
     @property
     def scale(self) -> np.float32:
