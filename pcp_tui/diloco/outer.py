@@ -174,13 +174,18 @@ class OuterOptimizer:
 
     def _own_state(self, params: Mapping[str, np.ndarray]) -> None:
         """Make the state (zeros on the first step) and hold its leaves as writable numpy arrays."""
-        if self.state is None:
-            self.state = self.transform.init(
-                {n: np.zeros(np.shape(p), np.float32) for n, p in params.items()}
+        if self.state is None:  # from optax's shapes: no device array (on a GPU host, no GPU)
+            self.state = jax.tree_util.tree_map(
+                lambda leaf: np.zeros(leaf.shape, leaf.dtype), self._state_shapes(params)
             )
         leaves = jax.tree_util.tree_leaves(self.state)
         if not all(isinstance(leaf, np.ndarray) and leaf.flags.writeable for leaf in leaves):
             self.state = jax.tree_util.tree_map(lambda leaf: np.array(leaf, np.float32), self.state)
+
+    def _state_shapes(self, params: Mapping[str, np.ndarray]):
+        """optax's state for `params` as shapes and dtypes (`jax.eval_shape`: nothing allocated)."""
+        specs = {n: jax.ShapeDtypeStruct(np.shape(p), np.float32) for n, p in params.items()}
+        return jax.eval_shape(self.transform.init, specs)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """The optimizer state as arrays named by key path (for checkpoints)."""
@@ -193,9 +198,7 @@ class OuterOptimizer:
         self, params: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray]
     ) -> None:
         """Take the state back from `state_arrays`' names; ValueError if it lacks or misfits some."""
-        template = self.transform.init(
-            {n: np.zeros(np.shape(p), np.float32) for n, p in params.items()}
-        )
+        template = self._state_shapes(params)
         leaves, tree = jax.tree_util.tree_flatten_with_path(template)
         names = [jax.tree_util.keystr(path) for path, _ in leaves]
         missing = [name for name in names if name not in arrays]
