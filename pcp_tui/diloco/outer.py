@@ -146,12 +146,13 @@ class OuterOptimizer:
         _check_writable(params)
         self._own_state(params)
         momentum, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
+        sums = {n: np.ascontiguousarray(gradient_sum[n], np.float32) for n in params}
         if self.kind == "nesterov":
             trace = self.state[0].trace
-            rows = [(params[n], trace[n], gradient_sum[n]) for n in params]
+            rows = [(params[n], trace[n], sums[n]) for n in params]
             fused.over_chunks(fused.nesterov_chunk, rows, (scale, momentum, neg_lr), threads)
         else:
-            rows = [(params[n], gradient_sum[n]) for n in params]
+            rows = [(params[n], sums[n]) for n in params]
             fused.over_chunks(fused.sgd_chunk, rows, (scale, neg_lr), threads)
 
     def apply_optax(
