@@ -20,12 +20,13 @@ SHAPES = {"wte": (3, fused.CHUNK + 123), "bias": (7,), "w": (fused.CHUNK // 2,)}
 
 
 def _gradient(rng, regime: str) -> dict[str, np.ndarray]:
-    """Gradient sums of a regime: normal values, tiny ones (2^-150..2^-95) among normal, zeros."""
+    """Gradient sums: normal values; 30% tiny (2^-150..2^-60) or small (2^-126..2^-120) ones; zeros."""
     out = {}
     for name, shape in SHAPES.items():
         values = rng.standard_normal(shape).astype(np.float32) * np.float32(1e-3)
-        if regime == "tiny":
-            tiny = np.exp2(rng.uniform(-150, -95, shape)).astype(np.float32)
+        if regime in ("tiny", "small"):  # small: normal values whose products may not be
+            low, high = (-150, -60) if regime == "tiny" else (-126, -120)
+            tiny = np.exp2(rng.uniform(low, high, shape)).astype(np.float32)
             values = np.where(rng.random(shape) < 0.3, tiny * np.sign(values), values)
         elif regime == "zero":
             values = np.zeros(shape, np.float32)
@@ -37,22 +38,31 @@ def _bits(arrays) -> dict[str, bytes]:
     return {n: np.ascontiguousarray(np.asarray(v)).tobytes() for n, v in arrays.items()}
 
 
-@pytest.mark.parametrize("kind", ["nesterov", "sgd"])
-@pytest.mark.parametrize("threads", [1, 3])
-def test_fused_step_is_optax_to_the_bit(kind, threads):
+@pytest.mark.parametrize(
+    ("kind", "lr", "momentum", "threads"),
+    [
+        ("nesterov", 0.7, 0.9, 1),
+        ("nesterov", 0.7, 0.9, 3),
+        ("nesterov", 1e-3, 0.3, 3),
+        ("sgd", 0.7, 0.9, 1),
+        ("sgd", 1e-4, 0.9, 3),
+    ],
+)
+def test_fused_step_is_optax_to_the_bit(kind, lr, momentum, threads):
     rng = np.random.default_rng(7)
     params = {
         n: rng.standard_normal(s).astype(np.float32) * np.float32(0.02) for n, s in SHAPES.items()
     }
     params["bias"][:3] = [0.0, 2.0**-130, -(2.0**-110)]  # subnormal and small parameters too
-    by_optax, fused_step = OuterOptimizer(kind), OuterOptimizer(kind)
+    by_optax, fused_step = (OuterOptimizer(kind, lr, momentum) for _ in range(2))
     theirs, ours = (
         {n: v.copy() for n, v in params.items()},
         {n: v.copy() for n, v in params.items()},
     )
-    # tiny values with momentum behind them, then a trace decaying through 2^-100 and subnormals
-    regimes = ["normal", "tiny", "tiny"] + ["zero"] * 6
-    scales = [np.float32(1 / 3), np.float32(1e-20), np.float32(2.0**-40)] + [np.float32(0.5)] * 6
+    # small normal values from a zero trace (their products go subnormal), a small trace
+    # decaying, tiny and subnormal values, then normal ones and their trace decaying
+    regimes = ["small", "zero", "small", "zero", "tiny", "tiny", "zero", "normal", "zero"]
+    scales = [np.float32(x) for x in (1, 0.5, 1, 0.5, 1e-20, 2.0**-40, 0.5, 1 / 3, 0.5)]
     for regime, scale in zip(regimes, scales, strict=True):
         sums = _gradient(rng, regime)
         by_optax.apply_optax(theirs, sums, scale)

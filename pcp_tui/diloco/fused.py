@@ -10,19 +10,23 @@ chunks of a step are spread over a few threads (numpy releases the GIL in its
 loops; each chunk is independent, so the split changes no bit).
 
 Bit-equality with optax takes one more care: XLA's CPU runtime flushes
-subnormal inputs and results to zero, numpy does not. Where every nonzero
-|g| and |trace| of a chunk is at least 2^-100, no op of the chain can meet a
-subnormal (a sum of two such values, or of one and a product of 0.9 with
-one, is 0 or at least 2^-124: the exact sum is a multiple of the smaller
-operand's ulp, and cancellation needs operands of similar size), so numpy's
-bits are XLA's. A chunk with a smaller value (a trace decaying over hundreds
-of rounds without gradient) is computed with every op's inputs and result
-flushed, as XLA computes it. The check is three integer passes over each of
-the two inputs, in cache. The last `θ += update` was numpy's in the optax path too.
+subnormal inputs and results to zero, numpy does not. A chunk whose nonzero
+|g| and |trace| are all at least `small_bound(lr, momentum)` cannot meet a
+subnormal anywhere in the chain, so numpy's bits are XLA's there: a product
+by m or lr scales a bound by m or lr, and a sum of two nonzero floats is 0 or
+at least 2^-24 of the smaller (the exact sum is a multiple of the smaller
+operand's ulp), so the chain's smallest nonzero value is at least
+L · min(lr, 1) · min(m, 1)² · 2^-48, and L is chosen to keep that ≥ 2^-126.
+(0.7 and 0.9: L = 2^-77, about 6.6e-24.) A chunk with a smaller value (a
+trace decaying over hundreds of rounds without gradient) is computed with
+every op's inputs and result flushed, as XLA computes it. The check is three
+integer passes over each of the two inputs, in cache. The last
+`θ += update` was numpy's in the optax path too.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -34,7 +38,6 @@ import numpy as np
 CHUNK = 1 << 18  # elements per step of the in-place loops: 1 MiB of float32 stays in cache
 THREADS = min(8, os.cpu_count() or 1)  # memory bandwidth, not cores, bounds the step beyond ~8
 _MAGNITUDE = np.uint32(0x7FFFFFFF)
-_SMALL = np.uint32((127 - 100) << 23)  # the bits of 2^-100: below it a chain may go subnormal
 _ONE = np.uint32(1)
 _TINY = np.finfo(np.float32).tiny
 
@@ -51,23 +54,37 @@ class _Scratch:
         self.floats = [np.empty(self.size, np.float32) for _ in range(4)]
         self.bits = np.empty(self.size, np.uint32)
 
-    def small(self, values: np.ndarray) -> bool:
-        """Whether some nonzero value of `values` is below 2^-100 in magnitude.
+    def small(self, values: np.ndarray, bound: np.uint32) -> bool:
+        """Whether some nonzero value of `values` is below the float32 whose bits are `bound`.
 
         |x|'s bits minus one, as unsigned: zero wraps to the largest value.
         """
         bits = np.bitwise_and(values.view(np.uint32), _MAGNITUDE, out=self.bits[: values.size])
         np.subtract(bits, _ONE, out=bits)
-        return values.size > 0 and bits.min() < _SMALL - _ONE
+        return values.size > 0 and bits.min() < bound - _ONE
+
+
+def small_bound(lr: float, momentum: float) -> np.uint32:
+    """The bits of L, a power of two: nonzero |g| and |trace| at least L keep the step normal.
+
+    See the module docstring; lr = 0 gives inf (every chunk takes the flushing path).
+    """
+    factor = min(abs(float(np.float32(lr))), 1.0)
+    m = min(abs(float(np.float32(momentum))), 1.0)
+    factor *= m * m if m > 0 else 1.0
+    if factor == 0:
+        return np.uint32(0x7F800000)
+    exponent = math.ceil(math.log2(2.0**-78 / factor))
+    return np.uint32(min(exponent + 127, 255) << 23)
 
 
 def _flushed(values: np.ndarray) -> np.ndarray:
-    """`values` with subnormals set to zero, in place (what XLA's CPU runtime reads and writes)."""
-    values[np.abs(values) < _TINY] = 0
+    """`values` with subnormals set to a zero of their sign, in place (as XLA's CPU runtime does)."""
+    np.multiply(values, 0, out=values, where=np.abs(values) < _TINY)
     return values
 
 
-def nesterov_chunk(scratch, param, trace, gradient_sum, scale, momentum, neg_lr) -> None:
+def nesterov_chunk(scratch, param, trace, gradient_sum, scale, momentum, neg_lr, small) -> None:
     """optax's `trace(momentum, nesterov=True)` then `scale(-lr)`, and θ += update, on one chunk.
 
     The new trace is g + m·t, the update −lr·(g + m·new trace), each op
@@ -76,7 +93,7 @@ def nesterov_chunk(scratch, param, trace, gradient_sum, scale, momentum, neg_lr)
     n = param.size
     g, a, u = (f[:n] for f in scratch.floats[:3])
     np.multiply(gradient_sum, scale, out=g)
-    if scratch.small(g) or scratch.small(trace):
+    if scratch.small(g, small) or scratch.small(trace, small):
         _flushed(g)  # as XLA computes it: every op's inputs and result flushed
         np.add(g, _flushed(np.multiply(trace, momentum, out=a)), out=trace)
         _flushed(trace)
@@ -91,12 +108,12 @@ def nesterov_chunk(scratch, param, trace, gradient_sum, scale, momentum, neg_lr)
     np.add(param, u, out=param)
 
 
-def sgd_chunk(scratch, param, gradient_sum, scale, neg_lr) -> None:
+def sgd_chunk(scratch, param, gradient_sum, scale, neg_lr, small) -> None:
     """optax's `scale(-lr)` of the gradient, and θ += update, on one chunk."""
     n = param.size
     g, u = scratch.floats[0][:n], scratch.floats[1][:n]
     np.multiply(gradient_sum, scale, out=g)
-    if scratch.small(g):
+    if scratch.small(g, small):
         _flushed(g)
         _flushed(np.multiply(g, neg_lr, out=u))
     else:

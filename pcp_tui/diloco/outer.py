@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pcp_tui.diloco import fused, reference
@@ -150,10 +151,12 @@ class OuterOptimizer:
         if self.kind == "nesterov":
             trace = self.state[0].trace
             rows = [(params[n], trace[n], sums[n]) for n in params]
-            fused.over_chunks(fused.nesterov_chunk, rows, (scale, momentum, neg_lr), threads)
+            constants = (scale, momentum, neg_lr, fused.small_bound(self.lr, self.momentum))
+            fused.over_chunks(fused.nesterov_chunk, rows, constants, threads)
         else:
             rows = [(params[n], sums[n]) for n in params]
-            fused.over_chunks(fused.sgd_chunk, rows, (scale, neg_lr), threads)
+            constants = (scale, neg_lr, fused.small_bound(self.lr, 0.0))
+            fused.over_chunks(fused.sgd_chunk, rows, constants, threads)
 
     def apply_optax(
         self,
@@ -161,15 +164,21 @@ class OuterOptimizer:
         gradient_sum: Mapping[str, np.ndarray],
         scale: np.float32,
     ) -> None:
-        """`apply` through optax's update itself, op by op: the oracle of `apply`, and slower.
+        """`apply` through optax's update itself, on XLA: the oracle of `apply`, and slower.
 
-        Kept for the tests and for `benchmarks/bench_outer_step.py`'s baseline.
+        The gradient and state go in as JAX arrays, so every op of optax's chain
+        runs in XLA as in `reference.outer_step` (given numpy arrays, optax's
+        lambdas would run in numpy, which keeps the subnormals XLA flushes);
+        θ += update stays numpy's, as the shepherd's step always did. Kept for
+        the tests and for `benchmarks/bench_outer_step.py`'s "before".
         """
         _check_writable(params)
-        gradient = {n: np.multiply(gradient_sum[n], scale, dtype=np.float32) for n in params}
-        if self.state is None:
-            self.state = self.transform.init(gradient)
-        updates, self.state = self.transform.update(gradient, self.state)
+        gradient = {
+            n: jnp.asarray(np.multiply(gradient_sum[n], scale, dtype=np.float32)) for n in params
+        }
+        state = self.transform.init(gradient) if self.state is None else self.state
+        state = jax.tree_util.tree_map(jnp.asarray, state)
+        updates, self.state = self.transform.update(gradient, state)
         for name, param in params.items():
             np.add(param, np.asarray(updates[name]), out=param)
 
