@@ -19,9 +19,9 @@ operand's ulp), so the chain's smallest nonzero value is at least
 L · min(lr, 1) · min(m, 1)² · 2^-48, and L is chosen to keep that ≥ 2^-126.
 (0.7 and 0.9: L = 2^-77, about 6.6e-24.) A chunk with a smaller value (a
 trace decaying over hundreds of rounds without gradient) is computed with
-every op's inputs and result flushed, as XLA computes it. The check is three
-integer passes over each of the two inputs, in cache. The last
-`θ += update` was numpy's in the optax path too.
+every op's inputs and result flushed to a zero of their sign, as XLA does. The
+check is three integer passes over each of the two inputs, in cache. The
+last `θ += update` was numpy's in the optax path too.
 """
 
 from __future__ import annotations
