@@ -109,3 +109,10 @@ def test_centered_clip_close_over_threads_is_the_plain_arithmetic():
     for clip in clips:
         clip.finish()
         assert _bits(clip.center) == _bits(expected)
+
+
+def test_a_gradient_of_another_shape_is_refused_not_half_applied():
+    outer, params = OuterOptimizer(), {"w": np.ones(fused.CHUNK + 5, np.float32)}
+    with pytest.raises(ValueError, match="one size"):
+        outer.apply(params, {"w": np.ones(fused.CHUNK, np.float32)}, np.float32(1))
+    assert (params["w"] == 1).all()

@@ -158,6 +158,10 @@ def over_chunks(
     if any(not np.asarray(array).flags.c_contiguous for row in tensors for array in row):
         raise ValueError("the outer step works in place on C-contiguous arrays only")
     flats = [[np.ravel(array) for array in row] for row in tensors]
+    for row in flats:
+        if len({flat.size for flat in row}) > 1:
+            sizes = [flat.size for flat in row]
+            raise ValueError(f"arrays of one row must have one size, got {sizes}: shapes differ")
     work = [
         (row, slice(start, min(start + CHUNK, row[0].size)))
         for row in flats
