@@ -29,7 +29,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pcp_tui.diloco.outer import CHUNK, PseudoGradientMean
+from pcp_tui.diloco import fused
+from pcp_tui.diloco.fused import CHUNK
+from pcp_tui.diloco.outer import PseudoGradientMean
 
 CLIP_FACTOR = 2.0  # clip radius: this many times the median distance of recent results
 CLIP_WINDOW = 32  # recent distances the median is taken over (a few rounds of results)
@@ -126,6 +128,15 @@ class CenteredClip:
         self._center_weight = 0.0
         self.contributors = 0
 
+    @property
+    def threads(self) -> int:
+        """Threads of each fold and of the close (`fused.over_chunks`)."""
+        return self._sum.threads
+
+    @threads.setter
+    def threads(self, count: int) -> None:
+        self._sum.threads = count
+
     def reset(self) -> None:
         """Start a round: its radius comes from the distances of earlier rounds."""
         self._sum.reset()
@@ -170,15 +181,14 @@ class CenteredClip:
                 self._fold(result, weight, relative * self.step_scale)
             self._held = []
         sums = self._sum.sums
-        if self._center_weight > 0 and self.center is not None:
-            for name in self._names:
-                sums[name] += self.center[name] * np.float32(self._center_weight)
+        weight = None  # the center's share, added to the sum in the same pass as the new center
         if self.center is None:  # the first round's distances are norms: no history for later
             self.center = {n: np.empty_like(v) for n, v in sums.items()}
         else:
             self._recent.extend(self._round)
-        for name in self._names:
-            np.multiply(sums[name], self.scale, out=self.center[name])
+            weight = np.float32(self._center_weight) if self._center_weight > 0 else None
+        rows = [(sums[n], self.center[n]) for n in self._names]
+        fused.over_chunks(fused.center_chunk, rows, (weight, self.scale), self.threads)
         return self._scales
 
     @property

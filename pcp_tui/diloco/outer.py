@@ -10,7 +10,9 @@ The mean runs in place on float32 buffers kept from round to round, a
 cache-sized chunk at a time: a pass over memory per result, with no model-sized
 temporaries to allocate (a fresh 500 MB array costs more in page faults than
 the arithmetic on it). The outer step is a library optimizer (optax), as in
-`reference.py`, applied to the same host buffers.
+`reference.py`: its state is optax's, and its arithmetic optax's chain op for
+op, fused in place on the same host buffers (`fused.py`; `apply_optax` runs
+optax's update itself, the oracle of the tests).
 """
 
 from __future__ import annotations
@@ -18,31 +20,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pcp_tui.diloco import reference
-
-CHUNK = 1 << 18  # elements per step of the in-place loops: 1 MiB of float32 stays in cache
-
-
-def _chunks(size: int):
-    for start in range(0, size, CHUNK):
-        yield slice(start, min(start + CHUNK, size))
+from pcp_tui.diloco import fused, reference
+from pcp_tui.diloco.fused import CHUNK as CHUNK  # re-exported: the chunk of the in-place loops
 
 
-def scaled_add(total: np.ndarray, array: np.ndarray, weight: np.float32, scratch: np.ndarray):
+def scaled_add(
+    total: np.ndarray, array: np.ndarray, weight: np.float32, threads: int = fused.THREADS
+) -> None:
     """`total += array * weight` in place, with the same float32 roundings, without a temporary.
 
-    `scratch` holds at least min(CHUNK, total.size) float32 values.
+    A cache-sized chunk at a time, over `threads` threads (`fused.over_chunks`).
     """
-    if total.size <= CHUNK:  # small enough that the temporary is cheap and stays in cache
-        total += array * weight
-        return
-    flat_total, flat = total.reshape(-1), array.reshape(-1)
-    for part in _chunks(flat_total.size):
-        product = scratch[: part.stop - part.start]
-        np.multiply(flat[part], weight, out=product)
-        np.add(flat_total[part], product, out=flat_total[part])
+    fused.over_chunks(fused.fold_chunk, [(total, array)], (weight, False), threads)
 
 
 class PseudoGradientMean:
@@ -54,7 +46,7 @@ class PseudoGradientMean:
     def __init__(self, names: tuple[str, ...]):
         self._names = names
         self._sum: dict[str, np.ndarray] = {}
-        self._scratch = np.empty(0, np.float32)
+        self.threads = fused.THREADS  # threads of each fold (`fused.over_chunks`)
         self.total_weight = 0.0
         self.contributors = 0
 
@@ -68,15 +60,15 @@ class PseudoGradientMean:
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         scale = np.float32(weight)
+        rows = []
         for n in self._names:
-            array = np.asarray(pseudo_gradient[n], np.float32)
+            array = np.ascontiguousarray(pseudo_gradient[n], np.float32)
             total = self._sum.get(n)
             if total is None or total.shape != array.shape:
                 total = self._sum[n] = np.empty(array.shape, np.float32)
-            if self.contributors == 0:
-                np.multiply(array, scale, out=total)
-            else:
-                scaled_add(total, array, scale, self._scratch_for(array.size))
+            rows.append((total, array))
+        first = self.contributors == 0  # the sum starts as the first result times its weight
+        fused.over_chunks(fused.fold_chunk, rows, (scale, first), self.threads)
         self.total_weight += weight
         self.contributors += 1
 
@@ -90,11 +82,6 @@ class PseudoGradientMean:
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Nothing to restore."""
-
-    def _scratch_for(self, size: int) -> np.ndarray:
-        if self._scratch.size < min(size, CHUNK):
-            self._scratch = np.empty(min(size, CHUNK), np.float32)
-        return self._scratch
 
     @property
     def scale(self) -> np.float32:
@@ -123,14 +110,13 @@ class OuterOptimizer:
     pytree, checkpointed leaf by leaf under `jax.tree_util.keystr` of its path
     (`[0].trace['wte']`): another optax chain is a matter of configuration, and
     checkpoints of the hand-written numpy step of before, which used the same
-    names, load as they are. The price against that in-place step: the
-    gradient, the update and the new state are fresh model-sized arrays each
-    round: best of 5 on this shared 2-core machine for 30M parameters, 0.31 s
-    against 0.07 s.
+    names, load as they are. The step itself runs optax's arithmetic fused
+    in place (`apply`; `apply_optax` is optax's update as it is, the same bits
+    at several times the time: docs/performance.md, "The outer step, fused").
     """
 
     def __init__(self, kind: str = "nesterov", lr: float = 0.7, momentum: float = 0.9):
-        self.kind = kind
+        self.kind, self.lr, self.momentum = kind, lr, momentum
         self.transform = reference.outer_optimizer(kind, lr, momentum)
         self.state = None  # the optax state, made on the first step (or loaded)
 
@@ -147,23 +133,69 @@ class OuterOptimizer:
         params: Mapping[str, np.ndarray],
         gradient_sum: Mapping[str, np.ndarray],
         scale: np.float32,
+        threads: int = fused.THREADS,
     ) -> None:
         """One outer step in place on `params` (float32), with the gradient `gradient_sum * scale`.
 
         `PseudoGradientMean.sums` and `.scale` go in as they are, rounded to the
-        mean as `mean()` rounds it. optax runs op by op, as in
-        `reference.outer_step`, so the two agree to the bit (jitted, XLA fuses
-        multiply-adds and they differ by an ulp; it is about 2x faster).
+        mean as `mean()` rounds it. The arithmetic is optax's own chain, op for
+        op (`apply_optax` runs optax itself), fused into one pass over memory in
+        cache-sized chunks over `threads` threads (`fused.py`): the same bits as
+        `reference.outer_step`, without its six model-sized temporaries. optax
+        jitted would fuse multiply-adds and differ by an ulp.
         """
-        for name, param in params.items():
-            if param.dtype != np.float32 or not param.flags.writeable:
-                raise ValueError(f"{name}: the outer step updates writable float32 arrays")
-        gradient = {n: np.multiply(gradient_sum[n], scale, dtype=np.float32) for n in params}
-        if self.state is None:
-            self.state = self.transform.init(gradient)
-        updates, self.state = self.transform.update(gradient, self.state)
+        _check_writable(params)
+        self._own_state(params)
+        momentum, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
+        sums = {n: np.ascontiguousarray(gradient_sum[n], np.float32) for n in params}
+        if self.kind == "nesterov":
+            trace = self.state[0].trace
+            rows = [(params[n], trace[n], sums[n]) for n in params]
+            constants = (scale, momentum, neg_lr, fused.small_bound(self.lr, self.momentum))
+            fused.over_chunks(fused.nesterov_chunk, rows, constants, threads)
+        else:
+            rows = [(params[n], sums[n]) for n in params]
+            constants = (scale, neg_lr, fused.small_bound(self.lr, 0.0))
+            fused.over_chunks(fused.sgd_chunk, rows, constants, threads)
+
+    def apply_optax(
+        self,
+        params: Mapping[str, np.ndarray],
+        gradient_sum: Mapping[str, np.ndarray],
+        scale: np.float32,
+    ) -> None:
+        """`apply` through optax's update itself, on XLA: the oracle of `apply`, and slower.
+
+        The gradient and state go in as JAX arrays, so every op of optax's chain
+        runs in XLA as in `reference.outer_step` (given numpy arrays, optax's
+        lambdas would run in numpy, which keeps the subnormals XLA flushes);
+        θ += update stays numpy's, as the shepherd's step always did. Kept for
+        the tests and for `benchmarks/bench_outer_step.py`'s "before".
+        """
+        _check_writable(params)
+        gradient = {
+            n: jnp.asarray(np.multiply(gradient_sum[n], scale, dtype=np.float32)) for n in params
+        }
+        state = self.transform.init(gradient) if self.state is None else self.state
+        state = jax.tree_util.tree_map(jnp.asarray, state)
+        updates, self.state = self.transform.update(gradient, state)
         for name, param in params.items():
             np.add(param, np.asarray(updates[name]), out=param)
+
+    def _own_state(self, params: Mapping[str, np.ndarray]) -> None:
+        """Make the state (zeros on the first step) and hold its leaves as writable numpy arrays."""
+        if self.state is None:  # from optax's shapes: no device array (on a GPU host, no GPU)
+            self.state = jax.tree_util.tree_map(
+                lambda leaf: np.zeros(leaf.shape, leaf.dtype), self._state_shapes(params)
+            )
+        leaves = jax.tree_util.tree_leaves(self.state)
+        if not all(isinstance(leaf, np.ndarray) and leaf.flags.writeable for leaf in leaves):
+            self.state = jax.tree_util.tree_map(lambda leaf: np.array(leaf, np.float32), self.state)
+
+    def _state_shapes(self, params: Mapping[str, np.ndarray]):
+        """optax's state for `params` as shapes and dtypes (`jax.eval_shape`: nothing allocated)."""
+        specs = {n: jax.ShapeDtypeStruct(np.shape(p), np.float32) for n, p in params.items()}
+        return jax.eval_shape(self.transform.init, specs)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """The optimizer state as arrays named by key path (for checkpoints)."""
@@ -176,9 +208,7 @@ class OuterOptimizer:
         self, params: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray]
     ) -> None:
         """Take the state back from `state_arrays`' names; ValueError if it lacks or misfits some."""
-        template = self.transform.init(
-            {n: np.zeros(np.shape(p), np.float32) for n, p in params.items()}
-        )
+        template = self._state_shapes(params)
         leaves, tree = jax.tree_util.tree_flatten_with_path(template)
         names = [jax.tree_util.keystr(path) for path, _ in leaves]
         missing = [name for name in names if name not in arrays]
@@ -191,3 +221,9 @@ class OuterOptimizer:
         if wrong:
             raise ValueError(f"checkpoint's outer optimizer state does not fit {wrong[:3]}")
         self.state = jax.tree_util.tree_unflatten(tree, loaded)
+
+
+def _check_writable(params: Mapping[str, np.ndarray]) -> None:
+    for name, param in params.items():
+        if param.dtype != np.float32 or not param.flags.writeable:
+            raise ValueError(f"{name}: the outer step updates writable float32 arrays")
