@@ -27,12 +27,14 @@ from __future__ import annotations
 import copy
 import time
 
+import httpx
 import numpy as np
 import pytest
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.shepherd import progress_rate
+from pcp_tui.shepherd import api_connections, progress_rate
+from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.claims import ResultClaims
 from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd
@@ -235,3 +237,36 @@ def test_a_fragment_closing_as_roundstarts_finish_cuts_off_exactly_the_unsent_on
 
     outcomes = trio.run(main)
     print("(cut off, delivered) per round:", outcomes)
+
+
+def test_the_operator_api_answers_503_beyond_its_connection_cap():
+    """MAX_CONNECTIONS idle TCP connections hold every slot of the operator API: a real HTTP
+    client is answered 503 at once (Retry-After), not queued; once they close, it is served.
+    Before, every connection was taken and held until its 10 s read timeout."""
+    state = RunState(run_id="r", rounds_total=1, settings={})
+    api = OperatorAPI(state, lambda reason: None, token="t")
+    api.bind()
+    url = f"http://{api.address}/healthz"
+    host, port = api.address.rsplit(":", 1)
+
+    def get() -> httpx.Response:
+        return httpx.get(url, timeout=30)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(api.serve)
+            assert (await trio.to_thread.run_sync(get)).status_code == 200
+            await until(lambda: api.server.open == 0)  # that client has closed its connection
+            idle = [await trio.open_tcp_stream(host, int(port)) for _ in range(64)]
+            await until(lambda: api.server.open == api_connections.MAX_CONNECTIONS)
+            busy = await trio.to_thread.run_sync(get)
+            assert (busy.status_code, busy.headers["retry-after"]) == (503, "1"), busy
+            assert "too many open connections" in busy.json()["error"]
+            for stream in idle:
+                await stream.aclose()
+            await until(lambda: api.server.open == 0)
+            assert (await trio.to_thread.run_sync(get)).status_code == 200
+            assert api.server.turned_away == 1
+            api.close()
+
+    trio.run(main)
