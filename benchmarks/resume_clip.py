@@ -12,7 +12,7 @@ processes on 127.0.0.1) three ways for each aggregate:
 Prints one table: eval loss per round, and the clip scale of each result in the
 first resumed round; the baseline is the uninterrupted run of the same aggregate.
 
-    python benchmarks/resume_clip.py [--rounds 6] [--stop 3] [--inner-steps 20]
+    python benchmarks/resume_clip.py [--rounds 8] [--stop 3] [--inner-steps 30] [--inner-lr 2e-3]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import WorkerProcesses, small_config, until
 from pcp_tui.training.build import build_workload
 
-WORKERS = 2
+WORKERS = 3
 
 
 def run(config, *, stop_after: int | None = None, forget_clip: bool = False) -> Shepherd:
@@ -67,9 +67,10 @@ def clip_scales(shepherd: Shepherd, number: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--stop", type=int, default=3)
-    parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--inner-steps", type=int, default=30)
+    parser.add_argument("--inner-lr", type=float, default=2e-3)
     parser.add_argument("--aggregates", nargs="+", default=["centered-clip", "mean"])
     args = parser.parse_args()
     rows = []
@@ -79,6 +80,10 @@ def main() -> None:
                 workers=WORKERS,
                 rounds=args.rounds,
                 inner_steps=args.inner_steps,
+                inner_lr=args.inner_lr,
+                warmup_steps=10,
+                chunk_steps=5,
+                eval_batches=4,
                 aggregate=aggregate,
                 checkpoint_dir=directory,
                 checkpoint_every=1,
@@ -90,12 +95,17 @@ def main() -> None:
                 run(small_config(**{**common, "checkpoint_dir": second}), stop_after=args.stop)
                 saved = checkpoint.load_latest(second).round
                 for forget in (False, True):
-                    copy = shutil.copytree(second, f"{second}-{forget}")  # each resumes round 3
+                    copy = shutil.copytree(second, f"{directory}/resume-{forget}")  # same start
                     resumed = run(
                         small_config(**{**common, "checkpoint_dir": copy, "resume": copy}),
                         forget_clip=forget,
                     )
                     losses = [None] * saved + [r.eval_loss for r in resumed.state.history]
+                    print(
+                        label,
+                        "clip events:",
+                        [e.message for e in resumed.state.events if e.kind == "result_clipped"][:6],
+                    )
                     label = f"resumed at {saved}" + (", clip history dropped" if forget else "")
                     rows.append((aggregate, label, losses, clip_scales(resumed, saved + 1)))
                     if aggregate == "mean":
