@@ -57,12 +57,13 @@ def run(config, *, stop_after: int | None = None, forget_clip: bool = False) -> 
     return shepherd
 
 
-def clip_scales(shepherd: Shepherd, number: int) -> list[float]:
-    return [
-        round(e.data["scale"], 3)
-        for e in shepherd.state.events
-        if e.kind == "result_clipped" and e.data.get("round") == number
-    ]
+def clip_scales(shepherd: Shepherd) -> dict[int, list[float]]:
+    """Round -> the scale of each result the centered clip scaled down in it."""
+    scales: dict[int, list[float]] = {}
+    for event in shepherd.state.events:
+        if event.kind == "result_clipped":
+            scales.setdefault(event.data["round"], []).append(round(event.data["scale"], 3))
+    return scales
 
 
 def main() -> None:
@@ -90,7 +91,7 @@ def main() -> None:
             )
             whole = run(small_config(**common))
             base = [r.eval_loss for r in whole.state.history]
-            rows.append((aggregate, "uninterrupted", base, clip_scales(whole, args.stop + 1)))
+            rows.append((aggregate, "uninterrupted", base, clip_scales(whole)))
             with tempfile.TemporaryDirectory() as second:
                 run(small_config(**{**common, "checkpoint_dir": second}), stop_after=args.stop)
                 saved = checkpoint.load_latest(second).round
@@ -101,16 +102,13 @@ def main() -> None:
                         forget_clip=forget,
                     )
                     losses = [None] * saved + [r.eval_loss for r in resumed.state.history]
-                    print(
-                        label,
-                        "clip events:",
-                        [e.message for e in resumed.state.events if e.kind == "result_clipped"][:6],
-                    )
                     label = f"resumed at {saved}" + (", clip history dropped" if forget else "")
-                    rows.append((aggregate, label, losses, clip_scales(resumed, saved + 1)))
+                    rows.append((aggregate, label, losses, clip_scales(resumed)))
                     if aggregate == "mean":
                         break
-    print(f"{'aggregate':14} {'run':36} eval loss per round{'':30} clip scales, 1st resumed round")
+    print(
+        f"{'aggregate':14} {'run':36} eval loss per round{'':30} results clipped: round -> scales"
+    )
     for aggregate, label, losses, scales in rows:
         shown = " ".join("  -   " if x is None else f"{x:.4f}" for x in losses)
         print(f"{aggregate:14} {label:36} {shown:50} {scales}")
