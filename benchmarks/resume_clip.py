@@ -107,11 +107,17 @@ def main() -> None:
                     if aggregate == "mean":
                         break
     print(
-        f"{'aggregate':14} {'run':36} eval loss per round{'':30} results clipped: round -> scales"
+        f"{'aggregate':14} {'run':36} eval loss per round{'':48} 1st resumed / "
+        "uninterrupted   results clipped: round -> scales"
     )
+    baselines = {
+        aggregate: losses for aggregate, label, losses, _ in rows if label == "uninterrupted"
+    }
     for aggregate, label, losses, scales in rows:
         shown = " ".join("  -   " if x is None else f"{x:.4f}" for x in losses)
-        print(f"{aggregate:14} {label:36} {shown:50} {scales}")
+        first = next(i for i, x in enumerate(losses) if x is not None)
+        ratio = losses[first] / baselines[aggregate][first] if first else 1.0
+        print(f"{aggregate:14} {label:36} {shown:68} {ratio:.4f}{'':19} {scales}")
 
 
 if __name__ == "__main__":
