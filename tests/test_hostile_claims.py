@@ -18,8 +18,12 @@ resumed when a fragment closed, counted as undelivered: the worker was left
 out of the fragment's update with its link open, and waited for it for ever
 (`fragments.RoundStarts.settle`).
 
+4. The operator API took every TCP connection offered, each held until its read
+timeout. At most `api_connections.MAX_CONNECTIONS` are open now; one more is
+answered 503 at once.
+
 One shepherd in this process, one real worker process, peers in this process
-that speak the real protocol over 127.0.0.1.
+that speak the real protocol over 127.0.0.1; real sockets and httpx for 3 and 4.
 """
 
 from __future__ import annotations
