@@ -67,10 +67,50 @@ class CappedServer:
             await trio.aclose_forcefully(stream)
             return
         self.open += 1
+        counted = _Counted(stream, self._release)
         try:
-            await TCPServer(self.app, self.config, self._context, {}, stream)
+            await TCPServer(self.app, self.config, self._context, {}, counted)
         finally:
-            self.open -= 1
+            counted.release()
+
+    def _release(self) -> None:
+        self.open -= 1
+
+
+class _Counted:
+    """A connection's stream that gives its slot back as soon as its client is gone.
+
+    hypercorn's connection task outlives a client that closed (it waits out
+    `keep_alive_timeout`, 5 s), so counting tasks would turn clients away for a
+    connection that no longer exists: the slot is released at end of file, a
+    read that failed or was cancelled (the read timeout), or the close.
+    Everything else is the stream's own.
+    """
+
+    def __init__(self, stream: trio.abc.Stream, release):
+        self._stream, self._release = stream, release
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        try:
+            data = await self._stream.receive_some(max_bytes)
+        except BaseException:
+            self.release()
+            raise
+        if not data:
+            self.release()
+        return data
+
+    async def aclose(self) -> None:
+        self.release()
+        await self._stream.aclose()
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
