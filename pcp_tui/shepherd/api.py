@@ -17,7 +17,8 @@ lock is needed. It only reads the state and calls the stop command it was given.
 Everything but /healthz and /readyz needs `Authorization: Bearer <token>`, the
 token coming from the environment variable `--api-token-env` names. What a
 client sends can end its own connection (hypercorn answers malformed HTTP with
-400 and drops slow or oversized requests), never the run.
+400 and drops slow or oversized requests), never the run; at most
+`api_connections.MAX_CONNECTIONS` are open at once (more are answered 503).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Any, NamedTuple
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -47,6 +47,7 @@ from pcp_tui.shepherd.api_bodies import (
     metrics_json,
     workers_json,
 )
+from pcp_tui.shepherd.api_connections import CappedServer
 from pcp_tui.shepherd.state import RunState
 
 __all__ = ["OperatorAPI", "bearer_token"]
@@ -114,6 +115,7 @@ class OperatorAPI:
         self.address = ""  # "host:port" once bound
         self._socket: socket.socket | None = None
         self._closed = trio.Event()
+        self.server: CappedServer | None = None  # once serving
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(RunCollector(state))
         self._routes = {
@@ -168,7 +170,6 @@ class OperatorAPI:
         if self._socket is None:
             self.bind()
         config = HypercornConfig()
-        config.bind = [f"fd://{self._socket.detach()}"]  # hypercorn owns the socket from here
         config.accesslog = None
         config.errorlog = logging.getLogger(__name__)  # not stderr: that would tear the dashboard
         config.graceful_timeout = 1.0
@@ -176,7 +177,9 @@ class OperatorAPI:
         config.include_server_header = False
         if self.tls:
             config.certfile, config.keyfile = self.tls
-        await serve(self, config, shutdown_trigger=self._closed.wait, mode="asgi")
+        self.server = CappedServer(self, config)  # MAX_CONNECTIONS at once; more get a 503
+        listening, self._socket = self._socket, None  # the server owns (and closes) it now
+        await self.server.serve(listening, self._closed)
 
     def close(self) -> None:
         """Stop serving (the run ended); safe to call twice, or before `serve`."""

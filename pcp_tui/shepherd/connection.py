@@ -14,6 +14,8 @@ from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import LINK_ERRORS, Connection, ConnectionLost, Refused
 from pcp_tui.contract.plan import Stage
+from pcp_tui.shepherd.claims import ResultClaims
+from pcp_tui.shepherd.progress_rate import ProgressRate
 from pcp_tui.shepherd.state import RunState, WorkerView
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
@@ -82,6 +84,9 @@ class WorkerLink(Connection):
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments = None
         self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
+        # what its results may claim; sized by `worker_plan.bind_to_plan` (no result comes before)
+        self.claims = ResultClaims(tokens_per_step=0)
+        self.progress = ProgressRate()  # progress messages beyond a few a second are dropped
 
     def note_result(self, body: protocol.RoundResult | protocol.FragmentResult, running: int):
         """Raise ConnectionLost for a result no worker sends: one for a round that has not

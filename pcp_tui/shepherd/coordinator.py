@@ -45,8 +45,6 @@ from pcp_tui.shepherd.plain_round import (
     inner_optimizer,
     record_round,
     result_screen,
-    round_lr_sum,
-    update_bound,
 )
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.state import RoundRecord, RunState, run_settings
@@ -148,15 +146,6 @@ class Shepherd:
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
-
-    # fragments.py calls these two by these names
-    def _update_bound(self) -> float:
-        """The largest pseudo-gradient norm an honest worker can send this round."""
-        return update_bound(self.config, self.params)
-
-    def _round_lr_sum(self, number: int) -> float:
-        """Σ of the inner learning rate over round `number`'s steps (`plain_round.round_lr_sum`)."""
-        return round_lr_sum(self.config, number)
 
     # -- commands (safe to call from the dashboard) -------------------------
 

@@ -39,7 +39,7 @@ from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.diloco.streaming import Fragments, Schedule, partition
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
-from pcp_tui.shepherd.plain_round import result_lr_sum
+from pcp_tui.shepherd.plain_round import result_lr_sum, update_bound
 from pcp_tui.shepherd.rounds import Round, collect
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class FragmentSync:
         ]
         self.in_sync: set[WorkerLink] = set()  # hold every fragment's current global value
         self.compression = config.outer.compression
+        self.tokens_per_step = max_tokens // config.inner.steps
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Each fragment's aggregation state (centered clip's center and radius history).
@@ -140,12 +141,11 @@ class FragmentSync:
     async def run_round(self, shepherd, number: int) -> Round | None:
         """Run round `number` fragment by fragment; the combined Round, or None without results."""
         links = shepherd.pool.ready_links()
-        bound = await trio.to_thread.run_sync(shepherd._update_bound)
+        bound = await trio.to_thread.run_sync(update_bound, shepherd.config, shepherd.params)
         ids = [link.worker_id for link in links]
         connections = {link.worker_id: link for link in links}
         rounds = []
-        config, h = shepherd.config, shepherd.config.inner.steps
-        per_step = self.screens[0].max_tokens // h
+        config, h, per_step = shepherd.config, shepherd.config.inner.steps, self.tokens_per_step
         schedule = Schedule(h, len(self.fragments), config.inner.overlap_steps)
         for p, (aggregate, screen) in enumerate(zip(self.aggregates, self.screens, strict=True)):
             # fragment p's results cover the steps since its last send: they scale with
@@ -169,41 +169,34 @@ class FragmentSync:
         # --round-timeout counts from here: each fragment's results are collected while
         # the roundStarts go out, and a roundStart still on its way when a fragment closes
         # is cancelled (its link ends: the worker would wait for that fragment's update)
-        sending = {link: trio.CancelScope() for link in links}
-        delivered: set[WorkerLink] = set()  # links that have their whole roundStart
+        starts = RoundStarts(links)
         async with trio.open_nursery() as nursery:
             for link in links:
-                h = steps.get(link.worker_id, shepherd.config.inner.steps)
-                start = (sending[link], delivered)
-                nursery.start_soon(self._start, shepherd, link, number, h, rounds, start, failed)
+                h = steps.get(link.worker_id, config.inner.steps)
+                nursery.start_soon(self._start, shepherd, link, number, h, rounds, starts, failed)
             for p in range(len(self.fragments)):
-                start = (sending, delivered)
-                nursery.start_soon(self._sync, shepherd, p, rounds[p], links, start, failed)
+                nursery.start_soon(self._sync, shepherd, p, rounds[p], links, starts, failed)
         shepherd.pool.fragment_rounds = []
         self.in_sync = {link for link in links if link not in failed and not link.closed}
         if not any(r.contributors for r in rounds):
             return None
-        tokens_per_step = shepherd._screen.max_tokens // shepherd.config.inner.steps
-        summary = combined(number, rounds, started, at_start, tokens_per_step)
+        summary = combined(number, rounds, started, at_start, self.tokens_per_step)
         if shepherd.pacing is not None:
             shepherd.pacing.observe(summary)
         return summary
 
     async def _start(
-        self, shepherd, link: WorkerLink, number: int, steps: int, rounds, start, failed
+        self, shepherd, link: WorkerLink, number: int, steps: int, rounds, starts, failed
     ) -> None:
-        """Send round `number`'s start (`steps` inner steps) to `link`, parameters unless in sync.
-
-        `start`: (the scope a closing fragment cancels it by, the set it joins once sent)."""
-        scope, delivered = start
+        """Send round `number`'s start (`steps` inner steps) to `link`, parameters unless in sync,
+        through `starts` (`RoundStarts`: a closing fragment cancels it there)."""
         continued = link in self.in_sync
         body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
         tensors = {} if continued else {n: shepherd.params[n] for n in shepherd.graphs.param_names}
         link.view.state, link.view.round, link.view.step = "syncing", number, 0
+        link.claims.ask(steps)  # what its fragment results may claim (`shepherd/claims.py`)
         try:
-            with scope:
-                await link.send(body, tensors)
-                delivered.add(link)
+            await starts.send(link, body, tensors)
         except CONNECTION_ERRORS:
             failed.add(link)
             for current in rounds:  # the connection task reports the loss
@@ -212,16 +205,12 @@ class FragmentSync:
     async def _sync(self, shepherd, p: int, current: Round, links, starts, failed) -> None:
         """Fragment p: collect its results, take its outer step, send its global value back.
 
-        `starts` is (each link's roundStart scope, the links that have their roundStart):
-        a worker still taking its roundStart when the fragment closes is a straggler, cut
-        off as in a plain round; it would wait for this fragment's update.
+        `starts` (`RoundStarts`): a worker still taking its roundStart when the fragment
+        closes is a straggler, cut off as in a plain round; it would wait for this
+        fragment's update.
         """
         await collect(current, shepherd.config.network, shepherd.state)
-        sending, delivered = starts
-        for link in links:
-            if link not in delivered:
-                sending[link].cancel()  # WorkerLink.send ends the link
-                failed.add(link)
+        failed.update(await starts.settle(current.contributors))
         await current.close()
         collected = time.monotonic()
         names, params = self.fragments[p], shepherd.params
@@ -279,6 +268,46 @@ class FragmentSync:
         for n in names:
             np.add(old[n], decoded[n], out=params[n])
         return body, change
+
+
+class RoundStarts:
+    """The roundStarts of one streaming round, each in a scope a closing fragment can cancel."""
+
+    def __init__(self, links: list[WorkerLink]):
+        self._scopes = {link: trio.CancelScope() for link in links}
+        self._ended = {link: trio.Event() for link in links}
+        self.delivered: set[WorkerLink] = set()  # links whose whole roundStart went out
+
+    async def send(self, link: WorkerLink, body: protocol.RoundStart, tensors: dict) -> None:
+        """Send `link` its roundStart (CONNECTION_ERRORS as `WorkerLink.send` raises them)."""
+        try:
+            with self._scopes[link]:
+                await link.send(body, tensors)
+                self.delivered.add(link)
+        finally:
+            self._ended[link].set()
+
+    async def settle(self, contributed: list[str]) -> set[WorkerLink]:
+        """The links cut off as a fragment closes with results from `contributed`.
+
+        A roundStart still on its way is cancelled, unless its worker's result came
+        (that worker has it, even if the task that sent it has not resumed); then
+        each cancelled send is waited for. The cancel ended the link of one that had
+        bytes left to send (`WorkerLink.send`); one whose last byte had gone out,
+        its task not yet resumed, is delivered and its link stays. So whether an
+        honest worker is cut off depends on the bytes sent, never on which task the
+        scheduler ran first.
+        """
+        cancelled = [
+            link
+            for link in self._scopes
+            if link not in self.delivered and link.worker_id not in contributed
+        ]
+        for link in cancelled:
+            self._scopes[link].cancel()
+        for link in cancelled:
+            await self._ended[link].wait()
+        return {link for link in cancelled if link not in self.delivered}
 
 
 async def _send_update(link: WorkerLink, body, update, failed: set, compression: str) -> None:

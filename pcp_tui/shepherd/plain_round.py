@@ -204,6 +204,7 @@ class PlainRound:
 async def _send_round_start(
     link: WorkerLink, body: protocol.RoundStart, tensors: dict, current: Round
 ) -> None:
+    link.claims.ask(body.inner_steps)  # what its result may claim (`shepherd/claims.py`)
     try:
         await link.send(body, tensors)
     except CONNECTION_ERRORS:

@@ -315,7 +315,8 @@ class WorkerPool:
             )
             self.wake()
         elif isinstance(body, protocol.Progress):
-            self._on_progress(view, body)
+            if link.progress.admit():  # beyond a few a second: dropped; a flood ends the link
+                self._on_progress(view, body)
         elif isinstance(body, (protocol.RoundResult, protocol.FragmentResult)):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):
@@ -342,6 +343,7 @@ class WorkerPool:
             current = self.fragment_rounds[message.body.fragment] if self.fragment_rounds else None
         number = message.body.round
         link.note_result(message.body, self.state.round)  # a repeat ends the connection
+        link.claims.check(message.body)  # more steps, tokens or seconds than asked: ends it too
         try:
             added = (
                 current is not None

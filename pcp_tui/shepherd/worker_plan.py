@@ -17,6 +17,7 @@ import numpy as np
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
+from pcp_tui.shepherd.claims import ResultClaims
 from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.training import shards
 from pcp_tui.training.export import TrainingGraphs
@@ -110,3 +111,4 @@ def bind_to_plan(
             )
 
     link.check_tensors = check
+    link.claims = ResultClaims(tokens_per_step=plan.batch_size * plan.tokens_per_row)
