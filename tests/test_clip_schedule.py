@@ -11,22 +11,18 @@ measured it end to end: round 3's three honest results scaled by 0.57 / 0.58 / 0
 an uninterrupted run (eval 2.9101); with the clip's history dropped none was, and eval
 was 2.7836. The fix belongs in `diloco/aggregate.py` (say, the center scaled by this
 round's Σ lr over the previous round's before distances are taken, that ratio in the
-checkpoint), which another change owns as this is written; this test says when it is in.
+checkpoint): it is, and this test holds it there.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from pcp_tui.diloco.aggregate import CenteredClip
 from pcp_tui.shepherd.plain_round import round_lr_sum
 from pcp_tui.testing import small_config
 
 
-@pytest.mark.xfail(
-    strict=True, reason="centered clip's center is not scaled to the round's learning rate"
-)
 def test_centered_clip_leaves_honest_results_alone_as_the_learning_rate_falls():
     config = small_config(rounds=3, inner_steps=10, warmup_steps=10, inner_lr=2e-3)
     rng = np.random.default_rng(0)

@@ -109,6 +109,12 @@ class CenteredClip:
     first has no center, its distances are norms; or the first after resuming a
     checkpoint that predates this state) holds its results until it closes and
     takes the radius from their own median: k model-sized copies, those rounds only.
+
+    The center is the previous aggregate scaled to this round's learning rate:
+    v · step_scale / (its round's step_scale). Unscaled, a round whose Σ lr fell
+    by more than about half (decay's tail, warm-up's peak behind it) found every
+    honest result far from a center too large for it and pulled them all back
+    toward it, repeating part of the larger step before.
     """
 
     def __init__(
@@ -122,6 +128,7 @@ class CenteredClip:
         self._held: list[tuple[dict[str, np.ndarray], float]] = []
         self._scales: list[float] = []
         self.center: dict[str, np.ndarray] | None = None
+        self.center_scale = 0.0  # the step_scale of the round the center comes from (0: unknown)
         self.radius = math.inf
         self.step_scale = 1.0  # what this round's updates scale with (Σ inner lr); set per round
         self.total_weight = 0.0
@@ -144,6 +151,12 @@ class CenteredClip:
         self.total_weight = self._center_weight = 0.0
         self.contributors = 0
         self.radius = self._radius(self._recent) if self._recent else math.inf
+        if self.center is not None and self.center_scale > 0 and self.step_scale > 0:
+            ratio = np.float32(self.step_scale / self.center_scale)
+            if ratio != 1:
+                for value in self.center.values():
+                    np.multiply(value, ratio, out=value)
+        self.center_scale = self.step_scale
 
     def _radius(self, relative_distances) -> float:
         typical = statistics.median(relative_distances) * self.step_scale
@@ -207,6 +220,7 @@ class CenteredClip:
             return {}
         arrays = {f"aggregate.center[{n!r}]": v for n, v in self.center.items()}
         arrays["aggregate.distances"] = np.array(self._recent, np.float64)
+        arrays["aggregate.center_scale"] = np.array([self.center_scale], np.float64)
         return arrays
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -217,6 +231,9 @@ class CenteredClip:
         self.center = {n: np.array(arrays[key], np.float32) for n, key in keys.items()}
         self._recent.clear()
         self._recent.extend(float(x) for x in np.ravel(arrays.get("aggregate.distances", [])))
+        # a checkpoint from before the center was scaled: take the center as it is
+        saved = np.ravel(arrays.get("aggregate.center_scale", []))
+        self.center_scale = float(saved[0]) if saved.size else 0.0
 
 
 class CoordinateWise:
