@@ -6,6 +6,8 @@ speak the real protocol (handshake with the token's proof, then `MessageStream`)
 
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 import trio
@@ -40,6 +42,20 @@ async def join_as(port: int, worker_id: str, token: str = "test-token"):
     return stream, await stream.receive()
 
 
+def _exit_code(process: subprocess.Popen, guard: float = 120.0) -> int | None:
+    """`process`'s exit code, or None (and it is killed) if it is still running after `guard` s.
+
+    A hang guard, not a timing: a refused twin exits at once; one let in would wait for
+    rounds of a paused run for ever.
+    """
+    try:
+        return process.wait(timeout=guard)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
+
+
 def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
     config = small_config(workers=1, rounds=3, inner_steps=5)
     shepherd = Shepherd(config, build_workload(config, shards=1))
@@ -53,13 +69,19 @@ def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
         stream, seen["hijack"] = await join_as(port, "w")
         await stream.aclose()
         twin = spawn_worker(port, "--id", "w")
-        seen["twin_code"] = await trio.to_thread.run_sync(twin.wait)
+        seen["twin_code"] = await trio.to_thread.run_sync(_exit_code, twin)
         seen["twin_output"] = twin.stdout.read()
+        if seen["twin_code"] is None:  # the twin was let in: say why the honest one was gone
+            honest.kill()
+            seen["honest_output"] = honest.stdout.read()
         shepherd.resume()
 
     run_shepherd(shepherd, scenario)
     assert seen["hijack"].kind == "error" and seen["hijack"].body.code == "idInUse"
     assert "another --id" in seen["hijack"].body.message
+    assert seen["twin_code"] is not None, (
+        f"the twin was let in; the honest worker's output: {seen.get('honest_output')!r}"
+    )
     assert seen["twin_code"] != 0
     assert "idInUse" in seen["twin_output"] and "not retrying" in seen["twin_output"]
     history = shepherd.state.history

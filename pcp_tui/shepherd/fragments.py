@@ -264,7 +264,7 @@ class FragmentSync:
         change = {n: params[n] - old[n] for n in names}
         body = protocol.FragmentUpdate(round=number, fragment=p, change=True)
         wire = protocol.encode(body, change, quantization=self.compression)
-        decoded = protocol.decode(b"".join(bytes(b) for b in wire)).tensors
+        decoded = protocol.decode(b"".join(wire)).tensors
         for n in names:
             np.add(old[n], decoded[n], out=params[n])
         return body, change
