@@ -62,10 +62,12 @@ def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
     seen = {}
 
     async def scenario(port):
+        shepherd.pause()  # before round 1: "w" joins, then sits idle, heartbeating: alive
         honest = spawn_worker(port, "--id", "w")
         seen["honest"] = honest
-        await until(lambda: len(shepherd.state.history) >= 1)
-        shepherd.pause()  # "w" sits idle, heartbeating: alive
+        # (pausing once a round was seen raced the run: 3 rounds of 5 steps could all end
+        # within one poll, the honest worker was told goodbye and the twin was let in)
+        await until(lambda: shepherd.state.status == "paused")  # set once "w" is ready
         stream, seen["hijack"] = await join_as(port, "w")
         await stream.aclose()
         twin = spawn_worker(port, "--id", "w")
