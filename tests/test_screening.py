@@ -29,10 +29,10 @@ def test_global_norm_is_the_l2_norm_of_everything():
 
 def test_norm_check_needs_a_baseline_then_refuses_outliers():
     guard = NormGuard(factor=10, baseline=2)
-    guard.accept(guard.check(update(1.0, seed=1)))  # no baseline yet: anything finite passes
-    guard.check(update(1000.0))  # still only one accepted value
-    guard.accept(guard.check(update(1.2, seed=2)))
-    guard.accept(guard.check(update(3.0, seed=3)))  # drift well within 10x is fine
+    guard.check(update(1.0, seed=1))  # no baseline yet: anything finite passes
+    guard.check(update(1000.0))  # one earlier norm: no baseline yet (it joins the window)
+    guard.check(update(1.2, seed=2))
+    guard.check(update(3.0, seed=3))  # drift well within 10x is fine
     with pytest.raises(BadResult, match=r"over 10x the median"):
         guard.check(update(50.0, seed=4))
     guard.check(update(0.0))  # a tiny update cannot blow the model up: not refused
@@ -43,7 +43,7 @@ def test_norm_baseline_follows_a_drift_over_rounds():
     scale = 1.0
     for round_number in range(20):  # warm-up: every round's updates are 3x the last one's
         for worker in range(2):
-            guard.accept(guard.check(update(scale, seed=10 * round_number + worker)))
+            guard.check(update(scale, seed=10 * round_number + worker))
         scale *= 3
     assert scale > 1e9
 
@@ -51,7 +51,7 @@ def test_norm_baseline_follows_a_drift_over_rounds():
 def test_norms_are_judged_per_unit_of_learning_rate():
     guard = NormGuard(factor=10, baseline=2)
     for seed in range(2):  # 5 steps at the start of warm-up: Σ lr is tiny, so is the norm
-        guard.accept(guard.check(update(0.01, seed=seed), scale=0.001))
+        guard.check(update(0.01, seed=seed), scale=0.001)
     assert guard.check(update(5.0, seed=2), scale=1.0) > 0  # 40 steps at full rate: alike
     with pytest.raises(BadResult, match=r"over 10x the median"):
         guard.check(update(5.0, seed=3), scale=0.001)  # the same norm from a step at lr 0.001
@@ -61,11 +61,11 @@ def test_norms_are_judged_per_unit_of_learning_rate():
 def test_when_every_result_moves_at_once_the_baseline_follows_instead_of_refusing_forever():
     guard = NormGuard(factor=10, baseline=2, window=4)
     for seed in range(4):
-        guard.accept(guard.check(update(1.0, seed=seed)))
+        guard.check(update(1.0, seed=seed))
     refused = 0
     for seed in range(4, 12):  # every worker's norm is 50x what it was (say, a new lr)
         try:
-            guard.accept(guard.check(update(50.0, seed=seed)))
+            guard.check(update(50.0, seed=seed))
         except BadResult:
             refused += 1
     assert refused == 2  # until the new norms are the window's majority

@@ -151,6 +151,13 @@ class CenteredClip:
         self.total_weight = self._center_weight = 0.0
         self.contributors = 0
         self.radius = self._radius(self._recent) if self._recent else math.inf
+
+    def _scale_center(self) -> None:
+        """Bring the center to this round's step_scale (once a round, with its first result).
+
+        A model-sized multiply: it runs where results are folded in (a worker thread for
+        large ones), not when the round is set up on the event loop.
+        """
         if self.center is not None and self.center_scale > 0 and self.step_scale > 0:
             ratio = np.float32(self.step_scale / self.center_scale)
             if ratio != 1:
@@ -167,6 +174,8 @@ class CenteredClip:
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         result = {n: pseudo_gradient[n] for n in self._names}
+        if self.contributors == 0:
+            self._scale_center()
         gap = distance(result, self.center)
         self._round.append(gap / self.step_scale if self.step_scale > 0 else 0.0)
         self.contributors += 1

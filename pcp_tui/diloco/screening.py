@@ -71,11 +71,11 @@ class NormGuard:
 
     A norm is judged per unit of learning rate (`scale`: Σ inner lr over the
     steps the result covers; 1 when the caller has no schedule), against the
-    lower median of the recent ones. Refused norms join the window too: when
-    every honest result moves at once (a learning rate raised on `--resume`, a
-    new phase of training), the baseline follows within a window instead of
-    refusing everyone forever. The lower median keeps a minority of outliers,
-    and a half at most, from raising it.
+    median of the recent ones. Every judged norm joins the window, refused ones
+    too: when every honest result moves at once (a learning rate raised on
+    `--resume`, a new phase of training), the baseline follows within a window
+    instead of refusing everyone forever, and a minority of outliers cannot move
+    the median far.
     """
 
     def __init__(
@@ -103,9 +103,6 @@ class NormGuard:
                 f"results ({typical * scale:.4g} for the learning rate of the steps it covers)"
             )
         return norm
-
-    def accept(self, norm: float) -> None:
-        """A judged result was averaged in (its norm is in the window already)."""
 
 
 def check_token_count(reported: object, most: int) -> None:
@@ -147,7 +144,3 @@ class ResultScreen:
             )
         scale = self.lr_sum(int(tokens)) if self.lr_sum is not None else 1.0
         return self.norms.judge(norm, scale)
-
-    def accept(self, norm: float) -> None:
-        """The result was averaged in: its norm joins the baseline."""
-        self.norms.accept(norm)

@@ -68,8 +68,7 @@ def update_bound(config: RunConfig, params: Mapping[str, np.ndarray]) -> float:
 def round_lr_sum(config: RunConfig, number: int) -> float:
     """Σ of the inner learning rate over round `number`'s steps: what its updates scale with."""
     steps = config.inner.steps
-    schedule = inner_optimizer(config).schedule()
-    return float(np.sum(schedule(np.arange((number - 1) * steps, number * steps))))
+    return result_lr_sum(config, 1, start=(number - 1) * steps)(steps)
 
 
 def result_lr_sum(

@@ -134,7 +134,7 @@ class Round:
 
     def _screen_and_fold(self, message: protocol.Message) -> tuple[int, list[float]]:
         body: protocol.RoundResult = message.body
-        norm = self._screen.check(message.tensors, body.tokens)
+        self._screen.check(message.tensors, body.tokens)
         tokens = body.tokens
         if tokens <= 0:
             raise BadResult("a round result must report a positive token count")
@@ -142,7 +142,6 @@ class Round:
         if not all(math.isfinite(x) for x in losses):
             raise BadResult("reported losses hold NaN or Inf")
         self.mean.add(message.tensors, float(tokens))
-        self._screen.accept(norm)
         return tokens, losses
 
     async def close(self) -> None:
