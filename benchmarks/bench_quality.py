@@ -3,7 +3,7 @@
 Every DiLoCo run goes through the real system: a shepherd in this process, real
 `pcp-tui worker` processes on 127.0.0.1, the real protocol, bytes as the
 shepherd counted them. All rows see the same number of training tokens
-(k workers x inner steps per worker x batch x seq_len) and are evaluated on the
+(k workers, `--workers`, x inner steps per worker x batch x seq_len) and are evaluated on the
 same held-out batches. Rows (`--rows`):
 
 - ``sync``: synchronous data parallelism. Gradient all-reduce every step with
@@ -57,7 +57,6 @@ from pcp_tui.shepherd.rounds import data_parallel_bytes  # noqa: E402
 from pcp_tui.training.build import build_workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-K = 4  # workers of the data-parallel and DiLoCo rows
 PARTIAL_SECONDS = 10.0
 
 
@@ -137,7 +136,8 @@ def summarize(label, row, config, args, workload, shepherd, initial, finished) -
     final = shepherd.evaluate() if finished else (curve[-1][1] if curve else float("nan"))
     if finished and (not curve or curve[-1][0] != tokens):
         curve.append((tokens, final))
-    steps = tokens // (K * args.batch_size * args.seq_len)  # of each of k data-parallel workers
+    k = args.workers
+    steps = tokens // (k * args.batch_size * args.seq_len)  # of each of k data-parallel workers
     measured = sum(r.bytes_sent + r.bytes_received for r in history)
     return Result(
         label=label,
@@ -147,7 +147,7 @@ def summarize(label, row, config, args, workload, shepherd, initial, finished) -
         tokens=tokens,
         final_eval_loss=final,
         # the sync row's bytes are what k workers' all-reduce would send (see the docstring)
-        bytes_communicated=data_parallel_bytes(workload.param_count, steps, K)
+        bytes_communicated=data_parallel_bytes(workload.param_count, steps, k)
         if row == "sync"
         else measured,
         train_seconds=sum(r.round_seconds for r in history),
@@ -155,6 +155,7 @@ def summarize(label, row, config, args, workload, shepherd, initial, finished) -
         corpus=args.corpus,
         row=row,
         model=f"{config.model.name} ({workload.param_count / 1e6:.2f}M)",
+        k=k,
         bytes_measured=row != "sync",
         finished=finished,
         planned_rounds=config.outer.rounds,
@@ -188,7 +189,7 @@ def base_config(args: argparse.Namespace) -> RunConfig:
 
 def plans(args: argparse.Namespace) -> list[tuple[str, str, RunConfig]]:
     """(label, row, config) of each requested row."""
-    base, steps = base_config(args), args.steps
+    base, steps, K = base_config(args), args.steps, args.workers  # noqa: N806 (the paper's k)
     every = max(1, steps // args.evals)
     sgd = {"outer_optimizer": "sgd", "outer_lr": 1.0}
     runs = []
@@ -261,6 +262,7 @@ def arguments() -> argparse.Namespace:
     add("--seq-len", type=int, default=64)
     add("--batch-size", type=int, default=8, help="sequences per step per worker")
     add("--steps", type=int, default=400, help="inner steps per worker of the k=4 runs")
+    add("--workers", type=int, default=4, help="k: workers of the DiLoCo rows, width of sync's")
     add("--rows", nargs="+", default=["sync", "plain", "streaming"])
     add("--h", type=int, nargs="+", default=[50], help="H of the plain DiLoCo rows")
     add("--stream-h", type=int, default=60, help="H of the streaming row (a multiple of F)")
@@ -285,9 +287,10 @@ def arguments() -> argparse.Namespace:
 
 def main() -> None:
     args = arguments()
-    if args.eval_batches % K:
+    if args.eval_batches % args.workers:
         sys.exit(
-            f"--eval-batches must be a multiple of {K}: the sync row's batches are {K}x larger"
+            f"--eval-batches must be a multiple of --workers ({args.workers}): the sync row's "
+            "batches are that many times larger"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:

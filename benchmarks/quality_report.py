@@ -36,6 +36,7 @@ class Result:
     finished: bool = True  # False: a partial.json of a run cut short
     planned_rounds: int = 0
     eval_windows: int = 0  # held-out sequences each evaluation averages over
+    k: int = 4  # data-parallel width: DiLoCo's workers, the workers sync's batch stands for
 
 
 def _versus(result: Result, reference: Result | None) -> str:
@@ -85,10 +86,10 @@ def table(results: list[Result]) -> str:
 
 
 def by_corpus(results: list[Result]) -> dict[str, list[Result]]:
-    """Results grouped by corpus, each group in the table's row order."""
+    """Results grouped by corpus, model and k (a table compares like with like), in row order."""
     groups: dict[str, list[Result]] = {}
     for r in results:
-        groups.setdefault(r.corpus, []).append(r)
+        groups.setdefault(f"{r.corpus}: {r.model}, k={r.k}", []).append(r)
     for group in groups.values():
         group.sort(key=lambda r: (ORDER.index(r.row) if r.row in ORDER else len(ORDER), r.label))
     return groups
@@ -105,7 +106,7 @@ def plot(groups: dict[str, list[Result]], path: Path) -> bool:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot", flush=True)
         return False
     figure, panels = plt.subplots(1, len(groups), figsize=(7 * len(groups), 4.5), squeeze=False)
-    for axes, (corpus, results) in zip(panels[0], groups.items(), strict=True):
+    for axes, (key, results) in zip(panels[0], groups.items(), strict=True):
         for r in results:
             if not r.curve:
                 continue
@@ -114,8 +115,9 @@ def plot(groups: dict[str, list[Result]], path: Path) -> bool:
         finals = [r.final_eval_loss for r in results if math.isfinite(r.final_eval_loss)]
         if finals:  # the first points (loss ~5.5) would flatten the curves where they differ
             axes.set_ylim(top=min(4.0, 1.5 * max(finals)))
+        corpus, _, setup = key.rpartition(": ")
         name, _, archive = corpus.partition(":")
-        title = f"{name} ({Path(archive).name})" if archive else corpus
+        title = f"{name} ({Path(archive).name}), {setup}" if archive else f"{corpus}, {setup}"
         axes.set(xlabel="training tokens (millions)", ylabel="held-out loss", title=title)
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
@@ -127,9 +129,7 @@ def plot(groups: dict[str, list[Result]], path: Path) -> bool:
 def report(results: list[Result], out: Path) -> str:
     """Write quality_table.md and quality.png into `out`; return (and print) the tables."""
     groups = by_corpus(results)
-    text = "\n\n".join(
-        f"### {corpus}: {group[0].model}\n\n{table(group)}" for corpus, group in groups.items()
-    )
+    text = "\n\n".join(f"### {key}\n\n{table(group)}" for key, group in groups.items())
     (out / "quality_table.md").write_text(text + "\n")
     print(text, flush=True)
     if groups:
