@@ -168,6 +168,21 @@ class Backend(abc.ABC):
             host = [a * x + b * y for x, y in zip(self.to_host(local), staged, strict=True)]
         return self.to_device(host) if axes is None else self.to_device(host, axes)
 
+    def shift(
+        self,
+        local: Sequence[Any],
+        staged: Any,
+        scale: float,
+        axes: Sequence[Axis] | None = None,
+    ) -> list[Any]:
+        """local + scale·staged per array (float32), as device arrays placed like `local`.
+
+        A Streaming DiLoCo carry merge: `staged` holds G − θ_sent, and scale is 1 − α.
+        """
+        s = np.float32(scale)
+        host = [x + s * y for x, y in zip(self.to_host(local), staged, strict=True)]
+        return self.to_device(host) if axes is None else self.to_device(host, axes)
+
 
 def deserialize(name: str, serialized: bytes) -> Any:
     """The `jax.export.Exported` in `serialized`; GraphError if the bytes are not one."""

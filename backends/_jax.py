@@ -103,6 +103,11 @@ class JaxBackend(Backend):
             ],
             static_argnums=2,
         )
+        # a carry merge: local + scale * shift, one jit per scale
+        self._shift = jax.jit(
+            lambda local, shift, scale: [x + scale * y for x, y in zip(local, shift, strict=True)],
+            static_argnums=2,
+        )
         self._info = BackendInfo(
             platform=platform,
             device_kind=str(self._device.device_kind),
@@ -308,6 +313,15 @@ class JaxBackend(Backend):
         if alpha == 0.0:
             return list(staged)
         return self._blend(list(local), list(staged), np.float32(alpha))
+
+    def shift(
+        self,
+        local: Sequence[Any],
+        staged: Any,
+        scale: float,
+        axes: Sequence[Axis] | None = None,
+    ) -> list[Any]:
+        return self._shift(list(local), list(staged), np.float32(scale))
 
     def _copy_on_device(self, device: Sequence[Any]) -> list[Any]:
         """Copies of `device` placed as they are (dispatched, not waited for)."""

@@ -228,11 +228,13 @@ def plans(args: argparse.Namespace) -> list[tuple[str, str, RunConfig]]:
             streaming_fragments=args.fragments,
             overlap_steps=args.overlap,
             mix_alpha=args.alpha,
+            overlap_merge=args.overlap_merge,
             compression=args.compression,
             **outer,
         )
         label = (
-            f"streaming (k={K}, H={h}, F={args.fragments}, τ={args.overlap}, {args.compression})"
+            f"streaming (k={K}, H={h}, F={args.fragments}, τ={args.overlap}, {args.compression}"
+            f"{', carry' if args.overlap_merge == 'carry' else ''})"
         )
         runs.append((label, "streaming", config))
     if "averaged" in args.rows:
@@ -269,6 +271,7 @@ def arguments() -> argparse.Namespace:
     add("--fragments", type=int, default=4, help="F of the streaming row")
     add("--overlap", type=int, default=5, help="τ of the streaming row")
     add("--alpha", type=float, default=0.5, help="mixing α of the streaming row")
+    add("--overlap-merge", default="mix", help="the streaming row's merge: mix or carry")
     add("--compression", default="int8Block", help="the streaming row's pseudo-gradient encoding")
     add("--chunk-steps", type=int, default=5, help="steps per compiled call, every row")
     add("--inner-lr", type=float, default=2e-3)

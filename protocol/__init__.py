@@ -15,6 +15,7 @@ decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,
 """
 
 from ._codec import (
+    CARRY_MERGE_VERSION,
     COMPATIBLE_VERSION,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
@@ -49,6 +50,7 @@ from ._messages import (
     GraphInfo,
     Heartbeat,
     Hello,
+    OverlapMerge,
     ParamLayout,
     Phase,
     Plan,
@@ -73,6 +75,7 @@ from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
 
 __all__ = [
     "BODY_TYPES",
+    "CARRY_MERGE_VERSION",
     "COMPATIBLE_VERSION",
     "DTYPES",
     "ERROR_CODES",
@@ -110,6 +113,7 @@ __all__ = [
     "RoundStart",
     "Sharding",
     "StripedStream",
+    "OverlapMerge",
     "ShardingMode",
     "ShardingRule",
     "TensorSpec",

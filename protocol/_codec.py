@@ -28,7 +28,7 @@ from ._errors import (
     MalformedMessage,
     VersionMismatch,
 )
-from ._messages import BODY_TYPES, Body, Plan, read, write
+from ._messages import BODY_TYPES, Body, OverlapMerge, Plan, read, write
 from ._readers import BufferReader, run_sync
 from ._schema import Envelope
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
@@ -42,12 +42,14 @@ from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantiz
 #    A message that uses no int4Block is stamped 3, so version-3 peers still join runs that
 #    do not use it (and are never asked to stripe); the shepherd of an int4Block run refuses
 #    them at admission. A worker that lists 4 in its hello can stripe.
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4)
+PROTOCOL_VERSION = 5
+SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4, 5)
 #: The version `encode` stamps on a message that uses nothing newer (see `message_version`).
 COMPATIBLE_VERSION = 3
 #: Quantizations added after COMPATIBLE_VERSION, with the version that added each.
 QUANTIZATION_VERSIONS: dict[str, int] = {"int4Block": 4}
+#: Streaming DiLoCo's carry merge (a plan's overlapMerge) came in version 5.
+CARRY_MERGE_VERSION = 5
 # awaited with (kind, payload bytes) before a message's tensor payload is read
 PayloadGate = Callable[[str, int], Awaitable[None]]
 # called with (body, tensor specs, frame bytes) once a header is read, before any payload byte is;
@@ -132,12 +134,16 @@ def message_version(body: Body, specs: list[TensorSpec]) -> int:
 
     A version-3 peer refuses a version-4 envelope as a version mismatch (it
     cannot know what changed), so a message is stamped 4 only when it uses
-    what 4 added: an int4Block tensor, or a plan asking for int4Block results.
+    what 4 added: an int4Block tensor, or a plan asking for int4Block results;
+    and 5 only for a plan asking for the carry merge.
     """
     used = [spec.quantization for spec in specs]
+    carry = False
     if isinstance(body, Plan):
         used.append(body.compression.value)
-    return max([COMPATIBLE_VERSION, *map(quantization_version, used)])
+        carry = body.overlap_merge is OverlapMerge.CARRY
+    newest = max([COMPATIBLE_VERSION, *map(quantization_version, used)])
+    return max(newest, CARRY_MERGE_VERSION) if carry else newest
 
 
 def _build_frame(body: Body, specs: list[TensorSpec], version: int) -> bytes:

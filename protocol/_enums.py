@@ -47,6 +47,13 @@ class BatchKind(enum.StrEnum):
     ROWS = "rows"
 
 
+class OverlapMerge(enum.StrEnum):
+    """How a Streaming DiLoCo worker merges a fragment's new global value after τ overlap steps."""
+
+    MIX = "mix"  # the paper's: α local + (1 − α) global; the overlap's progress is mixed away
+    CARRY = "carry"  # local + (1 − α)(global − local at the send): keeps the overlap's steps (5)
+
+
 class ShardingMode(enum.StrEnum):
     """Where a multi-device worker puts parameters no sharding rule names."""
 
@@ -93,6 +100,7 @@ _SCHEMA_ENUMS: dict[type[enum.Enum], Any] = {
     Runtime: SCHEMA.Runtime,
     Phase: SCHEMA.Phase,
     BatchKind: SCHEMA.BatchKind,
+    OverlapMerge: SCHEMA.OverlapMerge,
     ShardingMode: SCHEMA.ShardingMode,
     ParamLayout: SCHEMA.ParamLayout,
     Quantization: SCHEMA.Quantization,

@@ -23,6 +23,7 @@ from __future__ import annotations
 from ._enums import (
     BatchKind,
     ErrorCode,
+    OverlapMerge,
     ParamLayout,
     Phase,
     Platform,
@@ -91,6 +92,7 @@ __all__ = [
     "RoundStart",
     "Runtime",
     "Sharding",
+    "OverlapMerge",
     "ShardingMode",
     "ShardingRule",
     "Welcome",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ._enums import BatchKind, ParamLayout, Platform, Quantization, ShardingMode
+from ._enums import BatchKind, OverlapMerge, ParamLayout, Platform, Quantization, ShardingMode
 from ._fields import MAX_SHARDING_RULES, TENSOR_NAME_CHARS, Body, _finite, _items, _text
 
 
@@ -76,6 +76,7 @@ class Plan(Body):
     fragments: tuple[Fragment, ...] = _items("max_tensors")  # empty: plain DiLoCo
     overlap_steps: int = 0
     mix_alpha: float = _finite(0.0)
+    overlap_merge: OverlapMerge = OverlapMerge.MIX
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,13 @@ enum Phase {
   idle @3;
 }
 
+# Streaming DiLoCo: how a fragment's new global value G merges into the local θ after the
+# overlap steps. Added in protocol 5: a plan asking for carry is stamped 5.
+enum OverlapMerge {
+  mix @0;    # the paper's: θ ← α θ + (1 − α) G
+  carry @1;  # θ ← θ + (1 − α)(G − θ at the send point): the overlap steps' progress is kept
+}
+
 enum BatchKind {
   windows @0;  # LM windows of shardTensor
   rows @1;     # random rows of dataTensors; a row counts as one token
@@ -155,6 +162,7 @@ struct Plan {
   fragments @18 :List(Fragment);  # Streaming DiLoCo: empty for plain DiLoCo
   overlapSteps @19 :UInt32;    # streaming: inner steps between a fragment's send and its merge
   mixAlpha @20 :Float64;       # streaming: a merge keeps mixAlpha of the local fragment
+  overlapMerge @21 :OverlapMerge;  # streaming: how the merge treats the overlap's progress (5)
 }
 
 # Streaming DiLoCo: the tensors of one fragment, synced together (a partition of paramNames).

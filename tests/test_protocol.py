@@ -543,12 +543,12 @@ def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
 def test_version_mismatch_over_a_stream_names_both_sides():
     async def main():
         left, right = trio.testing.memory_stream_pair()
-        hello = protocol.Hello(supported_versions=(5, 6))
-        for buffer in protocol.encode(hello, version=5):
+        hello = protocol.Hello(supported_versions=(6, 7))
+        for buffer in protocol.encode(hello, version=6):
             await left.send_all(buffer)
         with pytest.raises(protocol.VersionMismatch) as caught:
             await protocol.MessageStream(right).receive()
-        assert caught.value.peer_versions == (5, 6)
+        assert caught.value.peer_versions == (6, 7)
         assert caught.value.supported == protocol.SUPPORTED_VERSIONS
         assert caught.value.code == "versionMismatch"
         assert "upgrade pcp-tui on the older side" in str(caught.value)
@@ -773,7 +773,7 @@ def test_unknown_enum_in_a_body_is_malformed():
 @pytest.mark.parametrize(
     ("body", "peer"),
     [
-        (protocol.Hello(supported_versions=(5,)), (5,)),
+        (protocol.Hello(supported_versions=(6,)), (6,)),
         (protocol.WorkerHello(supported_versions=(1,)), (1,)),
         (protocol.Heartbeat(sent_at=1.0), (7,)),
     ],
@@ -786,7 +786,7 @@ def test_wrong_version_is_refused_with_both_sides_named(body, peer):
     text = str(caught.value)
     assert (
         f"the peer speaks version(s) {peer[0]}" in text
-        and "this side speaks version(s) 2, 3, 4" in text
+        and "this side speaks version(s) 2, 3, 4, 5" in text
     )
     assert "upgrade pcp-tui on the older side" in text
 

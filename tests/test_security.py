@@ -154,7 +154,7 @@ def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path)
     mismatch = answers["v2"].body
     assert mismatch.code == "versionMismatch"
     assert (
-        "speaks protocol versions 2, 3 and 4, this worker speaks version 5; upgrade pcp-tui on "
+        "speaks protocol versions 2, 3, 4 and 5, this worker speaks version 6; upgrade pcp-tui on "
         "this shepherd" in mismatch.message
     )
 

@@ -24,6 +24,7 @@ from pcp_tui import protocol
 from pcp_tui.config import ConfigError
 from pcp_tui.contract import plan as contract
 from pcp_tui.diloco import reference, streaming
+from pcp_tui.shepherd.connection import version_need
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.plain_round import inner_optimizer
 from pcp_tui.testing import run_shepherd, until, worker_batches
@@ -108,6 +109,24 @@ def test_mix_keeps_alpha_of_the_local_value():
     np.testing.assert_array_equal(streaming.mix(local, global_, 0.0), global_)
 
 
+def test_carry_keeps_the_overlap_steps_progress_on_the_new_global_value():
+    sent, global_ = np.array([1.0, 3.0], np.float32), np.array([3.0, 7.0], np.float32)
+    local = sent + np.float32(0.25)  # τ overlap steps moved every value by 0.25
+    np.testing.assert_array_equal(streaming.carry(local, global_, sent, 0.0), global_ + 0.25)
+    np.testing.assert_array_equal(streaming.carry(local, global_, sent, 0.5), [2.25, 5.25])
+    np.testing.assert_array_equal(streaming.carry(sent, global_, sent, 0.0), global_)  # τ = 0
+
+
+def test_a_carry_plan_needs_protocol_5_and_says_which_option_asks_for_it():
+    carry = protocol.Plan(run_id="r", overlap_merge=protocol.OverlapMerge.CARRY)
+    assert protocol.decode(b"".join(protocol.encode(carry))).version == 5
+    mix = protocol.Plan(run_id="r")  # an older worker still reads a plan that does not need 5
+    assert protocol.decode(b"".join(protocol.encode(mix))).version == protocol.COMPATIBLE_VERSION
+    need = version_need("none", 2, "carry")
+    assert (need.version, need.option) == (5, "--overlap-merge carry")
+    assert version_need("none", 1, "carry") is None  # plain DiLoCo has no merge
+
+
 def test_worker_refuses_a_plan_whose_fragments_are_not_its_parameters():
     plan = protocol.Plan(
         param_names=("a", "b"),
@@ -133,7 +152,8 @@ H = 4
 
 
 @pytest.mark.e2e
-def test_two_workers_streaming_equal_the_reference(spawn_worker):
+@pytest.mark.parametrize("merge", ["mix", "carry"])
+def test_two_workers_streaming_equal_the_reference(spawn_worker, merge):
     config = small_config(
         rounds=ROUNDS,
         inner_steps=H,
@@ -149,6 +169,7 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker):
         streaming_fragments=2,
         overlap_steps=1,
         mix_alpha=0.5,
+        overlap_merge=merge,
     )
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
@@ -170,6 +191,7 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker):
         fragments=shepherd.fragment_sync.fragments,
         overlap=1,
         alpha=0.5,
+        merge=merge,
     )
     moved = 0.0
     for name, value in expected.items():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pcp_tui.config.options import ConfigError, Sections, option
 
 QUANTIZATIONS = ("none", "bfloat16", "int8Block", "int4Block")
+OVERLAP_MERGES = ("mix", "carry")  # protocol.OverlapMerge's values
 # A heartbeat timeout spans at least this many intervals: one late beat is not a lost worker.
 HEARTBEATS_PER_TIMEOUT = 3
 # The [sharding] section (pcp_tui.training.sharding applies it on a worker's devices).
@@ -151,6 +152,14 @@ class InnerConfig:
         at_most=1,
         help="Streaming DiLoCo: a merge keeps α of the local fragment and takes 1 − α of the "
         "new global one",
+    )
+    overlap_merge: str = option(
+        "mix",
+        flat="overlap_merge",
+        choices=OVERLAP_MERGES,
+        help="Streaming DiLoCo: how a merge treats the τ overlap steps (mix: the paper's "
+        "α local + (1 − α) global, which mixes their progress away; carry: local + (1 − α)"
+        "(global − local at the send), which keeps it; needs workers of protocol 5)",
     )
     # workers of different speeds (pcp_tui/shepherd/pacing.py)
     adaptive_steps: bool = option(

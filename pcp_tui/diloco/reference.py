@@ -115,6 +115,7 @@ def streaming_diloco(
     fragments: streaming.Fragments,
     overlap: int,
     alpha: float,
+    merge: str = "mix",
 ) -> dict[str, np.ndarray]:
     """Run Streaming DiLoCo: `rounds[r]` holds, per worker, its batches and its tokens.
 
@@ -123,7 +124,8 @@ def streaming_diloco(
     round to round. At fragment p's send point every worker forms
     Δ_p = g_k,p − θ_k,p; their mean, weighted by the tokens each trained since
     its previous send of p, goes through fragment p's own outer optimizer; τ
-    steps later each worker mixes the new global value in. A worker's round
+    steps later each worker merges the new global value in (`merge`: "mix" or
+    "carry", `streaming.mix` / `streaming.carry`). A worker's round
     may have fewer batches than another's (--adaptive-steps): its schedule is
     scaled to its own count H_k, and its tokens a step are its tokens / H_k.
     """
@@ -140,6 +142,7 @@ def streaming_diloco(
     last_global = [dict(theta) for _ in range(workers)]
     states = [inner.init(theta) for _ in range(workers)]
     since = [[0.0] * len(fragments) for _ in range(workers)]  # tokens since each fragment's send
+    sent_at: list[dict] = [{} for _ in range(workers)]  # θ_k at the send point (carry merge)
     for batches_of in rounds:
         # the same (event, fragment) order on every worker: τ < H_k / F keeps sends and merges apart
         plans = [
@@ -156,6 +159,8 @@ def streaming_diloco(
             names = fragments[p]
             if event is streaming.Event.SEND:
                 sent = [{n: last_global[k][n] - local[k][n] for n in names} for k in range(workers)]
+                for k in range(workers):
+                    sent_at[k].update({n: np.asarray(local[k][n]) for n in names})
                 delta = weighted_mean(sent, [since[k][p] for k in range(workers)])
                 for k in range(workers):
                     since[k][p] = 0.0
@@ -166,6 +171,11 @@ def streaming_diloco(
             else:
                 for k in range(workers):
                     for n in names:
-                        local[k][n] = jnp.asarray(streaming.mix(local[k][n], theta[n], alpha))
+                        merged = (
+                            streaming.carry(local[k][n], theta[n], sent_at[k][n], alpha)
+                            if merge == "carry"
+                            else streaming.mix(local[k][n], theta[n], alpha)
+                        )
+                        local[k][n] = jnp.asarray(merged)
                         last_global[k][n] = theta[n]
     return {n: np.asarray(v) for n, v in theta.items()}

@@ -165,7 +165,11 @@ class Admission:
             max_per_host=security.max_handshakes_per_host,
             max_pending=security.max_handshakes,
             trace=_open_trace(config.operator.trace),
-            need=version_need(config.outer.compression, config.inner.streaming_fragments),
+            need=version_need(
+                config.outer.compression,
+                config.inner.streaming_fragments,
+                config.inner.overlap_merge,
+            ),
         )
 
     @property

@@ -176,7 +176,9 @@ class VersionNeed:
 STREAMING_VERSION = 3  # fragmentResult, fragmentUpdate and the plan's fragments came in 3
 
 
-def version_need(compression: str, fragments: int = 1) -> VersionNeed | None:
+def version_need(
+    compression: str, fragments: int = 1, overlap_merge: str = "mix"
+) -> VersionNeed | None:
     """The newest protocol version this run's options need of a worker, naming the option.
 
     None if every supported version will do. A version-2 worker in a streaming
@@ -185,6 +187,8 @@ def version_need(compression: str, fragments: int = 1) -> VersionNeed | None:
     needs = []
     if fragments > 1:
         needs.append(VersionNeed(STREAMING_VERSION, f"--streaming-fragments {fragments}"))
+        if overlap_merge == protocol.OverlapMerge.CARRY:
+            needs.append(VersionNeed(protocol.CARRY_MERGE_VERSION, "--overlap-merge carry"))
     version = protocol.quantization_version(compression)
     if version > protocol.COMPATIBLE_VERSION:
         needs.append(VersionNeed(version, f"--compression {compression}"))

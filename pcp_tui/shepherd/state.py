@@ -238,6 +238,7 @@ def run_settings(config: RunConfig) -> dict[str, Any]:
                 "streaming_fragments": config.inner.streaming_fragments,
                 "overlap_steps": config.inner.overlap_steps,
                 "mix_alpha": config.inner.mix_alpha,
+                "overlap_merge": config.inner.overlap_merge,
             }
             if config.inner.streaming
             else {}

@@ -69,6 +69,7 @@ def worker_plan(
         fragments=tuple(protocol.Fragment(names) for names in fragments),
         overlap_steps=config.inner.overlap_steps if fragments else 0,
         mix_alpha=config.inner.mix_alpha if fragments else 0.0,
+        overlap_merge=protocol.OverlapMerge(config.inner.overlap_merge if fragments else "mix"),
     )
     return plan, tensors
 

@@ -5,8 +5,8 @@ and τ and α; `diloco/streaming.Schedule` says after which inner step each
 fragment is sent and merged. A round goes:
 
     train to fragment 0's send point → send Δ_0 in the background → train τ
-    steps → wait for G_0 (usually already here) and mix it in → ... → fragment
-    F−1 merges after step H.
+    steps → wait for G_0 (usually already here) and merge it (mix, or carry:
+    `diloco/streaming.py`) → ... → fragment F−1 merges after step H.
 
 Parameters, the inner optimizer state and each fragment's last global value
 live from round to round: a `roundStart(continued)` carries no tensors. A
@@ -26,7 +26,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import round_start_problem
-from pcp_tui.diloco.streaming import Event, Schedule
+from pcp_tui.diloco.streaming import Event, Schedule, carry_scale
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +195,16 @@ class StreamingRounds:
         """Fragment p's local values now, held past their donation to the next chunk."""
         return self.worker.backend.snapshot([params[self._index[n]] for n in self.fragments[p]])
 
-    def delta(self, p: int, snapshot: object) -> dict[str, np.ndarray]:
-        """Δ_p = fragment p's global value at its last sync − its local value at the send point."""
+    def delta(self, p: int, snapshot: object) -> tuple[dict, dict | None]:
+        """Δ_p = fragment p's global value at its last sync − its local value at the send point.
+
+        Also the local values themselves when the plan carries the overlap's
+        progress over (the merge needs them), else None.
+        """
         names = self.fragments[p]
-        local = self.worker.backend.fetch(snapshot)
-        return {n: self.last_global[n] - value for n, value in zip(names, local, strict=True)}
+        local = dict(zip(names, self.worker.backend.fetch(snapshot), strict=True))
+        delta = {n: self.last_global[n] - local[n] for n in names}
+        return delta, local if self.plan.overlap_merge is protocol.OverlapMerge.CARRY else None
 
     def _result(self, number: int, p: int) -> protocol.FragmentResult:
         per_step = self.plan.batch_size * self.plan.tokens_per_row
@@ -215,12 +220,14 @@ class StreamingRounds:
         self._unreported, self._unreported_seconds = [], 0.0
         return result
 
-    def prepare(self, p: int, update: protocol.Message) -> object | str:
+    def prepare(self, p: int, update: protocol.Message, sent: dict | None) -> object | str:
         """Fragment p's new global value G_p, checked and staged for the merge; or the problem.
 
         G_p is the update itself, or (`change`, compressed runs) the last global
         value plus the decoded change: the very sum the shepherd keeps. It
-        becomes fragment p's last global value at the merge.
+        becomes fragment p's last global value at the merge. With `sent` (the
+        local values at the send point: the carry merge) what is staged is the
+        shift G_p − θ_sent instead.
         """
         names = self.fragments[p]
         shapes = {n: tuple(self.last_global[n].shape) for n in names}
@@ -231,14 +238,24 @@ class StreamingRounds:
             new = {n: self.last_global[n] + update.tensors[n] for n in names}
         else:
             new = {n: np.asarray(update.tensors[n], np.float32) for n in names}
-        return new, self.worker.backend.stage([new[n] for n in names], self._axes(p))
+        staged = [new[n] if sent is None else new[n] - sent[n] for n in names]
+        return new, self.worker.backend.stage(staged, self._axes(p))
 
     def _merge(self, p: int, params: list, staged: tuple) -> list:
-        """θ_p ← α θ_p + (1 − α) G_p on the device; G_p becomes fragment p's last global value."""
+        """Fragment p's merge on the device; G_p becomes its last global value.
+
+        The paper's mix, θ_p ← α θ_p + (1 − α) G_p, or the carry merge,
+        θ_p ← θ_p + (1 − α)(G_p − θ_sent): the global value plus the τ overlap
+        steps' own progress (`diloco/streaming.py`).
+        """
         names = self.fragments[p]
         new, on_device = staged
         local = [params[self._index[n]] for n in names]
-        placed = self.worker.backend.blend(local, on_device, self.plan.mix_alpha, self._axes(p))
+        backend, alpha, axes = self.worker.backend, self.plan.mix_alpha, self._axes(p)
+        if self.plan.overlap_merge is protocol.OverlapMerge.CARRY:
+            placed = backend.shift(local, on_device, carry_scale(alpha), axes)
+        else:
+            placed = backend.blend(local, on_device, alpha, axes)
         params = list(params)
         for name, array in zip(names, placed, strict=True):
             params[self._index[name]] = array
@@ -272,7 +289,7 @@ class Exchange:
     async def run(self, snapshot: object) -> None:
         rounds, p = self.rounds, self.p
         marks = [time.perf_counter()]
-        delta = await trio.to_thread.run_sync(rounds.delta, p, snapshot)
+        delta, sent = await trio.to_thread.run_sync(rounds.delta, p, snapshot)
         del snapshot
         marks.append(time.perf_counter())
         await self.sender.send(self.result, delta, quantization=rounds.plan.compression)
@@ -280,7 +297,7 @@ class Exchange:
         marks.append(time.perf_counter())
         update = await rounds.updates.take(self.number, p)
         marks.append(time.perf_counter())
-        self._staged = await trio.to_thread.run_sync(rounds.prepare, p, update)
+        self._staged = await trio.to_thread.run_sync(rounds.prepare, p, update, sent)
         marks.append(time.perf_counter())
         self.phases = tuple(b - a for a, b in zip(marks, marks[1:], strict=False))
         self._done.set()
