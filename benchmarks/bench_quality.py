@@ -234,7 +234,7 @@ def plans(args: argparse.Namespace) -> list[tuple[str, str, RunConfig]]:
         )
         label = (
             f"streaming (k={K}, H={h}, F={args.fragments}, τ={args.overlap}, {args.compression}"
-            f"{', carry' if args.overlap_merge == 'carry' else ''})"
+            f"{', mix α=' + str(args.alpha) if args.overlap_merge == 'mix' else ''})"
         )
         runs.append((label, "streaming", config))
     if "averaged" in args.rows:
@@ -270,8 +270,8 @@ def arguments() -> argparse.Namespace:
     add("--stream-h", type=int, default=60, help="H of the streaming row (a multiple of F)")
     add("--fragments", type=int, default=4, help="F of the streaming row")
     add("--overlap", type=int, default=5, help="τ of the streaming row")
-    add("--alpha", type=float, default=0.5, help="mixing α of the streaming row")
-    add("--overlap-merge", default="mix", help="the streaming row's merge: mix or carry")
+    add("--alpha", type=float, default=0.0, help="mixing α of the streaming row")
+    add("--overlap-merge", default="carry", help="the streaming row's merge: carry or mix")
     add("--compression", default="int8Block", help="the streaming row's pseudo-gradient encoding")
     add("--chunk-steps", type=int, default=5, help="steps per compiled call, every row")
     add("--inner-lr", type=float, default=2e-3)

@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--overlap", type=int, default=5)
-    parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--alpha", type=float, default=0.0)
     parser.add_argument("--link", default="8Mbit/50ms")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)

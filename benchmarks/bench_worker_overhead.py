@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument("--compression", default="none", help="results on the wire")
     parser.add_argument("--streaming-fragments", type=int, default=1)
     parser.add_argument("--overlap-steps", type=int, default=1)
-    parser.add_argument("--mix-alpha", type=float, default=0.5)
+    parser.add_argument("--mix-alpha", type=float, default=0.0)
     parser.add_argument(
         "--link",
         default="loopback",

@@ -215,6 +215,7 @@ def test_adaptive_streaming_scales_each_schedule_and_equals_the_reference(spawn_
         fragments=shepherd.fragment_sync.fragments,
         overlap=1,
         alpha=0.5,
+        merge=config.inner.overlap_merge,
     )
     for name, value in expected.items():
         np.testing.assert_allclose(shepherd.params[name], value, rtol=1e-6, atol=1e-7, err_msg=name)

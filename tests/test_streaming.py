@@ -260,6 +260,7 @@ def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment
         fragments=shepherd.fragment_sync.fragments,
         overlap=5,
         alpha=0.5,
+        merge=config.inner.overlap_merge,
     )
     for name, value in expected.items():
         np.testing.assert_allclose(shepherd.params[name], value, rtol=1e-6, atol=1e-7, err_msg=name)

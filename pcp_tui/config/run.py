@@ -146,20 +146,20 @@ class InnerConfig:
         "before it merges",
     )
     mix_alpha: float = option(
-        0.5,
+        0.0,
         flat="mix_alpha",
         at_least=0,
         at_most=1,
-        help="Streaming DiLoCo: a merge keeps α of the local fragment and takes 1 − α of the "
-        "new global one",
+        help="Streaming DiLoCo: a merge keeps α of the worker's own fragment and takes 1 − α "
+        "of the new global one (0: every worker realigns on the global value)",
     )
     overlap_merge: str = option(
-        "mix",
+        "carry",
         flat="overlap_merge",
         choices=OVERLAP_MERGES,
-        help="Streaming DiLoCo: how a merge treats the τ overlap steps (mix: the paper's "
-        "α local + (1 − α) global, which mixes their progress away; carry: local + (1 − α)"
-        "(global − local at the send), which keeps it; needs workers of protocol 5)",
+        help="Streaming DiLoCo: how a merge treats the τ overlap steps' progress (carry: "
+        "local + (1 − α)(global − local at the send), which keeps it, needs workers of "
+        "protocol 5; mix: the paper's α local + (1 − α) global, which mixes it away)",
     )
     # workers of different speeds (pcp_tui/shepherd/pacing.py)
     adaptive_steps: bool = option(
