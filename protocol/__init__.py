@@ -14,16 +14,19 @@ decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,
 `Quantization`) are enums in the schema and here.
 """
 
+from ._change import encode_change
 from ._codec import (
     COMPATIBLE_VERSION,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
+    Encoded,
     HeaderCheck,
     Limits,
     Message,
     PayloadGate,
     decode,
     encode,
+    encode_once,
     quantization_version,
 )
 from ._errors import (
@@ -87,6 +90,7 @@ __all__ = [
     "BatchKind",
     "Body",
     "ConnectionClosed",
+    "Encoded",
     "Error",
     "ErrorCode",
     "GraphInfo",
@@ -126,5 +130,7 @@ __all__ = [
     "VersionMismatch",
     "decode",
     "encode",
+    "encode_change",
+    "encode_once",
     "quantization_version",
 ]
