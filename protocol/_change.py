@@ -138,6 +138,7 @@ class _Part:
     levels: np.ndarray | None = None  # int8 per value (block quantizations)
     scales: np.ndarray | None = None  # float32 per block
     wire: np.ndarray | None = None  # the payload as bfloat16 / float32 values
+    unpacked: list | None = None  # int4Block: (start, stop) of chunks left to `finish`
 
     @classmethod
     def of(cls, target: np.ndarray, base: np.ndarray, quantization: str, block_size: int):
@@ -151,6 +152,7 @@ class _Part:
         elif quantization == "int4Block":
             part.levels = np.empty(count + count % 2, np.int8)
             part.levels[count:] = 0  # an odd count's last high nibble
+            part.unpacked = []
         elif quantization == "bfloat16":
             part.wire = payload.view(ml_dtypes.bfloat16)
         else:
@@ -165,13 +167,22 @@ class _Part:
         for span in block_spans(self.target.size, self.block_size, CHUNK):
             yield (self, *span)
 
+    def pack(self, start: int, stop: int, *, done: bool) -> None:
+        """Pack int4 levels start..stop, widened to whole pairs; with `done` False, a chunk
+        that shares a pair with its neighbour is left for `finish` (its levels may be unset)."""
+        if not done and (start % 2 or (stop % 2 and stop < self.target.size)):
+            self.unpacked.append((start, stop))  # list.append is atomic under the GIL
+            return
+        start, stop = start - start % 2, stop + stop % 2
+        pack_int4(self.levels[start:stop], self.payload[start // 2 : stop // 2])
+
     def finish(self) -> None:
-        """Pack int4 levels and append the scales, once every chunk is done."""
+        """Pack the int4 pairs chunks shared and append the scales, once every chunk is done."""
         if self.levels is None:
             return
+        for start, stop in self.unpacked or ():
+            self.pack(start, stop, done=True)
         used = self.payload.size - 4 * self.scales.size
-        if self.quantization == "int4Block":
-            pack_int4(self.levels, self.payload[:used])
         self.payload[used:] = self.scales.view(np.uint8)
 
 
@@ -207,6 +218,8 @@ def _chunk(scratch: _Scratch, part: _Part, first: int, last: int, start: int, st
     with np.errstate(over="ignore", invalid="ignore"):  # as `dequantize`
         np.multiply(levels, scale[:, None], out=work)
     np.add(old, work, out=new)
+    if part.unpacked is not None:
+        part.pack(start, stop, done=False)
 
 
 def _run(parts: list[_Part], threads: int) -> None:
