@@ -8,6 +8,9 @@ turns it into bytes and back. It never imports `pcp_tui` or `backends`.
     message = await stream.receive()   # Message(body, tensors, version, wire_bytes); .kind
     striped = protocol.MessageStream(protocol.StripedStream([tcp0, tcp1, tcp2, tcp3]))
     if isinstance(message.body, protocol.RoundResult): ...
+    # one message to many peers, encoded once; with a change, params <- old + decoded change
+    update = protocol.encode_change(body, params, old, quantization="int8Block")
+    await stream.send_encoded(update)
 
 Message bodies are frozen dataclasses (`_messages`), checked field by field at
 decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,

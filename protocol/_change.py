@@ -36,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from ._codec import Encoded, assemble, check_body, check_name
+from ._fields import Body
 from ._tensors import (
     BLOCK_QUANTIZATIONS,
     LEVELS,
@@ -57,7 +58,7 @@ _FLOAT32 = np.dtype("<f4")
 
 
 def encode_change(
-    body,
+    body: Body,
     targets: Mapping[str, np.ndarray],
     bases: Mapping[str, np.ndarray],
     *,
