@@ -34,6 +34,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
+from pcp_tui.diloco import fused
 from pcp_tui.diloco.aggregate import CenteredClip, PseudoGradientMean, make_aggregate
 from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
@@ -248,7 +249,7 @@ class FragmentSync:
         """Fragment p's outer step (if `mean` has results) and its update, encoded once for
         every worker (in a thread: a model-sized copy and passes over the fragment)."""
         names = self.fragments[p]
-        old = {n: params[n].copy() for n in names} if self.compression != "none" else {}
+        old = _copy({n: params[n] for n in names}) if self.compression != "none" else {}
         if mean is not None:
             self.outer.apply(p, params, mean.sums, mean.scale)
         if old:
@@ -319,6 +320,19 @@ async def _send_update(link: WorkerLink, update: protocol.Encoded, failed: set) 
         await link.send_encoded(update)
     except CONNECTION_ERRORS:
         failed.add(link)  # the connection task reports the loss; next round: full parameters
+
+
+def _copy(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A copy of each tensor, chunk by chunk over the outer step's threads (on the 2-core
+    CPU box a 124 MB fragment copied in 27 ms with `ndarray.copy`, in 13 ms so)."""
+    copies = {n: np.empty_like(v, order="C") for n, v in tensors.items()}
+    pairs = [[copies[n], np.ascontiguousarray(v)] for n, v in tensors.items()]
+    fused.over_chunks(_copy_chunk, pairs, ())
+    return copies
+
+
+def _copy_chunk(scratch, target: np.ndarray, source: np.ndarray) -> None:
+    np.copyto(target, source)
 
 
 def combined(
