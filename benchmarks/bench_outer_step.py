@@ -7,8 +7,8 @@ tensors (a few GPT-2-like matrices), with int8Block or float32 results:
   screen (names, shapes, finiteness and the norm), fold into centered clip
   (its distance to the center, the clipped scaled add);
 - per fragment: centered clip's close (center's share, the new center), the
-  outer Nesterov step, and with int8 the update's change encoded and decoded
-  (what `FragmentSync._change` does).
+  outer Nesterov step, and with int8 the update's change encoded once and the
+  new global formed from it (what `FragmentSync._change` does: `encode_change`).
 
 The outer step and the close run twice, in the same process on the same
 arrays: as before this change (optax's update op by op; the close with
@@ -127,11 +127,10 @@ def one_case(shapes, k: int, quantization: str, threads: int, rng) -> dict[str, 
 
 
 def change_round_trip(params, old, quantization: str) -> None:
-    """What `FragmentSync._change` does: the change, encoded, decoded, added to the old value."""
-    change = {n: params[n] - old[n] for n in params}
-    decoded = protocol.decode(wire_bytes(change, quantization)).tensors
-    for n in params:
-        np.add(old[n], decoded[n], out=params[n])
+    """What `FragmentSync._change` does: the change encoded once and old + decoded in params
+    (`protocol.encode_change`; benchmarks/bench_change.py times it against the op-by-op way)."""
+    body = protocol.FragmentUpdate(round=1, fragment=0, change=True)
+    protocol.encode_change(body, params, old, quantization=quantization)
 
 
 def bare_step(params, results) -> None:

@@ -8,23 +8,29 @@ turns it into bytes and back. It never imports `pcp_tui` or `backends`.
     message = await stream.receive()   # Message(body, tensors, version, wire_bytes); .kind
     striped = protocol.MessageStream(protocol.StripedStream([tcp0, tcp1, tcp2, tcp3]))
     if isinstance(message.body, protocol.RoundResult): ...
+    # one message to many peers, encoded once; with a change, params <- old + decoded change
+    update = protocol.encode_change(body, params, old, quantization="int8Block")
+    await stream.send_encoded(update)
 
 Message bodies are frozen dataclasses (`_messages`), checked field by field at
 decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,
 `Quantization`) are enums in the schema and here.
 """
 
+from ._change import encode_change
 from ._codec import (
     CARRY_MERGE_VERSION,
     COMPATIBLE_VERSION,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
+    Encoded,
     HeaderCheck,
     Limits,
     Message,
     PayloadGate,
     decode,
     encode,
+    encode_once,
     quantization_version,
 )
 from ._errors import (
@@ -90,6 +96,7 @@ __all__ = [
     "BatchKind",
     "Body",
     "ConnectionClosed",
+    "Encoded",
     "Error",
     "ErrorCode",
     "GraphInfo",
@@ -130,5 +137,7 @@ __all__ = [
     "VersionMismatch",
     "decode",
     "encode",
+    "encode_change",
+    "encode_once",
     "quantization_version",
 ]

@@ -109,19 +109,84 @@ def encode(
     ValueError for something that is not a message body, an unknown quantization or
     an unsendable tensor: those are bugs on the sending side, not protocol errors.
     """
+    return list(
+        encode_once(
+            body, tensors, quantization=quantization, block_size=block_size, version=version
+        ).buffers
+    )
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One message encoded once, to be written as it is to any number of streams.
+
+    `MessageStream.send_encoded` writes `buffers` (the framed envelope, then the
+    payloads); every peer gets the same bytes, made once: a fragment update to k
+    workers is quantized once, not k times. `tensors` are the arrays it was made
+    from, for observers (a trace counts them); `specs` describe the payloads.
+    Unquantized payloads are views of those arrays: keep them unchanged until sent.
+    """
+
+    body: Body
+    specs: tuple[TensorSpec, ...]
+    buffers: tuple[bytes | memoryview, ...]
+    tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this message takes on the wire."""
+        return sum(memoryview(buffer).nbytes for buffer in self.buffers)
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of its tensors as decoded (float32 for a quantized float32 tensor)."""
+        return sum(spec.count * DTYPES[spec.dtype].itemsize for spec in self.specs)
+
+
+def encode_once(
+    body: Body,
+    tensors: Mapping[str, np.ndarray] | None = None,
+    *,
+    quantization: str = "none",
+    block_size: int = 256,
+    version: int | None = None,
+) -> Encoded:
+    """`encode` as an `Encoded`: made once, sent to many (`MessageStream.send_encoded`)."""
+    check_body(body, quantization)
+    specs, payloads = [], []
+    for name, array in (tensors or {}).items():
+        check_name(name)
+        spec, payload = prepare(name, array, quantization, block_size)
+        specs.append(spec)
+        payloads.append(payload)
+    return assemble(body, specs, payloads, dict(tensors or {}), version)
+
+
+def check_body(body: object, quantization: str) -> None:
+    """ValueError unless `body` is a message body and `quantization` one the wire knows."""
     if not isinstance(body, Body) or BODY_TYPES.get(body.KIND) is not type(body):
         raise ValueError(f"encode takes a message body (protocol.Hello, ...), got {body!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
-    specs, payloads = [], []
-    for name, array in (tensors or {}).items():
-        if not isinstance(name, str) or not 1 <= len(name) <= 256:
-            raise ValueError(f"tensor names must be strings of 1..256 characters, got {name!r}")
-        spec, payload = prepare(name, array, quantization, block_size)
-        specs.append(spec)
-        payloads.append(payload)
+
+
+def check_name(name: object) -> None:
+    """ValueError unless `name` can name a tensor on the wire."""
+    if not isinstance(name, str) or not 1 <= len(name) <= 256:
+        raise ValueError(f"tensor names must be strings of 1..256 characters, got {name!r}")
+
+
+def assemble(
+    body: Body,
+    specs: list[TensorSpec],
+    payloads: list,
+    tensors: Mapping[str, np.ndarray],
+    version: int | None = None,
+) -> Encoded:
+    """The `Encoded` message of `body` and prepared tensor payloads (`specs` in order)."""
     stamped = message_version(body, specs) if version is None else version
-    return [_build_frame(body, specs, stamped), *payloads]
+    frame = _build_frame(body, specs, stamped)
+    return Encoded(body, tuple(specs), (frame, *payloads), tensors)
 
 
 def quantization_version(quantization: str) -> int:

@@ -17,11 +17,12 @@ import trio
 
 from ._codec import (
     OFFLOAD_BYTES,
+    Encoded,
     HeaderCheck,
     Limits,
     Message,
     PayloadGate,
-    encode,
+    encode_once,
     read_message,
 )
 from ._errors import ConnectionClosed, ProtocolError
@@ -70,17 +71,24 @@ class MessageStream:
         """
 
         def build():
-            return encode(body, tensors, quantization=quantization, block_size=block_size)
+            return encode_once(body, tensors, quantization=quantization, block_size=block_size)
 
         big = quantization != "none" and _tensor_bytes(tensors) > OFFLOAD_BYTES
-        buffers = await trio.to_thread.run_sync(build) if big else build()
-        total = sum(memoryview(buffer).nbytes for buffer in buffers)
+        return await self.send_encoded(await trio.to_thread.run_sync(build) if big else build())
+
+    async def send_encoded(self, message: Encoded) -> int:
+        """Write a message encoded beforehand (`encode_once`, `encode_change`); the bytes written.
+
+        The same `Encoded` may go to any number of streams: its buffers are only read.
+        Errors as `send`.
+        """
+        total = message.wire_bytes
         async with self._send_lock:
-            for chunk in _coalesce(buffers):
+            for chunk in _coalesce(message.buffers):
                 await self.stream.send_all(chunk)
                 self.bytes_sent += memoryview(chunk).nbytes
         if self.observer is not None:
-            self.observer("sent", Message(body, dict(tensors or {}), wire_bytes=total))
+            self.observer("sent", Message(message.body, dict(message.tensors), wire_bytes=total))
         return total
 
     async def receive(self, *, before_payload: PayloadGate | None = None) -> Message:

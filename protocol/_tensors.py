@@ -34,7 +34,7 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "bfloat16", "int8Block", "int4Block")
 #: Quantizations that scale blocks of `block_size` values (the header carries blockSize).
 BLOCK_QUANTIZATIONS = frozenset({"int8Block", "int4Block"})
 #: Largest level of each block quantization: a block's max|x| is sent as this many steps.
-_LEVELS = {"int8Block": 127, "int4Block": 7}
+LEVELS = {"int8Block": 127, "int4Block": 7}
 MAX_NAME_CHARS = 256
 MAX_NDIM = 32
 
@@ -165,7 +165,7 @@ def quantize_int8_block(array: np.ndarray, block_size: int) -> np.ndarray:
     block size outside 1..2**31-1.
     """
     flat = array.reshape(-1)
-    count, blocks = flat.size, _block_count(flat.size, block_size)
+    count, blocks = flat.size, block_count(flat.size, block_size)
     payload = np.empty(count + 4 * blocks, np.uint8)
     scales = _quantize_blocks(flat, block_size, "int8Block", payload[:count].view(np.int8))
     payload[count:] = scales.view(np.uint8)
@@ -180,24 +180,29 @@ def quantize_int4_block(array: np.ndarray, block_size: int) -> np.ndarray:
     for non-finite values and for a block size outside 1..2**31-1.
     """
     flat = array.reshape(-1)
-    count, blocks = flat.size, _block_count(flat.size, block_size)
+    count, blocks = flat.size, block_count(flat.size, block_size)
     packed = (count + 1) // 2
     levels = np.empty(2 * packed, np.int8)
     levels[count:] = 0  # an odd count's last high nibble
     scales = _quantize_blocks(flat, block_size, "int4Block", levels[:count])
     payload = np.empty(packed + 4 * blocks, np.uint8)
+    pack_int4(levels, payload[:packed])
+    payload[packed:] = scales.view(np.uint8)
+    return payload
+
+
+def pack_int4(levels: np.ndarray, out: np.ndarray) -> None:
+    """Pack an even count of int8 `levels` (-7..7) two to a uint8 of `out`, low nibble first."""
     # Each (low, high) pair of levels read as one little-endian uint16: low | high << 8.
     # Contiguous uint16 arithmetic packs twice as fast as strided uint8 halves.
     pairs = levels.view("<u2")
     nibbles = pairs >> 4
     nibbles &= 0xF0
     nibbles |= pairs & 0x0F
-    payload[:packed] = nibbles
-    payload[packed:] = scales.view(np.uint8)
-    return payload
+    out[...] = nibbles
 
 
-def _block_count(count: int, block_size: int) -> int:
+def block_count(count: int, block_size: int) -> int:
     if not 1 <= block_size < 2**31:
         raise ValueError(f"block_size must be in 1..2**31-1, got {block_size}")
     return -(-count // block_size)
@@ -207,18 +212,18 @@ def _quantize_blocks(
     flat: np.ndarray, block_size: int, quantization: str, levels: np.ndarray
 ) -> np.ndarray:
     """Write each value's level (rounded x / scale) into int8 `levels`; returns the float32 scales."""
-    count, top = flat.size, _LEVELS[quantization]
-    scales = np.empty(_block_count(count, block_size), np.float32)
+    count, top = flat.size, LEVELS[quantization]
+    scales = np.empty(block_count(count, block_size), np.float32)
     scratch = np.empty(min(count, max(block_size, _CHUNK_ELEMENTS)), np.float32)
-    for first, last, start, stop in _block_spans(count, block_size):
+    for first, last, start, stop in block_spans(count, block_size):
         rows = flat[start:stop].reshape(last - first, -1)
         work = scratch[: stop - start].reshape(rows.shape)
-        scales[first:last] = _quantize_rows(rows, work, top, quantization)
+        scales[first:last] = quantize_rows(rows, work, top, quantization)
         levels[start:stop] = work.reshape(-1)
     return scales
 
 
-def _quantize_rows(rows: np.ndarray, work: np.ndarray, top: int, quantization: str) -> np.ndarray:
+def quantize_rows(rows: np.ndarray, work: np.ndarray, top: int, quantization: str) -> np.ndarray:
     """Scale each row (block) into `work` as rounded values in -top..top; returns the scales."""
     rows = rows.astype(np.float32, copy=False)
     peak = np.maximum(rows.max(axis=1), -rows.min(axis=1))
@@ -240,10 +245,11 @@ def _quantize_rows(rows: np.ndarray, work: np.ndarray, top: int, quantization: s
     return scale
 
 
-def _block_spans(count: int, block_size: int):
-    """(first_block, last_block, start, stop): chunks of whole blocks, then the short last block."""
+def block_spans(count: int, block_size: int, chunk: int = _CHUNK_ELEMENTS):
+    """(first_block, last_block, start, stop): chunks of whole blocks of about `chunk`
+    values, then the short last block."""
     full = count // block_size
-    step = max(1, _CHUNK_ELEMENTS // block_size)
+    step = max(1, chunk // block_size)
     for first in range(0, full, step):
         last = min(first + step, full)
         yield first, last, first * block_size, last * block_size
@@ -277,7 +283,7 @@ def _split_block_payload(payload: np.ndarray, spec: TensorSpec) -> tuple[np.ndar
     if not (np.isfinite(scales) & (scales >= 0)).all():
         raise MalformedMessage(
             f"tensor {spec.name!r} ({spec.quantization}) has a NaN, infinite or negative block "
-            f"scale; a sender's scales are max|x| / {_LEVELS[spec.quantization]}"
+            f"scale; a sender's scales are max|x| / {LEVELS[spec.quantization]}"
         )
     if spec.quantization == "int8Block":
         return payload[:count].view(np.int8), scales
@@ -295,7 +301,7 @@ def _scale_blocks(levels: np.ndarray, scales: np.ndarray, block_size: int) -> np
     # Scales come off the wire: huge ones overflow to Inf, which is decoded as such and
     # left for the receiver's finiteness check to refuse, not warned about here.
     with np.errstate(over="ignore", invalid="ignore"):
-        for first, last, start, stop in _block_spans(count, block_size):
+        for first, last, start, stop in block_spans(count, block_size):
             chunk = out[start:stop].reshape(last - first, -1)
             chunk[...] = levels[start:stop].reshape(chunk.shape)
             chunk *= scales[first:last, None]

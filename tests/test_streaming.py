@@ -460,13 +460,15 @@ def test_a_worker_refuses_a_broken_fragment_update_and_the_run_goes_on(spawn_wor
     honest = shepherd_fragments._send_update
     tampered = []
 
-    async def send_update(link, body, update, failed, compression):
+    async def send_update(link, update, failed):
         if not tampered:
+            body = update.body
             tampered.append(body.fragment)
-            update = {name: np.full_like(value, np.nan) for name, value in update.items()}
-            compression = "none"
-            body = protocol.FragmentUpdate(round=body.round, fragment=body.fragment)
-        await honest(link, body, update, failed, compression)
+            update = protocol.encode_once(
+                protocol.FragmentUpdate(round=body.round, fragment=body.fragment),
+                {name: np.full_like(value, np.nan) for name, value in update.tensors.items()},
+            )
+        await honest(link, update, failed)
 
     monkeypatch.setattr(shepherd_fragments, "_send_update", send_update)
     config = small_config(

@@ -182,6 +182,12 @@ class Connection:
         self.on_sent(sent)
         return sent
 
+    async def send_encoded(self, message: protocol.Encoded) -> int:
+        """Send a message encoded beforehand (the same bytes to many peers); as `send`."""
+        sent = await self.stream.send_encoded(message)
+        self.on_sent(sent)
+        return sent
+
     async def receive(
         self, *, before_payload: protocol.PayloadGate | None = None
     ) -> protocol.Message:

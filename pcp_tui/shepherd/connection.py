@@ -120,12 +120,30 @@ class WorkerLink(Connection):
             raise SendTooSlow(self.failure.reason)
         if isinstance(body, protocol.Heartbeat) and self.stage is not Stage.READY:
             return 0  # it compiles and does not read: heartbeats would only fill its window
+        nbytes = sum(np.asarray(t).nbytes for t in (tensors or {}).values())
+        return await self._within_deadline(
+            body, nbytes, lambda: super(WorkerLink, self).send(body, tensors, **options)
+        )
+
+    async def send_encoded(self, message: protocol.Encoded) -> int:
+        """`send` for a message encoded beforehand: the same deadline, from its decoded bytes
+        (as `send` counts a quantized message), the same cut-off."""
+        return await self._within_deadline(
+            message.body,
+            message.decoded_bytes,
+            lambda: super(WorkerLink, self).send_encoded(message),
+        )
+
+    async def _within_deadline(self, body: protocol.Body, nbytes: int, send) -> int:
+        """Await `send()` once this message's turn comes, within `send_grace` + `nbytes` /
+        `min_send_rate` seconds; past it (or cancelled mid-message) the link is cut off."""
+        if self.failure is not None:
+            raise SendTooSlow(self.failure.reason)
         async with self._turn:
-            nbytes = sum(np.asarray(t).nbytes for t in (tensors or {}).values())
             seconds = self.send_grace + nbytes / self.min_send_rate
             try:
                 with trio.move_on_after(seconds):
-                    return await super().send(body, tensors, **options)
+                    return await send()
             except trio.Cancelled:
                 # part of it may have gone out (a heartbeat is cancelled only as the link ends)
                 if self.failure is None and not isinstance(body, protocol.Heartbeat):
