@@ -96,7 +96,7 @@ class StreamingRounds:
         The training loop itself only dispatches: at a send point it takes a
         snapshot of the fragment (a device copy), and a background exchange reads
         it to the host, forms Δ_p, sends it, waits for G_p, checks it and stages it
-        on the device; at the merge point the loop blends the staged G_p in. What
+        on the device; at the merge point the loop merges the staged G_p in. What
         the loop still waits for is logged per round (`Pauses`).
         """
         number, steps = message.body.round, message.body.inner_steps or self.plan.inner_steps
