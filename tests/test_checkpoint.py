@@ -168,6 +168,42 @@ def test_an_unreadable_latest_checkpoint_names_the_one_before_it(tmp_path):
     assert checkpoint.load_latest(tmp_path / "round-000002").round == 2
 
 
+def _flip_bit(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_bit_flipped_or_edited_checkpoint_is_refused_naming_the_one_before_it(tmp_path):
+    """A flipped bit in a tensor's bytes (a bad disk, memory, a network copy) still parses:
+    before, --resume loaded it and trained on a wrong parameter without a word. Each file's
+    size and CRC-32 are in meta.json now; a mismatch is the unreadable-checkpoint error. A
+    meta.json that parses but lost a field is that error too (before: a KeyError traceback)."""
+    for r in (2, 4):
+        checkpoint.save(tmp_path, round=r, params=_params(r), outer_state=_params(-r), meta={})
+    latest = tmp_path / "round-000004"
+    earlier = f"resume from the one before it with --resume {tmp_path / 'round-000002'}"
+    for name in ("params.safetensors", "outer.safetensors"):
+        good = (latest / name).read_bytes()
+        _flip_bit(latest / name, len(good) - 5)  # inside the last tensor's data
+        with pytest.raises(checkpoint.CheckpointError) as refused:
+            checkpoint.load_latest(tmp_path)
+        message = str(refused.value)
+        assert message.startswith(f"checkpoint {latest} is unreadable: {name} ")
+        assert "checksum" in message and message.endswith(earlier), message
+        (latest / name).write_bytes(good)
+    assert checkpoint.load_latest(tmp_path).round == 4  # restored: its own bytes again
+    meta = json.loads((latest / "meta.json").read_text())
+    del meta["round"]
+    (latest / "meta.json").write_text(json.dumps(meta))
+    for read in (checkpoint.load_latest, checkpoint.inspect):
+        with pytest.raises(checkpoint.CheckpointError, match="is unreadable: .*round") as refused:
+            read(tmp_path)
+        assert str(refused.value).endswith(earlier)
+
+
 @pytest.fixture
 def small_disk(tmp_path, monkeypatch):
     """A directory on a 5 MiB disk: a real tmpfs for root, else writes past 5 MiB fail as ENOSPC."""
