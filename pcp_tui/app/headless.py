@@ -183,8 +183,11 @@ class MetricsWriter:
     def close(self) -> None:
         """Close the file and finish every sink (a W&B run is marked finished here); idempotent."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as exc:  # its last flush: the run is over, the rows before are there
+                say(f"pcp-tui: metrics file {self._path}: {exc.strerror or exc} on closing it")
         sinks, self._sinks = self._sinks, []
         for sink in sinks:
             sink.close()
