@@ -44,15 +44,19 @@ def test_kill_one_of_three_workers_mid_round(spawn_worker):
     async def scenario(port):
         spawn_worker(port)
         spawn_worker(port)
-        victim = spawn_worker(port, "--id", "victim")
-        workers = shepherd.state.workers
-        await until(
-            lambda: (
-                "victim" in workers and workers["victim"].round == 2 and workers["victim"].step > 0
-            )
+        # it holds round 2 (heartbeating) until killed: waiting for "training, step > 0"
+        # raced the victim's own finish of round 2 on a loaded machine
+        command = faulty_worker_command(port, "stall", "--id", "victim", round=2, seconds=600)
+        victim = subprocess.Popen(
+            command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
-        victim.send_signal(signal.SIGKILL)
-        killed_at.append(time.time())
+        try:
+            workers = shepherd.state.workers
+            await until(lambda: "victim" in workers and workers["victim"].round == 2)
+        finally:
+            victim.send_signal(signal.SIGKILL)
+            killed_at.append(time.time())
+            await trio.to_thread.run_sync(victim.wait)
 
     run_shepherd(shepherd, scenario)
     history = shepherd.state.history
