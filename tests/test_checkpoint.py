@@ -64,12 +64,36 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "save_file", disk_full)
     with pytest.raises(
-        checkpoint.CheckpointError, match="No space left on device.*previous checkpoint is kept"
+        checkpoint.CheckpointError,
+        match=r"No space left on device.*the previous checkpoint \(round-000001\) is kept \(free",
     ):
         checkpoint.save(tmp_path, round=2, params=_params(2), outer_state={}, meta={})
     monkeypatch.undo()
     assert checkpoint.load_latest(tmp_path).round == 1
     assert not list(tmp_path.glob(".round-*"))  # no half-written staging directory left behind
+
+
+def test_a_file_size_limit_is_named_and_a_first_failure_says_nothing_is_saved(tmp_path):
+    """A real RLIMIT_FSIZE (1 MiB) under a process writing a 4 MiB checkpoint: EFBIG, which
+    safetensors reports in its text. Before: "the previous checkpoint is kept (free disk
+    space, ...)" though there was none and no disk was full."""
+    writer = textwrap.dedent(f"""
+        import resource
+        import numpy as np
+        from pcp_tui.shepherd import checkpoint
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+        try:
+            checkpoint.save({str(tmp_path)!r}, round=1, params={{"w": np.zeros(2**20, np.float32)}},
+                            outer_state={{}}, meta={{}})
+        except checkpoint.CheckpointError as exc:
+            print(exc)
+    """)
+    said = subprocess.run(
+        [sys.executable, "-c", writer], capture_output=True, text=True, check=True
+    ).stdout
+    assert "File too large" in said, said
+    assert "no earlier checkpoint of this run is there to fall back on" in said
+    assert "(ulimit -f)" in said and "free disk space" not in said
 
 
 def test_sigkill_mid_write_leaves_a_loadable_checkpoint(tmp_path):
@@ -248,7 +272,9 @@ def test_a_disk_full_of_older_checkpoints_makes_room_for_the_newest(small_disk):
 
 
 def test_a_read_only_directory_is_a_checkpoint_error(read_only_dir):
-    with pytest.raises(checkpoint.CheckpointError, match=r"not written to .*previous checkpoint"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"not written to .*no earlier checkpoint.*permissions"
+    ):
         checkpoint.save(read_only_dir / "run", round=1, params=_params(1), outer_state={}, meta={})
 
 

@@ -102,11 +102,27 @@ def _save_once(
 
 def _not_written(root: Path, round: int, exc: Exception) -> CheckpointError:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    try:
+        kept = f"the previous checkpoint ({(root / 'latest').read_text().strip()}) is kept"
+    except OSError:  # every write so far failed: say so, it is the operator's only warning
+        kept = "no earlier checkpoint of this run is there to fall back on"
+    if _too_large(exc):
+        advice = "raise the shell's file-size limit (ulimit -f) or choose another --checkpoint-dir"
+    else:
+        advice = (
+            "free disk space, fix the directory's permissions or choose another --checkpoint-dir"
+        )
     return CheckpointError(
         f"checkpoint of round {round} not written to {root}: {reason} "
-        f"({type(exc).__name__}); the previous checkpoint is kept (free disk space, fix "
-        "the directory's permissions or choose another --checkpoint-dir)"
+        f"({type(exc).__name__}); {kept} ({advice})"
     )
+
+
+def _too_large(exc: Exception) -> bool:
+    """Whether a write passed the process's file-size limit (RLIMIT_FSIZE: EFBIG)."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.EFBIG
+    return "File too large" in str(exc)
 
 
 def _no_space(exc: Exception) -> bool:
