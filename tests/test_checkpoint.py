@@ -305,6 +305,34 @@ def test_saving_a_round_again_replaces_it_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "round-000001"]
 
 
+def test_killed_while_saving_a_round_again_the_copy_moved_aside_is_read(tmp_path):
+    """SIGKILL between moving round 1 aside and renaming its new copy in (the process kills
+    itself at that rename): before, `latest` named a missing directory and --resume refused
+    ("unreadable") while the complete checkpoint sat beside it under another name."""
+    checkpoint.save(tmp_path, round=1, params=_params(1), outer_state={}, meta={})
+    writer = textwrap.dedent(f"""
+        import os, signal
+        import numpy as np
+        from pcp_tui.shepherd import checkpoint
+        renames = []
+        def rename(source, target):
+            renames.append(target)
+            if len(renames) == 2:  # the old copy is aside; the new one was to go in now
+                os.kill(os.getpid(), signal.SIGKILL)
+            os.replace(source, target)
+        checkpoint.os.rename = rename
+        params = {{"wte": np.full((1000,), 7, np.float32), "h.0.w": np.full((1000, 4), 7, np.float32)}}
+        checkpoint.save({str(tmp_path)!r}, round=1, params=params, outer_state={{}}, meta={{}})
+    """)
+    killed = subprocess.run([sys.executable, "-c", writer], capture_output=True, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "round-000001").exists()  # the state the kill left
+    saved = checkpoint.load_latest(tmp_path)
+    assert saved.round == 1 and (saved.params["wte"] == 1).all()  # whole, and the old one
+    checkpoint.save(tmp_path, round=2, params=_params(2), outer_state={}, meta={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "round-000002"]
+
+
 @pytest.mark.e2e
 def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeypatch, spawn_worker):
     """A real run checkpoints every round while the next trains; round 2's write raises."""

@@ -12,7 +12,9 @@ Each checkpoint is written into a temporary directory, every file fsynced, and
 renamed into place; `latest` is replaced atomically afterwards. A crash at any
 point leaves the previous `latest` pointing at a complete checkpoint; a crash
 between the rename and the first `latest` leaves a complete round directory,
-which `locate` falls back to. A write that fails for any reason (full disk,
+which `locate` falls back to; one while a round is saved again, between moving
+the old copy aside and renaming the new one in, leaves the old copy aside,
+which `locate` reads. A write that fails for any reason (full disk,
 permissions, a safetensors error) is a CheckpointError: the caller reports it
 and the run goes on. A full disk first gives up the checkpoints older than the
 latest, then the write is tried once more. A file whose size or CRC-32 differs
@@ -241,6 +243,9 @@ def locate(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Path:
         ) from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {root / 'latest'}: {exc.strerror or exc}") from None
+    aside = root / f".{name}-replaced"  # killed while saving `name` again (`_move_into_place`)
+    if not (root / name / "meta.json").is_file() and (aside / "meta.json").is_file():
+        return aside  # the complete checkpoint `latest` named, not yet replaced
     return root / name
 
 
