@@ -118,10 +118,15 @@ def test_a_peer_that_joins_mid_round_cannot_slip_in_results_of_rounds_it_was_not
 
 
 async def _until_error_or_closed(stream) -> str:
-    """Read until the shepherd hangs up; what it said last ("connection closed" if nothing)."""
+    """Read until the shepherd hangs up; what it said last ("connection closed" if nothing).
+
+    A goodbye is an AssertionError: it tells a worker the run is over (it exits for good),
+    which is not so when the shepherd ends one connection while the run goes on.
+    """
     try:
         while True:
             message = await stream.receive()
+            assert message.kind != "goodbye", message.body
             if message.kind == "error":
                 return message.body.message
     except (protocol.ConnectionClosed, trio.BrokenResourceError):
