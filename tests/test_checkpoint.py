@@ -64,12 +64,36 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "save_file", disk_full)
     with pytest.raises(
-        checkpoint.CheckpointError, match="No space left on device.*previous checkpoint is kept"
+        checkpoint.CheckpointError,
+        match=r"No space left on device.*the previous checkpoint \(round-000001\) is kept \(free",
     ):
         checkpoint.save(tmp_path, round=2, params=_params(2), outer_state={}, meta={})
     monkeypatch.undo()
     assert checkpoint.load_latest(tmp_path).round == 1
     assert not list(tmp_path.glob(".round-*"))  # no half-written staging directory left behind
+
+
+def test_a_file_size_limit_is_named_and_a_first_failure_says_nothing_is_saved(tmp_path):
+    """A real RLIMIT_FSIZE (1 MiB) under a process writing a 4 MiB checkpoint: EFBIG, which
+    safetensors reports in its text. Before: "the previous checkpoint is kept (free disk
+    space, ...)" though there was none and no disk was full."""
+    writer = textwrap.dedent(f"""
+        import resource
+        import numpy as np
+        from pcp_tui.shepherd import checkpoint
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+        try:
+            checkpoint.save({str(tmp_path)!r}, round=1, params={{"w": np.zeros(2**20, np.float32)}},
+                            outer_state={{}}, meta={{}})
+        except checkpoint.CheckpointError as exc:
+            print(exc)
+    """)
+    said = subprocess.run(
+        [sys.executable, "-c", writer], capture_output=True, text=True, check=True
+    ).stdout
+    assert "File too large" in said, said
+    assert "no earlier checkpoint of this run is there to fall back on" in said
+    assert "(ulimit -f)" in said and "free disk space" not in said
 
 
 def test_sigkill_mid_write_leaves_a_loadable_checkpoint(tmp_path):
@@ -168,6 +192,42 @@ def test_an_unreadable_latest_checkpoint_names_the_one_before_it(tmp_path):
     assert checkpoint.load_latest(tmp_path / "round-000002").round == 2
 
 
+def _flip_bit(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_bit_flipped_or_edited_checkpoint_is_refused_naming_the_one_before_it(tmp_path):
+    """A flipped bit in a tensor's bytes (a bad disk, memory, a network copy) still parses:
+    before, --resume loaded it and trained on a wrong parameter without a word. Each file's
+    size and CRC-32 are in meta.json now; a mismatch is the unreadable-checkpoint error. A
+    meta.json that parses but lost a field is that error too (before: a KeyError traceback)."""
+    for r in (2, 4):
+        checkpoint.save(tmp_path, round=r, params=_params(r), outer_state=_params(-r), meta={})
+    latest = tmp_path / "round-000004"
+    earlier = f"resume from the one before it with --resume {tmp_path / 'round-000002'}"
+    for name in ("params.safetensors", "outer.safetensors"):
+        good = (latest / name).read_bytes()
+        _flip_bit(latest / name, len(good) - 5)  # inside the last tensor's data
+        with pytest.raises(checkpoint.CheckpointError) as refused:
+            checkpoint.load_latest(tmp_path)
+        message = str(refused.value)
+        assert message.startswith(f"checkpoint {latest} is unreadable: {name} ")
+        assert "checksum" in message and message.endswith(earlier), message
+        (latest / name).write_bytes(good)
+    assert checkpoint.load_latest(tmp_path).round == 4  # restored: its own bytes again
+    meta = json.loads((latest / "meta.json").read_text())
+    del meta["round"]
+    (latest / "meta.json").write_text(json.dumps(meta))
+    for read in (checkpoint.load_latest, checkpoint.inspect):
+        with pytest.raises(checkpoint.CheckpointError, match="is unreadable: .*round") as refused:
+            read(tmp_path)
+        assert str(refused.value).endswith(earlier)
+
+
 @pytest.fixture
 def small_disk(tmp_path, monkeypatch):
     """A directory on a 5 MiB disk: a real tmpfs for root, else writes past 5 MiB fail as ENOSPC."""
@@ -212,7 +272,9 @@ def test_a_disk_full_of_older_checkpoints_makes_room_for_the_newest(small_disk):
 
 
 def test_a_read_only_directory_is_a_checkpoint_error(read_only_dir):
-    with pytest.raises(checkpoint.CheckpointError, match=r"not written to .*previous checkpoint"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"not written to .*no earlier checkpoint.*permissions"
+    ):
         checkpoint.save(read_only_dir / "run", round=1, params=_params(1), outer_state={}, meta={})
 
 
@@ -241,6 +303,34 @@ def test_saving_a_round_again_replaces_it_whole(tmp_path):
     checkpoint.save(tmp_path, round=1, params=_params(7), outer_state={}, meta={})
     assert (checkpoint.load_latest(tmp_path).params["wte"] == 7).all()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "round-000001"]
+
+
+def test_killed_while_saving_a_round_again_the_copy_moved_aside_is_read(tmp_path):
+    """SIGKILL between moving round 1 aside and renaming its new copy in (the process kills
+    itself at that rename): before, `latest` named a missing directory and --resume refused
+    ("unreadable") while the complete checkpoint sat beside it under another name."""
+    checkpoint.save(tmp_path, round=1, params=_params(1), outer_state={}, meta={})
+    writer = textwrap.dedent(f"""
+        import os, signal
+        import numpy as np
+        from pcp_tui.shepherd import checkpoint
+        renames = []
+        def rename(source, target):
+            renames.append(target)
+            if len(renames) == 2:  # the old copy is aside; the new one was to go in now
+                os.kill(os.getpid(), signal.SIGKILL)
+            os.replace(source, target)
+        checkpoint.os.rename = rename
+        params = {{"wte": np.full((1000,), 7, np.float32), "h.0.w": np.full((1000, 4), 7, np.float32)}}
+        checkpoint.save({str(tmp_path)!r}, round=1, params=params, outer_state={{}}, meta={{}})
+    """)
+    killed = subprocess.run([sys.executable, "-c", writer], capture_output=True, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "round-000001").exists()  # the state the kill left
+    saved = checkpoint.load_latest(tmp_path)
+    assert saved.round == 1 and (saved.params["wte"] == 1).all()  # whole, and the old one
+    checkpoint.save(tmp_path, round=2, params=_params(2), outer_state={}, meta={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "round-000002"]
 
 
 @pytest.mark.e2e

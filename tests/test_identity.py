@@ -96,8 +96,8 @@ def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
 
 def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_replayed():
     """A connection that fell silent is dead: the same id reconnects. A result for the
-    round whose roundStart went to the old connection is not counted from the new one
-    (whether the round is still open is a race: the unit test below pins the binding)."""
+    round whose roundStart went to the old connection is not counted from the new one,
+    and ends it (no worker sends one; the unit test below pins the round's own binding)."""
     config = small_config(workers=1, rounds=1, inner_steps=5, heartbeat_timeout=2.0)
     shepherd = Shepherd(config, build_workload(config, shards=1))
     seen = {}
@@ -121,7 +121,7 @@ def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_rep
         params = {name: np.zeros_like(p) for name, p in start.tensors.items()}
         replay = protocol.RoundResult(round=1, tokens=1, losses=(1.0,), inner_steps=5)
         await second.send(replay, params)
-        await until(lambda: bool(_kinds(shepherd, "late_result")))
+        await until(lambda: len(_kinds(shepherd, "lost")) == 2)  # the replay ends `second`
         shepherd.request_stop("test over")
         await first.aclose()
         await second.aclose()
@@ -131,7 +131,11 @@ def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_rep
     assert seen["reconnect"].kind == "welcome"
     assert seen["reconnect"].body.worker_index == 0  # the same worker, back
     assert not shepherd.state.history  # the replayed round 1 result was not counted
-    assert _kinds(shepherd, "late_result")[0].data["worker"] == "r"
+    assert not _kinds(shepherd, "late_result")  # nor dropped quietly, once per copy:
+    assert _kinds(shepherd, "lost")[1].message.endswith(
+        "sent a result for round 1, but round 1's roundStart went to another connection or "
+        "to none: a worker answers only the rounds it was sent"
+    )
 
 
 def test_a_round_counts_a_result_only_from_the_connection_it_started_on():

@@ -27,7 +27,7 @@ from pcp_tui.diloco import reference, streaming
 from pcp_tui.shepherd.connection import version_need
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.plain_round import inner_optimizer
-from pcp_tui.testing import run_shepherd, until, worker_batches
+from pcp_tui.testing import pause_after_round, run_shepherd, until, worker_batches
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.shards import sample_batches
 
@@ -430,13 +430,14 @@ def test_streaming_survives_a_lost_worker_and_a_newcomer_starts_from_the_global_
     shepherd = Shepherd(config, build_workload(config, shards=2))
 
     async def scenario(port):
+        pause_after_round(shepherd, 2)  # held until the newcomer has compiled
         spawn_worker(port, "--id", "steady")
         victim = spawn_worker(port, "--id", "victim")
         workers = shepherd.state.workers
         await until(lambda: "victim" in workers and workers["victim"].round == 2)
         victim.kill()
         await until(lambda: any(e.kind == "lost" for e in shepherd.state.events))
-        shepherd.pause()  # hold the run at a round boundary until the newcomer has compiled
+        await until(lambda: shepherd.state.status == "paused" and len(shepherd.state.history) == 2)
         spawn_worker(port, "--id", "late")
         await until(lambda: "late" in workers and workers["late"].state == "idle")
         shepherd.resume()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -12,6 +13,7 @@ from typing import IO, Any
 
 import trio
 
+from pcp_tui.app.closed_output import abandon, say
 from pcp_tui.app.tracking import GuardedSink
 from pcp_tui.shepherd.state import Event, RunState
 
@@ -39,6 +41,7 @@ _SHOWN = {
     "failed",
     "checkpoint",
     "checkpoint_failed",
+    "metrics_failed",
     "resumed_from",
     "stop_requested",
     "resumable",
@@ -100,7 +103,14 @@ class HeadlessPrinter:
             line = event.message
         else:
             return
-        print(line, file=self._out, flush=True)
+        try:
+            print(line, file=self._out, flush=True)
+        except OSError as exc:  # a closed pipe (`| head`), a hung-up terminal: EPIPE, EIO
+            abandon(self._out)
+            say(
+                f"pcp-tui: cannot print the run's log any more ({exc.strerror or exc}); "
+                "the run goes on without it (--metrics FILE keeps a record of every round)"
+            )
 
 
 class MetricsWriter:
@@ -124,6 +134,7 @@ class MetricsWriter:
         self._token = token if token and len(token) >= 8 else None  # "a" must not redact every a
         self._sinks = list(sinks)  # W&B, TensorBoard: each gets every row the file gets
         self._file: IO[str] | None = None
+        self._path = path
         if path is None:
             return
         try:
@@ -148,16 +159,35 @@ class MetricsWriter:
         row["time"] = round(event.at, 3)
         row = {k: self._redacted(v) if isinstance(v, str) else v for k, v in row.items()}
         if self._file is not None:
-            self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
+                self._file.flush()
+            except OSError as exc:  # a full disk, a file-size limit, a removed mount
+                self._file_failed(exc)
         for sink in self._sinks:
             sink(row)
+
+    def _file_failed(self, exc: OSError) -> None:
+        """Stop writing the file (a row cut short would follow), and say so as an event."""
+        failed, self._file = self._file, None
+        with contextlib.suppress(OSError):  # its flush fails as the write did
+            failed.close()
+        self._state.emit(
+            "metrics_failed",
+            f"metrics not written to {self._path}: {exc.strerror or exc}; no more rows go "
+            "there this run and the run goes on (free disk space, or give the next run "
+            "another --metrics)",
+            path=str(self._path),
+        )
 
     def close(self) -> None:
         """Close the file and finish every sink (a W&B run is marked finished here); idempotent."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as exc:  # its last flush: the run is over, the rows before are there
+                say(f"pcp-tui: metrics file {self._path}: {exc.strerror or exc} on closing it")
         sinks, self._sinks = self._sinks, []
         for sink in sinks:
             sink.close()
@@ -223,7 +253,7 @@ class SignalStop:
                 return
 
     def _say(self, line: str) -> None:
-        print(f"pcp-tui: {line}", file=self._out, flush=True)
+        say(f"pcp-tui: {line}", self._out)  # after SIGHUP the terminal may be gone
 
 
 def clean_stop_plan(state: RunState, checkpoints: bool) -> str:

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from pcp_tui.app.closed_output import abandon, say
+
 # Seconds between redraws of the live line while only step, loss or tokens/s change.
 REDRAW_SECONDS = 0.1
 
@@ -160,7 +162,7 @@ class WorkerStatusView:
         self, status: Any, out: IO[str] | None = None, *, live: bool | None = None
     ) -> None:
         self._status = status
-        out = out or sys.stdout
+        self._out = out = out or sys.stdout
         if live is None:
             live = out.isatty()
         self._view: LiveStatusLine | PlainStatusLog = (
@@ -169,9 +171,20 @@ class WorkerStatusView:
 
     def __enter__(self) -> WorkerStatusView:
         self._view.__enter__()
-        self._status.listeners.append(self._view)
+        self._status.listeners.append(self._show)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._status.listeners.remove(self._view)
+        self._status.listeners.remove(self._show)
         self._view.__exit__(*exc_info)
+
+    def _show(self, status: Any) -> None:
+        """Show `status`; a terminal closed or a pipe nobody reads must not end the worker."""
+        try:
+            self._view(status)
+        except OSError as exc:  # EIO, EPIPE: nobody is left to read it
+            abandon(self._out)
+            say(
+                f"pcp-tui: cannot show the worker's status any more ({exc.strerror or exc}); "
+                "it goes on training (--log-file FILE keeps a record)"
+            )

@@ -306,12 +306,20 @@ class Connection:
     # -- the end ------------------------------------------------------------------
 
     async def close(
-        self, reason: str, *, error: ConnectionEnded | None = None, resumable: bool = False
+        self,
+        reason: str,
+        *,
+        error: ConnectionEnded | None = None,
+        resumable: bool = False,
+        goodbye: bool = True,
     ) -> None:
         """Say goodbye (after `error`, if it has a code the peer should hear) and close.
 
         `resumable` (the shepherd's side): the run stopped before its end with a
         checkpoint to resume from, so the worker should come back (`protocol.Goodbye`).
+        `goodbye=False` sends only the error: the shepherd ending one connection while
+        the run goes on must not say goodbye, which a worker reads as "the run is over"
+        and exits for good, instead of reconnecting.
 
         Best effort and bounded by CLOSE_SECONDS: a peer that is gone or does not
         read cannot hold this side. Safe to call twice; call it shielded from
@@ -324,7 +332,8 @@ class Connection:
             if error is not None and error.code:
                 why = error.reason[: protocol.REASON_CHARS]
                 await self.send(protocol.Error(protocol.ErrorCode(error.code), why))
-            await self.send(protocol.Goodbye(reason[: protocol.REASON_CHARS], resumable))
+            if goodbye:
+                await self.send(protocol.Goodbye(reason[: protocol.REASON_CHARS], resumable))
         with contextlib.suppress(*LINK_ERRORS):
             await self.stream.aclose()
 

@@ -4,17 +4,22 @@ Layout of a checkpoint directory::
 
     DIR/round-000012/params.safetensors   global parameters (float32)
     DIR/round-000012/outer.safetensors    outer optimizer state
-    DIR/round-000012/meta.json            round, config, data positions, run id
+    DIR/round-000012/meta.json            round, config, data positions, run id, and
+                                          each tensor file's size and CRC-32
     DIR/latest                            name of the newest complete checkpoint
 
 Each checkpoint is written into a temporary directory, every file fsynced, and
 renamed into place; `latest` is replaced atomically afterwards. A crash at any
 point leaves the previous `latest` pointing at a complete checkpoint; a crash
 between the rename and the first `latest` leaves a complete round directory,
-which `locate` falls back to. A write that fails for any reason (full disk,
+which `locate` falls back to; one while a round is saved again, between moving
+the old copy aside and renaming the new one in, leaves the old copy aside,
+which `locate` reads. A write that fails for any reason (full disk,
 permissions, a safetensors error) is a CheckpointError: the caller reports it
 and the run goes on. A full disk first gives up the checkpoints older than the
-latest, then the write is tried once more.
+latest, then the write is tried once more. A file whose size or CRC-32 differs
+from what meta.json recorded (a flipped bit still parses as tensors) is unreadable:
+the error names the complete checkpoint before it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,11 +104,27 @@ def _save_once(
 
 def _not_written(root: Path, round: int, exc: Exception) -> CheckpointError:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    try:
+        kept = f"the previous checkpoint ({(root / 'latest').read_text().strip()}) is kept"
+    except OSError:  # every write so far failed: say so, it is the operator's only warning
+        kept = "no earlier checkpoint of this run is there to fall back on"
+    if _too_large(exc):
+        advice = "raise the shell's file-size limit (ulimit -f) or choose another --checkpoint-dir"
+    else:
+        advice = (
+            "free disk space, fix the directory's permissions or choose another --checkpoint-dir"
+        )
     return CheckpointError(
         f"checkpoint of round {round} not written to {root}: {reason} "
-        f"({type(exc).__name__}); the previous checkpoint is kept (free disk space, fix "
-        "the directory's permissions or choose another --checkpoint-dir)"
+        f"({type(exc).__name__}); {kept} ({advice})"
     )
+
+
+def _too_large(exc: Exception) -> bool:
+    """Whether a write passed the process's file-size limit (RLIMIT_FSIZE: EFBIG)."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.EFBIG
+    return "File too large" in str(exc)
 
 
 def _no_space(exc: Exception) -> bool:
@@ -142,10 +164,37 @@ def _write_round(
         {k: np.ascontiguousarray(v) for k, v in outer_state.items()},
         staging / "outer.safetensors",
     )
-    for written in ("params.safetensors", "outer.safetensors"):
+    files = {}
+    for written in TENSOR_FILES:
         _fsync_file(staging / written)
-    _write_json(staging / "meta.json", {"format": FORMAT, "round": round, **meta})
+        files[written] = _fingerprint(staging / written)  # read back: what the disk holds
+    _write_json(staging / "meta.json", {"format": FORMAT, "round": round, **meta, "files": files})
     _fsync_dir(staging)
+
+
+TENSOR_FILES = ("params.safetensors", "outer.safetensors")
+
+
+def _fingerprint(path: Path) -> dict[str, int]:
+    """Size and CRC-32 of a file, read in 16 MiB pieces (about a second for GPT-2's 1 GB)."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while piece := f.read(16 << 20):
+            crc, size = zlib.crc32(piece, crc), size + len(piece)
+    return {"bytes": size, "crc32": crc}
+
+
+def _verify(path: Path, meta: dict[str, Any]) -> None:
+    """ValueError unless each tensor file is what meta.json recorded (older checkpoints: no record)."""
+    for name, recorded in (meta.get("files") or {}).items():
+        if name not in TENSOR_FILES:
+            continue
+        found = _fingerprint(path / name)
+        if found != recorded:
+            raise ValueError(
+                f"{name} does not match its checksum in meta.json ({found['bytes']} bytes, "
+                f"CRC-32 {found['crc32']:08x}; written: {recorded}): a damaged disk or copy"
+            )
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
@@ -194,6 +243,9 @@ def locate(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Path:
         ) from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {root / 'latest'}: {exc.strerror or exc}") from None
+    aside = root / f".{name}-replaced"  # killed while saving `name` again (`_move_into_place`)
+    if not (root / name / "meta.json").is_file() and (aside / "meta.json").is_file():
+        return aside  # the complete checkpoint `latest` named, not yet replaced
     return root / name
 
 
@@ -204,9 +256,9 @@ def inspect(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Checkpo
         meta = _read_meta(path)
         with safe_open(path / "params.safetensors", "numpy") as tensors:
             shapes = {n: tuple(tensors.get_slice(n).get_shape()) for n in tensors.keys()}  # noqa: SIM118
-    except (OSError, ValueError, safetensors.SafetensorError) as exc:
+    except _UNREADABLE as exc:
         raise _unreadable(path, exc, hint) from None
-    return CheckpointInfo(path=path, round=int(meta["round"]), shapes=shapes, meta=meta)
+    return CheckpointInfo(path=path, round=meta["round"], shapes=shapes, meta=meta)
 
 
 def load_latest(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Checkpoint:
@@ -217,13 +269,15 @@ def load_latest(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Che
     path = locate(directory, hint=hint)
     try:
         meta = _read_meta(path)
+        _verify(path, meta)
         params = load_file(path / "params.safetensors")
         outer = load_file(path / "outer.safetensors")
-    except (OSError, ValueError, safetensors.SafetensorError) as exc:
+    except _UNREADABLE as exc:
         raise _unreadable(path, exc, hint) from None
-    return Checkpoint(
-        path=path, round=int(meta["round"]), params=params, outer_state=outer, meta=meta
-    )
+    return Checkpoint(path=path, round=meta["round"], params=params, outer_state=outer, meta=meta)
+
+
+_UNREADABLE = (OSError, ValueError, safetensors.SafetensorError)
 
 
 def _unreadable(path: Path, exc: Exception, hint: str) -> CheckpointError:
@@ -277,9 +331,13 @@ def _first_difference(saved: dict[str, tuple], ours: dict[str, tuple]) -> str:
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
+    """meta.json, its round an int; ValueError for one that parses but is not a checkpoint's."""
     meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path} has format {found!r}, expected {FORMAT!r}")
+    if not isinstance(meta.get("round"), int):
+        raise ValueError(f"meta.json has no round number (found {meta.get('round')!r})")
     return meta
 
 

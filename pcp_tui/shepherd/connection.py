@@ -84,21 +84,31 @@ class WorkerLink(Connection):
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments = None
         self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
+        self._rounds_started: set[int] = set()  # rounds whose roundStart went out on this link
         # what its results may claim; sized by `worker_plan.bind_to_plan` (no result comes before)
         self.claims = ResultClaims(tokens_per_step=0)
         self.progress = ProgressRate()  # progress messages beyond a few a second are dropped
 
     def note_result(self, body: protocol.RoundResult | protocol.FragmentResult, running: int):
         """Raise ConnectionLost for a result no worker sends: one for a round that has not
-        started (`running` is the latest that has), or a second for the same round (and
+        started (`running` is the latest that has), one for a round whose roundStart this
+        link never got (a worker's results go out on the connection its round came on: one
+        that reconnects drops the round it was in), or a second for the same round (and
         fragment). Each would be dropped, but a peer that sends them without end would
-        write a `late_result` line in the log for every copy."""
+        write a `late_result` line in the log for every copy (every round, every fragment,
+        again from each new connection)."""
         fragment = body.fragment if isinstance(body, protocol.FragmentResult) else -1
         part = f" fragment {fragment}" if fragment >= 0 else ""
         if body.round > running:
             raise ConnectionLost(
                 f"sent a result for round {body.round}{part} while round {running} runs: "
                 "a worker answers only the rounds it was sent"
+            )
+        if body.round not in self._rounds_started:
+            raise ConnectionLost(
+                f"sent a result for round {body.round}{part}, but round {body.round}'s "
+                "roundStart went to another connection or to none: a worker answers only "
+                "the rounds it was sent"
             )
         if (body.round, fragment) in self._results:
             raise ConnectionLost(
@@ -139,6 +149,8 @@ class WorkerLink(Connection):
         `min_send_rate` seconds; past it (or cancelled mid-message) the link is cut off."""
         if self.failure is not None:
             raise SendTooSlow(self.failure.reason)
+        if isinstance(body, protocol.RoundStart):
+            self._rounds_started.add(body.round)  # its results may come (`note_result`)
         async with self._turn:
             seconds = self.send_grace + nbytes / self.min_send_rate
             try:

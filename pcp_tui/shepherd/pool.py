@@ -118,7 +118,9 @@ class WorkerPool:
             self._mark_gone(link, "left", link.view.reason or "said goodbye")
         finally:
             with trio.CancelScope(shield=True):  # tells the peer what it did wrong, if it did
-                await link.close("connection closed", error=ended)
+                # no goodbye: the run goes on (at its end `goodbye_all` said it), and a worker
+                # reads a goodbye as "the run is over" and exits instead of reconnecting
+                await link.close("connection closed", error=ended, goodbye=False)
             link.ended.set()
 
     def _refusal(self, worker_id: str) -> tuple[protocol.ErrorCode, str] | None:

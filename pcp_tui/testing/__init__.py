@@ -14,7 +14,13 @@ pseudo-gradient) are `pcp_tui.testing.faulty_worker`; its docstring lists the
 faults and their parameters.
 """
 
-from pcp_tui.testing._inprocess import heartbeat_until_hung_up, run_shepherd, until, worker_batches
+from pcp_tui.testing._inprocess import (
+    heartbeat_until_hung_up,
+    pause_after_round,
+    run_shepherd,
+    until,
+    worker_batches,
+)
 from pcp_tui.testing._processes import (
     SMALL_RUN,
     OutputProcess,
@@ -32,6 +38,7 @@ __all__ = [
     "heartbeat_until_hung_up",
     "SMALL_RUN",
     "OutputProcess",
+    "pause_after_round",
     "WorkerProcesses",
     "child_pids",
     "faulty_worker_command",

@@ -40,6 +40,24 @@ async def until(predicate: Callable[[], bool], *, polls: int = 6000) -> None:
     raise AssertionError("condition never became true")
 
 
+def pause_after_round(shepherd: Any, number: int) -> None:
+    """Hold `shepherd`'s run at the boundary after round `number`: call before that round ends.
+
+    Waiting until the history holds `number` rounds and then pausing races the run: short
+    rounds can all end within one poll, and the pause lands rounds later, or after the run.
+    This pauses from inside the round's own "round" event, which the run loop emits before it
+    looks at its pause flag again, so the run holds exactly there. It is held once
+    `shepherd.state.status == "paused"` and the history holds `number` rounds (the status
+    stays "paused" after `shepherd.resume()` until the next round starts).
+    """
+
+    def listener(event: Any) -> None:
+        if event.kind == "round" and event.data["record"].round == number:
+            shepherd.pause()
+
+    shepherd.state.subscribe(listener)
+
+
 def worker_batches(workload: Any, config: Any, slot: int, number: int, steps: int) -> list:
     """The `steps` batches worker `slot` trains on in round `number`, sampled in chunks of one
     step as a worker with `--chunk-steps 1` samples them: a reference run's inputs."""

@@ -276,6 +276,7 @@ class EventLog(RichLog):
         "round_repeated",
         "late_result",
         "checkpoint_failed",
+        "metrics_failed",
         "not_resumable",
         "shard_orphaned",
     }
