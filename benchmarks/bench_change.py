@@ -33,23 +33,15 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_outer_step import shapes_of  # noqa: E402  (the same GPT-2-like tensors)
 
 from pcp_tui import protocol  # noqa: E402
 from pcp_tui.protocol import _change  # noqa: E402
 
 BODY = protocol.FragmentUpdate(round=1, fragment=0, change=True)
-
-
-def shapes_of(millions: float) -> dict[str, tuple[int, ...]]:
-    """About `millions` M values as GPT-2-like (rows, 768) matrices of ~8M values."""
-    total = int(millions * 1e6) // 768
-    shapes, index = {}, 0
-    while total > 0:
-        rows = min(total, 10_240)
-        shapes[f"h{index}.w"] = (rows, 768)
-        total, index = total - rows, index + 1
-    return shapes
 
 
 def before(params: dict, old: dict, quantization: str) -> tuple[bytes, dict]:
