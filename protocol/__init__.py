@@ -14,7 +14,7 @@ turns it into bytes and back. It never imports `pcp_tui` or `backends`.
 
 Message bodies are frozen dataclasses (`_messages`), checked field by field at
 decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,
-`Quantization`) are enums in the schema and here.
+`Quantization`, `OverlapMerge`) are enums in the schema and here.
 """
 
 from ._change import encode_change
