@@ -47,6 +47,16 @@ def test_steps_follow_speed_in_whole_chunks():
     assert pacing.steps_for(["b", "c"]) == {"b": 20, "c": 5}  # the fastest present trains H
 
 
+def test_the_fastest_worker_trains_h_whatever_its_speed():
+    """H x s / s is 19.999999999999996 for H = 20 and this speed (a worker's, measured in a
+    test run): the floor to whole chunks then gave the fastest worker 15 steps, not 20."""
+    pacing = StepPacing(H, CHUNK)
+    speed = 127.16273496967807
+    pacing.observe(_measured({"fast": 20, "slow": 5}, {"fast": 20 / speed, "slow": 5 / 37.1}))
+    assert pacing.speed("fast") == speed
+    assert pacing.steps_for(["fast", "slow"]) == {"fast": H, "slow": CHUNK}
+
+
 class _Connection:
     """Stands in for a WorkerLink: an object a round's roundStart went to."""
 

@@ -250,12 +250,25 @@ class NetworkConfig:
     min_workers: int = option(
         1,
         at_least=1,
-        help="fewest results a round needs before --round-timeout may close it (at most --workers)",
+        help="fewest results a round needs before --round-timeout or the straggler window "
+        "may close it (at most --workers)",
     )
     round_timeout: float = option(
         0.0,
         at_least=0,
         help="close a round after this many seconds with the results it has (0: wait for all)",
+    )
+    straggler_factor: float = option(
+        4.0,
+        at_least=0,
+        help="once --min-workers results are in, each other worker has this many times "
+        "their time (roundStart sent to result in) before the round closes without it; "
+        "an upload under way is waited for (0: wait for all)",
+    )
+    straggler_min_seconds: float = option(
+        60.0,
+        above=0,
+        help="the least time --straggler-factor gives a worker, in seconds",
     )
     heartbeat_seconds: float = option(
         2.0,

@@ -171,6 +171,8 @@ class FragmentSync:
         # the roundStarts go out, and a roundStart still on its way when a fragment closes
         # is cancelled (its link ends: the worker would wait for that fragment's update)
         starts = RoundStarts(links)
+        for current in rounds:  # every fragment times its stragglers from the same deliveries
+            current.delivered = starts.delivered_at
         async with trio.open_nursery() as nursery:
             for link in links:
                 h = steps.get(link.worker_id, config.inner.steps)
@@ -281,6 +283,7 @@ class RoundStarts:
         self._scopes = {link: trio.CancelScope() for link in links}
         self._ended = {link: trio.Event() for link in links}
         self.delivered: set[WorkerLink] = set()  # links whose whole roundStart went out
+        self.delivered_at: dict[str, float] = {}  # worker id -> when (trio's clock)
 
     async def send(self, link: WorkerLink, body: protocol.RoundStart, tensors: dict) -> None:
         """Send `link` its roundStart (CONNECTION_ERRORS as `WorkerLink.send` raises them)."""
@@ -288,6 +291,7 @@ class RoundStarts:
             with self._scopes[link]:
                 await link.send(body, tensors)
                 self.delivered.add(link)
+                self.delivered_at[link.worker_id] = trio.current_time()
         finally:
             self._ended[link].set()
 

@@ -136,6 +136,8 @@ class StepPacing:
             if speed is None or fastest <= 0:
                 steps[worker] = self.inner_steps
                 continue
-            share = self.inner_steps * speed / fastest
+            # the ratio first: H x s / s can round to just under H, and the floor below
+            # would then take a whole quantum from the fastest worker (1 speed in 40)
+            share = self.inner_steps * (speed / fastest)
             steps[worker] = max(self.least, int(share // self.quantum) * self.quantum)
         return steps

@@ -16,11 +16,22 @@ from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.shepherd.state import RoundRecord, RunState
 
-__all__ = ["BadResult", "Round", "collect", "data_parallel_bytes", "utilization"]
+__all__ = [
+    "BadResult",
+    "Round",
+    "collect",
+    "data_parallel_bytes",
+    "straggler_window",
+    "utilization",
+]
 
 # Results smaller than this are screened and folded in on the event loop: that takes
 # well under a millisecond, less than handing them to a thread and back (~0.2 ms).
 INLINE_BYTES = 4 * 2**20
+
+# How often the straggler window looks again at a worker it cannot time yet (its
+# roundStart still on its way, or its result arriving).
+RECHECK_SECONDS = 0.5
 
 
 def utilization(
@@ -83,9 +94,14 @@ class Round:
         self.largest_result = 0  # wire bytes of the largest result folded in
         self.fragment_results: tuple[int, ...] = ()  # streaming: results per fragment
         self.arrivals: dict[str, float] = {}
+        # on trio's clock, for the straggler window (`collect`): when each worker's
+        # roundStart had gone out, and when its result was folded in
+        self.delivered: dict[str, float] = {}
+        self.answered: dict[str, float] = {}
         self.contributors: list[str] = []
         self.bytes_at_start = (0, 0)
         self.done = trio.Event()
+        self._changed = trio.Event()  # set (and renewed) whenever a worker leaves `pending`
         self._lock = trio.Lock()  # one result is screened and folded in at a time
         self._closed = False
 
@@ -129,6 +145,7 @@ class Round:
         self.losses.extend(losses)
         self.compute_seconds[worker_id] = message.body.compute_seconds
         self.arrivals[worker_id] = time.monotonic() - self.started
+        self.answered[worker_id] = trio.current_time()
         self.finish(worker_id)
         return True
 
@@ -154,6 +171,25 @@ class Round:
         self.pending.discard(worker_id)
         if not self.pending:
             self.done.set()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def results(self, count: int) -> None:
+        """Return once `count` results are folded in, or nobody is pending."""
+        while len(self.contributors) < count and not self.done.is_set():
+            await self._changed.wait()
+
+    async def changed(self, deadline: float) -> None:
+        """Return when a worker leaves `pending`, or at `deadline` (trio's clock)."""
+        with trio.move_on_at(deadline):
+            await self._changed.wait()
+
+    def receiving(self, worker_id: str) -> bool:
+        """Whether a message from `worker_id` is partly in on its round's connection (an
+        upload under way: --min-upload-rate, not the straggler window, bounds it)."""
+        link = (self.connections or {}).get(worker_id)
+        stream = getattr(link, "stream", None)
+        return stream is not None and stream.partial_message is not None
 
     def record(
         self,
@@ -213,30 +249,80 @@ class Round:
 
 
 async def collect(current: Round, network: NetworkConfig, state: RunState) -> None:
-    """Wait for `current`'s results: until all are in, or --round-timeout, then (if fewer
-    than --min-workers came) on until that many have; whoever is still out is dropped as a
-    straggler, said in a `stragglers` event."""
+    """Wait for `current`'s results, then close it without whoever is still out.
+
+    The round waits for all results, at most --round-timeout; once --min-workers
+    are in (the quorum), each other worker has `straggler_window` from its own
+    roundStart's delivery, so a peer that heartbeats but never answers costs
+    a round a bounded delay, not the run. A result already arriving is waited
+    for (the upload rate bounds it), and a round that times out with fewer than
+    --min-workers waits on for them. The rest are dropped as stragglers, said
+    in a `stragglers` event; their results, if they come, are `late_result`s.
+    """
+    began = trio.current_time()
+    quorum = min(network.min_workers, len(current.participants))
+    window, windowed = math.inf, False
     timeout = network.round_timeout if network.round_timeout > 0 else math.inf
     with trio.move_on_after(timeout):
-        await current.done.wait()
+        await current.results(quorum)
+        if network.straggler_factor > 0 and not current.done.is_set():
+            window = straggler_window(current, network, began, quorum)
+            await _until_overdue(current, window)
+            windowed = True
+        else:
+            await current.done.wait()
     if current.done.is_set():
         return
-    late = sorted(current.pending)
     if len(current.contributors) < network.min_workers:
         state.emit(
             "round_waiting",
             f"round {current.number}: timeout with {len(current.contributors)} result(s); "
             f"waiting for --min-workers {network.min_workers}",
         )
-        while len(current.contributors) < network.min_workers and not current.done.is_set():
-            with trio.move_on_after(1):
-                await current.done.wait()
-        late = sorted(current.pending)
+        await current.results(network.min_workers)
+    late = sorted(current.pending)
     for worker_id in late:
         current.finish(worker_id)
     if late:
+        why = (
+            f"after its straggler window of {window:.3g} s (--straggler-factor "
+            f"{network.straggler_factor:g} times the quorum's time, at least "
+            f"--straggler-min-seconds {network.straggler_min_seconds:g}); --adaptive-steps "
+            "gives slower workers fewer steps"
+            if windowed
+            else f"at --round-timeout {network.round_timeout:g} s"
+        )
         state.emit(
             "stragglers",
-            f"round {current.number} closed without {', '.join(late)}",
+            f"round {current.number} closed without {', '.join(late)} {why}",
             workers=late,
         )
+
+
+def straggler_window(current: Round, network: NetworkConfig, began: float, quorum: int) -> float:
+    """Seconds each worker has for its result, from its roundStart's delivery: the
+    quorum-th fastest result's time times --straggler-factor, at least
+    --straggler-min-seconds. A worker's time runs from its roundStart's delivery (or
+    `began`), so a far worker's slower download is not counted against it."""
+    times = sorted(
+        current.answered[w] - current.delivered.get(w, began) for w in current.contributors
+    )
+    quorum_time = times[min(quorum, len(times)) - 1] if times else 0.0
+    return max(network.straggler_min_seconds, network.straggler_factor * quorum_time)
+
+
+async def _until_overdue(current: Round, window: float) -> None:
+    """Return when nobody is pending, or every pending worker is past its window and not
+    uploading; a worker whose roundStart is still on its way has not started its window."""
+    while not current.done.is_set():
+        now = trio.current_time()
+        due = [
+            current.delivered[w] + window
+            for w in current.pending
+            if w in current.delivered and not current.receiving(w)
+        ]
+        if len(due) == len(current.pending) and all(d <= now for d in due):
+            return
+        later = [d for d in due if d > now]
+        recheck = now + RECHECK_SECONDS if len(due) < len(current.pending) else math.inf
+        await current.changed(min([*later, recheck]))

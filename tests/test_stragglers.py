@@ -1,0 +1,221 @@
+"""The straggler window: a round waits for the rest of its results only so long after its quorum.
+
+The unit tests drive `rounds.collect` on trio's `MockClock` with a real `Round`
+and real results, so every close time is exact; the links are stand-ins that
+only say whether a message is partly in (the one thing `collect` asks of them).
+The end-to-end test runs a real worker beside one that heartbeats but never
+answers, through the default-on window, on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from pcp_tui import protocol
+from pcp_tui.config.run import NetworkConfig
+from pcp_tui.diloco.outer import PseudoGradientMean
+from pcp_tui.diloco.screening import ResultScreen
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.rounds import Round, collect
+from pcp_tui.shepherd.state import RunState
+from pcp_tui.testing import faulty_worker_command, run_shepherd, until
+from pcp_tui.training.build import build_workload
+
+from .conftest import small_config, worker_env
+
+SHAPES = {"w": (2, 3)}
+
+
+@dataclass
+class Stream:
+    partial_message: tuple[float, int] | None = None
+
+
+@dataclass
+class Link:
+    stream: Stream
+
+
+def result() -> protocol.Message:
+    body = protocol.RoundResult(
+        round=1, tokens=8, losses=(2.0,), compute_seconds=1.0, inner_steps=1
+    )
+    return protocol.Message(body, {"w": np.zeros((2, 3), np.float32)}, wire_bytes=64)
+
+
+def run_round(network: NetworkConfig, script, participants=("a", "b", "c")):
+    """Run `collect` for one round while `script(current, links)` plays the workers;
+    (the close time on the mock clock, the round, the run's events)."""
+    state = RunState(run_id="test", rounds_total=1, settings={})
+    links = {w: Link(Stream()) for w in participants}
+    screen = ResultScreen(SHAPES, max_tokens=100)
+    current = Round(
+        1, list(participants), PseudoGradientMean(tuple(SHAPES)), screen, connections=links
+    )
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(script, current, links)
+            await collect(current, network, state)
+            closed = trio.current_time()
+            nursery.cancel_scope.cancel()
+        return closed
+
+    closed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return closed, current, state.events
+
+
+async def deliver(current: Round, at: dict[str, float]) -> None:
+    """Mark each worker's roundStart delivered at its time (ascending)."""
+    for worker, moment in sorted(at.items(), key=lambda item: item[1]):
+        await trio.sleep_until(moment)
+        current.delivered[worker] = trio.current_time()
+
+
+async def answer(current: Round, worker: str, at: float) -> None:
+    await trio.sleep_until(at)
+    await current.add(worker, result())
+
+
+def window(factor: float, floor: float, **changes) -> NetworkConfig:
+    return NetworkConfig(straggler_factor=factor, straggler_min_seconds=floor, **changes)
+
+
+def test_a_worker_that_never_answers_is_dropped_at_factor_times_the_first_result():
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 10.0)
+        await answer(current, "b", 25.0)  # 2.5x the first: inside the window
+
+    closed, current, events = run_round(window(3.0, 5.0), script)
+    assert closed == 30.0  # c's roundStart went out at 0; window max(5, 3 x 10)
+    assert current.contributors == ["a", "b"] and not current.pending
+    (stragglers,) = [e for e in events if e.kind == "stragglers"]
+    assert stragglers.data["workers"] == ["c"]
+    assert "straggler window of 30 s" in stragglers.message
+    assert "--adaptive-steps" in stragglers.message
+
+
+def test_the_window_counts_from_each_workers_own_delivery():
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0})
+        await answer(current, "a", 10.0)
+        await deliver(current, {"c": 20.0})  # a slow link: its parameters arrived at 20 s
+
+    closed, current, _ = run_round(window(3.0, 5.0), script)
+    assert closed == 50.0  # b's window ended at 30, c's at 20 + 30
+    assert current.contributors == ["a"]
+
+
+def test_a_result_arriving_is_waited_for_past_the_window():
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 10.0)
+        await trio.sleep_until(28.0)
+        links["b"].stream.partial_message = (28.0, 1)  # b's upload began inside its window
+        await answer(current, "b", 41.0)
+
+    closed, current, _ = run_round(window(3.0, 5.0), script)
+    assert current.contributors == ["a", "b"]
+    assert closed == 41.0  # c was overdue at 30; the round closed when b's result was in
+
+
+def test_the_window_is_at_least_the_floor():
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 1.0)
+
+    closed, _, _ = run_round(window(3.0, 5.0), script)
+    assert closed == 5.0
+
+
+def test_the_window_starts_at_the_quorum_and_scales_with_its_time():
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 2.0)
+        await answer(current, "b", 8.0)
+
+    closed, current, _ = run_round(window(2.0, 1.0, min_workers=2, workers=3), script)
+    assert closed == 16.0  # the second result's 8 s, twice
+    assert current.contributors == ["a", "b"]
+
+
+def test_factor_zero_waits_for_every_result():
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 1.0)
+        await answer(current, "b", 500.0)
+        await answer(current, "c", 1000.0)
+
+    closed, current, events = run_round(window(0.0, 5.0), script)
+    assert closed == 1000.0
+    assert current.contributors == ["a", "b", "c"]
+    assert not [e for e in events if e.kind == "stragglers"]
+
+
+@pytest.mark.parametrize(("factor", "closes"), [(0.0, 20.0), (3.0, 20.0), (1.5, 15.0)])
+def test_round_timeout_closes_the_round_if_it_comes_first(factor, closes):
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 10.0)
+        await answer(current, "b", 100.0)
+
+    closed, current, events = run_round(window(factor, 5.0, round_timeout=20.0), script)
+    assert closed == closes  # --round-timeout 20 s, or the window's 1.5 x 10 s
+    assert current.contributors == ["a"]
+    (stragglers,) = [e for e in events if e.kind == "stragglers"]
+    assert ("--round-timeout" in stragglers.message) == (closes == 20.0)
+
+
+def test_a_round_timeout_without_the_quorum_waits_on_for_it():
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 100.0)
+
+    closed, current, events = run_round(window(3.0, 5.0, round_timeout=40.0), script)
+    assert closed == 100.0  # --min-workers 1: the first result closes it, past the timeout
+    assert current.contributors == ["a"]
+    assert [e.kind for e in events] == ["round_waiting", "stragglers"]
+
+
+@pytest.mark.parametrize("factor", [4.0, 0.0])
+def test_the_options_reach_the_network_section(factor):
+    config = small_config(straggler_factor=factor, straggler_min_seconds=2.5)
+    assert config.network.straggler_factor == factor
+    assert config.network.straggler_min_seconds == 2.5
+
+
+def test_a_peer_that_heartbeats_but_never_answers_costs_each_round_its_window(spawn_worker):
+    """The red team's finding: with no --round-timeout a silent-but-alive worker held its
+    round for ever. Now each round closes one window after the honest worker's result."""
+    config = small_config(
+        workers=2, rounds=3, inner_steps=4, straggler_factor=2.0, straggler_min_seconds=1.0
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+
+    async def scenario(port):
+        spawn_worker(port, "--id", "steady")
+        command = faulty_worker_command(port, "stall", "--id", "hung", round=2, seconds=3600)
+        hung = subprocess.Popen(
+            command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+        try:
+            await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
+        finally:
+            hung.kill()
+            await trio.to_thread.run_sync(hung.wait)
+
+    run_shepherd(shepherd, scenario)
+    history = shepherd.state.history
+    assert [r.round for r in history] == [1, 2, 3]
+    assert history[0].workers == 2
+    assert [r.worker_ids for r in history[1:]] == [("steady",), ("steady",)]
+    dropped = [e for e in shepherd.state.events if e.kind == "stragglers"]
+    assert [e.data["workers"] for e in dropped] == [["hung"], ["hung"]]
+    assert shepherd.state.workers["hung"].state != "lost"  # it heartbeats: alive, just late
