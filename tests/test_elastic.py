@@ -110,16 +110,24 @@ def test_late_worker_joins_at_the_next_round_boundary_and_one_that_leaves_is_tol
 
 
 def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
+    """Round 2 closes at its timeout without the stalled worker; it sits round 3 out (it is
+    still on round 2), its late result is dropped, and it trains again from the next round."""
     config = small_config(workers=2, rounds=6, inner_steps=10, round_timeout=2.0, min_workers=1)
     shepherd = Shepherd(config, build_workload(config, shards=2))
 
     async def scenario(port):
+        pause_after_round(shepherd, 3)  # held until the late result is in
         spawn_worker(port, "--id", "steady")
         command = faulty_worker_command(port, "stall", "--id", "slow", round=2, seconds=5)
         slow = subprocess.Popen(
             command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
         try:
+            await until(
+                lambda: shepherd.state.status == "paused" and len(shepherd.state.history) == 3
+            )
+            await until(lambda: bool(_kinds(shepherd, "late_result")))
+            shepherd.resume()
             await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
         finally:
             await trio.to_thread.run_sync(slow.wait)
@@ -129,10 +137,11 @@ def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
     assert [r.round for r in history] == [1, 2, 3, 4, 5, 6]
     assert history[0].workers == 2
     assert history[1].worker_ids == ("steady",)  # the stalled round closed without the straggler
+    assert history[2].worker_ids == ("steady",)  # which sat round 3 out, still on round 2
     late = _kinds(shepherd, "late_result")
     assert late and late[0].data["worker"] == "slow" and late[0].data["round"] == 2
     assert shepherd.state.workers["slow"].state != "lost"  # slow is not dead
-    assert history[-1].workers == 2  # and it caught up
+    assert [r.workers for r in history[3:]] == [2, 2, 2]  # and it caught up
 
 
 def _shepherd_command(port: int, checkpoints, metrics, *extra: str) -> list[str]:

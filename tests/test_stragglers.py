@@ -191,13 +191,22 @@ def test_the_options_reach_the_network_section(factor):
     assert config.network.straggler_min_seconds == 2.5
 
 
-def test_a_peer_that_heartbeats_but_never_answers_costs_each_round_its_window(spawn_worker):
+@pytest.mark.parametrize("fragments", [1, 2], ids=["plain", "streaming"])
+def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker, fragments):
     """The red team's finding: with no --round-timeout a silent-but-alive worker held its
-    round for ever. Now each round closes one window after the honest worker's result."""
+    round for ever. Now its round closes one window after the honest worker's result, and
+    it sits the next rounds out until that result comes (here: never)."""
     config = small_config(
-        workers=2, rounds=3, inner_steps=4, straggler_factor=2.0, straggler_min_seconds=1.0
+        workers=2,
+        rounds=3,
+        inner_steps=4,
+        straggler_factor=2.0,
+        straggler_min_seconds=1.0,
+        streaming_fragments=fragments,
+        overlap_steps=1 if fragments > 1 else 0,
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
+    workers = shepherd.state.workers
 
     async def scenario(port):
         spawn_worker(port, "--id", "steady")
@@ -205,7 +214,9 @@ def test_a_peer_that_heartbeats_but_never_answers_costs_each_round_its_window(sp
         hung = subprocess.Popen(
             command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
+        sitting_out = "late for round 2: sits new rounds out until that result comes"
         try:
+            await until(lambda: "hung" in workers and workers["hung"].reason == sitting_out)
             await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
         finally:
             hung.kill()
@@ -217,5 +228,6 @@ def test_a_peer_that_heartbeats_but_never_answers_costs_each_round_its_window(sp
     assert history[0].workers == 2
     assert [r.worker_ids for r in history[1:]] == [("steady",), ("steady",)]
     dropped = [e for e in shepherd.state.events if e.kind == "stragglers"]
-    assert [e.data["workers"] for e in dropped] == [["hung"], ["hung"]]
-    assert shepherd.state.workers["hung"].state != "lost"  # it heartbeats: alive, just late
+    # each of round 2's fragments closed without it; round 3 did not wait for it
+    assert [e.data["workers"] for e in dropped] == [["hung"]] * fragments
+    assert workers["hung"].state != "lost"  # it heartbeats: alive, just late

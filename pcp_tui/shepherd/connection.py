@@ -76,6 +76,9 @@ class WorkerLink(Connection):
         self.runtime = runtime  # with platform: which export this worker's plan carries
         self._state = state
         self.ready = trio.Event()
+        # a round it was dropped from as a straggler, its result not yet in (0: none): it
+        # sits new rounds out until then, so a hung peer delays one round, not every one
+        self.behind = 0
         self.min_send_rate, self.send_grace = min_send_rate, send_grace
         self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline

@@ -212,7 +212,9 @@ class FragmentSync:
         closes is a straggler, cut off as in a plain round; it would wait for this
         fragment's update.
         """
-        await collect(current, shepherd.config.network, shepherd.state)
+        shepherd.pool.sit_out(
+            current, await collect(current, shepherd.config.network, shepherd.state)
+        )
         failed.update(await starts.settle(current.contributors))
         await current.close()
         collected = time.monotonic()

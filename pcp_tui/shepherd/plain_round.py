@@ -175,7 +175,7 @@ class PlainRound:
                     inner_steps=steps.get(link.worker_id, self.config.inner.steps),
                 )
                 nursery.start_soon(_send_round_start, link, body, tensors, current)
-            await collect(current, self.config.network, self.state)
+            self.pool.sit_out(current, await collect(current, self.config.network, self.state))
             if set(current.participants) - set(current.contributors):
                 # a worker whose result counts has its roundStart, even if the task that
                 # sent it has not resumed yet: cancel only when the round closed without some

@@ -69,7 +69,31 @@ class WorkerPool:
         self._next_index = max(indices.values(), default=-1) + 1
 
     def ready_links(self) -> list[WorkerLink]:
-        return [link for link in self._links.values() if link.ready.is_set() and not link.closed]
+        """The links a new round goes to: ready, open, and not still owing a result."""
+        return [
+            link
+            for link in self._links.values()
+            if link.ready.is_set() and not link.closed and not link.behind
+        ]
+
+    def sit_out(self, current: Round, worker_ids: list[str]) -> None:
+        """`worker_ids`, dropped from `current` as stragglers, sit new rounds out until a
+        result of theirs for it (or later) comes in: a worker still on an old round would
+        only make the next one wait out its straggler window again."""
+        for worker_id in worker_ids:
+            link = (current.connections or {}).get(worker_id)
+            if isinstance(link, WorkerLink) and not link.closed:
+                link.behind = current.number
+                link.view.reason = (
+                    f"late for round {current.number}: sits new rounds out until that result comes"
+                )
+
+    def _caught_up(self, link: WorkerLink, number: int) -> None:
+        """A result for round `number` came from `link`: one sitting out since then is back."""
+        if link.behind and number >= link.behind:
+            link.behind = 0
+            link.view.reason = ""
+            self.wake()
 
     def wake(self) -> None:
         """Wake whoever waits in `changed` (a worker came or went, or the run is stopping)."""
@@ -346,6 +370,7 @@ class WorkerPool:
         number = message.body.round
         link.note_result(message.body, self.state.round)  # a repeat ends the connection
         link.claims.check(message.body)  # more steps, tokens or seconds than asked: ends it too
+        self._caught_up(link, number)
         try:
             added = (
                 current is not None

@@ -248,7 +248,7 @@ class Round:
         return compute, communication, straggler
 
 
-async def collect(current: Round, network: NetworkConfig, state: RunState) -> None:
+async def collect(current: Round, network: NetworkConfig, state: RunState) -> list[str]:
     """Wait for `current`'s results, then close it without whoever is still out.
 
     The round waits for all results, at most --round-timeout; once --min-workers
@@ -257,7 +257,8 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> No
     a round a bounded delay, not the run. A result already arriving is waited
     for (the upload rate bounds it), and a round that times out with fewer than
     --min-workers waits on for them. The rest are dropped as stragglers, said
-    in a `stragglers` event; their results, if they come, are `late_result`s.
+    in a `stragglers` event; their results, if they come, are `late_result`s. Returns
+    the stragglers' ids.
     """
     began = trio.current_time()
     quorum = min(network.min_workers, len(current.participants))
@@ -272,7 +273,7 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> No
         else:
             await current.done.wait()
     if current.done.is_set():
-        return
+        return []
     if len(current.contributors) < network.min_workers:
         state.emit(
             "round_waiting",
@@ -297,6 +298,7 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> No
             f"round {current.number} closed without {', '.join(late)} {why}",
             workers=late,
         )
+    return late
 
 
 def straggler_window(current: Round, network: NetworkConfig, began: float, quorum: int) -> float:
