@@ -1,8 +1,9 @@
 """The straggler window: a round waits for the rest of its results only so long after its quorum.
 
 The unit tests drive `rounds.collect` on trio's `MockClock` with a real `Round`
-and real results, so every close time is exact; the links are stand-ins that
-only say whether a message is partly in (the one thing `collect` asks of them).
+and real results, so every close time is exact; the links are stand-ins holding
+what `collect` reads of a `WorkerLink`: when its roundStart went out, how long its
+latest results took, and whether a message is partly in.
 The end-to-end test runs a real worker beside one that heartbeats but never
 answers, through the default-on window, on 127.0.0.1.
 """
@@ -10,7 +11,7 @@ answers, through the default-on window, on 127.0.0.1.
 from __future__ import annotations
 
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -39,7 +40,11 @@ class Stream:
 
 @dataclass
 class Link:
-    stream: Stream
+    """What `collect` reads of a `WorkerLink`: deliveries, its latest results' times, its stream."""
+
+    stream: Stream = field(default_factory=Stream)
+    round_delivered: dict[int, float] = field(default_factory=dict)
+    answer_seconds: dict[int, float] = field(default_factory=dict)
 
 
 def result() -> protocol.Message:
@@ -53,7 +58,7 @@ def run_round(network: NetworkConfig, script, participants=("a", "b", "c")):
     """Run `collect` for one round while `script(current, links)` plays the workers;
     (the close time on the mock clock, the round, the run's events)."""
     state = RunState(run_id="test", rounds_total=1, settings={})
-    links = {w: Link(Stream()) for w in participants}
+    links = {w: Link() for w in participants}
     screen = ResultScreen(SHAPES, max_tokens=100)
     current = Round(
         1, list(participants), PseudoGradientMean(tuple(SHAPES)), screen, connections=links
@@ -75,7 +80,7 @@ async def deliver(current: Round, at: dict[str, float]) -> None:
     """Mark each worker's roundStart delivered at its time (ascending)."""
     for worker, moment in sorted(at.items(), key=lambda item: item[1]):
         await trio.sleep_until(moment)
-        current.delivered[worker] = trio.current_time()
+        current.connections[worker].round_delivered[current.number] = trio.current_time()
 
 
 async def answer(current: Round, worker: str, at: float) -> None:
@@ -124,6 +129,50 @@ def test_a_result_arriving_is_waited_for_past_the_window():
     closed, current, _ = run_round(window(3.0, 5.0), script)
     assert current.contributors == ["a", "b"]
     assert closed == 41.0  # c was overdue at 30; the round closed when b's result was in
+
+
+def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
+    """A peer answering at once (a liar, or a far smaller model of speed) makes the round's
+    window the floor; c's own latest result took 40 s, so it keeps 3 x 40 s."""
+
+    async def script(current, links):
+        links["c"].answer_seconds[-1] = 40.0
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 0.5)
+        await answer(current, "c", 100.0)
+
+    closed, current, events = run_round(window(3.0, 5.0), script)
+    assert closed == 100.0  # b (no history) was overdue at 5 s; c had until 120 s
+    assert current.contributors == ["a", "c"]
+    assert [e.data["workers"] for e in events if e.kind == "stragglers"] == [["b"]]
+
+
+def test_a_fragment_round_reads_the_times_of_its_own_fragment():
+    async def script(current, links):
+        links["b"].answer_seconds.update({-1: 1000.0, 0: 10.0, 1: 50.0})
+        await deliver(current, {"a": 0, "b": 0})
+        await answer(current, "a", 1.0)
+
+    network = window(3.0, 5.0)
+    for fragment, closes in ((0, 30.0), (1, 150.0)):
+        state = RunState(run_id="test", rounds_total=1, settings={})
+        links = {w: Link() for w in ("a", "b")}
+        current = Round(
+            1,
+            ["a", "b"],
+            PseudoGradientMean(tuple(SHAPES)),
+            ResultScreen(SHAPES, max_tokens=100),
+            connections=links,
+            fragment=fragment,
+        )
+
+        async def main(current=current, links=links, state=state):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(script, current, links)
+                await collect(current, network, state)
+            return trio.current_time()
+
+        assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == closes
 
 
 def test_the_window_is_at_least_the_floor():

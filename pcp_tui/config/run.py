@@ -262,8 +262,9 @@ class NetworkConfig:
         4.0,
         at_least=0,
         help="once --min-workers results are in, each other worker has this many times "
-        "their time (roundStart sent to result in) before the round closes without it; "
-        "an upload under way is waited for (0: wait for all)",
+        "their time, or its own latest result's if longer (from its roundStart's delivery), "
+        "before the round closes without it; an upload under way is waited for "
+        "(0: wait for all)",
     )
     straggler_min_seconds: float = option(
         60.0,

@@ -20,8 +20,16 @@ from pcp_tui.shepherd.state import RunState, WorkerView
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
 
+# roundStart delivery times a link keeps: a late result is timed from its own round's
+ROUNDS_REMEMBERED = 8
+
 HANDSHAKE_SECONDS = 10.0
 CONNECTION_ERRORS = LINK_ERRORS  # the name the coordinator knows them by
+
+
+def fragment_of(body: protocol.RoundResult | protocol.FragmentResult) -> int:
+    """The fragment a result is for; -1 for a plain round's whole result."""
+    return body.fragment if isinstance(body, protocol.FragmentResult) else -1
 
 
 @dataclass
@@ -79,6 +87,11 @@ class WorkerLink(Connection):
         # a round it was dropped from as a straggler, its result not yet in (0: none): it
         # sits new rounds out until then, so a hung peer delays one round, not every one
         self.behind = 0
+        # for the straggler window (`rounds.collect`), on trio's clock: when each recent
+        # round's roundStart had all gone out here, and how long its latest result took
+        # from there, per fragment (-1: a plain round's whole result)
+        self.round_delivered: dict[int, float] = {}
+        self.answer_seconds: dict[int, float] = {}
         self.min_send_rate, self.send_grace = min_send_rate, send_grace
         self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline
@@ -100,7 +113,7 @@ class WorkerLink(Connection):
         fragment). Each would be dropped, but a peer that sends them without end would
         write a `late_result` line in the log for every copy (every round, every fragment,
         again from each new connection)."""
-        fragment = body.fragment if isinstance(body, protocol.FragmentResult) else -1
+        fragment = fragment_of(body)
         part = f" fragment {fragment}" if fragment >= 0 else ""
         if body.round > running:
             raise ConnectionLost(
@@ -119,6 +132,19 @@ class WorkerLink(Connection):
                 "result once; this peer is not a pcp-tui worker, or a broken one"
             )
         self._results.add((body.round, fragment))
+
+    def _delivered(self, number: int) -> None:
+        """Round `number`'s roundStart has all gone out: its results' time counts from now."""
+        self.round_delivered[number] = trio.current_time()
+        for old in [n for n in self.round_delivered if n < number - ROUNDS_REMEMBERED]:
+            del self.round_delivered[old]
+
+    def answered(self, number: int, fragment: int) -> None:
+        """A result for round `number` (`fragment`, -1 for a whole round) came in, counted or
+        late: remember how long it took from its roundStart's delivery."""
+        delivered = self.round_delivered.get(number)
+        if delivered is not None:
+            self.answer_seconds[fragment] = trio.current_time() - delivered
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
@@ -158,7 +184,10 @@ class WorkerLink(Connection):
             seconds = self.send_grace + nbytes / self.min_send_rate
             try:
                 with trio.move_on_after(seconds):
-                    return await send()
+                    sent = await send()
+                    if isinstance(body, protocol.RoundStart):
+                        self._delivered(body.round)
+                    return sent
             except trio.Cancelled:
                 # part of it may have gone out (a heartbeat is cancelled only as the link ends)
                 if self.failure is None and not isinstance(body, protocol.Heartbeat):

@@ -157,7 +157,9 @@ class FragmentSync:
             )
             if isinstance(aggregate, CenteredClip):  # its radius scales the same way
                 aggregate.step_scale = await trio.to_thread.run_sync(screen.lr_sum, h * per_step)
-            rounds.append(Round(number, ids, aggregate, screen, connections=connections))
+            rounds.append(
+                Round(number, ids, aggregate, screen, connections=connections, fragment=p)
+            )
         started, at_start = (
             time.monotonic(),
             (shepherd.state.bytes_sent, shepherd.state.bytes_received),
@@ -171,8 +173,6 @@ class FragmentSync:
         # the roundStarts go out, and a roundStart still on its way when a fragment closes
         # is cancelled (its link ends: the worker would wait for that fragment's update)
         starts = RoundStarts(links)
-        for current in rounds:  # every fragment times its stragglers from the same deliveries
-            current.delivered = starts.delivered_at
         async with trio.open_nursery() as nursery:
             for link in links:
                 h = steps.get(link.worker_id, config.inner.steps)
@@ -285,7 +285,6 @@ class RoundStarts:
         self._scopes = {link: trio.CancelScope() for link in links}
         self._ended = {link: trio.Event() for link in links}
         self.delivered: set[WorkerLink] = set()  # links whose whole roundStart went out
-        self.delivered_at: dict[str, float] = {}  # worker id -> when (trio's clock)
 
     async def send(self, link: WorkerLink, body: protocol.RoundStart, tensors: dict) -> None:
         """Send `link` its roundStart (CONNECTION_ERRORS as `WorkerLink.send` raises them)."""
@@ -293,7 +292,6 @@ class RoundStarts:
             with self._scopes[link]:
                 await link.send(body, tensors)
                 self.delivered.add(link)
-                self.delivered_at[link.worker_id] = trio.current_time()
         finally:
             self._ended[link].set()
 

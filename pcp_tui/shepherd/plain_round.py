@@ -208,8 +208,6 @@ async def _send_round_start(
         await link.send(body, tensors)
     except CONNECTION_ERRORS:
         current.finish(link.worker_id)  # the connection task reports the loss
-    else:
-        current.delivered[link.worker_id] = trio.current_time()  # its straggler window starts
 
 
 def record_round(

@@ -24,7 +24,7 @@ from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
 from pcp_tui.shepherd import striping
 from pcp_tui.shepherd.admission import Admission, Admitted
-from pcp_tui.shepherd.connection import WorkerLink, shown
+from pcp_tui.shepherd.connection import WorkerLink, fragment_of, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.rounds import BadResult, Round
 from pcp_tui.shepherd.state import RunState, WorkerView
@@ -371,6 +371,7 @@ class WorkerPool:
         link.note_result(message.body, self.state.round)  # a repeat ends the connection
         link.claims.check(message.body)  # more steps, tokens or seconds than asked: ends it too
         self._caught_up(link, number)
+        link.answered(number, fragment_of(message.body))
         try:
             added = (
                 current is not None

@@ -6,6 +6,7 @@ import math
 import statistics
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -15,6 +16,9 @@ from pcp_tui.config.run import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.shepherd.state import RoundRecord, RunState
+
+if TYPE_CHECKING:
+    from pcp_tui.shepherd.connection import WorkerLink
 
 __all__ = [
     "BadResult",
@@ -74,9 +78,11 @@ class Round:
         mean: Aggregate,
         screen: ResultScreen,
         *,
-        connections: Mapping[str, object] | None = None,
+        connections: Mapping[str, WorkerLink] | None = None,
+        fragment: int = -1,
     ):
         self.number = number
+        self.fragment = fragment  # streaming: the fragment this Round collects; -1: plain
         # worker id -> the connection its roundStart went to: only that one may answer
         self.connections = dict(connections) if connections is not None else None
         self.participants = set(participants)
@@ -94,10 +100,7 @@ class Round:
         self.largest_result = 0  # wire bytes of the largest result folded in
         self.fragment_results: tuple[int, ...] = ()  # streaming: results per fragment
         self.arrivals: dict[str, float] = {}
-        # on trio's clock, for the straggler window (`collect`): when each worker's
-        # roundStart had gone out, and when its result was folded in
-        self.delivered: dict[str, float] = {}
-        self.answered: dict[str, float] = {}
+        self.answered: dict[str, float] = {}  # when each result was folded in (trio's clock)
         self.contributors: list[str] = []
         self.bytes_at_start = (0, 0)
         self.done = trio.Event()
@@ -184,12 +187,23 @@ class Round:
         with trio.move_on_at(deadline):
             await self._changed.wait()
 
+    def delivered(self, worker_id: str) -> float | None:
+        """When this round's roundStart had all gone out to `worker_id` (trio's clock), or
+        None while it is on its way (or the round has no connections)."""
+        link = (self.connections or {}).get(worker_id)
+        return None if link is None else link.round_delivered.get(self.number)
+
+    def usual_seconds(self, worker_id: str) -> float:
+        """How long `worker_id`'s latest result for this kind of round (this fragment) took
+        from its roundStart's delivery, counted or late; 0.0 if none came on its connection."""
+        link = (self.connections or {}).get(worker_id)
+        return 0.0 if link is None else link.answer_seconds.get(self.fragment, 0.0)
+
     def receiving(self, worker_id: str) -> bool:
         """Whether a message from `worker_id` is partly in on its round's connection (an
         upload under way: --min-upload-rate, not the straggler window, bounds it)."""
         link = (self.connections or {}).get(worker_id)
-        stream = getattr(link, "stream", None)
-        return stream is not None and stream.partial_message is not None
+        return link is not None and link.stream.partial_message is not None
 
     def record(
         self,
@@ -268,7 +282,7 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
         await current.results(quorum)
         if network.straggler_factor > 0 and not current.done.is_set():
             window = straggler_window(current, network, began, quorum)
-            await _until_overdue(current, window)
+            await _until_overdue(current, window, network.straggler_factor)
             windowed = True
         else:
             await current.done.wait()
@@ -286,10 +300,11 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
         current.finish(worker_id)
     if late:
         why = (
-            f"after its straggler window of {window:.3g} s (--straggler-factor "
-            f"{network.straggler_factor:g} times the quorum's time, at least "
-            f"--straggler-min-seconds {network.straggler_min_seconds:g}); --adaptive-steps "
-            "gives slower workers fewer steps"
+            f"after the straggler window of {window:.3g} s (--straggler-factor "
+            f"{network.straggler_factor:g} times the quorum's time, or a worker's own "
+            f"latest time if longer; at least --straggler-min-seconds "
+            f"{network.straggler_min_seconds:g}); --adaptive-steps gives slower workers "
+            "fewer steps"
             if windowed
             else f"at --round-timeout {network.round_timeout:g} s"
         )
@@ -302,27 +317,31 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
 
 
 def straggler_window(current: Round, network: NetworkConfig, began: float, quorum: int) -> float:
-    """Seconds each worker has for its result, from its roundStart's delivery: the
-    quorum-th fastest result's time times --straggler-factor, at least
-    --straggler-min-seconds. A worker's time runs from its roundStart's delivery (or
-    `began`), so a far worker's slower download is not counted against it."""
+    """Seconds the round gives every worker for its result, from its roundStart's delivery:
+    the quorum-th fastest result's time times --straggler-factor, at least
+    --straggler-min-seconds. A worker's time runs from its own delivery (or `began`), so a
+    far worker's slower download is not counted against it; `_until_overdue` stretches the
+    window for a worker whose own results take longer."""
     times = sorted(
-        current.answered[w] - current.delivered.get(w, began) for w in current.contributors
+        current.answered[w] - (current.delivered(w) or began) for w in current.contributors
     )
     quorum_time = times[min(quorum, len(times)) - 1] if times else 0.0
     return max(network.straggler_min_seconds, network.straggler_factor * quorum_time)
 
 
-async def _until_overdue(current: Round, window: float) -> None:
+async def _until_overdue(current: Round, window: float, factor: float) -> None:
     """Return when nobody is pending, or every pending worker is past its window and not
-    uploading; a worker whose roundStart is still on its way has not started its window."""
+    uploading. A worker's window is the round's, or `factor` times its own latest result's
+    time if that is longer: peers that answer at once (honest or not) shorten the round's,
+    never the one an honest worker's own pace has earned. A worker whose roundStart is
+    still on its way has not started its window."""
     while not current.done.is_set():
         now = trio.current_time()
-        due = [
-            current.delivered[w] + window
-            for w in current.pending
-            if w in current.delivered and not current.receiving(w)
-        ]
+        due = []
+        for worker in current.pending:
+            delivered = current.delivered(worker)
+            if delivered is not None and not current.receiving(worker):
+                due.append(delivered + max(window, factor * current.usual_seconds(worker)))
         if len(due) == len(current.pending) and all(d <= now for d in due):
             return
         later = [d for d in due if d > now]
