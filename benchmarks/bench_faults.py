@@ -14,6 +14,9 @@ the same three data shards in every scenario:
   while a third starts, joins and compiles, so it trains from round 3.
 - ``straggler``: one of three stalls round 2 (`pcp_tui.testing.faulty_worker`) past
   --round-timeout; the round closes without it and its late result is dropped.
+- ``hung``: one of three stalls round 2 for an hour, heartbeats going, and no
+  --round-timeout: the straggler window (on by default; --straggler-min-seconds
+  set low here) closes round 2 without it, and it sits out every later round.
 - ``shepherd kill -9``: the shepherd process (checkpoint every 2 rounds) is
   SIGKILLed mid-round 4 and started again with --resume; the workers find it by
   themselves.
@@ -364,7 +367,9 @@ def late_join(config, processes, timeout) -> Outcome:
 def straggler(config, processes, timeout, stall: float) -> Outcome:
     async def scenario(shepherd, port):
         await _start_in_order(shepherd, processes, port, ["w0", "w1", "w2"], stall=(2, stall))
-        await _until(lambda: _events(shepherd, "late_result", "w2"), "the late result")
+        # w2 sits the rounds after out until its late result comes: a short run may end first
+        done = lambda: shepherd.state.status in ("done", "stopped")  # noqa: E731
+        await _until(lambda: _events(shepherd, "late_result", "w2") or done(), "the late result")
         closed = _events(shepherd, "stragglers")[0]
         return {"notice": closed.at - _round_starts(shepherd)[2]}
 
@@ -372,8 +377,28 @@ def straggler(config, processes, timeout, stall: float) -> Outcome:
     late = [e.data["round"] for e in _events(shepherd, "late_result")]
     notice = f"{found['notice']:.2f} (round start → closed; --round-timeout {config.network.round_timeout:g})"
     outcome = _outcome(f"straggler: round 2 stalled {stall:g} s", shepherd, notice, found)
-    outcome.rounds += f"; late result of round {', '.join(map(str, late))} dropped"
+    outcome.rounds += (
+        f"; late result of round {', '.join(map(str, late))} dropped"
+        if late
+        else "; the run ended before the late result"
+    )
     return outcome
+
+
+def hung(config, processes, timeout) -> Outcome:
+    async def scenario(shepherd, port):
+        await _start_in_order(shepherd, processes, port, ["w0", "w1", "w2"], stall=(2, 3600))
+        await _until(lambda: len(shepherd.state.history) >= 2, "round 2's close")
+        closed = _events(shepherd, "stragglers")[0]
+        return {"notice": closed.at - _round_starts(shepherd)[2]}
+
+    shepherd, found = run_in_process(config, processes, scenario, timeout)
+    network = config.network
+    notice = (
+        f"{found['notice']:.2f} (round start → closed; --straggler-factor "
+        f"{network.straggler_factor:g}, --straggler-min-seconds {network.straggler_min_seconds:g})"
+    )
+    return _outcome("hung: round 2 stalled for ever, heartbeats on", shepherd, notice, found)
 
 
 # -- the shepherd restart: a shepherd process, read through its metrics file -------
@@ -531,7 +556,7 @@ def details(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-SCENARIOS = ("again", "kill", "silenced", "late", "straggler", "restart")
+SCENARIOS = ("again", "kill", "silenced", "late", "straggler", "hung", "restart")
 
 
 def main() -> None:
@@ -541,6 +566,9 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="for 'silenced'")
     parser.add_argument("--round-timeout", type=float, default=8.0, help="for 'straggler'")
     parser.add_argument("--stall", type=float, default=12.0, help="seconds the straggler stalls")
+    parser.add_argument(
+        "--straggler-min-seconds", type=float, default=5.0, help="for 'hung' (the default is 60)"
+    )
     parser.add_argument("--only", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--timeout", type=float, default=600, help="seconds per scenario")
     parser.add_argument("--json", type=Path, help="also write the outcomes here")
@@ -566,6 +594,12 @@ def main() -> None:
                 p,
                 args.timeout,
                 args.stall,
+            ),
+        ),
+        (
+            "hung",
+            lambda p: hung(
+                config.replace(straggler_min_seconds=args.straggler_min_seconds), p, args.timeout
             ),
         ),
         ("restart", lambda p: shepherd_restart(config, p, args.timeout, workdir)),
