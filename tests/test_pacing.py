@@ -23,7 +23,13 @@ from pcp_tui.diloco import reference
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.pacing import SMOOTHING, SpeedEstimate, StepPacing
 from pcp_tui.shepherd.rounds import Round
-from pcp_tui.testing import faulty_worker_command, run_shepherd, until, worker_batches
+from pcp_tui.testing import (
+    faulty_worker_command,
+    pause_after_round,
+    run_shepherd,
+    until,
+    worker_batches,
+)
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_env
@@ -159,6 +165,51 @@ def test_a_slow_worker_trains_fewer_steps_and_still_counts(spawn_worker):
     speeds = {w: shepherd.pacing.speed(w) for w in ("fast", "slow")}
     assert max(steps.values()) == H and CHUNK <= min(steps.values()) < H, (steps, speeds)
     print("fast worker utilization by round:", [r.worker_utilization["fast"] for r in history])
+
+
+@pytest.mark.e2e
+def test_a_worker_too_slow_for_the_window_is_measured_by_its_late_result(spawn_worker):
+    """A 10x slower worker misses round 1's straggler window with H steps. It was never
+    measured (pacing saw contributors only), so it got H again after it caught up, and was
+    late again for ever. Its late result now measures it: round 3 sizes it to its speed."""
+    config = small_config(
+        workers=2,
+        rounds=3,
+        inner_steps=H,
+        chunk_steps=CHUNK,
+        adaptive_steps=True,
+        straggler_factor=2.0,
+        straggler_min_seconds=0.5,
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+
+    async def scenario(port):
+        pause_after_round(shepherd, 2)  # held until slow's round-1 result is in
+        spawn_worker(port, "--id", "fast")
+        command = faulty_worker_command(port, "slow", "--id", "slow", factor=10.0)
+        slow = subprocess.Popen(
+            command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+        try:
+            await until(
+                lambda: shepherd.state.status == "paused" and len(shepherd.state.history) == 2
+            )
+            await until(lambda: any(e.kind == "late_result" for e in shepherd.state.events))
+            shepherd.resume()
+            await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
+        finally:
+            slow.kill()
+            await trio.to_thread.run_sync(slow.wait)
+
+    run_shepherd(shepherd, scenario)
+    history = shepherd.state.history
+    stragglers = [e for e in shepherd.state.events if e.kind == "stragglers"]
+    assert stragglers[0].data["workers"] == ["slow"] and history[0].worker_ids == ("fast",)
+    assert history[1].worker_ids == ("fast",)  # slow sat round 2 out, still on round 1
+    assert set(history[2].worker_ids) == {"fast", "slow"}  # measured, sized, in time
+    full = H * config.data.batch_size * config.data.seq_len
+    assert history[2].tokens < 2 * full  # slow trained fewer than H steps
+    assert shepherd.pacing.speed("slow") < shepherd.pacing.speed("fast")
 
 
 @pytest.mark.e2e

@@ -112,6 +112,7 @@ class Shepherd:
         self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
         inner = config.inner
         self.pacing = StepPacing.for_config(inner) if inner.adaptive_steps else None
+        self.pool.pacing = self.pacing
         if inner.streaming:
             self.fragment_sync = FragmentSync(config, self._shapes, self._screen.max_tokens)
             self.outer = self.fragment_sync.outer  # per-fragment optax states, one checkpoint

@@ -109,9 +109,18 @@ class StepPacing:
         connections = current.connections or {}
         for worker in current.contributors:
             steps, seconds = current.steps_by_worker[worker], current.compute_seconds[worker]
-            if steps > 0 and seconds > 0:
-                estimate = self.speeds.setdefault(worker, SpeedEstimate(self.smoothing))
-                estimate.update(steps / seconds, connections.get(worker))
+            self.measure(worker, steps, seconds, connections.get(worker))
+
+    def measure(
+        self, worker: str, steps: int, seconds: float, connection: object | None = None
+    ) -> None:
+        """Fold one result's speed (`steps` in `seconds`, on `connection`) into `worker`'s
+        estimate. Late results count too: a worker too slow for the straggler window is
+        measured by the result that came late, so its next round is sized to its speed
+        instead of H again (it would only be late again)."""
+        if steps > 0 and seconds > 0:
+            estimate = self.speeds.setdefault(worker, SpeedEstimate(self.smoothing))
+            estimate.update(steps / seconds, connection)
 
     def speed(self, worker: str, connection: object | None = None) -> float | None:
         """The worker's estimated inner steps per compute second on `connection`; None if not

@@ -26,6 +26,7 @@ from pcp_tui.shepherd import striping
 from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import WorkerLink, fragment_of, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
+from pcp_tui.shepherd.pacing import StepPacing
 from pcp_tui.shepherd.rounds import BadResult, Round
 from pcp_tui.shepherd.state import RunState, WorkerView
 from pcp_tui.shepherd.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
@@ -62,6 +63,7 @@ class WorkerPool:
         self._next_index = 0
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
         self._result_slots = trio.Semaphore(RESULTS_IN_MEMORY)
+        self.pacing: StepPacing | None = None  # --adaptive-steps: late results measure speed too
 
     def remember(self, indices: dict[str, int]) -> None:
         """Give returning workers the index they had before a restart (shards: the ledger)."""
@@ -392,6 +394,9 @@ class WorkerPool:
                 )
             return
         if not added:
+            if self.pacing is not None:
+                body = message.body
+                self.pacing.measure(link.worker_id, body.inner_steps, body.compute_seconds, link)
             self.state.emit(
                 "late_result",
                 f"dropped a late result for round {number} from worker {view.index}",
