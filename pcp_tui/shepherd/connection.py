@@ -92,6 +92,9 @@ class WorkerLink(Connection):
         # from there, per fragment (-1: a plain round's whole result)
         self.round_delivered: dict[int, float] = {}
         self.answer_seconds: dict[int, float] = {}
+        # a result's header is in and it is not yet folded in (`uploads.ResultSlot`): the
+        # window waits for it; for no other message, or trickled heartbeats would hold it
+        self.result_arriving = False
         self.min_send_rate, self.send_grace = min_send_rate, send_grace
         self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline

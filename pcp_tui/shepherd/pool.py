@@ -88,6 +88,17 @@ class WorkerPool:
                     f"late for round {current.number}: sits new rounds out until that result comes"
                 )
 
+    def sitting_out(self) -> str:
+        """The connected workers that sit rounds out (`sit_out`), for a 'waiting' line; "" if
+        none: a run whose last workers all sit out waits for their late results."""
+        late = [link for link in self._links.values() if link.behind and not link.closed]
+        return "; ".join(
+            f"worker {link.view.index} ({link.worker_id}) sits out, late for round "
+            f"{link.behind}: it trains again once that result comes (if it hangs, restart "
+            "it: it rejoins for the next round)"
+            for link in late
+        )
+
     def _caught_up(self, link: WorkerLink, number: int) -> None:
         """A result for round `number` came from `link`: one sitting out since then is back."""
         if link.behind and number >= link.behind:

@@ -101,6 +101,9 @@ class Round:
         self.fragment_results: tuple[int, ...] = ()  # streaming: results per fragment
         self.arrivals: dict[str, float] = {}
         self.answered: dict[str, float] = {}  # when each result was folded in (trio's clock)
+        # workers whose result is in `add` (waiting its turn, screened, folded in): it counts
+        # unless refused, so the round neither closes without it nor calls it a straggler
+        self.folding: set[str] = set()
         self.contributors: list[str] = []
         self.bytes_at_start = (0, 0)
         self.done = trio.Event()
@@ -130,14 +133,18 @@ class Round:
         BadResult if it is refused; False if the round closed while it waited
         its turn (it is then not counted).
         """
-        async with self._lock:
-            if self._closed:
-                return False
-            if sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES:
-                tokens, losses = self._screen_and_fold(message)
-            else:
-                tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
-            self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
+        self.folding.add(worker_id)
+        try:
+            async with self._lock:
+                if self._closed:
+                    return False
+                if sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES:
+                    tokens, losses = self._screen_and_fold(message)
+                else:
+                    tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
+                self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
+        finally:
+            self.folding.discard(worker_id)
         self.tokens += tokens
         self.tokens_by_worker[worker_id] = tokens
         self.steps_by_worker[worker_id] = message.body.inner_steps
@@ -200,10 +207,13 @@ class Round:
         return 0.0 if link is None else link.answer_seconds.get(self.fragment, 0.0)
 
     def receiving(self, worker_id: str) -> bool:
-        """Whether a message from `worker_id` is partly in on its round's connection (an
-        upload under way: --min-upload-rate, not the straggler window, bounds it)."""
+        """Whether a result of `worker_id`'s is arriving on its round's connection (its header
+        is in: --min-upload-rate, not the straggler window, bounds the rest) or being folded in.
+
+        Only a result counts: a peer that trickles other messages (heartbeats, each just
+        within the upload rule, one after another) would otherwise be waited for for ever."""
         link = (self.connections or {}).get(worker_id)
-        return link is not None and link.stream.partial_message is not None
+        return worker_id in self.folding or (link is not None and link.result_arriving)
 
     def record(
         self,
@@ -295,7 +305,7 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             f"waiting for --min-workers {network.min_workers}",
         )
         await current.results(network.min_workers)
-    late = sorted(current.pending)
+    late = sorted(current.pending - current.folding)  # a result being folded in still counts
     for worker_id in late:
         current.finish(worker_id)
     if late:
@@ -333,15 +343,18 @@ async def _until_overdue(current: Round, window: float, factor: float) -> None:
     """Return when nobody is pending, or every pending worker is past its window and not
     uploading. A worker's window is the round's, or `factor` times its own latest result's
     time if that is longer: peers that answer at once (honest or not) shorten the round's,
-    never the one an honest worker's own pace has earned. A worker whose roundStart is
-    still on its way has not started its window."""
+    never the one an honest worker's own pace has earned. Its own time counts up to `factor`
+    times the round's window (so at most factor² x it in all): one result sent hours late,
+    or each sent at its window's end, would otherwise buy a window of any length. A worker
+    whose roundStart is still on its way has not started its window."""
     while not current.done.is_set():
         now = trio.current_time()
         due = []
         for worker in current.pending:
             delivered = current.delivered(worker)
             if delivered is not None and not current.receiving(worker):
-                due.append(delivered + max(window, factor * current.usual_seconds(worker)))
+                own = min(current.usual_seconds(worker), factor * window)
+                due.append(delivered + max(window, factor * own))
         if len(due) == len(current.pending) and all(d <= now for d in due):
             return
         later = [d for d in due if d > now]

@@ -1,0 +1,93 @@
+"""Fifth red-team pass, end to end: the straggler window and the sit-out, attacked.
+
+1. "A result already arriving is waited for" counted any message partly in: a peer that
+trickles heartbeats one after another, each within the upload rule (--upload-grace, then
+--min-upload-rate), was "uploading" for ever, and its round never closed. Only a result
+(its header in, until it is folded in) holds the window now.
+
+2. A worker sitting out (late for a round) while every other worker has gone: the run
+waits, and its 'waiting' line said "waiting for one to join" with a worker connected. It
+names the one sitting out now, and what to do; a restart of that worker (the same id)
+trains from the next round.
+
+One shepherd in this process, real `pcp-tui worker` processes, a peer in this process
+that speaks the real protocol over 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.shepherd.api_bodies import workers_json
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.testing import pause_after_round, run_shepherd, until
+from pcp_tui.training.build import build_workload
+
+from .conftest import small_config
+from .test_hostile_claims import PEER_ERRORS, ready_peer, round_start
+
+TRICKLE_SECONDS = 1.0  # each heartbeat's last byte waits this long (--upload-grace is 10 s)
+
+
+async def trickling_peer(port: int, seen: dict) -> None:
+    """Take round 1's start, then send heartbeats one after another, each held a second before
+    its last byte, until told to stop; never a result."""
+    stream = await ready_peer(port, "trickler")
+    beat = b"".join(map(bytes, protocol.encode_once(protocol.Heartbeat(0.0)).buffers))
+    async with stream.stream:
+        await round_start(stream)
+        seen["trickled"] = 0
+        try:
+            while "stop" not in seen:  # all but its last byte at once: always "arriving"
+                await stream.stream.send_all(beat[:-1])
+                await trio.sleep(TRICKLE_SECONDS)
+                await stream.stream.send_all(beat[-1:])
+                seen["trickled"] += 1
+        except PEER_ERRORS:
+            seen["cut off"] = True
+
+
+@pytest.mark.e2e
+def test_trickled_heartbeats_do_not_hold_a_round_and_a_late_worker_is_named(spawn_worker):
+    config = small_config(
+        workers=2, rounds=3, inner_steps=4, straggler_factor=2.0, straggler_min_seconds=1.0
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    state, seen = shepherd.state, {}
+    pause_after_round(shepherd, 1)
+
+    def events(kind):
+        return [e for e in state.events if e.kind == kind]
+
+    async def scenario(port):
+        steady = spawn_worker(port, "--id", "steady")
+        async with trio.open_nursery() as peers:
+            peers.start_soon(trickling_peer, port, seen)
+            # before: round 1 never closed (the hang guard failed after 60 s)
+            await until(lambda: state.status == "paused" and len(state.history) == 1, polls=1200)
+            seen["trickled at the close"] = seen["trickled"]
+            seen["reason"] = state.workers["trickler"].reason
+            seen["api"] = {w["id"]: w for w in workers_json(state)["workers"]}
+            steady.send_signal(signal.SIGKILL)
+            await until(lambda: events("lost"))
+            shepherd.resume()
+            await until(lambda: any("no worker is ready" in e.message for e in events("waiting")))
+            seen["stop"] = True  # the peer hangs up mid-heartbeat; the same id comes back
+        await until(lambda: state.workers["trickler"].state == "lost")
+        spawn_worker(port, "--id", "trickler")
+        await until(lambda: state.status == "done")
+
+    run_shepherd(shepherd, scenario)
+    (dropped,) = events("stragglers")
+    assert dropped.data["workers"] == ["trickler"]
+    assert seen["trickled"] > seen["trickled at the close"]  # it went on trickling: not why
+    sitting_out = "late for round 1: sits new rounds out until that result comes"
+    assert seen["reason"] == seen["api"]["trickler"]["reason"] == sitting_out
+    (waiting,) = [e.message for e in events("waiting") if "no worker is ready" in e.message]
+    assert "(trickler) sits out, late for round 1" in waiting
+    assert "restart it" in waiting
+    assert [r.worker_ids for r in state.history] == [("steady",), ("trickler",), ("trickler",)]
