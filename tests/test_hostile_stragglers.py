@@ -17,18 +17,20 @@ that speaks the real protocol over 127.0.0.1.
 from __future__ import annotations
 
 import signal
+import subprocess
 
+import numpy as np
 import pytest
 import trio
 
 from pcp_tui import protocol
 from pcp_tui.shepherd.api_bodies import workers_json
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import pause_after_round, run_shepherd, until
+from pcp_tui.testing import faulty_worker_command, pause_after_round, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
-from .conftest import small_config
-from .test_hostile_claims import PEER_ERRORS, ready_peer, round_start
+from .conftest import small_config, worker_env
+from .test_hostile_claims import PEER_ERRORS, PER_STEP, ready_peer, round_start
 
 TRICKLE_SECONDS = 1.0  # each heartbeat's last byte waits this long (--upload-grace is 10 s)
 
@@ -91,3 +93,67 @@ def test_trickled_heartbeats_do_not_hold_a_round_and_a_late_worker_is_named(spaw
     assert "(trickler) sits out, late for round 1" in waiting
     assert "restart it" in waiting
     assert [r.worker_ids for r in state.history] == [("steady",), ("trickler",), ("trickler",)]
+
+
+async def fast_liar(port: int, seen: dict) -> None:
+    """Answer every roundStart at once with a well-formed result of zeros, claiming the steps,
+    tokens and (little) compute time an honest worker would."""
+    stream = await ready_peer(port, "liar")
+    async with stream.stream:
+        try:
+            while True:
+                start = await stream.receive()
+                if start.kind != "roundStart":
+                    continue
+                zeros = seen.setdefault(
+                    "zeros", {n: np.zeros_like(v) for n, v in start.tensors.items()}
+                )
+                steps = start.body.inner_steps
+                answer = protocol.RoundResult(
+                    round=start.body.round,
+                    tokens=steps * PER_STEP,
+                    losses=(3.0,) * steps,
+                    compute_seconds=0.01,
+                    inner_steps=steps,
+                )
+                await stream.send(answer, zeros)
+        except PEER_ERRORS:
+            return
+
+
+@pytest.mark.e2e
+def test_a_fast_liar_does_not_push_a_slower_honest_worker_out_of_the_run(spawn_worker):
+    """Before: the liar answered round 1 at once, so the window was the floor (1 s); the honest
+    worker (its first round on this connection, so no time of its own yet) took longer, was
+    dropped, and sat out while the liar alone closed every other round within milliseconds:
+    the run ended having counted none of the honest worker's results. Its progress reports
+    (step k of H after t seconds: H/k x t in all) now count as its own time, up to factor
+    times the round's window."""
+    config = small_config(
+        workers=2,
+        rounds=2,
+        inner_steps=6,
+        chunk_steps=1,
+        straggler_factor=4.0,
+        straggler_min_seconds=1.0,
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    seen = {}
+
+    async def scenario(port):
+        spawn = faulty_worker_command(port, "pace", "--id", "honest", seconds=0.3)
+        process = subprocess.Popen(spawn, env=worker_env(), stdout=subprocess.DEVNULL)
+        try:
+            async with trio.open_nursery() as peers:
+                peers.start_soon(fast_liar, port, seen)
+                await until(lambda: shepherd.state.status == "done", polls=1200)
+                peers.cancel_scope.cancel()
+        finally:
+            process.kill()
+            await trio.to_thread.run_sync(process.wait)
+
+    run_shepherd(shepherd, scenario)
+    history = shepherd.state.history
+    assert [sorted(r.worker_ids) for r in history] == [["honest", "liar"]] * 2
+    assert [r.round_seconds > 6 * 0.3 for r in history] == [True, True]  # past the floor
+    assert not [e for e in shepherd.state.events if e.kind == "stragglers"]

@@ -42,6 +42,10 @@ class Link:
     result_arriving: bool = False
     round_delivered: dict[int, float] = field(default_factory=dict)
     answer_seconds: dict[int, float] = field(default_factory=dict)
+    projected: float = 0.0  # what its progress reports project for the round
+
+    def projected_seconds(self, number: int) -> float:
+        return self.projected
 
 
 def result(shapes=SHAPES) -> protocol.Message:
@@ -146,16 +150,21 @@ def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     assert [e.data["workers"] for e in events if e.kind == "stragglers"] == [["b"]]
 
 
+@pytest.mark.parametrize("source", ["result", "progress"])
 @pytest.mark.parametrize(("own", "closes"), [(40.0, 45.0), (36_000.0, 45.0), (10.0, 30.0)])
-def test_a_workers_own_time_counts_up_to_factor_times_the_window(own, closes):
+def test_a_workers_own_time_counts_up_to_factor_times_the_window(own, closes, source):
     """Fifth red-team pass: a peer dropped as a straggler that sent its late result ten hours
     after its roundStart, then hung in the next round it was given, held that round for
     3 x 36,000 s; and one answering just before each window's end multiplied its own window
     by the factor every round (5, 15, 45, 135 s, ...). Its own time now counts up to factor
-    times the round's window, so no worker's window passes factor^2 x the round's."""
+    times the round's window, so no worker's window passes factor^2 x the round's. The same
+    bound holds for the time its progress reports project (step 1 of a million...)."""
 
     async def script(current, links):
-        links["c"].answer_seconds[-1] = own
+        if source == "result":
+            links["c"].answer_seconds[-1] = own
+        else:
+            links["c"].projected = own
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 0.5)
         await answer(current, "b", 1.0)

@@ -354,6 +354,7 @@ class WorkerPool:
         elif isinstance(body, protocol.Progress):
             if link.progress.admit():  # beyond a few a second: dropped; a flood ends the link
                 self._on_progress(view, body)
+                link.progressed(body)  # a time of its own for the straggler window
         elif isinstance(body, (protocol.RoundResult, protocol.FragmentResult)):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):

@@ -201,10 +201,14 @@ class Round:
         return None if link is None else link.round_delivered.get(self.number)
 
     def usual_seconds(self, worker_id: str) -> float:
-        """How long `worker_id`'s latest result for this kind of round (this fragment) took
-        from its roundStart's delivery, counted or late; 0.0 if none came on its connection."""
+        """How long `worker_id` takes, by what it has shown on its connection: its latest
+        result for this kind of round (this fragment) from its roundStart's delivery, counted
+        or late, or this round as its progress reports project it, whichever is longer; 0.0
+        if neither (a fragment's is projected at the round's whole length: more, not less)."""
         link = (self.connections or {}).get(worker_id)
-        return 0.0 if link is None else link.answer_seconds.get(self.fragment, 0.0)
+        if link is None:
+            return 0.0
+        return max(link.answer_seconds.get(self.fragment, 0.0), link.projected_seconds(self.number))
 
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
