@@ -10,6 +10,7 @@ answers, through the default-on window, on 127.0.0.1.
 
 from __future__ import annotations
 
+import io
 import subprocess
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ import trio
 import trio.testing
 
 from pcp_tui import protocol
+from pcp_tui.app.headless import HeadlessPrinter
 from pcp_tui.config.run import NetworkConfig
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
@@ -336,3 +338,28 @@ def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker,
     # each of round 2's fragments closed without it; round 3 did not wait for it
     assert [e.data["workers"] for e in dropped] == [["hung"]] * fragments
     assert workers["hung"].state != "lost"  # it heartbeats: alive, just late
+
+
+def test_a_round_short_of_its_quorum_says_whom_it_waits_for():
+    """Fifth red-team pass: with --min-workers 2 of 2 the window never starts (there is no
+    'other' worker), and a peer that heartbeats but never answers held the round for ever
+    without a word. The round still waits (the operator asked for two results), but says so
+    one window after the first result, naming the worker and what to do."""
+
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0})
+        await answer(current, "a", 1.0)
+        await answer(current, "b", 500.0)
+
+    network = window(3.0, 5.0, min_workers=2, workers=2)
+    closed, current, events = run_round(network, script, ("a", "b"))
+    assert closed == 500.0 and current.contributors == ["a", "b"]
+    (waiting,) = [e.message for e in events]
+    assert waiting.startswith(
+        "round 1 has 1 of the 2 results --min-workers asks for, 5 s (the straggler window) "
+        "after the first; waiting for b"
+    )
+    assert "waiting for b" in waiting and "--min-workers" in waiting
+    log = io.StringIO()  # the headless log showed no round_waiting line, this one nor another
+    HeadlessPrinter(RunState(run_id="test", rounds_total=1, settings={}), log)(events[0])
+    assert log.getvalue() == waiting + "\n"

@@ -293,7 +293,7 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
     window, windowed = math.inf, False
     timeout = network.round_timeout if network.round_timeout > 0 else math.inf
     with trio.move_on_after(timeout):
-        await current.results(quorum)
+        await _quorum(current, network, state, began, quorum)
         if network.straggler_factor > 0 and not current.done.is_set():
             window = straggler_window(current, network, began, quorum)
             await _until_overdue(current, window, network.straggler_factor)
@@ -328,6 +328,29 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             workers=late,
         )
     return late
+
+
+async def _quorum(
+    current: Round, network: NetworkConfig, state: RunState, began: float, quorum: int
+) -> None:
+    """Wait for `quorum` results. Short of them one straggler window after the first (as
+    that result times it), say once whom the round waits for: no window closes a round
+    before its quorum, so a peer that heartbeats but never answers holds it (with
+    --min-workers as many as the workers, for ever) and the operator should know."""
+    await current.results(min(quorum, 1))
+    if network.straggler_factor > 0 and len(current.contributors) < quorum:
+        window = straggler_window(current, network, began, 1)
+        with trio.move_on_after(window):
+            await current.results(quorum)
+        if len(current.contributors) < quorum and not current.done.is_set():
+            state.emit(
+                "round_waiting",
+                f"round {current.number} has {len(current.contributors)} of the {quorum} "
+                f"results --min-workers asks for, {window:.3g} s (the straggler window) "
+                f"after the first; waiting for {', '.join(sorted(current.pending))} (restart "
+                "a worker that hangs, or lower --min-workers; --round-timeout bounds a round)",
+            )
+    await current.results(quorum)
 
 
 def straggler_window(current: Round, network: NetworkConfig, began: float, quorum: int) -> float:
