@@ -315,10 +315,10 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
     if late:
         why = (
             f"after the straggler window of {window:.3g} s (--straggler-factor "
-            f"{network.straggler_factor:g} times the quorum's time, or a worker's own "
-            f"latest time if longer; at least --straggler-min-seconds "
-            f"{network.straggler_min_seconds:g}); --adaptive-steps gives slower workers "
-            "fewer steps"
+            f"{network.straggler_factor:g} times the quorum's time, at least "
+            f"--straggler-min-seconds {network.straggler_min_seconds:g}; or factor times a "
+            "worker's own time, from its latest result or its progress, if longer, up to "
+            "factor² times the window); --adaptive-steps gives slower workers fewer steps"
             if windowed
             else f"at --round-timeout {network.round_timeout:g} s"
         )
@@ -368,9 +368,10 @@ def straggler_window(current: Round, network: NetworkConfig, began: float, quoru
 
 async def _until_overdue(current: Round, window: float, factor: float) -> None:
     """Return when nobody is pending, or every pending worker is past its window and not
-    uploading. A worker's window is the round's, or `factor` times its own latest result's
-    time if that is longer: peers that answer at once (honest or not) shorten the round's,
-    never the one an honest worker's own pace has earned. Its own time counts up to `factor`
+    uploading. A worker's window is the round's, or `factor` times its own time if that is
+    longer (`Round.usual_seconds`: its latest result's, or this round's as its progress
+    projects it): peers that answer at once (honest or not) shorten the round's, never
+    the one an honest worker's own pace has earned. Its own time counts up to `factor`
     times the round's window (so at most factor² x it in all): one result sent hours late,
     or each sent at its window's end, would otherwise buy a window of any length. A worker
     whose roundStart is still on its way has not started its window."""
