@@ -78,6 +78,8 @@ def test_trickled_heartbeats_do_not_hold_a_round_and_a_late_worker_is_named(spaw
             await until(lambda: events("lost"))
             shepherd.resume()
             await until(lambda: any("no worker is ready" in e.message for e in events("waiting")))
+            await until(lambda: seen["trickled"] > seen["trickled at the close"])
+            assert "cut off" not in seen  # it trickles on, connected: not why the round closed
             seen["stop"] = True  # the peer hangs up mid-heartbeat; the same id comes back
         await until(lambda: state.workers["trickler"].state == "lost")
         spawn_worker(port, "--id", "trickler")
@@ -86,7 +88,6 @@ def test_trickled_heartbeats_do_not_hold_a_round_and_a_late_worker_is_named(spaw
     run_shepherd(shepherd, scenario)
     (dropped,) = events("stragglers")
     assert dropped.data["workers"] == ["trickler"]
-    assert seen["trickled"] > seen["trickled at the close"]  # it went on trickling: not why
     sitting_out = "late for round 1: sits new rounds out until that result comes"
     assert seen["reason"] == seen["api"]["trickler"]["reason"] == sitting_out
     (waiting,) = [e.message for e in events("waiting") if "no worker is ready" in e.message]
@@ -123,7 +124,7 @@ async def fast_liar(port: int, seen: dict) -> None:
 
 @pytest.mark.e2e
 def test_a_fast_liar_does_not_push_a_slower_honest_worker_out_of_the_run(spawn_worker):
-    """Before: the liar answered round 1 at once, so the window was the floor (1 s); the honest
+    """Before: the liar answered round 1 at once, so the window was the floor (2 s); the honest
     worker (its first round on this connection, so no time of its own yet) took longer, was
     dropped, and sat out while the liar alone closed every other round within milliseconds:
     the run ended having counted none of the honest worker's results. Its progress reports
@@ -132,16 +133,17 @@ def test_a_fast_liar_does_not_push_a_slower_honest_worker_out_of_the_run(spawn_w
     config = small_config(
         workers=2,
         rounds=2,
-        inner_steps=6,
+        inner_steps=5,
         chunk_steps=1,
         straggler_factor=4.0,
-        straggler_min_seconds=1.0,
+        straggler_min_seconds=2.0,
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
     seen = {}
 
     async def scenario(port):
-        spawn = faulty_worker_command(port, "pace", "--id", "honest", seconds=0.3)
+        # 5 chunks of at least 0.5 s: past the floor, its first progress report well inside it
+        spawn = faulty_worker_command(port, "pace", "--id", "honest", seconds=0.5)
         process = subprocess.Popen(spawn, env=worker_env(), stdout=subprocess.DEVNULL)
         try:
             async with trio.open_nursery() as peers:
@@ -155,5 +157,5 @@ def test_a_fast_liar_does_not_push_a_slower_honest_worker_out_of_the_run(spawn_w
     run_shepherd(shepherd, scenario)
     history = shepherd.state.history
     assert [sorted(r.worker_ids) for r in history] == [["honest", "liar"]] * 2
-    assert [r.round_seconds > 6 * 0.3 for r in history] == [True, True]  # past the floor
+    assert [r.round_seconds > 5 * 0.5 for r in history] == [True, True]  # past the floor
     assert not [e for e in shepherd.state.events if e.kind == "stragglers"]
