@@ -10,6 +10,7 @@ answers, through the default-on window, on 127.0.0.1.
 
 from __future__ import annotations
 
+import io
 import subprocess
 from dataclasses import dataclass, field
 
@@ -19,9 +20,11 @@ import trio
 import trio.testing
 
 from pcp_tui import protocol
+from pcp_tui.app.headless import HeadlessPrinter
 from pcp_tui.config.run import NetworkConfig
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
+from pcp_tui.shepherd import rounds
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds import Round, collect
 from pcp_tui.shepherd.state import RunState
@@ -34,34 +37,35 @@ SHAPES = {"w": (2, 3)}
 
 
 @dataclass
-class Stream:
-    partial_message: tuple[float, int] | None = None
-
-
-@dataclass
 class Link:
-    """What `collect` reads of a `WorkerLink`: deliveries, its latest results' times, its stream."""
+    """What `collect` reads of a `WorkerLink`: deliveries, its latest results' times, whether
+    a result of its is arriving."""
 
-    stream: Stream = field(default_factory=Stream)
+    result_arriving: bool = False
     round_delivered: dict[int, float] = field(default_factory=dict)
     answer_seconds: dict[int, float] = field(default_factory=dict)
+    projected: float = 0.0  # what its progress reports project for the round
+
+    def projected_seconds(self, number: int) -> float:
+        return self.projected
 
 
-def result() -> protocol.Message:
+def result(shapes=SHAPES) -> protocol.Message:
     body = protocol.RoundResult(
         round=1, tokens=8, losses=(2.0,), compute_seconds=1.0, inner_steps=1
     )
-    return protocol.Message(body, {"w": np.zeros((2, 3), np.float32)}, wire_bytes=64)
+    tensors = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    return protocol.Message(body, tensors, wire_bytes=64)
 
 
-def run_round(network: NetworkConfig, script, participants=("a", "b", "c")):
+def run_round(network: NetworkConfig, script, participants=("a", "b", "c"), shapes=SHAPES):
     """Run `collect` for one round while `script(current, links)` plays the workers;
     (the close time on the mock clock, the round, the run's events)."""
     state = RunState(run_id="test", rounds_total=1, settings={})
     links = {w: Link() for w in participants}
-    screen = ResultScreen(SHAPES, max_tokens=100)
+    screen = ResultScreen(shapes, max_tokens=100)
     current = Round(
-        1, list(participants), PseudoGradientMean(tuple(SHAPES)), screen, connections=links
+        1, list(participants), PseudoGradientMean(tuple(shapes)), screen, connections=links
     )
 
     async def main():
@@ -69,6 +73,7 @@ def run_round(network: NetworkConfig, script, participants=("a", "b", "c")):
             nursery.start_soon(script, current, links)
             await collect(current, network, state)
             closed = trio.current_time()
+            await current.close()  # as a round does: a result being folded in finishes first
             nursery.cancel_scope.cancel()
         return closed
 
@@ -83,9 +88,9 @@ async def deliver(current: Round, at: dict[str, float]) -> None:
         current.connections[worker].round_delivered[current.number] = trio.current_time()
 
 
-async def answer(current: Round, worker: str, at: float) -> None:
+async def answer(current: Round, worker: str, at: float, shapes=SHAPES) -> None:
     await trio.sleep_until(at)
-    await current.add(worker, result())
+    await current.add(worker, result(shapes))
 
 
 def window(factor: float, floor: float, **changes) -> NetworkConfig:
@@ -123,7 +128,7 @@ def test_a_result_arriving_is_waited_for_past_the_window():
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 10.0)
         await trio.sleep_until(28.0)
-        links["b"].stream.partial_message = (28.0, 1)  # b's upload began inside its window
+        links["b"].result_arriving = True  # b's upload began inside its window
         await answer(current, "b", 41.0)
 
     closed, current, _ = run_round(window(3.0, 5.0), script)
@@ -133,28 +138,81 @@ def test_a_result_arriving_is_waited_for_past_the_window():
 
 def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     """A peer answering at once (a liar, or a far smaller model of speed) makes the round's
-    window the floor; c's own latest result took 40 s, so it keeps 3 x 40 s."""
+    window the floor; c's own latest result took 8 s, so it keeps 3 x 8 s."""
 
     async def script(current, links):
-        links["c"].answer_seconds[-1] = 40.0
+        links["c"].answer_seconds[-1] = 8.0
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 0.5)
-        await answer(current, "c", 100.0)
+        await answer(current, "c", 23.0)
 
     closed, current, events = run_round(window(3.0, 5.0), script)
-    assert closed == 100.0  # b (no history) was overdue at 5 s; c had until 120 s
+    assert closed == 23.0  # b (no history) was overdue at 5 s; c had until 24 s
     assert current.contributors == ["a", "c"]
     assert [e.data["workers"] for e in events if e.kind == "stragglers"] == [["b"]]
 
 
+@pytest.mark.parametrize("source", ["result", "progress"])
+@pytest.mark.parametrize(("own", "closes"), [(40.0, 45.0), (36_000.0, 45.0), (10.0, 30.0)])
+def test_a_workers_own_time_counts_up_to_factor_times_the_window(own, closes, source):
+    """Fifth red-team pass: a peer dropped as a straggler that sent its late result ten hours
+    after its roundStart, then hung in the next round it was given, held that round for
+    3 x 36,000 s; and one answering just before each window's end multiplied its own window
+    by the factor every round (5, 15, 45, 135 s, ...). Its own time now counts up to factor
+    times the round's window, so no worker's window passes factor^2 x the round's. The same
+    bound holds for the time its progress reports project (step 1 of a million...)."""
+
+    async def script(current, links):
+        if source == "result":
+            links["c"].answer_seconds[-1] = own
+        else:
+            links["c"].projected = own
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 0.5)
+        await answer(current, "b", 1.0)
+
+    closed, current, events = run_round(window(3.0, 5.0), script)
+    assert closed == closes  # the round's window is max(5, 3 x 0.5) = 5 s; c's, 3 x min(own, 15)
+    assert [e.data["workers"] for e in events if e.kind == "stragglers"] == [["c"]]
+
+
+@pytest.mark.parametrize("timeout", [0.0, 3.0], ids=["window", "round-timeout"])
+def test_a_result_being_folded_in_as_the_round_closes_counts_and_is_no_straggler(
+    monkeypatch, timeout
+):
+    """Fifth red-team pass: a result whose upload straddled the window's end was waited for,
+    but not the fold that follows (in a thread for a model-sized result): the window's next
+    look closed the round while it was folded in. The round counted it and also named its
+    worker a straggler, which then sat new rounds out waiting for a result it had already
+    sent: for ever (the last worker of a run: the run waited for ever). The same at a
+    --round-timeout falling inside the fold."""
+    shapes = {"w": (4, 2**20)}  # 16 MB: its fold takes a few milliseconds
+
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0})
+        monkeypatch.setattr(rounds, "INLINE_BYTES", 2**30)  # a's: on the event loop
+        await answer(current, "a", 1.0, shapes)
+        monkeypatch.setattr(rounds, "INLINE_BYTES", 0)  # b's: in a thread, as a model-sized one
+        await trio.sleep_until(2.0)
+        links["b"].result_arriving = True  # its upload began inside its window (due at 5 s)
+        await trio.sleep_until(2.9 if timeout else 6.0)
+        links["b"].result_arriving = False  # all in; its fold takes a thread's time
+        await current.add("b", result(shapes))
+
+    network = window(3.0, 5.0, round_timeout=timeout)
+    closed, current, events = run_round(network, script, ("a", "b"), shapes)
+    assert current.contributors == ["a", "b"]
+    assert [e.data["workers"] for e in events if e.kind == "stragglers"] == []
+
+
 def test_a_fragment_round_reads_the_times_of_its_own_fragment():
     async def script(current, links):
-        links["b"].answer_seconds.update({-1: 1000.0, 0: 10.0, 1: 50.0})
+        links["b"].answer_seconds.update({-1: 1000.0, 0: 10.0, 1: 14.0})
         await deliver(current, {"a": 0, "b": 0})
         await answer(current, "a", 1.0)
 
     network = window(3.0, 5.0)
-    for fragment, closes in ((0, 30.0), (1, 150.0)):
+    for fragment, closes in ((0, 30.0), (1, 42.0)):
         state = RunState(run_id="test", rounds_total=1, settings={})
         links = {w: Link() for w in ("a", "b")}
         current = Round(
@@ -280,3 +338,28 @@ def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker,
     # each of round 2's fragments closed without it; round 3 did not wait for it
     assert [e.data["workers"] for e in dropped] == [["hung"]] * fragments
     assert workers["hung"].state != "lost"  # it heartbeats: alive, just late
+
+
+def test_a_round_short_of_its_quorum_says_whom_it_waits_for():
+    """Fifth red-team pass: with --min-workers 2 of 2 the window never starts (there is no
+    'other' worker), and a peer that heartbeats but never answers held the round for ever
+    without a word. The round still waits (the operator asked for two results), but says so
+    one window after the first result, naming the worker and what to do."""
+
+    async def script(current, links):
+        await deliver(current, {"a": 0, "b": 0})
+        await answer(current, "a", 1.0)
+        await answer(current, "b", 500.0)
+
+    network = window(3.0, 5.0, min_workers=2, workers=2)
+    closed, current, events = run_round(network, script, ("a", "b"))
+    assert closed == 500.0 and current.contributors == ["a", "b"]
+    (waiting,) = [e.message for e in events]
+    assert waiting.startswith(
+        "round 1 has 1 of the 2 results --min-workers asks for, 5 s (the straggler window) "
+        "after the first; waiting for b"
+    )
+    assert "waiting for b" in waiting and "--min-workers" in waiting
+    log = io.StringIO()  # the headless log showed no round_waiting line, this one nor another
+    HeadlessPrinter(RunState(run_id="test", rounds_total=1, settings={}), log)(events[0])
+    assert log.getvalue() == waiting + "\n"

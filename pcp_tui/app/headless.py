@@ -36,6 +36,7 @@ _SHOWN = {
     "bad_result",
     "result_clipped",
     "stragglers",
+    "round_waiting",
     "paused",
     "resumed",
     "failed",

@@ -262,9 +262,10 @@ class NetworkConfig:
         4.0,
         at_least=0,
         help="once --min-workers results are in, each other worker has this many times "
-        "their time, or its own latest result's if longer (from its roundStart's delivery), "
-        "before the round closes without it; an upload under way is waited for "
-        "(0: wait for all)",
+        "their time, or its own (its latest result's, or this round's as its progress "
+        "projects it) if longer, up to this factor squared times theirs (from its "
+        "roundStart's delivery), before the round closes without it; a result under way "
+        "is waited for (0: wait for all)",
     )
     straggler_min_seconds: float = option(
         60.0,

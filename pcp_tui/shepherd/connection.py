@@ -92,6 +92,12 @@ class WorkerLink(Connection):
         # from there, per fragment (-1: a plain round's whole result)
         self.round_delivered: dict[int, float] = {}
         self.answer_seconds: dict[int, float] = {}
+        # its latest training progress: (round, step, of steps, when on trio's clock), from
+        # which a worker with no result yet has a time of its own (`projected_seconds`)
+        self.round_progress: tuple[int, int, int, float] | None = None
+        # a result's header is in and it is not yet folded in (`uploads.ResultSlot`): the
+        # window waits for it; for no other message, or trickled heartbeats would hold it
+        self.result_arriving = False
         self.min_send_rate, self.send_grace = min_send_rate, send_grace
         self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline
@@ -145,6 +151,23 @@ class WorkerLink(Connection):
         delivered = self.round_delivered.get(number)
         if delivered is not None:
             self.answer_seconds[fragment] = trio.current_time() - delivered
+
+    def progressed(self, body: protocol.Progress) -> None:
+        """A training progress report came in (one the rate limit took): note where it is."""
+        if body.phase is protocol.Phase.TRAINING and 0 < body.step <= body.total_steps:
+            self.round_progress = (body.round, body.step, body.total_steps, trio.current_time())
+
+    def projected_seconds(self, number: int) -> float:
+        """How long round `number` takes this worker from its roundStart's delivery, as its
+        latest progress report in that round projects it (H/k x the time to step k); 0.0
+        without one. What the worker says: `rounds` bounds what it may buy."""
+        delivered = self.round_delivered.get(number)
+        if self.round_progress is None or delivered is None:
+            return 0.0
+        round_number, step, steps, when = self.round_progress
+        if round_number != number:
+            return 0.0
+        return max(when - delivered, 0.0) * steps / step
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.

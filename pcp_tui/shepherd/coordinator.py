@@ -355,7 +355,8 @@ class Shepherd:
         announced = False
         while self._stop_reason is None and len(self.pool.ready_links()) < count:
             if not announced:
-                self.state.emit("waiting", message)
+                late = self.pool.sitting_out()  # connected, but owing an old round's result
+                self.state.emit("waiting", f"{message}; {late}" if late else message)
                 announced = True
             await self.pool.changed()
 

@@ -90,6 +90,17 @@ class WorkerPool:
                     f"late for round {current.number}: sits new rounds out until that result comes"
                 )
 
+    def sitting_out(self) -> str:
+        """The connected workers that sit rounds out (`sit_out`), for a 'waiting' line; "" if
+        none: a run whose last workers all sit out waits for their late results."""
+        late = [link for link in self._links.values() if link.behind and not link.closed]
+        return "; ".join(
+            f"worker {link.view.index} ({link.worker_id}) sits out, late for round "
+            f"{link.behind}: it trains again once that result comes (if it hangs, restart "
+            "it: it rejoins for the next round)"
+            for link in late
+        )
+
     def _caught_up(self, link: WorkerLink, number: int) -> None:
         """A result for round `number` came from `link`: one sitting out since then is back."""
         if link.behind and number >= link.behind:
@@ -345,6 +356,7 @@ class WorkerPool:
         elif isinstance(body, protocol.Progress):
             if link.progress.admit():  # beyond a few a second: dropped; a flood ends the link
                 self._on_progress(view, body)
+                link.progressed(body)  # a time of its own for the straggler window
         elif isinstance(body, (protocol.RoundResult, protocol.FragmentResult)):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):

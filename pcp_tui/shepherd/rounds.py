@@ -101,6 +101,9 @@ class Round:
         self.fragment_results: tuple[int, ...] = ()  # streaming: results per fragment
         self.arrivals: dict[str, float] = {}
         self.answered: dict[str, float] = {}  # when each result was folded in (trio's clock)
+        # workers whose result is in `add` (waiting its turn, screened, folded in): it counts
+        # unless refused, so the round neither closes without it nor calls it a straggler
+        self.folding: set[str] = set()
         self.contributors: list[str] = []
         self.bytes_at_start = (0, 0)
         self.done = trio.Event()
@@ -130,14 +133,18 @@ class Round:
         BadResult if it is refused; False if the round closed while it waited
         its turn (it is then not counted).
         """
-        async with self._lock:
-            if self._closed:
-                return False
-            if sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES:
-                tokens, losses = self._screen_and_fold(message)
-            else:
-                tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
-            self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
+        self.folding.add(worker_id)
+        try:
+            async with self._lock:
+                if self._closed:
+                    return False
+                if sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES:
+                    tokens, losses = self._screen_and_fold(message)
+                else:
+                    tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
+                self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
+        finally:
+            self.folding.discard(worker_id)
         self.tokens += tokens
         self.tokens_by_worker[worker_id] = tokens
         self.steps_by_worker[worker_id] = message.body.inner_steps
@@ -194,16 +201,23 @@ class Round:
         return None if link is None else link.round_delivered.get(self.number)
 
     def usual_seconds(self, worker_id: str) -> float:
-        """How long `worker_id`'s latest result for this kind of round (this fragment) took
-        from its roundStart's delivery, counted or late; 0.0 if none came on its connection."""
+        """How long `worker_id` takes, by what it has shown on its connection: its latest
+        result for this kind of round (this fragment) from its roundStart's delivery, counted
+        or late, or this round as its progress reports project it, whichever is longer; 0.0
+        if neither (a fragment's is projected at the round's whole length: more, not less)."""
         link = (self.connections or {}).get(worker_id)
-        return 0.0 if link is None else link.answer_seconds.get(self.fragment, 0.0)
+        if link is None:
+            return 0.0
+        return max(link.answer_seconds.get(self.fragment, 0.0), link.projected_seconds(self.number))
 
     def receiving(self, worker_id: str) -> bool:
-        """Whether a message from `worker_id` is partly in on its round's connection (an
-        upload under way: --min-upload-rate, not the straggler window, bounds it)."""
+        """Whether a result of `worker_id`'s is arriving on its round's connection (its header
+        is in: --min-upload-rate, not the straggler window, bounds the rest) or being folded in.
+
+        Only a result counts: a peer that trickles other messages (heartbeats, each just
+        within the upload rule, one after another) would otherwise be waited for for ever."""
         link = (self.connections or {}).get(worker_id)
-        return link is not None and link.stream.partial_message is not None
+        return worker_id in self.folding or (link is not None and link.result_arriving)
 
     def record(
         self,
@@ -279,7 +293,7 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
     window, windowed = math.inf, False
     timeout = network.round_timeout if network.round_timeout > 0 else math.inf
     with trio.move_on_after(timeout):
-        await current.results(quorum)
+        await _quorum(current, network, state, began, quorum)
         if network.straggler_factor > 0 and not current.done.is_set():
             window = straggler_window(current, network, began, quorum)
             await _until_overdue(current, window, network.straggler_factor)
@@ -295,16 +309,16 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             f"waiting for --min-workers {network.min_workers}",
         )
         await current.results(network.min_workers)
-    late = sorted(current.pending)
+    late = sorted(current.pending - current.folding)  # a result being folded in still counts
     for worker_id in late:
         current.finish(worker_id)
     if late:
         why = (
             f"after the straggler window of {window:.3g} s (--straggler-factor "
-            f"{network.straggler_factor:g} times the quorum's time, or a worker's own "
-            f"latest time if longer; at least --straggler-min-seconds "
-            f"{network.straggler_min_seconds:g}); --adaptive-steps gives slower workers "
-            "fewer steps"
+            f"{network.straggler_factor:g} times the quorum's time, at least "
+            f"--straggler-min-seconds {network.straggler_min_seconds:g}; or factor times a "
+            "worker's own time, from its latest result or its progress, if longer, up to "
+            "factor² times the window); --adaptive-steps gives slower workers fewer steps"
             if windowed
             else f"at --round-timeout {network.round_timeout:g} s"
         )
@@ -314,6 +328,29 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             workers=late,
         )
     return late
+
+
+async def _quorum(
+    current: Round, network: NetworkConfig, state: RunState, began: float, quorum: int
+) -> None:
+    """Wait for `quorum` results. Short of them one straggler window after the first (as
+    that result times it), say once whom the round waits for: no window closes a round
+    before its quorum, so a peer that heartbeats but never answers holds it (with
+    --min-workers as many as the workers, for ever) and the operator should know."""
+    await current.results(min(quorum, 1))
+    if network.straggler_factor > 0 and len(current.contributors) < quorum:
+        window = straggler_window(current, network, began, 1)
+        with trio.move_on_after(window):
+            await current.results(quorum)
+        if len(current.contributors) < quorum and not current.done.is_set():
+            state.emit(
+                "round_waiting",
+                f"round {current.number} has {len(current.contributors)} of the {quorum} "
+                f"results --min-workers asks for, {window:.3g} s (the straggler window) "
+                f"after the first; waiting for {', '.join(sorted(current.pending))} (restart "
+                "a worker that hangs, or lower --min-workers; --round-timeout bounds a round)",
+            )
+    await current.results(quorum)
 
 
 def straggler_window(current: Round, network: NetworkConfig, began: float, quorum: int) -> float:
@@ -331,17 +368,21 @@ def straggler_window(current: Round, network: NetworkConfig, began: float, quoru
 
 async def _until_overdue(current: Round, window: float, factor: float) -> None:
     """Return when nobody is pending, or every pending worker is past its window and not
-    uploading. A worker's window is the round's, or `factor` times its own latest result's
-    time if that is longer: peers that answer at once (honest or not) shorten the round's,
-    never the one an honest worker's own pace has earned. A worker whose roundStart is
-    still on its way has not started its window."""
+    uploading. A worker's window is the round's, or `factor` times its own time if that is
+    longer (`Round.usual_seconds`: its latest result's, or this round's as its progress
+    projects it): peers that answer at once (honest or not) shorten the round's, never
+    the one an honest worker's own pace has earned. Its own time counts up to `factor`
+    times the round's window (so at most factor² x it in all): one result sent hours late,
+    or each sent at its window's end, would otherwise buy a window of any length. A worker
+    whose roundStart is still on its way has not started its window."""
     while not current.done.is_set():
         now = trio.current_time()
         due = []
         for worker in current.pending:
             delivered = current.delivered(worker)
             if delivered is not None and not current.receiving(worker):
-                due.append(delivered + max(window, factor * current.usual_seconds(worker)))
+                own = min(current.usual_seconds(worker), factor * window)
+                due.append(delivered + max(window, factor * own))
         if len(due) == len(current.pending) and all(d <= now for d in due):
             return
         later = [d for d in due if d > now]

@@ -47,7 +47,8 @@ def upload_too_slow(link: WorkerLink, config: RunConfig) -> str:
 
 
 class ResultSlot:
-    """One round result's claim on the shepherd's memory, from its header to its fold."""
+    """One round result's claim on the shepherd's memory, from its header to its fold; while
+    it lasts the link's `result_arriving` is set."""
 
     def __init__(self, slots: trio.Semaphore, link: WorkerLink):
         self._slots, self._link = slots, link
@@ -57,6 +58,7 @@ class ResultSlot:
         """`before_payload` hook: a round result's payload waits for a free slot."""
         if kind not in ("roundResult", "fragmentResult"):
             return
+        self._link.result_arriving = True  # the straggler window waits for it (`rounds.py`)
         try:
             with self._link.paused():  # waiting for a slot is neither silence nor slowness
                 await self._slots.acquire()
@@ -65,6 +67,8 @@ class ResultSlot:
         self._held = True
 
     def release(self) -> None:
+        """After the message was handled (a result folded in, or refused): free the slot."""
+        self._link.result_arriving = False
         if self._held:
             self._held = False
             self._slots.release()

@@ -15,6 +15,8 @@ FAULTS, the registry, names each fault and its parameters (defaults in brackets)
            only a round timeout or the operator can tell it from a slow machine.
   slow     --factor [2]: every compiled chunk takes FACTOR times as long (it sleeps
            the difference): a slower machine, for the adaptive rounds.
+  pace     --seconds [0.5]: every compiled chunk takes at least SECONDS (it sleeps the
+           rest): a slow machine whose pace does not depend on this one's load.
   nan      every value of every result it sends is NaN.
   scale    --factor [100] --results [0]: its r-th result is FACTOR·Δ for r < RESULTS,
            honest after (0: every result). The attacks of a token holder that trains
@@ -97,6 +99,19 @@ def slow(*, factor: float) -> None:
     client._run_chunk = run_chunk
 
 
+def pace(*, seconds: float) -> None:
+    """Every compiled chunk takes at least `seconds` (it sleeps the rest)."""
+    honest_run_chunk = client._run_chunk
+
+    def run_chunk(*args):
+        started = time.perf_counter()
+        result = honest_run_chunk(*args)
+        time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
+        return result
+
+    client._run_chunk = run_chunk
+
+
 def tamper_results(tamper: Tamper) -> None:
     """Pass every tensor of every round result this worker sends through `tamper`."""
     honest_send = Connection.send
@@ -141,6 +156,11 @@ FAULTS: dict[str, Fault] = {
         "compute FACTOR times slower than this machine can (a slower machine)",
         {"factor": Parameter(2.0, "how many times as long each compiled chunk takes")},
         slow,
+    ),
+    "pace": Fault(
+        "every compiled chunk takes at least SECONDS (a slow machine, whatever the load)",
+        {"seconds": Parameter(0.5, "the least time a chunk takes")},
+        pace,
     ),
     "nan": Fault("send results whose every value is NaN", {}, poison_with_nan),
     "scale": Fault(
