@@ -27,8 +27,9 @@ from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd import rounds
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds import Round, collect
+from pcp_tui.shepherd.sitting_out import hung_reason
 from pcp_tui.shepherd.state import RunState
-from pcp_tui.testing import faulty_worker_command, run_shepherd, until
+from pcp_tui.testing import faulty_worker_command, pause_after_round, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_env
@@ -302,10 +303,12 @@ def test_the_options_reach_the_network_section(factor):
 def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker, fragments):
     """The red team's finding: with no --round-timeout a silent-but-alive worker held its
     round for ever. Now its round closes one window after the honest worker's result, and
-    it sits the next rounds out until that result comes (here: never)."""
+    it sits the next rounds out until that result comes. It sends no progress either, so
+    one window later it counts as hung: its connection ends, it reconnects (its stalled
+    round is cancelled with the connection) and trains again from the next round."""
     config = small_config(
         workers=2,
-        rounds=3,
+        rounds=4,
         inner_steps=4,
         straggler_factor=2.0,
         straggler_min_seconds=1.0,
@@ -313,9 +316,13 @@ def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker,
         overlap_steps=1 if fragments > 1 else 0,
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
-    workers = shepherd.state.workers
+    workers, events = shepherd.state.workers, shepherd.state.events
+
+    def kinds(kind: str) -> list:
+        return [e for e in events if e.kind == kind and e.data.get("worker") in (None, "hung")]
 
     async def scenario(port):
+        pause_after_round(shepherd, 3)  # held until the hung worker is back
         spawn_worker(port, "--id", "steady")
         command = faulty_worker_command(port, "stall", "--id", "hung", round=2, seconds=3600)
         hung = subprocess.Popen(
@@ -324,20 +331,27 @@ def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker,
         sitting_out = "late for round 2: sits new rounds out until that result comes"
         try:
             await until(lambda: "hung" in workers and workers["hung"].reason == sitting_out)
-            await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
+            await until(
+                lambda: shepherd.state.status == "paused" and len(shepherd.state.history) == 3
+            )
+            await until(lambda: kinds("rejoined") and workers["hung"].state == "idle")
+            shepherd.resume()
+            await until(lambda: any(e.kind == "done" for e in events))
         finally:
             hung.kill()
             await trio.to_thread.run_sync(hung.wait)
 
     run_shepherd(shepherd, scenario)
     history = shepherd.state.history
-    assert [r.round for r in history] == [1, 2, 3]
+    assert [r.round for r in history] == [1, 2, 3, 4]
     assert history[0].workers == 2
-    assert [r.worker_ids for r in history[1:]] == [("steady",), ("steady",)]
-    dropped = [e for e in shepherd.state.events if e.kind == "stragglers"]
+    assert [r.worker_ids for r in history[1:3]] == [("steady",), ("steady",)]
+    dropped = [e for e in events if e.kind == "stragglers"]
     # each of round 2's fragments closed without it; round 3 did not wait for it
     assert [e.data["workers"] for e in dropped] == [["hung"]] * fragments
-    assert workers["hung"].state != "lost"  # it heartbeats: alive, just late
+    (lost,) = kinds("lost")
+    assert "hung: no result and no progress for round 2" in lost.message, lost.message
+    assert set(history[3].worker_ids) == {"steady", "hung"}  # back, and trained round 4
 
 
 def test_a_round_short_of_its_quorum_says_whom_it_waits_for():
@@ -363,3 +377,31 @@ def test_a_round_short_of_its_quorum_says_whom_it_waits_for():
     log = io.StringIO()  # the headless log showed no round_waiting line, this one nor another
     HeadlessPrinter(RunState(run_id="test", rounds_total=1, settings={}), log)(events[0])
     assert log.getvalue() == waiting + "\n"
+
+
+@dataclass
+class SittingOut:
+    """What `hung_reason` reads of a `WorkerLink` sitting out."""
+
+    behind: int = 2
+    behind_since: float = 0.0
+    behind_grace: float = 10.0
+    round_progress: tuple[int, int, int, float] | None = None
+
+
+def test_a_worker_sitting_out_is_hung_only_after_a_grace_without_progress():
+    async def main():
+        link = SittingOut()
+        await trio.sleep_until(10.0)
+        assert hung_reason(link) == ""  # within its grace
+        link.round_progress = (2, 3, 4, 9.0)  # a slow worker, still at it: step 3 of 4
+        await trio.sleep_until(19.0)
+        assert hung_reason(link) == ""  # 10 s since its latest report
+        link.round_progress = (3, 1, 4, 18.0)  # progress of another round does not count
+        await trio.sleep_until(19.5)
+        reason = hung_reason(link)
+        assert reason.startswith("hung: no result and no progress for round 2 in 20 s"), reason
+        link.behind = 0  # its late result came
+        assert hung_reason(link) == ""
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -87,6 +87,7 @@ class WorkerLink(Connection):
         # a round it was dropped from as a straggler, its result not yet in (0: none): it
         # sits new rounds out until then, so a hung peer delays one round, not every one
         self.behind = 0
+        self.behind_since, self.behind_grace = 0.0, math.inf  # (trio's clock) see hung_reason
         # for the straggler window (`rounds.collect`), on trio's clock: when each recent
         # round's roundStart had all gone out here, and how long its latest result took
         # from there, per fragment (-1: a plain round's whole result)

@@ -355,7 +355,7 @@ class Shepherd:
         announced = False
         while self._stop_reason is None and len(self.pool.ready_links()) < count:
             if not announced:
-                late = self.pool.sitting_out()  # connected, but owing an old round's result
+                late = self.pool.sitting_out_line()  # connected, but owing an old round's result
                 self.state.emit("waiting", f"{message}; {late}" if late else message)
                 announced = True
             await self.pool.changed()

@@ -22,7 +22,7 @@ from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
-from pcp_tui.shepherd import striping
+from pcp_tui.shepherd import sitting_out, striping
 from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import WorkerLink, fragment_of, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
@@ -79,34 +79,13 @@ class WorkerPool:
         ]
 
     def sit_out(self, current: Round, worker_ids: list[str]) -> None:
-        """`worker_ids`, dropped from `current` as stragglers, sit new rounds out until a
-        result of theirs for it (or later) comes in: a worker still on an old round would
-        only make the next one wait out its straggler window again."""
-        for worker_id in worker_ids:
-            link = (current.connections or {}).get(worker_id)
-            if isinstance(link, WorkerLink) and not link.closed:
-                link.behind = current.number
-                link.view.reason = (
-                    f"late for round {current.number}: sits new rounds out until that result comes"
-                )
+        """`worker_ids`, dropped from `current` as stragglers, sit new rounds out
+        (`sitting_out.sit_out`)."""
+        sitting_out.sit_out(current, worker_ids)
 
-    def sitting_out(self) -> str:
-        """The connected workers that sit rounds out (`sit_out`), for a 'waiting' line; "" if
-        none: a run whose last workers all sit out waits for their late results."""
-        late = [link for link in self._links.values() if link.behind and not link.closed]
-        return "; ".join(
-            f"worker {link.view.index} ({link.worker_id}) sits out, late for round "
-            f"{link.behind}: it trains again once that result comes (if it hangs, restart "
-            "it: it rejoins for the next round)"
-            for link in late
-        )
-
-    def _caught_up(self, link: WorkerLink, number: int) -> None:
-        """A result for round `number` came from `link`: one sitting out since then is back."""
-        if link.behind and number >= link.behind:
-            link.behind = 0
-            link.view.reason = ""
-            self.wake()
+    def sitting_out_line(self) -> str:
+        """The connected workers that sit rounds out, for a 'waiting' line; "" if none."""
+        return sitting_out.waiting_line(list(self._links.values()))
 
     def wake(self) -> None:
         """Wake whoever waits in `changed` (a worker came or went, or the run is stopping)."""
@@ -324,7 +303,7 @@ class WorkerPool:
         async with link.alive(
             heartbeat_seconds=cfg.network.heartbeat_seconds,
             timeout=cfg.network.heartbeat_timeout,
-            too_slow=lambda: upload_too_slow(link, self.config),
+            too_slow=lambda: upload_too_slow(link, self.config) or sitting_out.hung_reason(link),
         ):
             await self._receive_loop(link)
 
@@ -384,7 +363,8 @@ class WorkerPool:
         number = message.body.round
         link.note_result(message.body, self.state.round)  # a repeat ends the connection
         link.claims.check(message.body)  # more steps, tokens or seconds than asked: ends it too
-        self._caught_up(link, number)
+        if sitting_out.caught_up(link, number):
+            self.wake()
         link.answered(number, fragment_of(message.body))
         try:
             added = (

@@ -83,6 +83,7 @@ class Round:
     ):
         self.number = number
         self.fragment = fragment  # streaming: the fragment this Round collects; -1: plain
+        self.grace = math.inf  # set as it closes: how long its stragglers may go quiet (`collect`)
         # worker id -> the connection its roundStart went to: only that one may answer
         self.connections = dict(connections) if connections is not None else None
         self.participants = set(participants)
@@ -312,6 +313,10 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
     late = sorted(current.pending - current.folding)  # a result being folded in still counts
     for worker_id in late:
         current.finish(worker_id)
+    # how long a straggler may sit out without a sign of its round (`sitting_out.hung_reason`)
+    current.grace = (window if windowed else network.round_timeout) * max(
+        network.straggler_factor, 1.0
+    )
     if late:
         why = (
             f"after the straggler window of {window:.3g} s (--straggler-factor "

@@ -1,0 +1,78 @@
+"""Workers that sit rounds out: dropped as stragglers, owing an old round's result.
+
+A round that closes without a worker (`rounds.collect`: its straggler window or
+--round-timeout) leaves it still on that round: sending it the next one would
+only make that round wait out its window again. So it sits new rounds out
+(`WorkerPool.ready_links` skips it) until a result of its for that round, or a
+later one, comes in (`caught_up`), late or not. One that shows no sign of that
+round for long enough counts as hung (`hung_reason`, a rule the connection's
+watchdog applies), and its connection ends.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from pcp_tui.shepherd.connection import WorkerLink
+from pcp_tui.shepherd.rounds import Round
+
+
+def sit_out(current: Round, worker_ids: list[str]) -> None:
+    """`worker_ids`, dropped from `current` as stragglers, sit new rounds out until a result
+    of theirs for it (or later) comes in; their rows say why."""
+    for worker_id in worker_ids:
+        link = (current.connections or {}).get(worker_id)
+        if isinstance(link, WorkerLink) and not link.closed:
+            link.behind = current.number
+            link.behind_since, link.behind_grace = trio.current_time(), current.grace
+            link.view.reason = (
+                f"late for round {current.number}: sits new rounds out until that result comes"
+            )
+
+
+def caught_up(link: WorkerLink, number: int) -> bool:
+    """A result for round `number` came from `link`: whether it sat out and is now back."""
+    if link.behind and number >= link.behind:
+        link.behind = 0
+        link.view.reason = ""
+        return True
+    return False
+
+
+def waiting_line(links: list[WorkerLink]) -> str:
+    """The connected workers that sit rounds out, for a 'waiting' line; "" if none: a run
+    whose last workers all sit out waits for their late results."""
+    late = [link for link in links if link.behind and not link.closed]
+    return "; ".join(
+        f"worker {link.view.index} ({link.worker_id}) sits out, late for round "
+        f"{link.behind}: it trains again once that result comes (if it hangs, restart "
+        "it: it rejoins for the next round)"
+        for link in late
+    )
+
+
+def hung_reason(link: WorkerLink) -> str:
+    """Why a worker sitting out (`sit_out`) counts as hung, or "".
+
+    It had its round's straggler window to answer; if it then sends no progress report
+    for that round for --straggler-factor windows more, it is not slow but stuck. Ending its connection
+    frees its shard for the next worker to join, and a worker whose round can be
+    cancelled reconnects and trains from the next round; one that keeps reporting
+    progress may sit out as long as it takes.
+    """
+    if not link.behind:
+        return ""
+    last = link.behind_since
+    progress = link.round_progress
+    if progress is not None and progress[0] == link.behind:
+        last = max(last, progress[3])
+    quiet = trio.current_time() - last
+    if quiet <= link.behind_grace:
+        return ""
+    return (
+        f"hung: no result and no progress for round {link.behind} in {quiet:.0f} s since its "
+        f"round closed without it (--straggler-factor times its window: {link.behind_grace:.3g} "
+        "s); "
+        "it may reconnect and train from the next round, and its shard goes to the next "
+        "worker to join"
+    )
