@@ -21,7 +21,7 @@ import trio.testing
 
 from pcp_tui import protocol
 from pcp_tui.app.headless import HeadlessPrinter
-from pcp_tui.config.run import NetworkConfig
+from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd import rounds

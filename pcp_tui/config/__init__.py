@@ -42,19 +42,21 @@ reference file) is ~250 lines over `dataclasses.fields`, in
 
 from pcp_tui.config.options import ConfigError, Option, Sections, Spec, flat_names, option, specs
 from pcp_tui.config.run import (
-    HEARTBEATS_PER_TIMEOUT,
     QUANTIZATIONS,
-    CheckpointConfig,
     DataConfig,
     EvaluationConfig,
     InnerConfig,
     ModelConfig,
-    NetworkConfig,
-    OperatorConfig,
     OuterConfig,
     RunConfig,
-    SecurityConfig,
     ShardingConfig,
+)
+from pcp_tui.config.service import (
+    HEARTBEATS_PER_TIMEOUT,
+    CheckpointConfig,
+    NetworkConfig,
+    OperatorConfig,
+    SecurityConfig,
 )
 from pcp_tui.config.worker import (
     BACKENDS,

@@ -13,7 +13,7 @@ import socket
 
 import trio
 
-from pcp_tui.config.run import NetworkConfig
+from pcp_tui.config.service import NetworkConfig
 from pcp_tui.contract.tls import ServerTLS
 
 EVERYWHERE = ("0.0.0.0", "::", "")  # hosts that mean "every interface of this machine"

@@ -12,7 +12,7 @@ import numpy as np
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.config.run import NetworkConfig
+from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.shepherd.state import RoundRecord, RunState
