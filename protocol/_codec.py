@@ -23,6 +23,8 @@ import capnp
 import numpy as np
 import trio
 
+from ._chunked import THREADS
+from ._dequantize import dequantize_chunked
 from ._errors import (
     FrameTooLarge,
     MalformedMessage,
@@ -31,7 +33,7 @@ from ._errors import (
 from ._messages import BODY_TYPES, Body, OverlapMerge, Plan, read, write
 from ._readers import BufferReader, run_sync
 from ._schema import Envelope
-from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
+from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, prepare
 
 # 2: typed messages, enums for phase / batch kind / platform
 # 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
@@ -236,7 +238,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> M
     VersionMismatch for a version this side does not speak. Tensors are copies.
     """
     reader = BufferReader(data)
-    message = run_sync(read_message(reader, limits, offload=False))
+    message = run_sync(read_message(reader, limits, offload=False, threads=THREADS))
     if reader.remaining:
         raise MalformedMessage(f"{reader.remaining} extra bytes after the message")
     return message
@@ -247,10 +249,15 @@ async def read_message(
     limits: Limits,
     *,
     offload: bool,
+    threads: int,
     before_payload: PayloadGate | None = None,
     check_header: HeaderCheck | None = None,
 ) -> Message:
-    """Read one message through `reader`; the single implementation of the receive path."""
+    """Read one message through `reader`; the single implementation of the receive path.
+
+    A big quantized tensor is decoded over up to `threads` threads
+    (`dequantize_chunked`), with `offload` in a trio worker thread.
+    """
     frame = await _read_frame(reader, limits)
     body, version, specs = _parse_frame(frame, limits)
     if check_header is not None:
@@ -265,9 +272,11 @@ async def read_message(
         await reader.read_into(memoryview(payload))
         decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
         if offload and spec.quantization != "none" and decoded_bytes > OFFLOAD_BYTES:
-            tensors[spec.name] = await trio.to_thread.run_sync(dequantize, payload, spec)
+            tensors[spec.name] = await trio.to_thread.run_sync(
+                dequantize_chunked, payload, spec, threads
+            )
         else:
-            tensors[spec.name] = dequantize(payload, spec)
+            tensors[spec.name] = dequantize_chunked(payload, spec, threads)
     wire_bytes = len(frame) + sum(spec.payload_bytes for spec in specs)
     return Message(body, tensors, version, wire_bytes)
 
