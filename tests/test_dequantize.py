@@ -157,3 +157,20 @@ def test_bfloat16_wire_bits_of_every_kind_decode_as_ml_dtypes_casts_them():
         with np.errstate(invalid="ignore"):
             want = every.view(ml_dtypes.bfloat16).astype(dtype)
         assert got.tobytes() == want.tobytes()
+
+
+def test_a_worker_adds_a_decoded_change_in_place_to_the_bits_of_last_plus_change():
+    """Streaming DiLoCo's new global value, last + decoded change: written over the decoded
+    change (no model-sized temporary) where it can be, a new array where it cannot."""
+    from pcp_tui.worker.streaming import add_changes
+
+    last = RNG.standard_normal(MANY, dtype=np.float32)
+    last[:4] = [-0.0, 0.0, 1e-40, 1.0]
+    spec, payload = prepare("w", RNG.standard_normal(MANY, dtype=np.float32), "int4Block", 7)
+    change = dequantize_chunked(np.frombuffer(payload, np.uint8).copy(), spec, threads=3)
+    change[:4] = [-0.0, -0.0, -1e-40, 3.4e38]  # +0, -0 (sign bits), a subnormal, a huge one
+    wide = change[:300].astype(np.float64)
+    want = last + change
+    new = add_changes({"w": last, "b": last[:300]}, {"w": change, "b": wide})
+    assert new["w"] is change and new["w"].tobytes() == want.tobytes()
+    assert new["b"].dtype == np.float64 and new["b"].tobytes() == (last[:300] + wide).tobytes()
