@@ -90,8 +90,8 @@ class _Scratch:
     """One thread's chunk-sized buffers, only those its job needs."""
 
     def __init__(self, span: int, job: _Job):
-        # int4 levels of whole bytes: a chunk may start on a high nibble and end on a low one
-        self.levels = np.empty(span + 2, np.int8) if job.packed is not None else None
+        # int4 level pairs of whole bytes: a chunk may start on a high nibble, end on a low one
+        self.pairs = np.empty((span // 2 + 2, 2), np.float32) if job.packed is not None else None
         wide = job.wire is None and job.out.dtype != _FLOAT32
         self.floats = np.empty(span, np.float32) if wide else None
 
@@ -103,18 +103,36 @@ def _decode_chunk(scratch: _Scratch, job: _Job, first: int, last: int, start: in
         with np.errstate(invalid="ignore"):  # ml_dtypes warns of NaN; receivers check values
             out[...] = job.wire[start:stop]  # the cast `astype` makes
         return
-    if job.packed is not None:
-        low = start // 2
-        nibbles = scratch.levels[: 2 * ((stop + 1) // 2 - low)]
-        unpack_int4(job.packed[low : (stop + 1) // 2], nibbles)
-        levels = nibbles[start - 2 * low :][: stop - start]
-    else:
-        levels = job.levels[start:stop]
     values = out if scratch.floats is None else scratch.floats[: stop - start]
     rows = values.reshape(last - first, -1)
-    rows[...] = levels.reshape(rows.shape)  # int8 -> float32: exact
+    if job.packed is not None:
+        _widen_int4(scratch, job.packed, start, stop, values)
+    else:
+        rows[...] = job.levels[start:stop].reshape(rows.shape)  # int8 -> float32: exact
     # Scales come off the wire: huge ones overflow to inf, left for the receiver's checks.
     with np.errstate(over="ignore", invalid="ignore"):
         rows *= job.scales[first:last, None]
         if values is not out:
             out[...] = values  # the float32 -> dtype cast of `astype`
+
+
+def _widen_int4(scratch: _Scratch, packed: np.ndarray, start: int, stop: int, values: np.ndarray):
+    """Levels start..stop of int4 `packed` as float32 into `values`, through a table of the
+    256 bytes' level pairs (exact small integers, the ones `unpack_int4` gives)."""
+    low, high = start // 2, (stop + 1) // 2
+    if start % 2 == 0 and stop % 2 == 0:  # whole bytes: straight into place
+        _INT4_PAIRS.take(packed[low:high], axis=0, out=values.reshape(-1, 2), mode="clip")
+        return
+    pairs = scratch.pairs[: high - low]
+    _INT4_PAIRS.take(packed[low:high], axis=0, out=pairs, mode="clip")
+    values[...] = pairs.reshape(-1)[start - 2 * low :][: stop - start]
+
+
+def _int4_pairs() -> np.ndarray:
+    """(256, 2) float32: the low and high level of every byte."""
+    levels = np.empty(512, np.int8)
+    unpack_int4(np.arange(256, dtype=np.uint8), levels)
+    return levels.astype(np.float32).reshape(256, 2)
+
+
+_INT4_PAIRS = _int4_pairs()
