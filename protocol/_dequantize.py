@@ -6,14 +6,16 @@ every level is widened and scaled. A shepherd does that for k model-sized
 pseudo-gradients a round, a Streaming DiLoCo worker for every fragment
 update, and on a fast link it is a good part of a receive. `dequantize_chunked`
 computes the same values in chunks of whole blocks (`_chunked.run_chunks`):
-per chunk, the int4 nibbles are unpacked into a chunk-sized scratch and each
-level is widened into the output and multiplied by its block's scale while
-the chunk is in cache; bfloat16 is widened chunk by chunk.
+per chunk, each level is widened into the output (int4 bytes through a table
+of the 256 bytes' two float32 levels, which beats unpacking them) and
+multiplied by its block's scale while the chunk is in cache; bfloat16 is
+widened chunk by chunk.
 
 The bits are `dequantize`'s: every value is the same float32 level x the same
 float32 scale (one multiplication, no reassociation), or the same ml_dtypes
 cast, and only where each chunk starts differs. Memory: the output array, as
-before, plus a chunk-sized scratch a thread; the model-sized int8 levels of
+before (and for a tensor that is not float32, a chunk-sized float32 scratch a
+thread where `dequantize` made a whole float32 copy); the model-sized int8 levels of
 int4Block are gone. The scales are checked (finite, not negative) before any
 value is decoded, as `dequantize` does.
 """
@@ -87,11 +89,9 @@ class _Job:
 
 
 class _Scratch:
-    """One thread's chunk-sized buffers, only those its job needs."""
+    """One thread's chunk-sized float32 buffer, for a tensor whose dtype is not float32."""
 
     def __init__(self, span: int, job: _Job):
-        # int4 level pairs of whole bytes: a chunk may start on a high nibble, end on a low one
-        self.pairs = np.empty((span // 2 + 2, 2), np.float32) if job.packed is not None else None
         wide = job.wire is None and job.out.dtype != _FLOAT32
         self.floats = np.empty(span, np.float32) if wide else None
 
@@ -106,7 +106,7 @@ def _decode_chunk(scratch: _Scratch, job: _Job, first: int, last: int, start: in
     values = out if scratch.floats is None else scratch.floats[: stop - start]
     rows = values.reshape(last - first, -1)
     if job.packed is not None:
-        _widen_int4(scratch, job.packed, start, stop, values)
+        _widen_int4(job.packed, start, stop, values)
     else:
         rows[...] = job.levels[start:stop].reshape(rows.shape)  # int8 -> float32: exact
     # Scales come off the wire: huge ones overflow to inf, left for the receiver's checks.
@@ -116,16 +116,17 @@ def _decode_chunk(scratch: _Scratch, job: _Job, first: int, last: int, start: in
             out[...] = values  # the float32 -> dtype cast of `astype`
 
 
-def _widen_int4(scratch: _Scratch, packed: np.ndarray, start: int, stop: int, values: np.ndarray):
+def _widen_int4(packed: np.ndarray, start: int, stop: int, values: np.ndarray) -> None:
     """Levels start..stop of int4 `packed` as float32 into `values`, through a table of the
     256 bytes' level pairs (exact small integers, the ones `unpack_int4` gives)."""
-    low, high = start // 2, (stop + 1) // 2
-    if start % 2 == 0 and stop % 2 == 0:  # whole bytes: straight into place
-        _INT4_PAIRS.take(packed[low:high], axis=0, out=values.reshape(-1, 2), mode="clip")
-        return
-    pairs = scratch.pairs[: high - low]
-    _INT4_PAIRS.take(packed[low:high], axis=0, out=pairs, mode="clip")
-    values[...] = pairs.reshape(-1)[start - 2 * low :][: stop - start]
+    if start % 2:  # the chunk starts on a byte's high nibble
+        values[0] = _INT4_PAIRS[packed[start // 2], 1]
+    if stop % 2:  # and ends on a byte's low nibble
+        values[-1] = _INT4_PAIRS[packed[stop // 2], 0]
+    even, whole = start + start % 2, stop - stop % 2
+    if whole > even:
+        middle = values[even - start : whole - start].reshape(-1, 2)
+        _INT4_PAIRS.take(packed[even // 2 : whole // 2], axis=0, out=middle, mode="clip")
 
 
 def _int4_pairs() -> np.ndarray:
