@@ -20,14 +20,17 @@ quantization, in one process on the same payloads:
   back to `dequantize` for "before") and as it is.
 
 It stops if a decoded bit differs. Ratios are against "before" measured in the
-same run; medians of --repeat. Timings on a shared 2-core box are noisy.
+same run; medians of --repeat. Every array of 1 MiB or more is mapped fresh
+(glibc's mallopt), so each way pays its own page faults, which are a good
+part of decoding 124M values. Timings on a shared 2-core box are noisy.
 
-    python benchmarks/bench_decode.py [--sizes 31 124] [--threads 8] [--repeat 3]
+    python benchmarks/bench_decode.py [--sizes 31 124] [--threads 8] [--repeat 3] [--warmup 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -46,6 +49,20 @@ from pcp_tui.protocol import _chunked, _codec  # noqa: E402
 from pcp_tui.protocol._dequantize import dequantize_chunked  # noqa: E402
 from pcp_tui.protocol._tensors import dequantize, prepare  # noqa: E402
 from pcp_tui.worker.streaming import add_changes  # noqa: E402
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def fresh_pages() -> str:
+    """Have glibc map every array of 1 MiB or more fresh from the OS, as a long-lived receiver's
+    new arrays are: no way then decodes into pages an earlier one faulted in and freed."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return "allocator as it is (not glibc)"
+    if libc.mallopt(M_MMAP_THRESHOLD, 2**20) != 1:
+        return "allocator as it is (mallopt refused)"
+    return "arrays >= 1 MiB freshly mapped"
 
 
 def timed(fn, *args):
@@ -155,14 +172,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=_chunked.THREADS)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
+        "--warmup", type=int, default=1, help="runs left out: memory a VM touches first is slow"
+    )
+    parser.add_argument(
         "--receive", nargs="*", default=["int8Block"], help="quantizations to receive over TCP"
     )
     args = parser.parse_args()
+    allocator = fresh_pages()
     rng = np.random.default_rng(0)
     load = os.getloadavg()
     print(
         f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, "
-        f"--threads {args.threads}; seconds, medians of {args.repeat}"
+        f"--threads {args.threads}; {allocator}; seconds, medians of {args.repeat} "
+        f"after {args.warmup} left out"
     )
     head = ["M values", "quantization", "decode before", "now, 1 thread"]
     head += [f"now, {args.threads} threads", "speed-up", "decode + add before", "now"]
@@ -183,8 +205,8 @@ def main() -> None:
             receive = quantization in args.receive
             runs = [
                 one_case(params, last, quantization, args.threads, receive)
-                for _ in range(args.repeat)
-            ]
+                for _ in range(args.warmup + args.repeat)
+            ][args.warmup :]
             median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             print("| " + " | ".join(cells(size, quantization, median)) + " |", flush=True)
         del last, params
