@@ -50,7 +50,8 @@ class MessageStream:
         self.check_header: HeaderCheck | None = None
         # called with ("sent" | "received", message) after each whole message (a trace, say)
         self.observer: Callable[[str, Message], None] | None = None
-        # threads that decode one big quantized tensor (`_dequantize`); 1 decodes on one
+        # threads that decode one big quantized tensor, in chunks (`_dequantize`): the same
+        # bits on any number; 1 keeps a receive to one thread besides the event loop's
         self.decode_threads = THREADS
         self.bytes_sent = 0
         self.bytes_received = 0
