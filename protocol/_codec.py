@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import capnp
 import numpy as np
-import trio
 
 from ._chunked import THREADS
 from ._dequantize import dequantize_chunked
@@ -31,6 +30,7 @@ from ._errors import (
     VersionMismatch,
 )
 from ._messages import BODY_TYPES, Body, OverlapMerge, Plan, read, write
+from ._overlap import DecodeBehind
 from ._readers import BufferReader, run_sync
 from ._schema import Envelope
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, prepare
@@ -256,7 +256,8 @@ async def read_message(
     """Read one message through `reader`; the single implementation of the receive path.
 
     A big quantized tensor is decoded over up to `threads` threads
-    (`dequantize_chunked`), with `offload` in a trio worker thread.
+    (`dequantize_chunked`); with `offload`, in a thread while the next payload
+    is read (`_overlap.DecodeBehind`).
     """
     frame = await _read_frame(reader, limits)
     body, version, specs = _parse_frame(frame, limits)
@@ -266,17 +267,20 @@ async def read_message(
     reader.expect(payload_bytes)
     if before_payload is not None and payload_bytes:
         await before_payload(body.KIND, payload_bytes)
-    tensors = {}
-    for spec in specs:
-        payload = np.empty(spec.payload_bytes, np.uint8)
-        await reader.read_into(memoryview(payload))
-        decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
-        if offload and spec.quantization != "none" and decoded_bytes > OFFLOAD_BYTES:
-            tensors[spec.name] = await trio.to_thread.run_sync(
-                dequantize_chunked, payload, spec, threads
-            )
-        else:
-            tensors[spec.name] = dequantize_chunked(payload, spec, threads)
+    tensors = dict.fromkeys(spec.name for spec in specs)  # wire order, filled as decoded
+    behind = DecodeBehind(tensors, threads)
+    try:
+        for spec in specs:
+            payload = np.empty(spec.payload_bytes, np.uint8)
+            await reader.read_into(memoryview(payload))
+            decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
+            if offload and spec.quantization != "none" and decoded_bytes > OFFLOAD_BYTES:
+                await behind.start(payload, spec)  # decodes while the next payload arrives
+            else:
+                tensors[spec.name] = dequantize_chunked(payload, spec, threads)
+        await behind.finish()
+    finally:
+        await behind.settle()
     wire_bytes = len(frame) + sum(spec.payload_bytes for spec in specs)
     return Message(body, tensors, version, wire_bytes)
 

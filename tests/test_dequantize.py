@@ -20,13 +20,14 @@ import trio
 import trio.testing
 
 from pcp_tui import protocol
-from pcp_tui.protocol import _chunked
+from pcp_tui.protocol import _chunked, _codec
 from pcp_tui.protocol._dequantize import dequantize_chunked
 from pcp_tui.protocol._tensors import TensorSpec, dequantize, payload_size, prepare
 
 RNG = np.random.default_rng(13)
 MANY = 4 * _chunked.CHUNK + 1001  # over threads; no multiple of 2, 7, 256 or a chunk
 SIZES = (1, 3, 7, 255, 257, MANY)
+BIG = _codec.OFFLOAD_BYTES // 4 + 1001  # float32 values a receive decodes in a thread
 
 
 def spec_of(dtype: str, count: int, quantization: str, block_size: int) -> TensorSpec:
@@ -112,10 +113,10 @@ def test_a_message_over_tcp_decodes_to_the_one_pass_bits():
     """A whole round result (int8 and int4 tensors big enough to go to threads, and small
     ones) through real `MessageStream`s on a loopback socket: the received tensors are the
     one-pass decode of the sent payloads, on several decode threads and on one."""
-    tensors = {
-        "wte": RNG.standard_normal((MANY // 768 + 1, 768), dtype=np.float32),
-        "odd": RNG.standard_normal((3, MANY // 3), dtype=np.float32),
+    tensors = {  # the big ones decode in a thread while the next payload arrives
+        "wte": RNG.standard_normal((BIG // 768 + 1, 768), dtype=np.float32),
         "bias": RNG.standard_normal(769, dtype=np.float32),
+        "odd": RNG.standard_normal((3, BIG // 3), dtype=np.float32),
     }
     for quantization in ("int8Block", "int4Block"):
         want = {
@@ -131,12 +132,16 @@ def test_a_message_over_tcp_decodes_to_the_one_pass_bits():
                 assert got[name].tobytes() == want[name].tobytes(), name
 
 
-async def receive_over_tcp(tensors: dict, quantization: str, threads: int) -> dict:
+async def tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
     client = await trio.testing.open_stream_to_socket_listener(listener)
     server = await listener.accept()
     await listener.aclose()
-    sender, receiver = protocol.MessageStream(client), protocol.MessageStream(server)
+    return client, server
+
+
+async def receive_over_tcp(tensors: dict, quantization: str, threads: int) -> dict:
+    sender, receiver = map(protocol.MessageStream, await tcp_pair())
     receiver.decode_threads = threads
     body = protocol.RoundResult(round=1)
     async with trio.open_nursery() as nursery:
@@ -146,6 +151,42 @@ async def receive_over_tcp(tensors: dict, quantization: str, threads: int) -> di
     await receiver.aclose()
     assert message.body == body
     return message.tensors
+
+
+def test_a_bad_scale_in_a_tensor_decoded_behind_the_reading_ends_that_connection_only():
+    """The first big tensor's last scale is NaN: the error surfaces from the decode thread as
+    the plain MalformedMessage (no exception group), after the rest was read, and the stream
+    refuses further use; a second connection in the same run receives normally."""
+    tensors = {
+        "a": RNG.standard_normal(BIG, dtype=np.float32),
+        "b": RNG.standard_normal(BIG, dtype=np.float32),
+    }
+    body = protocol.RoundResult(round=2)
+    wire = bytearray(
+        b"".join(bytes(b) for b in protocol.encode(body, tensors, quantization="int8Block"))
+    )
+    first = len(wire) - 2 * (BIG + 4 * -(-BIG // 256))  # where tensor a's payload starts
+    scales_end = first + BIG + 4 * -(-BIG // 256)
+    wire[scales_end - 4 : scales_end] = np.array([np.nan], np.float32).tobytes()
+
+    async def main():
+        bad_client, bad_server = await tcp_pair()
+        good_client, good_server = await tcp_pair()
+        bad, good = protocol.MessageStream(bad_server), protocol.MessageStream(good_server)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bad_client.send_all, bytes(wire))
+            with pytest.raises(protocol.MalformedMessage, match="tensor 'a'.*block scale"):
+                await bad.receive()
+        with pytest.raises(protocol.ConnectionClosed, match="unusable"):
+            await bad.receive()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: protocol.MessageStream(good_client).send(body, tensors))
+            message = await good.receive()
+        assert all(message.tensors[n].tobytes() == tensors[n].tobytes() for n in tensors)
+        for stream in (bad_client, bad_server, good_client, good_server):
+            await stream.aclose()
+
+    trio.run(main)
 
 
 def test_bfloat16_wire_bits_of_every_kind_decode_as_ml_dtypes_casts_them():
