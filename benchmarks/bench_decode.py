@@ -16,8 +16,9 @@ quantization, in one process on the same payloads:
 - decode + add: the worker's new global value from the payloads, before and now;
 - receive (int8Block only, --receive): one whole roundResult through a real
   `protocol.MessageStream` on a loopback socket pair, from the first byte sent to
-  the float32 tensors in hand, with the receive path's decode as it was (patched
-  back to `dequantize` for "before") and as it is.
+  the float32 tensors in hand, with the receive path's payload loop as it was
+  (`read_message_before`: read, then decode with `dequantize`, then read on) and
+  as it is (chunked decode over threads, behind the reading of the next payload).
 
 It stops if a decoded bit differs. Ratios are against "before" measured in the
 same run. Each figure is the best of --repeat runs (noise only adds time),
@@ -46,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_outer_step import shapes_of  # noqa: E402  (the same GPT-2-like tensors)
 
 from pcp_tui import protocol  # noqa: E402
-from pcp_tui.protocol import _chunked, _codec  # noqa: E402
+from pcp_tui.protocol import _chunked, _codec, _stream  # noqa: E402
 from pcp_tui.protocol._dequantize import dequantize_chunked  # noqa: E402
 from pcp_tui.protocol._tensors import dequantize  # noqa: E402
 from pcp_tui.worker.streaming import add_changes  # noqa: E402
@@ -119,14 +120,31 @@ async def receive_once(encoded: protocol.Encoded, threads: int) -> tuple[float, 
     return seconds, message.tensors
 
 
+async def read_message_before(reader, limits, *, offload, threads, before_payload, check_header):
+    """`_codec.read_message` as it was: each payload read, then decoded by `dequantize` (in a
+    thread when big) before the next is read. The frame part is today's, unchanged."""
+    frame = await _codec._read_frame(reader, limits)
+    body, version, specs = _codec._parse_frame(frame, limits)
+    tensors = {}
+    for spec in specs:
+        payload = np.empty(spec.payload_bytes, np.uint8)
+        await reader.read_into(memoryview(payload))
+        if spec.count * 4 > _codec.OFFLOAD_BYTES:
+            tensors[spec.name] = await trio.to_thread.run_sync(dequantize, payload, spec)
+        else:
+            tensors[spec.name] = dequantize(payload, spec)
+    wire_bytes = len(frame) + sum(spec.payload_bytes for spec in specs)
+    return protocol.Message(body, tensors, version, wire_bytes)
+
+
 def receive_before(encoded: protocol.Encoded, threads: int) -> tuple[float, dict]:
-    """The receive with its decode as it was: `dequantize`, one thread a tensor."""
-    current = _codec.dequantize_chunked
-    _codec.dequantize_chunked = lambda payload, spec, threads: dequantize(payload, spec)
+    """The receive as it was (`read_message_before` in `MessageStream.receive`)."""
+    current = _stream.read_message
+    _stream.read_message = read_message_before
     try:
         return trio.run(receive_once, encoded, threads)
     finally:
-        _codec.dequantize_chunked = current
+        _stream.read_message = current
 
 
 def receive_now(encoded: protocol.Encoded, threads: int) -> tuple[float, dict]:
