@@ -6,6 +6,7 @@ turns it into bytes and back. It never imports `pcp_tui` or `backends`.
     stream = protocol.MessageStream(tcp_stream)
     await stream.send(protocol.RoundStart(round=3, inner_steps=50), params)
     message = await stream.receive()   # Message(body, tensors, version, wire_bytes); .kind
+    stream.decode_threads = 4          # threads that decode one big quantized tensor (bit-equal)
     striped = protocol.MessageStream(protocol.StripedStream([tcp0, tcp1, tcp2, tcp3]))
     if isinstance(message.body, protocol.RoundResult): ...
     # one message to many peers, encoded once; with a change, params <- old + decoded change

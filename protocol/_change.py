@@ -26,15 +26,13 @@ op-by-op way, which is the reference: same bytes, same bits, slower.
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
+from ._chunked import CHUNK, SMALL, THREADS, run_chunks
 from ._codec import Encoded, assemble, check_body, check_name
 from ._fields import Body
 from ._tensors import (
@@ -50,10 +48,6 @@ from ._tensors import (
     quantize_rows,
 )
 
-#: Values per chunk: a chunk's change and work scratch (1 MiB each) stay in cache.
-CHUNK = 1 << 18
-#: Threads for a large change; memory bandwidth, not cores, bounds it beyond a few.
-THREADS = min(8, os.cpu_count() or 1)
 _FLOAT32 = np.dtype("<f4")
 
 
@@ -224,37 +218,9 @@ def _chunk(scratch: _Scratch, part: _Part, first: int, last: int, start: int, st
 
 
 def _run(parts: list[_Part], threads: int) -> None:
-    """Every chunk of every part, over up to `threads` threads pulling the next chunk;
-    returns once all are done, or raises the first error once every thread has stopped."""
+    """Every chunk of every part, over up to `threads` threads (`run_chunks`)."""
     work = [item for part in parts for item in part.chunks()]
-    if sum(part.target.size for part in parts) < 4 * CHUNK:
-        threads = 1  # a thread pool costs more than a few MB of arithmetic saves
-    threads = max(1, min(threads, len(work)))
-    lock, pending, failed = threading.Lock(), iter(work), threading.Event()
-
+    if sum(part.target.size for part in parts) < SMALL:
+        threads = 1
     size = max((stop - start for *_, start, stop in work), default=0)
-
-    def drain() -> None:
-        scratch = _Scratch(size)
-        while not failed.is_set():
-            with lock:
-                item = next(pending, None)
-            if item is None:
-                return
-            try:
-                _chunk(scratch, *item)
-            except BaseException:
-                failed.set()  # the other threads stop at their next chunk
-                raise
-
-    _on_threads(drain, threads)
-
-
-def _on_threads(drain: Callable[[], None], threads: int) -> None:
-    if threads == 1:
-        drain()
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="encode-change") as pool:
-        done = [pool.submit(drain) for _ in range(threads)]
-    for future in done:
-        future.result()
+    run_chunks(work, _chunk, lambda: _Scratch(size), threads)

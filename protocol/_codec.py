@@ -21,17 +21,19 @@ from dataclasses import dataclass, field
 
 import capnp
 import numpy as np
-import trio
 
+from ._chunked import THREADS
+from ._dequantize import dequantize_chunked
 from ._errors import (
     FrameTooLarge,
     MalformedMessage,
     VersionMismatch,
 )
 from ._messages import BODY_TYPES, Body, OverlapMerge, Plan, read, write
+from ._overlap import DecodeBehind
 from ._readers import BufferReader, run_sync
 from ._schema import Envelope
-from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, dequantize, prepare
+from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, prepare
 
 # 2: typed messages, enums for phase / batch kind / platform
 # 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
@@ -236,7 +238,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> M
     VersionMismatch for a version this side does not speak. Tensors are copies.
     """
     reader = BufferReader(data)
-    message = run_sync(read_message(reader, limits, offload=False))
+    message = run_sync(read_message(reader, limits, offload=False, threads=THREADS))
     if reader.remaining:
         raise MalformedMessage(f"{reader.remaining} extra bytes after the message")
     return message
@@ -247,10 +249,16 @@ async def read_message(
     limits: Limits,
     *,
     offload: bool,
+    threads: int,
     before_payload: PayloadGate | None = None,
     check_header: HeaderCheck | None = None,
 ) -> Message:
-    """Read one message through `reader`; the single implementation of the receive path."""
+    """Read one message through `reader`; the single implementation of the receive path.
+
+    A big quantized tensor is decoded over up to `threads` threads
+    (`dequantize_chunked`); with `offload`, in a thread while the next payload
+    is read (`_overlap.DecodeBehind`).
+    """
     frame = await _read_frame(reader, limits)
     body, version, specs = _parse_frame(frame, limits)
     if check_header is not None:
@@ -259,15 +267,20 @@ async def read_message(
     reader.expect(payload_bytes)
     if before_payload is not None and payload_bytes:
         await before_payload(body.KIND, payload_bytes)
-    tensors = {}
-    for spec in specs:
-        payload = np.empty(spec.payload_bytes, np.uint8)
-        await reader.read_into(memoryview(payload))
-        decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
-        if offload and spec.quantization != "none" and decoded_bytes > OFFLOAD_BYTES:
-            tensors[spec.name] = await trio.to_thread.run_sync(dequantize, payload, spec)
-        else:
-            tensors[spec.name] = dequantize(payload, spec)
+    tensors = dict.fromkeys(spec.name for spec in specs)  # wire order, filled as decoded
+    behind = DecodeBehind(tensors, threads)
+    try:
+        for spec in specs:
+            payload = np.empty(spec.payload_bytes, np.uint8)
+            await reader.read_into(memoryview(payload))
+            decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
+            if offload and spec.quantization != "none" and decoded_bytes > OFFLOAD_BYTES:
+                await behind.start(payload, spec)  # decodes while the next payload arrives
+            else:
+                tensors[spec.name] = dequantize_chunked(payload, spec, threads)
+        await behind.finish()
+    finally:
+        await behind.settle()
     wire_bytes = len(frame) + sum(spec.payload_bytes for spec in specs)
     return Message(body, tensors, version, wire_bytes)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import trio
 
+from ._chunked import THREADS
 from ._codec import (
     OFFLOAD_BYTES,
     Encoded,
@@ -49,6 +50,9 @@ class MessageStream:
         self.check_header: HeaderCheck | None = None
         # called with ("sent" | "received", message) after each whole message (a trace, say)
         self.observer: Callable[[str, Message], None] | None = None
+        # threads that decode one big quantized tensor, in chunks (`_dequantize`): the same
+        # bits on any number; 1 keeps a receive to one thread besides the event loop's
+        self.decode_threads = THREADS
         self.bytes_sent = 0
         self.bytes_received = 0
         self._reader = StreamReader(stream)
@@ -112,6 +116,7 @@ class MessageStream:
                 reader,
                 self.limits,
                 offload=True,
+                threads=self.decode_threads,
                 before_payload=before_payload,
                 check_header=self.check_header,
             )

@@ -277,21 +277,40 @@ def _split_block_payload(payload: np.ndarray, spec: TensorSpec) -> tuple[np.ndar
     int4Block nibble of -8, which no sender writes, decodes as -8 scales, and an
     odd count's padding nibble is ignored: neither can make a value non-finite.
     """
-    count = spec.count
-    used = count if spec.quantization == "int8Block" else (count + 1) // 2
-    scales = np.frombuffer(payload[used:].tobytes(), "<f4")
+    count, used = spec.count, level_bytes(spec)
+    scales = block_scales(payload, spec)
+    if spec.quantization == "int8Block":
+        return payload[:count].view(np.int8), scales
+    levels = np.empty(2 * used, np.int8)
+    unpack_int4(payload[:used], levels)
+    return levels[:count], scales
+
+
+def unpack_int4(packed: np.ndarray, out: np.ndarray) -> None:
+    """The nibbles of uint8 `packed` as int8 levels into `out` (two a byte, low nibble first)."""
+    pairs = out.reshape(-1, 2)
+    # Two's complement nibbles: shift each to the top of an int8, then arithmetic-shift back.
+    np.right_shift(np.left_shift(packed, 4).view(np.int8), 4, out=pairs[:, 0])
+    np.right_shift(packed.view(np.int8), 4, out=pairs[:, 1])
+
+
+def level_bytes(spec: TensorSpec) -> int:
+    """Bytes of a block-quantized payload's levels: what comes before its scales."""
+    return spec.count if spec.quantization == "int8Block" else (spec.count + 1) // 2
+
+
+def block_scales(payload: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """The float32 scale of every block (a copy: the payload need not be aligned for float32).
+
+    MalformedMessage for a scale no sender computes (NaN, inf or negative).
+    """
+    scales = np.frombuffer(payload[level_bytes(spec) :].tobytes(), "<f4")
     if not (np.isfinite(scales) & (scales >= 0)).all():
         raise MalformedMessage(
             f"tensor {spec.name!r} ({spec.quantization}) has a NaN, infinite or negative block "
             f"scale; a sender's scales are max|x| / {LEVELS[spec.quantization]}"
         )
-    if spec.quantization == "int8Block":
-        return payload[:count].view(np.int8), scales
-    levels = np.empty((used, 2), np.int8)
-    # Two's complement nibbles: shift each to the top of an int8, then arithmetic-shift back.
-    np.right_shift(np.left_shift(payload[:used], 4).view(np.int8), 4, out=levels[:, 0])
-    np.right_shift(payload[:used].view(np.int8), 4, out=levels[:, 1])
-    return levels.reshape(-1)[:count], scales
+    return scales
 
 
 def _scale_blocks(levels: np.ndarray, scales: np.ndarray, block_size: int) -> np.ndarray:

@@ -26,6 +26,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.checks import round_start_problem
+from pcp_tui.diloco import fused
 from pcp_tui.diloco.streaming import Event, Schedule, carry_scale
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class StreamingRounds:
         if problem is not None:
             return problem
         if update.body.change:
-            new = {n: self.last_global[n] + update.tensors[n] for n in names}
+            new = add_changes({n: self.last_global[n] for n in names}, update.tensors)
         else:
             new = {n: np.asarray(update.tensors[n], np.float32) for n in names}
         staged = [new[n] if sent is None else new[n] - sent[n] for n in names]
@@ -266,6 +267,45 @@ class StreamingRounds:
         """Fragment p's tensors' mesh axes (a worker over several devices), or None."""
         axes = self.worker._plan.param_axes
         return None if axes is None else [axes[self._index[n]] for n in self.fragments[p]]
+
+
+def add_changes(last: dict[str, np.ndarray], changes: dict[str, np.ndarray]) -> dict:
+    """Each fragment tensor's new global value, `last + change`, as float32 arithmetic gives it.
+
+    A decoded change is a fresh array the update owns: where it is a C-contiguous,
+    writable float32 array (as the decoder makes it) and `last` is float32 too, the
+    sum is written over it a cache-sized chunk at a time over the outer step's
+    threads (`fused.over_chunks`), making no model-sized temporary; otherwise a new
+    array. The same bits either way: one float32 addition a value.
+    """
+    new, rows = {}, []
+    for name, base in last.items():
+        change = changes[name]
+        if _addable_in_place(base, change):
+            rows.append((base, change))
+            new[name] = change
+        else:
+            new[name] = base + change
+    fused.over_chunks(_add_chunk, rows, ())
+    return new
+
+
+def _addable_in_place(base: np.ndarray, change: np.ndarray) -> bool:
+    float32 = np.dtype(np.float32)
+    return (
+        isinstance(change, np.ndarray)
+        and isinstance(base, np.ndarray)
+        and change.dtype == float32
+        and base.dtype == float32
+        and change.shape == base.shape
+        and change.flags.c_contiguous
+        and change.flags.writeable
+        and base.flags.c_contiguous
+    )
+
+
+def _add_chunk(scratch, base: np.ndarray, change: np.ndarray) -> None:
+    np.add(base, change, out=change)
 
 
 class Exchange:
