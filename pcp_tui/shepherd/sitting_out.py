@@ -55,10 +55,10 @@ def hung_reason(link: WorkerLink) -> str:
     """Why a worker sitting out (`sit_out`) counts as hung, or "".
 
     It had its round's straggler window to answer; if it then sends no progress report
-    for that round for --straggler-factor windows more, it is not slow but stuck. Ending its connection
-    frees its shard for the next worker to join, and a worker whose round can be
-    cancelled reconnects and trains from the next round; one that keeps reporting
-    progress may sit out as long as it takes.
+    for that round for --straggler-factor windows more, it is not slow but stuck.
+    Ending its connection frees its shard for the next worker to join, and a worker
+    whose round can be cancelled reconnects and trains from the next round; one that
+    keeps reporting progress may sit out as long as it takes.
     """
     if not link.behind:
         return ""
@@ -71,8 +71,7 @@ def hung_reason(link: WorkerLink) -> str:
         return ""
     return (
         f"hung: no result and no progress for round {link.behind} in {quiet:.0f} s since its "
-        f"round closed without it (--straggler-factor times its window: {link.behind_grace:.3g} "
-        "s); "
-        "it may reconnect and train from the next round, and its shard goes to the next "
-        "worker to join"
+        f"round closed without it (--straggler-factor times its window: "
+        f"{link.behind_grace:.3g} s); it may reconnect and train from the next round, and "
+        "its shard goes to the next worker to join"
     )
