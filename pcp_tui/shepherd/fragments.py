@@ -172,7 +172,7 @@ class FragmentSync:
         # --round-timeout counts from here: each fragment's results are collected while
         # the roundStarts go out, and a roundStart still on its way when a fragment closes
         # is cancelled (its link ends: the worker would wait for that fragment's update)
-        starts = RoundStarts(links)
+        starts = RoundStarts(links, number)
         async with trio.open_nursery() as nursery:
             for link in links:
                 h = steps.get(link.worker_id, config.inner.steps)
@@ -281,17 +281,16 @@ class FragmentSync:
 class RoundStarts:
     """The roundStarts of one streaming round, each in a scope a closing fragment can cancel."""
 
-    def __init__(self, links: list[WorkerLink]):
+    def __init__(self, links: list[WorkerLink], number: int):
         self._scopes = {link: trio.CancelScope() for link in links}
         self._ended = {link: trio.Event() for link in links}
-        self.delivered: set[WorkerLink] = set()  # links whose whole roundStart went out
+        self.number = number
 
     async def send(self, link: WorkerLink, body: protocol.RoundStart, tensors: dict) -> None:
         """Send `link` its roundStart (CONNECTION_ERRORS as `WorkerLink.send` raises them)."""
         try:
             with self._scopes[link]:
                 await link.send(body, tensors)
-                self.delivered.add(link)
         finally:
             self._ended[link].set()
 
@@ -309,13 +308,17 @@ class RoundStarts:
         cancelled = [
             link
             for link in self._scopes
-            if link not in self.delivered and link.worker_id not in contributed
+            if not self.delivered(link) and link.worker_id not in contributed
         ]
         for link in cancelled:
             self._scopes[link].cancel()
         for link in cancelled:
             await self._ended[link].wait()
-        return {link for link in cancelled if link not in self.delivered}
+        return {link for link in cancelled if not self.delivered(link)}
+
+    def delivered(self, link: WorkerLink) -> bool:
+        """Whether `link`'s whole roundStart went out (`WorkerLink.round_delivered`)."""
+        return self.number in link.round_delivered
 
 
 async def _send_update(link: WorkerLink, update: protocol.Encoded, failed: set) -> None:
