@@ -212,7 +212,7 @@ def test_a_fragment_closing_as_roundstarts_finish_cuts_off_exactly_the_unsent_on
 
     async def one_round(seed: int) -> tuple[int, int]:
         links, peers = await socket_links(8)
-        starts = RoundStarts(links)
+        starts = RoundStarts(links, body.round)
         cut = set()
 
         async def close_fragment():
