@@ -20,8 +20,6 @@ decode; closed sets (`Phase`, `Platform`, `Runtime`, `BatchKind`, `ErrorCode`,
 
 from ._change import encode_change
 from ._codec import (
-    CARRY_MERGE_VERSION,
-    COMPATIBLE_VERSION,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     Encoded,
@@ -32,7 +30,6 @@ from ._codec import (
     decode,
     encode,
     encode_once,
-    quantization_version,
 )
 from ._errors import (
     ConnectionClosed,
@@ -51,7 +48,6 @@ from ._messages import (
     Error,
     ErrorCode,
     Fragment,
-    FragmentResult,
     FragmentUpdate,
     Goodbye,
     GraphInfo,
@@ -82,8 +78,6 @@ from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec
 
 __all__ = [
     "BODY_TYPES",
-    "CARRY_MERGE_VERSION",
-    "COMPATIBLE_VERSION",
     "DTYPES",
     "ERROR_CODES",
     "ID_CHARS",
@@ -102,7 +96,6 @@ __all__ = [
     "ErrorCode",
     "GraphInfo",
     "Fragment",
-    "FragmentResult",
     "FragmentUpdate",
     "Goodbye",
     "HeaderCheck",
@@ -140,5 +133,4 @@ __all__ = [
     "encode",
     "encode_change",
     "encode_once",
-    "quantization_version",
 ]

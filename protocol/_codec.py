@@ -29,29 +29,16 @@ from ._errors import (
     MalformedMessage,
     VersionMismatch,
 )
-from ._messages import BODY_TYPES, Body, OverlapMerge, Plan, read, write
+from ._messages import BODY_TYPES, Body, read, write
 from ._overlap import DecodeBehind
 from ._readers import BufferReader, run_sync
 from ._schema import Envelope
 from ._tensors import DTYPES, QUANTIZATIONS, TensorSpec, check_header, prepare
 
-# 2: typed messages, enums for phase / batch kind / platform
-# 3: worker statistics on progress, the runtime in a worker's hello (fields added: a
-#    version-2 peer's messages still read, with those fields at their defaults); Streaming
-#    DiLoCo: fragments in the plan, fragmentResult and fragmentUpdate, a continued roundStart
-# 4: int4Block tensors and a plan's compression = int4Block; striped connections
-#    (welcome.streams/sessionKey, workerHello.attachIndex/attachProof: fields added only).
-#    A message that uses no int4Block is stamped 3, so version-3 peers still join runs that
-#    do not use it (and are never asked to stripe); the shepherd of an int4Block run refuses
-#    them at admission. A worker that lists 4 in its hello can stripe.
-PROTOCOL_VERSION = 5
-SUPPORTED_VERSIONS: tuple[int, ...] = (2, 3, 4, 5)
-#: The version `encode` stamps on a message that uses nothing newer (see `message_version`).
-COMPATIBLE_VERSION = 3
-#: Quantizations added after COMPATIBLE_VERSION, with the version that added each.
-QUANTIZATION_VERSIONS: dict[str, int] = {"int4Block": 4}
-#: Streaming DiLoCo's carry merge (a plan's overlapMerge) came in version 5.
-CARRY_MERGE_VERSION = 5
+# One protocol version until a release: a peer of another version is refused at its
+# first message (`VersionMismatch`), with advice on which side to upgrade.
+PROTOCOL_VERSION = 6
+SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
 # awaited with (kind, payload bytes) before a message's tensor payload is read
 PayloadGate = Callable[[str, int], Awaitable[None]]
 # called with (body, tensor specs, frame bytes) once a header is read, before any payload byte is;
@@ -100,14 +87,13 @@ def encode(
     *,
     quantization: str = "none",
     block_size: int = 256,
-    version: int | None = None,
+    version: int = PROTOCOL_VERSION,
 ) -> list[bytes | memoryview]:
     """The buffers of one message, to be written in order: the framed envelope, then payloads.
 
     Unquantized payloads are zero-copy views of the arrays (which must stay
     unchanged until written). `quantization` applies to floating tensors only.
-    The envelope carries `version`, by default the oldest that can carry the
-    message (`message_version`), so that older peers read what they can.
+    The envelope carries `version` (tests stamp another to see it refused).
     ValueError for something that is not a message body, an unknown quantization or
     an unsendable tensor: those are bugs on the sending side, not protocol errors.
     """
@@ -151,7 +137,7 @@ def encode_once(
     *,
     quantization: str = "none",
     block_size: int = 256,
-    version: int | None = None,
+    version: int = PROTOCOL_VERSION,
 ) -> Encoded:
     """`encode` as an `Encoded`: made once, sent to many (`MessageStream.send_encoded`)."""
     check_body(body, quantization)
@@ -183,34 +169,11 @@ def assemble(
     specs: list[TensorSpec],
     payloads: list,
     tensors: Mapping[str, np.ndarray],
-    version: int | None = None,
+    version: int = PROTOCOL_VERSION,
 ) -> Encoded:
     """The `Encoded` message of `body` and prepared tensor payloads (`specs` in order)."""
-    stamped = message_version(body, specs) if version is None else version
-    frame = _build_frame(body, specs, stamped)
+    frame = _build_frame(body, specs, version)
     return Encoded(body, tuple(specs), (frame, *payloads), tensors)
-
-
-def quantization_version(quantization: str) -> int:
-    """The oldest protocol version that carries `quantization` (tensors, a plan's compression)."""
-    return QUANTIZATION_VERSIONS.get(quantization, COMPATIBLE_VERSION)
-
-
-def message_version(body: Body, specs: list[TensorSpec]) -> int:
-    """The oldest version that can carry `body` and tensors packed as `specs`.
-
-    A version-3 peer refuses a version-4 envelope as a version mismatch (it
-    cannot know what changed), so a message is stamped 4 only when it uses
-    what 4 added: an int4Block tensor, or a plan asking for int4Block results;
-    and 5 only for a plan asking for the carry merge.
-    """
-    used = [spec.quantization for spec in specs]
-    carry = False
-    if isinstance(body, Plan):
-        used.append(body.compression.value)
-        carry = body.overlap_merge is OverlapMerge.CARRY
-    newest = max([COMPATIBLE_VERSION, *map(quantization_version, used)])
-    return max(newest, CARRY_MERGE_VERSION) if carry else newest
 
 
 def _build_frame(body: Body, specs: list[TensorSpec], version: int) -> bytes:

@@ -34,7 +34,6 @@ from ._enums import (
 from ._fields import ID_CHARS, MAX_SHARDING_RULES, REASON_CHARS, TENSOR_NAME_CHARS, Body
 from ._plan import Fragment, GraphInfo, Plan, Ready, Sharding, ShardingRule
 from ._rounds import (
-    FragmentResult,
     FragmentUpdate,
     Progress,
     RoundResult,
@@ -58,7 +57,6 @@ BODY_TYPES: dict[str, type] = {
         Heartbeat,
         Error,
         Goodbye,
-        FragmentResult,
         FragmentUpdate,
     )
 }
@@ -75,7 +73,6 @@ __all__ = [
     "Error",
     "ErrorCode",
     "Fragment",
-    "FragmentResult",
     "FragmentUpdate",
     "Goodbye",
     "GraphInfo",

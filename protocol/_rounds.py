@@ -1,8 +1,9 @@
 """The messages of a round: its start, a worker's progress, and its result.
 
-Plain DiLoCo: `RoundStart` (global parameters as tensors), `Progress` while the
-worker trains, one `RoundResult` (the pseudo-gradient as tensors). Streaming
-DiLoCo adds one `FragmentResult` and one `FragmentUpdate` per fragment.
+A round: `RoundStart` (the global parameters as tensors, or none when the
+worker holds them: `continued`), `Progress` while the worker trains, and per
+fragment of the plan one `RoundResult` (its pseudo-gradient) and one
+`FragmentUpdate` (its new global value). Plain DiLoCo is the one-fragment case.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class RoundStart(Body):
     KIND: ClassVar[str] = "roundStart"
     round: int = 0
     inner_steps: int = 0
-    continued: bool = False  # streaming: no tensors; go on from the worker's own parameters
+    continued: bool = False  # no tensors: go on from the worker's own (global) parameters
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,14 @@ class Progress(Body):
 
 @dataclass(frozen=True)
 class RoundResult(Body):
-    """worker -> shepherd; the pseudo-gradient (global - local) rides as tensors.
+    """worker -> shepherd at a fragment's send point: its pseudo-gradient rides as tensors.
 
-    `losses` is bounded by the receiver's `Limits.max_losses`; whether each loss
-    is finite is the result screen's call (a refused result, not a broken peer).
+    Plain DiLoCo is the one-fragment case: fragment 0 is the whole model, sent
+    after the round's last step. `tokens` is what the pseudo-gradient trained on
+    (its weight in the mean); `losses`, `compute_seconds` and `inner_steps` cover
+    the steps since the worker's previous result, so a run's results count each
+    step once. `losses` is bounded by the receiver's `Limits.max_losses`; whether
+    each loss is finite is the result screen's call (a refused result, not a broken peer).
     """
 
     KIND: ClassVar[str] = "roundResult"
@@ -68,29 +73,13 @@ class RoundResult(Body):
     losses: tuple[float, ...] = _items("max_losses")
     compute_seconds: float = _finite()
     inner_steps: int = 0
-
-
-@dataclass(frozen=True)
-class FragmentResult(Body):
-    """Streaming, worker -> shepherd: one fragment's pseudo-gradient rides as tensors.
-
-    `tokens` is what the pseudo-gradient trained on (its weight in the mean);
-    `losses`, `compute_seconds` and `inner_steps` cover the steps since the
-    worker's previous fragmentResult, so a run's results count each step once.
-    """
-
-    KIND: ClassVar[str] = "fragmentResult"
-    round: int = 0
-    fragment: int = 0
-    tokens: int = 0
-    losses: tuple[float, ...] = _items("max_losses")
-    compute_seconds: float = _finite()
-    inner_steps: int = 0
+    fragment: int = 0  # index into the plan's fragments
 
 
 @dataclass(frozen=True)
 class FragmentUpdate(Body):
-    """Streaming, shepherd -> worker: one fragment's new global value rides as tensors."""
+    """shepherd -> worker once a fragment's outer step is done: its new global value rides
+    as tensors (plain DiLoCo: the whole model, once a round)."""
 
     KIND: ClassVar[str] = "fragmentUpdate"
     round: int = 0

@@ -20,8 +20,7 @@ struct Envelope {
     heartbeat @10 :Heartbeat;
     error @11 :Error;
     goodbye @12 :Goodbye;
-    fragmentResult @13 :FragmentResult;
-    fragmentUpdate @14 :FragmentUpdate;
+    fragmentUpdate @13 :FragmentUpdate;
   }
 }
 
@@ -45,7 +44,7 @@ enum Quantization {
   none @0;       # payload is the array itself, little-endian, C order
   bfloat16 @1;   # float32 sent as bfloat16 (round to nearest even)
   int8Block @2;  # int8 values, then one float32 scale per `blockSize` elements
-  int4Block @3;  # version 4: values in -7..7, two per byte (low nibble first), then the scales
+  int4Block @3;  # values in -7..7, two per byte (low nibble first), then the scales
 }
 
 struct TensorHeader {
@@ -126,7 +125,7 @@ struct Welcome {
   workerIndex @0 :UInt32;
   runId @1 :Text;
   heartbeatSeconds @2 :Float32;
-  # protocol 4, striped connections (only to a worker that lists version 4): streams > 1 asks
+  # striped connections: streams > 1 asks
   # the worker to attach streams - 1 more connections with sessionKey; a second welcome on this
   # connection then says how many carry the session from its next byte on (1: this one alone)
   streams @3 :UInt16;
@@ -159,20 +158,19 @@ struct Plan {
   dataTensors @15 :List(Text); # rows only: tensors [N, ...] sampled by row, in the graph's batch order
   tokensPerRow @16 :UInt32;    # tokens one batch row counts for: seqLen for windows, 1 for rows
   sharding @17 :Sharding;      # how a worker with several devices places the parameters
-  fragments @18 :List(Fragment);  # Streaming DiLoCo: empty for plain DiLoCo
-  overlapSteps @19 :UInt32;    # streaming: inner steps between a fragment's send and its merge
-  mixAlpha @20 :Float64;       # streaming: a merge keeps mixAlpha of the local fragment
-  overlapMerge @21 :OverlapMerge;  # streaming: how the merge treats the overlap's progress (5)
+  fragments @18 :List(Fragment);  # the partition of paramNames (plain DiLoCo: one fragment)
+  overlapSteps @19 :UInt32;    # inner steps between a fragment's send and its merge
+  mixAlpha @20 :Float64;       # a merge keeps mixAlpha of the local fragment
+  overlapMerge @21 :OverlapMerge;  # how the merge treats the overlap's progress
 }
 
-# Streaming DiLoCo: the tensors of one fragment, synced together (a partition of paramNames).
+# The tensors of one fragment, synced together (Streaming DiLoCo; plain DiLoCo has one).
 struct Fragment {
   tensors @0 :List(Text);
 }
 
 # How a worker with several local devices (one JAX mesh axis) places parameters and optimizer
 # state; the batch is always split over the devices. A worker with one device ignores it.
-# Added within version 2: a peer that predates it reads `data`, which computes the same values.
 enum ShardingMode {
   data @0;   # parameters not matched by a rule are copied to every device
   fsdp @1;   # parameters not matched by a rule are split across the devices if matrices
@@ -202,7 +200,7 @@ struct Ready {
 struct RoundStart {
   round @0 :UInt32;
   innerSteps @1 :UInt32;
-  continued @2 :Bool;          # streaming: no tensors; go on from the worker's own parameters
+  continued @2 :Bool;          # no tensors: go on from the worker's own (global) parameters
 }
 
 struct Progress {
@@ -212,7 +210,7 @@ struct Progress {
   loss @3 :Float32;
   tokensPerSecond @4 :Float32;
   phase @5 :Phase;
-  stats @6 :WorkerStats;       # protocol 3; a version-2 peer leaves it out (all zero)
+  stats @6 :WorkerStats;
 }
 
 # What a worker measures about itself; rides on every progress message.
@@ -225,27 +223,19 @@ struct WorkerStats {
   gpuUtilization @5 :Float32 = -1;  # 0..1, the device's busy share (NVML); -1: not measured
 }
 
-# worker -> shepherd; the pseudo-gradient (global - local) rides as tensors.
+# worker -> shepherd at a fragment's send point; the fragment's pseudo-gradient (its
+# global value at its last sync - local) rides as tensors. Plain DiLoCo: one fragment.
 struct RoundResult {
   round @0 :UInt32;
-  tokens @1 :UInt64;
-  losses @2 :List(Float32);    # one per inner step
-  computeSeconds @3 :Float64;
-  innerSteps @4 :UInt32;
+  tokens @1 :UInt64;           # tokens the pseudo-gradient trained on (its weight)
+  losses @2 :List(Float32);    # one per inner step since the previous roundResult
+  computeSeconds @3 :Float64;  # spent on those steps
+  innerSteps @4 :UInt32;       # those steps
+  fragment @5 :UInt32;         # index into the plan's fragments
 }
 
-# Streaming, worker -> shepherd at a fragment's send point; the fragment's
-# pseudo-gradient (its global value at its last sync - local) rides as tensors.
-struct FragmentResult {
-  round @0 :UInt32;
-  fragment @1 :UInt32;         # index into the plan's fragments
-  tokens @2 :UInt64;           # tokens the pseudo-gradient trained on (its weight)
-  losses @3 :List(Float32);    # one per inner step since the previous fragmentResult
-  computeSeconds @4 :Float64;  # spent on those steps
-  innerSteps @5 :UInt32;       # those steps
-}
-
-# Streaming, shepherd -> worker: a fragment's new global value rides as tensors.
+# shepherd -> worker once a fragment's outer step is done: its new global value rides
+# as tensors.
 struct FragmentUpdate {
   round @0 :UInt32;
   fragment @1 :UInt32;
@@ -279,7 +269,6 @@ struct Error {
 struct Goodbye {
   reason @0 :Text;
   # the shepherd stopped before the run's end with a checkpoint to resume from: a worker that
-  # reads it reconnects (to `pcp-tui shepherd --resume`) instead of exiting. Added within
-  # version 4: an older worker ignores it and exits as on the end of the run.
+  # reads it reconnects (to `pcp-tui shepherd --resume`) instead of exiting.
   resumable @1 :Bool;
 }

@@ -24,7 +24,7 @@ from pcp_tui.contract import auth
 from pcp_tui.contract.connection import ConnectionLost
 from pcp_tui.shepherd import striping
 from pcp_tui.shepherd.connection import Hello
-from pcp_tui.shepherd.striping import Attachments, streams_for
+from pcp_tui.shepherd.striping import Attachments
 from pcp_tui.worker import striping as worker_striping
 
 PIECE = 4096
@@ -236,12 +236,6 @@ def test_only_the_welcomed_session_can_attach_its_extra_connections():
     assert pending.complete.is_set() and sorted(pending.streams) == [1, 2, 3]
     pending.open = False
     assert "too late" in pending.offer(_attach_hello(2, key), stream)
-
-
-def test_only_workers_that_speak_protocol_4_are_asked_to_stripe():
-    assert streams_for((2, 3, 4), 4) == 4
-    assert streams_for((2, 3), 4) == 1  # an older worker joins as before, on one connection
-    assert streams_for((2, 3, 4), 1) == 1
 
 
 class _Link:

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pcp_tui import __version__
 from pcp_tui.app import link_emulator, plot
@@ -18,6 +19,9 @@ from pcp_tui.app.options_cli import add_flags, passed_values
 from pcp_tui.config import ConfigError, LogConfig, RunConfig, WorkerConfig
 from pcp_tui.config.options import validate_section
 from pcp_tui.config.worker import BACKENDS
+
+if TYPE_CHECKING:  # the worker loads on demand: `pcp-tui --help` stays fast
+    from pcp_tui.worker.rounds import Faults
 
 
 def _add_run_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
@@ -204,20 +208,21 @@ def _closest_option(parser: argparse.ArgumentParser, command: str, unknown: list
     return ""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, faults: Faults | None = None) -> int:
+    """`pcp-tui` with `argv`; `faults` (tests: `pcp_tui.testing.faulty_worker`) go to a worker."""
     args = parse_args(build_parser(), argv)
     if threading.current_thread() is not threading.main_thread():
-        return _main(args)
+        return _main(args, faults)
     # like Ctrl-C: a message, not a death (SIGHUP: the terminal closed)
     previous = {signum: signal.signal(signum, _terminate) for signum in _TERMINATING}
     try:
-        return _main(args)
+        return _main(args, faults)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     try:
         if getattr(args, "log_level", None):
             validate_section(LogConfig(level=args.log_level, file=args.log_file), "log")
@@ -227,7 +232,7 @@ def _main(args: argparse.Namespace) -> int:
                 raise ConfigError(
                     f"cannot write --log-file {args.log_file} ({exc.strerror or exc})"
                 ) from None
-        return _dispatch(args)
+        return _dispatch(args, faults)
     except ConfigError as exc:
         print(f"pcp-tui: error: {exc}", file=sys.stderr)
         return 2
@@ -247,7 +252,7 @@ def _interrupted(signum: int) -> int:
     return 128 + signum
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
     if args.command == "sample":
         return _sample(args)
     if args.command == "emulate-link":
@@ -257,7 +262,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "worker":
         from pcp_tui.app.launch import run_worker
 
-        return run_worker(worker_config_from(args))
+        return run_worker(worker_config_from(args), faults=faults)
     config = _config_from(args)
     from pcp_tui.app.launch import run_demo, run_shepherd
 

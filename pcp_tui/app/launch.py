@@ -8,6 +8,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -22,6 +23,9 @@ from pcp_tui.shepherd.checkpoint import CheckpointError
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.training.corpus import DataError
 from pcp_tui.training.model_file import ModelFileError
+
+if TYPE_CHECKING:  # the worker loads on demand: `pcp-tui --help` stays fast
+    from pcp_tui.worker.rounds import Faults
 
 
 def _fail(reason: str, code: int = 1) -> int:
@@ -268,8 +272,11 @@ def _cpu_threads_env(workers: int) -> dict[str, str]:
     )
 
 
-def run_worker(config: WorkerConfig) -> int:
-    """Join the shepherd at `config.connection.connect` and train until it says goodbye."""
+def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
+    """Join the shepherd at `config.connection.connect` and train until it says goodbye.
+
+    `faults`: where a test makes the worker misbehave (`worker.rounds.Faults`).
+    """
     from pcp_tui.app.worker_view import WorkerStatusView
     from pcp_tui.contract.tls import ClientTLS
     from pcp_tui.contract.trace import MessageTrace
@@ -290,7 +297,7 @@ def run_worker(config: WorkerConfig) -> int:
     try:
         tls = ClientTLS.from_options(connection.tls_ca, connection.tls_fingerprint)
         trace = MessageTrace(output.trace) if output.trace else None
-        worker = Worker(config.replace(token=token), tls=tls, trace=trace)
+        worker = Worker(config.replace(token=token), tls=tls, trace=trace, faults=faults)
     except OSError as exc:
         return _fail(f"cannot write --trace {output.trace} ({exc.strerror or exc})", 2)
     except (BackendUnavailable, ValueError) as exc:

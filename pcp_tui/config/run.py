@@ -96,8 +96,8 @@ def schedule_problem(inner_steps: int, fragments: int, overlap: int, chunk: int)
     in that share (τ < H / F, so one fragment is in flight at a time), and every
     send and merge point must fall between two compiled chunks.
     """
-    if fragments < 2:
-        return None
+    if fragments < 1:
+        return f"{fragments} fragments: a round syncs at least one"
     if inner_steps % fragments:
         return (
             f"--inner-steps {inner_steps} must be a multiple of --streaming-fragments {fragments}"
@@ -183,6 +183,12 @@ class InnerConfig:
         return self.streaming_fragments > 1
 
     @property
+    def overlap(self) -> int:
+        """τ: the inner steps a fragment's exchange overlaps with training (0 in plain DiLoCo,
+        whose one fragment merges as it is sent, as the paper's rounds do)."""
+        return self.overlap_steps if self.streaming else 0
+
+    @property
     def chunk(self) -> int:
         """Inner steps per compiled call: the largest divisor of H not above chunk_steps.
 
@@ -197,9 +203,7 @@ class InnerConfig:
         return max(k, 1)
 
     def check(self) -> None:
-        problem = schedule_problem(
-            self.steps, self.streaming_fragments, self.overlap_steps, self.chunk
-        )
+        problem = schedule_problem(self.steps, self.streaming_fragments, self.overlap, self.chunk)
         if problem is not None:
             raise ConfigError(problem)
 

@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from pcp_tui import protocol
 from pcp_tui.config.run import schedule_problem
 
-SMALL_MESSAGE_BYTES = 64 * 1024  # every kind but roundResult and fragmentResult, after admission
+SMALL_MESSAGE_BYTES = 64 * 1024  # every kind but roundResult, after admission
 _HEADER_BYTES_PER_TENSOR = 512  # a tensor header on the wire, name included, generously
 RESULT_DTYPE = "float32"
-Fragments = tuple[tuple[str, ...], ...]  # Streaming DiLoCo: the tensor names of each fragment
+Fragments = tuple[tuple[str, ...], ...]  # the tensor names of each fragment (plain: one)
 
 
 class ResultRefused(protocol.ProtocolError):
@@ -58,11 +58,11 @@ def plan_problem(plan: protocol.Plan, tensors: Mapping[str, object]) -> str | No
             f"a {plan.batch_kind.value} plan counts {tokens_per_row(plan.batch_kind, plan.seq_len)} "
             f"tokens per row, this one says {plan.tokens_per_row}"
         )
-    return streaming_problem(plan)
+    return fragments_problem(plan)
 
 
 def fragments(plan: protocol.Plan) -> Fragments:
-    """The plan's fragments as tuples of tensor names; () for plain DiLoCo."""
+    """The plan's fragments as tuples of tensor names (plain DiLoCo: one, every tensor)."""
     return tuple(tuple(fragment.tensors) for fragment in plan.fragments)
 
 
@@ -82,12 +82,10 @@ def partition_problem(fragments: Sequence[Sequence[str]], param_names: Sequence[
     return None
 
 
-def streaming_problem(plan: protocol.Plan) -> str | None:
-    """Why the plan's Streaming DiLoCo fields cannot be trained on, or None (also for none)."""
+def fragments_problem(plan: protocol.Plan) -> str | None:
+    """Why the plan's fragments and their schedule cannot be trained on, or None."""
     if not plan.fragments:
-        return None
-    if len(plan.fragments) < 2:
-        return "a streaming plan needs at least 2 fragments (plain DiLoCo sends none)"
+        return "the plan has no fragments (plain DiLoCo has one: every parameter)"
     problem = partition_problem(fragments(plan), plan.param_names)
     if problem is None:
         problem = schedule_problem(
@@ -99,7 +97,7 @@ def streaming_problem(plan: protocol.Plan) -> str | None:
 
 
 def round_steps_problem(plan: protocol.Plan, steps: int) -> str | None:
-    """Why a streaming roundStart's `steps` (its H_k, --adaptive-steps) cannot run, or None.
+    """Why a roundStart's `steps` (its H_k, --adaptive-steps) cannot run, or None.
 
     A round may be shorter than the plan's H, never longer (results are screened
     against H's tokens), and its fragment schedule, scaled to `steps`, must fit
@@ -137,10 +135,10 @@ def result_header_problem(
 def fragment_header_problem(
     shapes: Mapping[str, tuple[int, ...]],
     fragments: Sequence[Sequence[str]],
-    body: protocol.FragmentResult,
+    body: protocol.RoundResult,
     specs: Sequence[protocol.TensorSpec],
 ) -> str | None:
-    """Why a fragment result's headers are not exactly its fragment's parameters, or None."""
+    """Why a result's headers are not exactly its fragment's parameters, or None."""
     if body.fragment >= len(fragments):
         return f"fragment {body.fragment} does not exist; the plan has {len(fragments)}"
     names = fragments[body.fragment]
@@ -161,7 +159,6 @@ RECEIVES: dict[str, dict[str, frozenset[Stage]]] = {
         "ready": frozenset({Stage.PLANNED}),
         "progress": frozenset({Stage.READY}),
         "roundResult": frozenset({Stage.READY}),
-        "fragmentResult": frozenset({Stage.READY}),
         "heartbeat": _ALWAYS,
         "error": _ALWAYS,
         "goodbye": _ALWAYS,

@@ -24,7 +24,7 @@ from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.shepherd.connection import Hello, VersionNeed, handshake, version_need
+from pcp_tui.shepherd.connection import Hello, handshake
 from pcp_tui.shepherd.state import RunState
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
@@ -141,10 +141,8 @@ class Admission:
         max_pending: int = 64,
         refusals: RefusalLog | None = None,
         trace: MessageTrace | None = None,
-        need: VersionNeed | None = None,
     ):
         self._token, self._run_id, self._tls = token, run_id, tls
-        self._need = need  # a protocol version every worker of this run must speak
         self.trace = trace  # --trace: every message of every connection, from its hello
         self.timeout, self.max_per_host, self.max_pending = timeout, max_per_host, max_pending
         self.refusals = refusals or RefusalLog(state)
@@ -165,11 +163,6 @@ class Admission:
             max_per_host=security.max_handshakes_per_host,
             max_pending=security.max_handshakes,
             trace=_open_trace(config.operator.trace),
-            need=version_need(
-                config.outer.compression,
-                config.inner.streaming_fragments,
-                config.inner.overlap_merge,
-            ),
         )
 
     @property
@@ -204,9 +197,7 @@ class Admission:
             with trio.fail_at(deadline):
                 stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
                 stream.observer = self.trace.observer(peer) if self.trace else None
-                hello = await handshake(
-                    stream, token=self._token, run_id=self._run_id, need=self._need
-                )
+                hello = await handshake(stream, token=self._token, run_id=self._run_id)
         except Refused as exc:
             self.refusals.refused(host, peer, exc.reason, code=exc.code)
             await _close(transport)

@@ -10,10 +10,9 @@ of bounds (`ConnectionLost`, with the reason):
 
 - steps: the steps all its results reported never exceed the steps its
   roundStarts asked for (H_k each under --adaptive-steps, H otherwise);
-- tokens: a result's tokens are at most its steps' tokens; a Streaming DiLoCo
-  fragment result covers the steps since that fragment's previous result, so
-  its tokens are at most the steps reported since then (what the worker's own
-  count, `worker/streaming.py`, is);
+- tokens: a result covers the steps since its fragment's previous result (plain
+  DiLoCo: its round's), so its tokens are at most the steps reported since then
+  (what the worker's own count, `worker/rounds.py`, is);
 - compute seconds: never negative, and all reported on a connection fit in the
   wall time since its first roundStart (with `CLOCK_SLACK`, for two clocks).
 
@@ -52,11 +51,11 @@ class ResultClaims:
             self._first_asked = self._clock()
         self.asked += steps
 
-    def check(self, body: protocol.RoundResult | protocol.FragmentResult) -> None:
+    def check(self, body: protocol.RoundResult) -> None:
         """Count the result's claims; ConnectionLost if one is more than was asked or possible."""
         if self.asked == 0:
             return  # no roundStart went out here: no round takes it (a `late_result`, dropped)
-        part = f", fragment {body.fragment}" if isinstance(body, protocol.FragmentResult) else ""
+        part = f", fragment {body.fragment}" if body.fragment else ""
         where = f"its result for round {body.round}{part}"
         self.reported += body.inner_steps
         if self.reported > self.asked:
@@ -64,10 +63,8 @@ class ResultClaims:
                 f"{where} brings the inner steps it reported on this connection to "
                 f"{self.reported}, but its roundStarts asked for {self.asked}"
             )
-        covered = body.inner_steps
-        if isinstance(body, protocol.FragmentResult):
-            covered = self.reported - self._reported_at.get(body.fragment, 0)
-            self._reported_at[body.fragment] = self.reported
+        covered = self.reported - self._reported_at.get(body.fragment, 0)
+        self._reported_at[body.fragment] = self.reported
         most = covered * self.tokens_per_step
         if body.tokens > most:
             _refuse(

@@ -27,11 +27,6 @@ HANDSHAKE_SECONDS = 10.0
 CONNECTION_ERRORS = LINK_ERRORS  # the name the coordinator knows them by
 
 
-def fragment_of(body: protocol.RoundResult | protocol.FragmentResult) -> int:
-    """The fragment a result is for; -1 for a plain round's whole result."""
-    return body.fragment if isinstance(body, protocol.FragmentResult) else -1
-
-
 @dataclass
 class Hello:
     worker_id: str
@@ -40,7 +35,6 @@ class Hello:
     platform: protocol.Platform
     devices: int = 1  # local devices the worker trains on as one (a JAX mesh)
     runtime: protocol.Runtime = protocol.Runtime.XLA
-    versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
     nonce: bytes = b""  # this connection's challenge (an attach proof covers it too)
     attach_index: int = 0  # > 0: an extra connection for the worker's striped session
     attach_proof: bytes = b""
@@ -90,7 +84,7 @@ class WorkerLink(Connection):
         self.behind_since, self.behind_grace = 0.0, math.inf  # (trio's clock) see hung_reason
         # for the straggler window (`rounds.collect`), on trio's clock: when each recent
         # round's roundStart had all gone out here, and how long its latest result took
-        # from there, per fragment (-1: a plain round's whole result)
+        # from there, per fragment
         self.round_delivered: dict[int, float] = {}
         self.answer_seconds: dict[int, float] = {}
         # its latest training progress: (round, step, of steps, when on trio's clock), from
@@ -103,7 +97,6 @@ class WorkerLink(Connection):
         self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline
         self.ended = trio.Event()  # set once the connection is closed (its server task ends)
-        self.versions: tuple[int, ...] = ()  # the protocol versions the worker speaks
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments = None
         self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
@@ -112,7 +105,7 @@ class WorkerLink(Connection):
         self.claims = ResultClaims(tokens_per_step=0)
         self.progress = ProgressRate()  # progress messages beyond a few a second are dropped
 
-    def note_result(self, body: protocol.RoundResult | protocol.FragmentResult, running: int):
+    def note_result(self, body: protocol.RoundResult, running: int):
         """Raise ConnectionLost for a result no worker sends: one for a round that has not
         started (`running` is the latest that has), one for a round whose roundStart this
         link never got (a worker's results go out on the connection its round came on: one
@@ -120,8 +113,8 @@ class WorkerLink(Connection):
         fragment). Each would be dropped, but a peer that sends them without end would
         write a `late_result` line in the log for every copy (every round, every fragment,
         again from each new connection)."""
-        fragment = fragment_of(body)
-        part = f" fragment {fragment}" if fragment >= 0 else ""
+        fragment = body.fragment
+        part = f" fragment {fragment}" if fragment else ""
         if body.round > running:
             raise ConnectionLost(
                 f"sent a result for round {body.round}{part} while round {running} runs: "
@@ -147,7 +140,7 @@ class WorkerLink(Connection):
             del self.round_delivered[old]
 
     def answered(self, number: int, fragment: int) -> None:
-        """A result for round `number` (`fragment`, -1 for a whole round) came in, counted or
+        """A result for round `number` (of `fragment`) came in, counted or
         late: remember how long it took from its roundStart's delivery."""
         delivered = self.round_delivered.get(number)
         if delivered is not None:
@@ -250,49 +243,16 @@ class WorkerLink(Connection):
         self.view.last_heard = time.monotonic()
 
 
-@dataclass(frozen=True)
-class VersionNeed:
-    """What this run uses that older workers cannot read: the protocol version that
-    added it, and the option that turned it on (for the refusal's advice)."""
-
-    version: int
-    option: str
-
-
-STREAMING_VERSION = 3  # fragmentResult, fragmentUpdate and the plan's fragments came in 3
-
-
-def version_need(
-    compression: str, fragments: int = 1, overlap_merge: str = "mix"
-) -> VersionNeed | None:
-    """The newest protocol version this run's options need of a worker, naming the option.
-
-    None if every supported version will do. A version-2 worker in a streaming
-    run would otherwise be admitted and then cut off at its first result.
-    """
-    needs = []
-    if fragments > 1:
-        needs.append(VersionNeed(STREAMING_VERSION, f"--streaming-fragments {fragments}"))
-        if overlap_merge == protocol.OverlapMerge.CARRY:
-            needs.append(VersionNeed(protocol.CARRY_MERGE_VERSION, "--overlap-merge carry"))
-    version = protocol.quantization_version(compression)
-    if version > protocol.COMPATIBLE_VERSION:
-        needs.append(VersionNeed(version, f"--compression {compression}"))
-    return max(needs, key=lambda need: need.version, default=None)
-
-
 async def handshake(
     stream: protocol.MessageStream,
     *,
     token: str,
     run_id: str,
-    need: VersionNeed | None = None,
 ) -> Hello:
     """Challenge the peer: it must answer with HMAC(token, nonce, id).
 
-    With `need`, an authenticated worker that does not list that protocol
-    version is refused here, at admission, with advice, rather than failing on
-    the plan. Raises Refused with an error already sent to the peer when it fails.
+    A worker of another protocol version is refused here, with advice on which
+    side to upgrade. Raises Refused with an error already sent to the peer when it fails.
     """
     nonce = auth.new_nonce()
     await stream.send(
@@ -331,14 +291,6 @@ async def handshake(
             f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
         raise Refused(reason, code="authFailed")
-    if need is not None and need.version not in body.supported_versions:
-        reason = (
-            f"this run uses {need.option}, which protocol {need.version} added; the worker speaks "
-            f"{_versions(body.supported_versions)}: upgrade pcp-tui on the worker, or restart "
-            f"the shepherd without {need.option}"
-        )
-        await stream.send_error("versionMismatch", reason)
-        raise Refused(reason, code="versionMismatch")
     backend = body.backend
     devices = max(backend.device_count, 1)  # a worker that does not say runs on one
     described = backend.platform.value
@@ -355,7 +307,6 @@ async def handshake(
         backend.platform,
         devices,
         backend.runtime,
-        versions=body.supported_versions,
         nonce=nonce,
         attach_index=body.attach_index,
         attach_proof=body.attach_proof,

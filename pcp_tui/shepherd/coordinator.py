@@ -1,8 +1,8 @@
 """The shepherd: one DiLoCo run over the workers its `WorkerPool` serves, start to end.
 
 `Shepherd` owns the run's lifecycle: it listens (`listening.py`), waits for
-workers, loops over the rounds (each one plain, `plain_round.py`, or streaming,
-`fragments.py`), checkpoints, and says goodbye. It is a plain trio program.
+workers, loops over the rounds (`engine.RoundEngine`: plain and Streaming
+DiLoCo alike), checkpoints, and says goodbye. It is a plain trio program.
 Headless mode runs it under `trio.run`; the dashboard hosts the very same
 object in Textual's loop via trio guest mode and only reads `shepherd.state` and calls `request_stop` / `pause` / `resume`.
 Connections (welcome, plan, results, liveness) are `pool.WorkerPool`'s business.
@@ -22,13 +22,11 @@ from pcp_tui import protocol
 from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
-from pcp_tui.diloco.aggregate import make_aggregate
-from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
-from pcp_tui.shepherd.fragments import FragmentSync
+from pcp_tui.shepherd.engine import RoundEngine, inner_optimizer, record_round, tokens_per_step
 from pcp_tui.shepherd.graphs import GraphLibrary
 from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.listening import (
@@ -40,13 +38,8 @@ from pcp_tui.shepherd.listening import (
     open_listeners,
 )
 from pcp_tui.shepherd.pacing import StepPacing
-from pcp_tui.shepherd.plain_round import (
-    PlainRound,
-    inner_optimizer,
-    record_round,
-    result_screen,
-)
 from pcp_tui.shepherd.pool import WorkerPool
+from pcp_tui.shepherd.rounds import OpenRounds
 from pcp_tui.shepherd.state import RoundRecord, RunState, run_settings
 from pcp_tui.training.export import TrainingGraphs
 from pcp_tui.training.workload import Workload
@@ -73,16 +66,6 @@ class Shepherd:
         self.state.shards = ShardLedger(len(workload.shards))
         self.state.model_name = workload.name
         self.state.param_count = workload.param_count
-        # our own float32 copies: the outer step updates them in place, workload.params stays as built
-        self.params: dict[str, np.ndarray] = {
-            n: np.array(p, np.float32) for n, p in workload.params.items()
-        }
-        self.outer = OuterOptimizer(config.outer.optimizer, config.outer.lr, config.outer.momentum)
-        self.graphs: TrainingGraphs | None = None
-        self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        # every round's aggregate and screen (fragments.py builds its own per fragment)
-        self._mean = make_aggregate(config.outer.aggregate, tuple(sorted(self.params)))
-        self._screen = result_screen(config, workload, self._shapes)
         self._stop_reason: str | None = None
         # a stop before the run's end asks workers to come back for a --resume; False where
         # the workers are this process's own (the demo's), which end with it
@@ -100,49 +83,46 @@ class Shepherd:
             else None
         )
         self._admission = Admission.for_run(config, self.state, run_id=self.run_id, tls=self.tls)
+        self.library = GraphLibrary.for_run(self.config, workload, inner_optimizer(config))
+        self.graphs: TrainingGraphs | None = None  # the first export, once made (`_export`)
+        inner = config.inner
+        open_rounds = OpenRounds()
+        self.engine = RoundEngine(
+            self.config,
+            self.state,
+            # our own float32 copies: the outer steps update them in place
+            {n: np.array(p, np.float32) for n, p in workload.params.items()},
+            open_rounds=open_rounds,
+            per_step=tokens_per_step(config, workload),
+            pacing=StepPacing.for_config(inner) if inner.adaptive_steps else None,
+        )
         self.pool = WorkerPool(
             self.config,
             workload,
             self.state,
             self._admission,
+            graphs=self.library,
+            open_rounds=open_rounds,
+            fragments=self.engine.fragments,
+            pacing=self.engine.pacing,
             run_id=self.run_id,
             stopping=lambda: self._stop_reason is not None,
-        )
-        self.library = GraphLibrary.for_run(self.config, workload, inner_optimizer(config))
-        self.fragment_sync: FragmentSync | None = None  # Streaming DiLoCo (--streaming-fragments)
-        inner = config.inner
-        self.pacing = StepPacing.for_config(inner) if inner.adaptive_steps else None
-        self.pool.pacing = self.pacing
-        if inner.streaming:
-            self.fragment_sync = FragmentSync(config, self._shapes, self._screen.max_tokens)
-            self.outer = self.fragment_sync.outer  # per-fragment optax states, one checkpoint
-            self.pool.fragments = self.fragment_sync.fragments
-        # whose aggregation state (centered clip's history) the checkpoint keeps
-        self._aggregation = self.fragment_sync or self._mean
-        self.plain_round = (
-            None  # the fragments' rounds are fragment_sync's
-            if inner.streaming
-            else PlainRound(
-                config,
-                self.state,
-                self.pool,
-                mean=self._mean,
-                screen=self._screen,
-                outer=self.outer,
-                pacing=self.pacing,
-            )
         )
         if saved is not None:
             self._resume(saved)
         self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
 
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        """The global parameters θ (the round engine's, updated in place by its outer steps)."""
+        return self.engine.params
+
     def _resume(self, saved: checkpoint.Checkpoint) -> None:
+        shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         checkpoint.check_compatible(
-            saved, self.workload.name, self._shapes, self.workload.corpus.fingerprint
+            saved, self.workload.name, shapes, self.workload.corpus.fingerprint
         )
-        self.params = {n: np.array(p, np.float32) for n, p in saved.params.items()}
-        self.outer.load_state_arrays(self.params, saved.outer_state)
-        self._aggregation.load_state_arrays(saved.outer_state)
+        self.engine.load(saved.params, saved.outer_state)
         self.start_round = self.state.first_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
@@ -206,7 +186,6 @@ class Shepherd:
         platforms = ", ".join(self.library.main_platforms)
         self.state.emit("exporting", f"exporting training graphs for {platforms}")
         self.graphs = await trio.to_thread.run_sync(self._export)
-        self.pool.graphs = self.library
         self.state.emit(
             "exported",
             f"graphs exported in {self.graphs.export_seconds:.1f} s",
@@ -345,7 +324,7 @@ class Shepherd:
         await self._checkpoints.save(number, meta, self._snapshot, nursery)
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        state = {**self.outer.state_arrays(), **self._aggregation.state_arrays()}
+        state = self.engine.state_arrays()
         return (
             {n: p.copy() for n, p in self.params.items()},
             {n: np.array(v, copy=True) for n, v in state.items()},
@@ -363,11 +342,8 @@ class Shepherd:
     # -- one round ------------------------------------------------------------
 
     async def _run_round(self, number: int) -> RoundRecord | None:
-        """Round `number`, plain (`plain_round.py`) or streaming (`fragments.py`), recorded."""
-        if self.fragment_sync is not None:  # Streaming DiLoCo (--streaming-fragments)
-            current = await self.fragment_sync.run_round(self, number)
-        else:
-            current = await self.plain_round.run(number, self.params, self.graphs.param_names)
+        """Round `number` (`engine.RoundEngine`), recorded."""
+        current = await self.engine.run(number, self.pool.ready_links())
         if current is None:
             return None
         return record_round(self.state, self.config, current, await self._round_eval(number))

@@ -5,8 +5,8 @@ sends it the plan (graphs, data shard), then reads what it sends: progress,
 round results (screened and folded into the current `Round`), heartbeats. What
 the plan holds, and what it lets the worker send, is `worker_plan.py`'s. The
 link's watchdog (`Connection.alive`) drops a worker that falls silent or uploads
-too slowly. The shepherd asks the pool who is ready and sets `pool.round` while
-a round runs; it never touches a socket.
+too slowly. The shepherd asks the pool who is ready; the round engine opens the
+`OpenRounds` each result is folded into. Neither touches a socket.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
 from pcp_tui.shepherd import sitting_out, striping
 from pcp_tui.shepherd.admission import Admission, Admitted
-from pcp_tui.shepherd.connection import WorkerLink, fragment_of, shown
+from pcp_tui.shepherd.connection import WorkerLink, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.pacing import StepPacing
-from pcp_tui.shepherd.rounds import BadResult, Round
+from pcp_tui.shepherd.rounds import BadResult, OpenRounds
 from pcp_tui.shepherd.state import RunState, WorkerView
 from pcp_tui.shepherd.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
 from pcp_tui.shepherd.worker_plan import bind_to_plan, worker_plan
@@ -46,24 +46,26 @@ class WorkerPool:
         state: RunState,
         admission: Admission,
         *,
+        graphs: GraphLibrary,
+        open_rounds: OpenRounds,
+        fragments: tuple[tuple[str, ...], ...],
+        pacing: StepPacing | None,
         run_id: str,
         stopping: Callable[[], bool],
     ):
         self.config, self.workload, self.state = config, workload, state
         self.admission = admission
         self.run_id = run_id
-        self.graphs: GraphLibrary | None = None  # set once exported, before anyone is served
-        self.round: Round | None = None  # the round results are folded into, if one runs
-        # Streaming DiLoCo (shepherd/fragments.py): the partition, and one Round per fragment
-        self.fragments: tuple[tuple[str, ...], ...] = ()
-        self.fragment_rounds: list[Round] = []
+        self.graphs = graphs  # each worker's export, made as workers of a new kind join
+        self.open_rounds = open_rounds  # the engine's: each result goes to its fragment's
+        self.fragments = fragments  # the engine's partition of the parameters, in every plan
+        self.pacing = pacing  # --adaptive-steps: late results measure speed too
         self._stopping = stopping
         self._links: dict[str, WorkerLink] = {}
         self._changed = trio.Event()  # set whenever a worker becomes ready or goes away
         self._next_index = 0
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
         self._result_slots = trio.Semaphore(RESULTS_IN_MEMORY)
-        self.pacing: StepPacing | None = None  # --adaptive-steps: late results measure speed too
 
     def remember(self, indices: dict[str, int]) -> None:
         """Give returning workers the index they had before a restart (shards: the ledger)."""
@@ -77,11 +79,6 @@ class WorkerPool:
             for link in self._links.values()
             if link.ready.is_set() and not link.closed and not link.behind
         ]
-
-    def sit_out(self, current: Round, worker_ids: list[str]) -> None:
-        """`worker_ids`, dropped from `current` as stragglers, sit new rounds out
-        (`sitting_out.sit_out`)."""
-        sitting_out.sit_out(current, worker_ids)
 
     def sitting_out_line(self) -> str:
         """The connected workers that sit rounds out, for a 'waiting' line; "" if none."""
@@ -224,7 +221,6 @@ class WorkerPool:
             min_send_rate=security.min_upload_rate,
             send_grace=security.upload_grace,
         )
-        link.versions = hello.versions
         previous = self._links.get(hello.worker_id)
         if previous is not None:
             previous.closed = True
@@ -274,9 +270,7 @@ class WorkerPool:
                     "left", f"worker {link.view.index} left: {reason}", worker=link.worker_id
                 )
         link.closed = True
-        for current in [self.round, *self.fragment_rounds]:
-            if current is not None and current.bound_to(link.worker_id, link):
-                current.finish(link.worker_id)  # not a replaced connection's successor
+        self.open_rounds.finish(link.worker_id, link)
         self.wake()
 
     async def _serve_worker(self, link: WorkerLink) -> None:
@@ -290,7 +284,7 @@ class WorkerPool:
                 str(exc), code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value
             ) from None
         welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
-        wanted = striping.streams_for(link.versions, cfg.network.streams)
+        wanted = cfg.network.streams
         await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
         log.debug("worker %d: welcomed", link.view.index)
         link.view.state = "compiling"
@@ -336,7 +330,7 @@ class WorkerPool:
             if link.progress.admit():  # beyond a few a second: dropped; a flood ends the link
                 self._on_progress(view, body)
                 link.progressed(body)  # a time of its own for the straggler window
-        elif isinstance(body, (protocol.RoundResult, protocol.FragmentResult)):
+        elif isinstance(body, protocol.RoundResult):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):
             view.reason = shown(body.reason) or "said goodbye"
@@ -357,15 +351,14 @@ class WorkerPool:
         view.tokens_per_second = body.tokens_per_second
 
     async def _on_result(self, link: WorkerLink, message: protocol.Message) -> None:
-        view, current = link.view, self.round
-        if isinstance(message.body, protocol.FragmentResult):  # the header check bounds the index
-            current = self.fragment_rounds[message.body.fragment] if self.fragment_rounds else None
+        view = link.view
+        current = self.open_rounds.of(message.body.fragment)  # the header check bounds it
         number = message.body.round
         link.note_result(message.body, self.state.round)  # a repeat ends the connection
         link.claims.check(message.body)  # more steps, tokens or seconds than asked: ends it too
         if sitting_out.caught_up(link, number):
             self.wake()
-        link.answered(number, fragment_of(message.body))
+        link.answered(number, message.body.fragment)
         try:
             added = (
                 current is not None

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BadResult",
+    "OpenRounds",
     "Round",
     "collect",
     "data_parallel_bytes",
@@ -68,8 +69,30 @@ def data_parallel_bytes(parameter_count: int, inner_steps: int, contributors: in
     return 2 * 4 * parameter_count * inner_steps * contributors
 
 
+class OpenRounds:
+    """The rounds results are folded into now: one per fragment while a round runs.
+
+    The round engine opens them (`rounds`, for the round's length); the pool
+    routes each result to its fragment's (`of`) and takes a lost worker out of
+    them (`finish`). Both are given the same instance when they are built.
+    """
+
+    def __init__(self) -> None:
+        self.rounds: list[Round] = []
+
+    def of(self, fragment: int) -> Round | None:
+        """Fragment `fragment`'s open round, or None between rounds."""
+        return self.rounds[fragment] if 0 <= fragment < len(self.rounds) else None
+
+    def finish(self, worker_id: str, connection: object) -> None:
+        """The worker on `connection` is gone: it is out of every open round it was sent."""
+        for current in self.rounds:
+            if current.bound_to(worker_id, connection):  # not a replaced connection's successor
+                current.finish(worker_id)
+
+
 class Round:
-    """Collects results for one round number; late or foreign results are refused."""
+    """Collects results for one round number (one fragment's); late or foreign ones are refused."""
 
     def __init__(
         self,
@@ -79,10 +102,10 @@ class Round:
         screen: ResultScreen,
         *,
         connections: Mapping[str, WorkerLink] | None = None,
-        fragment: int = -1,
+        fragment: int = 0,
     ):
         self.number = number
-        self.fragment = fragment  # streaming: the fragment this Round collects; -1: plain
+        self.fragment = fragment  # the fragment this Round collects (plain DiLoCo: 0, the model)
         self.grace = math.inf  # set as it closes: how long its stragglers may go quiet (`collect`)
         # worker id -> the connection its roundStart went to: only that one may answer
         self.connections = dict(connections) if connections is not None else None

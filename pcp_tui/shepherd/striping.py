@@ -27,7 +27,6 @@ from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.connection import Hello, WorkerLink
 
-STRIPING_VERSION = 4  # a worker that lists this protocol version can stripe
 log = logging.getLogger(__name__)
 
 
@@ -59,11 +58,6 @@ class Attachments:
         if len(self.streams) == self.wanted:
             self.complete.set()
         return None
-
-
-def streams_for(hello_versions: tuple[int, ...], wanted: int) -> int:
-    """How many connections to offer a worker: `wanted`, or 1 to one that cannot stripe."""
-    return wanted if wanted > 1 and STRIPING_VERSION in hello_versions else 1
 
 
 async def welcome(

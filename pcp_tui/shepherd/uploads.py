@@ -56,7 +56,7 @@ class ResultSlot:
 
     async def admit(self, kind: str, nbytes: int) -> None:
         """`before_payload` hook: a round result's payload waits for a free slot."""
-        if kind not in ("roundResult", "fragmentResult"):
+        if kind != "roundResult":
             return
         self._link.result_arriving = True  # the straggler window waits for it (`rounds.py`)
         try:

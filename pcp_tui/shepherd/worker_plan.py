@@ -2,7 +2,7 @@
 
 `worker_plan` builds the plan message a worker gets once welcomed: the
 training graphs for its platform, its data shard, the run's hyper-parameters
-and (Streaming DiLoCo) the fragments. `bind_to_plan` then bounds what that
+and the fragments the rounds sync (plain DiLoCo: one). `bind_to_plan` then bounds what that
 worker may send: every message is checked from its header, before any payload
 byte is read, its size and tensors against the plan's parameters. Both are
 `pool.WorkerPool`'s, which serves the connection.
@@ -23,7 +23,7 @@ from pcp_tui.training import shards
 from pcp_tui.training.export import TrainingGraphs
 from pcp_tui.training.workload import Workload
 
-Fragments = tuple[tuple[str, ...], ...]  # Streaming DiLoCo's partition of the parameters
+Fragments = tuple[tuple[str, ...], ...]  # the round engine's partition of the parameters
 
 
 def worker_plan(
@@ -33,7 +33,7 @@ def worker_plan(
     *,
     run_id: str,
     slot: int,
-    fragments: Fragments = (),
+    fragments: Fragments,
 ) -> tuple[protocol.Plan, dict[str, np.ndarray]]:
     """(the plan, its tensors) for the worker that trains shard `slot` with `graphs`."""
     shard = workload.shards[slot]
@@ -67,15 +67,18 @@ def worker_plan(
         tokens_per_row=contract.tokens_per_row(shipped.batch_kind, config.data.seq_len),
         sharding=config.sharding.to_wire(),
         fragments=tuple(protocol.Fragment(names) for names in fragments),
-        overlap_steps=config.inner.overlap_steps if fragments else 0,
-        mix_alpha=config.inner.mix_alpha if fragments else 0.0,
-        overlap_merge=protocol.OverlapMerge(config.inner.overlap_merge if fragments else "mix"),
+        overlap_steps=config.inner.overlap,
+        # plain DiLoCo's one fragment takes the global value as it is (α 0, no overlap)
+        mix_alpha=config.inner.mix_alpha if config.inner.streaming else 0.0,
+        overlap_merge=protocol.OverlapMerge(
+            config.inner.overlap_merge if config.inner.streaming else "mix"
+        ),
     )
     return plan, tensors
 
 
 def bind_to_plan(
-    link: WorkerLink, plan: protocol.Plan, workload: Workload, fragments: Fragments = ()
+    link: WorkerLink, plan: protocol.Plan, workload: Workload, fragments: Fragments
 ) -> None:
     """From now on this peer may send only small messages, and results of the plan's size.
 
@@ -92,19 +95,10 @@ def bind_to_plan(
     )
 
     def check(body: protocol.Body, specs, frame_bytes: int) -> None:
-        if isinstance(body, protocol.RoundResult) and fragments:
-            raise protocol.MalformedMessage(
-                "a roundResult in a Streaming DiLoCo run: this worker ignores the plan's "
-                "fragments (it predates protocol 3); upgrade pcp-tui on it"
-            )
         if isinstance(body, protocol.RoundResult):
-            problem = contract.result_header_problem(shapes, specs)
-            if problem is not None:
-                raise contract.ResultRefused(f"round result refused: {problem}")
-        elif isinstance(body, protocol.FragmentResult):
             problem = contract.fragment_header_problem(shapes, fragments, body, specs)
             if problem is not None:
-                raise contract.ResultRefused(f"fragment result refused: {problem}")
+                raise contract.ResultRefused(f"round result refused: {problem}")
         elif specs or frame_bytes > contract.SMALL_MESSAGE_BYTES:
             raise protocol.FrameTooLarge(
                 f"a {body.KIND} may carry no tensors and at most "

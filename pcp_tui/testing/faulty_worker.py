@@ -2,10 +2,11 @@
 
     python -m pcp_tui.testing.faulty_worker FAULT [--PARAMETER VALUE ...] -- <pcp-tui worker arguments>
 
-The product has no "be faulty" switch, on purpose: this module wraps the real
-`pcp_tui.worker.client.Worker` from outside (it patches one method before the
-ordinary `pcp-tui worker` entry point runs), so everything a fault does not
-touch (handshake, heartbeats, training, compression) is the shipped code.
+The product has no "be faulty" switch: this module runs the ordinary
+`pcp-tui worker` entry point with a `worker.rounds.Faults` of its own, the hooks
+the worker consults at fixed points of its round (before a round, after each
+compiled chunk, on each result's tensors). Everything a fault does not touch
+(handshake, heartbeats, training, compression) is the shipped code.
 `pcp_tui.testing.faulty_worker_command` builds the command line.
 
 FAULTS, the registry, names each fault and its parameters (defaults in brackets):
@@ -28,7 +29,8 @@ FAULTS, the registry, names each fault and its parameters (defaults in brackets)
   ratchet  --factor [3]: its r-th result (from 0) is FACTOR^r·Δ, which walks up any
            bound the shepherd learns from history.
 
-A result fault counts the results this process has sent, across reconnects.
+A result fault counts the results this process has sent (one per fragment),
+across reconnects.
 """
 
 from __future__ import annotations
@@ -42,10 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from pcp_tui import protocol
 from pcp_tui.app.cli import main as pcp_tui_main
-from pcp_tui.contract.connection import Connection
-from pcp_tui.worker import client
+from pcp_tui.worker.rounds import Faults
 
 __all__ = ["FAULTS", "Fault", "Parameter", "main"]
 
@@ -63,84 +63,71 @@ class Parameter:
 
 @dataclass(frozen=True)
 class Fault:
-    """One named misbehaviour: what it does, its parameters, and `inject(**parameters)`.
-
-    `inject` patches the worker class in this process; call it once, before the
-    worker starts.
-    """
+    """One named misbehaviour: what it does, its parameters, and `make(**parameters)`, which
+    builds the `Faults` the worker consults."""
 
     summary: str
     parameters: dict[str, Parameter]
-    inject: Callable[..., None]
+    make: Callable[..., Faults]
 
 
-def stall(*, round: int, seconds: float) -> None:
+class Stall(Faults):
     """Sleep `seconds` before training round `round`, in the round's own task."""
-    honest_train_round = client.Worker._train_round
 
-    async def train_round(self, sender, message):
-        if message.body.round == round:
-            await trio.sleep(seconds)
-        await honest_train_round(self, sender, message)
+    def __init__(self, *, round: int, seconds: float):
+        self.round, self.seconds = round, seconds
 
-    client.Worker._train_round = train_round
+    async def before_round(self, number: int) -> None:
+        if number == self.round:
+            await trio.sleep(self.seconds)
 
 
-def slow(*, factor: float) -> None:
+class Slow(Faults):
     """Every compiled chunk takes `factor` times as long: a slower machine (it sleeps the rest)."""
-    honest_run_chunk = client._run_chunk
 
-    def run_chunk(*args):
-        started = time.perf_counter()
-        result = honest_run_chunk(*args)
-        time.sleep((factor - 1) * (time.perf_counter() - started))
-        return result
+    def __init__(self, *, factor: float):
+        self.factor = factor
 
-    client._run_chunk = run_chunk
+    def after_chunk(self, seconds: float) -> None:
+        time.sleep((self.factor - 1) * seconds)
 
 
-def pace(*, seconds: float) -> None:
+class Pace(Faults):
     """Every compiled chunk takes at least `seconds` (it sleeps the rest)."""
-    honest_run_chunk = client._run_chunk
 
-    def run_chunk(*args):
-        started = time.perf_counter()
-        result = honest_run_chunk(*args)
-        time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
-        return result
+    def __init__(self, *, seconds: float):
+        self.seconds = seconds
 
-    client._run_chunk = run_chunk
+    def after_chunk(self, seconds: float) -> None:
+        time.sleep(max(self.seconds - seconds, 0.0))
 
 
-def tamper_results(tamper: Tamper) -> None:
-    """Pass every tensor of every round result this worker sends through `tamper`."""
-    honest_send = Connection.send
-    sent = 0
+class Tampered(Faults):
+    """Every tensor of every result this worker sends passes through `tamper`."""
 
-    async def send(self, body, tensors=None, **options):
-        nonlocal sent
-        if isinstance(body, protocol.RoundResult):
-            tensors = {name: tamper(sent, array) for name, array in tensors.items()}
-            sent += 1
-        return await honest_send(self, body, tensors, **options)
+    def __init__(self, tamper: Tamper):
+        self.tamper, self.sent = tamper, 0
 
-    Connection.send = send  # this process is the worker: only its connection uses it
+    def result(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        changed = {name: self.tamper(self.sent, array) for name, array in tensors.items()}
+        self.sent += 1
+        return changed
 
 
-def poison_with_nan() -> None:
+def poison_with_nan() -> Faults:
     """Every value of every result is NaN."""
-    tamper_results(lambda r, array: np.full_like(array, np.nan))
+    return Tampered(lambda r, array: np.full_like(array, np.nan))
 
 
-def scale(*, factor: float, results: int) -> None:
+def scale(*, factor: float, results: int) -> Faults:
     """The first `results` results (every one if 0) times `factor`."""
     scaled = np.float32(factor)
-    tamper_results(lambda r, array: array * scaled if results == 0 or r < results else array)
+    return Tampered(lambda r, array: array * scaled if results == 0 or r < results else array)
 
 
-def ratchet(*, factor: float) -> None:
+def ratchet(*, factor: float) -> Faults:
     """The r-th result (from 0) times `factor`**r."""
-    tamper_results(lambda r, array: array * np.float32(factor**r))
+    return Tampered(lambda r, array: array * np.float32(factor**r))
 
 
 FAULTS: dict[str, Fault] = {
@@ -150,17 +137,17 @@ FAULTS: dict[str, Fault] = {
             "round": Parameter(2, "the round to stall (the shepherd's number, from 1)"),
             "seconds": Parameter(10.0, "how long to sleep before training it"),
         },
-        stall,
+        Stall,
     ),
     "slow": Fault(
         "compute FACTOR times slower than this machine can (a slower machine)",
         {"factor": Parameter(2.0, "how many times as long each compiled chunk takes")},
-        slow,
+        Slow,
     ),
     "pace": Fault(
         "every compiled chunk takes at least SECONDS (a slow machine, whatever the load)",
         {"seconds": Parameter(0.5, "the least time a chunk takes")},
-        pace,
+        Pace,
     ),
     "nan": Fault("send results whose every value is NaN", {}, poison_with_nan),
     "scale": Fault(
@@ -199,15 +186,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Inject the fault named before `--`, then run `pcp-tui worker` with what follows it."""
+    """Run `pcp-tui worker` with what follows `--`, with the fault named before it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     split = argv.index("--") if "--" in argv else len(argv)
     chosen = vars(parser.parse_args(argv[:split]))  # --help stops here
     if split == len(argv):
         parser.error("put the pcp-tui worker arguments after `--`")
-    FAULTS[chosen.pop("fault")].inject(**chosen)
-    return pcp_tui_main(["worker", *argv[split + 1 :]])
+    faults = FAULTS[chosen.pop("fault")].make(**chosen)
+    return pcp_tui_main(["worker", *argv[split + 1 :]], faults=faults)
 
 
 if __name__ == "__main__":
