@@ -1,5 +1,5 @@
 """Block quantization on the wire (int8Block, int4Block): bounds, edge cases, hostile headers,
-the protocol version an int4Block message carries, and admission of older workers."""
+and admission of workers of another protocol version."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.protocol._schema import Envelope
 from pcp_tui.shepherd.admission import Admission
-from pcp_tui.shepherd.connection import version_need
 from pcp_tui.shepherd.state import RunState
 
 RNG = np.random.default_rng(0)
@@ -123,7 +122,7 @@ def test_int4_block_refuses_non_finite_input(value):
 def crafted(count: int, payload: bytes, block_size: int = 4, quantization: str = "int4Block"):
     """A roundResult whose one tensor header says what the test wants, followed by `payload`."""
     envelope = Envelope.new_message(roundResult={"round": 1})
-    envelope.version = 4
+    envelope.version = protocol.PROTOCOL_VERSION
     (header,) = envelope.init("tensors", 1)
     for key, value in {
         "name": "d",
@@ -174,24 +173,6 @@ def test_a_nan_scale_on_a_stream_is_a_protocol_error_that_ends_the_connection():
 # --------------------------------------------------------------------------- versions
 
 
-def test_only_messages_that_use_int4_block_carry_version_4():
-    array = RNG.standard_normal(10).astype(np.float32)
-
-    def version(body, quantization="none"):
-        return protocol.decode(wire(protocol.encode(body, {"d": array}, quantization=quantization)))
-
-    assert version(protocol.RoundResult(), "int4Block").version == 4
-    assert version(protocol.RoundResult(), "int8Block").version == 3
-    plan = protocol.Plan(compression=protocol.Quantization.INT4_BLOCK)
-    assert protocol.decode(wire(protocol.encode(plan))).version == 4
-    assert protocol.decode(wire(protocol.encode(protocol.Plan()))).version == 3
-    integers = {"ids": np.arange(3)}  # int4Block asked for, nothing floating: nothing packed
-    message = protocol.decode(
-        wire(protocol.encode(protocol.RoundResult(), integers, quantization="int4Block"))
-    )
-    assert message.version == 3
-
-
 def worker_hello(nonce: bytes, versions: tuple[int, ...]) -> bytes:
     body = protocol.WorkerHello(
         supported_versions=versions, worker_id="w1", proof=auth.proof("t", nonce, "w1")
@@ -200,25 +181,16 @@ def worker_hello(nonce: bytes, versions: tuple[int, ...]) -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("compression", "fragments", "versions", "refusal"),
-    [
-        ("int4Block", 1, (2, 3), "--compression int4Block, which protocol 4 added"),
-        ("int4Block", 1, (3, 4), None),
-        ("int8Block", 1, (2, 3), None),
-        ("int8Block", 4, (2,), "--streaming-fragments 4, which protocol 3 added"),
-        ("int8Block", 4, (2, 3), None),
-        ("int4Block", 4, (2, 3), "--compression int4Block, which protocol 4 added"),
-    ],
+    ("versions", "admitted"),
+    [((protocol.PROTOCOL_VERSION,), True), ((2, 3, 4, 5), False), ((7,), False)],
 )
-def test_a_run_refuses_workers_without_the_protocol_its_options_need_at_admission(
-    compression, fragments, versions, refusal
-):
-    admitted = refusal is None
+def test_a_worker_of_another_protocol_version_is_refused_at_admission(versions, admitted):
+    """One protocol version until a release: a worker of another is told which side to
+    upgrade, at admission, before any plan."""
 
     async def main():
         state = RunState(run_id="r", rounds_total=1, settings={})
-        need = version_need(compression, fragments)
-        admission = Admission(state, token="t", run_id="r", need=need)
+        admission = Admission(state, token="t", run_id="r")
         server_side, client_side = trio.testing.memory_stream_pair()
         answers = []
 
@@ -236,7 +208,7 @@ def test_a_run_refuses_workers_without_the_protocol_its_options_need_at_admissio
         if not admitted:
             (answer,) = answers
             assert answer.body.code == protocol.ErrorCode.VERSION_MISMATCH
-            assert refusal in answer.body.message
-            assert "upgrade pcp-tui on the worker" in answer.body.message
+            older = "this worker" if max(versions) < protocol.PROTOCOL_VERSION else "this shepherd"
+            assert f"upgrade pcp-tui on {older}" in answer.body.message
 
     trio.run(main)

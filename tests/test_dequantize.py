@@ -203,7 +203,7 @@ def test_bfloat16_wire_bits_of_every_kind_decode_as_ml_dtypes_casts_them():
 def test_a_worker_adds_a_decoded_change_in_place_to_the_bits_of_last_plus_change():
     """Streaming DiLoCo's new global value, last + decoded change: written over the decoded
     change (no model-sized temporary) where it can be, a new array where it cannot."""
-    from pcp_tui.worker.streaming import add_changes
+    from pcp_tui.worker.rounds import add_changes
 
     last = RNG.standard_normal(MANY, dtype=np.float32)
     last[:4] = [-0.0, 0.0, 1e-40, 1.0]

@@ -1,6 +1,6 @@
 """`protocol.encode_change` against the op-by-op round trip it replaces, to the bit and the byte.
 
-The oracle is what the shepherd's `FragmentSync._change` did before: the change
+The oracle is what the shepherd's `RoundEngine._step` did before: the change
 `new - old`, `protocol.encode`, `protocol.decode` of the joined bytes, and
 `old + decoded` written over `new`. The chunked path must give the same wire
 bytes and the same float32 bits for every quantization, on sizes that are no
@@ -164,7 +164,7 @@ def test_encode_change_refuses_what_encode_refuses_and_a_missing_base():
 def test_one_encoding_reaches_two_workers_over_tcp_as_the_same_bytes_and_global_value():
     """The shepherd encodes a fragment update once and sends it to two real TCP peers: each
     decodes the same tensors from the same number of bytes, and forms (last global + change,
-    as `worker/streaming.py` does) exactly the value the shepherd kept."""
+    as `worker/rounds.py` does) exactly the value the shepherd kept."""
     rng = np.random.default_rng(11)
     old = {"w": rng.standard_normal(70_001, dtype=np.float32)}
     params = {"w": old["w"] + rng.standard_normal(70_001, dtype=np.float32) * np.float32(0.01)}

@@ -1,21 +1,21 @@
 """`pcp_tui.testing.faulty_worker`: its command line, and what each result fault sends.
 
 The faults run end to end in the tests that need them (test_byzantine, test_security,
-test_elastic, test_cli_errors); here, in this process, the tampering itself is checked
-against a stream that records what it was asked to send.
+test_elastic, test_cli_errors); here, in this process, each fault's hooks (the
+`worker.rounds.Faults` the worker consults) are checked for what they do.
 """
 
 from __future__ import annotations
 
 import sys
 
+import time
+
 import numpy as np
 import pytest
-import trio
 
-from pcp_tui import protocol
-from pcp_tui.contract.connection import Connection
 from pcp_tui.testing import faulty_worker, faulty_worker_command, worker_command
+from pcp_tui.worker.rounds import Faults
 
 
 def test_the_command_is_the_worker_command_after_the_fault_and_its_parameters():
@@ -32,36 +32,9 @@ def test_an_unknown_fault_or_parameter_is_refused_before_any_process_starts():
         faulty_worker_command(4000, "scale", round=2)
 
 
-class RecordingStream:  # what a Connection touches on its MessageStream, recording sends
-    def __init__(self):
-        self.sent: list[tuple[protocol.Body, dict | None]] = []
-        self.last_activity = 0.0
-        self.check_header = None
-
-    async def send(self, body, tensors=None, **options):
-        self.sent.append((body, tensors))
-        return 0
-
-
-def _send_results(results: int) -> list[np.ndarray]:
-    """Send a heartbeat, then `results` round results of Δ = 1; the Δ each one carried."""
-    stream = RecordingStream()
-    sender = Connection(stream, "worker")
-
-    async def send_all():
-        await sender.send(protocol.Heartbeat(0.0))
-        for number in range(1, results + 1):
-            await sender.send(protocol.RoundResult(round=number), {"w": np.ones(3, np.float32)})
-
-    trio.run(send_all)
-    assert stream.sent[0] == (protocol.Heartbeat(0.0), None)  # other messages pass untouched
-    return [tensors["w"] for _, tensors in stream.sent[1:]]
-
-
-@pytest.fixture
-def fresh_sender(monkeypatch):
-    """Undo the fault's patch of the worker's sender when the test ends."""
-    monkeypatch.setattr(Connection, "send", Connection.send)
+def _results(faults, results: int) -> list[np.ndarray]:
+    """What a worker with `faults` sends for `results` results of Δ = 1, one after another."""
+    return [faults.result({"w": np.ones(3, np.float32)})["w"] for _ in range(results)]
 
 
 @pytest.mark.parametrize(
@@ -73,15 +46,29 @@ def fresh_sender(monkeypatch):
         ("ratchet", {"factor": 3.0}, [1, 3, 9]),
     ],
 )
-def test_a_result_fault_scales_the_r_th_result_as_documented(
-    fresh_sender, fault, parameters, factors
-):
-    faulty_worker.FAULTS[fault].inject(**parameters)
-    sent = _send_results(3)
+def test_a_result_fault_scales_the_r_th_result_as_documented(fault, parameters, factors):
+    sent = _results(faulty_worker.FAULTS[fault].make(**parameters), 3)
     for delta, factor in zip(sent, factors, strict=True):
         np.testing.assert_array_equal(delta, np.full(3, factor, np.float32))
 
 
-def test_nan_poisons_every_value(fresh_sender):
-    faulty_worker.FAULTS["nan"].inject()
-    assert all(np.isnan(delta).all() for delta in _send_results(2))
+def test_nan_poisons_every_value():
+    assert all(np.isnan(delta).all() for delta in _results(faulty_worker.FAULTS["nan"].make(), 2))
+
+
+def test_the_honest_worker_consults_hooks_that_change_nothing():
+    honest = Faults()
+    tensors = {"w": np.ones(3, np.float32)}
+    assert honest.result(tensors) is tensors
+
+
+def test_pace_and_slow_stretch_a_chunk_to_what_they_say():
+    """The chunk hooks sleep the rest of the chunk's time (timed with the clock they sleep on)."""
+    for fault, parameters, took, least in [
+        ("pace", {"seconds": 0.05}, 0.01, 0.04),
+        ("slow", {"factor": 3.0}, 0.02, 0.04),
+    ]:
+        hooks = faulty_worker.FAULTS[fault].make(**parameters)
+        started = time.perf_counter()
+        hooks.after_chunk(took)
+        assert time.perf_counter() - started >= least

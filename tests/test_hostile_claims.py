@@ -16,7 +16,7 @@ second they are now dropped, and a flood ends the connection
 3. A streaming round's roundStart whose last byte went out, its task not yet
 resumed when a fragment closed, counted as undelivered: the worker was left
 out of the fragment's update with its link open, and waited for it for ever
-(`fragments.RoundStarts.settle`).
+(`engine.RoundStarts.settle`).
 
 4. The operator API took every TCP connection offered, each held until its read
 timeout. At most `api_connections.MAX_CONNECTIONS` are open now; one more is
@@ -42,7 +42,7 @@ from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.claims import ResultClaims
 from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.fragments import RoundStarts
+from pcp_tui.shepherd.engine import RoundStarts
 from pcp_tui.shepherd.state import RunState, WorkerView
 from pcp_tui.testing import heartbeat_until_hung_up, run_shepherd, until
 from pcp_tui.training.build import build_workload
@@ -148,7 +148,7 @@ def test_claims_beyond_what_was_asked_and_a_progress_flood_end_their_connections
     history = shepherd.state.history
     assert [r.worker_ids for r in history] == [("honest",), ("honest",)]
     assert [r.tokens for r in history] == [H * PER_STEP] * 2  # paced by its own speed: H
-    assert set(shepherd.pacing.speeds) == {"honest"}
+    assert set(shepherd.engine.pacing.speeds) == {"honest"}
     # 2. progress beyond the rate is dropped, a flood ends the connection
     assert "progress messages far faster than 20 a second" in lost["flooder"], lost
     flooder = shepherd.state.workers["flooder"].index
@@ -166,7 +166,7 @@ def test_result_claims_are_bounded_by_the_steps_asked_and_the_wall_time():
     """The ledger's arithmetic, fragment results included, on a clock the test moves."""
     now = [100.0]
     claims = ResultClaims(tokens_per_step=10, clock=lambda: now[0])
-    fragment = protocol.FragmentResult
+    fragment = protocol.RoundResult
     claims.check(fragment(round=1, fragment=0, tokens=10**9, inner_steps=9))  # nothing asked
     claims.ask(4)
     now[0] += 2.0

@@ -24,10 +24,10 @@ H, FRAGMENTS, TOKENS_PER_STEP = 8, 2, 4 * 32  # inner steps; batch 4 x sequence 
 
 
 def _result(plan, params, round_number: int, fragment: int) -> tuple:
-    """A well-formed fragmentResult of zeros covering H / F steps: only its claims lie."""
+    """A well-formed roundResult of zeros covering H / F steps: only its claims lie."""
     names = plan.fragments[fragment].tensors
     steps = H // FRAGMENTS
-    body = protocol.FragmentResult(
+    body = protocol.RoundResult(
         round=round_number,
         fragment=fragment,
         tokens=steps * TOKENS_PER_STEP,

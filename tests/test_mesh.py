@@ -141,7 +141,7 @@ def _tiny_gpt2():
 def _chunks_on(devices: int, mode: str, config, workload, graphs) -> dict:
     """Two train_chunk calls as a worker runs them, on `devices` of a 4-device process."""
     from pcp_tui.training import shards
-    from pcp_tui.worker.client import _run_chunk
+    from pcp_tui.worker.rounds import run_chunk
 
     plan = protocol.Plan(
         param_names=graphs.param_names,
@@ -163,7 +163,7 @@ def _chunks_on(devices: int, mode: str, config, workload, graphs) -> dict:
             "windows", workload.shards[0], steps=4, batch_size=config.data.batch_size,
             seq_len=config.data.seq_len, seed=0, stream=(0, 1, chunk),
         )  # fmt: skip
-        params, state, chunk_losses = _run_chunk(train.call, params, state, batches, chunk * 4)
+        params, state, chunk_losses = run_chunk(train.call, params, state, batches, chunk * 4)
         losses.extend(float(x) for x in chunk_losses)
     split = [
         name

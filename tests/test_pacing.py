@@ -161,8 +161,8 @@ def test_a_slow_worker_trains_fewer_steps_and_still_counts(spawn_worker):
     assert sum(tokens[1:]) < 2 * full * (len(tokens) - 1), tokens
     trained = {worker: shepherd.state.workers[worker].steps_trained for worker in ("fast", "slow")}
     assert trained["slow"] < trained["fast"], trained
-    steps = shepherd.pacing.steps_for(["fast", "slow"])
-    speeds = {w: shepherd.pacing.speed(w) for w in ("fast", "slow")}
+    steps = shepherd.engine.pacing.steps_for(["fast", "slow"])
+    speeds = {w: shepherd.engine.pacing.speed(w) for w in ("fast", "slow")}
     assert max(steps.values()) == H and CHUNK <= min(steps.values()) < H, (steps, speeds)
     print("fast worker utilization by round:", [r.worker_utilization["fast"] for r in history])
 
@@ -209,7 +209,7 @@ def test_a_worker_too_slow_for_the_window_is_measured_by_its_late_result(spawn_w
     assert set(history[2].worker_ids) == {"fast", "slow"}  # measured, sized, in time
     full = H * config.data.batch_size * config.data.seq_len
     assert history[2].tokens < 2 * full  # slow trained fewer than H steps
-    assert shepherd.pacing.speed("slow") < shepherd.pacing.speed("fast")
+    assert shepherd.engine.pacing.speed("slow") < shepherd.engine.pacing.speed("fast")
 
 
 @pytest.mark.e2e
@@ -237,7 +237,7 @@ def test_adaptive_streaming_scales_each_schedule_and_equals_the_reference(spawn_
     )
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
-    given = _record_steps(shepherd.pacing)
+    given = _record_steps(shepherd.engine.pacing)
 
     async def scenario(port):
         spawn_worker(port, "--id", "fast")
@@ -273,7 +273,7 @@ def test_adaptive_streaming_scales_each_schedule_and_equals_the_reference(spawn_
         rounds,
         inner=optax.sgd(lr),
         outer=reference.outer_optimizer("nesterov"),
-        fragments=shepherd.fragment_sync.fragments,
+        fragments=shepherd.engine.fragments,
         overlap=1,
         alpha=0.5,
         merge=config.inner.overlap_merge,

@@ -122,24 +122,18 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
     ),
     "roundResult": (
         protocol.RoundResult(
-            round=3, tokens=51200, losses=(4.0, 3.75, 3.5), compute_seconds=8.5, inner_steps=50
+            round=3,
+            tokens=51200,
+            losses=(4.0, 3.75, 3.5),
+            compute_seconds=8.5,
+            inner_steps=50,
+            fragment=1,
         ),
-        {name: -value for name, value in PARAMS.items()},
+        {name: -value for name, value in list(PARAMS.items())[1:]},
     ),
     "heartbeat": (protocol.Heartbeat(sent_at=1700000000.25), {}),
     "error": (protocol.Error(protocol.ErrorCode.BAD_RESULT, "pseudo-gradient has NaN"), {}),
     "goodbye": (protocol.Goodbye("training finished"), {}),
-    "fragmentResult": (
-        protocol.FragmentResult(
-            round=3,
-            fragment=1,
-            tokens=51200,
-            losses=(4.0, 3.75),
-            compute_seconds=2.5,
-            inner_steps=2,
-        ),
-        {name: -value for name, value in list(PARAMS.items())[1:]},
-    ),
     "fragmentUpdate": (
         protocol.FragmentUpdate(round=3, fragment=1, change=True),
         dict(list(PARAMS.items())[1:]),
@@ -153,7 +147,7 @@ def wire(buffers) -> bytes:
 
 def assert_same(message: protocol.Message, body: protocol.Body, tensors: dict) -> None:
     assert message.kind == body.KIND
-    assert message.version == protocol.COMPATIBLE_VERSION  # nothing in them needs version 4
+    assert message.version == protocol.PROTOCOL_VERSION
     assert message.body == body
     assert list(message.tensors) == list(tensors)
     for name, array in tensors.items():
@@ -543,12 +537,12 @@ def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
 def test_version_mismatch_over_a_stream_names_both_sides():
     async def main():
         left, right = trio.testing.memory_stream_pair()
-        hello = protocol.Hello(supported_versions=(6, 7))
-        for buffer in protocol.encode(hello, version=6):
+        hello = protocol.Hello(supported_versions=(7, 8))
+        for buffer in protocol.encode(hello, version=7):
             await left.send_all(buffer)
         with pytest.raises(protocol.VersionMismatch) as caught:
             await protocol.MessageStream(right).receive()
-        assert caught.value.peer_versions == (6, 7)
+        assert caught.value.peer_versions == (7, 8)
         assert caught.value.supported == protocol.SUPPORTED_VERSIONS
         assert caught.value.code == "versionMismatch"
         assert "upgrade pcp-tui on the older side" in str(caught.value)
@@ -773,7 +767,7 @@ def test_unknown_enum_in_a_body_is_malformed():
 @pytest.mark.parametrize(
     ("body", "peer"),
     [
-        (protocol.Hello(supported_versions=(6,)), (6,)),
+        (protocol.Hello(supported_versions=(5,)), (5,)),
         (protocol.WorkerHello(supported_versions=(1,)), (1,)),
         (protocol.Heartbeat(sent_at=1.0), (7,)),
     ],
@@ -786,7 +780,7 @@ def test_wrong_version_is_refused_with_both_sides_named(body, peer):
     text = str(caught.value)
     assert (
         f"the peer speaks version(s) {peer[0]}" in text
-        and "this side speaks version(s) 2, 3, 4, 5" in text
+        and f"this side speaks version(s) {protocol.PROTOCOL_VERSION}" in text
     )
     assert "upgrade pcp-tui on the older side" in text
 
@@ -901,11 +895,3 @@ def test_last_activity_moves_with_bytes_inside_a_message():
         await receiver.aclose()
 
     trio.run(main)
-
-
-def test_a_version_2_peers_progress_still_reads_with_no_statistics():
-    """Protocol 3 only added fields: an older worker's progress reads, its stats unmeasured."""
-    message = protocol.decode(craft("progress", {"round": 2, "step": 5}, version=2))
-    assert (message.version, message.body.step) == (2, 5)
-    assert message.body.stats == protocol.WorkerStats()
-    assert message.body.stats.gpu_utilization == -1.0

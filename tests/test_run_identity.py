@@ -37,11 +37,11 @@ def test_a_worker_keeps_its_optimizer_state_only_for_the_same_run():
 
     async def main():
         await _join(worker, "run-a")
-        worker._opt_state = moments
+        worker._inner.opt_state = moments
         await _join(worker, "run-a")  # the same run (resumed, or the link came back)
-        assert worker._opt_state is moments and worker.run_id == "run-a"
+        assert worker._inner.opt_state is moments and worker.run_id == "run-a"
         await _join(worker, "run-b")  # a shepherd started afresh: another run
-        assert worker._opt_state is None and worker.run_id == "run-b"
+        assert worker._inner.opt_state is None and worker.run_id == "run-b"
 
     trio.run(main)
 

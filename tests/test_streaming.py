@@ -24,9 +24,8 @@ from pcp_tui import protocol
 from pcp_tui.config import ConfigError
 from pcp_tui.contract import plan as contract
 from pcp_tui.diloco import reference, streaming
-from pcp_tui.shepherd.connection import version_need
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.plain_round import inner_optimizer
+from pcp_tui.shepherd.engine import inner_optimizer
 from pcp_tui.testing import pause_after_round, run_shepherd, until, worker_batches
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.shards import sample_batches
@@ -117,16 +116,6 @@ def test_carry_keeps_the_overlap_steps_progress_on_the_new_global_value():
     np.testing.assert_array_equal(streaming.carry(sent, global_, sent, 0.0), global_)  # τ = 0
 
 
-def test_a_carry_plan_needs_protocol_5_and_says_which_option_asks_for_it():
-    carry = protocol.Plan(run_id="r", overlap_merge=protocol.OverlapMerge.CARRY)
-    assert protocol.decode(b"".join(protocol.encode(carry))).version == 5
-    mix = protocol.Plan(run_id="r")  # an older worker still reads a plan that does not need 5
-    assert protocol.decode(b"".join(protocol.encode(mix))).version == protocol.COMPATIBLE_VERSION
-    need = version_need("none", 2, "carry")
-    assert (need.version, need.option) == (5, "--overlap-merge carry")
-    assert version_need("none", 1, "carry") is None  # plain DiLoCo has no merge
-
-
 def test_worker_refuses_a_plan_whose_fragments_are_not_its_parameters():
     plan = protocol.Plan(
         param_names=("a", "b"),
@@ -135,7 +124,8 @@ def test_worker_refuses_a_plan_whose_fragments_are_not_its_parameters():
         fragments=(protocol.Fragment(("a",)), protocol.Fragment(("a", "b"))),
         overlap_steps=1,
     )
-    assert "more than one fragment" in contract.streaming_problem(plan)
+    assert "more than one fragment" in contract.fragments_problem(plan)
+    assert "no fragments" in contract.fragments_problem(protocol.Plan(param_names=("a",)))
     fine = protocol.Plan(
         param_names=("a", "b"),
         inner_steps=4,
@@ -143,7 +133,7 @@ def test_worker_refuses_a_plan_whose_fragments_are_not_its_parameters():
         fragments=(protocol.Fragment(("a",)), protocol.Fragment(("b",))),
         overlap_steps=2,
     )
-    assert "--overlap-steps 2" in contract.streaming_problem(fine)
+    assert "--overlap-steps 2" in contract.fragments_problem(fine)
 
 
 LR = 0.1
@@ -188,7 +178,7 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker, merge):
         rounds,
         inner=optax.sgd(LR),
         outer=reference.outer_optimizer("nesterov"),
-        fragments=shepherd.fragment_sync.fragments,
+        fragments=shepherd.engine.fragments,
         overlap=1,
         alpha=0.5,
         merge=merge,
@@ -241,7 +231,8 @@ def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment
     shepherd = Shepherd(config, workload)
 
     run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
-    assert [r.fragment_results for r in shepherd.state.history] == [(2, 2, 2, 2)] * rounds
+    events = [(e.kind, e.message) for e in shepherd.state.events]
+    assert [r.fragment_results for r in shepherd.state.history] == [(2, 2, 2, 2)] * rounds, events
     assert not [e for e in shepherd.state.events if e.kind == "bad_result"]
     inner = inner_optimizer(config)
     tokens = float(h * config.data.batch_size * config.data.seq_len)
@@ -257,7 +248,7 @@ def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment
             inner.direction(), optax.scale_by_schedule(lambda t: -inner.schedule()(t))
         ),
         outer=reference.outer_optimizer("nesterov", config.outer.lr, config.outer.momentum),
-        fragments=shepherd.fragment_sync.fragments,
+        fragments=shepherd.engine.fragments,
         overlap=5,
         alpha=0.5,
         merge=config.inner.overlap_merge,
@@ -288,7 +279,7 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
     )
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
-    rounds = [_record_rounds(clip) for clip in shepherd.fragment_sync.aggregates]
+    rounds = [_record_rounds(clip) for clip in shepherd.engine.aggregates]
 
     run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
     history = shepherd.state.history
@@ -302,14 +293,14 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
     assert largest < max(r.largest_result_bytes for r in history) < 0.7 * model_bytes
 
     resumed = Shepherd(config.replace(resume=str(tmp_path), rounds=4), workload)
-    saved = shepherd.outer.state_arrays()
-    assert saved and set(resumed.outer.state_arrays()) == set(saved)
+    saved = shepherd.engine.outer.state_arrays()
+    assert saved and set(resumed.engine.outer.state_arrays()) == set(saved)
     for name, value in saved.items():
-        np.testing.assert_array_equal(resumed.outer.state_arrays()[name], value, err_msg=name)
+        np.testing.assert_array_equal(resumed.engine.outer.state_arrays()[name], value, err_msg=name)
     assert resumed.start_round == 4
 
     again = Shepherd(config.replace(resume=str(tmp_path / "round-000002")), workload)
-    for p, clip in enumerate(again.fragment_sync.aggregates):
+    for p, clip in enumerate(again.engine.aggregates):
         third = rounds[p][2]  # what fragment p's aggregate held and got in round 3
         restored = clip.state_arrays()
         assert set(restored) == set(third["before"]) >= {"aggregate.distances"}
@@ -345,18 +336,16 @@ def _record_rounds(clip) -> list[dict]:
 
 
 def _replay(shepherd: Shepherd, p: int, recorded: dict) -> None:
-    """Fragment p's round from `recorded` results, as `FragmentSync._sync` takes it."""
-    sync = shepherd.fragment_sync
-    clip = sync.aggregates[p]
+    """Fragment p's round from `recorded` results, as `RoundEngine._sync` takes it."""
+    engine = shepherd.engine
+    clip = engine.aggregates[p]
     clip.step_scale = recorded["step_scale"]
     clip.reset()
     assert math.isfinite(clip.radius)  # clipped from the restored history, not the round's own
     for result, weight in recorded["results"]:
         clip.add(result, weight)
     assert clip.finish() == recorded["scales"] and clip.radius == recorded["radius"]
-    old = {n: shepherd.params[n].copy() for n in sync.fragments[p]}
-    sync.outer.apply(p, shepherd.params, clip.sums, clip.scale)
-    sync._change(p, 3, old, shepherd.params)  # int8: the global value the workers form
+    engine._step(p, 3, clip)  # the outer step; int8: the global value the workers form
 
 
 def _decoded(body: protocol.Body, tensors: dict) -> protocol.Message:
@@ -367,22 +356,22 @@ def _decoded(body: protocol.Body, tensors: dict) -> protocol.Message:
 def test_shepherd_refuses_fragment_headers_that_are_not_the_fragment():
     shapes = {"a": (2,), "b": (3,)}
     fragments = (("a",), ("b",))
-    good = _decoded(protocol.FragmentResult(fragment=1), {"b": np.zeros(3, np.float32)})
+    good = _decoded(protocol.RoundResult(fragment=1), {"b": np.zeros(3, np.float32)})
     specs = [
         protocol.TensorSpec(n, "float32", t.shape, "none", t.nbytes, 0)
         for n, t in good.tensors.items()
     ]
     assert contract.fragment_header_problem(shapes, fragments, good.body, specs) is None
     assert "does not exist" in contract.fragment_header_problem(
-        shapes, fragments, protocol.FragmentResult(fragment=2), specs
+        shapes, fragments, protocol.RoundResult(fragment=2), specs
     )
     assert "missing ['a']" in contract.fragment_header_problem(
-        shapes, fragments, protocol.FragmentResult(fragment=0), specs
+        shapes, fragments, protocol.RoundResult(fragment=0), specs
     )
 
 
 def test_worker_holds_fragment_updates_until_their_merge_and_refuses_strangers():
-    from pcp_tui.worker.streaming import FragmentUpdates
+    from pcp_tui.worker.rounds import FragmentUpdates
 
     updates = FragmentUpdates((("a",), ("b",)))
     a = np.arange(2, dtype=np.float32)
@@ -456,9 +445,9 @@ def test_streaming_survives_a_lost_worker_and_a_newcomer_starts_from_the_global_
 def test_a_worker_refuses_a_broken_fragment_update_and_the_run_goes_on(spawn_worker, monkeypatch):
     """A shepherd that sends a fragment update holding NaN (tampered here, once) hears from the
     worker why it hung up ("fragmentUpdate refused: ..."), and the worker rejoins and finishes."""
-    from pcp_tui.shepherd import fragments as shepherd_fragments
+    from pcp_tui.shepherd import engine
 
-    honest = shepherd_fragments._send_update
+    honest = engine._send_update
     tampered = []
 
     async def send_update(link, update, failed):
@@ -471,7 +460,7 @@ def test_a_worker_refuses_a_broken_fragment_update_and_the_run_goes_on(spawn_wor
             )
         await honest(link, update, failed)
 
-    monkeypatch.setattr(shepherd_fragments, "_send_update", send_update)
+    monkeypatch.setattr(engine, "_send_update", send_update)
     config = small_config(
         rounds=3,
         inner_steps=4,

@@ -267,12 +267,9 @@ class RoundTrainer:
 
     def _run_chunk(self, params: list, opt_state, batches: np.ndarray, first_step: int):
         started = time.perf_counter()
-        params, opt_state, losses = self.training.train_chunk(
-            tuple(params), tuple(opt_state), batches, np.int32(first_step)
-        )
-        losses = np.asarray(losses)  # waits for the device
+        chunk = run_chunk(self.training.train_chunk, params, opt_state, batches, first_step)
         self.faults.after_chunk(time.perf_counter() - started)
-        return list(params), list(opt_state), losses
+        return chunk
 
     def _snapshot(self, p: int, params: list) -> object:
         """Fragment p's local values now, held past their donation to the next chunk."""
@@ -350,6 +347,15 @@ class RoundTrainer:
         """Fragment p's tensors' mesh axes (a worker over several devices), or None."""
         axes = self.training.param_axes
         return None if axes is None else [axes[self._index[n]] for n in self.fragments[p]]
+
+
+def run_chunk(train_chunk: Callable, params, opt_state, batches: np.ndarray, first_step: int):
+    """One compiled chunk of inner steps from global step `first_step`: (params, opt_state,
+    losses), the losses on the host (which waits for the device)."""
+    params, opt_state, losses = train_chunk(
+        tuple(params), tuple(opt_state), batches, np.int32(first_step)
+    )
+    return list(params), list(opt_state), np.asarray(losses)
 
 
 class FragmentUpdates:
