@@ -28,7 +28,7 @@ from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.state import WorkerView
 from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
 from pcp_tui.testing import worker_env as base_env
-from pcp_tui.training.export import InnerOptimizer, build_graphs
+from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 from pcp_tui.training.sharding import (
     MAX_PATTERN_CHARS,
     MAX_RULES,
@@ -99,6 +99,12 @@ def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
     library = GraphLibrary.for_run(config, workload, InnerOptimizer())
     with pytest.raises(Unservable, match="batch size 6 does not split over a worker.s 4 devices"):
         trio.run(library.for_worker, protocol.Platform.CPU, protocol.Runtime.XLA, 4)
+    cudnn = GraphLibrary.for_run(*_tiny_gpt2(attention="cudnn"), InnerOptimizer())
+    cudnn.main = TrainingGraphs((), b"", b"", b"", ("cuda",), 4, 0.0)  # the run's, unused here
+    with pytest.raises(
+        Unservable, match="cudnn.*has 1: join with --devices 1, or run the shepherd"
+    ):
+        trio.run(cudnn.for_worker, protocol.Platform.CUDA, protocol.Runtime.XLA, 2)
     two = _graphs(workload, 2, "data")  # exported for two devices on this one-device process
     with pytest.raises(GraphError, match=r"exported for 2 device\(s\), this worker runs on 1"):
         JaxBackend("cpu", 1).load("train_chunk", two.train_chunk)

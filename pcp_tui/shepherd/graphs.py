@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import trio
 
 from pcp_tui import protocol
@@ -62,6 +63,14 @@ class GraphLibrary:
         cudnn = config.model.attention == "cudnn"
 
         def export(platforms: tuple[str, ...], devices: int) -> TrainingGraphs:
+            here = jax.device_count()
+            if cudnn and devices > here:  # JAX lowers cuDNN attention over real devices only
+                raise LayoutError(
+                    f"this run uses --attention cudnn, which JAX exports for a worker of {devices} "
+                    f"devices only over as many devices of the shepherd's own, and it has {here}: "
+                    f"join with --devices {here}, or run the shepherd on a host with {devices} "
+                    "GPUs or without --attention cudnn"
+                )
             return build_graphs(
                 workload.loss_fn,
                 workload.params,  # for shapes only
