@@ -8,8 +8,6 @@ from ._base import (
     BackendInfo,
     BackendUnavailable,
     GraphError,
-    Layout,
-    LayoutFor,
     LoadedGraph,
     MemoryUse,
 )
@@ -31,8 +29,6 @@ __all__ = [
     "BackendUnavailable",
     "GraphError",
     "JaxBackend",
-    "Layout",
-    "LayoutFor",
     "LoadedGraph",
     "MemoryUse",
     "enable_compilation_cache",

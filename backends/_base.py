@@ -45,25 +45,6 @@ Axis = int | None  # the axis of an array split over a backend's devices; None: 
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where a graph's flat inputs and outputs live on a backend with several devices.
-
-    One entry per flat input (output) of the graph, in order: the axis split
-    evenly over the devices, or None for a full copy on every device. A layout
-    says only where arrays live, never what the graph computes: the same graph
-    under any layout computes the same values (up to the order of float sums).
-    A backend with one device needs none and ignores it.
-    """
-
-    inputs: tuple[Axis, ...]
-    outputs: tuple[Axis, ...]
-
-
-# Chooses a graph's Layout from the shapes of its flat inputs and outputs (known once it is read).
-LayoutFor = Callable[[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], Layout]
-
-
-@dataclass(frozen=True)
 class MemoryUse:
     """Device memory now, at its peak, and in all (bytes); 0 where the device cannot say."""
 
@@ -81,6 +62,8 @@ class LoadedGraph:
     in_avals: tuple[Any, ...]
     out_avals: tuple[Any, ...]
     call: Callable[..., Any]
+    # on a backend of several devices: per flat input, the axis split over them (None: a copy)
+    input_axes: tuple[Axis, ...] | None = None
 
 
 class Backend(abc.ABC):
@@ -92,23 +75,15 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def load(
-        self,
-        name: str,
-        serialized: bytes,
-        *,
-        donate_argnums: Sequence[int] = (),
-        layout: LayoutFor | None = None,
+        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
     ) -> LoadedGraph:
-        """Deserialize a graph; raises GraphError if it was not lowered for this platform.
-
-        `layout` (only passed to a backend of several devices) places it over them.
-        """
+        """Deserialize a graph; GraphError if it was not exported for this platform and device count."""
 
     @abc.abstractmethod
     def to_device(
         self, arrays: Sequence[np.ndarray], axes: Sequence[Axis] | None = None
     ) -> list[Any]:
-        """Host arrays onto the device(s); `axes` (several devices only) as a Layout's."""
+        """Host arrays onto the device(s); `axes` (several devices only) as a graph's `input_axes`."""
 
     @abc.abstractmethod
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]: ...

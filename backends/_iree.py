@@ -33,7 +33,6 @@ from ._base import (
     BackendInfo,
     BackendUnavailable,
     GraphError,
-    LayoutFor,
     LoadedGraph,
     deserialize,
 )
@@ -160,17 +159,9 @@ class IreeBackend(Backend):
         return self._target.compiler_backend
 
     def load(
-        self,
-        name: str,
-        serialized: bytes,
-        *,
-        donate_argnums: Sequence[int] = (),
-        layout: LayoutFor | None = None,
+        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
     ) -> LoadedGraph:
-        """Compile the artifact's StableHLO for this device (or read it from the cache).
-
-        One device: `layout` (for backends of several devices) is never passed here.
-        """
+        """Compile the artifact's StableHLO for this device (or read it from the cache)."""
         exported = _deserialize_for_iree(name, serialized)
         module = self._module(name, exported)
         return LoadedGraph(

@@ -14,7 +14,6 @@ from ._base import (
     BackendInfo,
     BackendUnavailable,
     GraphError,
-    LayoutFor,
     LoadedGraph,
     MemoryUse,
     deserialize,
@@ -31,7 +30,8 @@ _INSTALL_HINT = {
     "rocm": "pip install jax-rocm7-plugin jax-rocm7-pjrt (see JAX's ROCm install notes) on an AMD GPU",
     "metal": "pip install metaljax (or jax-mps) on an Apple-silicon Mac, or run --runtime iree",
 }
-# The name of the device axis of a multi-device backend's mesh (data parallel and FSDP both use it).
+# The name of the device axis of a multi-device backend's mesh (data parallel and FSDP both use
+# it): the axis a multi-device export's shardings name (`pcp_tui.training.export.MESH_AXIS`).
 MESH_AXIS = "data"
 # The name jax.export uses for a platform when lowering.
 _EXPORT_PLATFORM = {"cpu": "cpu", "cuda": "cuda", "rocm": "rocm", "metal": "metal"}
@@ -51,9 +51,9 @@ class JaxBackend(Backend):
     """One JAX platform, over `devices` of its local devices (None: all of them).
 
     With one device, graphs run there exactly as exported. With several, they
-    form a one-axis mesh (`MESH_AXIS`) and a graph loaded with a `layout` runs
-    on all of them: XLA's SPMD partitioner splits the single-device graph by
-    the layout's input and output placements and inserts the collectives.
+    form a one-axis mesh (`MESH_AXIS`), and runs graphs exported for that many
+    devices: the artifact says where each input and output lives and holds
+    its own per-device computation and collectives.
     """
 
     def __init__(self, platform: str, devices: int | None = None):
@@ -84,7 +84,7 @@ class JaxBackend(Backend):
         self._jax = jax
         self._platform = platform
         self._device = devices[0]
-        # several devices: one mesh axis; graphs loaded with a layout are split over it
+        # several devices: one mesh axis, over which graphs exported for that many devices run
         self._mesh = (
             jax.sharding.Mesh(np.array(devices), (MESH_AXIS,)) if len(devices) > 1 else None
         )
@@ -132,17 +132,14 @@ class JaxBackend(Backend):
         return self._mesh
 
     def load(
-        self,
-        name: str,
-        serialized: bytes,
-        *,
-        donate_argnums: Sequence[int] = (),
-        layout: LayoutFor | None = None,
+        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
     ) -> LoadedGraph:
         """Deserialize and compile ahead of time, so the first call runs at full speed.
 
-        `layout` places the graph on this backend's mesh (ignored with one device).
+        A graph exported for N devices runs on a backend of N devices, each
+        input and output placed as the artifact says; GraphError otherwise.
         """
+        jax = self._jax
         exported = deserialize(name, serialized)
         wanted = _EXPORT_PLATFORM[self._platform]
         if wanted not in exported.platforms:
@@ -150,14 +147,36 @@ class JaxBackend(Backend):
                 f"graph {name!r} was lowered for {', '.join(exported.platforms)}, not {wanted}; "
                 f"the shepherd must export for this worker's platform"
             )
-        if self._mesh is not None and layout is not None:
-            jitted, specs = self._on_mesh(name, exported, donate_argnums, layout)
+        devices = self._mesh.size if self._mesh is not None else 1
+        if exported.nr_devices != devices:
+            raise GraphError(
+                f"graph {name!r} was exported for {exported.nr_devices} device(s), this worker "
+                f"runs on {devices}; the shepherd exports for the device count a worker's hello "
+                "reports: upgrade the shepherd, or restart this worker with --devices 1"
+            )
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
+        input_axes: tuple[Axis, ...] | None = None
+        if self._mesh is None:
+            jitted = jax.jit(exported.call, donate_argnums=tuple(donate_argnums))
         else:
-            jitted = self._jax.jit(exported.call, donate_argnums=tuple(donate_argnums))
-            specs = [self._jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
-        args, kwargs = self._jax.tree.unflatten(exported.in_tree, specs)
+            copy = self._sharding(None, 0)  # a scalar's placement is left unsaid: a copy on each
+            ins = [at or copy for at in exported.in_shardings_jax(self._mesh)]
+            outs = [at or copy for at in exported.out_shardings_jax(self._mesh)]
+            args, _ = jax.tree.unflatten(exported.in_tree, ins)
+            jitted = jax.jit(
+                exported.call,
+                in_shardings=tuple(args),
+                out_shardings=jax.tree.unflatten(exported.out_tree, outs),
+                donate_argnums=tuple(donate_argnums),
+            )
+            specs = [
+                jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=at)
+                for s, at in zip(specs, ins, strict=True)
+            ]
+            input_axes = tuple(_split_axis(at) for at in ins)
+        args, kwargs = jax.tree.unflatten(exported.in_tree, specs)
         try:
-            with self._jax.default_device(self._device):
+            with jax.default_device(self._device):
                 compiled = jitted.lower(*args, **kwargs).compile()
         except Exception as exc:  # XLA reports unsupported ops etc. with many types
             raise GraphError(f"graph {name!r} does not compile on {self._platform}: {exc}") from exc
@@ -167,6 +186,7 @@ class JaxBackend(Backend):
             in_avals=tuple(exported.in_avals),
             out_avals=tuple(exported.out_avals),
             call=compiled,
+            input_axes=input_axes,
         )
 
     def memory_use(self) -> MemoryUse:
@@ -190,63 +210,6 @@ class JaxBackend(Backend):
             return MemoryUse()
         return process_memory(self._info.memory_bytes)
 
-    def _on_mesh(
-        self, name: str, exported: Any, donate_argnums: Sequence[int], layout_for: LayoutFor
-    ) -> tuple[Any, list[Any]]:
-        """A jit of `exported` with the layout's shardings, and its sharded input specs.
-
-        The artifact was exported for one device; given shardings for its
-        inputs and outputs, XLA's SPMD partitioner splits it over the mesh
-        (per-device shards of the batch, all-reduced gradients; all-gathers
-        before the use of an FSDP-sharded parameter).
-        """
-        jax = self._jax
-        shapes = lambda avals: tuple(tuple(a.shape) for a in avals)  # noqa: E731
-        layout = layout_for(shapes(exported.in_avals), shapes(exported.out_avals))
-        sides = (
-            ("input", exported.in_avals, layout.inputs),
-            ("output", exported.out_avals, layout.outputs),
-        )
-        placed: dict[str, list[Any]] = {}
-        for side, avals, axes in sides:
-            if len(axes) != len(avals):
-                raise GraphError(
-                    f"graph {name!r} has {len(avals)} {side}s; its layout places {len(axes)}"
-                )
-            for index, (aval, axis) in enumerate(zip(avals, axes, strict=True)):
-                problem = self._axis_problem(tuple(aval.shape), axis)
-                if problem:
-                    raise GraphError(f"graph {name!r}: {side} {index} {problem}")
-            placed[side] = [
-                self._sharding(axis, len(a.shape)) for a, axis in zip(avals, axes, strict=True)
-            ]
-        specs = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-            for a, sharding in zip(exported.in_avals, placed["input"], strict=True)
-        ]
-        args, _ = jax.tree.unflatten(exported.in_tree, placed["input"])
-        outputs = jax.tree.unflatten(exported.out_tree, placed["output"])
-        jitted = jax.jit(
-            exported.call,
-            in_shardings=tuple(args),
-            out_shardings=outputs,
-            donate_argnums=tuple(donate_argnums),
-        )
-        return jitted, specs
-
-    def _axis_problem(self, shape: tuple[int, ...], axis: Axis) -> str | None:
-        """Why `shape` cannot be split on `axis` over this mesh, or None."""
-        if axis is None:
-            return None
-        if not 0 <= axis < len(shape):
-            return f"of shape {list(shape)} has no axis {axis} to split over the devices"
-        if shape[axis] % self._mesh.size:
-            return (
-                f"of shape {list(shape)} cannot be split evenly on axis {axis} "
-                f"over {self._mesh.size} devices"
-            )
-        return None
-
     def _sharding(self, axis: Axis, ndim: int) -> Any:
         """The mesh sharding that splits `axis` (None: a full copy on every device)."""
         P = self._jax.sharding.PartitionSpec
@@ -260,7 +223,7 @@ class JaxBackend(Backend):
     ) -> list[Any]:
         """Host arrays onto the first device, or with `axes` over the mesh, each split on its axis.
 
-        Without `axes` they are for a graph loaded without a layout, which runs on the first device.
+        Without `axes` they are for a one-device graph, which runs on the first device.
         """
         if self._mesh is None or axes is None:
             # one call per array: measured faster on an H100 than one batched call for GPT-2's 148
@@ -328,6 +291,11 @@ class JaxBackend(Backend):
         if self._mesh is not None:  # a copy placed as the original, shard by shard
             return [self._jax.device_put(a, a.sharding, may_alias=False) for a in device]
         return list(self._jax.device_put(list(device), self._device, may_alias=False))
+
+
+def _split_axis(sharding: Any) -> Axis:
+    """The axis `sharding` splits over the mesh, or None for a copy on every device."""
+    return next((axis for axis, name in enumerate(sharding.spec) if name is not None), None)
 
 
 def _pinned_host(device: Any) -> Any:

@@ -3,9 +3,9 @@
 Both sides run the worker's own code path on the same exported GPT-2
 `train_chunk` and the same per-device batch b:
 
-- one N-device worker: `JaxBackend(platform, N)`, the graph for batch N*b
-  loaded with the worker's layouts (`pcp_tui.worker.mesh`, --sharding data or
-  fsdp), batches split over the devices by XLA's SPMD partitioner;
+- one N-device worker: `JaxBackend(platform, N)` with the graph the shepherd
+  exports for an N-device worker (batch N*b, --sharding data or fsdp): each
+  device runs its b rows inside `shard_map`, gradients reduced explicitly;
 - N one-device workers: `JaxBackend(platform, 1)` with the graph for batch b;
   N of them would train N times its tokens/s (one per device, nothing shared).
 
@@ -21,6 +21,10 @@ wire; N separate workers move N times a mesh worker's).
 On CPU (the default, with N forced host devices) the devices share the same
 cores, so the speed ratio says nothing about scaling: it checks the path runs.
 Run it on a host with several GPUs for the real number.
+
+`--graphs DIR` keeps the exported graphs in DIR and reuses them: export them on
+one machine (`--export-only`, e.g. a CPU with another JAX version) and time
+them on another, as a shepherd and its workers do.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--sharding", default="data", choices=["data", "fsdp"])
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
+    parser.add_argument("--graphs", default=None, help="folder to keep and reuse exports in")
+    parser.add_argument("--export-only", action="store_true", help="fill --graphs, time nothing")
     return parser.parse_args()
 
 
@@ -59,6 +65,10 @@ def main() -> None:
 
     devices = args.devices or JaxBackend(args.backend).info.device_count
     model = _Model(args, devices)
+    if args.export_only:
+        for count in (1, devices):
+            model.graphs(count)
+        return
     one = model.tokens_per_second(JaxBackend(args.backend, 1), args.batch_per_device)
     mesh = model.tokens_per_second(
         JaxBackend(args.backend, devices), args.batch_per_device * devices
@@ -101,44 +111,68 @@ class _Model:
         self.workload = build_workload(self.config, shards=1)
         self.param_count = self.workload.param_count
 
-    def _graphs(self, batch: int):
+    def graphs(self, devices: int):
+        """The graphs the shepherd exports for a worker on `devices` devices (global batch)."""
+        import json
+
         import jax
         import jax.numpy as jnp
 
-        from pcp_tui.training.export import CUDNN_ATTENTION_CALLS, InnerOptimizer, build_graphs
+        from pcp_tui.training.export import (
+            CUDNN_ATTENTION_CALLS,
+            InnerOptimizer,
+            TrainingGraphs,
+            build_graphs,
+        )
 
-        return build_graphs(
+        args = self.args
+        batch = args.batch_per_device * devices
+        name = (
+            f"{args.model}-{args.backend}-{args.attention}-{args.compute_dtype}-"
+            f"{batch}x{args.seq_len}-k{args.chunk_steps}-{devices}dev-{args.sharding}"
+        )
+        path = os.path.join(args.graphs, name) if args.graphs else None
+        if path and os.path.exists(path):
+            with open(path, "rb") as file:  # a header line, then the two graphs' bytes
+                header = json.loads(file.readline())
+                train = file.read(header["train_chunk"])
+                graphs = TrainingGraphs(
+                    tuple(header["names"]), train, file.read(), b"", (args.backend,), 0, 0.0
+                )
+            print(f"graphs for {devices} device(s) read from {path}")
+            return graphs
+        graphs = build_graphs(
             self.workload.loss_fn,
             self.workload.params,
-            jax.ShapeDtypeStruct((batch, self.args.seq_len + 1), jnp.int32),
+            jax.ShapeDtypeStruct((batch, args.seq_len + 1), jnp.int32),
             inner=InnerOptimizer(),
-            chunk_steps=self.args.chunk_steps,
+            chunk_steps=args.chunk_steps,
             eval_batches=1,
-            platforms=(self.args.backend,),
-            custom_calls=CUDNN_ATTENTION_CALLS if self.args.attention == "cudnn" else (),
+            platforms=(args.backend,),
+            custom_calls=CUDNN_ATTENTION_CALLS if args.attention == "cudnn" else (),
+            devices=devices,
+            sharding=self.config.sharding.to_wire(),
         )
+        print(f"graphs for {devices} device(s) exported on jax {jax.__version__}")
+        if path:
+            os.makedirs(args.graphs, exist_ok=True)
+            with open(path, "wb") as file:
+                header = {"names": graphs.param_names, "train_chunk": len(graphs.train_chunk)}
+                file.write(json.dumps(header).encode() + b"\n")
+                file.write(graphs.train_chunk + graphs.init_opt_state)
+        return graphs
 
     def tokens_per_second(self, backend, batch: int) -> float:
         """The worker's chunks on `backend` with global batch `batch`, timed after one warm-up."""
-        from pcp_tui import protocol
         from pcp_tui.training.shards import sample_batches
         from pcp_tui.worker.client import _run_chunk
-        from pcp_tui.worker.mesh import GraphLayouts
 
-        graphs, count = self._graphs(batch), backend.info.device_count
-        plan = protocol.Plan(
-            param_names=graphs.param_names,
-            batch_size=batch,
-            sharding=self.config.sharding.to_wire(),
-        )
-        layouts = GraphLayouts(plan, count) if count > 1 else None
-        place = (lambda g: {}) if layouts is None else (lambda g: {"layout": layouts.of(g)})  # noqa: E731
-        train = backend.load(
-            "train_chunk", graphs.train_chunk, donate_argnums=(0, 1), **place("train_chunk")
-        )
-        init = backend.load("init_opt_state", graphs.init_opt_state, **place("init_opt_state"))
+        graphs = self.graphs(backend.info.device_count)
+        train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
+        init = backend.load("init_opt_state", graphs.init_opt_state)
         host = [self.workload.params[n] for n in graphs.param_names]
-        params = backend.to_device(host, layouts.param_axes) if layouts else backend.to_device(host)
+        axes = train.input_axes[: len(host)] if train.input_axes else None
+        params = backend.to_device(host, axes) if axes else backend.to_device(host)
         state = init.call(tuple(params))
         chunks = [
             sample_batches(

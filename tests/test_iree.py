@@ -294,13 +294,15 @@ def test_the_gpt2_step_compiles_for_metal(tmp_path):
 def test_iree_workers_get_the_cpu_export_and_cudnn_runs_refuse_them():
     """Which export serves whom (no export runs: platforms_for only decides)."""
     P, R = protocol.Platform, protocol.Runtime
-    library = GraphLibrary(lambda platforms: None, ("cpu", "cuda", "rocm"))
+    library = GraphLibrary(lambda platforms, devices: None, ("cpu", "cuda", "rocm"))
     library.main = dataclasses.replace(_NO_GRAPHS, platforms=library.main_platforms)
     assert library.platforms_for(P.CUDA, R.XLA) == ("cpu", "cuda", "rocm")
     assert library.platforms_for(P.METAL, R.XLA) == ("metal",)  # exported when one joins
     for platform in (P.VULKAN, P.METAL, P.CPU, P.CUDA):  # one portable export, no platform index
         assert library.platforms_for(platform, R.IREE) == ("cpu",)
-    cudnn = GraphLibrary(lambda platforms: None, ("cuda",), cuda_only="this run uses cuDNN")
+    cudnn = GraphLibrary(
+        lambda platforms, devices: None, ("cuda",), cuda_only="this run uses cuDNN"
+    )
     with pytest.raises(Unservable, match="this run uses cuDNN, which IREE workers cannot run"):
         cudnn.platforms_for(P.VULKAN, R.IREE)
     with pytest.raises(Unservable, match="this run uses cuDNN; join with --backend cuda"):

@@ -1,7 +1,9 @@
 """A worker over several local devices (a JAX mesh) trains as a one-device worker does.
 
-The mesh runs on forced CPU devices (`--xla_force_host_platform_device_count=4`),
-which must be set before JAX starts: those parts run in subprocesses.
+The shepherd exports its graphs for the worker's device count (`shard_map`
+inside, reductions explicit). The mesh runs on forced CPU devices
+(`--xla_force_host_platform_device_count=4`; N = 2 takes two of them), which
+must be set before JAX starts: those parts run in subprocesses.
 """
 
 from __future__ import annotations
@@ -10,21 +12,23 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import trio
 
 from pcp_tui import protocol
 from pcp_tui.app.cli import build_parser, worker_config_from
 from pcp_tui.app.config_file import load_config_file
-from pcp_tui.backends import BackendUnavailable, JaxBackend
-from pcp_tui.config import ConfigError, RunConfig, ShardingConfig, WorkerConfig
+from pcp_tui.backends import BackendUnavailable, GraphError, JaxBackend
+from pcp_tui.config import ConfigError, RunConfig, ShardingConfig
 from pcp_tui.protocol import _messages as wire
 from pcp_tui.shepherd.api_bodies import worker_json
+from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.state import WorkerView
 from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
 from pcp_tui.testing import worker_env as base_env
+from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 from pcp_tui.training.sharding import (
     MAX_PATTERN_CHARS,
     MAX_RULES,
@@ -32,8 +36,6 @@ from pcp_tui.training.sharding import (
     split_axis,
     state_axes,
 )
-from pcp_tui.worker.client import Refused, Worker
-from pcp_tui.worker.mesh import GraphLayouts
 
 DEVICES = 4
 FORCED = "--xla_force_host_platform_device_count=4"
@@ -93,14 +95,19 @@ def test_plan_carries_the_sharding_section():
 
 
 def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
-    plan = protocol.Plan(param_names=("w",), batch_size=6)
-    with pytest.raises(ValueError, match="--devices set to a divisor of 6.*--batch-size"):
-        GraphLayouts(plan, DEVICES)
-    four = SimpleNamespace(info=SimpleNamespace(device_count=4, platform="cpu"), device=None)
-    with pytest.raises(Refused, match="batch size 6 does not split over this worker.s 4 devices"):
-        Worker(WorkerConfig(connect="127.0.0.1:1", token="t"), backend=four)._layouts(
-            plan
-        )  # final: not retried
+    config, workload = _tiny_gpt2(batch_size=6)
+    library = GraphLibrary.for_run(config, workload, InnerOptimizer())
+    with pytest.raises(Unservable, match="batch size 6 does not split over a worker.s 4 devices"):
+        trio.run(library.for_worker, protocol.Platform.CPU, protocol.Runtime.XLA, 4)
+    cudnn = GraphLibrary.for_run(*_tiny_gpt2(attention="cudnn"), InnerOptimizer())
+    cudnn.main = TrainingGraphs((), b"", b"", b"", ("cuda",), 4, 0.0)  # the run's, unused here
+    with pytest.raises(
+        Unservable, match="cudnn.*has 1: join with --devices 1, or run the shepherd"
+    ):
+        trio.run(cudnn.for_worker, protocol.Platform.CUDA, protocol.Runtime.XLA, 2)
+    two = _graphs(workload, 2, "data")  # exported for two devices on this one-device process
+    with pytest.raises(GraphError, match=r"exported for 2 device\(s\), this worker runs on 1"):
+        JaxBackend("cpu", 1).load("train_chunk", two.train_chunk)
     with pytest.raises(BackendUnavailable, match="--devices 64: this host has"):
         JaxBackend("cpu", 64)
     parser = build_parser()
@@ -118,15 +125,18 @@ def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
 # ----------------------------------------------------------------------------- equivalence
 
 
-def _tiny_gpt2():
-    """The tiny GPT-2 of the test runs and its exported graphs (4 AdamW steps per chunk)."""
+def _tiny_gpt2(**options):
+    """The tiny GPT-2 of the test runs."""
     from pcp_tui.testing import small_config
     from pcp_tui.training.build import build_workload
-    from pcp_tui.training.export import InnerOptimizer, build_graphs
 
-    config = small_config()
-    workload = build_workload(config, 1)
-    graphs = build_graphs(
+    config = small_config(**options)
+    return config, build_workload(config, 1)
+
+
+def _graphs(workload, devices: int, mode: str):
+    """Its graphs (4 AdamW steps per chunk) as the shepherd exports them for `devices` devices."""
+    return build_graphs(
         workload.loss_fn,
         workload.params,
         workload.batch_spec,
@@ -134,29 +144,23 @@ def _tiny_gpt2():
         chunk_steps=4,
         eval_batches=1,
         platforms=("cpu",),
+        devices=devices,
+        sharding=ShardingConfig(mode).to_wire(),
     )
-    return config, workload, graphs
 
 
-def _chunks_on(devices: int, mode: str, config, workload, graphs) -> dict:
+def _chunks_on(devices: int, mode: str, config, workload) -> dict:
     """Two train_chunk calls as a worker runs them, on `devices` of a 4-device process."""
     from pcp_tui.training import shards
     from pcp_tui.worker.rounds import run_chunk
 
-    plan = protocol.Plan(
-        param_names=graphs.param_names,
-        batch_size=config.data.batch_size,
-        sharding=ShardingConfig(mode).to_wire(),
-    )
+    graphs = _graphs(workload, devices, mode)
     backend = JaxBackend("cpu", devices)
-    layouts = GraphLayouts(plan, devices) if devices > 1 else None
-    place = (lambda g: {}) if layouts is None else (lambda g: {"layout": layouts.of(g)})
-    train = backend.load(
-        "train_chunk", graphs.train_chunk, donate_argnums=(0, 1), **place("train_chunk")
-    )
-    init = backend.load("init_opt_state", graphs.init_opt_state, **place("init_opt_state"))
+    train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
+    init = backend.load("init_opt_state", graphs.init_opt_state)
     host = [workload.params[name] for name in graphs.param_names]
-    params = backend.to_device(host, layouts.param_axes) if layouts else backend.to_device(host)
+    axes = train.input_axes[: len(host)] if train.input_axes else None
+    params = backend.to_device(host, axes) if axes else backend.to_device(host)
     kept, state, losses = backend.keep(host, params), init.call(tuple(params)), []
     for chunk in range(2):
         batches = shards.sample_shard(
@@ -177,10 +181,17 @@ def _chunks_on(devices: int, mode: str, config, workload, graphs) -> dict:
         "split": split,
         "all_reduce": hlo.count("all-reduce("),
         "all_gather": hlo.count("all-gather("),
+        "reduce_scatter": hlo.count("reduce-scatter("),
     }
 
 
-_RUNS = (("one", 1, "data"), ("data", DEVICES, "data"), ("fsdp", DEVICES, "fsdp"))
+_RUNS = (
+    ("one", 1, "data"),
+    ("data2", 2, "data"),
+    ("fsdp2", 2, "fsdp"),
+    ("data4", 4, "data"),
+    ("fsdp4", 4, "fsdp"),
+)
 
 
 def _equivalence() -> None:
@@ -212,28 +223,30 @@ def _relative_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     )
 
 
-@pytest.mark.parametrize("mode", ["data", "fsdp"])
-def test_a_four_device_worker_trains_as_a_one_device_worker(mesh_runs, mode):
+@pytest.mark.parametrize("run", ["data2", "fsdp2", "data4", "fsdp4"])
+def test_an_n_device_worker_trains_as_a_one_device_worker(mesh_runs, run):
     """Same global batch, same AdamW steps: equal up to the order of float32 sums.
 
-    Not bit-equal: each device sums the gradient of its B/4 rows and an
-    all-reduce adds the four, where one device sums all B rows in one order;
-    float32 addition is not associative (measured: losses within 2e-7
-    relative, pseudo-gradients within 1e-5 relative L2 after 8 AdamW steps;
-    Adam's division by sqrt(v) magnifies rounding on near-zero gradients).
+    Not bit-equal: each device averages the gradient of its B/N rows and an
+    all-reduce (or reduce-scatter) averages the N means, where one device sums
+    all B rows in one order; float32 addition is not associative. Measured:
+    losses within 9e-8 relative (float32's epsilon is 1.2e-7), pseudo-gradients
+    within 2e-5 relative L2 after 8 AdamW steps (Adam's division by sqrt(v)
+    magnifies rounding on near-zero gradients; 0 would mean no mesh was used).
     """
-    one, mesh = mesh_runs["one"], mesh_runs[mode]
+    one, mesh = mesh_runs["one"], mesh_runs[run]
     np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=1e-6, atol=0)
-    assert 0 < mesh["pseudo_gradient_vs_one"] < 5e-5  # 0 would mean the mesh was not used
-    assert mesh["all_reduce"] >= 1  # the graph was partitioned: gradients summed across devices
+    assert 0 < mesh["pseudo_gradient_vs_one"] < 5e-5
+    assert mesh["all_reduce"] >= 1  # the loss (and replicated gradients) averaged explicitly
     assert one["all_reduce"] == one["all_gather"] == one["pseudo_gradient_vs_one"] == 0
-    if mode == "fsdp":  # the matrices live split across the devices, gathered where used
+    if run.startswith("fsdp"):  # the matrices live split: gathered for use, gradients scattered
         assert set(mesh["split"]) == {
             n for n in mesh["split"] if n.endswith(".w") or n in ("wte", "wpe")
         }
-        assert {"wte", "wpe", "h.0.mlp.c_fc.w"} <= set(mesh["split"]) and mesh["all_gather"] > 0
+        assert {"wte", "wpe", "h.0.mlp.c_fc.w"} <= set(mesh["split"])
+        assert mesh["all_gather"] == mesh["reduce_scatter"] == len(mesh["split"])
     else:
-        assert mesh["split"] == [] and mesh["all_gather"] == 0
+        assert mesh["split"] == [] and mesh["all_gather"] == mesh["reduce_scatter"] == 0
 
 
 # ----------------------------------------------------------------------------- end to end

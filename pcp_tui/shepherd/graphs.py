@@ -1,9 +1,13 @@
 """The run's exported graphs: which export serves which worker, exported when first needed.
 
 One `jax.export` artifact holds lowerings for the platforms it was exported
-for. The run starts with one export for `--platforms` (the shepherd evaluates
-with it too); a worker whose platform is not among them gets a dedicated
-export, made the first time such a worker joins and kept for the next.
+for, over a number of devices. The run starts with one export for
+`--platforms` on one device (the shepherd evaluates with it too); a worker
+whose platform is not among them, or that trains on N > 1 devices as one
+(its hello's device count), gets a dedicated export, made the first time such
+a worker joins and kept for the next: for N devices, the per-device step runs
+inside `shard_map` with its collectives written out (`training.export`), which
+is what lets custom calls such as cuDNN attention run on each device's rows.
 
 IREE workers (any `--backend` with `--runtime iree`: CPUs, Vulkan GPUs, Apple
 GPUs) all get the export for `cpu` alone. IREE compiles the cpu lowering for
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import trio
 
 from pcp_tui import protocol
@@ -29,9 +34,11 @@ from pcp_tui.training.export import (
     TrainingGraphs,
     build_graphs,
 )
+from pcp_tui.training.sharding import LayoutError
 from pcp_tui.training.workload import Workload
 
-Export = Callable[[tuple[str, ...]], TrainingGraphs]
+Export = Callable[[tuple[str, ...], int], TrainingGraphs]  # (platforms, devices) -> graphs
+Shape = tuple[tuple[str, ...], int]  # the platforms an export is lowered for, its device count
 
 
 class Unservable(Exception):
@@ -39,15 +46,15 @@ class Unservable(Exception):
 
 
 class GraphLibrary:
-    """Exports by platform set, made once each; `for_worker` picks (or makes) a worker's."""
+    """Exports by platform set and device count, made once each; `for_worker` picks a worker's."""
 
     def __init__(self, export: Export, main_platforms: tuple[str, ...], *, cuda_only: str = ""):
-        """`export(platforms)` builds the graphs; `cuda_only` says why, if only CUDA can run them."""
+        """`export(platforms, devices)` builds the graphs; `cuda_only` says why, if only CUDA can."""
         self._export = export
         self.main_platforms = main_platforms
         self._cuda_only = cuda_only
-        self._made: dict[tuple[str, ...], TrainingGraphs] = {}
-        self._locks: dict[tuple[str, ...], trio.Lock] = {}
+        self._made: dict[Shape, TrainingGraphs] = {}
+        self._locks: dict[Shape, trio.Lock] = {}
         self.main: TrainingGraphs | None = None
 
     @classmethod
@@ -55,7 +62,15 @@ class GraphLibrary:
         """The graphs of `workload` trained with `inner` as `config` says (chunk, attention)."""
         cudnn = config.model.attention == "cudnn"
 
-        def export(platforms: tuple[str, ...]) -> TrainingGraphs:
+        def export(platforms: tuple[str, ...], devices: int) -> TrainingGraphs:
+            here = jax.device_count()
+            if cudnn and devices > here:  # JAX lowers cuDNN attention over real devices only
+                raise LayoutError(
+                    f"this run uses --attention cudnn, which JAX exports for a worker of {devices} "
+                    f"devices only over as many devices of the shepherd's own, and it has {here}: "
+                    f"join with --devices {here}, or run the shepherd on a host with {devices} "
+                    "GPUs or without --attention cudnn"
+                )
             return build_graphs(
                 workload.loss_fn,
                 workload.params,  # for shapes only
@@ -65,6 +80,8 @@ class GraphLibrary:
                 eval_batches=workload.eval_batch_count,
                 platforms=platforms,
                 custom_calls=CUDNN_ATTENTION_CALLS if cudnn else (),
+                devices=devices,
+                sharding=config.sharding.to_wire(),
             )
 
         # cuDNN attention exists only on CUDA, and its kernels are custom calls
@@ -76,7 +93,8 @@ class GraphLibrary:
 
     def export_main(self) -> TrainingGraphs:
         """The run's first export, for `main_platforms` (blocking: call it in a thread)."""
-        self.main = self._made[self.main_platforms] = self._export(self.main_platforms)
+        self.main = self._export(self.main_platforms, 1)
+        self._made[self.main_platforms, 1] = self.main
         return self.main
 
     def platforms_for(
@@ -103,19 +121,22 @@ class GraphLibrary:
         return (platform.value,)
 
     async def for_worker(
-        self, platform: protocol.Platform, runtime: protocol.Runtime
+        self, platform: protocol.Platform, runtime: protocol.Runtime, devices: int = 1
     ) -> TrainingGraphs:
-        """The graphs to put in this worker's plan, exporting them first if no one needed them yet."""
-        platforms = self.platforms_for(platform, runtime)
-        lock = self._locks.setdefault(platforms, trio.Lock())
-        async with lock:  # workers of one new platform joining together wait for one export
-            if platforms not in self._made:
+        """The graphs to put in the plan of a worker on `devices` devices, exported on first need."""
+        shape = (self.platforms_for(platform, runtime), devices)
+        lock = self._locks.setdefault(shape, trio.Lock())
+        async with lock:  # workers of one new shape joining together wait for one export
+            if shape not in self._made:
                 try:
-                    self._made[platforms] = await trio.to_thread.run_sync(self._export, platforms)
+                    self._made[shape] = await trio.to_thread.run_sync(self._export, *shape)
+                except LayoutError as exc:  # this worker's devices cannot split the batch
+                    raise Unservable(str(exc)) from None
                 except Exception as exc:  # jax raises many types for a platform it cannot lower
                     raise Unservable(
-                        f"this shepherd cannot export the graphs for {platform.value} ({exc}); "
-                        f"join with --runtime iree --backend {platform.value}, or "
+                        f"this shepherd cannot export the graphs for {platform.value} on "
+                        f"{devices} device(s) ({exc}); join with --devices 1, "
+                        f"--runtime iree --backend {platform.value}, or "
                         f"--backend {' or '.join(self.main.platforms if self.main else ('cpu',))}"
                     ) from None
-        return self._made[platforms]
+        return self._made[shape]

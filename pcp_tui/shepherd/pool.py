@@ -278,7 +278,7 @@ class WorkerPool:
         cfg = self.config
         slot = link.view.shard  # from the ledger: a lost worker's shard goes to the next joiner
         try:
-            graphs = await self.graphs.for_worker(link.platform, link.runtime)
+            graphs = await self.graphs.for_worker(link.platform, link.runtime, link.view.devices)
         except Unservable as exc:
             raise ConnectionLost(
                 str(exc), code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value

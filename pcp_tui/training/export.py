@@ -8,6 +8,15 @@ The worker never sees Python model code: it gets serialized StableHLO for
   global inner step of the first of them, which sets the learning rate)
 - ``eval_loss(params, batches[N, ...]) -> mean loss``
 
+For a worker with N devices (`devices` > 1) the same graphs are exported over
+an N-device mesh: each device runs the loss and its gradient on its B/N rows
+inside `jax.shard_map` (so custom calls such as cuDNN attention see the
+per-device batch, which XLA's partitioner cannot give them), and the
+gradient reduction is written out: an all-reduce mean over the devices for
+a replicated parameter; for an `fsdp` one, an all-gather before use and a
+reduce-scatter of its gradient. The optimizer step runs on the parameters as
+they are placed (see `pcp_tui.training.sharding`).
+
 Parameters and optimizer state cross the graph boundary as flat tuples of arrays
 (parameters in ``param_names`` order), so no custom pytree has to be serialized
 and a worker only ever handles lists of tensors.
@@ -25,11 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import export
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+from pcp_tui.training.sharding import Axis, LayoutError, param_axes, state_axes
 
 LossFn = Callable[[dict[str, jax.Array], jax.Array], jax.Array]
 
 # cuDNN fused attention lowers to these custom calls (forward and backward).
 CUDNN_ATTENTION_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+# The one axis of a multi-device export's mesh; a worker's mesh names its axis the same.
+MESH_AXIS = "data"
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,8 @@ def build_graphs(
     platforms: tuple[str, ...] = ("cpu", "cuda", "rocm"),
     custom_calls: tuple[str, ...] = (),
     scan_unroll: int = 1,
+    devices: int = 1,
+    sharding: Any = None,
 ) -> TrainingGraphs:
     """Export the worker's graphs for `platforms`.
 
@@ -144,6 +160,9 @@ def build_graphs(
     (`lax.scan`'s `unroll`; `chunk_steps` leaves no loop). XLA gains nothing from it;
     IREE then records the chunk's GPU commands once and replays them (memoized, no
     copies of the loop's carried state between steps), for a compile of more code.
+    `devices` > 1 exports `train_chunk` and `init_opt_state` for a worker with that many
+    devices, parameters placed as `sharding` (a plan's `Sharding`) says; LayoutError
+    if the batch does not split over them. `eval_loss` is always for one device.
     """
     started = time.perf_counter()
     names = tuple(sorted(params))
@@ -158,11 +177,19 @@ def build_graphs(
     def init_opt_state(flat_params: tuple) -> tuple:
         return tuple(jax.tree.leaves(optimizer.init(as_dict(flat_params))))
 
+    shapes = tuple(s.shape for s in param_specs)
+    mesh = _Mesh(devices, param_axes(names, shapes, sharding, devices) if devices > 1 else ())
+    gradient = (
+        mesh.gradient(loss_fn, names, shapes, batch_spec)
+        if devices > 1
+        else jax.value_and_grad(loss_fn)
+    )
+
     def train_chunk(flat_params: tuple, opt_leaves: tuple, batches: jax.Array, first_step):
         def one_step(carry, inputs):
             p, s = carry
             batch, step = inputs
-            value, grads = jax.value_and_grad(loss_fn)(p, batch)
+            value, grads = gradient(p, batch)
             direction, s = optimizer.update(grads, s, p)
             lr = schedule(step)
             p = jax.tree.map(lambda w, d: w - (lr * d).astype(w.dtype), p, direction)
@@ -182,24 +209,119 @@ def build_graphs(
 
     allowed = [export.DisabledSafetyCheck.custom_call(target) for target in custom_calls]
 
-    def exported(fn, *specs) -> bytes:
-        return export.export(jax.jit(fn), platforms=platforms, disabled_checks=allowed)(
+    def exported(fn, *specs, placed=None) -> bytes:
+        jitted = jax.jit(fn) if placed is None else jax.jit(fn, **placed)
+        return export.export(jitted, platforms=platforms, disabled_checks=allowed)(
             *specs
         ).serialize()
 
     opt_leaf_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in opt_leaves_spec)
+    batches = stacked(chunk_steps)
+    chunk_at = init_at = None  # one device: exported unplaced, as always
+    if devices > 1:
+        mesh.check_batch(batches)
+        params_at = mesh.placed(mesh.param_axes, shapes)
+        opt_shapes = tuple(s.shape for s in opt_leaf_specs)
+        opt_at = mesh.placed(state_axes(opt_shapes, shapes, mesh.param_axes), opt_shapes)
+        batches_at = jax.tree.map(lambda s: mesh.sharding(1, s.ndim), batches)
+        chunk_at = {
+            "in_shardings": (params_at, opt_at, batches_at, mesh.sharding(None, 0)),
+            "out_shardings": (params_at, opt_at, mesh.sharding(None, 1)),
+        }
+        # keep_unused: the parameters' values are unused (only their shapes), and an input the
+        # module drops has no placement in the artifact, which the worker's mesh must know
+        init_at = {"in_shardings": (params_at,), "out_shardings": opt_at, "keep_unused": True}
     return TrainingGraphs(
         param_names=names,
         train_chunk=exported(
             train_chunk,
             param_specs,
             opt_leaf_specs,
-            stacked(chunk_steps),
+            batches,
             jax.ShapeDtypeStruct((), jnp.int32),
+            placed=chunk_at,
         ),
-        init_opt_state=exported(init_opt_state, param_specs),
+        init_opt_state=exported(init_opt_state, param_specs, placed=init_at),
         eval_loss=exported(eval_loss, param_specs, stacked(eval_batches)),
         platforms=platforms,
         chunk_steps=chunk_steps,
         export_seconds=time.perf_counter() - started,
     )
+
+
+class _Mesh:
+    """A one-axis mesh of `devices` devices to export for: this process's, or abstract."""
+
+    def __init__(self, devices: int, axes: tuple[Axis, ...]):
+        self.devices, self.param_axes = devices, axes
+        # Auto: the partitioner places what the shardings leave open (newer JAX defaults to
+        # Explicit, where shard_map would demand every argument's sharding in its type).
+        # An abstract mesh needs no devices here, but JAX lowers cuDNN attention only over
+        # real ones (any platform's: the artifact keeps the placements, not the devices).
+        self.mesh = None
+        if devices > 1:
+            local = jax.devices()
+            self.mesh = (
+                jax.sharding.Mesh(np.array(local[:devices]), (MESH_AXIS,), (AxisType.Auto,))
+                if len(local) >= devices
+                else AbstractMesh((devices,), (MESH_AXIS,), axis_types=(AxisType.Auto,))
+            )
+
+    def spec(self, axis: Axis, ndim: int) -> PartitionSpec:
+        """Split on `axis` over the devices (None: a copy on each)."""
+        return PartitionSpec(*(MESH_AXIS if i == axis else None for i in range(ndim)))
+
+    def sharding(self, axis: Axis, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axis, ndim))
+
+    def placed(self, axes: Any, shapes: Any) -> tuple[NamedSharding, ...]:
+        return tuple(self.sharding(a, len(s)) for a, s in zip(axes, shapes, strict=True))
+
+    def check_batch(self, batches: Any) -> None:
+        """LayoutError unless every batch leaf's B (axis 1 of [K, B, ...]) splits over the devices."""
+        for leaf in jax.tree.leaves(batches):
+            if leaf.shape[1] % self.devices:
+                raise LayoutError(
+                    f"this run's batch size {leaf.shape[1]} does not split over a worker's "
+                    f"{self.devices} devices: restart that worker with --devices set to a "
+                    f"divisor of {leaf.shape[1]} (--devices 1 always works), or the shepherd "
+                    f"with --batch-size a multiple of {self.devices}"
+                )
+
+    def gradient(self, loss_fn: LossFn, names: tuple[str, ...], shapes: tuple, batch: Any):
+        """`jax.value_and_grad(loss_fn)` of the global batch, computed per device and reduced.
+
+        Each device gathers its `fsdp` parameters whole and differentiates the
+        mean loss of its B/N rows, with the parameters cast to vary by device so
+        that the gradient is its own (nothing summed implicitly); then the
+        reduction: the mean over the devices of the loss and of each gradient,
+        as an all-reduce (replicated) or a reduce-scatter (`fsdp`). The mean of
+        N equal parts' means is the global batch's mean, for a loss that is a
+        mean over its rows (a loss weighted per row would need its weights summed).
+        """
+        axes = dict(zip(names, self.param_axes, strict=True))
+
+        def per_device(params: dict, rows: Any) -> tuple[jax.Array, dict]:
+            whole = {
+                name: jax.lax.pcast(p, MESH_AXIS, to="varying")
+                if axes[name] is None
+                else jax.lax.all_gather(p, MESH_AXIS, axis=axes[name], tiled=True)
+                for name, p in params.items()
+            }
+            value, grads = jax.value_and_grad(loss_fn)(whole, rows)
+            reduced = {
+                name: jax.lax.pmean(g, MESH_AXIS)
+                if axes[name] is None
+                else jax.lax.psum_scatter(g, MESH_AXIS, scatter_dimension=axes[name], tiled=True)
+                / self.devices
+                for name, g in grads.items()
+            }
+            return jax.lax.pmean(value, MESH_AXIS), reduced
+
+        params = {n: self.spec(axes[n], len(s)) for n, s in zip(names, shapes, strict=True)}
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(params, jax.tree.map(lambda s: self.spec(0, s.ndim), batch)),
+            out_specs=(PartitionSpec(), params),
+        )

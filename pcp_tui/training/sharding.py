@@ -1,16 +1,16 @@
 """How a worker with several local devices places a run's arrays on them: the `[sharding]` section.
 
-A worker with N devices (`pcp-tui worker --devices N`) runs the same portable,
-single-device `train_chunk` artifact as every other worker; it only chooses
-where each input and output lives on a one-axis mesh of its devices, and
-XLA's SPMD partitioner splits the graph accordingly:
+A worker with N devices (`pcp-tui worker --devices N`) gets the run's graphs
+exported for N devices (`training.export`), laid out on a one-axis mesh of
+its devices by these rules:
 
 - the batch is always split over the devices (data parallel): each device
-  runs B/N rows and the gradients are all-reduced before the optimizer step;
+  runs B/N rows and the gradients are averaged across devices before the
+  optimizer step;
 - a parameter, and the optimizer state that has its shape, is either
   replicated (a copy on every device: mode `data`, the default) or split on
-  one axis (`fsdp`: each device holds 1/N of it, and the partitioner gathers
-  it where it is used), chosen per parameter by name patterns:
+  one axis (`fsdp`: each device holds 1/N of it, gathers it whole for the
+  step and keeps 1/N of its gradient), chosen per parameter by name patterns:
 
     [sharding]
     mode = "fsdp"                      # default of parameters no rule names

@@ -32,8 +32,6 @@ from pcp_tui.contract.connection import (
 from pcp_tui.contract.tls import ClientTLS
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
-from pcp_tui.training.sharding import LayoutError
-from pcp_tui.worker.mesh import GraphLayouts
 from pcp_tui.worker.rounds import Faults, InnerState, RoundRefused, RoundTrainer, Training
 from pcp_tui.worker.session import CannotRun, Session, WorkerStatus
 from pcp_tui.worker.stats import WorkerCounters
@@ -146,38 +144,22 @@ class Worker(Session):
         graphs = {g.name: tensors[g.tensor].tobytes() for g in plan.graphs}
         key = graphs["train_chunk"] + graphs["init_opt_state"]
         if key not in self._compiled:  # a reconnect to the same run reuses compiled graphs
-            layouts = self._layouts(plan)
             try:
-                train = self._load(graphs, "train_chunk", layouts, donate_argnums=(0, 1))
-                init = self._load(graphs, "init_opt_state", layouts)
-            except LayoutError as exc:
-                raise protocol.MalformedMessage(str(exc)) from None
+                train = self.backend.load(
+                    "train_chunk", graphs["train_chunk"], donate_argnums=(0, 1)
+                )
+                init = self.backend.load("init_opt_state", graphs["init_opt_state"])
             except GraphError as exc:
                 info = self.backend.info
                 raise CannotRun(
                     f"{exc}; this worker runs {info.describe()} ({info.runtime}): "
                     "try another --runtime or --backend"
                 ) from None
-            axes = layouts.param_axes if layouts is not None else None
+            axes = train.input_axes[: len(plan.param_names)] if train.input_axes else None
             self._compiled = {key: (train.call, init.call, axes)}
             self._inner.opt_state = None
         train_chunk, init_opt_state, axes = self._compiled[key]
         return Training(plan, shard, train_chunk, init_opt_state, axes)
-
-    def _layouts(self, plan: protocol.Plan) -> GraphLayouts | None:
-        """Where the graphs' arrays go on this worker's devices; None with one device."""
-        devices = self.backend.info.device_count
-        if devices == 1:
-            return None
-        try:
-            return GraphLayouts(plan, devices)
-        except LayoutError as exc:  # this worker's --devices cannot run this run's batches
-            raise Refused(str(exc)) from None
-
-    def _load(self, graphs: dict[str, bytes], name: str, layouts: GraphLayouts | None, **options):
-        if layouts is not None:  # only then: a one-device backend need not know layouts
-            options["layout"] = layouts.of(name)
-        return self.backend.load(name, graphs[name], **options)
 
     async def _train_rounds(
         self, connection: Connection, rounds: trio.MemoryReceiveChannel

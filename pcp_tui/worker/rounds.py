@@ -58,7 +58,7 @@ class Training:
     shard: np.ndarray | tuple[np.ndarray, ...]  # token windows, or row-indexed arrays
     train_chunk: Callable
     init_opt_state: Callable
-    param_axes: tuple | None = None  # on a worker of several devices: see worker.mesh
+    param_axes: tuple | None = None  # on a worker of several devices: each one's split axis
 
 
 @dataclass
