@@ -165,7 +165,7 @@ class _Model:
     def tokens_per_second(self, backend, batch: int) -> float:
         """The worker's chunks on `backend` with global batch `batch`, timed after one warm-up."""
         from pcp_tui.training.shards import sample_batches
-        from pcp_tui.worker.client import _run_chunk
+        from pcp_tui.worker.rounds import run_chunk
 
         graphs = self.graphs(backend.info.device_count)
         train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
@@ -185,10 +185,10 @@ class _Model:
             )
             for c in range(2)
         ]
-        params, state, _ = _run_chunk(train.call, params, state, chunks[0], 0)  # warm-up
+        params, state, _ = run_chunk(train.call, params, state, chunks[0], 0)  # warm-up
         started = time.perf_counter()
         for c in range(self.args.chunks):
-            params, state, _ = _run_chunk(train.call, params, state, chunks[c % 2], c)
+            params, state, _ = run_chunk(train.call, params, state, chunks[c % 2], c)
         seconds = time.perf_counter() - started
         steps = self.args.chunks * self.args.chunk_steps
         return steps * batch * self.args.seq_len / seconds
