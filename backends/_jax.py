@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from ._base import (
     deserialize,
 )
 from ._host import host_memory, process_memory
+
+if TYPE_CHECKING:  # jax is imported when a backend is made: importing this module stays cheap
+    from jax.sharding import Mesh
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
 # Metal plugins name their platform differently: Apple's jax-metal and metaljax "METAL"/"metal",
@@ -80,14 +83,12 @@ class JaxBackend(Backend):
                 f"--devices {devices}: this host has {len(found)} {platform} device(s); "
                 f"pass --devices {len(found)} or fewer, or --devices all"
             )
-        devices = found[: devices or len(found)]
+        used = found[: devices or len(found)]
         self._jax = jax
         self._platform = platform
-        self._device = devices[0]
+        self._device = used[0]
         # several devices: one mesh axis; graphs loaded with a layout are split over it
-        self._mesh = (
-            jax.sharding.Mesh(np.array(devices), (MESH_AXIS,)) if len(devices) > 1 else None
-        )
+        self._mesh = jax.sharding.Mesh(np.array(used), (MESH_AXIS,)) if len(used) > 1 else None
         # Device-to-host copies land in page-locked host memory where the device has it:
         # several times faster than into pageable memory, and numpy reads it in place.
         self._pinned_host = _pinned_host(self._device) if platform != "cpu" else None
@@ -111,7 +112,7 @@ class JaxBackend(Backend):
         self._info = BackendInfo(
             platform=platform,
             device_kind=str(self._device.device_kind),
-            device_count=len(devices),
+            device_count=len(used),
             memory_bytes=_device_memory(self._device),
             jax_version=jax.__version__,
             runtime="xla",
@@ -127,7 +128,7 @@ class JaxBackend(Backend):
         return self._device
 
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> Mesh | None:
         """The `jax.sharding.Mesh` of this backend's devices, or None for one device."""
         return self._mesh
 
@@ -151,7 +152,7 @@ class JaxBackend(Backend):
                 f"the shepherd must export for this worker's platform"
             )
         if self._mesh is not None and layout is not None:
-            jitted, specs = self._on_mesh(name, exported, donate_argnums, layout)
+            jitted, specs = self._on_mesh(self._mesh, name, exported, donate_argnums, layout)
         else:
             jitted = self._jax.jit(exported.call, donate_argnums=tuple(donate_argnums))
             specs = [self._jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
@@ -191,7 +192,12 @@ class JaxBackend(Backend):
         return process_memory(self._info.memory_bytes)
 
     def _on_mesh(
-        self, name: str, exported: Any, donate_argnums: Sequence[int], layout_for: LayoutFor
+        self,
+        mesh: Mesh,
+        name: str,
+        exported: Any,
+        donate_argnums: Sequence[int],
+        layout_for: LayoutFor,
     ) -> tuple[Any, list[Any]]:
         """A jit of `exported` with the layout's shardings, and its sharded input specs.
 
@@ -214,11 +220,12 @@ class JaxBackend(Backend):
                     f"graph {name!r} has {len(avals)} {side}s; its layout places {len(axes)}"
                 )
             for index, (aval, axis) in enumerate(zip(avals, axes, strict=True)):
-                problem = self._axis_problem(tuple(aval.shape), axis)
+                problem = _axis_problem(mesh, tuple(aval.shape), axis)
                 if problem:
                     raise GraphError(f"graph {name!r}: {side} {index} {problem}")
             placed[side] = [
-                self._sharding(axis, len(a.shape)) for a, axis in zip(avals, axes, strict=True)
+                self._sharding(mesh, axis, len(a.shape))
+                for a, axis in zip(avals, axes, strict=True)
             ]
         specs = [
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
@@ -234,26 +241,13 @@ class JaxBackend(Backend):
         )
         return jitted, specs
 
-    def _axis_problem(self, shape: tuple[int, ...], axis: Axis) -> str | None:
-        """Why `shape` cannot be split on `axis` over this mesh, or None."""
-        if axis is None:
-            return None
-        if not 0 <= axis < len(shape):
-            return f"of shape {list(shape)} has no axis {axis} to split over the devices"
-        if shape[axis] % self._mesh.size:
-            return (
-                f"of shape {list(shape)} cannot be split evenly on axis {axis} "
-                f"over {self._mesh.size} devices"
-            )
-        return None
-
-    def _sharding(self, axis: Axis, ndim: int) -> Any:
+    def _sharding(self, mesh: Mesh, axis: Axis, ndim: int) -> Any:
         """The mesh sharding that splits `axis` (None: a full copy on every device)."""
         P = self._jax.sharding.PartitionSpec
         spec = (
             P() if axis is None else P(*([None] * axis), MESH_AXIS, *([None] * (ndim - axis - 1)))
         )
-        return self._jax.sharding.NamedSharding(self._mesh, spec)
+        return self._jax.sharding.NamedSharding(mesh, spec)
 
     def to_device(
         self, arrays: Sequence[np.ndarray], axes: Sequence[Axis] | None = None
@@ -262,11 +256,12 @@ class JaxBackend(Backend):
 
         Without `axes` they are for a graph loaded without a layout, which runs on the first device.
         """
-        if self._mesh is None or axes is None:
+        mesh = self._mesh
+        if mesh is None or axes is None:
             # one call per array: measured faster on an H100 than one batched call for GPT-2's 148
             return [self._jax.device_put(a, self._device) for a in arrays]
         return [
-            self._jax.device_put(a, self._sharding(axis, np.ndim(a)))
+            self._jax.device_put(a, self._sharding(mesh, axis, np.ndim(a)))
             for a, axis in zip(arrays, axes, strict=True)
         ]
 
@@ -328,6 +323,19 @@ class JaxBackend(Backend):
         if self._mesh is not None:  # a copy placed as the original, shard by shard
             return [self._jax.device_put(a, a.sharding, may_alias=False) for a in device]
         return list(self._jax.device_put(list(device), self._device, may_alias=False))
+
+
+def _axis_problem(mesh: Mesh, shape: tuple[int, ...], axis: Axis) -> str | None:
+    """Why `shape` cannot be split on `axis` over `mesh`, or None."""
+    if axis is None:
+        return None
+    if not 0 <= axis < len(shape):
+        return f"of shape {list(shape)} has no axis {axis} to split over the devices"
+    if shape[axis] % mesh.size:
+        return (
+            f"of shape {list(shape)} cannot be split evenly on axis {axis} over {mesh.size} devices"
+        )
+    return None
 
 
 def _pinned_host(device: Any) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,8 @@ import numpy as np
 import optax
 from jax import export
 
-LossFn = Callable[[dict[str, jax.Array], jax.Array], jax.Array]
+Batch = TypeVar("Batch")  # one inner step's batch: a jax.Array, or a tuple of them
+LossFn = Callable[[dict[str, jax.Array], Batch], jax.Array]
 
 # cuDNN fused attention lowers to these custom calls (forward and backward).
 CUDNN_ATTENTION_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
@@ -121,7 +122,7 @@ class TrainingGraphs:
 
 
 def build_graphs(
-    loss_fn: LossFn,
+    loss_fn: LossFn[Batch],
     params: Mapping[str, Any],
     batch_spec: Any,
     *,
@@ -183,9 +184,11 @@ def build_graphs(
     allowed = [export.DisabledSafetyCheck.custom_call(target) for target in custom_calls]
 
     def exported(fn, *specs) -> bytes:
-        return export.export(jax.jit(fn), platforms=platforms, disabled_checks=allowed)(
-            *specs
-        ).serialize()
+        return bytes(
+            export.export(jax.jit(fn), platforms=platforms, disabled_checks=allowed)(
+                *specs
+            ).serialize()
+        )
 
     opt_leaf_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in opt_leaves_spec)
     return TrainingGraphs(
