@@ -29,15 +29,20 @@ def select_backend(
     """
     if runtime not in ("auto", *RUNTIMES):
         raise BackendUnavailable(f"unknown runtime {runtime!r}; choose one of {RUNTIMES}")
-    options = dict(runtime=runtime, cache_dir=cache_dir, iree_flags=iree_flags)
     if name == "auto":
+
+        def on(platform: str) -> Backend:
+            return select_backend(
+                platform, devices, runtime=runtime, cache_dir=cache_dir, iree_flags=iree_flags
+            )
+
         order = ("vulkan", "metal") if runtime == "iree" else ("cuda", "rocm", "metal")
         for platform in order:
             try:
-                return select_backend(platform, devices, **options)
+                return on(platform)
             except BackendUnavailable:
                 continue
-        return select_backend("cpu", devices, **options)
+        return on("cpu")
 
     def iree() -> IreeBackend:
         if devices not in (None, 1):

@@ -27,7 +27,7 @@ op-by-op way, which is the reference: same bytes, same bits, slower.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -133,7 +133,8 @@ class _Part:
     levels: np.ndarray | None = None  # int8 per value (block quantizations)
     scales: np.ndarray | None = None  # float32 per block
     wire: np.ndarray | None = None  # the payload as bfloat16 / float32 values
-    unpacked: list | None = None  # int4Block: (start, stop) of chunks left to `finish`
+    # int4Block: (start, stop) of chunks left to `finish`
+    unpacked: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, target: np.ndarray, base: np.ndarray, quantization: str, block_size: int):
@@ -147,7 +148,6 @@ class _Part:
         elif quantization == "int4Block":
             part.levels = np.empty(count + count % 2, np.int8)
             part.levels[count:] = 0  # an odd count's last high nibble
-            part.unpacked = []
         elif quantization == "bfloat16":
             part.wire = payload.view(ml_dtypes.bfloat16)
         else:
@@ -169,13 +169,14 @@ class _Part:
             self.unpacked.append((start, stop))  # list.append is atomic under the GIL
             return
         start, stop = start - start % 2, stop + stop % 2
+        assert self.levels is not None, "int4Block parts have levels"
         pack_int4(self.levels[start:stop], self.payload[start // 2 : stop // 2])
 
     def finish(self) -> None:
         """Pack the int4 pairs chunks shared and append the scales, once every chunk is done."""
-        if self.levels is None:
+        if self.levels is None or self.scales is None:  # set together, for block quantizations
             return
-        for start, stop in self.unpacked or ():
+        for start, stop in self.unpacked:
             self.pack(start, stop, done=True)
         used = self.payload.size - 4 * self.scales.size
         self.payload[used:] = self.scales.view(np.uint8)
@@ -196,7 +197,8 @@ def _chunk(scratch: _Scratch, part: _Part, first: int, last: int, start: int, st
     old = part.base[start:stop].reshape(rows, -1)
     change = scratch.change[: stop - start].reshape(rows, -1)
     work = scratch.work[: stop - start].reshape(rows, -1)
-    if part.levels is None:  # bfloat16 or none: the payload holds each value's change
+    if part.levels is None or part.scales is None:  # bfloat16 or none: the payload holds
+        assert part.wire is not None  # each value's change, as `wire`
         wire = part.wire[start:stop].reshape(rows, -1)
         np.subtract(new, old, out=change if part.quantization == "bfloat16" else wire)
         if part.quantization == "bfloat16":
@@ -213,7 +215,7 @@ def _chunk(scratch: _Scratch, part: _Part, first: int, last: int, start: int, st
     with np.errstate(over="ignore", invalid="ignore"):  # as `dequantize`
         np.multiply(levels, scale[:, None], out=work)
     np.add(old, work, out=new)
-    if part.unpacked is not None:
+    if part.quantization == "int4Block":
         part.pack(start, stop, done=False)
 
 

@@ -235,7 +235,7 @@ async def read_message(
     try:
         for spec in specs:
             payload = np.empty(spec.payload_bytes, np.uint8)
-            await reader.read_into(memoryview(payload))
+            await reader.read_into(payload.data)
             decoded_bytes = spec.count * DTYPES[spec.dtype].itemsize  # what sending offloads by
             if offload and spec.quantization != "none" and decoded_bytes > OFFLOAD_BYTES:
                 await behind.start(payload, spec)  # decodes while the next payload arrives
@@ -245,7 +245,9 @@ async def read_message(
     finally:
         await behind.settle()
     wire_bytes = len(frame) + sum(spec.payload_bytes for spec in specs)
-    return Message(body, tensors, version, wire_bytes)
+    decoded = {name: array for name, array in tensors.items() if array is not None}
+    assert len(decoded) == len(tensors), "every tensor is decoded once `behind` has finished"
+    return Message(body, decoded, version, wire_bytes)
 
 
 async def _read_frame(reader, limits: Limits) -> bytearray:

@@ -105,9 +105,11 @@ def _decode_chunk(scratch: _Scratch, job: _Job, first: int, last: int, start: in
         return
     values = out if scratch.floats is None else scratch.floats[: stop - start]
     rows = values.reshape(last - first, -1)
+    assert job.scales is not None, "a job without `wire` is block-quantized: it has scales"
     if job.packed is not None:
         _widen_int4(job.packed, start, stop, values)
     else:
+        assert job.levels is not None, "int8Block: its levels"
         rows[...] = job.levels[start:stop].reshape(rows.shape)  # int8 -> float32: exact
     # Scales come off the wire: huge ones overflow to inf, left for the receiver's checks.
     with np.errstate(over="ignore", invalid="ignore"):

@@ -18,6 +18,7 @@ exception group.
 from __future__ import annotations
 
 import numpy as np
+import outcome
 import trio
 
 from ._dequantize import dequantize_chunked
@@ -32,7 +33,7 @@ class DecodeBehind:
         self.threads = threads
         self._name: str | None = None  # the tensor decoding now
         self._done = trio.Event()
-        self._result = None  # the decode's outcome.Outcome, once delivered
+        self._result: outcome.Outcome[np.ndarray] | None = None  # the decode's, once delivered
 
     async def start(self, payload: np.ndarray, spec: TensorSpec) -> None:
         """Decode `payload` in a thread once the decode before it has finished."""
@@ -40,7 +41,7 @@ class DecodeBehind:
         token, done = trio.lowlevel.current_trio_token(), trio.Event()
         self._name, self._done, self._result = spec.name, done, None
 
-        def deliver(result) -> None:  # on the decode thread, with its outcome.Outcome
+        def deliver(result: outcome.Outcome[np.ndarray]) -> None:  # on the decode thread
             self._result = result
             token.run_sync_soon(done.set)
 
@@ -54,6 +55,7 @@ class DecodeBehind:
             return
         await self._done.wait()
         name, self._name = self._name, None
+        assert self._result is not None, "the decode thread set `done` after its result"
         self.tensors[name] = self._result.unwrap()
 
     async def settle(self) -> None:

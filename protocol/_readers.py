@@ -57,8 +57,9 @@ class StreamReader:
 
     def __init__(self, stream: trio.abc.Stream):
         self._stream = stream
-        direct = isinstance(stream, trio.SocketStream) and hasattr(os, "readv")
-        self._socket = stream.socket if direct else None
+        self._socket: trio.socket.SocketType | None = None
+        if isinstance(stream, trio.SocketStream) and hasattr(os, "readv"):
+            self._socket = stream.socket
         self._pending = bytearray()
         self.frame_consumed = 0
         self.frame_started: float | None = None  # when the current frame's first bytes were taken
@@ -101,7 +102,7 @@ class StreamReader:
                 since_yield = 0
                 await trio.lowlevel.checkpoint()
 
-    async def _receive_some(self, max_bytes: int) -> bytes:
+    async def _receive_some(self, max_bytes: int) -> bytes | bytearray:
         try:
             chunk = await self._stream.receive_some(max_bytes)
         except trio.BrokenResourceError as exc:

@@ -10,7 +10,7 @@ connections (`stripe`, see `_striped`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import trio
@@ -192,9 +192,9 @@ def _tensor_bytes(tensors) -> int:
     return sum(np.asarray(array).nbytes for array in (tensors or {}).values())
 
 
-def _coalesce(buffers):
+def _coalesce(buffers: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
     """Join runs of small buffers into one write; hand big ones over as they are (no copy)."""
-    small: list = []
+    small: list[bytes | memoryview] = []
     for buffer in buffers:
         if memoryview(buffer).nbytes < _SMALL_BUFFER:
             small.append(buffer)

@@ -109,7 +109,7 @@ class StripedStream(trio.abc.Stream):
         self._check()
         await self.streams[self._where(self._sent)[0]].wait_send_all_might_not_block()
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         """Up to `max_bytes` from the stream that carries the next piece; b"" once any stream
         ends (the peer closed; a truncated message is then the reader's to report)."""
         if self._receiving:
@@ -187,11 +187,11 @@ class StripedStream(trio.abc.Stream):
 class Prefixed(trio.abc.Stream):
     """`stream` with bytes already read from it put back in front of what comes next."""
 
-    def __init__(self, stream: trio.abc.Stream, first: bytes):
+    def __init__(self, stream: trio.abc.Stream, first: bytes | bytearray):
         self.stream = stream
         self._first = first
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         if not self._first:
             return await self.stream.receive_some(max_bytes)
         size = len(self._first) if max_bytes is None else max_bytes
@@ -228,12 +228,13 @@ async def _send_pieces(
 def _socket_fd(stream: trio.abc.Stream) -> int | None:
     """The file descriptor of the TCP socket under `stream` (through TLS and `Prefixed`), or
     None for a stream that has none (an in-memory pair, say)."""
+    current: trio.abc.Stream | None = stream
     for _ in range(4):  # a few wrappers deep at most
-        if isinstance(stream, trio.SocketStream):
-            fd = stream.socket.fileno()
+        if isinstance(current, trio.SocketStream):
+            fd = current.socket.fileno()
             return fd if fd >= 0 else None
-        stream = getattr(stream, "transport_stream", None) or getattr(stream, "stream", None)
-        if stream is None:
+        current = getattr(current, "transport_stream", None) or getattr(current, "stream", None)
+        if current is None:
             return None
     return None
 

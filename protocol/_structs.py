@@ -73,7 +73,7 @@ def read(cls: type, reader, limits, where: str):
 
 
 def _read_value(hint, raw, meta, limits, where: str):
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return read(hint, raw, limits, where)
     if typing.get_origin(hint) is tuple:
         bound = meta["items"]

@@ -153,7 +153,7 @@ def prepare(name: str, array: np.ndarray, quantization: str, block_size: int):
         payload.nbytes,
         block_size if applied in BLOCK_QUANTIZATIONS else 0,
     )
-    return spec, memoryview(payload)
+    return spec, payload.data
 
 
 def quantize_int8_block(array: np.ndarray, block_size: int) -> np.ndarray:

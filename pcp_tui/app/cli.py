@@ -241,10 +241,12 @@ def _main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     except BaseExceptionGroup as group:  # a signal inside trio nurseries arrives wrapped
         if group.split((KeyboardInterrupt, Interrupted))[1] is not None:
             raise
-        terminated = group.subgroup(Interrupted)
+        terminated: BaseException | None = group.subgroup(Interrupted)
         while isinstance(terminated, BaseExceptionGroup):
             terminated = terminated.exceptions[0]
-        return _interrupted(terminated.signum if terminated is not None else signal.SIGINT)
+        return _interrupted(
+            terminated.signum if isinstance(terminated, Interrupted) else signal.SIGINT
+        )
 
 
 def _interrupted(signum: int) -> int:

@@ -99,7 +99,11 @@ def reference_toml(root: type[Sections] = RunConfig) -> str:
             value = getattr(getattr(defaults, section), spec.name)
             shown = spec.option.example if value is None else value
             flag = f"{spec.flag}: " if spec.option.cli else ""
-            written = _table(shown) if spec.option.table else _toml(shown)
+            if spec.option.table:
+                assert isinstance(shown, tuple), f"{spec.flat}: a table option holds pairs"
+                written = _table(shown)
+            else:
+                written = _toml(shown)
             lines += [f"# {flag}{spec.description}", f"# {spec.name} = {written}"]
     return "\n".join(lines) + "\n"
 

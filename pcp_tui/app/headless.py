@@ -164,13 +164,13 @@ class MetricsWriter:
                 self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
                 self._file.flush()
             except OSError as exc:  # a full disk, a file-size limit, a removed mount
-                self._file_failed(exc)
+                self._file_failed(self._file, exc)
         for sink in self._sinks:
             sink(row)
 
-    def _file_failed(self, exc: OSError) -> None:
+    def _file_failed(self, failed: IO[str], exc: OSError) -> None:
         """Stop writing the file (a row cut short would follow), and say so as an event."""
-        failed, self._file = self._file, None
+        self._file = None
         with contextlib.suppress(OSError):  # its flush fails as the write did
             failed.close()
         self._state.emit(

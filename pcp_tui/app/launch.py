@@ -145,9 +145,10 @@ def run_unwrapped(
         matched, rest = group.split(expected)
         if matched is None or rest is not None:
             raise
-        while isinstance(matched, BaseExceptionGroup):
-            matched = matched.exceptions[0]
-        return matched
+        first: BaseException = matched
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        return first
     return None
 
 
@@ -236,16 +237,24 @@ async def _worker_process(
             *(shepherd.tls.worker_flags() if shepherd.tls else ()),
         ),
     )
+    assert shepherd.token is not None, "the launchers set a token before making the shepherd"
     env = dict(
         os.environ, PCP_TOKEN=shepherd.token, **_cpu_threads_env(shepherd.config.network.workers)
     )
-    options = {"start_new_session": True, "pass_fds": (parent_end,)} if posix else {}
+    inherited = (parent_end,) if parent_end is not None else ()
     try:
         async with trio.open_nursery() as nursery:
             process = await nursery.start(
-                lambda **kw: trio.run_process(command, env=env, check=False, **options, **kw)
+                lambda **kw: trio.run_process(
+                    command,
+                    env=env,
+                    check=False,
+                    start_new_session=posix,
+                    pass_fds=inherited,
+                    **kw,
+                )
             )
-            if posix:
+            if parent_end is not None:
                 os.close(parent_end)
                 parent_end = None
             task_status.started(process)

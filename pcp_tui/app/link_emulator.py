@@ -156,7 +156,9 @@ class ShapedPipe:
 
     async def run(self, source: trio.abc.ReceiveStream, sink: trio.abc.SendStream) -> None:
         """Copy until `source` ends, then close `sink`'s sending side (or the whole stream)."""
-        send, receive = trio.open_memory_channel[tuple[float, bytes]](self.profile.queue_chunks())
+        send, receive = trio.open_memory_channel[tuple[float, bytes | bytearray]](
+            self.profile.queue_chunks()
+        )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write, receive, sink)
             async with send:

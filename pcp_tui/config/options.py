@@ -15,9 +15,18 @@ import difflib
 import functools
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _cache_by_type(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`functools.cache` for functions of a class: typed as `fn` itself, because mypy's
+    Hashable check refuses every `type[X]` value (python/mypy#11470) though a class hashes."""
+    return functools.cache(fn)  # type: ignore[return-value]  # mypy#11470, as above
 
 
 class ConfigError(ValueError):
@@ -137,19 +146,24 @@ def section_types(root: type) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(root)}
 
 
-@functools.cache
+@_cache_by_type
 def section_specs(section: str, kind: type) -> tuple[Spec, ...]:
     """The options of one section class, named `section` in its root."""
     hints = typing.get_type_hints(kind)
     found = []
     for f in dataclasses.fields(kind):
         plain, optional = _plain_type(hints[f.name])
-        default = f.default_factory() if f.default is MISSING else f.default
+        if f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"{kind.__name__}.{f.name}: an option needs a default")
         found.append(Spec(section, f.name, plain, optional, default, f.metadata["option"]))
     return tuple(found)
 
 
-@functools.cache
+@_cache_by_type
 def specs(root: type) -> tuple[Spec, ...]:
     """Every option of `root`, section by section; refuses two options with one flat name."""
     found = [s for name, kind in section_types(root).items() for s in section_specs(name, kind)]
@@ -176,7 +190,7 @@ def validate_section(section: object, name: str) -> None:
         check()
 
 
-@functools.cache
+@_cache_by_type
 def flat_names(root: type) -> dict[str, Spec]:
     """{flat name: Spec}: `inner_steps` -> the option at `inner.steps`."""
     return {spec.flat: spec for spec in specs(root)}

@@ -38,11 +38,14 @@ def is_finite(array: np.ndarray, squared: float | None = None) -> bool:
 
 def expected_shapes(graph: Callable, names: Sequence[str]) -> dict[str, tuple[int, ...]] | None:
     """The parameter shapes a compiled graph taking `(params,)` expects; None if it does not say."""
+    in_avals = getattr(graph, "in_avals", None)  # a backend's LoadedGraph has them
+    if in_avals is None:
+        return None
     try:
         import jax
 
-        avals = jax.tree.leaves(graph.in_avals)
-    except (AttributeError, TypeError, ImportError):
+        avals = jax.tree.leaves(in_avals)
+    except (TypeError, ImportError):
         return None
     if len(avals) != len(names):
         return None

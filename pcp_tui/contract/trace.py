@@ -63,14 +63,14 @@ class MessageTrace:
         line = json.dumps(row) + "\n"
         try:
             if self._file.tell() + len(line) > self.max_bytes:
-                self._rotate()
+                self._rotate(self._file)
             self._file.write(line)
             self._file.flush()
         except OSError:
             self.close()
 
-    def _rotate(self) -> None:
-        self._file.close()
+    def _rotate(self, full: IO[str]) -> None:
+        full.close()
         os.replace(self.path, f"{self.path}.1")
         self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
 

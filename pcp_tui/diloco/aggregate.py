@@ -203,14 +203,14 @@ class CenteredClip:
                 self._fold(result, weight, relative * self.step_scale)
             self._held = []
         sums = self._sum.sums
-        weight = None  # the center's share, added to the sum in the same pass as the new center
+        share = None  # the center's share, added to the sum in the same pass as the new center
         if self.center is None:  # the first round's distances are norms: no history for later
             self.center = {n: np.empty_like(v) for n, v in sums.items()}
         else:
             self._recent.extend(self._round)
-            weight = np.float32(self._center_weight) if self._center_weight > 0 else None
+            share = np.float32(self._center_weight) if self._center_weight > 0 else None
         rows = [(sums[n], self.center[n]) for n in self._names]
-        fused.over_chunks(fused.center_chunk, rows, (weight, self.scale), self.threads)
+        fused.over_chunks(fused.center_chunk, rows, (share, self.scale), self.threads)
         return self._scales
 
     @property

@@ -118,7 +118,8 @@ class OuterOptimizer:
     def __init__(self, kind: str = "nesterov", lr: float = 0.7, momentum: float = 0.9):
         self.kind, self.lr, self.momentum = kind, lr, momentum
         self.transform = reference.outer_optimizer(kind, lr, momentum)
-        self.state = None  # the optax state, made on the first step (or loaded)
+        # the optax state (a chain's: a tuple), made on the first step (or loaded)
+        self.state: tuple | None = None
 
     def step(
         self, params: Mapping[str, np.ndarray], pseudo_gradient: Mapping[str, np.ndarray]
@@ -145,11 +146,13 @@ class OuterOptimizer:
         jitted would fuse multiply-adds and differ by an ulp.
         """
         _check_writable(params)
-        self._own_state(params)
+        state = self._own_state(params)
         momentum, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
         sums = {n: np.ascontiguousarray(gradient_sum[n], np.float32) for n in params}
+        rows: list[tuple[np.ndarray, ...]]  # per parameter, the arrays its kernel reads
+        constants: tuple  # the kernel's scalars
         if self.kind == "nesterov":
-            trace = self.state[0].trace
+            trace = state[0].trace
             rows = [(params[n], trace[n], sums[n]) for n in params]
             constants = (scale, momentum, neg_lr, fused.small_bound(self.lr, self.momentum))
             fused.over_chunks(fused.nesterov_chunk, rows, constants, threads)
@@ -182,8 +185,9 @@ class OuterOptimizer:
         for name, param in params.items():
             np.add(param, np.asarray(updates[name]), out=param)
 
-    def _own_state(self, params: Mapping[str, np.ndarray]) -> None:
-        """Make the state (zeros on the first step) and hold its leaves as writable numpy arrays."""
+    def _own_state(self, params: Mapping[str, np.ndarray]) -> tuple:
+        """Make the state (zeros on the first step) and hold its leaves as writable numpy arrays;
+        returns it."""
         if self.state is None:  # from optax's shapes: no device array (on a GPU host, no GPU)
             self.state = jax.tree_util.tree_map(
                 lambda leaf: np.zeros(leaf.shape, leaf.dtype), self._state_shapes(params)
@@ -191,6 +195,7 @@ class OuterOptimizer:
         leaves = jax.tree_util.tree_leaves(self.state)
         if not all(isinstance(leaf, np.ndarray) and leaf.flags.writeable for leaf in leaves):
             self.state = jax.tree_util.tree_map(lambda leaf: np.array(leaf, np.float32), self.state)
+        return self.state
 
     def _state_shapes(self, params: Mapping[str, np.ndarray]):
         """optax's state for `params` as shapes and dtypes (`jax.eval_shape`: nothing allocated)."""

@@ -18,6 +18,7 @@ import collections
 import math
 import statistics
 from collections.abc import Callable, Mapping
+from typing import SupportsInt
 
 import numpy as np
 
@@ -105,14 +106,18 @@ class NormGuard:
         return norm
 
 
-def check_token_count(reported: object, most: int) -> None:
-    """BadResult unless 0 < tokens <= `most`: the count weighs a result in the mean, so it is capped."""
+def check_token_count(reported: object, most: int) -> int:
+    """The token count; BadResult unless 0 < tokens <= `most`: the count weighs a result in the
+    mean, so it is capped."""
     try:
+        if not isinstance(reported, SupportsInt | str):
+            raise TypeError(reported)
         tokens = int(reported)
     except (TypeError, ValueError):
         raise BadResult(f"the token count {reported!r} is not a number") from None
     if not 0 < tokens <= most:
         raise BadResult(f"it claims {tokens} tokens; a round has 1..{most} per worker")
+    return tokens
 
 
 class ResultScreen:
@@ -135,12 +140,12 @@ class ResultScreen:
     def check(self, tensors: Mapping[str, np.ndarray], tokens: object) -> float:
         """The result's global norm; BadResult for wrong tensors, NaN/Inf, a bad token count or norm."""
         norm = check_pseudo_gradient(tensors, self.shapes)
-        check_token_count(tokens, self.max_tokens)
+        count = check_token_count(tokens, self.max_tokens)
         most = self.bound
         if math.isfinite(norm) and norm > most:  # an overflow is reported as one below
             raise BadResult(
                 f"its global L2 norm {norm:.4g} is over {most:.4g}, the most the plan's inner "
                 "optimizer can move the parameters in a round"
             )
-        scale = self.lr_sum(int(tokens)) if self.lr_sum is not None else 1.0
+        scale = self.lr_sum(count) if self.lr_sum is not None else 1.0
         return self.norms.judge(norm, scale)

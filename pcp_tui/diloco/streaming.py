@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from pcp_tui.contract.plan import (
     Fragments,  # the schedule's rules live with the plan's and the options'
@@ -106,7 +107,7 @@ def carry_scale(alpha: float) -> np.float32:
     return np.float32(1) - np.float32(alpha)
 
 
-def carry(local: np.ndarray, global_: np.ndarray, sent: np.ndarray, alpha: float) -> np.ndarray:
+def carry(local: ArrayLike, global_: ArrayLike, sent: ArrayLike, alpha: float) -> np.ndarray:
     """local + (1 − α)(global − sent), in float32: the carry merge (`sent`: θ at the send point).
 
     The shift global − sent is formed first, on the host, as the worker does.
@@ -115,7 +116,7 @@ def carry(local: np.ndarray, global_: np.ndarray, sent: np.ndarray, alpha: float
     return np.asarray(local, np.float32) + carry_scale(alpha) * shift
 
 
-def mix(local: np.ndarray, global_: np.ndarray, alpha: float) -> np.ndarray:
+def mix(local: ArrayLike, global_: ArrayLike, alpha: float) -> np.ndarray:
     """α local + (1 − α) global, in float32: a fragment's merge (α = 0 takes the global value)."""
     if alpha == 0.0:
         return np.array(global_, np.float32)

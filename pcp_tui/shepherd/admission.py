@@ -154,6 +154,8 @@ class Admission:
     ) -> Admission:
         """The admission `config.security` sets (limits, deadline), with --trace if asked for."""
         security = config.security
+        if not security.token:  # the launchers always set one (--token, $PCP_TOKEN or random)
+            raise ConfigError("the shepherd needs a join token: pass --token or set $PCP_TOKEN")
         return cls(
             state,
             token=security.token,
@@ -189,7 +191,7 @@ class Admission:
         deadline = trio.current_time() + self.timeout
         try:
             if self._tls is not None:
-                opened = await self._open_tls(raw, deadline)
+                opened = await self._open_tls(self._tls, raw, deadline)
                 if isinstance(opened, str):
                     await self._refuse_plain_peer(raw, host, peer, opened)
                     return None
@@ -228,7 +230,9 @@ class Admission:
         stream.limits = ADMITTED_LIMITS
         return Admitted(stream, hello, peer)
 
-    async def _open_tls(self, raw: trio.abc.Stream, deadline: float) -> trio.abc.Stream | str:
+    async def _open_tls(
+        self, tls: ServerTLS, raw: trio.abc.Stream, deadline: float
+    ) -> trio.abc.Stream | str:
         """The TLS stream; or, when the peer does not open with a TLS record, why not.
 
         A worker started without --tls-* sends nothing: it waits for the
@@ -243,7 +247,7 @@ class Admission:
         if first[:1] != _TLS_HANDSHAKE_RECORD:
             return "the peer speaks plain PCP" if first else "closed before the TLS handshake"
         with trio.fail_at(deadline):
-            return await self._tls.accept(protocol.Prefixed(raw, first))
+            return await tls.accept(protocol.Prefixed(raw, first))
 
     async def _refuse_plain_peer(
         self, raw: trio.abc.Stream, host: str, peer: str, why: str
@@ -275,9 +279,12 @@ async def _close(stream: trio.abc.Stream) -> None:
 
 
 def peer_name(stream: trio.abc.Stream) -> str:
+    socket = getattr(stream, "socket", None)  # a SocketStream has one; other streams, none
+    if socket is None:
+        return "unknown peer"
     try:
-        host, port = stream.socket.getpeername()[:2]
-    except (AttributeError, OSError):
+        host, port = socket.getpeername()[:2]
+    except OSError:
         return "unknown peer"
     return f"{host}:{port}"
 

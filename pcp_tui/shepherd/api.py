@@ -136,15 +136,14 @@ class OperatorAPI:
         """The API `config` asks for (None with `api_port` 0); ConfigError without a token."""
         if not config.operator.api_port:
             return None
+        cert, key = config.security.tls_cert, config.security.tls_key  # both or neither
         return cls(
             state,
             request_stop,
             token=bearer_token(config),
             host=config.operator.api_host,
             port=config.operator.api_port,
-            tls=(config.security.tls_cert, config.security.tls_key)
-            if config.security.tls_cert
-            else None,
+            tls=(cert, key) if cert and key else None,
         )
 
     @property
@@ -179,6 +178,7 @@ class OperatorAPI:
             config.certfile, config.keyfile = self.tls
         self.server = CappedServer(self, config)  # MAX_CONNECTIONS at once; more get a 503
         listening, self._socket = self._socket, None  # the server owns (and closes) it now
+        assert listening is not None, "bind() above opened it"
         await self.server.serve(listening, self._closed)
 
     def close(self) -> None:

@@ -193,25 +193,28 @@ class RunCollector(Collector):
         optional = {
             "pcp_train_loss": (
                 "Mean inner-step train loss of the last round",
-                last and last.train_loss,
+                None if last is None else last.train_loss,
             ),
             "pcp_eval_loss": ("Latest held-out loss", state.last_eval_loss()),
             "pcp_tokens_per_second": (
                 "Tokens per second of the last round",
-                last and last.tokens_per_second,
+                None if last is None else last.tokens_per_second,
             ),
-            "pcp_round_seconds": ("Wall seconds of the last round", last and last.round_seconds),
+            "pcp_round_seconds": (
+                "Wall seconds of the last round",
+                None if last is None else last.round_seconds,
+            ),
             "pcp_utilization": (
                 "Compute seconds / (contributors x round seconds), last round",
-                last and last.utilization,
+                None if last is None else last.utilization,
             ),
             "pcp_round_bytes": (
                 "Bytes sent and received in the last round",
-                last and last.bytes_exchanged,
+                None if last is None else last.bytes_exchanged,
             ),
             "pcp_round_bytes_data_parallel": (
                 "Bytes synchronous data parallelism would have exchanged in the last round",
-                last and last.bytes_data_parallel,
+                None if last is None else last.bytes_data_parallel,
             ),
             "pcp_eta_seconds": ("Estimated seconds to the last round", state.eta_seconds()),
         }

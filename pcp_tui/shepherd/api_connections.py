@@ -46,6 +46,7 @@ class CappedServer:
     async def serve(self, sock: socket.socket, closed: trio.Event) -> None:
         """Accept on `sock` until `closed` is set; connections in flight then get
         hypercorn's `graceful_timeout` to finish."""
+        listener: trio.abc.Listener[trio.abc.Stream]
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         ssl_context = self.config.create_ssl_context()
         if ssl_context is not None:
@@ -69,7 +70,9 @@ class CappedServer:
         self.open += 1
         counted = _Counted(stream, self._release)
         try:
-            await TCPServer(self.app, self.config, self._context, {}, counted)
+            # hypercorn annotates the stream as SSLStream, but serves a plain one too (it reads
+            # `.socket` when `.transport_stream` is absent): the annotation is narrower than the code
+            await TCPServer(self.app, self.config, self._context, {}, counted)  # type: ignore[arg-type]
         finally:
             counted.release()
 
@@ -98,7 +101,7 @@ class _Counted:
         if release is not None:
             release()
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         try:
             data = await self._stream.receive_some(max_bytes)
         except BaseException:

@@ -40,20 +40,24 @@ class CheckpointWriter:
 
         Returns once the copy is taken, not written: the write runs in `nursery`.
         """
+        directory = self.directory
+        assert directory is not None, "only a run with a checkpoint directory saves"
         await self._written.wait()
         params, arrays = await trio.to_thread.run_sync(snapshot)
         self._written = trio.Event()
-        nursery.start_soon(self._write, number, params, arrays, meta)
+        nursery.start_soon(self._write, directory, number, params, arrays, meta)
 
     async def idle(self) -> None:
         """Wait until no write is in flight (before the run reports it is done)."""
         await self._written.wait()
 
-    async def _write(self, number: int, params: dict, arrays: dict, meta: dict) -> None:
+    async def _write(
+        self, directory: str, number: int, params: dict, arrays: dict, meta: dict
+    ) -> None:
         try:
             path = await trio.to_thread.run_sync(
                 lambda: checkpoint.save(
-                    self.directory, round=number, params=params, outer_state=arrays, meta=meta
+                    directory, round=number, params=params, outer_state=arrays, meta=meta
                 )
             )
         except checkpoint.CheckpointError as exc:

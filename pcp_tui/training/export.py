@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,8 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from pcp_tui.training.sharding import Axis, LayoutError, param_axes, state_axes
 
-LossFn = Callable[[dict[str, jax.Array], jax.Array], jax.Array]
+Batch = TypeVar("Batch")  # one inner step's batch: a jax.Array, or a tuple of them
+LossFn = Callable[[dict[str, jax.Array], Batch], jax.Array]
 
 # cuDNN fused attention lowers to these custom calls (forward and backward).
 CUDNN_ATTENTION_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
@@ -135,7 +136,7 @@ class TrainingGraphs:
 
 
 def build_graphs(
-    loss_fn: LossFn,
+    loss_fn: LossFn[Batch],
     params: Mapping[str, Any],
     batch_spec: Any,
     *,
@@ -211,9 +212,9 @@ def build_graphs(
 
     def exported(fn, *specs, placed=None) -> bytes:
         jitted = jax.jit(fn) if placed is None else jax.jit(fn, **placed)
-        return export.export(jitted, platforms=platforms, disabled_checks=allowed)(
-            *specs
-        ).serialize()
+        return bytes(
+            export.export(jitted, platforms=platforms, disabled_checks=allowed)(*specs).serialize()
+        )
 
     opt_leaf_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in opt_leaves_spec)
     batches = stacked(chunk_steps)

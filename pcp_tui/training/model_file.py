@@ -76,6 +76,8 @@ def load_spec(model: str, config: RunConfig) -> ModelSpec:
         raise ConfigError(f"--model {model!r}: no file {path}")
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(f"pcp_tui_model_{digest}", path)
+    if module_spec is None or module_spec.loader is None:  # no loader for its suffix
+        raise ConfigError(f"--model {model!r}: {path.name} is not a Python file (name it .py)")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module  # dataclasses and pickling-free tracing look modules up
     with user_code(path, "importing it"):
@@ -119,8 +121,8 @@ def user_code(path: Path, doing: str, inputs: Callable[[], str] | None = None) -
 
 def _describe(exc: Exception, path: Path, doing: str, inputs: Callable[[], str] | None) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if Path(f.filename) == path] or [None]
-    frame = mine[-1]  # the innermost line of the model file
+    mine = [f for f in frames if Path(f.filename) == path]
+    frame = mine[-1] if mine else None  # the innermost line of the model file
     where = f"{path}:{frame.lineno}: in {frame.name}" if frame else f"{path}: {doing}"
     lines = [line for line in str(exc).splitlines() if line.strip()]
     message = f"{where}: {type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")

@@ -27,7 +27,7 @@ def fingerprint(*arrays: np.ndarray) -> str:
     for array in arrays:
         array = np.ascontiguousarray(array)
         digest.update(f"{array.dtype.str}:{array.size};".encode())
-        digest.update(memoryview(array).cast("B"))
+        digest.update(array.data.cast("B"))
     return digest.hexdigest()
 
 

@@ -8,19 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import numpy as np
 
 from pcp_tui.training.corpus import Corpus, RowData
 
+# one inner step's batch, as the workload's loss takes it: a jax.Array, or a tuple of them
+Batch = TypeVar("Batch")
+
 
 @dataclass
-class Workload:
+class Workload(Generic[Batch]):
     name: str
     params: dict[str, np.ndarray]
-    loss_fn: Callable[[dict[str, jax.Array], jax.Array], jax.Array]
+    loss_fn: Callable[[dict[str, jax.Array], Batch], jax.Array]
     batch_spec: Any  # one inner step's batch: int32[B, T+1], or a tuple of [B, ...] for rows
     corpus: Corpus | RowData
     shards: list[np.ndarray] | list[dict[str, np.ndarray]]

@@ -85,7 +85,9 @@ class Reconnect:
             return not self.retry or trio.current_time() >= deadline
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
-            reason, seconds = str(state.outcome.exception()), state.next_action.sleep
+            failed, action = state.outcome, state.next_action
+            assert failed is not None and action is not None, "tenacity sets both before a sleep"
+            reason, seconds = str(failed.exception()), action.sleep
             log.info(
                 "%s; retrying in %.1f s (attempt %d, %.0f of --give-up-after %g s spent)",
                 *(reason, seconds, state.attempt_number + 1),
@@ -109,6 +111,7 @@ class Reconnect:
             return await retrying(attempt_in_budget)
         except tenacity.RetryError as exc:
             last = exc.last_attempt.exception()
+            assert last is not None, "only a failed attempt (ConnectionLost) is retried"
             if not self.retry:
                 raise last from None
             raise ConnectionLost(
@@ -121,7 +124,7 @@ class Reconnect:
 def connect_failure(exc: OSError) -> str:
     """Why a TCP connect failed, in words: trio's own error says only "all attempts to
     connect to HOST:PORT failed" and keeps each address's reason in its cause."""
-    cause: BaseException | None = exc
+    cause: BaseException = exc
     while isinstance(cause.__cause__, OSError | BaseExceptionGroup):
         cause = cause.__cause__
         while isinstance(cause, BaseExceptionGroup):

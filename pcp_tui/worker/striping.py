@@ -54,6 +54,7 @@ async def attach(worker: Dialer, main: protocol.MessageStream, welcome: protocol
                     _attach_one, worker, index, welcome.session_key, extra, problems, limiter
                 )
         settled = (await expect(main, "welcome")).body
+        assert isinstance(settled, protocol.Welcome), "expect checked its kind"
         if settled.streams <= 1:
             why = "; ".join(sorted(problems)) or "the shepherd did not get them all in time"
             log.warning("continuing on one connection: %s", why)
@@ -86,9 +87,10 @@ async def _attach_one(
             with trio.fail_after(ATTACH_SECONDS):
                 deadline = trio.current_time() + ATTACH_SECONDS
                 stream = protocol.MessageStream(await worker._open(deadline))
-                hello = await expect(stream, "hello")
+                hello = (await expect(stream, "hello")).body
+                assert isinstance(hello, protocol.Hello), "expect checked its kind"
                 await stream.send(
-                    worker._hello(hello.body.nonce, attach_index=index, session_key=session_key)
+                    worker._hello(hello.nonce, attach_index=index, session_key=session_key)
                 )
         extra[index] = stream
     except (ConnectionEnded, trio.TooSlowError, *LINK_ERRORS) as exc:

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Input
 
-from pcp_tui.app.dashboard.guest_run import GuestRun, SpawnWorkers
+from pcp_tui.app.dashboard.guest_run import SpawnWorkers
 from pcp_tui.app.dashboard.key_actions import KeyActions
 from pcp_tui.app.dashboard.loss_chart import StepMeans
 from pcp_tui.app.dashboard.run_text import (
@@ -43,7 +43,7 @@ __all__ = ["REFRESH_SECONDS", "DashboardApp", "SpawnWorkers", "run_dashboard", "
 REFRESH_SECONDS = 0.4
 
 
-class DashboardApp(GuestRun, KeyActions, App[None]):
+class DashboardApp(KeyActions):
     """Shows a RunState; with a shepherd, also runs it (guest mode) and sends it commands."""
 
     CSS_PATH = "app.tcss"
@@ -150,13 +150,13 @@ class DashboardApp(GuestRun, KeyActions, App[None]):
             phase_note=self._notes.phase,
         )
         self.query_one(RunHeader).show(state, now=now, status=status, note=note)
-        evals = [r for r in state.history if r.eval_loss is not None]
+        evals = [(r.round, r.eval_loss) for r in state.history if r.eval_loss is not None]
         if self._step_means.update(state.step_losses) or len(evals) != self._evals_shown:
             self._evals_shown = len(evals)
             inner_steps = int(state.settings.get("inner_steps", 1) or 1)
             self.query_one(LossChart).set_data(
                 self._step_means.points(),
-                [(r.round * inner_steps, r.eval_loss) for r in evals],
+                [(number * inner_steps, loss) for number, loss in evals],
                 inner_steps=inner_steps,
             )
         self.query_one(RoundTiming).show(state.history)

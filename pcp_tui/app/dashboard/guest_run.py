@@ -1,9 +1,9 @@
 """The dashboard's trio side: the shepherd's run hosted in guest mode on Textual's asyncio loop.
 
-`GuestRun` is mixed into `DashboardApp`: it starts the run, forwards commands
-into it through the guest run's token (a shepherd's trio.Events need trio
-context), turns SIGHUP / SIGTERM into a stop, and never lets the run outlive
-the app. What the run ended with becomes `failure` and `exit_code`.
+`GuestRun` is the base of `DashboardApp` (through `KeyActions`): it starts the
+run, forwards commands into it through the guest run's token (a shepherd's
+trio.Events need trio context), turns SIGHUP / SIGTERM into a stop, and never
+lets the run outlive the app. What the run ended with becomes `failure` and `exit_code`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import outcome
 import trio
+from textual.app import App
 
 from pcp_tui.app.dashboard.run_text import FINISHED
 from pcp_tui.app.dashboard.signals import StopSignals
@@ -24,7 +25,7 @@ from pcp_tui.shepherd.state import RunState
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
 
 
-class GuestRun:
+class GuestRun(App[None]):
     """The guest run's lifetime and commands; the attributes are set by `DashboardApp.__init__`."""
 
     state: RunState
@@ -38,6 +39,7 @@ class GuestRun:
     _quitting: bool
     _signals: StopSignals | None
     signal_received: int | None
+    refresh_from_state: Callable[[], None]  # DashboardApp's: redraw every panel from `state`
 
     def _start_guest_run(self) -> None:
         """Start the shepherd on this loop; SIGHUP and SIGTERM now stop it (see `_on_stop_signal`)."""
@@ -127,6 +129,10 @@ class GuestRun:
         elif self._cancel_scope is not None:
             self._in_trio(self._cancel_scope.cancel)
 
+    def _after_command(self) -> None:
+        self.refresh_bindings()
+        self.refresh_from_state()
+
     def _in_trio(self, command: Callable[[], None]) -> bool:
         """Run a shepherd command inside the guest run (its trio.Events need trio context)."""
         if self._trio_token is None or not self.guest_running:
@@ -149,9 +155,10 @@ def failure_reason(error: BaseException) -> str:
     if isinstance(error, BaseExceptionGroup):
         matched, _ = error.split(RunFailed)
         if matched is not None:
-            while isinstance(matched, BaseExceptionGroup):
-                matched = matched.exceptions[0]
-            return str(matched)
+            first: BaseException = matched
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            return str(first)
         return "; ".join(failure_reason(e) for e in error.exceptions)
     if isinstance(error, RunFailed):
         return str(error)

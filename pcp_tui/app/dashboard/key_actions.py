@@ -1,6 +1,6 @@
 """What the dashboard's keys do: the actions `DashboardApp.BINDINGS` names, and the filter box.
 
-`KeyActions` is mixed into `DashboardApp`. Commands for the run (quit, pause,
+`KeyActions` is a base of `DashboardApp`. Commands for the run (quit, pause,
 resume) go through `GuestRun._in_trio`; everything else only changes a view.
 `check_action` decides which of them the footer shows right now.
 """
@@ -8,26 +8,21 @@ resume) go through `GuestRun._in_trio`; everything else only changes a view.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from textual.widgets import Input
 
+from pcp_tui.app.dashboard.guest_run import GuestRun
 from pcp_tui.app.dashboard.help_screen import HelpScreen
 from pcp_tui.app.dashboard.run_text import FINISHED
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, WorkerTable
 from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory
-from pcp_tui.shepherd.state import RunState
 
 
-class KeyActions:
+class KeyActions(GuestRun):
     """The actions behind the bindings; the attributes are set by `DashboardApp.__init__`."""
 
-    state: RunState
-    shepherd: Any
     _clock: Callable[[], float]
-    _quitting: bool
     _pause_wanted: bool
-    guest_running: bool
     worker_history: dict[str, WorkerHistory]
 
     async def action_quit(self) -> None:
@@ -67,10 +62,6 @@ class KeyActions:
             self._pause_wanted = False
             self._in_trio(self.shepherd.resume)
             self._after_command()
-
-    def _after_command(self) -> None:
-        self.refresh_bindings()
-        self.refresh_from_state()
 
     def action_log_scale(self) -> None:
         self.query_one(LossChart).toggle_log()

@@ -10,6 +10,7 @@ from rich.console import Group
 from rich.style import Style
 from rich.table import Table
 from rich.text import Text
+from textual import events
 from textual.widgets import RichLog, Static
 
 from pcp_tui.app.dashboard._format import compact_count, duration, short_bytes
@@ -61,7 +62,7 @@ class RunHeader(Static):
             )
         )
 
-    def on_resize(self) -> None:
+    def on_resize(self, event: events.Resize) -> None:
         if self._shown is not None:  # fit the lines to the new width
             state, now, status, note = self._shown
             self.show(state, now=now, status=status, note=note)
@@ -165,7 +166,7 @@ class RoundTiming(Static):
 
     _history: Sequence[RoundRecord] = ()
 
-    def on_resize(self) -> None:
+    def on_resize(self, event: events.Resize) -> None:
         self.show(self._history)  # the sparkline holds as many rounds as there are cells
 
     def show(self, history: Sequence[RoundRecord]) -> None:
@@ -303,7 +304,7 @@ class EventLog(RichLog):
         self.clear()
         self._write(self._events)
 
-    def on_resize(self) -> None:
+    def on_resize(self, event: events.Resize) -> None:
         # Lines written before the first layout are rendered now (by RichLog); show the newest.
         self.call_after_refresh(self.scroll_end, animate=False)
 

@@ -146,8 +146,9 @@ def _attention(config: GPTConfig, p: Params, prefix: str, x: jax.Array) -> jax.A
     b, t, c = x.shape
     qkv = x @ p[prefix + "c_attn.w"] + p[prefix + "c_attn.b"]
     q, k, v = (qkv.reshape(b, t, 3, config.n_head, c // config.n_head)[:, :, i] for i in range(3))
-    implementation = None if config.attention == "xla" else config.attention
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    y = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn" if config.attention == "cudnn" else None
+    )
     return y.reshape(b, t, c) @ p[prefix + "c_proj.w"] + p[prefix + "c_proj.b"]
 
 
