@@ -215,6 +215,7 @@ class JaxBackend(Backend):
 
     def _sharding(self, axis: Axis, ndim: int) -> Any:
         """The mesh sharding that splits `axis` (None: a full copy on every device)."""
+        assert self._mesh is not None, "a sharding needs this worker's mesh (several devices)"
         P = self._jax.sharding.PartitionSpec
         spec = (
             P() if axis is None else P(*([None] * axis), MESH_AXIS, *([None] * (ndim - axis - 1)))
@@ -228,12 +229,11 @@ class JaxBackend(Backend):
 
         Without `axes` they are for a one-device graph, which runs on the first device.
         """
-        mesh = self._mesh
-        if mesh is None or axes is None:
+        if self._mesh is None or axes is None:
             # one call per array: measured faster on an H100 than one batched call for GPT-2's 148
             return [self._jax.device_put(a, self._device) for a in arrays]
         return [
-            self._jax.device_put(a, self._sharding(mesh, axis, np.ndim(a)))
+            self._jax.device_put(a, self._sharding(axis, np.ndim(a)))
             for a, axis in zip(arrays, axes, strict=True)
         ]
 

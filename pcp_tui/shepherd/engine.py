@@ -348,6 +348,9 @@ class RoundEngine:
 
     def _say_clipped(self, current: Round, scales: list[float]) -> None:
         """A `result_clipped` event for each result centered clip scaled down."""
+        if not isinstance(current.mean, CenteredClip):
+            return  # only centered clip scales results
+        radius = current.mean.radius
         part = f", fragment {current.fragment}" if len(self.fragments) > 1 else ""
         for worker_id, scale in zip(current.contributors, scales, strict=False):
             if scale != 1.0:
@@ -355,7 +358,7 @@ class RoundEngine:
                     "result_clipped",
                     f"round {current.number}{part}: worker "
                     f"{self.state.workers[worker_id].index}'s result was scaled by "
-                    f"{scale:.3g} to the clip radius {current.mean.radius:.4g}",
+                    f"{scale:.3g} to the clip radius {radius:.4g}",
                     worker=worker_id,
                     round=current.number,
                     scale=scale,

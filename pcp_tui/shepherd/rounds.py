@@ -99,7 +99,7 @@ class Round:
         number: int,
         participants: list[str],
         mean: Aggregate,
-        screen: ResultScreen,
+        screen: ResultScreen | None,
         *,
         connections: Mapping[str, WorkerLink] | None = None,
         fragment: int = 0,
@@ -157,6 +157,8 @@ class Round:
         BadResult if it is refused; False if the round closed while it waited
         its turn (it is then not counted).
         """
+        body = message.body
+        assert isinstance(body, protocol.RoundResult), "the pool hands over results only"
         self.folding.add(worker_id)
         try:
             async with self._lock:
@@ -171,20 +173,21 @@ class Round:
             self.folding.discard(worker_id)
         self.tokens += tokens
         self.tokens_by_worker[worker_id] = tokens
-        self.steps_by_worker[worker_id] = message.body.inner_steps
+        self.steps_by_worker[worker_id] = body.inner_steps
         self.largest_result = max(self.largest_result, message.wire_bytes)
         self.bytes_saved += max(
             sum(t.nbytes for t in message.tensors.values()) - message.wire_bytes, 0
         )
         self.losses.extend(losses)
-        self.compute_seconds[worker_id] = message.body.compute_seconds
+        self.compute_seconds[worker_id] = body.compute_seconds
         self.arrivals[worker_id] = time.monotonic() - self.started
         self.answered[worker_id] = trio.current_time()
         self.finish(worker_id)
         return True
 
     def _screen_and_fold(self, message: protocol.Message) -> tuple[int, list[float]]:
-        body: protocol.RoundResult = message.body
+        body = message.body
+        assert isinstance(body, protocol.RoundResult) and self._screen is not None
         self._screen.check(message.tensors, body.tokens)
         tokens = body.tokens
         if tokens <= 0:

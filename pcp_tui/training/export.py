@@ -259,7 +259,7 @@ class _Mesh:
         # Explicit, where shard_map would demand every argument's sharding in its type).
         # An abstract mesh needs no devices here, but JAX lowers cuDNN attention only over
         # real ones (any platform's: the artifact keeps the placements, not the devices).
-        self.mesh = None
+        self.mesh: jax.sharding.Mesh | AbstractMesh | None = None
         if devices > 1:
             local = jax.devices()
             self.mesh = (
@@ -273,6 +273,7 @@ class _Mesh:
         return PartitionSpec(*(MESH_AXIS if i == axis else None for i in range(ndim)))
 
     def sharding(self, axis: Axis, ndim: int) -> NamedSharding:
+        assert self.mesh is not None, "one device: nothing to place"
         return NamedSharding(self.mesh, self.spec(axis, ndim))
 
     def placed(self, axes: Any, shapes: Any) -> tuple[NamedSharding, ...]:

@@ -103,7 +103,7 @@ class RoundTrainer:
     ):
         self.training, self.plan = training, training.plan
         self.backend, self.counters, self.inner = backend, counters, inner
-        self._status, self._worker_index = status, worker_index
+        self._status, self._worker_index = status, worker_index  # index: set once welcomed
         self.faults = faults or Faults()
         self.fragments = contract.fragments(self.plan)
         self.updates = FragmentUpdates(self.fragments)
@@ -130,15 +130,16 @@ class RoundTrainer:
         the loop still waits for is logged per round (`Pauses`). RoundRefused if
         the roundStart or an update cannot be trained on.
         """
-        number, steps = message.body.round, message.body.inner_steps or self.plan.inner_steps
+        start = message.body
+        assert isinstance(start, protocol.RoundStart), "the receive loop hands over roundStarts"
+        number, steps = start.round, start.inner_steps or self.plan.inner_steps
         problem = contract.round_steps_problem(self.plan, steps)
         if problem is not None:
             raise RoundRefused(f"roundStart refused: {problem}")
         await self.faults.before_round(number)
         ended, self._round_ended = self._round_ended, None
         pauses = Pauses(number, between=0.0 if ended is None else time.perf_counter() - ended)
-        await self._start(message)
-        params, step = self.params, 0
+        params, step = await self._start(start, message.tensors), 0
         self.params = None  # donated to the chunks; set again when the round is done
         schedule = Schedule(steps, len(self.fragments), self.plan.overlap_steps)
         exchanges: dict[int, Exchange] = {}
@@ -176,27 +177,27 @@ class RoundTrainer:
         log.info("%s", pauses)
         self._status(state="idle")
 
-    async def _start(self, message: protocol.Message) -> None:
-        """Take the round's parameters (or keep ours for a continued round); RoundRefused if
-        they cannot be trained on."""
-        if message.body.continued:
+    async def _start(self, start: protocol.RoundStart, tensors: dict[str, np.ndarray]) -> list:
+        """The round's parameters on the device: ours for a continued round, else those it
+        carries; RoundRefused if they cannot be trained on."""
+        if start.continued:
             if self.params is None:
                 raise RoundRefused(
                     "roundStart refused: continued, but this worker holds no parameters yet"
                 )
-            return
-        problem = await trio.to_thread.run_sync(self._round_start_problem, message.tensors)
+            return self.params
+        problem = await trio.to_thread.run_sync(self._round_start_problem, tensors)
         if problem is not None:
             raise RoundRefused(f"roundStart refused: {problem}")
-        params = await trio.to_thread.run_sync(self._upload, message.tensors)
+        params = await trio.to_thread.run_sync(self._upload, tensors)
         if self.inner.opt_state is None:
             self.inner.opt_state = await trio.to_thread.run_sync(
                 self.training.init_opt_state, tuple(params)
             )
-        self.params = params
-        self.last_global = {n: np.array(message.tensors[n], np.float32) for n in self._index}
+        self.last_global = {n: np.array(tensors[n], np.float32) for n in self._index}
         self._since_sync = [0] * len(self.fragments)
         self._unreported, self._unreported_seconds = [], 0.0
+        return params
 
     def _round_start_problem(self, tensors: dict[str, np.ndarray]) -> str | None:
         names = self.plan.param_names
@@ -233,7 +234,7 @@ class RoundTrainer:
                 batch_size=plan.batch_size,
                 seq_len=plan.seq_len,
                 seed=plan.seed,
-                stream=(self._worker_index(), number, chunk),  # unique per worker and chunk
+                stream=(self._worker_index() or 0, number, chunk),  # unique per worker and chunk
             )
             # the run's step: rounds are H steps apart in the schedule, however many this one has
             first_step = (number - 1) * plan.inner_steps + chunk * k
@@ -315,7 +316,9 @@ class RoundTrainer:
         problem = round_start_problem(update.tensors, names, shapes)
         if problem is not None:
             return problem
-        if update.body.change:
+        body = update.body
+        assert isinstance(body, protocol.FragmentUpdate), "FragmentUpdates holds only these"
+        if body.change:
             new = add_changes({n: self.last_global[n] for n in names}, update.tensors)
         else:
             new = {n: np.asarray(update.tensors[n], np.float32) for n in names}
@@ -334,7 +337,7 @@ class RoundTrainer:
         local = [params[self._index[n]] for n in names]
         alpha, axes = self.plan.mix_alpha, self._axes(p)
         if self.plan.overlap_merge is protocol.OverlapMerge.CARRY:
-            placed = self.backend.shift(local, on_device, carry_scale(alpha), axes)
+            placed = self.backend.shift(local, on_device, float(carry_scale(alpha)), axes)
         else:
             placed = self.backend.blend(local, on_device, alpha, axes)
         params = list(params)
@@ -373,7 +376,8 @@ class FragmentUpdates:
         self._arrived = trio.Event()
 
     def deliver(self, message: protocol.Message) -> None:
-        body: protocol.FragmentUpdate = message.body
+        body = message.body
+        assert isinstance(body, protocol.FragmentUpdate), "the receive loop hands over these"
         if body.fragment >= len(self.fragments):
             raise protocol.MalformedMessage(
                 f"fragmentUpdate for fragment {body.fragment}; the plan has {len(self.fragments)}"
