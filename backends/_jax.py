@@ -88,9 +88,7 @@ class JaxBackend(Backend):
         self._platform = platform
         self._device = used[0]
         # several devices: one mesh axis, over which graphs exported for that many devices run
-        self._mesh = (
-            jax.sharding.Mesh(np.array(used), (MESH_AXIS,)) if len(used) > 1 else None
-        )
+        self._mesh = jax.sharding.Mesh(np.array(used), (MESH_AXIS,)) if len(used) > 1 else None
         # Device-to-host copies land in page-locked host memory where the device has it:
         # several times faster than into pageable memory, and numpy reads it in place.
         self._pinned_host = _pinned_host(self._device) if platform != "cpu" else None

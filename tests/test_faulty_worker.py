@@ -8,7 +8,6 @@ test_elastic, test_cli_errors); here, in this process, each fault's hooks (the
 from __future__ import annotations
 
 import sys
-
 import time
 
 import numpy as np

@@ -296,7 +296,9 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
     saved = shepherd.engine.outer.state_arrays()
     assert saved and set(resumed.engine.outer.state_arrays()) == set(saved)
     for name, value in saved.items():
-        np.testing.assert_array_equal(resumed.engine.outer.state_arrays()[name], value, err_msg=name)
+        np.testing.assert_array_equal(
+            resumed.engine.outer.state_arrays()[name], value, err_msg=name
+        )
     assert resumed.start_round == 4
 
     again = Shepherd(config.replace(resume=str(tmp_path / "round-000002")), workload)
