@@ -20,17 +20,17 @@ wire; N separate workers move N times a mesh worker's).
 
 On CPU (the default, with N forced host devices) the devices share the same
 cores, so the speed ratio says nothing about scaling: it checks the path runs.
-Run it on a host with several GPUs for the real number.
+Run it on a host with several GPUs for the real number. `--smoke`: 2 CPU devices,
+tiny sizes, seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pcp_tui.testing import parse_with_smoke
 
 
 def _arguments() -> argparse.Namespace:
@@ -46,13 +46,17 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--sharding", default="data", choices=["data", "fsdp"])
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
-    return parser.parse_args()
+    return parse_with_smoke(
+        parser, devices=2, seq_len=16, batch_per_device=1, chunk_steps=1, chunks=1
+    )
 
 
 def main() -> None:
     args = _arguments()
-    if args.backend == "cpu" and "XLA_FLAGS" not in os.environ:  # before JAX starts
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices or 4}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.backend == "cpu" and "xla_force_host_platform_device_count" not in flags:
+        count = f"--xla_force_host_platform_device_count={args.devices or 4}"
+        os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()  # before JAX starts
     import jax
 
     from pcp_tui.backends import JaxBackend

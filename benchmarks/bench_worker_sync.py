@@ -12,11 +12,11 @@ same trio loop records the longest stall of the event loop in each phase:
 heartbeats and the receive loop wait that long.
 
     python benchmarks/bench_worker_sync.py [--preset gpt2] [--backend cpu] [--rounds 5]
-    python benchmarks/bench_worker_sync.py --src /tmp/before   # another checkout, same harness
+    python benchmarks/bench_worker_sync.py --smoke              # tiny shapes, one round
 
-`--src` imports `pcp_tui` and `backends` from another checkout (e.g. a
-`git worktree` of an older commit), so a before/after pair is measured with
-the same harness in one session; alternate the two.
+A before/after pair with the same harness: run this file with the Python of
+another checkout's environment (e.g. a `git worktree` of an older commit with
+its own editable install), alternating the two.
 """
 
 from __future__ import annotations
@@ -25,25 +25,31 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
+import pcp_tui
+from pcp_tui.testing import parse_with_smoke
+
 
 def stand_in_graphs(names: tuple[str, ...], shapes: dict, backend):
-    """A `train_chunk` that returns its (donated) inputs, and an `init_opt_state` of one scalar."""
+    """A `train_chunk` (parameters, optimizer state, batches, first step) that returns its
+    (donated) inputs, and an `init_opt_state` of one scalar."""
     import jax
     import jax.numpy as jnp
 
     specs = tuple(jax.ShapeDtypeStruct(shapes[n], jnp.float32) for n in names)
     opt_specs = (jax.ShapeDtypeStruct((), jnp.float32),)
     batches = jax.ShapeDtypeStruct((1, 1, 9), jnp.int32)
+    first_step = jax.ShapeDtypeStruct((), jnp.int32)
     with jax.default_device(backend.device):
-        train = jax.jit(lambda p, o, b: (p, o, jnp.zeros((1,), jnp.float32)), donate_argnums=(0, 1))
+        train = jax.jit(
+            lambda p, o, b, s: (p, o, jnp.zeros((1,), jnp.float32)), donate_argnums=(0, 1)
+        )
         init = jax.jit(lambda p: (jnp.zeros((), jnp.float32),))
         return (
-            train.lower(specs, opt_specs, batches).compile(),
+            train.lower(specs, opt_specs, batches, first_step).compile(),
             init.lower(specs).compile(),
         )
 
@@ -139,7 +145,7 @@ async def measure(args: argparse.Namespace) -> dict:
         "preset": args.preset,
         "backend": worker.backend.info.describe(),
         "params": int(sum(np.prod(s) for s in shapes.values())),
-        "src": args.src or "this checkout",
+        "src": os.path.dirname(os.path.dirname(pcp_tui.__file__)),
         **{f"{k}_seconds": statistics.median(v) for k, v in seconds.items()},
         **{f"{k}_longest_stall": statistics.median(v) for k, v in stalls.items()},
     }
@@ -150,10 +156,7 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt2", choices=["tiny", "small", "gpt2"])
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--src", help="import pcp_tui and backends from this checkout")
-    args = parser.parse_args()
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.abspath(args.src) if args.src else here)
+    args = parse_with_smoke(parser, preset="tiny", rounds=1)
     import trio
 
     row = trio.run(measure, args)
