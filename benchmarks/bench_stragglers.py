@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--floor", type=float, default=1.0, help="--straggler-min-seconds")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--inner-steps", type=int, default=8, help="H (chunks of one step)")
-    args = parse_with_smoke(parser, pace=0.1, floor=0.3, rounds=2, inner_steps=2)
+    args = parse_with_smoke(parser, pace=0.1, floor=0.3, rounds=2, inner_steps=4)
     rows = [
         ("honest alone", scenario(args, liar=False, fragments=1)),
         ("+ fast liar", scenario(args, liar=True, fragments=1)),
