@@ -3,7 +3,7 @@
 With --compression, Streaming DiLoCo sends each fragment's new global value
 as its change since the last one, quantized, and the shepherd keeps
 old + decode(encode(change)), the sum every worker forms. Before, the shepherd
-(`FragmentSync._change`) took the change into a new array, encoded it,
+(`RoundEngine._step`) took the change into a new array, encoded it,
 joined and decoded the bytes and added them: one thread, several model-sized
 temporaries; then every worker's link quantized the change again as it sent
 it. Now `protocol.encode_change` does it once, in cache-sized chunks over
@@ -44,7 +44,7 @@ BODY = protocol.FragmentUpdate(round=1, fragment=0, change=True)
 
 
 def before(params: dict, old: dict, quantization: str) -> tuple[bytes, dict]:
-    """`FragmentSync._change` as it was: the change, encoded, joined, decoded, added to old."""
+    """`RoundEngine._step` as it was: the change, encoded, joined, decoded, added to old."""
     change = {n: params[n] - old[n] for n in params}
     wire = b"".join(protocol.encode(BODY, change, quantization=quantization))
     decoded = protocol.decode(wire).tensors
@@ -59,7 +59,7 @@ def per_link(change: dict, quantization: str) -> None:
 
 
 def now(params: dict, old: dict, quantization: str, threads: int) -> protocol.Encoded:
-    """`FragmentSync._change` now: the buffers every link sends, and old + decoded in params."""
+    """`RoundEngine._step` now: the buffers every link sends, and old + decoded in params."""
     return protocol.encode_change(BODY, params, old, quantization=quantization, threads=threads)
 
 

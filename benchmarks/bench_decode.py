@@ -7,7 +7,7 @@ whole-array steps on one thread (int4 first unpacked into a model-sized int8
 array), and the worker's `last + change` made a new model-sized array. Now
 `_dequantize.dequantize_chunked` decodes a cache-sized chunk at a time over
 --threads threads, and the worker writes `last + change` over the decoded
-change in chunks over threads (`worker.streaming.add_changes`).
+change in chunks over threads (`worker.rounds.add_changes`).
 
 For each size (float32 values on GPT-2-like (rows, 768) matrices) and
 quantization, in one process on the same payloads:
@@ -48,7 +48,7 @@ from pcp_tui.protocol import _chunked, _codec, _stream
 from pcp_tui.protocol._dequantize import dequantize_chunked
 from pcp_tui.protocol._tensors import dequantize
 from pcp_tui.testing import gpt2_like_shapes, parse_with_smoke
-from pcp_tui.worker.streaming import add_changes
+from pcp_tui.worker.rounds import add_changes
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 

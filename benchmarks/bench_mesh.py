@@ -126,7 +126,6 @@ class _Model:
         """The worker's chunks on `backend` with global batch `batch`, timed after one warm-up."""
         from pcp_tui import protocol
         from pcp_tui.training.shards import sample_batches
-        from pcp_tui.worker.client import _run_chunk
         from pcp_tui.worker.mesh import GraphLayouts
 
         graphs, count = self._graphs(batch), backend.info.device_count
@@ -171,6 +170,17 @@ class _Model:
         down = protocol.encode(protocol.RoundStart(round=1, inner_steps=1), params)
         up = protocol.encode(protocol.RoundResult(round=1, inner_steps=1, losses=(1.0,)), params)
         return sum(len(memoryview(buffer).cast("B")) for buffer in (*down, *up))
+
+
+def _run_chunk(train_chunk, params, opt_state, batches, first_step: int):
+    """One compiled chunk as the worker calls it (`RoundTrainer._run_chunk`): its losses read
+    back, which waits for the device."""
+    import numpy as np
+
+    params, opt_state, losses = train_chunk(
+        tuple(params), tuple(opt_state), batches, np.int32(first_step)
+    )
+    return list(params), list(opt_state), np.asarray(losses)
 
 
 if __name__ == "__main__":

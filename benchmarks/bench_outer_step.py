@@ -8,7 +8,7 @@ tensors (a few GPT-2-like matrices), with int8Block or float32 results:
   (its distance to the center, the clipped scaled add);
 - per fragment: centered clip's close (center's share, the new center), the
   outer Nesterov step, and with int8 the update's change encoded once and the
-  new global formed from it (what `FragmentSync._change` does: `encode_change`).
+  new global formed from it (what `RoundEngine._step` does: `encode_change`).
 
 The outer step and the close run twice, in the same process on the same
 arrays: as before this change (optax's update op by op; the close with
@@ -116,7 +116,7 @@ def one_case(shapes, k: int, quantization: str, threads: int, rng) -> dict[str, 
 
 
 def change_round_trip(params, old, quantization: str) -> None:
-    """What `FragmentSync._change` does: the change encoded once and old + decoded in params
+    """What `RoundEngine._step` does: the change encoded once and old + decoded in params
     (`protocol.encode_change`; benchmarks/bench_change.py times it against the op-by-op way)."""
     body = protocol.FragmentUpdate(round=1, fragment=0, change=True)
     protocol.encode_change(body, params, old, quantization=quantization)

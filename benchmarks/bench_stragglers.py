@@ -77,20 +77,9 @@ async def fast_liar(port: int, tokens_per_step: int) -> None:
 
 
 async def _answer(stream, start, zeros, fragments, tokens_per_step: int) -> None:
-    if not fragments:
-        steps = start.inner_steps
-        body = protocol.RoundResult(
-            round=start.round,
-            tokens=steps * tokens_per_step,
-            losses=(3.0,) * steps,
-            compute_seconds=0.01,
-            inner_steps=steps,
-        )
-        await stream.send(body, zeros)
-        return
-    steps = start.inner_steps // len(fragments)
+    steps = start.inner_steps // len(fragments)  # plain DiLoCo: one fragment, every tensor
     for p, names in enumerate(fragments):
-        body = protocol.FragmentResult(
+        body = protocol.RoundResult(
             round=start.round,
             fragment=p,
             tokens=steps * tokens_per_step,

@@ -1,13 +1,16 @@
 """Worker sync: what a worker adds to a round around its compute, and how long it stalls.
 
-Runs the real `Worker._train_round` on a round start of GPT-2 124M shapes
-(498 MB of float32) with a stand-in training graph that hands its inputs
-back (no compute), and a stand-in sender that encodes the result and drops
-it (no wire). What is left is the worker's own work on a round: checking the
-round's parameters, uploading them, forming the pseudo-gradient and bringing
-it to the host. The worker's status changes split the round into phases:
+Runs the worker's real round (`RoundTrainer.train_round`, plain DiLoCo: one
+fragment) on a round start of GPT-2 124M shapes (498 MB of float32) with a
+stand-in training graph that hands its inputs back (no compute), and a
+stand-in sender that encodes the result, drops it (no wire) and answers with
+the fragment's update at once (the round's start values: no shepherd). What is
+left is the worker's own work on a round: checking the round's parameters,
+uploading them, forming the pseudo-gradient and bringing it to the host, then
+taking the update in. The worker's status changes split the round into phases:
 `upload` (checks, host to device), `train` (the stand-in graph: dispatch only)
-and `return` (pseudo-gradient, device to host, encoding). A ticker task on the
+and `return` (pseudo-gradient, device to host, encoding; the update checked,
+staged and merged). A ticker task on the
 same trio loop records the longest stall of the event loop in each phase:
 heartbeats and the receive loop wait that long.
 
@@ -55,18 +58,29 @@ def stand_in_graphs(names: tuple[str, ...], shapes: dict, backend):
 
 
 class NullSender:
-    """Encodes what the worker sends (as the real sender does) and drops it."""
+    """Encodes what the worker sends (as the real sender does) and drops it; answers each
+    result with its fragment's update at once, `start`'s values (as if the outer step moved
+    nothing)."""
+
+    def __init__(self, rounds, start: dict[str, np.ndarray]):
+        self.rounds, self.start = rounds, start
+        self.stream = argparse.Namespace(sending=False)  # never busy: progress lines go out
 
     async def send(self, body, tensors=None, **options) -> int:
         from pcp_tui import protocol
 
-        return sum(len(memoryview(b)) for b in protocol.encode(body, tensors, **options))
+        size = sum(len(memoryview(b)) for b in protocol.encode(body, tensors, **options))
+        if isinstance(body, protocol.RoundResult):
+            names = self.rounds.fragments[body.fragment]
+            update = protocol.FragmentUpdate(round=body.round, fragment=body.fragment)
+            self.rounds.updates.deliver(protocol.Message(update, {n: self.start[n] for n in names}))
+        return size
 
 
 PHASE_AFTER = {"training": "train", "syncing": "return", "idle": "done"}  # status -> phase
 
 
-async def one_round(worker, message) -> tuple[dict[str, float], list[tuple[float, float]]]:
+async def one_round(worker, rounds, message) -> tuple[dict[str, float], list[tuple[float, float]]]:
     """Run one round; when each phase started, and every (time, stall) the ticker saw."""
     import trio
 
@@ -90,7 +104,7 @@ async def one_round(worker, message) -> tuple[dict[str, float], list[tuple[float
         nursery.start_soon(ticker)
         await trio.sleep(0.01)
         starts["upload"] = time.perf_counter()
-        await worker._train_round(NullSender(), message)
+        await rounds.train_round(NullSender(rounds, message.tensors), message)
         starts.setdefault("done", time.perf_counter())
         await trio.sleep(0.01)  # the ticker records a stall that lasted to the round's end
         nursery.cancel_scope.cancel()
@@ -103,7 +117,8 @@ async def measure(args: argparse.Namespace) -> dict:
     from pcp_tui import protocol
     from pcp_tui.config import WorkerConfig
     from pcp_tui.training.models import gpt2
-    from pcp_tui.worker.client import Training, Worker
+    from pcp_tui.worker.client import Worker
+    from pcp_tui.worker.rounds import InnerState, RoundTrainer, Training
 
     config = gpt2.PRESETS[args.preset]
     shapes = {
@@ -115,10 +130,22 @@ async def measure(args: argparse.Namespace) -> dict:
     worker = Worker(WorkerConfig(connect="127.0.0.1:1", token="bench", backend=args.backend))
     train, init = stand_in_graphs(names, shapes, worker.backend)
     plan = protocol.Plan(
-        param_names=names, inner_steps=1, chunk_steps=1, batch_size=1, seq_len=8, tokens_per_row=8
+        param_names=names,
+        inner_steps=1,
+        chunk_steps=1,
+        batch_size=1,
+        seq_len=8,
+        tokens_per_row=8,
+        fragments=(protocol.Fragment(names),),  # plain DiLoCo: one fragment, every tensor
     )
-    worker._plan = Training(plan, np.arange(1024, dtype=np.int32), train, init)
-    worker.status.worker_index = 0
+    rounds = RoundTrainer(
+        Training(plan, np.arange(1024, dtype=np.int32), train, init),
+        worker.backend,
+        worker.counters,
+        InnerState(),
+        status=worker.status.update,
+        worker_index=lambda: 0,
+    )
     rng = np.random.default_rng(0)
     params = {n: rng.standard_normal(shapes[n], dtype=np.float32) * 0.02 for n in names}
     phases = ("upload", "train", "return")
@@ -127,7 +154,7 @@ async def measure(args: argparse.Namespace) -> dict:
     for number in range(1, args.rounds + 2):  # round 1 compiles and initialises: not counted
         tensors = {n: p.copy() for n, p in params.items()}  # what decoding a roundStart gives
         message = protocol.Message(protocol.RoundStart(round=number, inner_steps=1), tensors)
-        starts, gaps = await one_round(worker, message)
+        starts, gaps = await one_round(worker, rounds, message)
         if number == 1:
             continue
         seconds["round"].append(starts["done"] - starts["upload"])
