@@ -56,7 +56,9 @@ def main() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if args.backend == "cpu" and "xla_force_host_platform_device_count" not in flags:
         count = f"--xla_force_host_platform_device_count={args.devices or 4}"
-        os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()  # before JAX starts
+        # before JAX starts, and first: placed after the bare `intra_op_parallelism_threads=1`
+        # of pcp_tui.testing.worker_env's XLA_FLAGS, XLA did not take it (one cpu device)
+        os.environ["XLA_FLAGS"] = f"{count} {flags}".strip()
     import jax
 
     from pcp_tui.backends import JaxBackend
