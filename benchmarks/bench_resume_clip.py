@@ -39,11 +39,11 @@ def run(config, *, stop_after: int | None = None, forget_clip: bool = False) -> 
     workload = build_workload(config, shards=WORKERS)
     shepherd = Shepherd(config, workload)
     shepherd.ask_workers_back = False  # fresh processes for a resume: the point of this probe
-    if forget_clip:
-        shepherd._aggregation.load_state_arrays({})  # noqa: SLF001 - a probe, not the product
-        if hasattr(shepherd._aggregation, "center"):
-            shepherd._aggregation.center = None
-            shepherd._aggregation._recent.clear()
+    for aggregate in shepherd.engine.aggregates if forget_clip else ():  # one per fragment
+        aggregate.load_state_arrays({})  # a probe, not the product: private state below
+        if hasattr(aggregate, "center"):
+            aggregate.center = None
+            aggregate._recent.clear()
 
     async def main():
         with WorkerProcesses() as workers:

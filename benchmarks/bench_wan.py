@@ -11,7 +11,7 @@ Round 1 is left out (first-call warm-up).
     python benchmarks/bench_wan.py [--rounds 5] [--inner-steps 25] [--model tiny]
         [--links loopback 1Gbit/50ms 100Mbit/50ms] [--smoke]
 
-Ends with `ratio_utilization_<last link>_vs_loopback=<x>`.
+Ends with `ratio_utilization_<last link, / as _>_vs_loopback=<x>`.
 
 This is the number streaming DiLoCo (overlapping the exchange with the next
 inner steps) exists to raise; today a round is strictly synchronous.
@@ -20,6 +20,7 @@ inner steps) exists to raise; today a round is strictly synchronous.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -73,10 +74,8 @@ def main() -> None:
             f"{row['utilization'] / base['utilization']:11.3f}"
         )
     last = rows[-1]
-    print(
-        f"ratio_utilization_{last['link']}_vs_loopback="
-        f"{last['utilization'] / base['utilization']:.3f}"
-    )
+    name = re.sub(r"\W", "_", last["link"])  # 100Mbit/50ms: 100Mbit_50ms
+    print(f"ratio_utilization_{name}_vs_loopback={last['utilization'] / base['utilization']:.3f}")
 
 
 if __name__ == "__main__":
