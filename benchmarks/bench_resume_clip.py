@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=30)
     parser.add_argument("--inner-lr", type=float, default=2e-3)
     parser.add_argument("--aggregates", nargs="+", default=["centered-clip", "mean"])
-    args = parse_with_smoke(parser, rounds=2, stop=1, inner_steps=5, aggregates=["centered-clip"])
+    args = parse_with_smoke(parser, rounds=3, stop=1, inner_steps=5, aggregates=["centered-clip"])
     rows = []
     for aggregate in args.aggregates:
         with tempfile.TemporaryDirectory() as directory:
