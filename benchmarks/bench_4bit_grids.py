@@ -10,25 +10,25 @@ and cosine of each, with E3M0's error as a ratio of int4Block's (the baseline).
 int4Block goes through the shipped codec (`protocol.encode` / `decode`); E3M0
 is written out here, as a reference grid.
 
-    python benchmarks/bench_4bit_grids.py [--inner-steps 20] [--blocks 256 64]
+    python benchmarks/bench_4bit_grids.py [--inner-steps 20] [--blocks 256 64] [--smoke]
+
+Ends with `ratio_e3m0_vs_int4block=<x>`: E3M0's relative error over int4Block's
+at the last block size.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pcp_tui import protocol  # noqa: E402
-from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.training.build import build_workload  # noqa: E402
-from pcp_tui.training.shards import sample_batches  # noqa: E402
+from pcp_tui import protocol
+from pcp_tui.config import RunConfig
+from pcp_tui.testing import parse_with_smoke
+from pcp_tui.training.build import build_workload
+from pcp_tui.training.shards import sample_batches
 
 
 def pseudo_gradient(args: argparse.Namespace) -> np.ndarray:
@@ -82,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--blocks", type=int, nargs="+", default=[256, 64])
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, inner_steps=2, blocks=[64])
     delta = pseudo_gradient(args)
     exact = delta.astype(np.float64)
     kurtosis = ((exact - exact.mean()) ** 4).mean() / exact.var() ** 2
@@ -98,6 +98,7 @@ def main() -> None:
                 f"{name:<11}{block_size:>7}{errors[name]:>14.4f}{cosine:>9.4f}"
                 f"{errors[name] / errors['int4Block']:>20.2f}"
             )
+    print(f"ratio_e3m0_vs_int4block={errors['E3M0'] / errors['int4Block']:.3f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Every row's ratio is its final eval loss over that of the honest-only run with
 `--aggregate mean` (today's DiLoCo); the honest-only row of another aggregate
 shows what robustness costs when nobody attacks. docs/security.md has a run.
 
-    python benchmarks/bench_byzantine.py [--rounds 6] [--aggregates centered-clip mean]
+    python benchmarks/bench_byzantine.py [--rounds 6] [--aggregates centered-clip mean] [--smoke]
 """
 
 from __future__ import annotations
@@ -23,28 +23,27 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_faults import base_config  # noqa: E402  (this folder is on sys.path when run)
-
-from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
-from pcp_tui.testing import faulty_worker_command, worker_command  # noqa: E402
-from pcp_tui.training.build import build_workload  # noqa: E402
+from pcp_tui.config import RunConfig
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.testing import (
+    faulty_worker_command,
+    parse_with_smoke,
+    small_config,
+    worker_command,
+)
+from pcp_tui.training.build import build_workload
 
 REPO = Path(__file__).resolve().parents[1]
 HONEST = 4
 TOKEN = "bench-byzantine"
 ENV = dict(
     os.environ,
-    PYTHONPATH=str(REPO),
     PYTHONUNBUFFERED="1",
     XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
 )
@@ -69,8 +68,14 @@ class Row:
 
 
 def config(args: argparse.Namespace, aggregate: str, attackers: int) -> RunConfig:
-    """bench_faults' small run, with this benchmark's flock and aggregate."""
-    return base_config(args).replace(
+    """bench_faults' small run (`pcp_tui.testing.small_config`), this benchmark's flock and aggregate."""
+    return small_config(
+        eval_batches=4,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        chunk_steps=5,
+        warmup_steps=10,
+        inner_lr=2e-3,
         workers=HONEST + attackers,
         aggregate=aggregate,
         token=TOKEN,
@@ -160,7 +165,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--aggregates", nargs="+", default=["centered-clip", "mean"])
     parser.add_argument("--only", nargs="+", choices=sorted(ATTACKS), help="attacks to run")
-    args = parser.parse_args()
+    args = parse_with_smoke(
+        parser, rounds=2, inner_steps=5, aggregates=["centered-clip"], only=[list(ATTACKS)[1]]
+    )
     labels = [label for label in ATTACKS if not args.only or label in args.only]
     logs = Path(tempfile.mkdtemp(prefix="bench-byzantine-"))
     reference = run(args, "none (honest only)", "mean", logs)

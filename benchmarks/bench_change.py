@@ -3,7 +3,7 @@
 With --compression, Streaming DiLoCo sends each fragment's new global value
 as its change since the last one, quantized, and the shepherd keeps
 old + decode(encode(change)), the sum every worker forms. Before, the shepherd
-(`FragmentSync._change`) took the change into a new array, encoded it,
+(`RoundEngine._step`) took the change into a new array, encoded it,
 joined and decoded the bytes and added them: one thread, several model-sized
 temporaries; then every worker's link quantized the change again as it sent
 it. Now `protocol.encode_change` does it once, in cache-sized chunks over
@@ -21,6 +21,10 @@ and it stops if the wire bytes or the new values differ by a bit. The baseline
 of the ratios is "before" measured in the same run. Medians of --repeat.
 
     python benchmarks/bench_change.py [--sizes 31 124] [--workers 4] [--threads 8] [--repeat 3]
+        [--smoke]
+
+Ends with `ratio_now_vs_before=<x>`: the last row's speed-up of `encode_change`
+over the round trip before.
 """
 
 from __future__ import annotations
@@ -28,24 +32,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_outer_step import shapes_of  # noqa: E402  (the same GPT-2-like tensors)
-
-from pcp_tui import protocol  # noqa: E402
-from pcp_tui.protocol import _change  # noqa: E402
+from pcp_tui import protocol
+from pcp_tui.protocol import _change
+from pcp_tui.testing import gpt2_like_shapes, parse_with_smoke
 
 BODY = protocol.FragmentUpdate(round=1, fragment=0, change=True)
 
 
 def before(params: dict, old: dict, quantization: str) -> tuple[bytes, dict]:
-    """`FragmentSync._change` as it was: the change, encoded, joined, decoded, added to old."""
+    """`RoundEngine._step` as it was: the change, encoded, joined, decoded, added to old."""
     change = {n: params[n] - old[n] for n in params}
     wire = b"".join(protocol.encode(BODY, change, quantization=quantization))
     decoded = protocol.decode(wire).tensors
@@ -60,7 +59,7 @@ def per_link(change: dict, quantization: str) -> None:
 
 
 def now(params: dict, old: dict, quantization: str, threads: int) -> protocol.Encoded:
-    """`FragmentSync._change` now: the buffers every link sends, and old + decoded in params."""
+    """`RoundEngine._step` now: the buffers every link sends, and old + decoded in params."""
     return protocol.encode_change(BODY, params, old, quantization=quantization, threads=threads)
 
 
@@ -104,7 +103,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4, help="links the update goes to")
     parser.add_argument("--threads", type=int, default=_change.THREADS)
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, sizes=[0.1], repeat=1)
     rng = np.random.default_rng(0)
     load = os.getloadavg()
     print(
@@ -117,7 +116,7 @@ def main() -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
     for size in args.sizes:
-        shapes = shapes_of(size)
+        shapes = gpt2_like_shapes(size)
         old = {
             n: rng.standard_normal(s, dtype=np.float32) * np.float32(0.02)
             for n, s in shapes.items()
@@ -134,6 +133,7 @@ def main() -> None:
             median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             report(size, quantization, args.workers, median)
         del old, new
+    print(f"ratio_now_vs_before={median['before'] / median['now']:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,24 +7,25 @@ and the final eval loss and its ratio to float32's. Then the codec alone:
 encode + decode of a pseudo-gradient-like float32 array (normal values), as
 seconds and GB/s of float32, with the ratio to int8Block measured alongside.
 
-    python benchmarks/bench_compression.py [--rounds 8] [--inner-steps 20] [--codec-mb 64]
+    python benchmarks/bench_compression.py [--rounds 8] [--inner-steps 20] [--codec-mb 64] [--smoke]
+
+Ends with `ratio_eval_<last encoding>_vs_<first>=<x>`: the last encoding's final
+eval loss over the first's (float32, `none`, by default).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
 import trio
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pcp_tui import protocol  # noqa: E402
-from pcp_tui.app.launch import local_worker_command  # noqa: E402
-from pcp_tui.config import RunConfig  # noqa: E402
+from pcp_tui import protocol
+from pcp_tui.app.launch import local_worker_command
+from pcp_tui.config import RunConfig
+from pcp_tui.testing import parse_with_smoke
 
 
 async def one_run(compression: str, args: argparse.Namespace) -> dict:
@@ -83,7 +84,9 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--codec-mb", type=int, default=64, help="float32 MB for the codec table")
     parser.add_argument("--encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS)
-    args = parser.parse_args()
+    args = parse_with_smoke(
+        parser, rounds=1, inner_steps=2, codec_mb=1, encodings=["none", "int8Block"]
+    )
     rows = [trio.run(one_run, c, args) for c in args.encodings]
     base = rows[0]
     print(
@@ -101,6 +104,11 @@ def main() -> None:
     for r in rows:
         print(r["compression"], " ".join(f"{x:.3f}" for x in r["curve"]))
     print_codec_table(args.codec_mb)
+    last = rows[-1]
+    print(
+        f"ratio_eval_{last['compression']}_vs_{base['compression']}="
+        f"{last['eval'] / base['eval']:.4f}"
+    )
 
 
 def print_codec_table(megabytes: int, repeats: int = 7) -> None:

@@ -7,7 +7,7 @@ whole-array steps on one thread (int4 first unpacked into a model-sized int8
 array), and the worker's `last + change` made a new model-sized array. Now
 `_dequantize.dequantize_chunked` decodes a cache-sized chunk at a time over
 --threads threads, and the worker writes `last + change` over the decoded
-change in chunks over threads (`worker.streaming.add_changes`).
+change in chunks over threads (`worker.rounds.add_changes`).
 
 For each size (float32 values on GPT-2-like (rows, 768) matrices) and
 quantization, in one process on the same payloads:
@@ -27,6 +27,9 @@ memory is kept for reuse (see `warm_pages`: page faults are left out).
 Timings on a shared 2-core box are noisy.
 
     python benchmarks/bench_decode.py [--sizes 31 124] [--threads 8] [--repeat 3] [--warmup 1]
+        [--smoke]
+
+Ends with `ratio_decode_now_vs_before=<x>`: the last row's decode speed-up.
 """
 
 from __future__ import annotations
@@ -35,22 +38,17 @@ import argparse
 import ctypes
 import hashlib
 import os
-import sys
 import time
 
 import numpy as np
 import trio
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_outer_step import shapes_of  # noqa: E402  (the same GPT-2-like tensors)
-
-from pcp_tui import protocol  # noqa: E402
-from pcp_tui.protocol import _chunked, _codec, _stream  # noqa: E402
-from pcp_tui.protocol._dequantize import dequantize_chunked  # noqa: E402
-from pcp_tui.protocol._tensors import dequantize  # noqa: E402
-from pcp_tui.worker.streaming import add_changes  # noqa: E402
+from pcp_tui import protocol
+from pcp_tui.protocol import _chunked, _codec, _stream
+from pcp_tui.protocol._dequantize import dequantize_chunked
+from pcp_tui.protocol._tensors import dequantize
+from pcp_tui.testing import gpt2_like_shapes, parse_with_smoke
+from pcp_tui.worker.rounds import add_changes
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
@@ -212,7 +210,7 @@ def main() -> None:
     parser.add_argument(
         "--receive", nargs="*", default=["int8Block"], help="quantizations to receive over TCP"
     )
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, sizes=[0.1], repeat=1, warmup=0)
     allocator = warm_pages()
     rng = np.random.default_rng(0)
     load = os.getloadavg()
@@ -227,7 +225,7 @@ def main() -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head), flush=True)
     for size in args.sizes:
-        shapes = shapes_of(size)
+        shapes = gpt2_like_shapes(size)
         last = {
             n: rng.standard_normal(s, dtype=np.float32) * np.float32(0.02)
             for n, s in shapes.items()
@@ -248,6 +246,7 @@ def main() -> None:
             best = {k: min(r[k] for r in runs) for k in runs[0]}
             print("| " + " | ".join(cells(size, quantization, best)) + " |", flush=True)
         del last, params
+    print(f"ratio_decode_now_vs_before={best['before'] / best['now']:.2f}")
 
 
 if __name__ == "__main__":

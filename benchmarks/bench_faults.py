@@ -27,7 +27,10 @@ comes from the shepherd's own events (`RunState.events` when it runs in this
 process, its --metrics JSON Lines for the restart scenario), against
 time.time() taken right after the signal was sent. docs/faults.md has a run.
 
-    python benchmarks/bench_faults.py [--rounds 8] [--only kill silenced] [--json out.json]
+    python benchmarks/bench_faults.py [--rounds 8] [--only kill silenced] [--json out.json] [--smoke]
+
+Ends with `ratio_eval_last_vs_uninterrupted=<x>`: the last scenario's final eval
+loss over the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -47,19 +50,16 @@ from pathlib import Path
 
 import trio
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
-from pcp_tui.testing import faulty_worker_command, free_port, worker_command  # noqa: E402
-from pcp_tui.training.build import build_workload  # noqa: E402
+from pcp_tui.config import RunConfig
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.testing import faulty_worker_command, free_port, parse_with_smoke, worker_command
+from pcp_tui.training.build import build_workload
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = 3  # every scenario cuts the corpus the same way, whatever its worker count
 TOKEN = "bench-faults"
 ENV = dict(
     os.environ,
-    PYTHONPATH=str(REPO),
     PYTHONUNBUFFERED="1",
     XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
 )
@@ -572,7 +572,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--timeout", type=float, default=600, help="seconds per scenario")
     parser.add_argument("--json", type=Path, help="also write the outcomes here")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, rounds=3, inner_steps=10, only=["kill"])
     config = base_config(args)
     workdir = Path(tempfile.mkdtemp(prefix="bench-faults-"))
     print(f"logs and metrics in {workdir}", flush=True)
@@ -619,6 +619,8 @@ def main() -> None:
         print(f"{name}: {time.perf_counter() - began:.0f} s", flush=True)
     print(f"all scenarios: {time.perf_counter() - started:.0f} s\n")
     print(table(outcomes) + "\n\n" + details(outcomes))
+    ratio = outcomes[-1].final_eval_loss / outcomes[0].final_eval_loss
+    print(f"ratio_eval_last_vs_uninterrupted={ratio:.4f}")
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
 

@@ -7,7 +7,8 @@ exported for its platform, IREE the StableHLO of the cpu export (as a worker
 does). The first chunk (compile, warm-up) is not timed; the timed chunks
 alternate between the runs and the median counts; the final losses are printed,
 so a fast wrong run shows. The ratio column is tokens/s over the first row's
-(XLA with the default export), measured in the same invocation.
+(XLA with the default export), measured in the same invocation; the last line,
+`ratio_iree_vs_xla=<x>`, is the last row's (nan if that build did not run).
 
 Several IREE builds in one invocation (one device session compiles and times
 them all against one baseline): `--variant NAME=SPEC`, repeatable. SPEC is
@@ -24,6 +25,7 @@ Besides wall-clock seconds a chunk, the table gives the process's CPU seconds a
 chunk (all threads) and the load average before and after.
 
     python benchmarks/bench_iree.py                        # CPU: IREE llvm-cpu vs XLA-CPU
+    python benchmarks/bench_iree.py --smoke                # the same, tiny sizes, one chunk
     python benchmarks/bench_iree.py --xla cuda --iree vulkan \\
         --variant 'ampere=--iree-vulkan-target=ampere' \\
         --variant 'onehot=lookup=onehot --iree-vulkan-target=ampere'
@@ -46,13 +48,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pcp_tui.backends import IreeBackend, select_backend  # noqa: E402
-from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.training.build import build_workload  # noqa: E402
-from pcp_tui.training.export import InnerOptimizer, build_graphs  # noqa: E402
-from pcp_tui.training.shards import sample_batches  # noqa: E402
+from pcp_tui.backends import IreeBackend, select_backend
+from pcp_tui.config import RunConfig
+from pcp_tui.testing import parse_with_smoke
+from pcp_tui.training.build import build_workload
+from pcp_tui.training.export import InnerOptimizer, build_graphs
+from pcp_tui.training.shards import sample_batches
 
 EXPORT_KEYS = {"lookup": ("gather", "onehot"), "dtype": ("float32", "bfloat16"), "unroll": ("N",)}
 
@@ -201,6 +202,7 @@ def dump_module(backend, graphs, workload, batches, folder: str, platform: str) 
 
 
 def print_table(runs: dict[str, Run | str], tokens: int) -> None:
+    """The table of every run, then the last timed run's ratio line."""
     print(
         f"{'runtime':<58} {'compile s':>9} {'s/chunk':>9} {'cpu s':>7} {'tokens/s':>10} "
         f"{'ratio':>6} loss"
@@ -218,6 +220,8 @@ def print_table(runs: dict[str, Run | str], tokens: int) -> None:
             f"{float(np.median(run.cpu_seconds)):>7.3f} {rate:>10,.0f} "
             f"{rate / baseline:>6.3f} {run.loss:.6f}"
         )
+    last = list(runs.values())[-1]  # an IREE build: nan when it was skipped or failed
+    print(f"ratio_iree_vs_xla={rate / baseline if isinstance(last, Run) else math.nan:.3f}")
 
 
 def arguments() -> argparse.Namespace:
@@ -265,7 +269,7 @@ def arguments() -> argparse.Namespace:
         help="write each build's module and inputs to DIR/NAME for iree-benchmark-module",
     )
     parser.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args()
+    return parse_with_smoke(parser, batch_size=2, seq_len=16, chunk=1, chunks=1)
 
 
 DEFAULT_EXPORT = ("gather", "float32", "1")

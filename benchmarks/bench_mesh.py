@@ -24,17 +24,17 @@ Run it on a host with several GPUs for the real number.
 
 `--graphs DIR` keeps the exported graphs in DIR and reuses them: export them on
 one machine (`--export-only`, e.g. a CPU with another JAX version) and time
-them on another, as a shepherd and its workers do.
+them on another, as a shepherd and its workers do. `--smoke`: 2 CPU devices,
+tiny sizes, seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pcp_tui.testing import parse_with_smoke
 
 
 def _arguments() -> argparse.Namespace:
@@ -52,13 +52,19 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
     parser.add_argument("--graphs", default=None, help="folder to keep and reuse exports in")
     parser.add_argument("--export-only", action="store_true", help="fill --graphs, time nothing")
-    return parser.parse_args()
+    return parse_with_smoke(
+        parser, devices=2, seq_len=16, batch_per_device=1, chunk_steps=1, chunks=1
+    )
 
 
 def main() -> None:
     args = _arguments()
-    if args.backend == "cpu" and "XLA_FLAGS" not in os.environ:  # before JAX starts
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices or 4}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.backend == "cpu" and "xla_force_host_platform_device_count" not in flags:
+        count = f"--xla_force_host_platform_device_count={args.devices or 4}"
+        # before JAX starts, and first: placed after the bare `intra_op_parallelism_threads=1`
+        # of pcp_tui.testing.worker_env's XLA_FLAGS, XLA did not take it (one cpu device)
+        os.environ["XLA_FLAGS"] = f"{count} {flags}".strip()
     import jax
 
     from pcp_tui.backends import JaxBackend
@@ -201,6 +207,17 @@ class _Model:
         down = protocol.encode(protocol.RoundStart(round=1, inner_steps=1), params)
         up = protocol.encode(protocol.RoundResult(round=1, inner_steps=1, losses=(1.0,)), params)
         return sum(len(memoryview(buffer).cast("B")) for buffer in (*down, *up))
+
+
+def _run_chunk(train_chunk, params, opt_state, batches, first_step: int):
+    """One compiled chunk as the worker calls it (`RoundTrainer._run_chunk`): its losses read
+    back, which waits for the device."""
+    import numpy as np
+
+    params, opt_state, losses = train_chunk(
+        tuple(params), tuple(opt_state), batches, np.int32(first_step)
+    )
+    return list(params), list(opt_state), np.asarray(losses)
 
 
 if __name__ == "__main__":

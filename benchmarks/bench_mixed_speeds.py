@@ -22,7 +22,9 @@ Two ways to compare:
   `--rounds` (a cap it does not reach), so the learning-rate schedules agree.
 
     python benchmarks/bench_mixed_speeds.py [--rounds 8] [--inner-steps 40] [--factor 2]
-        [--run-seconds 60] [--fragments 2 --overlap 5] [--repeats 3]
+        [--run-seconds 60] [--fragments 2 --overlap 5] [--repeats 3] [--smoke]
+
+Ends with `ratio_fast_utilization_adaptive_vs_fixed=<x>` (plain DiLoCo rows).
 
 One run's eval loss moves by a few percent from round to round on this model
 (its learning rate is high and its batches small), and the box's load moves how
@@ -46,6 +48,7 @@ from pcp_tui.testing import (
     WorkerProcesses,
     faulty_worker_command,
     free_port,
+    parse_with_smoke,
     shepherd_command,
     worker_env,
 )
@@ -151,7 +154,7 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="invocations of every run, interleaved"
     )
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, rounds=2, inner_steps=5, factor=1.5)
     plan = runs(args)
     rows: dict[str, list[dict]] = {label: [] for label, _, _ in plan}
     with tempfile.TemporaryDirectory() as workdir:
@@ -187,6 +190,11 @@ def report(args: argparse.Namespace, rows: dict[str, list[dict]], baselines: dic
             f"{tokens:7.3f} {mean['eval_loss']:9.4f} {statistics.mean(losses):7.4f} "
             f"{min(losses):6.4f}-{max(losses):6.4f}"
         )
+    fast = {
+        label: statistics.mean(r["fast_utilization"] for r in rows[label])
+        for label in ("fixed H", "adaptive")
+    }
+    print(f"ratio_fast_utilization_adaptive_vs_fixed={fast['adaptive'] / fast['fixed H']:.3f}")
 
 
 if __name__ == "__main__":

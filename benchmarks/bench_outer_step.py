@@ -8,7 +8,7 @@ tensors (a few GPT-2-like matrices), with int8Block or float32 results:
   (its distance to the center, the clipped scaled add);
 - per fragment: centered clip's close (center's share, the new center), the
   outer Nesterov step, and with int8 the update's change encoded once and the
-  new global formed from it (what `FragmentSync._change` does: `encode_change`).
+  new global formed from it (what `RoundEngine._step` does: `encode_change`).
 
 The outer step and the close run twice, in the same process on the same
 arrays: as before this change (optax's update op by op; the close with
@@ -21,7 +21,9 @@ way from the same k results to new parameters (k folds, the close, the step). La
 its wake-ups is how long the event loop (heartbeats, other links) stalls while
 the step computes. Medians of `--repeat`.
 
-    python benchmarks/bench_outer_step.py [--sizes 31 124] [--results 2 4 8] [--repeat 3]
+    python benchmarks/bench_outer_step.py [--sizes 31 124] [--results 2 4 8] [--repeat 3] [--smoke]
+
+Ends with `ratio_close_outer_now_vs_before=<x>`: the last row's close + outer speed-up.
 """
 
 from __future__ import annotations
@@ -29,30 +31,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 import trio
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pcp_tui import protocol  # noqa: E402
-from pcp_tui.diloco import fused  # noqa: E402
-from pcp_tui.diloco.aggregate import CenteredClip  # noqa: E402
-from pcp_tui.diloco.outer import OuterOptimizer  # noqa: E402
-from pcp_tui.diloco.screening import check_pseudo_gradient  # noqa: E402
-
-
-def shapes_of(millions: float) -> dict[str, tuple[int, ...]]:
-    """About `millions` M values as GPT-2-like (rows, 768) matrices of ~8M values."""
-    total = int(millions * 1e6) // 768
-    shapes, index = {}, 0
-    while total > 0:
-        rows = min(total, 10_240)
-        shapes[f"h{index}.w"] = (rows, 768)
-        total, index = total - rows, index + 1
-    return shapes
+from pcp_tui import protocol
+from pcp_tui.diloco import fused
+from pcp_tui.diloco.aggregate import CenteredClip
+from pcp_tui.diloco.outer import OuterOptimizer
+from pcp_tui.diloco.screening import check_pseudo_gradient
+from pcp_tui.testing import gpt2_like_shapes, parse_with_smoke
 
 
 def timed(fn, *args):
@@ -127,7 +116,7 @@ def one_case(shapes, k: int, quantization: str, threads: int, rng) -> dict[str, 
 
 
 def change_round_trip(params, old, quantization: str) -> None:
-    """What `FragmentSync._change` does: the change encoded once and old + decoded in params
+    """What `RoundEngine._step` does: the change encoded once and old + decoded in params
     (`protocol.encode_change`; benchmarks/bench_change.py times it against the op-by-op way)."""
     body = protocol.FragmentUpdate(round=1, fragment=0, change=True)
     protocol.encode_change(body, params, old, quantization=quantization)
@@ -207,7 +196,7 @@ def main() -> None:
     parser.add_argument("--compression", nargs="+", default=["int8Block", "none"])
     parser.add_argument("--threads", type=int, default=fused.THREADS)
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, sizes=[0.1], results=[2], repeat=1)
     rng = np.random.default_rng(0)
     print(f"{os.cpu_count()} cores, --threads {args.threads}; seconds, medians of {args.repeat}")
     rows = []
@@ -216,12 +205,15 @@ def main() -> None:
         for quantization in args.compression:
             for k in args.results:
                 runs = [
-                    one_case(shapes_of(size), k, quantization, args.threads, rng)
+                    one_case(gpt2_like_shapes(size), k, quantization, args.threads, rng)
                     for _ in range(args.repeat)
                 ]
                 median = {p: statistics.median(r[p] for r in runs) for p in runs[0]}
                 rows.append(((size, k, quantization), median))
                 report(rows[-1:])
+    t = rows[-1][1]
+    speed_up = (t["close before"] + t["outer before"]) / (t["close now"] + t["outer now"])
+    print(f"ratio_close_outer_now_vs_before={speed_up:.2f}")
 
 
 if __name__ == "__main__":

@@ -25,48 +25,67 @@ same held-out batches. Rows (`--rows`):
     python benchmarks/bench_quality.py [--backend cpu|cuda] [--model small] [--steps 400]
         [--corpus embedded|shakespeare:PATH] [--rows sync plain streaming] [--out DIR]
     python benchmarks/bench_quality.py --merge DIR/*/quality.json --out DIR
+    python benchmarks/bench_quality.py --smoke     # seconds: every row's code path, tiny sizes
 
 Writes `quality.json` (and `partial.json` every few seconds while a run goes, so a
 timeout keeps the curve so far), `quality_table.md` and `quality.png` (held-out loss
 vs tokens, one panel per corpus; needs matplotlib: `pip install -e '.[bench]'`).
-The tables and the plot are made by `quality_report.py`.
+`--merge` makes the tables and the plot of results from earlier runs (quality_gpu.sh runs
+every row in its own process, then merges them).
+Ends with `ratio_eval_<last row>_vs_sync=<x>`: the last row's final eval loss over sync's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import trio
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from quality_report import Result, report  # noqa: E402
-
-from pcp_tui.app.launch import local_worker_command  # noqa: E402
-from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.shepherd.coordinator import Shepherd  # noqa: E402
-from pcp_tui.shepherd.rounds import data_parallel_bytes  # noqa: E402
-from pcp_tui.training.build import build_workload  # noqa: E402
+from pcp_tui.app.launch import local_worker_command
+from pcp_tui.config import RunConfig
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.rounds import data_parallel_bytes
+from pcp_tui.testing import parse_with_smoke
+from pcp_tui.training.build import build_workload
 
 REPO = Path(__file__).resolve().parents[1]
 PARTIAL_SECONDS = 10.0
 
 
+@dataclass
+class Result:
+    label: str
+    workers: int
+    inner_steps: int
+    rounds: int
+    tokens: int
+    final_eval_loss: float
+    bytes_communicated: int
+    train_seconds: float
+    curve: list[tuple[int, float]]  # (training tokens so far, held-out loss)
+    corpus: str = "embedded"
+    row: str = ""
+    model: str = ""
+    bytes_measured: bool = True  # False: computed (the sync row's all-reduce)
+    finished: bool = True  # False: a partial.json of a run cut short
+    planned_rounds: int = 0
+    eval_windows: int = 0  # held-out sequences each evaluation averages over
+    k: int = 4  # data-parallel width: DiLoCo's workers, the workers sync's batch stands for
+
+
 def worker_env(backend: str) -> dict[str, str]:
-    """The workers' environment: this repository importable; on CPU one XLA thread each."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        PYTHONUNBUFFERED="1",
-    )
+    """The workers' environment: unbuffered output; on CPU one XLA thread each."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if backend == "cpu":
         env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     return env
@@ -246,6 +265,107 @@ def plans(args: argparse.Namespace) -> list[tuple[str, str, RunConfig]]:
     return [(label + args.label_suffix, row, config) for label, row, config in runs]
 
 
+ORDER = ("sync", "plain", "streaming", "averaged", "single")
+
+
+def _versus(result: Result, reference: Result | None) -> str:
+    if reference is None or not reference.finished or not result.finished:
+        return "-"
+    return f"{100 * (result.final_eval_loss / reference.final_eval_loss - 1):+.2f}%"
+
+
+def table(results: list[Result]) -> str:
+    """Markdown table of one corpus' rows, with ratios against sync and plain DiLoCo."""
+    sync = next((r for r in results if r.row == "sync"), None)
+    plain = next((r for r in results if r.row == "plain"), None)
+    lines = [
+        "| run | rounds | tokens | final eval loss | vs sync | vs plain | bytes | "
+        "fewer bytes than sync | train time |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        rounds = f"{r.rounds}" if r.finished else f"{r.rounds}/{r.planned_rounds} (cut short)"
+        fewer = (
+            f"{sync.bytes_communicated / r.bytes_communicated:,.0f}x"
+            if sync and r.bytes_communicated and r.workers > 1
+            else "-"
+        )
+        star = "" if r.bytes_measured else "*"
+        lines.append(
+            f"| {r.label} | {rounds} | {r.tokens:,} | {r.final_eval_loss:.4f} | "
+            f"{_versus(r, sync)} | {_versus(r, plain)} | "
+            f"{r.bytes_communicated / 1e6:,.1f} MB{star} | {fewer} | {r.train_seconds:.0f} s |"
+        )
+    windows = {r.eval_windows for r in results}
+    if len(windows) > 1:
+        lines.append(
+            f"\n**Rows were evaluated on different held-out windows** ({sorted(windows)}): "
+            "their losses are not comparable; give the corpus more held-out text or pass "
+            "fewer --eval-batches."
+        )
+    if sync is not None:
+        lines.append(
+            "\n\\* sync DP runs as one worker with a k-times batch (all-reduce of gradients with "
+            "one AdamW is exactly that); its bytes are what k workers would exchange for it, "
+            "each sending its float32 gradient and receiving the average every step "
+            "(2 x 4 B x parameters x k per step; a ring all-reduce sends 2(k-1)/k of that). "
+            "Other rows: bytes the shepherd counted on the wire, both directions."
+        )
+    return "\n".join(lines)
+
+
+def by_corpus(results: list[Result]) -> dict[str, list[Result]]:
+    """Results grouped by corpus, model and k (a table compares like with like), in row order."""
+    groups: dict[str, list[Result]] = {}
+    for r in results:
+        groups.setdefault(f"{r.corpus}: {r.model}, k={r.k}", []).append(r)
+    for group in groups.values():
+        group.sort(key=lambda r: (ORDER.index(r.row) if r.row in ORDER else len(ORDER), r.label))
+    return groups
+
+
+def plot(groups: dict[str, list[Result]], path: Path) -> bool:
+    """Held-out loss against training tokens, one panel per corpus, into `path` (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", flush=True)
+        return False
+    figure, panels = plt.subplots(1, len(groups), figsize=(7 * len(groups), 4.5), squeeze=False)
+    for axes, (key, results) in zip(panels[0], groups.items(), strict=True):
+        for r in results:
+            if not r.curve:
+                continue
+            tokens, losses = zip(*r.curve, strict=True)
+            axes.plot([t / 1e6 for t in tokens], losses, marker=".", label=r.label)
+        finals = [r.final_eval_loss for r in results if math.isfinite(r.final_eval_loss)]
+        if finals:  # the first points (loss ~5.5) would flatten the curves where they differ
+            axes.set_ylim(top=min(4.0, 1.5 * max(finals)))
+        corpus, _, setup = key.rpartition(": ")
+        name, _, archive = corpus.partition(":")
+        title = f"{name} ({Path(archive).name}), {setup}" if archive else f"{corpus}, {setup}"
+        axes.set(xlabel="training tokens (millions)", ylabel="held-out loss", title=title)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def report(results: list[Result], out: Path) -> str:
+    """Write quality_table.md and quality.png into `out`; return (and print) the tables."""
+    groups = by_corpus(results)
+    text = "\n\n".join(f"### {key}\n\n{table(group)}" for key, group in groups.items())
+    (out / "quality_table.md").write_text(text + "\n")
+    print(text, flush=True)
+    if groups:
+        plot(groups, out / "quality.png")
+    return text
+
+
 def write_json(path: Path, results: list[Result]) -> None:
     """Replace `path` whole (a reader never sees half a file)."""
     temporary = path.with_suffix(".tmp")
@@ -285,7 +405,23 @@ def arguments() -> argparse.Namespace:
     add("--label-suffix", default="", help="appended to every run's label")
     add("--merge", type=Path, nargs="+", help="combine earlier quality.json files into --out")
     add("--out", type=Path, default=REPO / "docs")
-    return parser.parse_args()
+    return parse_with_smoke(
+        parser,
+        workers=2,
+        steps=4,
+        h=[2],
+        stream_h=4,
+        fragments=2,
+        overlap=1,
+        seq_len=32,
+        batch_size=4,
+        data_max_bytes=256 * 1024,
+        chunk_steps=1,
+        warmup=1,
+        eval_batches=2,
+        evals=2,
+        out=Path(tempfile.gettempdir()) / "bench-quality-smoke",
+    )
 
 
 def main() -> None:
@@ -311,6 +447,12 @@ def main() -> None:
         (args.out / "partial.json").unlink(missing_ok=True)
     write_json(args.out / "quality.json", results)
     report(results, args.out)
+    reference = next((r for r in results if r.row == "sync"), results[0])
+    last = results[-1]
+    print(
+        f"ratio_eval_{last.row}_vs_{reference.row}="
+        f"{last.final_eval_loss / reference.final_eval_loss:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -9,13 +9,15 @@ the streaming token-weighted mean and the outer step.
 
     python benchmarks/bench_shepherd_scale.py [--workers 1 8 64 256] [--rounds 4] [--model tiny]
     python benchmarks/bench_shepherd_scale.py --param-shapes gpt2 --workers 1 2 --rounds 5
+    python benchmarks/bench_shepherd_scale.py --smoke
 
 Prints per N: median round seconds, the shepherd process's CPU seconds per
 round (its own work, less sensitive than wall time to a loaded machine), MB
 moved, seconds per GB moved (flat means linear in bytes), and the overhead as
 a fraction of a reference round, a real 1-worker round of H inner steps
 measured on this machine by bench_worker_overhead (pass
---reference-round-seconds; default: H=50 tiny on a 2-core CPU, ~6 s).
+--reference-round-seconds; default: H=50 tiny on a 2-core CPU, ~6 s). Ends with
+`ratio_round_seconds_<last N>_vs_<first N>=<x>`.
 
 `--param-shapes gpt2` gives the model the parameter shapes of that preset
 (GPT-2 124M: 498 MB of float32) with a stand-in loss: nothing here runs the
@@ -27,18 +29,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
 import numpy as np
 import trio
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pcp_tui import protocol  # noqa: E402
-from pcp_tui.config import RunConfig  # noqa: E402
-from pcp_tui.contract import auth  # noqa: E402
+from pcp_tui import protocol
+from pcp_tui.config import RunConfig
+from pcp_tui.contract import auth
+from pcp_tui.testing import parse_with_smoke
 
 
 async def fake_worker(port: int, index: int) -> None:
@@ -167,7 +167,7 @@ def main() -> None:
     )
     parser.add_argument("--reference-round-seconds", type=float, default=6.0)
     parser.add_argument("--fake", nargs=2, type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, workers=[1, 4], rounds=3)
     if args.fake:
         trio.run(fake_workers, *args.fake)
         return
@@ -195,6 +195,11 @@ def main() -> None:
             f"{r['round_seconds'] / args.reference_round_seconds:>20.1%}"
         )
     print(json.dumps(rows))
+    first, last = rows[0], rows[-1]
+    print(
+        f"ratio_round_seconds_{last['workers']}_vs_{first['workers']}="
+        f"{last['round_seconds'] / first['round_seconds']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ floor, the honest worker's first round was dropped, and the liar alone closed
 every later round within milliseconds (docs/faults.md, fifth pass).
 
     python benchmarks/bench_stragglers.py [--pace 0.3] [--floor 1] [--rounds 6] [--inner-steps 8]
+        [--smoke]
+
+Ends with `ratio_honest_streaming_liar_vs_alone=<x>`: the last row's "vs alone".
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
     WorkerProcesses,
     faulty_worker_command,
+    parse_with_smoke,
     run_shepherd,
     small_config,
     until,
@@ -73,20 +77,9 @@ async def fast_liar(port: int, tokens_per_step: int) -> None:
 
 
 async def _answer(stream, start, zeros, fragments, tokens_per_step: int) -> None:
-    if not fragments:
-        steps = start.inner_steps
-        body = protocol.RoundResult(
-            round=start.round,
-            tokens=steps * tokens_per_step,
-            losses=(3.0,) * steps,
-            compute_seconds=0.01,
-            inner_steps=steps,
-        )
-        await stream.send(body, zeros)
-        return
-    steps = start.inner_steps // len(fragments)
+    steps = start.inner_steps // len(fragments)  # plain DiLoCo: one fragment, every tensor
     for p, names in enumerate(fragments):
-        body = protocol.FragmentResult(
+        body = protocol.RoundResult(
             round=start.round,
             fragment=p,
             tokens=steps * tokens_per_step,
@@ -140,7 +133,7 @@ def main() -> None:
     parser.add_argument("--floor", type=float, default=1.0, help="--straggler-min-seconds")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--inner-steps", type=int, default=8, help="H (chunks of one step)")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, pace=0.1, floor=0.3, rounds=2, inner_steps=4)
     rows = [
         ("honest alone", scenario(args, liar=False, fragments=1)),
         ("+ fast liar", scenario(args, liar=True, fragments=1)),
@@ -160,6 +153,7 @@ def main() -> None:
             f"| {name} | {row['honest']}/{row['rounds']} | {row['honest'] / baseline:.2f} | "
             f"{row['liar alone']} | {row['stragglers']} | {row['seconds']:.1f} |"
         )
+    print(f"ratio_honest_streaming_liar_vs_alone={rows[-1][1]['honest'] / baseline:.2f}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ batch 4 x 64 on the CPU box) computes H = 40 steps in a few seconds; the default
 link, 8 Mbit/s and 50 ms, makes its exchange about that share of a round.
 
     python benchmarks/bench_streaming.py [--rounds 6] [--inner-steps 40] [--fragments 4]
-        [--overlap 5] [--link 8Mbit/50ms] [--batch-size 4] [--seq-len 64]
+        [--overlap 5] [--link 8Mbit/50ms] [--batch-size 4] [--seq-len 64] [--smoke]
+
+Ends with `ratio_utilization_streaming_vs_plain=<x>`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_wan import run_link
+from pcp_tui.testing import parse_with_smoke, run_over_link
 
 
 def main() -> None:
@@ -52,8 +54,19 @@ def main() -> None:
         help="more shepherd options for every run, e.g. a GPU run's "
         "'--model gpt2 --data tokens.bin --compute-dtype bfloat16'",
     )
-    args = parser.parse_args()
-    chunk = (  # the same chunks, so the same batches, in every run; shape options override bench_wan's
+    args = parse_with_smoke(
+        parser,
+        rounds=2,
+        inner_steps=4,
+        workers=1,
+        fragments=2,
+        overlap=1,
+        link="100Mbit/5ms",
+        seq_len=32,
+    )
+    chunk = (  # the same chunks, so the same batches, in every run; --shepherd-args override
+        *("--model", args.model, "--rounds", str(args.rounds)),
+        *("--inner-steps", str(args.inner_steps)),
         *("--chunk-steps", str(args.overlap or args.inner_steps // args.fragments)),
         *("--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)),
         *shlex.split(args.shepherd_args),
@@ -71,7 +84,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for label, extra in runs.items():
             print(f"running {label} over {args.link}...", file=sys.stderr, flush=True)
-            row = run_link(args.link, args, Path(workdir), extra, label=label.replace(" ", "_"))
+            row = run_over_link(
+                args.link, Path(workdir), extra, workers=args.workers, label=label.replace(" ", "_")
+            )
             rows.append({**row, "label": label})
     base = rows[0]
     print(
@@ -90,6 +105,9 @@ def main() -> None:
             f"{row['largest_result_bytes'] / base['largest_result_bytes']:7.3f} "
             f"{row['final_eval_loss']:9.4f} {row['final_eval_loss'] / base['final_eval_loss']:8.4f}"
         )
+    print(
+        f"ratio_utilization_streaming_vs_plain={rows[-1]['utilization'] / base['utilization']:.3f}"
+    )
 
 
 if __name__ == "__main__":

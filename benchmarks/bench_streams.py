@@ -10,6 +10,7 @@ the bound the link allows: min(bandwidth, K x window / RTT).
 
     python benchmarks/bench_streams.py [--mb 128] [--bandwidth 1Gbit] [--rtt 50ms]
                                        [--window 1MiB] [--streams 1,2,4,8] [--repeats 1]
+                                       [--smoke]
 
 With `--round`, it times whole DiLoCo rounds instead: a real shepherd and one
 CPU worker (GPT-2 on bytes, 86M parameters: ~344 MB of parameters out and of
@@ -29,7 +30,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,14 +37,14 @@ from pathlib import Path
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pcp_tui import protocol  # noqa: E402
-from pcp_tui.app.link_emulator import parse_bandwidth, parse_duration, parse_window  # noqa: E402
-from pcp_tui.testing import (  # noqa: E402
+from pcp_tui import protocol
+from pcp_tui.app.link_emulator import parse_bandwidth, parse_duration, parse_window
+from pcp_tui.testing import (
     OutputProcess,
     WorkerProcesses,
     free_port,
+    link_emulator_command,
+    parse_with_smoke,
     shepherd_command,
 )
 
@@ -87,10 +87,8 @@ async def transfer(link_port: int, listener, count: int, params: dict) -> float:
 
 def link_command(listen: int, target: int, args) -> list[str]:
     """`pcp-tui emulate-link` with all connections on one shared wire of `args.bandwidth`."""
-    return (
-        [sys.executable, "-m", "pcp_tui", "emulate-link", "--listen", f"127.0.0.1:{listen}"]
-        + ["--to", f"127.0.0.1:{target}", "--bandwidth", args.bandwidth, "--rtt", args.rtt]
-        + ["--window", args.window, "--shared"]
+    return link_emulator_command(
+        listen, target, args.bandwidth, args.rtt, "--window", args.window, "--shared"
     )
 
 
@@ -151,7 +149,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="the best of this many per K")
     parser.add_argument("--round", action="store_true", help="time whole DiLoCo rounds instead")
     parser.add_argument("--rounds", type=int, default=3, help="with --round: rounds per run")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, mb=2.0, rtt="5ms", window="256KiB", streams="1,2")
     counts = [int(value) for value in args.streams.split(",")]
     if args.round:
         rounds_table(counts, args)

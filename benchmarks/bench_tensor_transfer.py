@@ -13,7 +13,7 @@ receiver:
   quantization (MB and GB/s count the float32 bytes represented, so they show
   the effective parameter throughput; the wire carries 1/2, ~1/4, ~1/8 of it).
 
-    python benchmarks/bench_tensor_transfer.py [--mb 300] [--repeats 3]
+    python benchmarks/bench_tensor_transfer.py [--mb 300] [--repeats 3] [--smoke]
 
 Prints a table and a final ``ratio_vs_raw_socket=<x>`` line (unquantized
 MessageStream time over raw socket time as a speed ratio: 1.0 is parity).
@@ -28,14 +28,12 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pcp_tui import protocol  # noqa: E402
+from pcp_tui import protocol
+from pcp_tui.testing import parse_with_smoke
 
 METHODS = {
     1: ("raw socket", None),
@@ -76,12 +74,14 @@ def make_params(megabytes: float) -> dict[str, np.ndarray]:
     params, total, target = {}, 0, megabytes * 1e6
     for name, shape in gpt2_shapes(n_layer=48):
         size = int(np.prod(shape)) * 4
-        if total + size > target * 1.02 and params:
+        if total + size > target * 1.02:  # (the 154 MB token embedding too, below 151 MB)
             continue
         params[name] = rng.standard_normal(shape, dtype=np.float32) * 0.02
         total += size
         if total >= target * 0.98:
             break
+    if not params:
+        raise SystemExit(f"--mb {megabytes}: no GPT-2 tensor is that small; give 0.01 or more")
     return params
 
 
@@ -173,7 +173,7 @@ def main() -> None:
         "--repeats", type=int, default=3, help="transfers per method (median reported)"
     )
     parser.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, mb=4.0, repeats=1)
     if args.receiver:
         receiver_main()
         return

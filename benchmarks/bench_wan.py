@@ -9,7 +9,9 @@ many times fewer bytes than synchronous data parallelism (`bytes_data_parallel`)
 Round 1 is left out (first-call warm-up).
 
     python benchmarks/bench_wan.py [--rounds 5] [--inner-steps 25] [--model tiny]
-        [--links loopback 1Gbit/50ms 100Mbit/50ms]
+        [--links loopback 1Gbit/50ms 100Mbit/50ms] [--smoke]
+
+Ends with `ratio_utilization_<last link, / as _>_vs_loopback=<x>`.
 
 This is the number streaming DiLoCo (overlapping the exchange with the next
 inner steps) exists to raise; today a round is strictly synchronous.
@@ -18,75 +20,12 @@ inner steps) exists to raise; today a round is strictly synchronous.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
+import re
 import sys
 import tempfile
 from pathlib import Path
 
-from pcp_tui.testing import WorkerProcesses, free_port, shepherd_command, worker_env
-
-
-def run_link(
-    link: str, args: argparse.Namespace, workdir: Path, extra: tuple[str, ...] = (), label: str = ""
-) -> dict:
-    """One run over `link` ('loopback' or 'BANDWIDTH/RTT'); its mean round numbers.
-
-    `extra`: more shepherd options (benchmarks/bench_streaming.py passes
-    --streaming-fragments and friends); `label` names the run's metrics file.
-    """
-    name = f"{link}{label}".replace("/", "_")
-    port, metrics = free_port(), workdir / f"{name}.jsonl"
-    shepherd = subprocess.Popen(
-        shepherd_command(
-            port,
-            *("--model", args.model, "--workers", str(args.workers), "--rounds", str(args.rounds)),
-            *("--inner-steps", str(args.inner_steps), "--batch-size", "16", "--seq-len", "128"),
-            *("--metrics", str(metrics)),
-            *extra,
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=worker_env(),
-    )
-    emulator, join_port = None, port
-    with WorkerProcesses() as workers:
-        try:
-            if link != "loopback":
-                bandwidth, rtt = link.split("/")
-                join_port = free_port()
-                emulator = subprocess.Popen(
-                    [sys.executable, "-m", "pcp_tui", "emulate-link"]
-                    + ["--listen", f"127.0.0.1:{join_port}", "--to", f"127.0.0.1:{port}"]
-                    + ["--bandwidth", bandwidth, "--rtt", rtt],
-                    stdout=subprocess.DEVNULL,
-                )
-            for line in shepherd.stdout:
-                if "listening on" in line:
-                    break
-            for index in range(args.workers):
-                workers.spawn(join_port, "--id", f"w{index}")
-            output, _ = shepherd.communicate(timeout=3600)
-            if shepherd.returncode != 0:
-                raise SystemExit(f"the {link} run failed:\n{output}")
-        finally:
-            for process in (shepherd, emulator):
-                if process is not None and process.poll() is None:
-                    process.kill()
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
-    rounds = [r for r in events if r["event"] == "round" and r["round"] > 1]
-    return {
-        "final_eval_loss": [r for r in events if r["event"] == "round"][-1]["eval_loss"],
-        "largest_result_bytes": max(r.get("largest_result_bytes", 0) for r in rounds),
-        "link": link,
-        "round_seconds": statistics.mean(r["round_seconds"] for r in rounds),
-        "compute_seconds": statistics.mean(r["compute_seconds"] for r in rounds),
-        "utilization": statistics.mean(r["utilization"] for r in rounds),
-        "bytes_per_round": statistics.mean(r["bytes_sent"] + r["bytes_received"] for r in rounds),
-        "bytes_data_parallel": statistics.mean(r["bytes_data_parallel"] for r in rounds),
-    }
+from pcp_tui.testing import parse_with_smoke, run_over_link
 
 
 def main() -> None:
@@ -95,16 +34,34 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--links", nargs="+", default=["loopback", "1Gbit/50ms", "100Mbit/50ms"])
-    args = parser.parse_args()
+    args = parse_with_smoke(
+        parser,
+        rounds=2,
+        inner_steps=2,
+        workers=1,
+        batch_size=4,
+        seq_len=32,
+        links=["loopback", "100Mbit/5ms"],
+    )
     links = ["loopback", *[link for link in args.links if link != "loopback"]]
     with tempfile.TemporaryDirectory() as workdir:
         rows = []
         for link in links:
             print(f"running over {link}...", file=sys.stderr, flush=True)
-            rows.append(run_link(link, args, Path(workdir)))
+            options = (
+                *("--model", args.model, "--rounds", str(args.rounds)),
+                *("--inner-steps", str(args.inner_steps), "--batch-size", str(args.batch_size)),
+                *("--seq-len", str(args.seq_len)),
+            )
+            rows.append(run_over_link(link, Path(workdir), options, workers=args.workers))
     base = rows[0]
-    print(f"{args.workers} workers, {args.model}, H={args.inner_steps}, rounds 2..{args.rounds}\n")
+    print(
+        f"{args.workers} workers, {args.model}, batch {args.batch_size}x{args.seq_len}, "
+        f"H={args.inner_steps}, rounds 2..{args.rounds}\n"
+    )
     print(
         f"{'link':>14} {'round s':>8} {'compute s':>9} {'util':>6} {'MB/round':>9} "
         f"{'vs DP':>7} {'vs loopback':>11}"
@@ -116,6 +73,9 @@ def main() -> None:
             f"{'x' + format(row['bytes_data_parallel'] / row['bytes_per_round'], '.0f'):>7} "
             f"{row['utilization'] / base['utilization']:11.3f}"
         )
+    last = rows[-1]
+    name = re.sub(r"\W", "_", last["link"])  # 100Mbit/50ms: 100Mbit_50ms
+    print(f"ratio_utilization_{name}_vs_loopback={last['utilization'] / base['utilization']:.3f}")
 
 
 if __name__ == "__main__":

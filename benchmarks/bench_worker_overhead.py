@@ -16,6 +16,7 @@ process with the same environment:
 
     python benchmarks/bench_worker_overhead.py [--model tiny] [--inner-steps 200] [--rounds 4]
         [--link 1Gbit/50ms] [--compression int8Block] [--streaming-fragments 4 --overlap-steps 25]
+        [--smoke]
 
 With `--link BANDWIDTH/RTT` the worker reaches the shepherd through a
 `pcp-tui emulate-link` process (its own process, as a real WAN costs the
@@ -41,10 +42,9 @@ import time
 import numpy as np
 import trio
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pcp_tui.app.launch import local_worker_command  # noqa: E402
-from pcp_tui.config import RunConfig  # noqa: E402
+from pcp_tui.app.launch import local_worker_command
+from pcp_tui.config import RunConfig
+from pcp_tui.testing import free_port, link_emulator_command, parse_with_smoke
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -122,12 +122,9 @@ async def emulated_link(
 
     Reports the port to connect to once the emulator listens.
     """
-    from pcp_tui.testing import free_port
-
     bandwidth, rtt = link.split("/")
     listen = free_port()
-    command = [sys.executable, "-m", "pcp_tui", "emulate-link", "--listen", f"127.0.0.1:{listen}"]
-    command += ["--to", f"127.0.0.1:{port}", "--bandwidth", bandwidth, "--rtt", rtt]
+    command = link_emulator_command(listen, port, bandwidth, rtt)
     emulator = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
     with scope:
         try:
@@ -171,7 +168,7 @@ async def measured_run(
         return json.loads(bare.stdout.readline())["tokens_per_second"]
 
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    logging.getLogger("pcp_tui.shepherd.fragments").setLevel(logging.DEBUG)  # per-fragment times
+    logging.getLogger("pcp_tui.shepherd.engine").setLevel(logging.DEBUG)  # per-fragment times
     before = (args.bare_rounds + 1) // 2
     bare_rates = [bare_round() for _ in range(before)]
     config = _config(args)
@@ -248,13 +245,13 @@ def main() -> None:
         help="device peak FLOP/s for an MFU line (H100 dense bf16: 989e12)",
     )
     parser.add_argument("--bare-loop", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_with_smoke(
+        parser, seq_len=16, batch_size=2, inner_steps=4, chunk_steps=2, rounds=2
+    )
     if args.bare_loop:
         bare_loop(args)
         return
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     bare_rates, steady, compute_rates = trio.run(measured_run, args, env)
     if not steady:
         raise SystemExit("--rounds must be 2 or more: round 1 only marks the start")

@@ -1,22 +1,25 @@
 """Worker sync: what a worker adds to a round around its compute, and how long it stalls.
 
-Runs the real `Worker._train_round` on a round start of GPT-2 124M shapes
-(498 MB of float32) with a stand-in training graph that hands its inputs
-back (no compute), and a stand-in sender that encodes the result and drops
-it (no wire). What is left is the worker's own work on a round: checking the
-round's parameters, uploading them, forming the pseudo-gradient and bringing
-it to the host. The worker's status changes split the round into phases:
+Runs the worker's real round (`RoundTrainer.train_round`, plain DiLoCo: one
+fragment) on a round start of GPT-2 124M shapes (498 MB of float32) with a
+stand-in training graph that hands its inputs back (no compute), and a
+stand-in sender that encodes the result, drops it (no wire) and answers with
+the fragment's update at once (the round's start values: no shepherd). What is
+left is the worker's own work on a round: checking the round's parameters,
+uploading them, forming the pseudo-gradient and bringing it to the host, then
+taking the update in. The worker's status changes split the round into phases:
 `upload` (checks, host to device), `train` (the stand-in graph: dispatch only)
-and `return` (pseudo-gradient, device to host, encoding). A ticker task on the
+and `return` (pseudo-gradient, device to host, encoding; the update checked,
+staged and merged). A ticker task on the
 same trio loop records the longest stall of the event loop in each phase:
 heartbeats and the receive loop wait that long.
 
     python benchmarks/bench_worker_sync.py [--preset gpt2] [--backend cpu] [--rounds 5]
-    python benchmarks/bench_worker_sync.py --src /tmp/before   # another checkout, same harness
+    python benchmarks/bench_worker_sync.py --smoke              # tiny shapes, one round
 
-`--src` imports `pcp_tui` and `backends` from another checkout (e.g. a
-`git worktree` of an older commit), so a before/after pair is measured with
-the same harness in one session; alternate the two.
+A before/after pair with the same harness: run this file with the Python of
+another checkout's environment (e.g. a `git worktree` of an older commit with
+its own editable install), alternating the two.
 """
 
 from __future__ import annotations
@@ -25,42 +28,59 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
+import pcp_tui
+from pcp_tui.testing import parse_with_smoke
+
 
 def stand_in_graphs(names: tuple[str, ...], shapes: dict, backend):
-    """A `train_chunk` that returns its (donated) inputs, and an `init_opt_state` of one scalar."""
+    """A `train_chunk` (parameters, optimizer state, batches, first step) that returns its
+    (donated) inputs, and an `init_opt_state` of one scalar."""
     import jax
     import jax.numpy as jnp
 
     specs = tuple(jax.ShapeDtypeStruct(shapes[n], jnp.float32) for n in names)
     opt_specs = (jax.ShapeDtypeStruct((), jnp.float32),)
     batches = jax.ShapeDtypeStruct((1, 1, 9), jnp.int32)
+    first_step = jax.ShapeDtypeStruct((), jnp.int32)
     with jax.default_device(backend.device):
-        train = jax.jit(lambda p, o, b: (p, o, jnp.zeros((1,), jnp.float32)), donate_argnums=(0, 1))
+        train = jax.jit(
+            lambda p, o, b, s: (p, o, jnp.zeros((1,), jnp.float32)), donate_argnums=(0, 1)
+        )
         init = jax.jit(lambda p: (jnp.zeros((), jnp.float32),))
         return (
-            train.lower(specs, opt_specs, batches).compile(),
+            train.lower(specs, opt_specs, batches, first_step).compile(),
             init.lower(specs).compile(),
         )
 
 
 class NullSender:
-    """Encodes what the worker sends (as the real sender does) and drops it."""
+    """Encodes what the worker sends (as the real sender does) and drops it; answers each
+    result with its fragment's update at once, `start`'s values (as if the outer step moved
+    nothing)."""
+
+    def __init__(self, rounds, start: dict[str, np.ndarray]):
+        self.rounds, self.start = rounds, start
+        self.stream = argparse.Namespace(sending=False)  # never busy: progress lines go out
 
     async def send(self, body, tensors=None, **options) -> int:
         from pcp_tui import protocol
 
-        return sum(len(memoryview(b)) for b in protocol.encode(body, tensors, **options))
+        size = sum(len(memoryview(b)) for b in protocol.encode(body, tensors, **options))
+        if isinstance(body, protocol.RoundResult):
+            names = self.rounds.fragments[body.fragment]
+            update = protocol.FragmentUpdate(round=body.round, fragment=body.fragment)
+            self.rounds.updates.deliver(protocol.Message(update, {n: self.start[n] for n in names}))
+        return size
 
 
 PHASE_AFTER = {"training": "train", "syncing": "return", "idle": "done"}  # status -> phase
 
 
-async def one_round(worker, message) -> tuple[dict[str, float], list[tuple[float, float]]]:
+async def one_round(worker, rounds, message) -> tuple[dict[str, float], list[tuple[float, float]]]:
     """Run one round; when each phase started, and every (time, stall) the ticker saw."""
     import trio
 
@@ -84,7 +104,7 @@ async def one_round(worker, message) -> tuple[dict[str, float], list[tuple[float
         nursery.start_soon(ticker)
         await trio.sleep(0.01)
         starts["upload"] = time.perf_counter()
-        await worker._train_round(NullSender(), message)
+        await rounds.train_round(NullSender(rounds, message.tensors), message)
         starts.setdefault("done", time.perf_counter())
         await trio.sleep(0.01)  # the ticker records a stall that lasted to the round's end
         nursery.cancel_scope.cancel()
@@ -97,7 +117,8 @@ async def measure(args: argparse.Namespace) -> dict:
     from pcp_tui import protocol
     from pcp_tui.config import WorkerConfig
     from pcp_tui.training.models import gpt2
-    from pcp_tui.worker.client import Training, Worker
+    from pcp_tui.worker.client import Worker
+    from pcp_tui.worker.rounds import InnerState, RoundTrainer, Training
 
     config = gpt2.PRESETS[args.preset]
     shapes = {
@@ -109,10 +130,22 @@ async def measure(args: argparse.Namespace) -> dict:
     worker = Worker(WorkerConfig(connect="127.0.0.1:1", token="bench", backend=args.backend))
     train, init = stand_in_graphs(names, shapes, worker.backend)
     plan = protocol.Plan(
-        param_names=names, inner_steps=1, chunk_steps=1, batch_size=1, seq_len=8, tokens_per_row=8
+        param_names=names,
+        inner_steps=1,
+        chunk_steps=1,
+        batch_size=1,
+        seq_len=8,
+        tokens_per_row=8,
+        fragments=(protocol.Fragment(names),),  # plain DiLoCo: one fragment, every tensor
     )
-    worker._plan = Training(plan, np.arange(1024, dtype=np.int32), train, init)
-    worker.status.worker_index = 0
+    rounds = RoundTrainer(
+        Training(plan, np.arange(1024, dtype=np.int32), train, init),
+        worker.backend,
+        worker.counters,
+        InnerState(),
+        status=worker.status.update,
+        worker_index=lambda: 0,
+    )
     rng = np.random.default_rng(0)
     params = {n: rng.standard_normal(shapes[n], dtype=np.float32) * 0.02 for n in names}
     phases = ("upload", "train", "return")
@@ -121,7 +154,7 @@ async def measure(args: argparse.Namespace) -> dict:
     for number in range(1, args.rounds + 2):  # round 1 compiles and initialises: not counted
         tensors = {n: p.copy() for n, p in params.items()}  # what decoding a roundStart gives
         message = protocol.Message(protocol.RoundStart(round=number, inner_steps=1), tensors)
-        starts, gaps = await one_round(worker, message)
+        starts, gaps = await one_round(worker, rounds, message)
         if number == 1:
             continue
         seconds["round"].append(starts["done"] - starts["upload"])
@@ -139,7 +172,7 @@ async def measure(args: argparse.Namespace) -> dict:
         "preset": args.preset,
         "backend": worker.backend.info.describe(),
         "params": int(sum(np.prod(s) for s in shapes.values())),
-        "src": args.src or "this checkout",
+        "src": os.path.dirname(os.path.dirname(pcp_tui.__file__)),
         **{f"{k}_seconds": statistics.median(v) for k, v in seconds.items()},
         **{f"{k}_longest_stall": statistics.median(v) for k, v in stalls.items()},
     }
@@ -150,10 +183,7 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt2", choices=["tiny", "small", "gpt2"])
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--src", help="import pcp_tui and backends from this checkout")
-    args = parser.parse_args()
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.abspath(args.src) if args.src else here)
+    args = parse_with_smoke(parser, preset="tiny", rounds=1)
     import trio
 
     row = trio.run(measure, args)

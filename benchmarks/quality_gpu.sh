@@ -81,5 +81,5 @@ for dir in "$out"/c*-*/; do
   fi
 done
 ((${#results[@]})) || { echo "no row finished; see $out/*.log" >&2; exit 1; }
-python3 "$here/quality_report.py" "${results[@]}" --out "$out" || exit 1
+python3 "$here/bench_quality.py" --merge "${results[@]}" --out "$out" || exit 1
 echo "$(date -u +%T) table: $out/quality_table.md  plot: $out/quality.png  all in $((SECONDS - started)) s"

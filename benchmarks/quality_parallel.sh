@@ -30,5 +30,5 @@ for row in "${rows[@]}"; do
     --out "$out/$name" >"$out/$name.log" 2>&1 &
 done
 wait
-python3 benchmarks/quality_report.py "$out"/*/quality.json --out "$out"
+python3 benchmarks/bench_quality.py --merge "$out"/*/quality.json --out "$out"
 echo "all rows done"

@@ -6,7 +6,7 @@ rate; its radius scales the history's distances by this round's Σ lr
 the next (warm-up peak, then cosine decay to zero over a short run, or the tail of any
 run), honest results sit far from a center that is too large for this round, and all
 of them are scaled back toward it: the aggregate then repeats part of the previous,
-larger step. `benchmarks/resume_clip.py --rounds 3 --stop 1 --inner-steps 10`
+larger step. `benchmarks/bench_resume_clip.py --rounds 3 --stop 1 --inner-steps 10`
 measured it end to end: round 3's three honest results scaled by 0.57 / 0.58 / 0.57 in
 an uninterrupted run (eval 2.9101); with the clip's history dropped none was, and eval
 was 2.7836. The fix belongs in `diloco/aggregate.py` (say, the center scaled by this

@@ -14,6 +14,12 @@ pseudo-gradient) are `pcp_tui.testing.faulty_worker`; its docstring lists the
 faults and their parameters.
 """
 
+from pcp_tui.testing._benchmarks import (
+    gpt2_like_shapes,
+    link_emulator_command,
+    parse_with_smoke,
+    run_over_link,
+)
 from pcp_tui.testing._inprocess import (
     heartbeat_until_hung_up,
     pause_after_round,
@@ -38,11 +44,15 @@ __all__ = [
     "heartbeat_until_hung_up",
     "SMALL_RUN",
     "OutputProcess",
+    "parse_with_smoke",
     "pause_after_round",
     "WorkerProcesses",
     "child_pids",
     "faulty_worker_command",
     "free_port",
+    "gpt2_like_shapes",
+    "link_emulator_command",
+    "run_over_link",
     "run_shepherd",
     "shepherd_command",
     "small_config",

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from pcp_tui.app.launch import local_worker_command
 from pcp_tui.config import RunConfig
 
 #: Options of a run small enough to train in seconds on 2 cores; everything else is the real thing.
@@ -60,6 +59,10 @@ def worker_env() -> dict[str, str]:
 
 def worker_command(port: int, *extra: str, token: str = "test-token") -> list[str]:
     """argv of a `pcp-tui worker` joining 127.0.0.1:`port` on the CPU backend."""
+    # imported here: the launcher pulls in the shepherd and JAX, which a benchmark of the
+    # codec alone (`import pcp_tui.testing` for its helpers) should not wait for
+    from pcp_tui.app.launch import local_worker_command
+
     return local_worker_command(port, token=token, extra=extra)
 
 

@@ -12,7 +12,10 @@ processes on 127.0.0.1) three ways for each aggregate:
 Prints one table: eval loss per round, and the clip scale of each result in the
 first resumed round; the baseline is the uninterrupted run of the same aggregate.
 
-    python benchmarks/resume_clip.py [--rounds 8] [--stop 3] [--inner-steps 30] [--inner-lr 2e-3]
+    python benchmarks/bench_resume_clip.py [--rounds 8] [--stop 3] [--inner-steps 30] [--inner-lr 2e-3]
+        [--smoke]
+
+Ends with `ratio_first_resumed_vs_uninterrupted=<x>` of the last resumed run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import trio
 
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import WorkerProcesses, small_config, until
+from pcp_tui.testing import WorkerProcesses, parse_with_smoke, small_config, until
 from pcp_tui.training.build import build_workload
 
 WORKERS = 3
@@ -36,11 +39,11 @@ def run(config, *, stop_after: int | None = None, forget_clip: bool = False) -> 
     workload = build_workload(config, shards=WORKERS)
     shepherd = Shepherd(config, workload)
     shepherd.ask_workers_back = False  # fresh processes for a resume: the point of this probe
-    if forget_clip:
-        shepherd._aggregation.load_state_arrays({})  # noqa: SLF001 - a probe, not the product
-        if hasattr(shepherd._aggregation, "center"):
-            shepherd._aggregation.center = None
-            shepherd._aggregation._recent.clear()
+    for aggregate in shepherd.engine.aggregates if forget_clip else ():  # one per fragment
+        aggregate.load_state_arrays({})  # a probe, not the product: private state below
+        if hasattr(aggregate, "center"):
+            aggregate.center = None
+            aggregate._recent.clear()
 
     async def main():
         with WorkerProcesses() as workers:
@@ -73,7 +76,7 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=30)
     parser.add_argument("--inner-lr", type=float, default=2e-3)
     parser.add_argument("--aggregates", nargs="+", default=["centered-clip", "mean"])
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, rounds=3, stop=1, inner_steps=5, aggregates=["centered-clip"])
     rows = []
     for aggregate in args.aggregates:
         with tempfile.TemporaryDirectory() as directory:
@@ -118,6 +121,7 @@ def main() -> None:
         first = next(i for i, x in enumerate(losses) if x is not None)
         ratio = losses[first] / baselines[aggregate][first] if first else 1.0
         print(f"{aggregate:14} {label:36} {shown:68} {ratio:.4f}{'':19} {scales}")
+    print(f"ratio_first_resumed_vs_uninterrupted={ratio:.4f}")
 
 
 if __name__ == "__main__":
