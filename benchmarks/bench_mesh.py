@@ -209,16 +209,5 @@ class _Model:
         return sum(len(memoryview(buffer).cast("B")) for buffer in (*down, *up))
 
 
-def _run_chunk(train_chunk, params, opt_state, batches, first_step: int):
-    """One compiled chunk as the worker calls it (`RoundTrainer._run_chunk`): its losses read
-    back, which waits for the device."""
-    import numpy as np
-
-    params, opt_state, losses = train_chunk(
-        tuple(params), tuple(opt_state), batches, np.int32(first_step)
-    )
-    return list(params), list(opt_state), np.asarray(losses)
-
-
 if __name__ == "__main__":
     main()
