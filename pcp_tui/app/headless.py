@@ -15,7 +15,7 @@ import trio
 
 from pcp_tui.app.closed_output import abandon, say
 from pcp_tui.app.tracking import GuardedSink
-from pcp_tui.shepherd.state import Event, RunState
+from pcp_tui.shepherd.state import Event, EventKind, RunState
 
 _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 
@@ -174,7 +174,7 @@ class MetricsWriter:
         with contextlib.suppress(OSError):  # its flush fails as the write did
             failed.close()
         self._state.emit(
-            "metrics_failed",
+            EventKind.METRICS_FAILED,
             f"metrics not written to {self._path}: {exc.strerror or exc}; no more rows go "
             "there this run and the run goes on (free disk space, or give the next run "
             "another --metrics)",

@@ -25,7 +25,7 @@ from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.shepherd.connection import Hello, handshake
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.state import EventKind, RunState
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
 PRE_AUTH_LIMITS = protocol.Limits(
@@ -83,7 +83,7 @@ class RefusalLog:
         if self._shown[host] < self._per_host and sum(self._shown.values()) < self._total:
             self._shown[host] += 1
             log.info("%s %s: %s", verb, peer, reason)
-            self._state.emit("refused", f"{verb} {peer}: {reason}", peer=peer, **data)
+            self._state.emit(EventKind.REFUSED, f"{verb} {peer}: {reason}", peer=peer, **data)
             return
         log.debug("%s %s: %s (not shown: too many refusals)", verb, peer, reason)
         if host not in self._suppressed and len(self._suppressed) >= self._max_hosts:
@@ -96,7 +96,7 @@ class RefusalLog:
         """Emit one summary per address whose refusals were not shown one by one."""
         for host, (count, reason) in self._suppressed.items():
             self._state.emit(
-                "refused",
+                EventKind.REFUSED,
                 f"refused {host}: … and {count} more in the last {self._window:.0f} s (last: {reason})",
                 peer=host,
                 suppressed=count,

@@ -48,7 +48,7 @@ from pcp_tui.shepherd.api_bodies import (
     workers_json,
 )
 from pcp_tui.shepherd.api_connections import CappedServer
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.state import EventKind, RunState
 
 __all__ = ["OperatorAPI", "bearer_token"]
 
@@ -251,7 +251,7 @@ class OperatorAPI:
         client = (scope.get("client") or ("an unknown address",))[0]
         self._request_stop("cancelled through the operator API")
         self.state.emit(
-            "stop_requested",
+            EventKind.STOP_REQUESTED,
             f"operator API: cancel from {client}; stopping after the current round",
         )
         return _json(202, {"status": "stopping", "round": self.state.round})

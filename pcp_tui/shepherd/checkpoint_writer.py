@@ -17,7 +17,7 @@ import numpy as np
 import trio
 
 from pcp_tui.shepherd import checkpoint
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.state import EventKind, RunState
 
 # (parameters, optimizer state arrays): copies the writer may keep while training goes on.
 Snapshot = Callable[[], tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
@@ -61,13 +61,13 @@ class CheckpointWriter:
                 )
             )
         except checkpoint.CheckpointError as exc:
-            self._state.emit("checkpoint_failed", str(exc), round=number)
+            self._state.emit(EventKind.CHECKPOINT_FAILED, str(exc), round=number)
             return
         finally:
             self._written.set()
         self.saved = number
         self._state.emit(
-            "checkpoint",
+            EventKind.CHECKPOINT,
             f"checkpoint of round {number} saved to {path}",
             round=number,
             path=str(path),

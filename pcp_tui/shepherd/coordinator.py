@@ -40,7 +40,7 @@ from pcp_tui.shepherd.listening import (
 from pcp_tui.shepherd.pacing import StepPacing
 from pcp_tui.shepherd.pool import WorkerPool
 from pcp_tui.shepherd.rounds import OpenRounds
-from pcp_tui.shepherd.state import RoundRecord, RunState, run_settings
+from pcp_tui.shepherd.state import EventKind, RoundRecord, RunState, RunStatus, run_settings
 from pcp_tui.training.export import TrainingGraphs
 from pcp_tui.training.workload import Workload
 
@@ -145,12 +145,12 @@ class Shepherd:
     def pause(self) -> None:
         self._paused = True
         self._resumed = trio.Event()
-        self.state.emit("paused", "pausing after the current round")
+        self.state.emit(EventKind.PAUSED, "pausing after the current round")
 
     def resume(self) -> None:
         self._paused = False
         self._resumed.set()
-        self.state.emit("resumed", "training resumed")
+        self.state.emit(EventKind.RESUMED, "training resumed")
 
     # -- the run ------------------------------------------------------------
 
@@ -182,12 +182,14 @@ class Shepherd:
         cfg = self.config
         if self._resumed_from:
             path, number = self._resumed_from
-            self.state.emit("resumed_from", f"resumed from {path} (round {number})", round=number)
+            self.state.emit(
+                EventKind.RESUMED_FROM, f"resumed from {path} (round {number})", round=number
+            )
         platforms = ", ".join(self.library.main_platforms)
-        self.state.emit("exporting", f"exporting training graphs for {platforms}")
+        self.state.emit(EventKind.EXPORTING, f"exporting training graphs for {platforms}")
         self.graphs = await trio.to_thread.run_sync(self._export)
         self.state.emit(
-            "exported",
+            EventKind.EXPORTED,
             f"graphs exported in {self.graphs.export_seconds:.1f} s",
             seconds=self.graphs.export_seconds,
         )
@@ -204,7 +206,7 @@ class Shepherd:
                 nursery.start_soon(self._admission.refusals.run)
                 task_status.started(port)
                 self.state.emit(
-                    "listening",
+                    EventKind.LISTENING,
                     f"listening on {self.state.address}"
                     + (f", operator API on {self.api.url}" if self.api else "")
                     + f"; join with: {self.state.join_command}",
@@ -220,8 +222,8 @@ class Shepherd:
         finally:
             self.state.finished_at = time.monotonic()
         if failure is not None:
-            self.state.status = "failed"
-            self.state.emit("failed", str(failure))
+            self.state.status = RunStatus.FAILED
+            self.state.emit(EventKind.FAILED, str(failure))
             raise failure
         return self.state
 
@@ -231,7 +233,7 @@ class Shepherd:
         if resumable:
             directory = self.config.checkpoints.dir or self.config.checkpoints.resume
             self.state.emit(
-                "resumable",
+                EventKind.RESUMABLE,
                 f"the run can be resumed: pcp-tui shepherd --resume {directory} "
                 "(with this run's options); its workers keep reconnecting until it is, "
                 "for their --give-up-after",
@@ -256,7 +258,7 @@ class Shepherd:
         try:
             checkpoint.inspect(directory, hint="its workers are told the run ended")
         except checkpoint.CheckpointError as exc:
-            self.state.emit("not_resumable", f"the run cannot be resumed: {exc}")
+            self.state.emit(EventKind.NOT_RESUMABLE, f"the run cannot be resumed: {exc}")
             return False
         return True
 
@@ -268,24 +270,26 @@ class Shepherd:
 
     async def _train(self, nursery: trio.Nursery) -> None:
         cfg = self.config
-        self.state.status = "waiting"
+        self.state.status = RunStatus.WAITING
         await self._wait_for_workers(
             cfg.network.workers, f"waiting for {cfg.network.workers} worker(s)"
         )
         number = self.start_round
         while number <= cfg.outer.rounds and self._stop_reason is None:
             if self._paused:
-                self.state.status = "paused"
+                self.state.status = RunStatus.PAUSED
                 await self._resumed.wait()
                 continue
             await self._wait_for_workers(1, "no worker is ready; waiting for one to join")
             if self._stop_reason is not None:
                 break
-            self.state.status = "training"
+            self.state.status = RunStatus.TRAINING
             record = await self._run_round(number)
             if record is None:
                 self.state.emit(
-                    "round_repeated", f"round {number} got no result; repeating it", round=number
+                    EventKind.ROUND_REPEATED,
+                    f"round {number} got no result; repeating it",
+                    round=number,
                 )
                 continue
             if cfg.checkpoints.dir and number % cfg.checkpoints.every == 0:
@@ -300,9 +304,9 @@ class Shepherd:
         await self._checkpoints.idle()
         if self._failure:
             raise RunFailed(self._failure)
-        self.state.status = "stopped" if self._stop_reason else "done"
+        self.state.status = RunStatus.STOPPED if self._stop_reason else "done"
         self.state.emit(
-            "done",
+            EventKind.DONE,
             f"run {self.state.status} {self.state.rounds_summary()}",
             rounds=len(self.state.history),
             final_eval_loss=self.state.last_eval_loss(),
@@ -335,7 +339,7 @@ class Shepherd:
         while self._stop_reason is None and len(self.pool.ready_links()) < count:
             if not announced:
                 late = self.pool.sitting_out_line()  # connected, but owing an old round's result
-                self.state.emit("waiting", f"{message}; {late}" if late else message)
+                self.state.emit(EventKind.WAITING, f"{message}; {late}" if late else message)
                 announced = True
             await self.pool.changed()
 

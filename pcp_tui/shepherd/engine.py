@@ -49,7 +49,7 @@ from pcp_tui.shepherd import sitting_out
 from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.shepherd.pacing import StepPacing
 from pcp_tui.shepherd.rounds import OpenRounds, Round, collect
-from pcp_tui.shepherd.state import RoundRecord, RunState
+from pcp_tui.shepherd.state import EventKind, RoundRecord, RunState, WorkerState
 from pcp_tui.training.export import InnerOptimizer
 from pcp_tui.training.workload import Workload
 
@@ -299,7 +299,7 @@ class RoundEngine:
         continued = link in self.in_sync
         body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
         tensors = {} if continued else self.params
-        link.view.state, link.view.round, link.view.step = "syncing", number, 0
+        link.view.state, link.view.round, link.view.step = WorkerState.SYNCING, number, 0
         link.claims.ask(steps)  # what its results may claim (`shepherd/claims.py`)
         try:
             await starts.send(link, body, tensors)
@@ -355,7 +355,7 @@ class RoundEngine:
         for worker_id, scale in zip(current.contributors, scales, strict=False):
             if scale != 1.0:
                 self.state.emit(
-                    "result_clipped",
+                    EventKind.RESULT_CLIPPED,
                     f"round {current.number}{part}: worker "
                     f"{self.state.workers[worker_id].index}'s result was scaled by "
                     f"{scale:.3g} to the clip radius {radius:.4g}",
@@ -503,5 +503,5 @@ def record_round(
     untrained = tuple(s.index for s in state.shards.shards if s.index not in trained)
     entry = dataclasses.replace(entry, untrained_shards=untrained)
     state.history.append(entry)
-    state.emit("round", f"round {current.number} done", record=entry)
+    state.emit(EventKind.ROUND, f"round {current.number} done", record=entry)
     return entry

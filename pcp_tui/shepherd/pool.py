@@ -28,7 +28,7 @@ from pcp_tui.shepherd.connection import WorkerLink, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.pacing import StepPacing
 from pcp_tui.shepherd.rounds import BadResult, OpenRounds
-from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.shepherd.state import EventKind, RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
 from pcp_tui.shepherd.worker_plan import bind_to_plan, worker_plan
 from pcp_tui.training.workload import Workload
@@ -97,7 +97,7 @@ class WorkerPool:
         """Tell every worker goodbye; `resumable`: the run can be resumed, so come back."""
         async with trio.open_nursery() as nursery:
             for link in list(self._links.values()):
-                link.view.state, link.view.reason = "left", reason
+                link.view.state, link.view.reason = WorkerState.LEFT, reason
                 nursery.start_soon(partial(link.close, reason, resumable=resumable))
 
     # -- one connection -------------------------------------------------------
@@ -124,7 +124,7 @@ class WorkerPool:
         except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
             reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
             self.state.emit(
-                "internal", f"worker {link.view.index}: {reason}", worker=link.worker_id
+                EventKind.INTERNAL, f"worker {link.view.index}: {reason}", worker=link.worker_id
             )
             self._mark_gone(link, "lost", reason)
         else:
@@ -237,7 +237,7 @@ class WorkerPool:
         )
         if adopted:
             self.state.emit(
-                "shard_adopted",
+                EventKind.SHARD_ADOPTED,
                 f"worker {index} ({hello.worker_id}) took over untrained shard {shard}",
                 worker=hello.worker_id,
                 shard=shard,
@@ -254,7 +254,7 @@ class WorkerPool:
             orphan = self.state.shards.release(link.worker_id)
             if orphan is not None and not ending:
                 self.state.emit(
-                    "shard_orphaned",
+                    EventKind.SHARD_ORPHANED,
                     f"shard {orphan} has no worker since worker {link.view.index} {state}; "
                     "the next worker to join trains it",
                     worker=link.worker_id,
@@ -263,11 +263,15 @@ class WorkerPool:
             log.info("worker %d %s: %s", link.view.index, state, reason)
             if state == "lost" and not self._stopping():
                 self.state.emit(
-                    "lost", f"worker {link.view.index} lost: {reason}", worker=link.worker_id
+                    EventKind.LOST,
+                    f"worker {link.view.index} lost: {reason}",
+                    worker=link.worker_id,
                 )
             elif not ending:  # said goodbye mid-run (stopped by its operator): worth a line too
                 self.state.emit(
-                    "left", f"worker {link.view.index} left: {reason}", worker=link.worker_id
+                    EventKind.LEFT,
+                    f"worker {link.view.index} left: {reason}",
+                    worker=link.worker_id,
                 )
         link.closed = True
         self.open_rounds.finish(link.worker_id, link)
@@ -287,7 +291,7 @@ class WorkerPool:
         wanted = cfg.network.streams
         await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
         log.debug("worker %d: welcomed", link.view.index)
-        link.view.state = "compiling"
+        link.view.state = WorkerState.COMPILING
         plan, tensors = worker_plan(
             cfg, self.workload, graphs, run_id=self.run_id, slot=slot, fragments=self.fragments
         )
@@ -316,12 +320,12 @@ class WorkerPool:
         view, body = link.view, message.body
         log.debug("worker %d: received %s (%d bytes)", view.index, message.kind, message.wire_bytes)
         if isinstance(body, protocol.Ready):
-            view.state = "idle"
+            view.state = WorkerState.IDLE
             link.stage = contract.Stage.READY
             view.compile_seconds = body.compile_seconds
             link.ready.set()
             self.state.emit(
-                "compiled",
+                EventKind.COMPILED,
                 f"worker {view.index} compiled in {body.compile_seconds:.1f} s",
                 worker=view.worker_id,
             )
@@ -369,7 +373,7 @@ class WorkerPool:
             current.finish(link.worker_id)
             view.reason = f"result refused: {exc}"
             self.state.emit(
-                "bad_result",
+                EventKind.BAD_RESULT,
                 f"refused worker {view.index}'s round {number} result: {exc}",
                 worker=link.worker_id,
             )
@@ -383,12 +387,12 @@ class WorkerPool:
                 body = message.body
                 self.pacing.measure(link.worker_id, body.inner_steps, body.compute_seconds, link)
             self.state.emit(
-                "late_result",
+                EventKind.LATE_RESULT,
                 f"dropped a late result for round {number} from worker {view.index}",
                 worker=link.worker_id,
                 round=number,
             )
             return
-        view.state = "idle"
+        view.state = WorkerState.IDLE
         view.step = view.total_steps
         view.reason = ""  # an earlier refusal no longer describes this worker

@@ -15,7 +15,7 @@ from pcp_tui import protocol
 from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
-from pcp_tui.shepherd.state import RoundRecord, RunState
+from pcp_tui.shepherd.state import EventKind, RoundRecord, RunState
 
 if TYPE_CHECKING:
     from pcp_tui.shepherd.connection import WorkerLink
@@ -331,7 +331,7 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
         return []
     if len(current.contributors) < network.min_workers:
         state.emit(
-            "round_waiting",
+            EventKind.ROUND_WAITING,
             f"round {current.number}: timeout with {len(current.contributors)} result(s); "
             f"waiting for --min-workers {network.min_workers}",
         )
@@ -354,7 +354,7 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             else f"at --round-timeout {network.round_timeout:g} s"
         )
         state.emit(
-            "stragglers",
+            EventKind.STRAGGLERS,
             f"round {current.number} closed without {', '.join(late)} {why}",
             workers=late,
         )
@@ -375,7 +375,7 @@ async def _quorum(
             await current.results(quorum)
         if len(current.contributors) < quorum and not current.done.is_set():
             state.emit(
-                "round_waiting",
+                EventKind.ROUND_WAITING,
                 f"round {current.number} has {len(current.contributors)} of the {quorum} "
                 f"results --min-workers asks for, {window:.3g} s (the straggler window) "
                 f"after the first; waiting for {', '.join(sorted(current.pending))} (restart "

@@ -7,6 +7,7 @@ training loop; they read `RunState` and subscribe to its events.
 from __future__ import annotations
 
 import collections
+import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -18,17 +19,75 @@ if TYPE_CHECKING:
     from pcp_tui.config import RunConfig
     from pcp_tui.protocol import WorkerStats
 
-# Worker states, in the order a worker normally passes through them.
-WORKER_STATES = (
-    "connecting",
-    "compiling",
-    "idle",
-    "training",
-    "syncing",
-    "lost",
-    "refused",
-    "left",
-)
+
+class RunStatus(enum.StrEnum):
+    """Where the run is; views and the API show the value."""
+
+    STARTING = "starting"
+    WAITING = "waiting"
+    TRAINING = "training"
+    PAUSED = "paused"
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RunStatus.DONE, RunStatus.FAILED, RunStatus.STOPPED)
+
+
+class WorkerState(enum.StrEnum):
+    """Where a worker is, in the order it normally passes through them (the worker's own
+    progress phases, `protocol.Phase`, are among them: idle, training, syncing)."""
+
+    CONNECTING = "connecting"
+    COMPILING = "compiling"
+    IDLE = "idle"
+    TRAINING = "training"
+    SYNCING = "syncing"
+    LOST = "lost"
+    REFUSED = "refused"
+    LEFT = "left"
+
+
+WORKER_STATES = tuple(WorkerState)
+
+
+class EventKind(enum.StrEnum):
+    """Every kind of event a run emits: the closed set the log, the dashboard and the metrics
+    file read (`RunState.emit` refuses any other)."""
+
+    EXPORTING = "exporting"
+    EXPORTED = "exported"
+    LISTENING = "listening"
+    WAITING = "waiting"
+    JOINED = "joined"
+    REJOINED = "rejoined"
+    REFUSED = "refused"
+    COMPILED = "compiled"
+    LOST = "lost"
+    LEFT = "left"
+    INTERNAL = "internal"
+    SHARD_ADOPTED = "shard_adopted"
+    SHARD_ORPHANED = "shard_orphaned"
+    ROUND = "round"
+    ROUND_REPEATED = "round_repeated"
+    ROUND_WAITING = "round_waiting"
+    STRAGGLERS = "stragglers"
+    LATE_RESULT = "late_result"
+    BAD_RESULT = "bad_result"
+    RESULT_CLIPPED = "result_clipped"
+    PAUSED = "paused"
+    RESUMED = "resumed"
+    RESUMED_FROM = "resumed_from"
+    STOP_REQUESTED = "stop_requested"
+    RESUMABLE = "resumable"
+    NOT_RESUMABLE = "not_resumable"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    METRICS_FAILED = "metrics_failed"
+    DONE = "done"
+    FAILED = "failed"
 
 
 @dataclass
@@ -37,7 +96,7 @@ class WorkerView:
     index: int
     host: str
     backend: str = ""
-    state: str = "connecting"
+    state: WorkerState = WorkerState.CONNECTING
     round: int = 0
     step: int = 0
     total_steps: int = 0
@@ -135,7 +194,7 @@ class RoundRecord:
 
 @dataclass(frozen=True)
 class Event:
-    kind: str  # joined | refused | lost | compiled | round | round_repeated | late_result | ...
+    kind: EventKind
     message: str
     data: dict[str, Any]
     at: float = field(default_factory=time.time)
@@ -156,7 +215,7 @@ class RunState:
         self.address = ""
         self.join_command = ""
         self.api_address = ""  # "host:port" of the operator API, when it is on
-        self.status = "starting"  # starting | waiting | training | paused | done | failed | stopped
+        self.status = RunStatus.STARTING
         self.round = 0
         self.first_round = 1  # the first this shepherd runs: after --resume, the checkpoint's + 1
         self.started_at = time.monotonic()
@@ -176,8 +235,9 @@ class RunState:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def emit(self, kind: str, message: str, **data: Any) -> Event:
-        event = Event(kind, message, data)
+    def emit(self, kind: EventKind | str, message: str, **data: Any) -> Event:
+        """Record an event and tell every listener; ValueError for a kind not in `EventKind`."""
+        event = Event(EventKind(kind), message, data)
         self.events.append(event)
         for listener in self._listeners:
             listener(event)

@@ -39,7 +39,8 @@ def parse_with_smoke(parser: argparse.ArgumentParser, **smoke: object) -> argpar
 def gpt2_like_shapes(millions: float) -> dict[str, tuple[int, ...]]:
     """About `millions` M float32 values as GPT-2-like (rows, 768) matrices of ~8M values each."""
     total = int(millions * 1e6) // 768
-    shapes, index = {}, 0
+    shapes: dict[str, tuple[int, ...]] = {}
+    index = 0
     while total > 0:
         rows = min(total, 10_240)
         shapes[f"h{index}.w"] = (rows, 768)
@@ -89,6 +90,7 @@ def run_over_link(
                     link_emulator_command(join_port, port, bandwidth, rtt),
                     stdout=subprocess.DEVNULL,
                 )
+            assert shepherd.stdout is not None  # started with stdout=PIPE
             for line in shepherd.stdout:
                 if "listening on" in line:
                     break

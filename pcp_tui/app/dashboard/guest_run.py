@@ -20,7 +20,7 @@ from textual.app import App
 from pcp_tui.app.dashboard.run_text import FINISHED
 from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.local_run import run_with_local_workers
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.state import EventKind, RunState, RunStatus
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
 
@@ -68,9 +68,9 @@ class GuestRun(App[None]):
         self.guest_running = False
         if isinstance(result, outcome.Error):
             self.failure = failure_reason(result.error)
-            self.state.status = "failed"
+            self.state.status = RunStatus.FAILED
         elif self.state.status not in FINISHED:  # cancelled by a second q
-            self.state.status = "stopped"
+            self.state.status = RunStatus.STOPPED
         if not self.screen_stack:  # the app is already gone (its terminal closed): nothing to draw
             return
         self.refresh_bindings()
@@ -119,7 +119,7 @@ class GuestRun(App[None]):
             name = signal.Signals(signum).name
             self._quitting = True
             self.state.emit(
-                "stop_requested",
+                EventKind.STOP_REQUESTED,
                 f"{name}: stopping after the current round, writing the checkpoint and telling "
                 f"workers goodbye ({name} again: stop at once)",
             )
