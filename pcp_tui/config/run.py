@@ -165,8 +165,7 @@ class InnerConfig:
         flat="overlap_merge",
         choices=OVERLAP_MERGES,
         help="Streaming DiLoCo: how a merge treats the τ overlap steps' progress (carry: "
-        "local + (1 − α)(global − local at the send), which keeps it, needs workers of "
-        "protocol 5; mix: the paper's α local + (1 − α) global, which mixes it away)",
+        "local + (1 − α)(global − local at the send), which keeps it; mix: the paper's α local + (1 − α) global, which mixes it away)",
     )
     # workers of different speeds (pcp_tui/shepherd/pacing.py)
     adaptive_steps: bool = option(
@@ -233,7 +232,7 @@ class OuterConfig:
         "none",
         choices=QUANTIZATIONS,
         help="pseudo-gradient encoding on the wire (int8Block: ~1/4 of float32's bytes; "
-        "int4Block: ~1/8, needs workers of protocol 4)",
+        "int4Block: ~1/8)",
     )
 
 
