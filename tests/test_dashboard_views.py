@@ -21,8 +21,7 @@ async def test_enter_on_a_worker_opens_its_detail_with_statistics_and_history():
             gpu.step, gpu.loss, gpu.tokens_per_second = step, loss, 50_000.0 + step
             app.refresh_from_state()
         assert list(app.worker_history["gpu-a-1"].loss) == [2.4121, 2.40, 2.35, 2.30]
-        app.query_one(WorkerTable).focus()
-        await pilot.press("enter")  # the cursor starts on the first row: worker 0
+        await pilot.press("enter")  # no Tab first: the table has focus; the cursor is on worker 0
         await pilot.pause()
         assert isinstance(app.screen, WorkerDetail)
         text = "\n".join(panel_lines(app.screen.query_one("#worker-detail-body")))
@@ -60,6 +59,31 @@ async def test_slash_filters_the_event_log_and_escape_clears_it():
         await pilot.press("enter", "escape")
         await pilot.pause()
         assert len(log.lines) == everything and log.filter_text == ""
+        await pilot.press("down", "enter")  # the keys go back to the worker table
+        await pilot.pause()
+        assert _detail_of(app) == "1 / laptop-7"
+
+
+def _detail_of(app) -> str:
+    """The "index / id" line of the open worker detail."""
+    assert isinstance(app.screen, WorkerDetail)
+    text = "\n".join(panel_lines(app.screen.query_one("#worker-detail-body")))
+    line = next(line for line in text.splitlines() if line.startswith("index / id"))
+    return line.removeprefix("index / id").strip(" │")
+
+
+@run_async
+async def test_arrow_keys_and_enter_pick_a_worker_as_pressed_from_the_start():
+    """Nothing is focused by hand: what a person gets when the dashboard opens."""
+    state = fake_state()
+    app = _app(state)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("down", "down", "up", "enter")
+        await pilot.pause()
+        assert _detail_of(app) == "1 / laptop-7"
+        await pilot.press("escape", "down", "enter")  # focus comes back to the table, cursor kept
+        await pilot.pause()
+        assert _detail_of(app) == "2 / mac-2"
 
 
 @run_async
@@ -92,7 +116,6 @@ async def test_a_workers_texts_are_shown_as_written_not_read_as_markup():
     app = _app(state)
     async with app.run_test(size=(120, 40)) as pilot:
         app.refresh_from_state()
-        app.query_one(WorkerTable).focus()
         await pilot.press("enter")
         await pilot.pause()
         assert isinstance(app.screen, WorkerDetail)

@@ -87,7 +87,7 @@ class KeyActions(GuestRun):
         box.value = ""
         box.remove_class("-open")
         self.query_one(EventLog).set_filter("")
-        self.set_focus(None)
+        self.query_one(WorkerTable).focus()
 
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id == "event-filter":
@@ -97,7 +97,7 @@ class KeyActions(GuestRun):
         if event.input.id == "event-filter":
             if not event.value.strip():
                 event.input.remove_class("-open")
-            self.set_focus(None)
+            self.query_one(WorkerTable).focus()
 
     def on_data_table_row_selected(self, event: WorkerTable.RowSelected) -> None:
         """Enter on a worker's row: its detail view (a refused connection has none)."""
