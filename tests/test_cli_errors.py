@@ -518,6 +518,22 @@ def test_a_model_files_error_is_one_line_at_its_line(tmp_path, old, new, error):
     assert "listening" not in result.stdout
 
 
+def test_a_loss_that_is_not_a_scalar_is_one_line_at_the_loss(tmp_path):
+    """The commonest JAX beginner's mistake: a per-example loss (JAX's complaint is 84 lines deep)."""
+    mean = 'return -jnp.mean(jnp.take_along_axis(log_probs, batch["y"][:, None], axis=1))'
+    per_row = 'return -jnp.take_along_axis(log_probs, batch["y"][:, None], axis=1)[:, 0]'
+    text = (REPO / "examples" / "mlp_model.py").read_text()
+    line = text[: text.index("def loss(")].count("\n") + 1
+    _model_file(tmp_path, mean, per_row)
+    result = pcp("shepherd", "--headless", "--port", "0", "--model", f"{tmp_path}/model.py:build",
+                 "--workers", "1", *SMALL)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert one_error_line(result) == (
+        f"pcp-tui: error: {tmp_path}/model.py:{line}: in loss: the loss must be a scalar, got "
+        "float32[4] for batch x: float32[4,16], y: int32[4]; reduce it over the batch (e.g. jnp.mean)"
+    )
+
+
 def _not_text(tmp_path: Path) -> list[tuple[str, str]]:
     random_bytes = tmp_path / "random.txt"
     random_bytes.write_bytes(bytes(range(256)) * 64)
