@@ -21,6 +21,8 @@ _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 
 # Events worth a line of their own in headless mode (rounds get the table row).
 _SHOWN = {
+    "exporting",
+    "exported",
     "listening",
     "waiting",
     "joined",

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 import numpy as np
 import outcome
@@ -184,8 +185,13 @@ class Shepherd:
             path, number = self._resumed_from
             self.state.emit("resumed_from", f"resumed from {path} (round {number})", round=number)
         platforms = ", ".join(self.library.main_platforms)
-        self.state.emit("exporting", f"exporting training graphs for {platforms}")
-        self.graphs = await trio.to_thread.run_sync(self._export)
+        self.state.emit("exporting", f"exporting training graphs for {platforms}...")
+        self.graphs = await with_notes(
+            lambda: trio.to_thread.run_sync(self._export),
+            lambda seconds: self.state.emit(
+                "exporting", f"still exporting training graphs ({seconds:.0f} s so far)"
+            ),
+        )
         self.state.emit(
             "exported",
             f"graphs exported in {self.graphs.export_seconds:.1f} s",
@@ -368,3 +374,32 @@ def _saved_run_id(saved: checkpoint.Checkpoint | None) -> str | None:
     if not isinstance(run_id, str) or not 0 < len(run_id) <= protocol.ID_CHARS:
         return None
     return run_id
+
+
+EXPORT_NOTE_SECONDS = 15.0
+_T = TypeVar("_T")
+
+
+async def with_notes(
+    work: Callable[[], Awaitable[_T]],
+    note: Callable[[float], object],
+    every: float = EXPORT_NOTE_SECONDS,
+) -> _T:
+    """`await work()`, calling `note(seconds so far)` every `every` seconds until it returns.
+
+    A big model's export takes minutes with nothing else to show: a headless log
+    or a dashboard that says it is still at it is not mistaken for a hung one.
+    What `work` raises leaves bare, not wrapped in the nursery's group.
+    """
+
+    async def notes() -> None:
+        started = trio.current_time()
+        while True:
+            await trio.sleep(every)
+            note(trio.current_time() - started)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(notes)
+        result = await outcome.acapture(work)
+        nursery.cancel_scope.cancel()
+    return result.unwrap()
