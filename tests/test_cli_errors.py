@@ -475,8 +475,13 @@ def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2():
             "did you mean --inner-steps? (pcp-tui shepherd --help lists every option)",
         ),
         (["demo", "--port", "0", "--wokers", "2"], "--wokers 2; did you mean --workers?"),
-        (["worker", "--conn", "127.0.0.1:9", "--no-reconnect"], "required: --connect"),
-        (["sample", "--check", "ckpt"], "required: --checkpoint"),
+        # a typo of a required option is named, not answered with "required: --connect"
+        (["worker", "--conect", "127.0.0.1:9"], "--conect 127.0.0.1:9; did you mean --connect?"),
+        (
+            ["worker", "--conn", "127.0.0.1:9", "--no-reconnect"],
+            "--conn 127.0.0.1:9; did you mean --connect?",
+        ),
+        (["sample", "--check", "ckpt"], "--check ckpt; did you mean --checkpoint?"),
     ],
 )
 def test_abbreviated_options_are_errors_not_guesses(args, message):
