@@ -551,6 +551,19 @@ def _not_text(tmp_path: Path) -> list[tuple[str, str]]:
     ]
 
 
+def test_a_missing_data_path_is_an_option_that_cannot_work_exit_2(tmp_path):
+    for data, message in (
+        (
+            tmp_path / "nope.txt",
+            f"data path '{tmp_path / 'nope.txt'}' does not exist; point --data",
+        ),
+        (f"shakespeare:{tmp_path / 'nope.tar.gz'}", "does not exist; for the Shakespeare corpus"),
+    ):
+        result = pcp("shepherd", "--headless", "--port", "0", "--data", str(data), *SMALL)
+        assert result.returncode == 2, result.stderr
+        assert message in one_error_line(result)
+
+
 def test_data_that_is_not_text_or_not_tokens_is_refused(tmp_path):
     for data, message in _not_text(tmp_path):
         result = pcp("shepherd", "--headless", "--port", "0", "--data", data, *SMALL)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from pcp_tui.training.archive import archive_source, read_members
-from pcp_tui.training.shards import MAX_DATA_TENSORS, DataError, fingerprint
+from pcp_tui.training.shards import MAX_DATA_TENSORS, DataError, MissingData, fingerprint
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 # Test suites and vendored tools in the stdlib: big, repetitive, and not what we want to model.
@@ -90,7 +90,7 @@ def load_corpus(
         return _text_corpus(source.name, documents, val_fraction)
     path = Path(path)
     if not path.exists():
-        raise DataError(f"data path {str(path)!r} does not exist; {_WHAT_TO_DO}")
+        raise MissingData(f"data path {str(path)!r} does not exist; {_WHAT_TO_DO}")
     if path.is_dir() and (path / "train.bin").is_file():
         return _bin_corpus(path / "train.bin", val_fraction)
     if path.suffix == ".bin":
