@@ -126,3 +126,25 @@ async def test_a_workers_texts_are_shown_as_written_not_read_as_markup():
         title = app.screen.query_one("#worker-detail").border_title  # kept as escaped markup
         assert Content.from_markup(title).plain == f"worker {hostile}"
         await pilot.press("escape")
+
+
+@run_async
+async def test_c_says_what_it_did_with_the_join_command_inside_tmux_and_out(monkeypatch):
+    """Nothing tells an app whether OSC 52 reached a clipboard; tmux drops it unless told."""
+    state = fake_state()
+    for tmux, said in (
+        ("/tmp/tmux-0/default,1,0", "sent to tmux, which passes it to your clipboard only with"),
+        (None, "sent to the terminal's clipboard (OSC 52; some terminals ignore it)"),
+    ):
+        if tmux:
+            monkeypatch.setenv("TMUX", tmux)
+        else:
+            monkeypatch.delenv("TMUX", raising=False)
+        app = _app(state)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("c")
+            await pilot.pause()
+            (note,) = [n.message for n in app._notifications]
+            assert said in note and "copied" not in note
+            assert note.endswith(f"it is: {state.join_command}")
+            assert app.clipboard == state.join_command
