@@ -718,6 +718,22 @@ def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, backgrou
     assert done in shepherd.out.read_text()  # not "after 1 rounds": round 1 was the first run's
 
 
+def test_a_resumed_run_stopped_before_it_evaluates_gives_the_checkpoints_eval_loss(
+    tmp_path, runs, background
+):
+    resumed = tmp_path / "gpt"
+    shutil.copytree(runs / "gpt", resumed)
+    saved = checkpoint.inspect(resumed).meta["eval_loss"]
+    assert saved is not None
+    shepherd = background(
+        *shepherd_args("--workers", "1", "--rounds", "3", "--resume", str(resumed))
+    )
+    shepherd.wait_for(shepherd.out, "waiting for 1 worker")  # no worker comes: no round runs
+    shepherd.process.send_signal(signal.SIGTERM)
+    assert shepherd.wait() == 128 + signal.SIGTERM
+    assert f"; final eval loss {saved:.4f}" in shepherd.out.read_text()  # not "-"
+
+
 # -- 15. help text --------------------------------------------------------------------
 
 

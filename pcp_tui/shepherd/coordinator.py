@@ -127,6 +127,7 @@ class Shepherd:
         self.start_round = self.state.first_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
+        self.state.resumed_eval_loss = saved.meta.get("eval_loss")
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
 
     # -- commands (safe to call from the dashboard) -------------------------
