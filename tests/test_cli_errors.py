@@ -475,8 +475,13 @@ def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2():
             "did you mean --inner-steps? (pcp-tui shepherd --help lists every option)",
         ),
         (["demo", "--port", "0", "--wokers", "2"], "--wokers 2; did you mean --workers?"),
-        (["worker", "--conn", "127.0.0.1:9", "--no-reconnect"], "required: --connect"),
-        (["sample", "--check", "ckpt"], "required: --checkpoint"),
+        # a typo of a required option is named, not answered with "required: --connect"
+        (["worker", "--conect", "127.0.0.1:9"], "--conect 127.0.0.1:9; did you mean --connect?"),
+        (
+            ["worker", "--conn", "127.0.0.1:9", "--no-reconnect"],
+            "--conn 127.0.0.1:9; did you mean --connect?",
+        ),
+        (["sample", "--check", "ckpt"], "--check ckpt; did you mean --checkpoint?"),
     ],
 )
 def test_abbreviated_options_are_errors_not_guesses(args, message):
@@ -518,6 +523,22 @@ def test_a_model_files_error_is_one_line_at_its_line(tmp_path, old, new, error):
     assert "listening" not in result.stdout
 
 
+def test_a_loss_that_is_not_a_scalar_is_one_line_at_the_loss(tmp_path):
+    """The commonest JAX beginner's mistake: a per-example loss (JAX's complaint is 84 lines deep)."""
+    mean = 'return -jnp.mean(jnp.take_along_axis(log_probs, batch["y"][:, None], axis=1))'
+    per_row = 'return -jnp.take_along_axis(log_probs, batch["y"][:, None], axis=1)[:, 0]'
+    text = (REPO / "examples" / "mlp_model.py").read_text()
+    line = text[: text.index("def loss(")].count("\n") + 1
+    _model_file(tmp_path, mean, per_row)
+    result = pcp("shepherd", "--headless", "--port", "0", "--model", f"{tmp_path}/model.py:build",
+                 "--workers", "1", *SMALL)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert one_error_line(result) == (
+        f"pcp-tui: error: {tmp_path}/model.py:{line}: in loss: the loss must be a scalar, got "
+        "float32[4] for batch x: float32[4,16], y: int32[4]; reduce it over the batch (e.g. jnp.mean)"
+    )
+
+
 def _not_text(tmp_path: Path) -> list[tuple[str, str]]:
     random_bytes = tmp_path / "random.txt"
     random_bytes.write_bytes(bytes(range(256)) * 64)
@@ -528,6 +549,19 @@ def _not_text(tmp_path: Path) -> list[tuple[str, str]]:
         (sys.executable, f"{sys.executable} is not text (a NUL byte at offset"),
         (str(odd), f"{odd} is not a nanoGPT token file: its size (201 bytes) is odd"),
     ]
+
+
+def test_a_missing_data_path_is_an_option_that_cannot_work_exit_2(tmp_path):
+    for data, message in (
+        (
+            tmp_path / "nope.txt",
+            f"data path '{tmp_path / 'nope.txt'}' does not exist; point --data",
+        ),
+        (f"shakespeare:{tmp_path / 'nope.tar.gz'}", "does not exist; for the Shakespeare corpus"),
+    ):
+        result = pcp("shepherd", "--headless", "--port", "0", "--data", str(data), *SMALL)
+        assert result.returncode == 2, result.stderr
+        assert message in one_error_line(result)
 
 
 def test_data_that_is_not_text_or_not_tokens_is_refused(tmp_path):
@@ -682,6 +716,22 @@ def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, backgrou
     assert checkpoint.load_latest(resumed).round == 2  # no --checkpoint-dir needed
     done = "run done after round 2 of 2 (1 rounds since resuming after round 1)"
     assert done in shepherd.out.read_text()  # not "after 1 rounds": round 1 was the first run's
+
+
+def test_a_resumed_run_stopped_before_it_evaluates_gives_the_checkpoints_eval_loss(
+    tmp_path, runs, background
+):
+    resumed = tmp_path / "gpt"
+    shutil.copytree(runs / "gpt", resumed)
+    saved = checkpoint.inspect(resumed).meta["eval_loss"]
+    assert saved is not None
+    shepherd = background(
+        *shepherd_args("--workers", "1", "--rounds", "3", "--resume", str(resumed))
+    )
+    shepherd.wait_for(shepherd.out, "waiting for 1 worker")  # no worker comes: no round runs
+    shepherd.process.send_signal(signal.SIGTERM)
+    assert shepherd.wait() == 128 + signal.SIGTERM
+    assert f"; final eval loss {saved:.4f}" in shepherd.out.read_text()  # not "-"
 
 
 # -- 15. help text --------------------------------------------------------------------

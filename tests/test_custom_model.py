@@ -158,11 +158,14 @@ def test_a_dataset_without_val_holds_out_rows(tmp_path, monkeypatch):
         name="linear",
         init=lambda key: {"w": np.zeros(2, np.float32)},
         loss=lambda p, batch: ((batch["x"] @ p["w"] - batch["y"]) ** 2).mean(),
-        data=lambda: Dataset(train={"x": np.ones((200, 2)), "y": np.ones(200)}),
+        data=lambda: Dataset(train={"x": np.arange(400.0).reshape(200, 2), "y": np.ones(200)}),
     )
     monkeypatch.setattr("pcp_tui.training.model_file.load_spec", lambda model, config: spec)
     workload = build_custom_workload(small_config(model="linear.py", batch_size=4), shards=2)
     assert workload.corpus.summary == "dataset linear: 190 train / 10 held-out rows"
+    held = np.arange(19, 200, 20)  # every 20th row: rows sorted by anything are held out evenly
+    assert workload.corpus.val["x"][:, 0].tolist() == (2 * held).tolist()
+    assert not np.isin(2 * held, workload.corpus.train["x"][:, 0]).any()
     assert [len(s["x"]) for s in workload.shards] == [95, 95]
     assert workload.eval_batch_count == 2 and workload.batch_spec[0].shape == (4, 2)
 

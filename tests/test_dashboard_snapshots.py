@@ -214,8 +214,4 @@ def test_dashboard_60x15_drops_panels(snap_compare):
 
 
 def test_worker_detail(snap_compare):
-    async def open_first_worker(pilot):
-        pilot.app.query_one("#workers").focus()
-        await pilot.press("enter")
-
-    assert snap_compare(_app(fake_state()), terminal_size=(100, 30), run_before=open_first_worker)
+    assert snap_compare(_app(fake_state()), terminal_size=(100, 30), press=["enter"])

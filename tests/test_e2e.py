@@ -152,6 +152,8 @@ def test_shepherd_and_two_worker_processes(tmp_path, spawn_worker):
                 assert "--token s3cret" in found.group(2)
                 break
         assert port, "".join(lines)
+        said = "".join(lines)  # what the export (seconds of silence before) looks like
+        assert said.index("exporting training graphs for cpu") < said.index("graphs exported in")
         workers = [spawn_worker(port, token="s3cret") for _ in range(2)]
         out, _ = shepherd.communicate(timeout=300)
         assert shepherd.returncode == 0, "".join(lines) + out

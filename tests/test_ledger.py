@@ -19,6 +19,15 @@ def test_a_lost_workers_shard_goes_to_the_next_joiner_and_a_returning_worker_get
     assert ledger.assign("c") == (1, False)  # a reconnect keeps the shard it holds
 
 
+def test_getting_its_own_shard_back_is_no_adoption_whoever_held_it_in_between():
+    ledger = ShardLedger(2)
+    ledger.assign("a"), ledger.assign("b")
+    ledger.release("b")
+    assert ledger.assign("c") == (1, True)  # c adopts b's shard
+    ledger.release("c")
+    assert ledger.assign("b") == (1, False)  # b is back on its own shard: no "took over"
+
+
 def test_more_workers_than_shards_share_the_least_crowded_and_release_orphans_only_the_last():
     ledger = ShardLedger(2)
     assert [ledger.assign(w)[0] for w in ("a", "b", "c", "d", "e")] == [0, 1, 0, 1, 0]

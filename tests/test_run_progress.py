@@ -9,9 +9,15 @@ estimate 19 rounds left after its first.
 
 from __future__ import annotations
 
+import pytest
+import trio
+import trio.testing
+
 from pcp_tui.app.headless import clean_stop_plan
 from pcp_tui.shepherd.api_bodies import job_json
+from pcp_tui.shepherd.coordinator import EXPORT_NOTE_SECONDS, with_notes
 from pcp_tui.shepherd.state import RoundRecord, RunState
+from pcp_tui.training.model_file import ModelFileError
 
 
 def record(number: int, seconds: float) -> RoundRecord:
@@ -67,3 +73,23 @@ def test_the_stop_line_promises_only_what_the_stop_will_do():
     assert clean_stop_plan(state, checkpoints=True) == (
         "stopping, writing the checkpoint and telling workers goodbye"
     )
+
+
+def test_a_long_export_says_it_is_still_exporting_and_its_error_leaves_bare():
+    notes: list[float] = []
+
+    async def export() -> str:
+        await trio.sleep(47)  # a big model's export: nothing to show for most of a minute
+        return "graphs"
+
+    async def failing() -> None:
+        await trio.sleep(1)
+        raise ModelFileError("model.py:3: in loss: TypeError: ...")
+
+    async def main() -> None:
+        assert await with_notes(export, notes.append) == "graphs"
+        with pytest.raises(ModelFileError):  # not an ExceptionGroup around it
+            await with_notes(failing, notes.append)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert notes == [EXPORT_NOTE_SECONDS, 2 * EXPORT_NOTE_SECONDS, 3 * EXPORT_NOTE_SECONDS]

@@ -52,7 +52,23 @@ def tracked_run(tmp_path_factory) -> Path:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "warning" not in result.stderr, result.stderr
+    (folder / "stdout.txt").write_text(result.stdout)
     return folder
+
+
+@pytest.mark.skipif(not all(HAS.values()), reason="needs wandb and tensorboard (extras)")
+def test_each_sink_says_where_the_run_goes_when_it_starts(tracked_run):
+    said = (tracked_run / "stdout.txt").read_text().splitlines()
+    [folder] = glob.glob(str(tracked_run / "wandb" / "offline-run-*"))
+    assert (
+        f"TensorBoard: event files in {tracked_run / 'tb'} (tensorboard --logdir {tracked_run / 'tb'})"
+        in said
+    )
+    [wandb_line] = [line for line in said if line.startswith("W&B: ")]
+    assert wandb_line.endswith(f" in {folder} (upload it with: wandb sync {folder})"), wandb_line
+    assert said.index(wandb_line) < next(
+        i for i, line in enumerate(said) if line.startswith("round")
+    )
 
 
 def _rounds(folder: Path) -> list[dict]:

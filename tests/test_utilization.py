@@ -8,6 +8,8 @@ read the record that comes out.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import trio
@@ -16,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from pcp_tui import protocol
-from pcp_tui.app.headless import format_round, times_fewer
+from pcp_tui.app.headless import fixed, format_round, times_fewer
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.shepherd.api_bodies import RunCollector, job_json, metrics_json, workers_json
@@ -111,6 +113,21 @@ def test_the_headless_line_shows_utilization_and_bytes_against_data_parallelism(
     assert "util  50%" in line
     assert line.endswith("x4,800 fewer bytes than DP")  # 2 x 4 x 1500 x 10 x 2 / 50
     assert "than DP" not in format_round(current.record(None, 0, 0, seconds=4.0), 5)
+
+
+def test_a_diverged_loss_keeps_the_headless_columns_in_line():
+    current = closed_round({"a": result(3.0), "b": result(1.0)}, participants=["a", "b"])
+    normal = format_round(current.record(2.1064, 40, 10, seconds=4.0), rounds_total=5)
+    for train, eval_loss in ((3.4e30, 1.7e38), (float("nan"), float("inf")), (-123.456, 12.5)):
+        record = replace(current.record(eval_loss, 40, 10, seconds=4.0), train_loss=train)
+        line = format_round(record, rounds_total=5)
+        assert len(line) == len(normal) and line.index(" s ") == normal.index(" s "), line
+    assert format_round(record, 5).split()[3:6] == ["-123.46", "eval", "12.500"]
+    assert (fixed(3.4e30, 7), fixed(1.7e38, 6), fixed(float("nan"), 7)) == (
+        "3.4e+30",
+        " 2e+38",
+        "    nan",
+    )
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,21 @@ def test_a_message_is_printed_once_not_on_every_later_line():
     assert lines[-1].endswith("round 1 loss 2.5000 the shepherd ended the run")
 
 
+def test_a_reconnect_line_does_not_repeat_the_last_rounds_numbers():
+    reason = "connection lost: the shepherd closed the connection; retrying in 1.0 s"
+    for live in (False, True):
+        status = WorkerStatus(shepherd="127.0.0.1:8080")
+        out = io.StringIO()
+        with WorkerStatusView(status, out, live=live):
+            status.update(state="training", round=13, step=50, total_steps=50, loss=2.5)
+            status.update(tokens_per_second=4_000.0)
+            status.update(state="connecting", message=reason)
+        shown = " ".join(out.getvalue().split())
+        said = shown[shown.index("connecting") :]
+        assert reason in said and "round 13" not in said and "50/50" not in said, shown
+        assert "2.5000" not in said and "tok/s" not in said
+
+
 def test_the_live_line_drops_a_message_once_its_round_is_over():
     status = WorkerStatus(shepherd="127.0.0.1:8080")
     out = io.StringIO()

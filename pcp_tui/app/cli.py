@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from pcp_tui import __version__
 from pcp_tui.app import link_emulator, plot
@@ -181,31 +181,45 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     """`parser.parse_args`, but an unknown option is named with its command and the closest option.
 
     argparse alone answers `pcp-tui shepherd --wokers 2` with the top-level usage
-    (which lists only the commands) and no hint; exits 2 like argparse.
+    (which lists only the commands) and no hint, and `pcp-tui worker --conect X`
+    with "required: --connect", never naming the typo: unknown options are looked
+    for before argparse checks what is required. Exits 2 like argparse.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = next((word for word in argv if word in commands.choices), None)
+    if command is not None:
+        options = [o for a in commands.choices[command]._actions for o in a.option_strings]
+        after = argv[argv.index(command) + 1 :]
+        unknown = []
+        for i, word in enumerate(after):
+            if word.startswith("--") and word != "--" and word.split("=", 1)[0] not in options:
+                value = after[i + 1] if i + 1 < len(after) and "=" not in word else "-"
+                unknown += [word] if value.startswith("-") else [word, value]
+        if unknown:
+            _unrecognized(command, unknown, options)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        command = f"pcp-tui {args.command}"
-        hint = _closest_option(parser, args.command, unknown)
-        print(
-            f"{command}: error: unrecognized arguments: {' '.join(unknown)}{hint} "
-            f"({command} --help lists every option)",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+        options = [o for a in commands.choices[args.command]._actions for o in a.option_strings]
+        _unrecognized(args.command, unknown, options)
     return args
 
 
-def _closest_option(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> str:
-    """'; did you mean --workers?' for the first unknown option close to one of `command`'s."""
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    options = [o for a in commands.choices[command]._actions for o in a.option_strings]
+def _unrecognized(command: str, unknown: list[str], options: list[str]) -> NoReturn:
+    """Say which options are unknown, and the closest known one ('did you mean --workers?')."""
+    hint = ""
     for word in unknown:
         if word.startswith("--"):
             close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.7)
             if close:
-                return f"; did you mean {close[0]}?"
-    return ""
+                hint = f"; did you mean {close[0]}?"
+                break
+    print(
+        f"pcp-tui {command}: error: unrecognized arguments: {' '.join(unknown)}{hint} "
+        f"(pcp-tui {command} --help lists every option)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 
 def main(argv: Sequence[str] | None = None, *, faults: Faults | None = None) -> int:

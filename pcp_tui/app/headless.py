@@ -21,6 +21,8 @@ _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 
 # Events worth a line of their own in headless mode (rounds get the table row).
 _SHOWN = {
+    "exporting",
+    "exported",
     "listening",
     "waiting",
     "joined",
@@ -65,10 +67,10 @@ def format_round(record: Any, rounds_total: int) -> str:
     (`RoundRecord.utilization`); `xN fewer bytes than DP` compares the bytes that
     crossed the wire with what synchronous data parallelism would have sent.
     """
-    eval_text = f"{record.eval_loss:.4f}" if record.eval_loss is not None else "   -  "
+    eval_text = fixed(record.eval_loss, 6) if record.eval_loss is not None else "   -  "
     ratio = record.data_parallel_ratio()
     return (
-        f"round {record.round:>4}/{rounds_total:<4} train {record.train_loss:7.4f}  eval {eval_text}  "
+        f"round {record.round:>4}/{rounds_total:<4} train {fixed(record.train_loss, 7)}  eval {eval_text}  "
         f"{record.round_seconds:6.2f} s  {record.tokens_per_second:9,.0f} tok/s  "
         f"util {record.utilization:4.0%}  "
         f"sent {human_bytes(record.bytes_sent):>9}  recv {human_bytes(record.bytes_received):>9}  "
@@ -76,6 +78,24 @@ def format_round(record: Any, rounds_total: int) -> str:
         + (f"  saved {human_bytes(record.bytes_saved)}" if record.bytes_saved else "")
         + (f"  {times_fewer(ratio)} bytes than DP" if ratio is not None else "")
     )
+
+
+def fixed(value: float, width: int) -> str:
+    """`value` in exactly `width` columns: 4 decimals where they fit, fewer, then 1e+30, nan, inf.
+
+    A diverged loss (1e30) printed with :.4f is 36 characters wide and pushes
+    every column after it out of line.
+    """
+    if math.isfinite(value):
+        for decimals in (4, 3, 2, 1):
+            text = f"{value:.{decimals}f}"
+            if len(text) <= width:
+                return text.rjust(width)
+    for decimals in (1, 0):
+        text = f"{value:.{decimals}e}" if math.isfinite(value) else f"{value}"
+        if len(text) <= width:
+            return text.rjust(width)
+    return text
 
 
 def times_fewer(ratio: float) -> str:

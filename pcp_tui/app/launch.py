@@ -21,7 +21,7 @@ from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
 from pcp_tui.contract.auth import new_token
 from pcp_tui.shepherd.checkpoint import CheckpointError
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
-from pcp_tui.training.corpus import DataError
+from pcp_tui.training.corpus import DataError, MissingData
 from pcp_tui.training.model_file import ModelFileError
 
 if TYPE_CHECKING:  # the worker loads on demand: `pcp-tui --help` stays fast
@@ -69,7 +69,7 @@ def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
     try:
         preflight(config)
         return prepare(config, shards=config.network.workers)
-    except ConfigError as exc:
+    except (ConfigError, MissingData) as exc:  # an option that cannot work: exit 2
         return _fail(str(exc), 2)
     except (DataError, CheckpointError, RunFailed, ModelFileError, OSError, ValueError) as exc:
         return _fail(str(exc))

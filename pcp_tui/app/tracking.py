@@ -31,6 +31,11 @@ class MetricsSink(Protocol):
 
     name: str
 
+    @property
+    def where(self) -> str:
+        """One line: where the rows go, printed when the sink starts."""
+        ...
+
     def __call__(self, row: Mapping[str, Any]) -> None: ...
 
     def close(self) -> None: ...
@@ -105,6 +110,15 @@ class WandbSink:
             settings=wandb.Settings(console="off", silent=True),  # the terminal is ours
         )
 
+    @property
+    def where(self) -> str:
+        """Where the run's rows go: its page, or the offline folder to `wandb sync`."""
+        run = self._run
+        if run.offline:
+            folder = run.settings.sync_dir
+            return f"W&B: offline run {run.name} in {folder} (upload it with: wandb sync {folder})"
+        return f"W&B: run {run.name} at {run.url}"
+
     def __call__(self, row: Mapping[str, Any]) -> None:
         if row.get("event") == "round":
             self._run.log(scalars(row), step=int(row["round"]))
@@ -126,6 +140,11 @@ class TensorBoardSink:
 
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._writer = EventFileWriter(directory)
+        self._directory = directory
+
+    @property
+    def where(self) -> str:
+        return f"TensorBoard: event files in {self._directory} (tensorboard --logdir {self._directory})"
 
     def __call__(self, row: Mapping[str, Any]) -> None:
         if row.get("event") != "round":
@@ -156,8 +175,10 @@ def open_sinks(
     run_id: str,
     settings: Mapping[str, Any],
     err: IO[str] | None = None,
+    out: IO[str] | None = None,
 ) -> list[GuardedSink]:
-    """The sinks the options ask for; one that cannot start is left out after a warning."""
+    """The sinks the options ask for, each saying where it writes (on `out`); one that cannot
+    start is left out after a warning (on `err`)."""
 
     def warn(line: str) -> None:
         log.info("%s", line)  # for --log-file; the line below is what a person sees, once
@@ -171,9 +192,12 @@ def open_sinks(
     sinks = []
     for package, flag, start in wanted:
         try:
-            sinks.append(GuardedSink(start(), warn))
+            sink = start()
         except ImportError:
             warn(f"{flag} needs the {package} package: {_INSTALL[package]}; running without it")
         except Exception as exc:  # a login missing, a directory not writable: the run goes on
             warn(f"{flag}: could not start ({type(exc).__name__}: {exc}); running without it")
+        else:
+            print(sink.where, file=out or sys.stdout, flush=True)
+            sinks.append(GuardedSink(sink, warn))
     return sinks

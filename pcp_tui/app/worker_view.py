@@ -14,6 +14,9 @@ from pcp_tui.app.closed_output import abandon, say
 
 # Seconds between redraws of the live line while only step, loss or tokens/s change.
 REDRAW_SECONDS = 0.1
+# Between sessions (reconnecting, compiling a new plan) the last round's numbers are old news:
+# "connecting · round 13 · step 50/50" read as if round 13 were still going.
+_BETWEEN_SESSIONS = ("connecting", "compiling")
 
 _STATE_STYLES = {
     "connecting": "yellow",
@@ -48,8 +51,9 @@ class PlainStatusLog:
         if key == self._last:
             return
         self._last = key
-        where = f" round {status.round}" if status.round else ""
-        loss = f" loss {status.loss:.4f}" if status.loss is not None else ""
+        current = status.state not in _BETWEEN_SESSIONS
+        where = f" round {status.round}" if status.round and current else ""
+        loss = f" loss {status.loss:.4f}" if status.loss is not None and current else ""
         message = status.message if status.message != self._printed_message else ""
         self._printed_message = status.message
         print(
@@ -79,13 +83,14 @@ def _status_line(status: Any, *, address: bool, message: bool) -> Text:
     line.append(f"{status.state:<10}", style)
     who = f"worker {status.worker_index}" if status.worker_index is not None else "worker"
     line.append(f" {who} → {status.shepherd}" if address else f" {who}", "dim")
-    if status.round:
+    current = status.state not in _BETWEEN_SESSIONS
+    if status.round and current:
         line.append(f" · round {status.round}")
         if status.total_steps:
             line.append(f" · step {status.step}/{status.total_steps}")
-    if status.loss is not None:
+    if status.loss is not None and current:
         line.append(f" · loss {status.loss:.4f}")
-    if status.tokens_per_second:
+    if status.tokens_per_second and current:
         line.append(f" · {status.tokens_per_second:,.0f} tok/s")
     if message and status.message and status.state not in ("training", "syncing"):
         line.append(f" · {status.message}", "dim")

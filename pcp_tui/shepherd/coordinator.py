@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 import numpy as np
 import outcome
@@ -126,6 +127,7 @@ class Shepherd:
         self.start_round = self.state.first_round = saved.round + 1
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
+        self.state.resumed_eval_loss = saved.meta.get("eval_loss")
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
 
     # -- commands (safe to call from the dashboard) -------------------------
@@ -186,8 +188,13 @@ class Shepherd:
                 EventKind.RESUMED_FROM, f"resumed from {path} (round {number})", round=number
             )
         platforms = ", ".join(self.library.main_platforms)
-        self.state.emit(EventKind.EXPORTING, f"exporting training graphs for {platforms}")
-        self.graphs = await trio.to_thread.run_sync(self._export)
+        self.state.emit(EventKind.EXPORTING, f"exporting training graphs for {platforms}...")
+        self.graphs = await with_notes(
+            lambda: trio.to_thread.run_sync(self._export),
+            lambda seconds: self.state.emit(
+                EventKind.EXPORTING, f"still exporting training graphs ({seconds:.0f} s so far)"
+            ),
+        )
         self.state.emit(
             EventKind.EXPORTED,
             f"graphs exported in {self.graphs.export_seconds:.1f} s",
@@ -372,3 +379,32 @@ def _saved_run_id(saved: checkpoint.Checkpoint | None) -> str | None:
     if not isinstance(run_id, str) or not 0 < len(run_id) <= protocol.ID_CHARS:
         return None
     return run_id
+
+
+EXPORT_NOTE_SECONDS = 15.0
+_T = TypeVar("_T")
+
+
+async def with_notes(
+    work: Callable[[], Awaitable[_T]],
+    note: Callable[[float], object],
+    every: float = EXPORT_NOTE_SECONDS,
+) -> _T:
+    """`await work()`, calling `note(seconds so far)` every `every` seconds until it returns.
+
+    A big model's export takes minutes with nothing else to show: a headless log
+    or a dashboard that says it is still at it is not mistaken for a hung one.
+    What `work` raises leaves bare, not wrapped in the nursery's group.
+    """
+
+    async def notes() -> None:
+        started = trio.current_time()
+        while True:
+            await trio.sleep(every)
+            note(trio.current_time() - started)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(notes)
+        result = await outcome.acapture(work)
+        nursery.cancel_scope.cancel()
+    return result.unwrap()

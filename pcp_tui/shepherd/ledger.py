@@ -36,7 +36,8 @@ class ShardLedger:
         """The shard `worker_id` trains from now on, and whether it adopts an orphan.
 
         A worker that already holds a shard keeps it (a connection replaced by a
-        reconnect). It adopts a shard that another worker held last and nobody holds now.
+        reconnect). It adopts a shard that another worker held last and nobody holds now;
+        getting back the shard it held itself last is no adoption, whoever held it before.
         """
         held = self.shard_of(worker_id)
         if held is not None:
@@ -49,8 +50,13 @@ class ShardLedger:
             chosen = free[0]
         else:
             chosen = min(self.shards, key=lambda s: (len(s.owners), s.index))
-        adopted = not chosen.owners and any(
-            index == chosen.index and worker != worker_id for worker, index in self._last.items()
+        adopted = (
+            chosen.index != previous
+            and not chosen.owners
+            and any(
+                index == chosen.index and worker != worker_id
+                for worker, index in self._last.items()
+            )
         )
         chosen.owners.append(worker_id)
         self._last[worker_id] = chosen.index

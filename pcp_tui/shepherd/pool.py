@@ -252,14 +252,6 @@ class WorkerPool:
             del self._links[link.worker_id]
             link.view.state, link.view.reason = state, reason
             orphan = self.state.shards.release(link.worker_id)
-            if orphan is not None and not ending:
-                self.state.emit(
-                    EventKind.SHARD_ORPHANED,
-                    f"shard {orphan} has no worker since worker {link.view.index} {state}; "
-                    "the next worker to join trains it",
-                    worker=link.worker_id,
-                    shard=orphan,
-                )
             log.info("worker %d %s: %s", link.view.index, state, reason)
             if state == "lost" and not self._stopping():
                 self.state.emit(
@@ -272,6 +264,14 @@ class WorkerPool:
                     EventKind.LEFT,
                     f"worker {link.view.index} left: {reason}",
                     worker=link.worker_id,
+                )
+            if orphan is not None and not ending:  # after the line that says why
+                self.state.emit(
+                    EventKind.SHARD_ORPHANED,
+                    f"shard {orphan} has no worker since worker {link.view.index} {state}; "
+                    "the next worker to join trains it",
+                    worker=link.worker_id,
+                    shard=orphan,
                 )
         link.closed = True
         self.open_rounds.finish(link.worker_id, link)

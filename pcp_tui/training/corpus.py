@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from pcp_tui.training.archive import archive_source, read_members
-from pcp_tui.training.shards import MAX_DATA_TENSORS, DataError, fingerprint
+from pcp_tui.training.shards import MAX_DATA_TENSORS, DataError, MissingData, fingerprint
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 # Test suites and vendored tools in the stdlib: big, repetitive, and not what we want to model.
@@ -42,6 +42,7 @@ _WHAT_TO_DO = (
     "or a .tar.gz of text (shakespeare:ARCHIVE for the works of Shakespeare)"
 )
 _BIN_VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64
+HELD_OUT_SLICES = 20  # a corpus without files to hold out is held out in this many slices
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,12 @@ def load_corpus(
     or `.bin` tokens.
 
     Text is capped at `max_bytes` (read in order until full, so loading stays
-    fast); `.bin` files are memory-mapped whole. The held-out split is the last
-    `val_fraction` of the text, cut at a file boundary when there are several
-    files, so no validation file is also trained on.
+    fast); `.bin` files are memory-mapped whole. The held-out split is
+    `val_fraction` of the corpus taken from all along it (whole files spread
+    through the corpus when there are several, else a slice at the end of each
+    of `HELD_OUT_SLICES` equal regions), so it resembles every shard: losing the
+    worker of one shard does not move the eval loss more than training less does.
+    No validation file is also trained on.
     """
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction must be between 0 and 1, got {val_fraction}")
@@ -86,7 +90,7 @@ def load_corpus(
         return _text_corpus(source.name, documents, val_fraction)
     path = Path(path)
     if not path.exists():
-        raise DataError(f"data path {str(path)!r} does not exist; {_WHAT_TO_DO}")
+        raise MissingData(f"data path {str(path)!r} does not exist; {_WHAT_TO_DO}")
     if path.is_dir() and (path / "train.bin").is_file():
         return _bin_corpus(path / "train.bin", val_fraction)
     if path.suffix == ".bin":
@@ -153,32 +157,59 @@ def _checked_text(path: Path, data: bytes) -> bytes:
 
 
 def _text_corpus(name: str, documents: list[bytes], val_fraction: float) -> Corpus:
-    """Split into train and val. Val takes whole files, from the end, while they fit in
-    val_fraction (the first file always trains), so no val file is seen in training."""
+    """Split into train and val. Val takes whole files spread through the corpus: a file is
+    held out when that brings val nearer val_fraction of the text up to and including it,
+    within val_fraction of the whole (the first file always trains), so no val file is seen
+    in training and val samples every region."""
     total = sum(len(d) for d in documents)
     if total < 2:
         raise DataError(f"no text found in {name}; {_WHAT_TO_DO}")
-    budget, val_size, val_ids = total * val_fraction, 0, set()
-    for i in reversed(range(1, len(documents))):
-        if val_size + len(documents[i]) <= budget:
+    budget, seen, val_size, val_ids = total * val_fraction, len(documents[0]), 0, set()
+    for i in range(1, len(documents)):
+        seen += len(documents[i])
+        size = len(documents[i])
+        if val_size + size / 2 <= seen * val_fraction and val_size + size <= budget:
             val_ids.add(i)
             val_size += len(documents[i])
     if val_size >= budget / 2:
         train = b"".join(d for i, d in enumerate(documents) if i not in val_ids)
         val = b"".join(d for i, d in enumerate(documents) if i in val_ids)
-    else:  # one file, or files too big for that: cut at the last line break before the split
+    else:  # one file, or files too big for that: slices cut at line breaks
         text = b"".join(documents)
-        cut = int(total * (1 - val_fraction))
-        line_end = text.rfind(b"\n", 0, cut)
-        cut = line_end + 1 if line_end > total // 2 else min(max(cut, 1), total - 1)
-        train, val = text[:cut], text[cut:]
+
+        def line_start(position: int, floor: int) -> int:
+            """The start of the line holding `position`, if that is past `floor`."""
+            line_end = text.rfind(b"\n", floor, position)
+            return line_end + 1 if line_end >= floor else position
+
+        pieces, lo = [], 0
+        for _, cut, hi in _held_out_slices(total, val_fraction):
+            hi = hi if hi == total else line_start(hi, cut)
+            cut = line_start(cut, (lo + hi) // 2)
+            pieces.append((lo, cut, hi))
+            lo = hi
+        train = b"".join(text[lo:cut] for lo, cut, _ in pieces)
+        val = b"".join(text[cut:hi] for _, cut, hi in pieces)
     train_tokens = np.frombuffer(train, np.uint8)
     val_tokens = np.frombuffer(val, np.uint8)
     return Corpus(name, train_tokens, val_tokens, 256, fingerprint(train_tokens, val_tokens))
 
 
+def _held_out_slices(total: int, val_fraction: float) -> list[tuple[int, int, int]]:
+    """(start, cut, end) of up to HELD_OUT_SLICES equal regions of `total` tokens: each
+    trains on [start, cut) and holds out [cut, end), its last val_fraction. Both sides are
+    never empty (a corpus of 2 tokens is one region, cut in the middle)."""
+    count = max(1, min(HELD_OUT_SLICES, int(total * val_fraction)))
+    bounds = np.linspace(0, total, count + 1).astype(int)
+    return [
+        (int(lo), min(max(int(hi - (hi - lo) * val_fraction), int(lo) + 1), int(hi) - 1), int(hi))
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+
+
 def _bin_corpus(train_path: Path, val_fraction: float) -> Corpus:
-    """nanoGPT-style uint16 tokens; the held-out split is a sibling val.bin, else the tail."""
+    """nanoGPT-style uint16 tokens; the held-out split is a sibling val.bin, else slices of
+    the file (`_held_out_slices`; the train split is then a copy in memory)."""
     size = train_path.stat().st_size
     if size < 4:
         raise DataError(f"{train_path} holds fewer than 2 tokens; {_WHAT_TO_DO}")
@@ -194,8 +225,9 @@ def _bin_corpus(train_path: Path, val_fraction: float) -> Corpus:
     if train_path.name == "train.bin" and val_path.is_file() and val_path.stat().st_size >= 2:
         train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
     else:
-        cut = min(max(int(len(tokens) * (1 - val_fraction)), 1), len(tokens) - 1)
-        train, val = tokens[:cut], tokens[cut:]
+        pieces = _held_out_slices(len(tokens), val_fraction)
+        train = np.concatenate([tokens[lo:cut] for lo, cut, _ in pieces])
+        val = np.concatenate([tokens[cut:hi] for _, cut, hi in pieces])
     largest = max(int(train.max()), int(val.max()))
     vocab = max(_BIN_VOCAB, -(-(largest + 1) // 64) * 64)
     return Corpus(str(train_path), train, val, vocab, fingerprint(train, val))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -35,7 +36,7 @@ from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.training import corpus
 from pcp_tui.training.workload import Workload
 
-HOLD_OUT = 0.05  # share of rows held out when a Dataset has no val split
+HOLD_OUT = 0.05  # share of rows held out (every 20th) when a Dataset has no val split
 
 
 class ModelFileError(Exception):
@@ -170,14 +171,18 @@ def build_custom_workload(config: RunConfig, shards: int) -> Workload:
         with user_code(path, "loss(params, batch)", lambda: f"batch {_shapes(named)}"):
             return spec.loss(params, named)
 
+    batch_spec = tuple(
+        jax.ShapeDtypeStruct((config.data.batch_size, *a.shape[1:]), a.dtype)
+        for a in first.values()
+    )
+    check_scalar_loss(
+        spec, loss_fn, host_params, batch_spec, dict(zip(keys, batch_spec, strict=True))
+    )
     return Workload(
         name=spec.name,
         params=host_params,
         loss_fn=loss_fn,
-        batch_spec=tuple(
-            jax.ShapeDtypeStruct((config.data.batch_size, *a.shape[1:]), a.dtype)
-            for a in first.values()
-        ),
+        batch_spec=batch_spec,
         corpus=rows,
         shards=corpus.split_rows(rows.train, shards),
         eval_tokens=corpus.eval_rows(
@@ -188,8 +193,40 @@ def build_custom_workload(config: RunConfig, shards: int) -> Workload:
     )
 
 
+def check_scalar_loss(
+    spec: ModelSpec,
+    loss_fn: Callable[[dict[str, jax.Array], Any], jax.Array],
+    params: Mapping[str, np.ndarray],
+    batch_spec: Any,
+    named: Mapping[str, Any],
+) -> None:
+    """Trace `loss_fn` once (shapes only): a loss that is not a scalar is a ConfigError at its def.
+
+    Gradients exist only for a scalar; JAX's own complaint comes from deep inside
+    the export as a long traceback. An error of the user's code while tracing is
+    the ModelFileError `loss_fn` raises, as it would be during the export.
+    """
+    out = jax.eval_shape(loss_fn, dict(params), batch_spec)
+    if getattr(out, "shape", None) == ():
+        return
+    got = (
+        f"{np.dtype(out.dtype).name}[{','.join(map(str, out.shape))}]"
+        if hasattr(out, "shape")
+        else type(out).__name__
+    )
+    try:
+        where = f"{inspect.getsourcefile(spec.loss)}:{inspect.getsourcelines(spec.loss)[1]}: in "
+    except (TypeError, OSError):  # a builtin or a callable object: no source line to name
+        where = ""
+    name = getattr(spec.loss, "__name__", "loss")
+    raise ConfigError(
+        f"{where}{name}: the loss must be a scalar, got {got} for batch {_shapes(named)}; "
+        "reduce it over the batch (e.g. jnp.mean)"
+    )
+
+
 def row_data(name: str, source: Dataset) -> corpus.RowData:
-    """Checked train/val arrays; without val the last 5% of rows are held out."""
+    """Checked train/val arrays; without val every 20th row (5%) is held out."""
     train = corpus.row_arrays(dict(source.train), f"{name}: data.train")
     if source.val is not None:
         val = corpus.row_arrays(dict(source.val), f"{name}: data.val")
@@ -197,9 +234,11 @@ def row_data(name: str, source: Dataset) -> corpus.RowData:
             raise corpus.DataError(
                 f"{name}: data.val has arrays {sorted(val)}, data.train has {sorted(train)}"
             )
-    else:
-        cut = corpus.row_count(train) - max(1, int(corpus.row_count(train) * HOLD_OUT))
-        train, val = {k: a[:cut] for k, a in train.items()}, {k: a[cut:] for k, a in train.items()}
+    else:  # every k-th row: rows sorted by anything (a label, a date) are held out evenly
+        every = max(2, min(round(1 / HOLD_OUT), corpus.row_count(train)))
+        held = np.arange(every - 1, corpus.row_count(train), every)
+        val = {k: a[held] for k, a in train.items()}
+        train = {k: np.delete(a, held, axis=0) for k, a in train.items()}
     fingerprint = corpus.fingerprint(*train.values(), *val.values())
     return corpus.RowData(name, train, val, fingerprint)
 
@@ -213,13 +252,13 @@ def _window_workload(
         with user_code(path, "loss(params, batch)", lambda: f"batch {_shapes({'tokens': batch})}"):
             return spec.loss(params, batch)
 
+    batch_spec = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len + 1), jnp.int32)
+    check_scalar_loss(spec, loss_fn, params, batch_spec, {"tokens": batch_spec})
     return Workload(
         name=spec.name,
         params=params,
         loss_fn=loss_fn,
-        batch_spec=jax.ShapeDtypeStruct(
-            (config.data.batch_size, config.data.seq_len + 1), jnp.int32
-        ),
+        batch_spec=batch_spec,
         corpus=text,
         shards=corpus.split_shards(text.train, shards),
         eval_tokens=corpus.eval_batches(

@@ -21,6 +21,10 @@ class DataError(ValueError):
     """The data cannot feed this run; the message says what to change."""
 
 
+class MissingData(DataError):
+    """`--data` names a file, folder or archive that does not exist: an option that cannot work."""
+
+
 def fingerprint(*arrays: np.ndarray) -> str:
     """sha256 hex over each array's dtype, length and bytes: equal only for equal token streams."""
     digest = hashlib.sha256()

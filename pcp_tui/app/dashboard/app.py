@@ -49,7 +49,7 @@ class DashboardApp(KeyActions):
     CSS_PATH = "app.tcss"
     TITLE = "PCP-TUI"
     ENABLE_COMMAND_PALETTE = False
-    AUTO_FOCUS = None
+    AUTO_FOCUS = "#workers"  # so the documented ↑ ↓ enter work at once, without Tab
     BINDINGS = [  # the actions are in key_actions.py
         Binding("q", "quit", "quit"),
         Binding("p", "pause", "pause"),

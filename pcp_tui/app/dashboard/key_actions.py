@@ -7,6 +7,7 @@ resume) go through `GuestRun._in_trio`; everything else only changes a view.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from textual.widgets import Input
@@ -70,9 +71,20 @@ class KeyActions(GuestRun):
         self.query_one(LossChart).cycle_window()
 
     def action_copy_join(self) -> None:
-        if self.state.join_command:
-            self.copy_to_clipboard(self.state.join_command)
-            self.notify("join command copied (terminals with OSC 52 clipboard support)")
+        """Send the join command to the clipboard, and say what that does and does not promise.
+
+        OSC 52 is a request the terminal may ignore, and no answer comes back; tmux
+        drops it unless `set-clipboard` is on. So the note shows the command too.
+        """
+        command = self.state.join_command
+        if not command:
+            return
+        self.copy_to_clipboard(command)
+        if os.environ.get("TMUX"):
+            sent = "sent to tmux, which passes it to your clipboard only with `set -g set-clipboard on`"
+        else:
+            sent = "sent to the terminal's clipboard (OSC 52; some terminals ignore it)"
+        self.notify(f"join command {sent}; it is: {command}", markup=False, timeout=15)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
@@ -87,7 +99,7 @@ class KeyActions(GuestRun):
         box.value = ""
         box.remove_class("-open")
         self.query_one(EventLog).set_filter("")
-        self.set_focus(None)
+        self.query_one(WorkerTable).focus()
 
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id == "event-filter":
@@ -97,7 +109,7 @@ class KeyActions(GuestRun):
         if event.input.id == "event-filter":
             if not event.value.strip():
                 event.input.remove_class("-open")
-            self.set_focus(None)
+            self.query_one(WorkerTable).focus()
 
     def on_data_table_row_selected(self, event: WorkerTable.RowSelected) -> None:
         """Enter on a worker's row: its detail view (a refused connection has none)."""
