@@ -192,3 +192,9 @@ def deserialize(name: str, serialized: bytes) -> Any:
         return export.deserialize(bytearray(serialized))
     except Exception as exc:  # flatbuffers/MLIR raise many types on bad bytes
         raise GraphError(f"graph {name!r} is not a valid jax.export artifact: {exc}") from exc
+
+
+def signature(name: str, serialized: bytes) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(flat input avals, flat output avals) of a serialized graph, read without compiling it."""
+    exported = deserialize(name, serialized)
+    return tuple(exported.in_avals), tuple(exported.out_avals)

@@ -40,6 +40,7 @@ from ._base import (
 from ._host import cgroup_cpu_quota as cgroup_cpu_quota  # re-exported: tests read it here
 from ._host import cpu_cores, host_cpu, host_memory
 from ._iree_arrays import to_host_array
+from ._vouch import vouch
 
 INSTALL_HINT = "pip install 'pcp-tui[iree]'"
 log = logging.getLogger(__name__)
@@ -303,6 +304,7 @@ def _deserialize_for_iree(name: str, serialized: bytes) -> Any:
         raise GraphError(f"graph {name!r} has side effects, which IREE workers do not run")
     if any(not isinstance(d, int) for a in exported.in_avals for d in a.shape):
         raise GraphError(f"graph {name!r} has symbolic shapes; export it with concrete shapes")
+    vouch(name, exported, SOURCE_PLATFORM)  # IREE compiles the cpu lowering, for any target
     return exported
 
 

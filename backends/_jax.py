@@ -20,6 +20,7 @@ from ._base import (
     deserialize,
 )
 from ._host import host_memory, process_memory
+from ._vouch import vouch
 
 # What `jax.devices(x)` calls each platform, and what a user installs to get it.
 # Metal plugins name their platform differently: Apple's jax-metal and metaljax "METAL"/"metal",
@@ -150,6 +151,7 @@ class JaxBackend(Backend):
                 f"graph {name!r} was lowered for {', '.join(exported.platforms)}, not {wanted}; "
                 f"the shepherd must export for this worker's platform"
             )
+        vouch(name, exported, wanted)  # before anything compiles: what it calls out to
         if self._mesh is not None and layout is not None:
             jitted, specs = self._on_mesh(name, exported, donate_argnums, layout)
         else:

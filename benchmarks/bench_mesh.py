@@ -105,7 +105,8 @@ class _Model:
         import jax
         import jax.numpy as jnp
 
-        from pcp_tui.training.export import CUDNN_ATTENTION_CALLS, InnerOptimizer, build_graphs
+        from pcp_tui.backends import CUDNN_ATTENTION_CALLS
+        from pcp_tui.training.export import InnerOptimizer, build_graphs
 
         return build_graphs(
             self.workload.loss_fn,

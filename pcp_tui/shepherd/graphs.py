@@ -21,14 +21,9 @@ from collections.abc import Callable
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.backends import SOURCE_PLATFORM
+from pcp_tui.backends import CUDNN_ATTENTION_CALLS, SOURCE_PLATFORM
 from pcp_tui.config import RunConfig
-from pcp_tui.training.export import (
-    CUDNN_ATTENTION_CALLS,
-    InnerOptimizer,
-    TrainingGraphs,
-    build_graphs,
-)
+from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 from pcp_tui.training.workload import Workload
 
 Export = Callable[[tuple[str, ...]], TrainingGraphs]

@@ -28,9 +28,6 @@ from jax import export
 
 LossFn = Callable[[dict[str, jax.Array], jax.Array], jax.Array]
 
-# cuDNN fused attention lowers to these custom calls (forward and backward).
-CUDNN_ATTENTION_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
-
 
 @dataclass(frozen=True)
 class InnerOptimizer:
