@@ -22,7 +22,7 @@ from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
-from pcp_tui.shepherd import sitting_out, striping
+from pcp_tui.shepherd import sitting_out, slots, striping
 from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import WorkerLink, fragment_of, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
@@ -114,6 +114,13 @@ class WorkerPool:
             await self._attach(admitted)
             return
         refusal = self._refusal(admitted.hello.worker_id)
+        if refusal is not None and refusal[0] is protocol.ErrorCode.BUSY:
+            taken = slots.slot_to_take(
+                self._links.values(), trio.current_time(), slots.EVICTABLE_AFTER
+            )
+            if taken is not None:
+                await self._move_out(taken)
+                refusal = self._refusal(admitted.hello.worker_id)
         if refusal is not None:
             await self._refuse(admitted, *refusal)
             return
@@ -147,7 +154,8 @@ class WorkerPool:
         would take over the worker's shard and rounds, and the real worker would run
         on unheard). A first connection that has fallen silent is dead: the newcomer
         replaces it, which is a reconnect. Admitted connections are capped, so peers
-        holding the token cannot tie up the shepherd with idle or slow connections.
+        holding the token cannot tie up the shepherd with idle or slow connections; one
+        that is not ready loses its slot after a while (`slots`).
         """
         previous = self._links.get(worker_id)
         timeout = self.config.network.heartbeat_timeout
@@ -167,6 +175,16 @@ class WorkerPool:
                 f"later, or raise --max-worker-connections on the shepherd (now {cap})"
             )
         return None
+
+    async def _move_out(self, link: WorkerLink) -> None:
+        """Close a connection that is not ready, for a newcomer to take its slot (`slots`)."""
+        waited = trio.current_time() - link.admitted_at
+        reason = (
+            f"not ready {waited:.0f} s after its welcome, and every connection slot is taken: "
+            "its slot went to a new worker (it may join again)"
+        )
+        link.failure = ConnectionLost(reason, code=protocol.ErrorCode.BUSY.value)
+        await link.close(reason, error=link.failure, goodbye=False)  # its task marks it gone
 
     async def _refuse(self, admitted: Admitted, code: protocol.ErrorCode, reason: str) -> None:
         """Tell an authenticated peer why it may not join (one line), log it, and hang up."""
@@ -303,7 +321,11 @@ class WorkerPool:
         async with link.alive(
             heartbeat_seconds=cfg.network.heartbeat_seconds,
             timeout=cfg.network.heartbeat_timeout,
-            too_slow=lambda: upload_too_slow(link, self.config) or sitting_out.hung_reason(link),
+            too_slow=lambda: (
+                upload_too_slow(link, self.config)
+                or sitting_out.hung_reason(link)
+                or slots.not_ready_reason(link, cfg.security.ready_timeout, trio.current_time())
+            ),
         ):
             await self._receive_loop(link)
 
