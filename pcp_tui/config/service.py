@@ -121,8 +121,8 @@ class SecurityConfig:
         600.0,
         above=0,
         help="seconds an admitted worker has to compile the plan and say ready before its "
-        "connection is dropped; when every connection is taken, one not ready after 30 s "
-        "already gives its slot to a newcomer",
+        "connection is dropped; when every connection is taken, one not ready after 45 s "
+        "(or a quarter of this, if less) already gives its slot to a newcomer",
     )
     min_upload_rate: float = option(
         1e6,

@@ -6,12 +6,15 @@ liked: four of them held every slot of a `--workers 2` run, and the honest worke
 heard `busy` on every retry. Two rules bound that:
 
 - a connection that has not said ready --ready-timeout seconds after its welcome is
-  dropped (the watchdog's `not_ready_reason`); the default fits slow honest compiles
-  (measured on a loaded 2-core CPU: the tiny GPT-2 in seconds, GPT-2 124M in minutes);
-- when every slot is taken, a newcomer takes the slot of the connection that has gone
-  longest without saying ready, once that has had `EVICTABLE_AFTER` seconds
-  (`slot_to_take`). So squatters delay an honest worker by about that plus its own
-  retry wait, not by --ready-timeout. Ready workers are never moved. An honest worker
+  dropped (the watchdog's `not_ready_reason`); the default, 600 s, fits slow honest
+  compiles (measured on a loaded 2-core CPU at the CLI's defaults, batch 16 x 128 in
+  chunks of 10 steps: the tiny GPT-2's train_chunk 26 s, GPT-2 124M's 125 s);
+- when every slot is taken, a newcomer waits in line (not refused) for the connection
+  that has gone longest without saying ready to pass `evictable_after(ready_timeout)`
+  seconds, and takes its slot (`slot_to_take`, `next_to_free`): 45 s, or a quarter of
+  --ready-timeout if that is less. Squatters that are put out join again behind it, so
+  they delay an honest worker by about that grace, not by --ready-timeout. Ready workers
+  are never moved; as many newcomers may wait as there are slots. An honest worker
   moved while it compiles loses little: it finishes compiling, keeps the compiled
   graphs, and is ready as soon as it is back in.
 
@@ -24,7 +27,12 @@ from collections.abc import Iterable
 
 from pcp_tui.shepherd.connection import WorkerLink
 
-EVICTABLE_AFTER = 30.0  # seconds a connection that is not ready keeps its slot from a newcomer
+EVICTABLE_AFTER = 45.0  # seconds a connection that is not ready keeps its slot from a newcomer
+
+
+def evictable_after(ready_timeout: float) -> float:
+    """Seconds a connection not yet ready keeps its slot from a newcomer."""
+    return min(EVICTABLE_AFTER, ready_timeout / 4)
 
 
 def not_ready_reason(link: WorkerLink, ready_timeout: float, now: float) -> str:
@@ -47,3 +55,12 @@ def slot_to_take(links: Iterable[WorkerLink], now: float, grace: float) -> Worke
         if not link.closed and not link.ready.is_set() and now - link.admitted_at >= grace
     ]
     return min(waiting, key=lambda link: link.admitted_at, default=None)
+
+
+def next_to_free(links: Iterable[WorkerLink], grace: float) -> float | None:
+    """When the first open connection that is not ready passes its grace (trio's clock), or
+    None if every open connection is ready."""
+    return min(
+        (link.admitted_at + grace for link in links if not link.closed and not link.ready.is_set()),
+        default=None,
+    )
