@@ -4,9 +4,11 @@ A real `pcp-tui shepherd` process (the tiny model, one round of 2 inner steps) a
 real `pcp-tui worker` processes on 127.0.0.1. In the squatted run, SQUATTERS token
 holders join first, read the plan, heartbeat and never say ready, and join again at
 once whenever they are put out or refused (the worst for the honest workers: they
-hold every connection slot, and race for every one that frees). The delay is the
-time from starting the honest workers to the run's end, minus the same time without
-squatters. docs/security.md has a run.
+hold every connection slot, and race for every one that frees). Measured from
+starting the honest workers: until both are admitted (the delay squatting causes:
+without squatters, the workers' start-up alone), and until the run's end (their
+compile and the round too, which vary with the machine's load). docs/security.md
+has a run.
 
     python benchmarks/bench_squatters.py [--squatters 4] [--limit 300]
 """
@@ -18,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import trio
@@ -60,8 +63,9 @@ async def squat(port: int, worker_id: str, counts: dict) -> None:
         await trio.sleep(0.05)
 
 
-def run(squatters: int, limit: float) -> float | None:
-    """Seconds from starting the honest workers to the run's end; None past `limit`."""
+def run(squatters: int, limit: float) -> tuple[float | None, float | None]:
+    """Seconds from starting the honest workers to both being admitted, and to the run's end;
+    None past `limit`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     shepherd = subprocess.Popen(
         [sys.executable, "-m", "pcp_tui", "shepherd", *SHEPHERD],
@@ -77,7 +81,14 @@ def run(squatters: int, limit: float) -> float | None:
                 port = int(found.group(1))
                 break
 
-        async def main() -> float | None:
+        joined: dict[str, float] = {}
+
+        def read_joins() -> None:
+            for line in shepherd.stdout:
+                if found := re.search(r"\((honest-\d),[^)]*\) (re)?joined", line):
+                    joined.setdefault(found.group(1), time.monotonic())
+
+        async def main() -> tuple[float | None, float | None]:
             counts: dict = {}
             async with trio.open_nursery() as nursery:
                 for index in range(squatters):
@@ -100,8 +111,11 @@ def run(squatters: int, limit: float) -> float | None:
                         await trio.sleep(0.2)
                     ended = time.monotonic() - started
                 nursery.cancel_scope.cancel()
-            return ended
+            admitted = max(joined.values()) - started if len(joined) == 2 else None
+            return admitted, ended
 
+        reader = threading.Thread(target=read_joins, daemon=True)
+        reader.start()
         return trio.run(main)
     finally:
         for process in [shepherd, *workers]:
@@ -115,12 +129,14 @@ def main() -> None:
     parser.add_argument("--squatters", type=int, default=4)
     parser.add_argument("--limit", type=float, default=300.0, help="seconds to give up after")
     args = parser.parse_args()
-    control = run(0, args.limit)
-    squatted = run(args.squatters, args.limit)
     show = lambda t: f"{t:.1f} s" if t is not None else f"> {args.limit:g} s"  # noqa: E731
-    print(f"no squatters: {show(control)}; {args.squatters} squatters: {show(squatted)}")
-    if control is not None and squatted is not None:
-        print(f"delay from squatting: {squatted - control:.1f} s")
+    for squatters in (0, args.squatters):
+        admitted, ended = run(squatters, args.limit)
+        print(
+            f"{squatters} squatters: both honest workers admitted after {show(admitted)}, "
+            f"the run ended after {show(ended)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
