@@ -98,10 +98,14 @@ class Backend(abc.ABC):
         *,
         donate_argnums: Sequence[int] = (),
         layout: LayoutFor | None = None,
+        own: bool = False,
     ) -> LoadedGraph:
         """Deserialize a graph; raises GraphError if it was not lowered for this platform.
 
         `layout` (only passed to a backend of several devices) places it over them.
+        A graph someone else sent must call nothing outside itself but what our exports
+        call (UntrustedGraph, see `_vouch`); `own`: this process exported it itself (the
+        shepherd's eval), so a user's model may use any op its runtime has.
         """
 
     @abc.abstractmethod

@@ -167,12 +167,14 @@ class IreeBackend(Backend):
         *,
         donate_argnums: Sequence[int] = (),
         layout: LayoutFor | None = None,
+        own: bool = False,
     ) -> LoadedGraph:
         """Compile the artifact's StableHLO for this device (or read it from the cache).
 
-        One device: `layout` (for backends of several devices) is never passed here.
+        One device: `layout` (for backends of several devices) is never passed here;
+        `own` as `Backend.load`.
         """
-        exported = _deserialize_for_iree(name, serialized)
+        exported = _deserialize_for_iree(name, serialized, own=own)
         module = self._module(name, exported)
         return LoadedGraph(
             name=name,
@@ -298,13 +300,14 @@ def serial_scatters(text: str) -> int:
     return sum("unique_indices = true" not in m.group(0) for m in _SCATTER.finditer(text))
 
 
-def _deserialize_for_iree(name: str, serialized: bytes) -> Any:
+def _deserialize_for_iree(name: str, serialized: bytes, *, own: bool = False) -> Any:
     exported = deserialize(name, serialized)
     if exported.ordered_effects or exported.unordered_effects:
         raise GraphError(f"graph {name!r} has side effects, which IREE workers do not run")
     if any(not isinstance(d, int) for a in exported.in_avals for d in a.shape):
         raise GraphError(f"graph {name!r} has symbolic shapes; export it with concrete shapes")
-    vouch(name, exported, SOURCE_PLATFORM)  # IREE compiles the cpu lowering, for any target
+    if not own:
+        vouch(name, exported, SOURCE_PLATFORM)  # IREE compiles the cpu lowering, for any target
     return exported
 
 

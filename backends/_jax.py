@@ -139,10 +139,12 @@ class JaxBackend(Backend):
         *,
         donate_argnums: Sequence[int] = (),
         layout: LayoutFor | None = None,
+        own: bool = False,
     ) -> LoadedGraph:
         """Deserialize and compile ahead of time, so the first call runs at full speed.
 
-        `layout` places the graph on this backend's mesh (ignored with one device).
+        `layout` places the graph on this backend's mesh (ignored with one device);
+        `own` as `Backend.load`.
         """
         exported = deserialize(name, serialized)
         wanted = _EXPORT_PLATFORM[self._platform]
@@ -151,7 +153,8 @@ class JaxBackend(Backend):
                 f"graph {name!r} was lowered for {', '.join(exported.platforms)}, not {wanted}; "
                 f"the shepherd must export for this worker's platform"
             )
-        vouch(name, exported, wanted)  # before anything compiles: what it calls out to
+        if not own:
+            vouch(name, exported, wanted)  # before anything compiles: what it calls out to
         if self._mesh is not None and layout is not None:
             jitted, specs = self._on_mesh(name, exported, donate_argnums, layout)
         else:
