@@ -75,9 +75,19 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def load(
-        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
+        self,
+        name: str,
+        serialized: bytes,
+        *,
+        donate_argnums: Sequence[int] = (),
+        own: bool = False,
     ) -> LoadedGraph:
-        """Deserialize a graph; GraphError if it was not exported for this platform and device count."""
+        """Deserialize a graph; GraphError if it was not exported for this platform and device count.
+
+        A graph someone else sent must call nothing outside itself but what our exports
+        call (UntrustedGraph, see `_vouch`); `own`: this process exported it itself (the
+        shepherd's eval), so a user's model may use any op its runtime has.
+        """
 
     @abc.abstractmethod
     def to_device(
@@ -167,3 +177,9 @@ def deserialize(name: str, serialized: bytes) -> Any:
         return export.deserialize(bytearray(serialized))
     except Exception as exc:  # flatbuffers/MLIR raise many types on bad bytes
         raise GraphError(f"graph {name!r} is not a valid jax.export artifact: {exc}") from exc
+
+
+def signature(name: str, serialized: bytes) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(flat input avals, flat output avals) of a serialized graph, read without compiling it."""
+    exported = deserialize(name, serialized)
+    return tuple(exported.in_avals), tuple(exported.out_avals)

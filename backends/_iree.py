@@ -39,6 +39,7 @@ from ._base import (
 from ._host import cgroup_cpu_quota as cgroup_cpu_quota  # re-exported: tests read it here
 from ._host import cpu_cores, host_cpu, host_memory
 from ._iree_arrays import to_host_array
+from ._vouch import vouch
 
 INSTALL_HINT = "pip install 'pcp-tui[iree]'"
 log = logging.getLogger(__name__)
@@ -159,10 +160,16 @@ class IreeBackend(Backend):
         return self._target.compiler_backend
 
     def load(
-        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
+        self,
+        name: str,
+        serialized: bytes,
+        *,
+        donate_argnums: Sequence[int] = (),
+        own: bool = False,
     ) -> LoadedGraph:
-        """Compile the artifact's StableHLO for this device (or read it from the cache)."""
-        exported = _deserialize_for_iree(name, serialized)
+        """Compile the artifact's StableHLO for this device (or read it from the cache);
+        `own` as `Backend.load`."""
+        exported = _deserialize_for_iree(name, serialized, own=own)
         module = self._module(name, exported)
         return LoadedGraph(
             name=name,
@@ -288,12 +295,14 @@ def serial_scatters(text: str) -> int:
     return sum("unique_indices = true" not in m.group(0) for m in _SCATTER.finditer(text))
 
 
-def _deserialize_for_iree(name: str, serialized: bytes) -> Any:
+def _deserialize_for_iree(name: str, serialized: bytes, *, own: bool = False) -> Any:
     exported = deserialize(name, serialized)
     if exported.ordered_effects or exported.unordered_effects:
         raise GraphError(f"graph {name!r} has side effects, which IREE workers do not run")
     if any(not isinstance(d, int) for a in exported.in_avals for d in a.shape):
         raise GraphError(f"graph {name!r} has symbolic shapes; export it with concrete shapes")
+    if not own:
+        vouch(name, exported, SOURCE_PLATFORM)  # IREE compiles the cpu lowering, for any target
     return exported
 
 

@@ -19,6 +19,7 @@ from ._base import (
     deserialize,
 )
 from ._host import host_memory, process_memory
+from ._vouch import vouch
 
 if TYPE_CHECKING:  # jax is imported when a backend is made: importing this module stays cheap
     from jax.sharding import Mesh
@@ -133,12 +134,18 @@ class JaxBackend(Backend):
         return self._mesh
 
     def load(
-        self, name: str, serialized: bytes, *, donate_argnums: Sequence[int] = ()
+        self,
+        name: str,
+        serialized: bytes,
+        *,
+        donate_argnums: Sequence[int] = (),
+        own: bool = False,
     ) -> LoadedGraph:
         """Deserialize and compile ahead of time, so the first call runs at full speed.
 
         A graph exported for N devices runs on a backend of N devices, each
         input and output placed as the artifact says; GraphError otherwise.
+        `own` as `Backend.load`.
         """
         jax = self._jax
         exported = deserialize(name, serialized)
@@ -148,6 +155,8 @@ class JaxBackend(Backend):
                 f"graph {name!r} was lowered for {', '.join(exported.platforms)}, not {wanted}; "
                 f"the shepherd must export for this worker's platform"
             )
+        if not own:
+            vouch(name, exported, wanted)  # before anything compiles: what it calls out to
         devices = self._mesh.size if self._mesh is not None else 1
         if exported.nr_devices != devices:
             raise GraphError(

@@ -124,12 +124,8 @@ class _Model:
         import jax
         import jax.numpy as jnp
 
-        from pcp_tui.training.export import (
-            CUDNN_ATTENTION_CALLS,
-            InnerOptimizer,
-            TrainingGraphs,
-            build_graphs,
-        )
+        from pcp_tui.backends import CUDNN_ATTENTION_CALLS
+        from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 
         args = self.args
         batch = args.batch_per_device * devices

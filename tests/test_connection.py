@@ -213,6 +213,6 @@ def test_give_up_after_is_the_total_time_spent_trying():
     assert re.fullmatch(
         rf"pcp-tui: error: cannot reach 127\.0\.0\.1:{port} \(connection refused: no shepherd "
         r"listens on that port \(yet\)\); gave up "
-        r"after \d+ s of retrying without a welcome \(.*--give-up-after sets the limit\)",
+        r"after \d+ s of retrying without getting in \(.*--give-up-after sets the limit\)",
         last,
     ), last

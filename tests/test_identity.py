@@ -162,6 +162,9 @@ def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
 
 
 def test_admitted_connections_are_capped_and_the_extra_is_told_busy():
+    """Both slots held by workers that are ready: no slot can free, so the extra hears `busy`
+    at once (one held by a connection that is not ready would be given up to it after a
+    while: tests/test_hostile_squatters.py)."""
     config = small_config(workers=1, rounds=1, max_worker_connections=2)
     shepherd = Shepherd(config, build_workload(config, shards=1))
     answers = []
@@ -169,9 +172,16 @@ def test_admitted_connections_are_capped_and_the_extra_is_told_busy():
     async def scenario(port):
         streams = []
         for worker_id in ("a", "b", "c"):
+            if worker_id == "c":
+                await until(
+                    lambda: all(shepherd.state.workers[w].state != "compiling" for w in "ab")
+                )
             stream, answer = await join_as(port, worker_id)
             streams.append(stream)
             answers.append(answer)
+            if answer.kind == "welcome":
+                assert (await stream.receive()).kind == "plan"
+                await stream.send(protocol.Ready(compile_seconds=0.1))
         shepherd.request_stop("test over")
         for stream in streams:
             await stream.aclose()

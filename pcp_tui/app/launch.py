@@ -281,6 +281,14 @@ def _cpu_threads_env(workers: int) -> dict[str, str]:
     )
 
 
+# Said once by a worker started without TLS (a demo's own local workers are not told).
+PLAIN_TCP_WARNING = (
+    "pcp-tui: warning: no TLS: this worker trusts the network (it trains for whoever answers "
+    "at {address} or sits on the path); pass --tls-fingerprint from the shepherd's join "
+    "command to train only for that shepherd"
+)
+
+
 def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
     """Join the shepherd at `config.connection.connect` and train until it says goodbye.
 
@@ -302,6 +310,8 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc), 2)
     _warn_if_unresolved(host, port, retrying=connection.reconnect)
+    if not (connection.tls_ca or connection.tls_fingerprint or output.parent_fd is not None):
+        print(PLAIN_TCP_WARNING.format(address=connection.connect), file=sys.stderr, flush=True)
     _enable_compile_cache(config.compute.compile_cache)
     try:
         tls = ClientTLS.from_options(connection.tls_ca, connection.tls_fingerprint)

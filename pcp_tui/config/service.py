@@ -117,6 +117,13 @@ class SecurityConfig:
         at_least=0,
         help="admitted worker connections at once; more are refused as busy (0: --workers + 2)",
     )
+    ready_timeout: float = option(
+        600.0,
+        above=0,
+        help="seconds an admitted worker has to compile the plan and say ready before its "
+        "connection is dropped; when every connection is taken, one not ready after 45 s "
+        "(or a quarter of this, if less) already gives its slot to a newcomer",
+    )
     min_upload_rate: float = option(
         1e6,
         above=0,

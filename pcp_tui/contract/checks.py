@@ -6,6 +6,8 @@ the element-wise `isfinite` pass (and its boolean temporary) runs only on a
 tensor whose sum of squares is not finite, to tell which of the two it is.
 The worker screens a round start's parameters with `round_start_problem`;
 the shepherd's screening of results (`pcp_tui.diloco.screening`) builds on the same norms.
+Before that, the worker checks the plan: its tensors from their headers
+(`plan_tensors_problem`), then its numbers against the graphs it ships (`graphs_problem`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+
+from pcp_tui import protocol
 
 
 def squared_norm(array: np.ndarray) -> float:
@@ -70,4 +74,75 @@ def round_start_problem(
             return f"{name} has dtype {array.dtype}, expected floating point"
         if not is_finite(array):
             return f"{name} holds NaN or Inf"
+    return None
+
+
+def plan_tensors_problem(
+    plan: protocol.Plan, specs: Sequence[protocol.TensorSpec], memory_bytes: int
+) -> str | None:
+    """Why a plan's tensors, known from their headers before any payload byte, cannot be
+    taken, or None: each is one the plan names (graph bytes, the shard's data), graph bytes
+    are flat uint8, and all of them fit in half of this worker's `memory_bytes`."""
+    graphs = {graph.tensor for graph in plan.graphs}
+    data = ({plan.shard_tensor} if plan.batch_kind == protocol.BatchKind.WINDOWS else set()) | set(
+        plan.data_tensors
+    )
+    extra = [spec.name for spec in specs if spec.name not in graphs | data]
+    if extra:
+        return f"the plan carries tensors it does not name: {extra[:3]}"
+    for spec in specs:
+        if spec.name in graphs and (spec.dtype != "uint8" or len(spec.shape) != 1):
+            return f"graph tensor {spec.name!r} is {spec.dtype}{list(spec.shape)}, not flat uint8"
+    total = sum(spec.payload_bytes for spec in specs)
+    if total > memory_bytes // 2:
+        return (
+            f"the plan's tensors take {total / 1e9:.2f} GB, more than half of this "
+            f"worker's {memory_bytes / 1e9:.2f} GB"
+        )
+    return None
+
+
+def graphs_problem(
+    plan: protocol.Plan,
+    tensors: Mapping[str, np.ndarray],
+    signatures: Mapping[str, tuple[Sequence, Sequence]],
+) -> str | None:
+    """Why the plan does not fit its graphs, or None; `signatures` maps each graph's name to its
+    (flat input avals, flat output avals), as read from the artifact before it compiles.
+
+    The plan's numbers (batch size, chunk steps, sequence length, parameters) size what the
+    worker allocates for every chunk; the graph was built for its own. A plan that says
+    more than its graph takes would allocate for nothing, or fail in the middle of a round.
+    """
+    init_in, init_out = signatures["init_opt_state"]
+    train_in, _ = signatures["train_chunk"]
+    params = len(plan.param_names)
+    if len(init_in) != params:
+        return f"the plan names {params} parameters; its init_opt_state graph takes {len(init_in)}"
+    count = sum(math.prod(aval.shape) for aval in init_in)
+    if count != plan.param_count:
+        return f"the plan counts {plan.param_count} parameter values; its graphs take {count}"
+    state = params + len(init_out)
+    shapes = lambda avals: [tuple(aval.shape) for aval in avals]  # noqa: E731
+    if len(train_in) < state + 2 or shapes(train_in[:state]) != shapes(init_in) + shapes(init_out):
+        return "its train_chunk graph does not take the parameters and state init_opt_state makes"
+    batches = train_in[state:-1]
+    if plan.batch_kind == protocol.BatchKind.WINDOWS:
+        expected = [(plan.chunk_steps, plan.batch_size, plan.seq_len + 1)]
+        shard = tensors[plan.shard_tensor]
+        if shard.ndim != 1 or shard.dtype.kind not in "iu" or len(shard) < plan.seq_len + 2:
+            return (
+                f"its shard is {shard.dtype}{list(shard.shape)}: it must be integer tokens, "
+                f"at least {plan.seq_len + 2} of them"
+            )
+    else:
+        expected = [
+            (plan.chunk_steps, plan.batch_size, *tensors[name].shape[1:])
+            for name in plan.data_tensors
+        ]
+    if shapes(batches) != expected:
+        return (
+            f"the plan's batches ({plan.chunk_steps} steps of {plan.batch_size} rows) would be "
+            f"shaped {expected}; its train_chunk graph takes {shapes(batches)}"
+        )
     return None

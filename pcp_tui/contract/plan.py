@@ -15,12 +15,15 @@ it, and both sides call the same functions:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 
 from pcp_tui import protocol
 from pcp_tui.config.run import schedule_problem
+from pcp_tui.contract.checks import plan_tensors_problem
 
+GRAPHS = ("train_chunk", "init_opt_state")  # the graphs a plan ships, by name
 SMALL_MESSAGE_BYTES = 64 * 1024  # every kind but roundResult, after admission
 _HEADER_BYTES_PER_TENSOR = 512  # a tensor header on the wire, name included, generously
 RESULT_DTYPE = "float32"
@@ -46,7 +49,7 @@ def max_result_tokens(plan: protocol.Plan) -> int:
 def plan_problem(plan: protocol.Plan, tensors: Mapping[str, object]) -> str | None:
     """Why a received plan cannot be trained on, or None: the worker's check of what it got."""
     graphs = {graph.name for graph in plan.graphs}
-    if not {"train_chunk", "init_opt_state"} <= graphs:
+    if not set(GRAPHS) <= graphs:
         return f"the plan names graphs {sorted(graphs)}; it needs train_chunk and init_opt_state"
     missing = [graph.tensor for graph in plan.graphs if graph.tensor not in tensors]
     if missing:
@@ -59,6 +62,43 @@ def plan_problem(plan: protocol.Plan, tensors: Mapping[str, object]) -> str | No
             f"tokens per row, this one says {plan.tokens_per_row}"
         )
     return fragments_problem(plan)
+
+
+def worker_header_check(memory_bytes: int) -> protocol.HeaderCheck:
+    """What a worker checks of each message's header, before any payload byte is read.
+
+    The plan's tensors must be the ones it names and fit in half of the worker's
+    `memory_bytes` (`checks.plan_tensors_problem`); round starts and fragment updates
+    carry parameters (bounded by `worker_limits` once the plan is in); nothing else
+    carries tensors or more than a small message's bytes.
+    """
+
+    def check(body: protocol.Body, specs, frame_bytes: int) -> None:
+        if isinstance(body, protocol.Plan):
+            problem = plan_tensors_problem(body, specs, memory_bytes)
+            if problem is not None:
+                raise protocol.MalformedMessage(f"plan refused: {problem}")
+        elif not isinstance(body, protocol.RoundStart | protocol.FragmentUpdate) and (
+            specs or frame_bytes > SMALL_MESSAGE_BYTES
+        ):
+            raise protocol.FrameTooLarge(
+                f"a {body.KIND} may carry no tensors and at most {SMALL_MESSAGE_BYTES} bytes"
+            )
+
+    return check
+
+
+def worker_limits(plan: protocol.Plan) -> protocol.Limits:
+    """What a worker receives once it has compiled `plan`: the global parameters (the plan's
+    count of float32 values, at most) and small messages; never again a plan's size."""
+    values = 4 * plan.param_count
+    return dataclasses.replace(
+        protocol.Limits(),
+        max_message_bytes=result_frame_bytes(plan.param_names, 0),
+        max_tensors=len(plan.param_names),
+        max_tensor_bytes=values,
+        max_total_tensor_bytes=values,
+    )
 
 
 def fragments(plan: protocol.Plan) -> Fragments:

@@ -78,6 +78,7 @@ class WorkerLink(Connection):
         self.runtime = runtime  # with platform: which export this worker's plan carries
         self._state = state
         self.ready = trio.Event()
+        self.admitted_at = trio.current_time()  # for the slot rules (shepherd.slots)
         # a round it was dropped from as a straggler, its result not yet in (0: none): it
         # sits new rounds out until then, so a hung peer delays one round, not every one
         self.behind = 0

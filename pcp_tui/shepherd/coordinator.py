@@ -272,7 +272,7 @@ class Shepherd:
     def _export(self) -> TrainingGraphs:
         """The run's first export (the shepherd evaluates with it); others are made as workers need."""
         graphs = self.library.export_main()
-        self._eval = select_backend("auto").load("eval_loss", graphs.eval_loss)
+        self._eval = select_backend("auto").load("eval_loss", graphs.eval_loss, own=True)
         return graphs
 
     async def _train(self, nursery: trio.Nursery) -> None:

@@ -26,14 +26,9 @@ import jax
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.backends import SOURCE_PLATFORM
+from pcp_tui.backends import CUDNN_ATTENTION_CALLS, SOURCE_PLATFORM
 from pcp_tui.config import RunConfig
-from pcp_tui.training.export import (
-    CUDNN_ATTENTION_CALLS,
-    InnerOptimizer,
-    TrainingGraphs,
-    build_graphs,
-)
+from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 from pcp_tui.training.sharding import LayoutError
 from pcp_tui.training.workload import Workload
 

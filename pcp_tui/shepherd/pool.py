@@ -21,8 +21,8 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
-from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost, lost
-from pcp_tui.shepherd import sitting_out, striping
+from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost
+from pcp_tui.shepherd import sitting_out, slots, striping
 from pcp_tui.shepherd.admission import Admission, Admitted
 from pcp_tui.shepherd.connection import WorkerLink, shown
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
@@ -66,6 +66,8 @@ class WorkerPool:
         self._next_index = 0
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
         self._result_slots = trio.Semaphore(RESULTS_IN_MEMORY)
+        self._slot_line = trio.Lock()  # newcomers waiting for a connection slot (`_wait_for_slot`)
+        self._slot_waiters = 0
 
     def remember(self, indices: dict[str, int]) -> None:
         """Give returning workers the index they had before a restart (shards: the ledger)."""
@@ -111,6 +113,8 @@ class WorkerPool:
             await self._attach(admitted)
             return
         refusal = self._refusal(admitted.hello.worker_id)
+        if refusal is not None and refusal[0] is protocol.ErrorCode.BUSY:
+            refusal = await self._wait_for_slot(admitted.hello.worker_id, refusal)
         if refusal is not None:
             await self._refuse(admitted, *refusal)
             return
@@ -144,7 +148,8 @@ class WorkerPool:
         would take over the worker's shard and rounds, and the real worker would run
         on unheard). A first connection that has fallen silent is dead: the newcomer
         replaces it, which is a reconnect. Admitted connections are capped, so peers
-        holding the token cannot tie up the shepherd with idle or slow connections.
+        holding the token cannot tie up the shepherd with idle or slow connections; one
+        that is not ready loses its slot after a while (`slots`).
         """
         previous = self._links.get(worker_id)
         timeout = self.config.network.heartbeat_timeout
@@ -164,6 +169,53 @@ class WorkerPool:
                 f"later, or raise --max-worker-connections on the shepherd (now {cap})"
             )
         return None
+
+    async def _wait_for_slot(
+        self, worker_id: str, busy: tuple[protocol.ErrorCode, str]
+    ) -> tuple[protocol.ErrorCode, str] | None:
+        """Every slot is taken: wait, in order of arrival, for one whose connection is not
+        ready to pass its grace, and take it (`slots`); None once this worker may join, else
+        the refusal (every holder is ready, or as many newcomers as slots wait already).
+
+        Waiting in line, not retrying, is what lets an honest worker in: squatters that
+        are put out join again at once, and a retry every few seconds would lose every
+        race for a slot to them; in line, they wait behind it.
+        """
+        if self._slot_waiters >= self.config.worker_connections:
+            return busy
+        grace = slots.evictable_after(self.config.security.ready_timeout)
+        self._slot_waiters += 1
+        try:
+            async with self._slot_line:  # trio's locks are fair: first come, first served
+                while (refusal := self._refusal(worker_id)) and refusal[0] is busy[0]:
+                    now = trio.current_time()
+                    taken = slots.slot_to_take(self._links.values(), now, grace)
+                    if taken is not None:
+                        await self._move_out(taken)
+                        continue
+                    free_at = slots.next_to_free(self._links.values(), grace)
+                    if free_at is None:  # every holder is ready: none will free for this one
+                        return refusal
+                    await trio.sleep_until(min(free_at, now + 1.0))  # or one leaves sooner
+                return refusal
+        finally:
+            self._slot_waiters -= 1
+
+    async def _move_out(self, link: WorkerLink) -> None:
+        """Close a connection that is not ready, for a newcomer to take its slot (`slots`)."""
+        waited = trio.current_time() - link.admitted_at
+        reason = (
+            f"not ready {waited:.0f} s after its welcome, and every connection slot is taken: "
+            "its slot went to a new worker (it may join again)"
+        )
+        # its own task then marks it gone, for this reason (the failure is set first: the
+        # task may run as soon as the socket closes)
+        link.failure = ConnectionLost(reason, code=protocol.ErrorCode.BUSY.value)
+        link.closed = True
+        with trio.move_on_after(CLOSE_SECONDS):  # the link's send refuses once failure is set
+            await link.stream.send_error(protocol.ErrorCode.BUSY, reason)
+        with contextlib.suppress(*LINK_ERRORS):
+            await trio.aclose_forcefully(link.stream.stream)
 
     async def _refuse(self, admitted: Admitted, code: protocol.ErrorCode, reason: str) -> None:
         """Tell an authenticated peer why it may not join (one line), log it, and hang up."""
@@ -301,7 +353,11 @@ class WorkerPool:
         async with link.alive(
             heartbeat_seconds=cfg.network.heartbeat_seconds,
             timeout=cfg.network.heartbeat_timeout,
-            too_slow=lambda: upload_too_slow(link, self.config) or sitting_out.hung_reason(link),
+            too_slow=lambda: (
+                upload_too_slow(link, self.config)
+                or sitting_out.hung_reason(link)
+                or slots.not_ready_reason(link, cfg.security.ready_timeout, trio.current_time())
+            ),
         ):
             await self._receive_loop(link)
 

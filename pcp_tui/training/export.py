@@ -41,8 +41,6 @@ from pcp_tui.training.sharding import Axis, LayoutError, param_axes, state_axes
 Batch = TypeVar("Batch")  # one inner step's batch: a jax.Array, or a tuple of them
 LossFn = Callable[[dict[str, jax.Array], Batch], jax.Array]
 
-# cuDNN fused attention lowers to these custom calls (forward and backward).
-CUDNN_ATTENTION_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 # The one axis of a multi-device export's mesh; a worker's mesh names its axis the same.
 MESH_AXIS = "data"
 

@@ -19,9 +19,10 @@ from collections.abc import Callable
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.backends import Backend, GraphError, select_backend
+from pcp_tui.backends import Backend, GraphError, UntrustedGraph, select_backend, signature
 from pcp_tui.config import WorkerConfig
 from pcp_tui.contract import plan as contract
+from pcp_tui.contract.checks import graphs_problem
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
     Connection,
@@ -142,6 +143,13 @@ class Worker(Session):
         except shards.DataError as exc:
             raise protocol.MalformedMessage(str(exc)) from None
         graphs = {g.name: tensors[g.tensor].tobytes() for g in plan.graphs}
+        try:  # before anything is compiled or allocated for it, also for a compiled graph
+            signatures = {name: signature(name, graphs[name]) for name in contract.GRAPHS}
+        except GraphError as exc:
+            raise protocol.MalformedMessage(str(exc)) from None
+        problem = graphs_problem(plan, tensors, signatures)
+        if problem is not None:
+            raise protocol.MalformedMessage(problem)
         key = graphs["train_chunk"] + graphs["init_opt_state"]
         if key not in self._compiled:  # a reconnect to the same run reuses compiled graphs
             try:
@@ -149,6 +157,8 @@ class Worker(Session):
                     "train_chunk", graphs["train_chunk"], donate_argnums=(0, 1)
                 )
                 init = self.backend.load("init_opt_state", graphs["init_opt_state"])
+            except UntrustedGraph as exc:  # final: the worker says why and exits
+                raise CannotRun(str(exc)) from None
             except GraphError as exc:
                 info = self.backend.info
                 raise CannotRun(

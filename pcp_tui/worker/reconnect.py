@@ -116,7 +116,7 @@ class Reconnect:
                 raise last from None
             raise ConnectionLost(
                 f"{last}; gave up after {trio.current_time() - started:.0f} s of retrying "
-                "without a welcome (the run may have ended while this worker was cut off; "
+                "without getting in (the run may have ended while this worker was cut off; "
                 "--give-up-after sets the limit)"
             ) from last
 

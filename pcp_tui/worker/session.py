@@ -120,16 +120,22 @@ class Session:
         """Train until the shepherd says goodbye. Raises Refused on a final refusal.
 
         Raises ConnectionLost once --give-up-after seconds of trying to get in (or
-        back in, counted from the loss of an admitted connection) pass without a
-        welcome: see `Reconnect`.
+        back in, counted from the loss of a connection on which this worker was ready)
+        pass without a welcome that leads to ready: see `Reconnect`.
         """
         lost = False
         while not await self.reconnect.run(self._attempt, pause_first=lost):
-            lost = True  # an admitted connection was lost: a fresh budget to get back
+            lost = True  # a connection that worked was lost: a fresh budget to get back
 
     async def _attempt(self, deadline: float) -> bool:
-        """One connection: True once the run is over, False when it was lost after a
-        welcome; ConnectionLost when it failed before one (`deadline` bounds that part)."""
+        """One connection: True once the run is over, False when it was lost once this worker
+        was ready; ConnectionLost when it failed before (`deadline` bounds the handshake).
+
+        A welcome alone earns no fresh --give-up-after: a shepherd that welcomes and then
+        fails every worker (a plan it cannot run, a goodbye at once) would otherwise be
+        retried twice a second for ever. Losses before ready are retried within the budget,
+        with its growing waits; a loss after ready starts a fresh one (see `run`).
+        """
         stream = await self._connect(deadline)
         messages = protocol.MessageStream(stream)
         if self.trace is not None:
@@ -143,12 +149,16 @@ class Session:
             return True
         except _LostAfterWelcome as exc:
             if isinstance(exc.__cause__, RunResumable):
-                return self._shepherd_stopped(exc.__cause__)
-            log.info("connection to %s:%d lost: %s", self.host, self.port, exc.__cause__)
-            if not self.reconnect.retry:
-                raise ConnectionLost(str(exc)) from exc
-            self.status.update(state="connecting", message=str(exc))
-            return False
+                done = self._shepherd_stopped(exc.__cause__)
+            else:
+                log.info("connection to %s:%d lost: %s", self.host, self.port, exc.__cause__)
+                if not self.reconnect.retry:
+                    raise ConnectionLost(str(exc)) from exc
+                self.status.update(state="connecting", message=str(exc))
+                done = False
+            if not done and not exc.ready:  # welcomed, then failed: no fresh budget for that
+                raise ConnectionLost(f"{exc}, before this worker was ready") from exc
+            return done
         finally:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
@@ -216,7 +226,9 @@ class Session:
         or goes silent, Refused when the shepherd turns this worker away for good.
         """
         connection = Connection(stream, "worker", log=log)
+        connection.check_tensors = contract.worker_header_check(self.backend.info.memory_bytes)
         ended: ConnectionEnded | None = None
+        ready = False
         try:
             async with connection.alive(
                 heartbeat_seconds=self.heartbeat_seconds, timeout=self.heartbeat_timeout
@@ -226,12 +238,14 @@ class Session:
                 self.status.update(state="compiling", message="compiling the training graph")
                 with connection.paused():  # compiling does not read the socket: not silence
                     await self._compile(connection, plan_message)
+                stream.limits = contract.worker_limits(plan_message.body)  # from now on
+                ready = True
                 rounds_out, rounds_in = trio.open_memory_channel(1)
                 tasks.start_soon(self._train_rounds, connection, rounds_in)
                 await self._receive_loop(connection, rounds_out)
         except ConnectionLost as exc:
             ended = exc
-            raise _LostAfterWelcome(f"connection lost ({exc})") from exc
+            raise _LostAfterWelcome(f"connection lost ({exc})", ready=ready) from exc
         except ConnectionEnded as exc:
             ended = exc
             raise
@@ -239,7 +253,7 @@ class Session:
             with trio.CancelScope(shield=True):  # tells the shepherd what it sent wrong, if it did
                 lost = ended if isinstance(ended, ConnectionLost | CannotRun) else None
                 await connection.close(str(ended or "the worker stopped"), error=lost)
-        raise _LostAfterWelcome("connection lost (the session ended)")
+        raise _LostAfterWelcome("connection lost (the session ended)", ready=ready)
 
     async def _handshake(self, stream: protocol.MessageStream) -> None:
         self.status.update(state="connecting", message="handshake")
@@ -329,4 +343,9 @@ class Session:
 
 
 class _LostAfterWelcome(Exception):
-    """An admitted connection was lost: the worker gets a fresh budget to come back."""
+    """An admitted connection was lost; `ready`: after the worker was ready for rounds, which
+    gives it a fresh budget to come back."""
+
+    def __init__(self, reason: str, *, ready: bool):
+        super().__init__(reason)
+        self.ready = ready
