@@ -56,7 +56,8 @@ def honest_plan() -> tuple[protocol.Plan, dict[str, np.ndarray]]:
         eval_batches=1,
         platforms=("cpu",),
     )
-    return worker_plan(config, workload, graphs, run_id="run", slot=0)
+    fragments = (tuple(graphs.param_names),)  # plain DiLoCo: one fragment, every parameter
+    return worker_plan(config, workload, graphs, run_id="run", slot=0, fragments=fragments)
 
 
 def with_host_callback(serialized: bytes) -> bytes:

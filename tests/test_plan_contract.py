@@ -27,6 +27,7 @@ PLAN = protocol.Plan(
     batch_size=4,
     seq_len=32,
     tokens_per_row=32,
+    fragments=(protocol.Fragment(("w", "b")),),  # plain DiLoCo: one fragment, every parameter
 )
 
 
