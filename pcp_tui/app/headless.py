@@ -15,7 +15,7 @@ import trio
 
 from pcp_tui.app.closed_output import abandon, say
 from pcp_tui.app.tracking import GuardedSink
-from pcp_tui.shepherd.state import Event, RunState
+from pcp_tui.shepherd.state import Event, RunState, finite_or_null
 
 _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 
@@ -117,6 +117,8 @@ class HeadlessPrinter:
 class MetricsWriter:
     """JSON Lines: one object per round and event, flushed as it happens; and the tracking sinks.
 
+    A NaN or infinite value (a diverged loss) is written as null, as the API shows it.
+
     `path` None writes no file, only feeds `sinks` (see `pcp_tui.app.tracking`).
 
     Metrics files get shared, so the join token never goes in: the "listening"
@@ -161,7 +163,9 @@ class MetricsWriter:
         row = {k: self._redacted(v) if isinstance(v, str) else v for k, v in row.items()}
         if self._file is not None:
             try:
-                self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
+                self._file.write(
+                    json.dumps(finite_or_null(row), allow_nan=False, default=_default) + "\n"
+                )
                 self._file.flush()
             except OSError as exc:  # a full disk, a file-size limit, a removed mount
                 self._file_failed(exc)

@@ -18,7 +18,7 @@ from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
 from pcp_tui.contract.auth import new_token
-from pcp_tui.shepherd.checkpoint import CheckpointError
+from pcp_tui.shepherd.checkpoint import CheckpointError, CheckpointRefused, keep_token
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.training.corpus import DataError
 from pcp_tui.training.model_file import ModelFileError
@@ -35,6 +35,11 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
 
     if not config.security.token:
         config = config.replace(token=new_token())
+    if config.checkpoints.dir:  # `--resume` reads it back, so waiting workers get in again
+        try:
+            keep_token(config.checkpoints.dir, config.security.token)
+        except CheckpointError as exc:
+            print(f"pcp-tui: warning: {exc}", file=sys.stderr, flush=True)
     print(f"loading data and model ({config.model.name})...", flush=True)
     workload = build_workload(config, shards=shards)
     print(
@@ -65,7 +70,7 @@ def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
     try:
         preflight(config)
         return prepare(config, shards=config.network.workers)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointRefused) as exc:
         return _fail(str(exc), 2)
     except (DataError, CheckpointError, RunFailed, ModelFileError, OSError, ValueError) as exc:
         return _fail(str(exc))

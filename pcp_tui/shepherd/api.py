@@ -27,7 +27,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
@@ -48,7 +47,7 @@ from pcp_tui.shepherd.api_bodies import (
     workers_json,
 )
 from pcp_tui.shepherd.api_connections import CappedServer
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.state import RunState, finite_or_null
 
 __all__ = ["OperatorAPI", "bearer_token"]
 
@@ -280,16 +279,5 @@ async def _respond(send: Send, answer: Answer, *, head: bool) -> None:
 
 
 def _json(status: int, data: Any, *headers: tuple[bytes, bytes]) -> Answer:
-    body = json.dumps(_without_nan(data), allow_nan=False).encode() + b"\n"
+    body = json.dumps(finite_or_null(data), allow_nan=False).encode() + b"\n"
     return Answer(status, body, headers=headers)
-
-
-def _without_nan(data: Any) -> Any:
-    """JSON has no NaN or infinity (a diverged loss, say): they read as null."""
-    if isinstance(data, float):
-        return data if math.isfinite(data) else None
-    if isinstance(data, dict):
-        return {key: _without_nan(value) for key, value in data.items()}
-    if isinstance(data, list | tuple):
-        return [_without_nan(value) for value in data]
-    return data

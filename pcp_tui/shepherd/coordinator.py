@@ -93,6 +93,7 @@ class Shepherd:
         self._resumed = trio.Event()
         self._eval = None
         self._resumed_from: tuple[str, int] | None = None
+        self._port = config.network.port
         self.start_round = 1
         self.tls = (
             tls.ServerTLS.from_files(config.security.tls_cert, config.security.tls_key)
@@ -216,6 +217,7 @@ class Shepherd:
             listeners, port = await open_listeners(cfg.network)
         except CannotListen as exc:
             raise RunFailed(str(exc)) from None
+        self._port = port  # a --port 0 run resumes on the port its workers know
         self.state.address = f"{advertised(cfg.network.host)}:{port}"
         self.state.join_command = join_command(self.state.address, self.token, self.tls)
         failure: RunFailed | None = None
@@ -253,8 +255,8 @@ class Shepherd:
             directory = self.config.checkpoints.dir or self.config.checkpoints.resume
             self.state.emit(
                 "resumable",
-                f"the run can be resumed: pcp-tui shepherd --resume {directory} "
-                "(with this run's options); its workers keep reconnecting until it is, "
+                f"the run can be resumed: pcp-tui shepherd --resume {directory} (its options "
+                "and token are saved there); its workers keep reconnecting until it is, "
                 "for their --give-up-after",
                 directory=directory,
             )
@@ -336,7 +338,11 @@ class Shepherd:
             "run_id": self.run_id,
             "model": self.workload.name,
             "data_fingerprint": self.workload.corpus.fingerprint,
-            "config": {k: v for k, v in self.config.flat().items() if k != "token"},
+            # every option but the token (`checkpoint.keep_token`): `--resume` restores them
+            "config": {
+                **{k: v for k, v in self.config.flat().items() if k != "token"},
+                "port": self._port,
+            },
             "data_positions": {"seed": self.config.model.seed, "next_round": number + 1},
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
             "shard_ledger": self.state.shards.as_meta(),
