@@ -24,7 +24,7 @@ from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
 from pcp_tui.diloco.aggregate import make_aggregate
 from pcp_tui.diloco.outer import OuterOptimizer
-from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd import checkpoint, divergence
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
@@ -88,6 +88,8 @@ class Shepherd:
         # the workers are this process's own (the demo's), which end with it
         self.ask_workers_back = True
         self._failure: str | None = None
+        self._diverged = False  # the last round's outer step made the model non-finite
+        self._checkpointed: int | None = None  # the round of the newest checkpoint
         self._checkpoints = CheckpointWriter(config.checkpoints.dir, self.state)
         self._paused = False
         self._resumed = trio.Event()
@@ -145,6 +147,7 @@ class Shepherd:
         self.outer.load_state_arrays(self.params, saved.outer_state)
         self._aggregation.load_state_arrays(saved.outer_state)
         self.start_round = self.state.first_round = saved.round + 1
+        self._checkpointed = saved.round
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
@@ -305,7 +308,19 @@ class Shepherd:
             if self._stop_reason is not None:
                 break
             self.state.status = "training"
+            mark = self.state.events[-1] if self.state.events else None
             record = await self._run_round(number)
+            why = divergence.diverged(
+                divergence.events_since(self.state.events, mark),
+                number,
+                cfg.inner.steps,
+                record,
+            )
+            if why is not None:  # repeating the round would diverge again: stop, say why
+                self._diverged = record is not None  # its parameters are not worth a checkpoint
+                kept = self._checkpointed if self._diverged else number - 1 or None
+                self.abort(divergence.advice(why, kept, cfg.inner.lr, cfg.checkpoints.dir))
+                break
             if record is None:
                 self.state.emit(
                     "round_repeated", f"round {number} got no result; repeating it", round=number
@@ -316,6 +331,7 @@ class Shepherd:
             number += 1
         if (
             cfg.checkpoints.dir
+            and not self._diverged
             and self.state.history
             and self.state.history[-1].round % cfg.checkpoints.every
         ):
@@ -348,6 +364,7 @@ class Shepherd:
             "shard_ledger": self.state.shards.as_meta(),
             "eval_loss": self.state.last_eval_loss(),
         }
+        self._checkpointed = number
         await self._checkpoints.save(number, meta, self._snapshot, nursery)
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
