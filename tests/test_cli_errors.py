@@ -243,6 +243,9 @@ def test_a_second_sigint_stops_at_once(tmp_path, background):
         shepherd.wait_for(shepherd.err, "stopping after the current round")
         shepherd.process.send_signal(signal.SIGINT)
         assert shepherd.wait() == 130
+        # the stalled round was abandoned, the goodbye still said: the worker ends at once
+        # (before, the second SIGINT cancelled everything and no goodbye went out)
+        assert worker.wait(timeout=120) == 0
     finally:
         worker.kill()
         worker.wait()
@@ -324,7 +327,10 @@ def test_ctrl_c_before_the_demos_workers_joined_ends_the_demo_and_them(tmp_path,
     os.killpg(demo.process.pid, signal.SIGINT)
     assert demo.wait() == 130, demo.err.read_text()
     assert "run stopped after 0 rounds" in demo.out.read_text()
-    line = "pcp-tui: SIGINT: stopping and telling workers goodbye (SIGINT again: stop at once)"
+    line = (
+        "pcp-tui: SIGINT: stopping and telling workers goodbye "
+        "(SIGINT again: stop at once; Ctrl-\\: cancel the run for good)"
+    )
     assert line in demo.err.read_text().splitlines()  # no round to finish, no checkpoint to write
     assert not [pid for pid in workers if _alive(pid)]
 

@@ -99,7 +99,10 @@ def _run_headless(
     """
     checkpoints = bool(shepherd.config.checkpoints.dir)
     stop = SignalStop(
-        shepherd.request_stop, plan=lambda: clean_stop_plan(shepherd.state, checkpoints)
+        shepherd.request_stop,
+        plan=lambda: clean_stop_plan(shepherd.state, checkpoints),
+        now=shepherd.stop_now,
+        cancel=shepherd.cancel,
     )
     try:
         failure = _run_with_signals(stop, body, (RunFailed, ModelFileError))

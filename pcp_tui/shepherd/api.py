@@ -12,7 +12,8 @@ lock is needed. It only reads the state and calls the stop command it was given.
     GET  /v1/workers       one object per worker the run has seen
     GET  /v1/metrics       totals and the latest rounds, as JSON
     GET  /metrics          the same in the Prometheus text format (`pcp_` prefix)
-    POST /v1/job/cancel    stop after the current round, as the dashboard's q does
+    POST /v1/job/cancel    end the run for good after the current round, as the dashboard's q
+                           does: the goodbye tells the workers to exit, not to wait
 
 Everything but /healthz and /readyz needs `Authorization: Bearer <token>`, the
 token coming from the environment variable `--api-token-env` names. What a
@@ -244,14 +245,16 @@ class OperatorAPI:
         return Answer(200, generate_latest(self._registry), CONTENT_TYPE_LATEST.encode())
 
     def _cancel(self, scope: Scope) -> Answer:
-        """Stop after the current round, as the dashboard's q does; 409 once the run ended."""
+        """End the run for good after the current round, as the dashboard's q does (the workers
+        exit: the goodbye is not resumable); 409 once the run ended."""
         if self.state.finished_at is not None or self.state.status in FINISHED:
             return _json(409, {"error": f"the run already ended ({self.state.status})"})
         client = (scope.get("client") or ("an unknown address",))[0]
         self._request_stop("cancelled through the operator API")
         self.state.emit(
             "stop_requested",
-            f"operator API: cancel from {client}; stopping after the current round",
+            f"operator API: cancel from {client}; ending the run for good after the current "
+            "round (the workers exit)",
         )
         return _json(202, {"status": "stopping", "round": self.state.round})
 

@@ -84,6 +84,8 @@ class Shepherd:
         self._mean = make_aggregate(config.outer.aggregate, tuple(sorted(self.params)))
         self._screen = result_screen(config, workload, self._shapes)
         self._stop_reason: str | None = None
+        self._cancelled = False  # `cancel`: the run ends for good, workers exit
+        self._training = trio.CancelScope()  # `stop_now` abandons the round in it
         # a stop before the run's end asks workers to come back for a --resume; False where
         # the workers are this process's own (the demo's), which end with it
         self.ask_workers_back = True
@@ -137,7 +139,7 @@ class Shepherd:
         )
         if saved is not None:
             self._resume(saved)
-        self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
+        self.api = OperatorAPI.from_config(config, self.state, self.cancel)  # None: off
 
     def _resume(self, saved: checkpoint.Checkpoint) -> None:
         checkpoint.check_compatible(
@@ -160,6 +162,18 @@ class Shepherd:
         self._stop_reason = reason
         self._resumed.set()
         self.pool.wake()
+
+    def cancel(self, reason: str = "cancelled by the operator") -> None:
+        """End the run for good after the current round: the goodbye tells the workers to
+        exit, not to wait for a `--resume` (the API's cancel, the dashboard's q, Ctrl-\\)."""
+        self._cancelled = True
+        self.request_stop(reason)
+
+    def stop_now(self, reason: str) -> None:
+        """Stop without finishing the current round (a second Ctrl-C); the workers are still
+        told goodbye, resumable if a checkpoint is there to resume from."""
+        self.request_stop(reason)
+        self._training.cancel()
 
     def abort(self, reason: str) -> None:
         """End the run as failed (exit code non-zero) after the current round."""
@@ -236,7 +250,10 @@ class Shepherd:
                     + f"; join with: {self.state.join_command}",
                 )
                 try:
-                    await self._train(nursery)
+                    with self._training:
+                        await self._train(nursery)
+                    if self._training.cancelled_caught:  # `stop_now`: the round abandoned
+                        self._finished()
                 except RunFailed as exc:  # raised out of the nursery below, not as a group
                     failure = exc
                 finally:
@@ -272,7 +289,7 @@ class Shepherd:
         finished = bool(history) and history[-1].round >= self.config.outer.rounds
         saved = self._checkpoints.saved is not None or self._resumed_from is not None
         failed = failure is not None or self._failure is not None
-        stopped = self._stop_reason is not None and self.ask_workers_back
+        stopped = self._stop_reason is not None and self.ask_workers_back and not self._cancelled
         # last: it says why not when the checkpoint it saved is gone (the directory removed)
         return stopped and saved and not failed and not finished and self._checkpoint_on_disk()
 
@@ -339,6 +356,10 @@ class Shepherd:
         await self._checkpoints.idle()
         if self._failure:
             raise RunFailed(self._failure)
+        self._finished()
+
+    def _finished(self) -> None:
+        """The run is done, or stopped (then its round may be unfinished: `stop_now`)."""
         self.state.status = "stopped" if self._stop_reason else "done"
         self.state.emit(
             "done",

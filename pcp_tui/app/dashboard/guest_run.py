@@ -36,6 +36,7 @@ class GuestRun:
     guest_running: bool
     failure: str | None
     _quitting: bool
+    _stopping_now: bool
     _signals: StopSignals | None
     signal_received: int | None
 
@@ -124,6 +125,11 @@ class GuestRun:
             self._in_trio(lambda: self.shepherd.request_stop(f"interrupted ({name})"))
             if self.screen_stack:  # after a hang-up the app may already be closing
                 self._after_command()
+        elif not self._stopping_now:  # the round abandoned, the workers still told goodbye
+            self._stopping_now = True
+            self._in_trio(
+                lambda: self.shepherd.stop_now(f"interrupted ({signal.Signals(signum).name})")
+            )
         elif self._cancel_scope is not None:
             self._in_trio(self._cancel_scope.cancel)
 
