@@ -663,24 +663,26 @@ def test_sample_without_a_checkpoint_says_what_to_pass(tmp_path, where):
 
 
 def test_resume_of_a_finished_checkpoint_says_to_raise_rounds(runs):
-    result = pcp(*shepherd_args("--rounds", "1", "--resume", str(runs / "gpt")))
+    result = pcp("shepherd", "--resume", str(runs / "gpt"))  # its options: --rounds 1
     assert result.returncode == 2
     assert "is at round 1 of 1; pass a larger --rounds to train further" in one_error_line(result)
 
 
 def test_resume_with_another_model_names_the_model_not_the_data(runs):
-    result = pcp(*shepherd_args("--rounds", "5", "--resume", str(runs / "mlp")))
-    assert result.returncode == 1
+    result = pcp(*shepherd_args("--rounds", "5", "--model", "tiny", "--resume", str(runs / "mlp")))
+    assert result.returncode == 2
     line = one_error_line(result)
-    assert "holds model mlp-" in line and "this run builds gpt2-tiny" in line
-    assert "--model" in line and "other data" not in line
+    assert "--model tiny would change the run saved in" in line
+    assert "(it was trained with --model examples/mlp_model.py)" in line
+    assert "data" not in line
 
 
 def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, background, spawn_worker):
     resumed = tmp_path / "gpt"
     shutil.copytree(runs / "gpt", resumed)
-    shepherd = background(
-        *shepherd_args("--workers", "1", "--rounds", "2", "--resume", str(resumed))
+    shepherd = background(  # the demo's other options come from the checkpoint
+        *("shepherd", "--port", "0", "--token", TOKEN),
+        *("--workers", "1", "--rounds", "2", "--resume", str(resumed)),
     )
     worker = spawn_worker(shepherd.port(), token=TOKEN)
     assert shepherd.wait() == 0, shepherd.err.read_text()

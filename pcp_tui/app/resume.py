@@ -32,8 +32,9 @@ def resumed_config(directory: str, given: dict[str, Any], defaults: RunConfig) -
     """
     info = checkpoint.inspect(directory)
     saved = saved_options(info)
-    for flat, value in given.items():
-        if flat in saved and defines_run(flat) and value != saved[flat]:
+    for flat in flat_names(RunConfig):  # declaration order: --model before the data's options
+        value = given.get(flat)
+        if flat in given and flat in saved and defines_run(flat) and value != saved[flat]:
             flag = flat_names(RunConfig)[flat].flag
             raise ConfigError(
                 f"{flag} {_shown(value)} would change the run saved in {directory} (it was "
