@@ -231,18 +231,22 @@ def test_malformed_requests_end_their_connection_not_the_run(run_with_api):
 # --------------------------------------------------------------------------- cancel
 
 
-def test_cancel_stops_the_run_after_the_current_round(run_with_api):
-    shepherd, client = run_with_api("--workers", "1", "--rounds", "500", *QUICK)
+def test_cancel_ends_the_run_for_good_after_the_current_round(run_with_api, tmp_path):
+    """With checkpoints on, a cancel is still final: the goodbye is not resumable, so the
+    worker exits at once instead of waiting --give-up-after for a --resume (issue 27)."""
+    shepherd, client = run_with_api(
+        *("--workers", "1", "--rounds", "500", "--checkpoint-dir", str(tmp_path / "ck")), *QUICK
+    )
     with WorkerProcesses() as workers:
         worker = workers.spawn(_shepherd_port(shepherd), "--id", "w0")
         _until(lambda: _authorized(client, "/v1/job").json()["rounds_done"] >= 1, "round 1 done")
         answer = client.post("/v1/job/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
         assert answer.status_code == 202 and answer.json()["status"] == "stopping"
         assert shepherd.finish() == 0, shepherd.output
-        assert worker.wait(timeout=HANG_GUARD) == 0  # told goodbye, not cut off
-    assert (
-        "operator API: cancel from 127.0.0.1; stopping after the current round" in shepherd.output
-    )
+        assert worker.wait(timeout=HANG_GUARD) == 0  # told goodbye for good, not cut off
+        assert "the run can be resumed" not in worker.stdout.read()
+    assert "operator API: cancel from 127.0.0.1; ending the run for good" in shepherd.output
+    assert "the run can be resumed" not in shepherd.output
     stopped = shepherd.wait_for(r"run stopped after (\d+) rounds")
     assert 1 <= int(stopped.group(1)) < 500
 

@@ -243,6 +243,9 @@ def test_a_second_sigint_stops_at_once(tmp_path, background):
         shepherd.wait_for(shepherd.err, "stopping after the current round")
         shepherd.process.send_signal(signal.SIGINT)
         assert shepherd.wait() == 130
+        # the stalled round was abandoned, the goodbye still said: the worker ends at once
+        # (before, the second SIGINT cancelled everything and no goodbye went out)
+        assert worker.wait(timeout=120) == 0
     finally:
         worker.kill()
         worker.wait()
@@ -324,7 +327,10 @@ def test_ctrl_c_before_the_demos_workers_joined_ends_the_demo_and_them(tmp_path,
     os.killpg(demo.process.pid, signal.SIGINT)
     assert demo.wait() == 130, demo.err.read_text()
     assert "run stopped after 0 rounds" in demo.out.read_text()
-    line = "pcp-tui: SIGINT: stopping and telling workers goodbye (SIGINT again: stop at once)"
+    line = (
+        "pcp-tui: SIGINT: stopping and telling workers goodbye "
+        "(SIGINT again: stop at once; Ctrl-\\: cancel the run for good)"
+    )
     assert line in demo.err.read_text().splitlines()  # no round to finish, no checkpoint to write
     assert not [pid for pid in workers if _alive(pid)]
 
@@ -691,24 +697,26 @@ def test_sample_without_a_checkpoint_says_what_to_pass(tmp_path, where):
 
 
 def test_resume_of_a_finished_checkpoint_says_to_raise_rounds(runs):
-    result = pcp(*shepherd_args("--rounds", "1", "--resume", str(runs / "gpt")))
+    result = pcp("shepherd", "--resume", str(runs / "gpt"))  # its options: --rounds 1
     assert result.returncode == 2
     assert "is at round 1 of 1; pass a larger --rounds to train further" in one_error_line(result)
 
 
 def test_resume_with_another_model_names_the_model_not_the_data(runs):
-    result = pcp(*shepherd_args("--rounds", "5", "--resume", str(runs / "mlp")))
-    assert result.returncode == 1
+    result = pcp(*shepherd_args("--rounds", "5", "--model", "tiny", "--resume", str(runs / "mlp")))
+    assert result.returncode == 2
     line = one_error_line(result)
-    assert "holds model mlp-" in line and "this run builds gpt2-tiny" in line
-    assert "--model" in line and "other data" not in line
+    assert "--model tiny would change the run saved in" in line
+    assert "(it was trained with --model examples/mlp_model.py)" in line
+    assert "data" not in line
 
 
 def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, background, spawn_worker):
     resumed = tmp_path / "gpt"
     shutil.copytree(runs / "gpt", resumed)
-    shepherd = background(
-        *shepherd_args("--workers", "1", "--rounds", "2", "--resume", str(resumed))
+    shepherd = background(  # the demo's other options come from the checkpoint
+        *("shepherd", "--port", "0", "--token", TOKEN),
+        *("--workers", "1", "--rounds", "2", "--resume", str(resumed)),
     )
     worker = spawn_worker(shepherd.port(), token=TOKEN)
     assert shepherd.wait() == 0, shepherd.err.read_text()

@@ -93,6 +93,16 @@ class StandInShepherd:
         self.commands.append(f"stop: {reason}")
         self._stop.set()
 
+    def cancel(self, reason: str) -> None:
+        trio.lowlevel.current_trio_token()
+        self.commands.append(f"cancel: {reason}")
+        self._stop.set()
+
+    def stop_now(self, reason: str) -> None:
+        trio.lowlevel.current_trio_token()
+        self.commands.append(f"stop now: {reason}")
+        self._stop.set()
+
     def pause(self) -> None:
         trio.lowlevel.current_trio_token()
         self.commands.append("pause")
@@ -116,7 +126,7 @@ async def test_quit_stops_the_guest_run_then_exits():
         await pilot.press("q")
         assert not app.check_action("pause", ()) and not app.check_action("resume", ())
         await wait_until(pilot, lambda: not app.is_running)
-    assert shepherd.commands == ["pause", "resume", "stop: quit from the dashboard"]
+    assert shepherd.commands == ["pause", "resume", "cancel: quit from the dashboard"]
     assert app.return_code == 0 and not app.guest_running
     assert shepherd.state.status == "stopped"
 

@@ -71,14 +71,26 @@ def configure_logging(level: str, path: str | None) -> None:
 
 
 def _config_from(args: argparse.Namespace) -> RunConfig:
-    """Command defaults, then the --config file, then the flags actually passed."""
+    """Command defaults, then the --config file, then the flags actually passed.
+
+    With --resume, the checkpoint's record of the run comes between the defaults and
+    what is given (`pcp_tui.app.resume`), and its kept token before a random one.
+    """
     values = load_config_file(args.config) if args.config else {}
     values.update(passed_values(args, RunConfig))
-    config = args.run_defaults.replace(**values)
+    resume = values.get("resume")
+    if resume:
+        from pcp_tui.app.resume import resumed_config
+
+        config = resumed_config(resume, values, args.run_defaults)
+    else:
+        config = args.run_defaults.replace(**values)
     if not config.security.token:
         config = config.replace(token=os.environ.get("PCP_TOKEN") or None)
-    if config.checkpoints.resume and not config.checkpoints.dir:
-        config = config.replace(checkpoint_dir=config.checkpoints.resume)  # keep saving there
+    if resume and not config.security.token:
+        from pcp_tui.shepherd.checkpoint import saved_token
+
+        config = config.replace(token=saved_token(resume))
     return config.validate()
 
 
@@ -97,16 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     shepherd = _command(commands, "shepherd", help="coordinate a run: workers connect to it")
-    shepherd.add_argument(
-        "--headless", action="store_true", help="no dashboard: one line per round"
-    )
     _add_run_options(shepherd, RunConfig())
     _add_log_options(shepherd)
 
     demo = _command(
         commands, "demo", help="shepherd plus local worker processes on the embedded corpus"
     )
-    demo.add_argument("--headless", action="store_true", help="no dashboard: one line per round")
     demo.add_argument(
         "--backend",
         default="cpu",
@@ -279,12 +287,19 @@ def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
         from pcp_tui.app.launch import run_worker
 
         return run_worker(worker_config_from(args), faults=faults)
-    config = _config_from(args)
+    from pcp_tui.shepherd.checkpoint import CheckpointError, CheckpointRefused
+
+    try:
+        config = _config_from(args)
+    except CheckpointError as exc:  # --resume: nothing to read (1), or nothing to trust (2)
+        print(f"pcp-tui: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, CheckpointRefused) else 1
     from pcp_tui.app.launch import run_demo, run_shepherd
 
+    headless = config.operator.headless
     if args.command == "demo":
-        return run_demo(config, headless=args.headless, backend=args.backend)
-    return run_shepherd(config, headless=args.headless)
+        return run_demo(config, headless=headless, backend=args.backend)
+    return run_shepherd(config, headless=headless)
 
 
 def _sample(args: argparse.Namespace) -> int:

@@ -43,15 +43,15 @@ def load_config_file(path: str | Path, root: type[Sections] = RunConfig) -> dict
                 spec = in_section.get(inner_key.replace("-", "_"))
                 if spec is None:
                     raise unknown(inner_key, in_section, f"in section [{name}] of {path}")
-                values[spec.flat] = _checked(spec, inner_value, f"{name}.{inner_key}", path)
+                values[spec.flat] = checked(spec, inner_value, f"{name}.{inner_key}", path)
         elif name in flat:
-            values[name] = _checked(flat[name], value, key, path)
+            values[name] = checked(flat[name], value, key, path)
         else:
             raise unknown(key, [*flat, *kinds], f"in {path}")
     return values
 
 
-def _checked(spec: Spec, value: Any, key: str, path: Path) -> Any:
+def checked(spec: Spec, value: Any, key: str, path: Path) -> Any:
     """`value` if it has the option's type (an int is a float too); else a ConfigError."""
     if spec.option.table:
         if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):

@@ -15,7 +15,7 @@ import trio
 
 from pcp_tui.app.closed_output import abandon, say
 from pcp_tui.app.tracking import GuardedSink
-from pcp_tui.shepherd.state import Event, EventKind, RunState
+from pcp_tui.shepherd.state import Event, EventKind, RunState, finite_or_null
 
 _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 
@@ -137,6 +137,8 @@ class HeadlessPrinter:
 class MetricsWriter:
     """JSON Lines: one object per round and event, flushed as it happens; and the tracking sinks.
 
+    A NaN or infinite value (a diverged loss) is written as null, as the API shows it.
+
     `path` None writes no file, only feeds `sinks` (see `pcp_tui.app.tracking`).
 
     Metrics files get shared, so the join token never goes in: the "listening"
@@ -181,7 +183,9 @@ class MetricsWriter:
         row = {k: self._redacted(v) if isinstance(v, str) else v for k, v in row.items()}
         if self._file is not None:
             try:
-                self._file.write(json.dumps(row, allow_nan=False, default=_default) + "\n")
+                self._file.write(
+                    json.dumps(finite_or_null(row), allow_nan=False, default=_default) + "\n"
+                )
                 self._file.flush()
             except OSError as exc:  # a full disk, a file-size limit, a removed mount
                 self._file_failed(self._file, exc)
@@ -219,14 +223,18 @@ class MetricsWriter:
 
 
 class SignalStop:
-    """SIGINT / SIGTERM / SIGHUP for a run without a dashboard: first stop cleanly, then at once.
+    """SIGINT / SIGTERM / SIGHUP / SIGQUIT for a run without a dashboard.
 
-    The first signal calls `stop(reason)` (the shepherd finishes or abandons its
-    round, writes its checkpoint and tells workers goodbye) and says so in one
-    line; the second cancels `scope`. Without `stop`, the first signal cancels.
-    The process then exits with 128 + the signal's number (130, 143, 129), as shells expect.
-    SIGHUP is what closing the terminal sends: it must stop a run the same clean
-    way, not kill it with its checkpoint unwritten.
+    The first SIGINT, SIGTERM or SIGHUP calls `stop(reason)`: the shepherd finishes
+    its round, writes its checkpoint and tells the workers goodbye, resumable, so
+    they wait for a `--resume` (for their --give-up-after). The second calls
+    `now(reason)`: the round is abandoned, the goodbye still said. The next one (or
+    the second, without `now`) cancels `scope`. SIGQUIT (Ctrl-\\) calls
+    `cancel(reason)`: the run ends for good after its round and the workers exit.
+    Without `stop`, the first signal cancels. The process then exits with 128 +
+    the signal's number (130, 143, 129, 131), as shells expect. SIGHUP is what
+    closing the terminal sends: it must stop a run the same clean way, not kill it
+    with its checkpoint unwritten.
     """
 
     SIGNALS = (
@@ -234,6 +242,7 @@ class SignalStop:
         signal.SIGTERM,
         *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []),
     )
+    CANCEL = getattr(signal, "SIGQUIT", None)  # Ctrl-\ at a terminal
 
     def __init__(
         self,
@@ -241,8 +250,12 @@ class SignalStop:
         out: IO[str] = sys.stderr,
         *,
         plan: Callable[[], str] | None = None,
+        now: Callable[[str], None] | None = None,
+        cancel: Callable[[str], None] | None = None,
     ):
         self._stop = stop
+        self._now = now
+        self._cancel = cancel
         self._out = out
         # what the clean stop will do, said in the first signal's line (see clean_stop_plan)
         self._plan = plan or (
@@ -252,6 +265,7 @@ class SignalStop:
             )
         )
         self.received: int | None = None
+        self._count = 0
 
     @property
     def exit_code(self) -> int | None:
@@ -259,15 +273,31 @@ class SignalStop:
         return None if self.received is None else 128 + self.received
 
     async def watch(self, scope: trio.CancelScope, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with trio.open_signal_receiver(*self.SIGNALS) as signals:
+        cancels = (self.CANCEL,) if self._cancel is not None and self.CANCEL else ()
+        with trio.open_signal_receiver(*self.SIGNALS, *cancels) as signals:
             task_status.started()
             async for signum in signals:
                 name = signal.Signals(signum).name
-                first = self.received is None
                 self.received = signum
-                if first and self._stop is not None:
-                    self._say(f"{name}: {self._plan()} ({name} again: stop at once)")
+                if signum in cancels and self._cancel is not None:
+                    self._say(
+                        f"{name}: cancelling the run for good after the current round; the "
+                        "workers are told to exit"
+                    )
+                    self._cancel(f"cancelled ({name})")
+                    continue
+                self._count += 1
+                if self._count == 1 and self._stop is not None:
+                    more = "; Ctrl-\\: cancel the run for good" if cancels else ""
+                    self._say(f"{name}: {self._plan()} ({name} again: stop at once{more})")
                     self._stop(f"interrupted ({name})")
+                    continue
+                if self._count == 2 and self._now is not None:
+                    self._say(
+                        f"{name}: stopping at once, abandoning the round and telling workers "
+                        f"goodbye ({name} again: exit without a goodbye)"
+                    )
+                    self._now(f"interrupted ({name})")
                     continue
                 self._say(f"{name}: stopping at once")
                 scope.cancel()

@@ -19,7 +19,7 @@ from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
 from pcp_tui.contract.auth import new_token
-from pcp_tui.shepherd.checkpoint import CheckpointError
+from pcp_tui.shepherd.checkpoint import CheckpointError, CheckpointRefused, keep_token
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.training.corpus import DataError, MissingData
 from pcp_tui.training.model_file import ModelFileError
@@ -37,8 +37,13 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
     """Build the workload and the shepherd, attach headless printer and metrics."""
     from pcp_tui.training.build import build_workload
 
-    if not config.security.token:
-        config = config.replace(token=new_token())
+    token = config.security.token or new_token()
+    config = config.replace(token=token)
+    if config.checkpoints.dir:  # `--resume` reads it back, so waiting workers get in again
+        try:
+            keep_token(config.checkpoints.dir, token)
+        except CheckpointError as exc:
+            print(f"pcp-tui: warning: {exc}", file=sys.stderr, flush=True)
     print(f"loading data and model ({config.model.name})...", flush=True)
     workload = build_workload(config, shards=shards)
     print(
@@ -69,7 +74,11 @@ def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
     try:
         preflight(config)
         return prepare(config, shards=config.network.workers)
-    except (ConfigError, MissingData) as exc:  # an option that cannot work: exit 2
+    except (
+        ConfigError,
+        MissingData,
+        CheckpointRefused,
+    ) as exc:  # an option that cannot work: exit 2
         return _fail(str(exc), 2)
     except (DataError, CheckpointError, RunFailed, ModelFileError, OSError, ValueError) as exc:
         return _fail(str(exc))
@@ -98,7 +107,10 @@ def _run_headless(
     """
     checkpoints = bool(shepherd.config.checkpoints.dir)
     stop = SignalStop(
-        shepherd.request_stop, plan=lambda: clean_stop_plan(shepherd.state, checkpoints)
+        shepherd.request_stop,
+        plan=lambda: clean_stop_plan(shepherd.state, checkpoints),
+        now=shepherd.stop_now,
+        cancel=shepherd.cancel,
     )
     try:
         failure = _run_with_signals(stop, body, (RunFailed, ModelFileError))

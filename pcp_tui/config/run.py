@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pcp_tui.config.options import ConfigError, Sections, option
+from pcp_tui.config.options import ConfigError, Sections, flat_names, option
 from pcp_tui.config.service import (
     CheckpointConfig,
     NetworkConfig,
@@ -304,6 +304,18 @@ class ShardingConfig:
                 for pattern, layout in self.rules
             ),
         )
+
+
+# What a run computes: a `--resume` keeps these as the checkpoint saved them and refuses a
+# different value (pcp_tui.app.resume). Options elsewhere (where the shepherd listens, who
+# joins, where it writes, what it shows) may change from one resume to the next, as may these:
+RUN_SECTIONS = ("model", "data", "inner", "outer", "evaluation")
+FREE_ON_RESUME = frozenset({"rounds", "chunk_steps", "platforms", "attention", "eval_every"})
+
+
+def defines_run(flat: str) -> bool:
+    """Whether option `flat` (e.g. `inner_lr`) is part of what a run computes (see RUN_SECTIONS)."""
+    return flat not in FREE_ON_RESUME and flat_names(RunConfig)[flat].section in RUN_SECTIONS
 
 
 @dataclass(frozen=True, init=False)

@@ -186,6 +186,7 @@ class OperatorConfig:
         help="environment variable that holds the API's bearer token "
         "(required when --api-port is set)",
     )
+    headless: bool = option(False, help="no dashboard: one line per round")
     metrics: str | None = option(
         None, example="run.jsonl", help="append JSON Lines metrics to this file"
     )

@@ -12,7 +12,8 @@ lock is needed. It only reads the state and calls the stop command it was given.
     GET  /v1/workers       one object per worker the run has seen
     GET  /v1/metrics       totals and the latest rounds, as JSON
     GET  /metrics          the same in the Prometheus text format (`pcp_` prefix)
-    POST /v1/job/cancel    stop after the current round, as the dashboard's q does
+    POST /v1/job/cancel    end the run for good after the current round, as the dashboard's q
+                           does: the goodbye tells the workers to exit, not to wait
 
 Everything but /healthz and /readyz needs `Authorization: Bearer <token>`, the
 token coming from the environment variable `--api-token-env` names. What a
@@ -27,7 +28,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
@@ -48,7 +48,7 @@ from pcp_tui.shepherd.api_bodies import (
     workers_json,
 )
 from pcp_tui.shepherd.api_connections import CappedServer
-from pcp_tui.shepherd.state import EventKind, RunState
+from pcp_tui.shepherd.state import EventKind, RunState, finite_or_null
 
 __all__ = ["OperatorAPI", "bearer_token"]
 
@@ -245,14 +245,16 @@ class OperatorAPI:
         return Answer(200, generate_latest(self._registry), CONTENT_TYPE_LATEST.encode())
 
     def _cancel(self, scope: Scope) -> Answer:
-        """Stop after the current round, as the dashboard's q does; 409 once the run ended."""
+        """End the run for good after the current round, as the dashboard's q does (the workers
+        exit: the goodbye is not resumable); 409 once the run ended."""
         if self.state.finished_at is not None or self.state.status in FINISHED:
             return _json(409, {"error": f"the run already ended ({self.state.status})"})
         client = (scope.get("client") or ("an unknown address",))[0]
         self._request_stop("cancelled through the operator API")
         self.state.emit(
             EventKind.STOP_REQUESTED,
-            f"operator API: cancel from {client}; stopping after the current round",
+            f"operator API: cancel from {client}; ending the run for good after the current "
+            "round (the workers exit)",
         )
         return _json(202, {"status": "stopping", "round": self.state.round})
 
@@ -280,16 +282,5 @@ async def _respond(send: Send, answer: Answer, *, head: bool) -> None:
 
 
 def _json(status: int, data: Any, *headers: tuple[bytes, bytes]) -> Answer:
-    body = json.dumps(_without_nan(data), allow_nan=False).encode() + b"\n"
+    body = json.dumps(finite_or_null(data), allow_nan=False).encode() + b"\n"
     return Answer(status, body, headers=headers)
-
-
-def _without_nan(data: Any) -> Any:
-    """JSON has no NaN or infinity (a diverged loss, say): they read as null."""
-    if isinstance(data, float):
-        return data if math.isfinite(data) else None
-    if isinstance(data, dict):
-        return {key: _without_nan(value) for key, value in data.items()}
-    if isinstance(data, list | tuple):
-        return [_without_nan(value) for value in data]
-    return data

@@ -7,6 +7,8 @@ Layout of a checkpoint directory::
     DIR/round-000012/meta.json            round, config, data positions, run id, and
                                           each tensor file's size and CRC-32
     DIR/latest                            name of the newest complete checkpoint
+    DIR/token                             the run's join token (mode 0600, DIR 0700), so that
+                                          `--resume DIR` lets the waiting workers back in
 
 Each checkpoint is written into a temporary directory, every file fsynced, and
 renamed into place; `latest` is replaced atomically afterwards. A crash at any
@@ -20,6 +22,11 @@ and the run goes on. A full disk first gives up the checkpoints older than the
 latest, then the write is tried once more. A file whose size or CRC-32 differs
 from what meta.json recorded (a flipped bit still parses as tensors) is unreadable:
 the error names the complete checkpoint before it.
+
+A checkpoint is checked as it is loaded (`check_sane`): a NaN parameter, a
+non-finite optimizer state, a negative round or an absurd worker index in meta.json,
+or a `latest` that points outside the directory would otherwise wedge or poison
+the resumed run; such a checkpoint is refused (CheckpointRefused) naming what is wrong.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -39,11 +47,22 @@ import safetensors
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from pcp_tui.shepherd.state import finite_or_null
+
 FORMAT = "pcp-tui-checkpoint/1"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message says what to do."""
+
+
+class CheckpointRefused(CheckpointError):
+    """A checkpoint was read but holds what no run can continue from (NaN, a bad meta.json)."""
+
+
+# Worker indices a checkpoint may hold: far above any run's churn, far below what stalls a join.
+MAX_WORKER_INDEX = 1 << 20
+_ROUND_NAME = re.compile(r"round-(\d{6,})")
 
 
 @dataclass
@@ -243,6 +262,10 @@ def locate(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Path:
         ) from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {root / 'latest'}: {exc.strerror or exc}") from None
+    if not _ROUND_NAME.fullmatch(name):  # a `latest` of "../x" would read outside `root`
+        raise CheckpointRefused(
+            f"{root / 'latest'} names {name[:80]!r}, not a round-NNNNNN directory of {root}; {hint}"
+        )
     aside = root / f".{name}-replaced"  # killed while saving `name` again (`_move_into_place`)
     if not (root / name / "meta.json").is_file() and (aside / "meta.json").is_file():
         return aside  # the complete checkpoint `latest` named, not yet replaced
@@ -274,7 +297,45 @@ def load_latest(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Che
         outer = load_file(path / "outer.safetensors")
     except _UNREADABLE as exc:
         raise _unreadable(path, exc, hint) from None
-    return Checkpoint(path=path, round=meta["round"], params=params, outer_state=outer, meta=meta)
+    saved = Checkpoint(path=path, round=meta["round"], params=params, outer_state=outer, meta=meta)
+    check_sane(saved)
+    return saved
+
+
+def check_sane(saved: Checkpoint) -> None:
+    """CheckpointRefused unless `saved` is something a run can continue from.
+
+    Every parameter and optimizer-state value finite (one NaN parameter makes every
+    worker refuse every round; a NaN momentum makes every later step NaN), the
+    round a number >= 0 that matches its directory's name, worker indices within
+    MAX_WORKER_INDEX. The message names the file and what is wrong in it.
+    """
+    where = f"checkpoint {saved.path}"
+    for file, tensors in (("params", saved.params), ("outer", saved.outer_state)):
+        for name, value in tensors.items():
+            bad = np.size(value) - int(np.count_nonzero(np.isfinite(value)))
+            if bad:
+                raise CheckpointRefused(
+                    f"{where}: tensor {name!r} of {file}.safetensors holds {bad} non-finite "
+                    "value(s) (NaN or inf): a run cannot continue from it; resume from an "
+                    "earlier round-NNNNNN directory, or start a new run"
+                )
+    meta = saved.meta
+    numbered = _ROUND_NAME.fullmatch(saved.path.name.lstrip(".").removesuffix("-replaced"))
+    if saved.round < 0 or (numbered and int(numbered.group(1)) != saved.round):
+        raise CheckpointRefused(
+            f"{where}: meta.json says round {saved.round}, its directory is {saved.path.name}; "
+            "a damaged or edited checkpoint: resume from another round-NNNNNN directory"
+        )
+    workers = meta.get("workers", {})
+    if not isinstance(workers, dict) or not all(
+        isinstance(index, int) and not isinstance(index, bool) and 0 <= index < MAX_WORKER_INDEX
+        for index in workers.values()
+    ):
+        raise CheckpointRefused(
+            f"{where}: meta.json's workers must map worker ids to indices 0..{MAX_WORKER_INDEX - 1} "
+            "(a damaged or edited checkpoint); remove that entry or resume from another round"
+        )
 
 
 _UNREADABLE = (OSError, ValueError, safetensors.SafetensorError)
@@ -336,14 +397,60 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{path} has format {found!r}, expected {FORMAT!r}")
-    if not isinstance(meta.get("round"), int):
+    if not isinstance(meta.get("round"), int) or isinstance(meta.get("round"), bool):
         raise ValueError(f"meta.json has no round number (found {meta.get('round')!r})")
     return meta
 
 
+TOKEN_FILE = "token"
+
+
+def keep_token(directory: str | os.PathLike, token: str) -> None:
+    """Write the run's join token to `directory`/token, readable by its owner only.
+
+    The directory is made (or set) 0700 and the file 0600: `--resume` reads the token
+    back, so the workers waiting for the run are let in again. CheckpointError if
+    the directory cannot hold it (the run goes on; a resume then needs --token).
+    """
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o700)
+        tmp = root / f".{TOKEN_FILE}.tmp"
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / TOKEN_FILE)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot keep the join token in {root} ({exc.strerror or exc}); a --resume of this "
+            "run will need the same --token"
+        ) from None
+
+
+def saved_token(directory: str | os.PathLike) -> str | None:
+    """The token `keep_token` wrote for the run in `directory` (or its parent, for a round
+    directory); None if there is none."""
+    root = Path(directory)
+    for candidate in (root / TOKEN_FILE, root.parent / TOKEN_FILE):
+        try:
+            token = candidate.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot read the run's token {candidate}: {exc.strerror}"
+            ) from None
+        return token or None
+    return None
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True, default=str)
+        json.dump(finite_or_null(data), f, indent=2, sort_keys=True, default=str)
         f.flush()
         os.fsync(f.fileno())
 

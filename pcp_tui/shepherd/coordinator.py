@@ -23,7 +23,7 @@ from pcp_tui import protocol
 from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
-from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd import checkpoint, divergence
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
@@ -68,15 +68,20 @@ class Shepherd:
         self.state.model_name = workload.name
         self.state.param_count = workload.param_count
         self._stop_reason: str | None = None
+        self._cancelled = False  # `cancel`: the run ends for good, workers exit
+        self._training = trio.CancelScope()  # `stop_now` abandons the round in it
         # a stop before the run's end asks workers to come back for a --resume; False where
         # the workers are this process's own (the demo's), which end with it
         self.ask_workers_back = True
         self._failure: str | None = None
+        self._diverged = False  # the last round's outer step made the model non-finite
+        self._checkpointed: int | None = None  # the round of the newest checkpoint
         self._checkpoints = CheckpointWriter(config.checkpoints.dir, self.state)
         self._paused = False
         self._resumed = trio.Event()
         self._eval = None
         self._resumed_from: tuple[str, int] | None = None
+        self._port = config.network.port
         self.start_round = 1
         self.tls = (
             tls.ServerTLS.from_files(config.security.tls_cert, config.security.tls_key)
@@ -111,7 +116,7 @@ class Shepherd:
         )
         if saved is not None:
             self._resume(saved)
-        self.api = OperatorAPI.from_config(config, self.state, self.request_stop)  # None: off
+        self.api = OperatorAPI.from_config(config, self.state, self.cancel)  # None: off
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -125,6 +130,7 @@ class Shepherd:
         )
         self.engine.load(saved.params, saved.outer_state)
         self.start_round = self.state.first_round = saved.round + 1
+        self._checkpointed = saved.round
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
         self.state.resumed_eval_loss = saved.meta.get("eval_loss")
@@ -138,6 +144,18 @@ class Shepherd:
         self._stop_reason = reason
         self._resumed.set()
         self.pool.wake()
+
+    def cancel(self, reason: str = "cancelled by the operator") -> None:
+        """End the run for good after the current round: the goodbye tells the workers to
+        exit, not to wait for a `--resume` (the API's cancel, the dashboard's q, Ctrl-\\)."""
+        self._cancelled = True
+        self.request_stop(reason)
+
+    def stop_now(self, reason: str) -> None:
+        """Stop without finishing the current round (a second Ctrl-C); the workers are still
+        told goodbye, resumable if a checkpoint is there to resume from."""
+        self.request_stop(reason)
+        self._training.cancel()
 
     def abort(self, reason: str) -> None:
         """End the run as failed (exit code non-zero) after the current round."""
@@ -204,6 +222,7 @@ class Shepherd:
             listeners, port = await open_listeners(cfg.network)
         except CannotListen as exc:
             raise RunFailed(str(exc)) from None
+        self._port = port  # a --port 0 run resumes on the port its workers know
         self.state.address = f"{advertised(cfg.network.host)}:{port}"
         self.state.join_command = join_command(self.state.address, self.token, self.tls)
         failure: RunFailed | None = None
@@ -219,7 +238,10 @@ class Shepherd:
                     + f"; join with: {self.state.join_command}",
                 )
                 try:
-                    await self._train(nursery)
+                    with self._training:
+                        await self._train(nursery)
+                    if self._training.cancelled_caught:  # `stop_now`: the round abandoned
+                        self._finished()
                 except RunFailed as exc:  # raised out of the nursery below, not as a group
                     failure = exc
                 finally:
@@ -241,8 +263,8 @@ class Shepherd:
             directory = self.config.checkpoints.dir or self.config.checkpoints.resume
             self.state.emit(
                 EventKind.RESUMABLE,
-                f"the run can be resumed: pcp-tui shepherd --resume {directory} "
-                "(with this run's options); its workers keep reconnecting until it is, "
+                f"the run can be resumed: pcp-tui shepherd --resume {directory} (its options "
+                "and token are saved there); its workers keep reconnecting until it is, "
                 "for their --give-up-after",
                 directory=directory,
             )
@@ -255,7 +277,7 @@ class Shepherd:
         finished = bool(history) and history[-1].round >= self.config.outer.rounds
         saved = self._checkpoints.saved is not None or self._resumed_from is not None
         failed = failure is not None or self._failure is not None
-        stopped = self._stop_reason is not None and self.ask_workers_back
+        stopped = self._stop_reason is not None and self.ask_workers_back and not self._cancelled
         # last: it says why not when the checkpoint it saved is gone (the directory removed)
         return stopped and saved and not failed and not finished and self._checkpoint_on_disk()
 
@@ -291,7 +313,19 @@ class Shepherd:
             if self._stop_reason is not None:
                 break
             self.state.status = RunStatus.TRAINING
+            mark = self.state.events[-1] if self.state.events else None
             record = await self._run_round(number)
+            why = divergence.diverged(
+                divergence.events_since(self.state.events, mark),
+                number,
+                cfg.inner.steps,
+                record,
+            )
+            if why is not None:  # repeating the round would diverge again: stop, say why
+                self._diverged = record is not None  # its parameters are not worth a checkpoint
+                kept = self._checkpointed if self._diverged else number - 1 or None
+                self.abort(divergence.advice(why, kept, cfg.inner.lr, cfg.checkpoints.dir))
+                break
             if record is None:
                 self.state.emit(
                     EventKind.ROUND_REPEATED,
@@ -304,6 +338,7 @@ class Shepherd:
             number += 1
         if (
             cfg.checkpoints.dir
+            and not self._diverged
             and self.state.history
             and self.state.history[-1].round % cfg.checkpoints.every
         ):
@@ -311,7 +346,11 @@ class Shepherd:
         await self._checkpoints.idle()
         if self._failure:
             raise RunFailed(self._failure)
-        self.state.status = RunStatus.STOPPED if self._stop_reason else "done"
+        self._finished()
+
+    def _finished(self) -> None:
+        """The run is done, or stopped (then its round may be unfinished: `stop_now`)."""
+        self.state.status = RunStatus.STOPPED if self._stop_reason else RunStatus.DONE
         self.state.emit(
             EventKind.DONE,
             f"run {self.state.status} {self.state.rounds_summary()}",
@@ -326,12 +365,17 @@ class Shepherd:
             "run_id": self.run_id,
             "model": self.workload.name,
             "data_fingerprint": self.workload.corpus.fingerprint,
-            "config": {k: v for k, v in self.config.flat().items() if k != "token"},
+            # every option but the token (`checkpoint.keep_token`): `--resume` restores them
+            "config": {
+                **{k: v for k, v in self.config.flat().items() if k != "token"},
+                "port": self._port,
+            },
             "data_positions": {"seed": self.config.model.seed, "next_round": number + 1},
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
             "shard_ledger": self.state.shards.as_meta(),
             "eval_loss": self.state.last_eval_loss(),
         }
+        self._checkpointed = number
         await self._checkpoints.save(number, meta, self._snapshot, nursery)
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -35,6 +35,10 @@ from pcp_tui.training.workload import Workload
 
 log = logging.getLogger(__name__)  # connection-level diagnostics; RunState has the run's events
 
+# Heartbeats a connection may miss before a newcomer with its worker id is told to retry
+# (busy) rather than refused for good (idInUse): a live twin misses none.
+MISSED_BEATS = 2
+
 
 class WorkerPool:
     """Every connected worker of one run, and the task serving each."""
@@ -152,9 +156,20 @@ class WorkerPool:
         that is not ready loses its slot after a while (`slots`).
         """
         previous = self._links.get(worker_id)
-        timeout = self.config.network.heartbeat_timeout
+        network = self.config.network
+        timeout = network.heartbeat_timeout
         alive = previous is not None and not previous.closed
-        if alive and (previous.is_paused or previous.silent_for() <= timeout):
+        silent = previous.silent_for() if alive else 0.0
+        if alive and not previous.is_paused and MISSED_BEATS * network.heartbeat_seconds < silent:
+            # its heartbeats stopped: likely this very worker, restarted (a reboot, a partition)
+            # while its old connection hangs half-open. Retryable (busy), not final: it gets
+            # in once the old connection's silence reaches the timeout and it is dropped.
+            return protocol.ErrorCode.BUSY, (
+                f"worker id {worker_id!r} is still held by an earlier connection from "
+                f"{previous.view.host}, silent for {silent:.0f} s; it is let in once that "
+                f"connection has been silent for {timeout:g} s (--heartbeat-timeout): retrying"
+            )
+        if alive and (previous.is_paused or silent <= timeout):
             return protocol.ErrorCode.ID_IN_USE, (
                 f"worker id {worker_id!r} is in use by a live connection from "
                 f"{previous.view.host}; start this worker with another --id, or stop the "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -306,3 +307,15 @@ def run_settings(config: RunConfig) -> dict[str, Any]:
             else {}
         ),
     }
+
+
+def finite_or_null(data: Any) -> Any:
+    """`data` with every NaN or infinity as None: JSON has neither (a diverged loss, say), so
+    every JSON pcp-tui writes (metrics file, API, checkpoint meta) shows one as null."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: finite_or_null(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [finite_or_null(value) for value in data]
+    return data

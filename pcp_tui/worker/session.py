@@ -171,7 +171,10 @@ class Session:
             log.info("%s; the run can be resumed, but --no-reconnect: exiting", stopped)
             self.status.update(state="done", message=f"{stopped}; not reconnecting")
             return True
-        message = f"{stopped}; the run can be resumed: reconnecting"
+        message = (
+            f"{stopped}; the run can be resumed: reconnecting, waiting for the shepherd to be "
+            f"resumed, giving up in {_duration(self.reconnect.give_up_after)} (--give-up-after)"
+        )
         log.info("%s", message)
         self.status.update(state="connecting", message=message)
         return False
@@ -349,3 +352,12 @@ class _LostAfterWelcome(Exception):
     def __init__(self, reason: str, *, ready: bool):
         super().__init__(reason)
         self.ready = ready
+
+
+def _duration(seconds: float) -> str:
+    """`30 min`, `45 s`, `2.5 h`: a wait as a person reads it."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"

@@ -84,6 +84,7 @@ class DashboardApp(KeyActions):
         self.guest_running = False
         self.failure: str | None = None
         self._quitting = False
+        self._stopping_now = False  # a second q (or signal): the round abandoned, goodbye said
         self._signals: StopSignals | None = None
         self.signal_received: int | None = None
         self._pause_wanted = False

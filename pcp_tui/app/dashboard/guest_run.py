@@ -37,6 +37,7 @@ class GuestRun(App[None]):
     guest_running: bool
     failure: str | None
     _quitting: bool
+    _stopping_now: bool
     _signals: StopSignals | None
     signal_received: int | None
     refresh_from_state: Callable[[], None]  # DashboardApp's: redraw every panel from `state`
@@ -126,6 +127,11 @@ class GuestRun(App[None]):
             self._in_trio(lambda: self.shepherd.request_stop(f"interrupted ({name})"))
             if self.screen_stack:  # after a hang-up the app may already be closing
                 self._after_command()
+        elif not self._stopping_now:  # the round abandoned, the workers still told goodbye
+            self._stopping_now = True
+            self._in_trio(
+                lambda: self.shepherd.stop_now(f"interrupted ({signal.Signals(signum).name})")
+            )
         elif self._cancel_scope is not None:
             self._in_trio(self._cancel_scope.cancel)
 

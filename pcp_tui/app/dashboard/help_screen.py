@@ -12,7 +12,7 @@ from textual.widgets import Static
 HELP_KEYS = (
     (
         "q",
-        "end the run cleanly: finish the round, say goodbye to the workers, exit (again: stop at once)",
+        "end the run for good: finish the round, tell the workers to exit (again: stop at once)",
     ),
     ("p", "pause after the current round; p again resumes"),
     ("l", "loss chart: log or linear y axis"),

@@ -23,6 +23,8 @@ class KeyActions(GuestRun):
     """The actions behind the bindings; the attributes are set by `DashboardApp.__init__`."""
 
     _clock: Callable[[], float]
+    _quitting: bool
+    _stopping_now: bool
     _pause_wanted: bool
     worker_history: dict[str, WorkerHistory]
 
@@ -30,12 +32,16 @@ class KeyActions(GuestRun):
         if not self.guest_running:
             self.exit(return_code=self.exit_code)
             return
-        if not self._quitting:
+        if not self._quitting:  # q cancels the run for good: the workers exit, not wait
             self._quitting = True
-            self._in_trio(lambda: self.shepherd.request_stop("quit from the dashboard"))
+            self._in_trio(lambda: self.shepherd.cancel("quit from the dashboard"))
             self.notify(
-                "finishing the current round and saying goodbye to the workers; q again stops at once"
+                "ending the run for good: finishing the current round, then the workers are "
+                "told to exit; q again stops at once"
             )
+        elif not self._stopping_now:  # still a goodbye: the round is abandoned, not the workers
+            self._stopping_now = True
+            self._in_trio(lambda: self.shepherd.stop_now("quit again from the dashboard"))
         elif self._cancel_scope is not None:
             self._in_trio(self._cancel_scope.cancel)
         self._after_command()

@@ -1,0 +1,73 @@
+"""Whether a round that got no result (or a NaN eval) means the run diverged, and what to say.
+
+A round whose every result is refused as non-finite (a loss of NaN or inf, a
+pseudo-gradient that overflows) would otherwise repeat for ever: the workers
+rejoin, train the same round from the same parameters, and diverge again. One
+worker's NaN among healthy results is that worker's problem (its result is
+refused, the round goes on with the others); only a round in which every
+failure was non-finite, and nothing else went wrong, is divergence.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+from pcp_tui.shepherd.state import Event, RoundRecord
+
+# How a non-finite result is reported: the decoder's bound check ("roundResult.losses[3] is
+# nan; it must be within ..."), the round's loss check, the screen's norm check.
+_NON_FINITE = re.compile(r"\bis -?(nan|inf)\b|NaN or Inf|overflows float32|not finite", re.I)
+_STEP = re.compile(r"losses\[(\d+)\] is -?(nan|inf)", re.I)
+_FAILURES = ("lost", "bad_result")
+
+
+def events_since(events: Iterable[Event], mark: Event | None) -> list[Event]:
+    """The events after `mark` (None: all), oldest first."""
+    found: list[Event] = []
+    for event in reversed(list(events)):
+        if event is mark:
+            break
+        found.append(event)
+    return found[::-1]
+
+
+def diverged(
+    round_events: list[Event], number: int, inner_steps: int, record: RoundRecord | None
+) -> str | None:
+    """Why round `number` shows the run diverged (a phrase), or None.
+
+    `round_events` are the events the round emitted; `record` is None when the
+    round got no result. A round that got results diverged only if its outer step
+    made the eval loss non-finite (its refused results were their senders' problem).
+    """
+    if record is not None:
+        loss = record.eval_loss
+        if loss is not None and not math.isfinite(loss):
+            return f"round {number}'s outer step made the eval loss {loss}"
+        return None
+    failures = [e for e in round_events if e.kind in _FAILURES]
+    if not failures or not all(_NON_FINITE.search(e.message) for e in failures):
+        return None
+    steps = [int(m.group(1)) + 1 for e in failures if (m := _STEP.search(e.message))]
+    where = f" (first at inner step {min(steps)} of {inner_steps})" if steps else ""
+    return f"every result of round {number} was non-finite{where} ({failures[0].message})"
+
+
+def advice(why: str, last_good: int | None, inner_lr: float, checkpoint_dir: str | None) -> str:
+    """The one line a diverged run ends with: what happened, what is kept, what to try.
+
+    `last_good` is the round whose parameters are kept (checkpointed, with a
+    `checkpoint_dir`): the one before the divergence, or None if none finished.
+    """
+    if last_good is None:
+        kept = "no round had finished, nothing is saved"
+    elif checkpoint_dir:
+        kept = f"the checkpoint of round {last_good} in {checkpoint_dir} is kept"
+    else:
+        kept = f"round {last_good} was the last good one (no --checkpoint-dir: not saved)"
+    return (
+        f"the run diverged: {why}; {kept}; try a lower --inner-lr (now {inner_lr:g}) or "
+        "--grad-clip 1, and check that the model's loss is finite"
+    )

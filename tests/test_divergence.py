@@ -1,0 +1,97 @@
+"""A diverging run stops after its last good round and says why (issue 27 item 3).
+
+Before: "roundResult.losses[0] is nan" dropped every worker and the round repeated
+for ever (413 repeats in 5 minutes).
+"""
+
+from __future__ import annotations
+
+import re
+
+from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.divergence import diverged
+from pcp_tui.shepherd.state import Event, RoundRecord
+from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
+
+NAN_LOSS = "worker 0 lost: roundResult.losses[8] is nan; it must be within [-inf, inf]"
+
+
+def test_every_result_non_finite_is_divergence():
+    events = [
+        Event("lost", NAN_LOSS, {}),
+        Event("bad_result", "... reported losses hold NaN or Inf", {}),
+    ]
+    why = diverged(events, 2, 10, None)
+    assert why is not None and "every result of round 2 was non-finite" in why
+    assert "first at inner step 9 of 10" in why
+
+
+def test_a_round_lost_for_another_reason_too_is_repeated_not_stopped():
+    """One NaN worker and one worker whose link broke: that is not the model diverging."""
+    events = [Event("lost", NAN_LOSS, {}), Event("lost", "worker 1 lost: connection reset", {})]
+    assert diverged(events, 2, 10, None) is None
+    assert diverged([], 2, 10, None) is None  # no result and no failure: e.g. the run stopping
+
+
+def _record(eval_loss: float | None) -> RoundRecord:
+    return RoundRecord(
+        round=3,
+        train_loss=2.0,
+        eval_loss=eval_loss,
+        round_seconds=1.0,
+        compute_seconds=1.0,
+        communication_seconds=0.0,
+        straggler_seconds=0.0,
+        tokens=100,
+        tokens_per_second=100.0,
+        bytes_sent=10,
+        bytes_received=10,
+        workers=2,
+        worker_ids=("w0", "w1"),
+    )
+
+
+def test_a_non_finite_eval_loss_is_divergence_and_a_finite_one_is_not():
+    assert (
+        diverged([], 3, 10, _record(float("nan"))) == "round 3's outer step made the eval loss nan"
+    )
+    one_nan = [Event("lost", NAN_LOSS, {})]  # one worker's NaN among healthy results
+    assert diverged(one_nan, 3, 10, _record(2.5)) is None
+    assert diverged(one_nan, 3, 10, _record(None)) is None  # no eval this round
+
+
+def test_inner_lr_50_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+    """The issue's reproduction, with a real shepherd and a real worker."""
+    port = free_port()
+    checkpoints = tmp_path / "ck"
+    shepherd = OutputProcess(
+        shepherd_command(
+            port,
+            *("--workers", "1", "--rounds", "8", "--inner-steps", "10", "--warmup-steps", "0"),
+            *("--inner-lr", "50", "--grad-clip", "0"),
+            *("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1"),
+        ),
+        hang_guard=300,
+    )
+    worker = None
+    try:
+        shepherd.wait_for("listening on")
+        worker = OutputProcess(worker_command(port, "--id", "w0"), hang_guard=300)
+        assert shepherd.finish() == 1, shepherd.output
+    finally:
+        shepherd.kill()
+        if worker is not None:
+            worker.kill()
+    last = shepherd.lines[-1]
+    found = re.search(
+        r"^pcp-tui: error: the run diverged: every result of round (\d+) was non-finite "
+        r"\(first at inner step \d+ of 10\) .*; (?:the checkpoint of round (\d+) in \S+ is kept|"
+        r"no round had finished, nothing is saved); try a lower --inner-lr \(now 50\)",
+        last,
+    )
+    assert found, shepherd.output
+    assert "repeating it" not in shepherd.output
+    diverged_in, kept = int(found.group(1)), found.group(2)
+    if kept is not None:
+        assert int(kept) == diverged_in - 1
+        assert checkpoint.load_latest(checkpoints).round == int(kept)  # finite: it loads
