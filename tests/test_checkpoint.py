@@ -334,7 +334,7 @@ def test_killed_while_saving_a_round_again_the_copy_moved_aside_is_read(tmp_path
 
 
 @pytest.mark.e2e
-def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeypatch, spawn_worker):
+async def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeypatch, spawn_worker):
     """A real run checkpoints every round while the next trains; round 2's write raises."""
     config = small_config(
         workers=1, rounds=3, inner_steps=2, chunk_steps=2, checkpoint_every=1,
@@ -350,11 +350,8 @@ def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(checkpoint, "save_file", save_file)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            spawn_worker(await nursery.start(shepherd.run))
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        spawn_worker(await nursery.start(shepherd.run))
     events = [(e.kind, e.data.get("round")) for e in shepherd.state.events]
     assert ("checkpoint_failed", 2) in events and ("checkpoint", 3) in events
     assert shepherd.state.status == "done" and len(shepherd.state.history) == 3

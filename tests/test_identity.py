@@ -138,27 +138,24 @@ def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_rep
     )
 
 
-def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
+async def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
     shapes = {"w": (3,)}
     original, other = object(), object()
 
-    async def main():
-        current = Round(
-            1,
-            ["a"],
-            PseudoGradientMean(("w",)),
-            ResultScreen(shapes, max_tokens=100),
-            connections={"a": original},
-        )
-        assert not current.accepts("a", 1, other)
-        assert not current.accepts("a", 2, original)
-        assert current.accepts("a", 1, original)
-        body = protocol.RoundResult(round=1, tokens=10, losses=(1.0,), inner_steps=1)
-        message = protocol.Message(body, {"w": np.ones(3, np.float32)})
-        assert await current.add("a", message)
-        assert not current.accepts("a", 1, original)  # and only once
-
-    trio.run(main)
+    current = Round(
+        1,
+        ["a"],
+        PseudoGradientMean(("w",)),
+        ResultScreen(shapes, max_tokens=100),
+        connections={"a": original},
+    )
+    assert not current.accepts("a", 1, other)
+    assert not current.accepts("a", 2, original)
+    assert current.accepts("a", 1, original)
+    body = protocol.RoundResult(round=1, tokens=10, losses=(1.0,), inner_steps=1)
+    message = protocol.Message(body, {"w": np.ones(3, np.float32)})
+    assert await current.add("a", message)
+    assert not current.accepts("a", 1, original)  # and only once
 
 
 def test_admitted_connections_are_capped_and_the_extra_is_told_busy():

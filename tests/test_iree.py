@@ -187,7 +187,7 @@ def _iree_worker_threads() -> list[int]:
 
 
 @pytest.mark.e2e
-def test_an_xla_worker_and_an_iree_worker_train_one_run(iree_cache, spawn_worker):
+async def test_an_xla_worker_and_an_iree_worker_train_one_run(iree_cache, spawn_worker):
     """Real processes: both workers' results are averaged each round and the loss falls.
 
     In the same run a peer that says it runs Vulkan through XLA is refused with
@@ -198,15 +198,12 @@ def test_an_xla_worker_and_an_iree_worker_train_one_run(iree_cache, spawn_worker
     workers = {}
     refusal = []
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            cache = ("--compile-cache", str(iree_cache))
-            workers["xla"] = spawn_worker(port, "--runtime", "xla", "--id", "xla", "--quiet")
-            workers["iree"] = spawn_worker(port, "--runtime", "iree", "--id", "iree", *cache)
-            refusal.append(await _join_as(port, protocol.Platform.VULKAN, protocol.Runtime.XLA))
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        cache = ("--compile-cache", str(iree_cache))
+        workers["xla"] = spawn_worker(port, "--runtime", "xla", "--id", "xla", "--quiet")
+        workers["iree"] = spawn_worker(port, "--runtime", "iree", "--id", "iree", *cache)
+        refusal.append(await _join_as(port, protocol.Platform.VULKAN, protocol.Runtime.XLA))
     for name, process in workers.items():
         assert process.wait(timeout=60) == 0, f"{name}: {process.stdout.read()}"
     history = shepherd.state.history
@@ -329,7 +326,7 @@ def build(config):
 
 
 @pytest.mark.e2e
-def test_a_worker_whose_iree_cannot_compile_the_graphs_tells_the_shepherd_and_leaves(
+async def test_a_worker_whose_iree_cannot_compile_the_graphs_tells_the_shepherd_and_leaves(
     tmp_path, spawn_worker
 ):
     model = tmp_path / "eigh_model.py"
@@ -338,16 +335,13 @@ def test_a_worker_whose_iree_cannot_compile_the_graphs_tells_the_shepherd_and_le
     shepherd = Shepherd(config, build_workload(config, shards=1))
     exits = []
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            worker = spawn_worker(port, "--runtime", "iree", "--id", "eigh", "--quiet")
-            exits.append(await trio.to_thread.run_sync(worker.wait, 60))  # reconnect is on
-            exits.append(worker.stdout.read())
-            shepherd.request_stop("the test is over")
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        worker = spawn_worker(port, "--runtime", "iree", "--id", "eigh", "--quiet")
+        exits.append(await trio.to_thread.run_sync(worker.wait, 60))  # reconnect is on
+        exits.append(worker.stdout.read())
+        shepherd.request_stop("the test is over")
+        nursery.cancel_scope.cancel()
     returncode, output = exits
     op = "op stablehlo.custom_call 'lapack_ssyevd_ffi' has no IREE lowering"
     assert returncode == 1 and op in output and "(not retrying)" in output

@@ -184,7 +184,7 @@ def test_an_admitted_peer_breaking_the_contract_loses_its_connection_not_the_run
     assert len(lost) == len(ATTACKS) + 1
 
 
-def test_a_worker_that_reports_an_error_is_dropped_with_its_reason(
+async def test_a_worker_that_reports_an_error_is_dropped_with_its_reason(
     shepherds, spawn_worker, tmp_path
 ):
     """An honest worker's `error` (it refused a round's parameters, say) is what it is:
@@ -203,13 +203,10 @@ def test_a_worker_that_reports_an_error_is_dropped_with_its_reason(
     )
     refusal = protocol.Error(protocol.ErrorCode.MALFORMED, "roundStart refused: w holds NaN")
 
-    async def peers() -> tuple[list[protocol.Message], list[protocol.Message]]:
-        with trio.fail_after(HANG_GUARD):
-            refused = await attack(shepherd.port, "refuser", [ready(), refusal])
-            silent = await attack(shepherd.port, "silent", [])  # admitted, then says nothing
-        return refused, silent
-
-    answers, silent = trio.run(peers)
+    with trio.fail_after(HANG_GUARD):
+        refused = await attack(shepherd.port, "refuser", [ready(), refusal])
+        silent = await attack(shepherd.port, "silent", [])  # admitted, then says nothing
+    (answers, silent) = refused, silent
     assert [message.kind for message in answers][:2] == ["welcome", "plan"]
     assert "error" not in [message.kind for message in answers]  # it did nothing wrong
     [timeout] = [message.body for message in silent if message.kind == "error"]
@@ -224,26 +221,23 @@ def test_a_worker_that_reports_an_error_is_dropped_with_its_reason(
     )
 
 
-def test_a_worker_whose_platform_was_not_exported_stops_instead_of_reconnecting(spawn_worker):
+async def test_a_worker_whose_platform_was_not_exported_stops_instead_of_reconnecting(spawn_worker):
     """unsupportedBackend (like authFailed and versionMismatch) is final: the worker prints
     the shepherd's reason and exits non-zero, and never connects a second time."""
 
-    async def shepherd_that_refuses() -> tuple[int, int, str]:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        worker = spawn_worker(port)
-        connections = 0
-        with trio.move_on_after(HANG_GUARD):
-            async with listeners[0]:
-                while worker.poll() is None:
-                    with trio.move_on_after(0.5):  # poll the process between accepts
-                        raw = await listeners[0].accept()
-                        connections += 1
-                        async with raw:
-                            await refuse_platform(protocol.MessageStream(raw))
-        return connections, worker.wait(timeout=HANG_GUARD), worker.stdout.read()
-
-    connections, code, output = trio.run(shepherd_that_refuses)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    worker = spawn_worker(port)
+    connections = 0
+    with trio.move_on_after(HANG_GUARD):
+        async with listeners[0]:
+            while worker.poll() is None:
+                with trio.move_on_after(0.5):  # poll the process between accepts
+                    raw = await listeners[0].accept()
+                    connections += 1
+                    async with raw:
+                        await refuse_platform(protocol.MessageStream(raw))
+    (connections, code, output) = connections, worker.wait(timeout=HANG_GUARD), worker.stdout.read()
     assert code != 0 and connections == 1, output
     assert "unsupportedBackend" in output and "export it with --platforms" in output
 

@@ -114,37 +114,31 @@ async def handshake_answer(port: int, hello_for) -> tuple[protocol.Message, byte
         return await messages.receive(), sent
 
 
-def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path):
+async def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp_path):
     shepherd = shepherds(
         "--workers", "1", "--rounds", "2", "--inner-steps", "2", "--metrics", str(tmp_path / "m")
     )
 
-    async def attacks():
-        answers = {}
-        with trio.fail_after(HANG_GUARD):
-            answers["wrong"], _ = await handshake_answer(
-                shepherd.port, lambda n: worker_hello(n, "guess")
-            )
-            answers["none"], _ = await handshake_answer(
-                shepherd.port, lambda n: worker_hello(n, None)
-            )
-            # an honest handshake, captured on the wire, then replayed byte for byte on a new connection
-            answers["right"], captured = await handshake_answer(
-                shepherd.port, lambda n: worker_hello(n, "s3cret")
-            )
-            answers["replay"], _ = await handshake_answer(shepherd.port, lambda n: captured)
-            answers["v2"], _ = await handshake_answer(
-                shepherd.port,
-                lambda n: worker_hello(
-                    n,
-                    "s3cret",
-                    worker_id="from-the-future",
-                    version=max(protocol.SUPPORTED_VERSIONS) + 1,
-                ),
-            )
-        return answers
-
-    answers = trio.run(attacks)
+    answers = {}
+    with trio.fail_after(HANG_GUARD):
+        answers["wrong"], _ = await handshake_answer(
+            shepherd.port, lambda n: worker_hello(n, "guess")
+        )
+        answers["none"], _ = await handshake_answer(shepherd.port, lambda n: worker_hello(n, None))
+        # an honest handshake, captured on the wire, then replayed byte for byte on a new connection
+        answers["right"], captured = await handshake_answer(
+            shepherd.port, lambda n: worker_hello(n, "s3cret")
+        )
+        answers["replay"], _ = await handshake_answer(shepherd.port, lambda n: captured)
+        answers["v2"], _ = await handshake_answer(
+            shepherd.port,
+            lambda n: worker_hello(
+                n,
+                "s3cret",
+                worker_id="from-the-future",
+                version=max(protocol.SUPPORTED_VERSIONS) + 1,
+            ),
+        )
     for attempt in ("wrong", "none", "replay"):
         assert answers[attempt].kind == "error" and answers[attempt].body.code == "authFailed", (
             attempt
@@ -317,7 +311,9 @@ def self_signed(directory: Path, name: str = "") -> tuple[Path, Path]:
     not any(os.access(os.path.join(p, "openssl"), os.X_OK) for p in os.get_exec_path()),
     reason="needs the openssl command",
 )
-def test_tls_run_and_workers_that_do_not_trust_the_shepherd(shepherds, spawn_worker, tmp_path):
+async def test_tls_run_and_workers_that_do_not_trust_the_shepherd(
+    shepherds, spawn_worker, tmp_path
+):
     cert, key = self_signed(tmp_path)
     other_cert, _ = self_signed(tmp_path, "other-")
     shepherd = shepherds(
@@ -354,17 +350,14 @@ def test_tls_run_and_workers_that_do_not_trust_the_shepherd(shepherds, spawn_wor
         output = worker.stdout.read()
         assert reason in output and "not retrying" in output, output
 
-    async def plain_peer():
-        with trio.fail_after(HANG_GUARD):
-            stream = await trio.open_tcp_stream("127.0.0.1", shepherd.port)
-            async with stream:
-                await stream.send_all(
-                    worker_hello(b"", "s3cret")
-                )  # Cap'n Proto where a TLS ClientHello belongs
-                while await stream.receive_some(4096):
-                    pass
-
-    trio.run(plain_peer)
+    with trio.fail_after(HANG_GUARD):
+        stream = await trio.open_tcp_stream("127.0.0.1", shepherd.port)
+        async with stream:
+            await stream.send_all(
+                worker_hello(b"", "s3cret")
+            )  # Cap'n Proto where a TLS ClientHello belongs
+            while await stream.receive_some(4096):
+                pass
     pinned = spawn_worker(shepherd.port, "--tls-fingerprint", printed, token="s3cret")
     with_ca = spawn_worker(shepherd.port, "--tls-ca", str(cert), token="s3cret")
     assert shepherd.finish() == 0, shepherd.output
