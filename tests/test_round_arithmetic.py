@@ -6,7 +6,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-import trio
 
 from pcp_tui import protocol
 from pcp_tui.backends import select_backend
