@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 
@@ -27,3 +28,35 @@ def _pcp_tui_logger_restored():
     saved = (logger.handlers[:], logger.level, logger.propagate)
     yield
     logger.handlers[:], logger.level, logger.propagate = saved
+
+
+#: what this test (setup and call) started: audit events of a new process, see `_audit`
+_processes_started: list[str] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":
+        _processes_started.append(" ".join(map(str, args[1]))[:120])
+    elif event in ("os.posix_spawn", "os.fork", "os.forkpty"):
+        _processes_started.append(event)
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _processes_started.clear()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """`-m "not e2e"` is the fast set: a test that starts a process must be marked e2e."""
+    result = yield
+    if _processes_started and item.get_closest_marker("e2e") is None:
+        pytest.fail(
+            f"{item.nodeid} starts a process ({_processes_started[0]}) but is not marked e2e: "
+            "add @pytest.mark.e2e, or keep it in this process"
+        )
+    return result
