@@ -7,7 +7,13 @@ import sys
 
 import pytest
 
-from pcp_tui.testing import WorkerProcesses, small_config, worker_command, worker_env
+from pcp_tui.testing import (
+    ShepherdProcess,
+    WorkerProcesses,
+    small_config,
+    worker_command,
+    worker_env,
+)
 
 __all__ = ["small_config", "worker_command", "worker_env"]
 
@@ -17,6 +23,20 @@ def spawn_worker():
     """Start real `pcp-tui worker` processes; kill leftovers at the end of the test."""
     with WorkerProcesses() as workers:
         yield workers.spawn
+
+
+@pytest.fixture
+def shepherds():
+    """Start headless `pcp-tui shepherd` processes (`ShepherdProcess`); kill leftovers at the end."""
+    started: list[ShepherdProcess] = []
+
+    def start(*flags: str, **options) -> ShepherdProcess:
+        started.append(ShepherdProcess(*flags, **options))
+        return started[-1]
+
+    yield start
+    for shepherd in started:
+        shepherd.kill()
 
 
 @pytest.fixture(autouse=True)

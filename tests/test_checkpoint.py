@@ -72,6 +72,7 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".round-*"))  # no half-written staging directory left behind
 
 
+@pytest.mark.e2e
 def test_a_file_size_limit_is_named_and_a_first_failure_says_nothing_is_saved(tmp_path):
     """A real RLIMIT_FSIZE (1 MiB) under a process writing a 4 MiB checkpoint: EFBIG, which
     safetensors reports in its text. Before: "the previous checkpoint is kept (free disk
@@ -286,6 +287,7 @@ def small_disk(tmp_path, monkeypatch):
             subprocess.run(["umount", str(directory)], check=True)
 
 
+@pytest.mark.e2e
 def test_a_disk_full_of_older_checkpoints_makes_room_for_the_newest(small_disk):
     """Two 2 MiB checkpoints fill the disk; the third would be refused for ever (the run
     would go on with no checkpoint after round 2). The older ones make room instead;
@@ -299,6 +301,7 @@ def test_a_disk_full_of_older_checkpoints_makes_room_for_the_newest(small_disk):
     np.testing.assert_array_equal(saved.params["wte"], _params(4, 100_000)["wte"])
 
 
+@pytest.mark.e2e
 def test_a_read_only_directory_is_a_checkpoint_error(read_only_dir):
     with pytest.raises(
         checkpoint.CheckpointError, match=r"not written to .*no earlier checkpoint.*permissions"

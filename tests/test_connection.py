@@ -197,6 +197,7 @@ def test_a_port_that_is_no_shepherd_is_named_not_waited_on(answer, error):
     _run(main)
 
 
+@pytest.mark.e2e
 def test_give_up_after_is_the_total_time_spent_trying():
     """Nobody listens: the worker retries with growing waits that fit the 3 s budget,
     logs each attempt and why, then exits 1 naming the option."""

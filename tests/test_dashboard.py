@@ -413,6 +413,7 @@ async def test_q_before_the_local_workers_joined_ends_them_with_the_run():
     assert all(process.returncode is not None for process in processes)
 
 
+@pytest.mark.e2e
 @run_async
 async def test_an_app_that_ends_without_q_does_not_leave_its_guest_run_behind():
     """Whatever ends the app (an error, a test failing mid-way), the shepherd's guest run is

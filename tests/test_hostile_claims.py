@@ -44,40 +44,25 @@ from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.fragments import RoundStarts
 from pcp_tui.shepherd.state import RunState, WorkerView
-from pcp_tui.testing import heartbeat_until_hung_up, run_shepherd, until
+from pcp_tui.testing import (
+    PEER_ERRORS,
+    ready_peer,
+    round_start,
+    run_shepherd,
+    until,
+)
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-from .test_hostile_sessions import NOT_STRIPING, connect, hello
 
 H, CHUNK = 4, 2
 PER_STEP = 4 * 32  # batch rows x tokens a row: small_config's batch 4, sequence 32
-PEER_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError)
 
 LIARS = {  # worker id -> what its round-1 result claims (the honest claim: H, H * PER_STEP, ~s)
     "greedy": dict(inner_steps=1000 * H, tokens=H * PER_STEP, compute_seconds=1e-3),
     "heavy": dict(inner_steps=1, tokens=H * PER_STEP, compute_seconds=0.1),
     "timeless": dict(inner_steps=H, tokens=H * PER_STEP, compute_seconds=1e6),
 }
-
-
-async def ready_peer(port: int, worker_id: str) -> protocol.MessageStream:
-    stream, nonce = await connect(port)
-    await stream.send(hello(worker_id, nonce, supported_versions=NOT_STRIPING))
-    assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
-    await stream.send(protocol.Ready(compile_seconds=0.1))
-    return stream
-
-
-async def round_start(stream: protocol.MessageStream) -> protocol.Message:
-    """Heartbeats (alive to the watchdog while the honest worker compiles) until round 1 starts."""
-    async with trio.open_nursery() as alive:
-        alive.start_soon(heartbeat_until_hung_up, stream)
-        start = await stream.receive()
-        while start.kind != "roundStart":
-            start = await stream.receive()
-        alive.cancel_scope.cancel()
-    return start
 
 
 async def lying_peer(port: int, worker_id: str, seen: dict) -> None:

@@ -13,33 +13,20 @@ import pytest
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.contract import auth
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds import Round
-from pcp_tui.testing import run_shepherd, until
+from pcp_tui.testing import join_as, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-from .test_elastic import _kinds
 
 pytestmark = pytest.mark.e2e
 
 
-async def join_as(port: int, worker_id: str, token: str = "test-token"):
-    """Handshake as `worker_id` with the token's real proof; (stream, the shepherd's answer)."""
-    stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
-    hello = (await stream.receive()).body
-    await stream.send(
-        protocol.WorkerHello(
-            supported_versions=protocol.SUPPORTED_VERSIONS,
-            worker_id=worker_id,
-            proof=auth.proof(token, hello.nonce, worker_id),
-            backend=protocol.BackendInfo(platform=protocol.Platform.CPU),
-        )
-    )
-    return stream, await stream.receive()
+def _kinds(shepherd, kind: str) -> list:
+    return [e for e in shepherd.state.events if e.kind == kind]
 
 
 def _exit_code(process: subprocess.Popen, guard: float = 120.0) -> int | None:

@@ -253,6 +253,7 @@ async def _join_as(port: int, platform: protocol.Platform, runtime: protocol.Run
         ),
     ],
 )
+@pytest.mark.e2e
 def test_a_worker_that_cannot_run_exits_saying_what_to_do(options, without_iree, says, tmp_path):
     env = worker_env()
     if without_iree:  # an `iree` package without the compiler and runtime shadows the real one

@@ -271,6 +271,7 @@ async def test_a_windowed_stream_over_real_sockets_is_held_to_a_window_per_round
 # A worker training through `pcp-tui emulate-link` (the CLI, real processes): tests/test_streams_e2e.py
 
 
+@pytest.mark.e2e
 def test_an_address_in_use_is_reported_and_a_closed_stdout_does_not_stop_the_link():
     """`pcp-tui emulate-link` as a process: a busy port is a one-line error naming it;
     a launcher that stops reading the emulator's output leaves the link working."""

@@ -195,7 +195,7 @@ def _equivalence() -> None:
 
 @pytest.fixture(scope="module")
 def mesh_runs() -> dict:
-    code = "from tests.test_mesh import _equivalence; _equivalence()"
+    code = f"import runpy; runpy.run_path({__file__!r})['_equivalence']()"  # this file's function
     done = subprocess.run(
         [sys.executable, "-c", code], env=mesh_env(), capture_output=True, text=True, timeout=600,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

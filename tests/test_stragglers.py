@@ -299,6 +299,7 @@ def test_the_options_reach_the_network_section(factor):
     assert config.network.straggler_min_seconds == 2.5
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fragments", [1, 2], ids=["plain", "streaming"])
 def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker, fragments):
     """The red team's finding: with no --round-timeout a silent-but-alive worker held its

@@ -173,6 +173,7 @@ def test_scalars_are_the_files_numbers_by_its_names():
 # --------------------------------------------------------------------------- pcp-tui plot
 
 
+@pytest.mark.e2e
 def test_plot_draws_runs_from_real_metrics_files(tracked_run, tmp_path):
     matplotlib_image = pytest.importorskip("matplotlib.image", reason="extra: plot")
     metrics = tracked_run / "run.jsonl"
