@@ -262,9 +262,8 @@ def test_the_api_serves_from_the_dashboards_guest_run_and_its_cancel_stops_it(mo
     from pcp_tui.app.dashboard import DashboardApp
     from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.testing import small_config
+    from pcp_tui.testing.dashboard import run_async, wait_until
     from pcp_tui.training.build import build_workload
-
-    from .test_dashboard import run_async, wait_until
 
     monkeypatch.setenv("PCP_API_TOKEN", TOKEN)
     port = free_port()
