@@ -263,6 +263,7 @@ def server_tls(certificate) -> ServerTLS:
     return ServerTLS.from_files(*certificate)
 
 
+@pytest.mark.e2e  # its certificate fixture runs openssl
 @pytest.mark.parametrize("speaks_first", [False, True], ids=["silent", "plain-bytes"])
 async def test_a_peer_without_tls_is_told_in_plain_pcp_to_use_tls(
     autojump_clock, server_tls, speaks_first
@@ -284,6 +285,7 @@ async def test_a_peer_without_tls_is_told_in_plain_pcp_to_use_tls(
     assert "TLS handshake failed" in refusals(state)[0] and admission.pending == 0
 
 
+@pytest.mark.e2e
 async def test_a_tls_worker_is_admitted_after_its_first_bytes_were_looked_at(server_tls):
     admission = Admission(new_state(), token=TOKEN, run_id="r", tls=server_tls)
     client_tls = ClientTLS.from_options(pinned=server_tls.fingerprint)
@@ -297,6 +299,7 @@ async def test_a_tls_worker_is_admitted_after_its_first_bytes_were_looked_at(ser
     assert admitted is not None and admitted.hello.worker_id == "w1"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("pin_matches", [True, False])
 async def test_with_tls_ca_and_tls_fingerprint_the_certificate_must_pass_both(
     certificate, server_tls, pin_matches

@@ -78,6 +78,7 @@ def iree_cache(tmp_path_factory):
 RUN = dict(workers=2, rounds=3, inner_steps=6, chunk_steps=CHUNK, inner_lr=LR, warmup_steps=2)
 
 
+@pytest.mark.e2e  # IREE compiles in a process of its own
 @pytest.mark.parametrize("model", ["tiny", MLP])
 def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
     config = small_config(model=model, batch_size=8 if model == MLP else 4, **RUN)
@@ -119,6 +120,7 @@ def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
     assert expected_shapes(init.call, graphs.param_names) == shapes
 
 
+@pytest.mark.e2e
 def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
     """eigh lowers to a LAPACK custom call on CPU: IREE has no lowering, and the error says so."""
     exported = jax.export.export(
@@ -132,6 +134,7 @@ def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
     )
 
 
+@pytest.mark.e2e
 def test_cpu_workers_run_unpinned_and_the_cache_names_the_host_cpu(tmp_path, monkeypatch):
     """Two properties of running on the CPU, checked on one small compiled graph.
 
@@ -267,6 +270,7 @@ def test_a_worker_that_cannot_run_exits_saying_what_to_do(options, without_iree,
     assert says in result.stderr
 
 
+@pytest.mark.e2e
 def test_the_gpt2_step_compiles_for_metal(tmp_path):
     """No Mac here: compiling for metal-spirv is what shows a regression in CI.
 

@@ -212,6 +212,7 @@ def _relative_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     )
 
 
+@pytest.mark.e2e  # mesh_runs runs the four-device worker in a process
 @pytest.mark.parametrize("mode", ["data", "fsdp"])
 def test_a_four_device_worker_trains_as_a_one_device_worker(mesh_runs, mode):
     """Same global batch, same AdamW steps: equal up to the order of float32 sums.
