@@ -226,11 +226,10 @@ async def test_a_worker_link_sends_an_encoded_update_within_its_deadline_or_cuts
             )
         )
     # a bound, not a timing: a link without its deadline would wait on the deaf peer for ever
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send, links[0], "reads")
-            nursery.start_soon(send, links[1], "deaf")
-            outcomes["received"] = await protocol.MessageStream(peers[0]).receive()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send, links[0], "reads")
+        nursery.start_soon(send, links[1], "deaf")
+        outcomes["received"] = await protocol.MessageStream(peers[0]).receive()
     for stream in [*peers, listener]:
         await stream.aclose()
     outcomes["deaf closed"] = links[1].closed

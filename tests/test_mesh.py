@@ -251,7 +251,6 @@ def test_a_mesh_worker_and_a_one_device_worker_train_one_run(tmp_path):
             "--inner-lr", "3e-3", "--warmup-steps", "2", "--config", str(config),
             "--metrics", str(metrics),
         ),
-        hang_guard=180,
     )  # fmt: skip
     try:
         with WorkerProcesses(env=mesh_env()) as workers:

@@ -71,12 +71,11 @@ async def test_bytes_arrive_exactly_whatever_the_sizes_of_sends_and_receives(cou
             got += await stream.receive_some(rng.choice([1, 13, PIECE, 1 << 20, None]))
         results[tag] = bytes(got)
 
-    with trio.fail_after(60):  # a hang fails the test instead of stalling the suite
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send, left, "left")
-            nursery.start_soon(send, right, "right")
-            nursery.start_soon(receive, right, "at right")
-            nursery.start_soon(receive, left, "at left")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send, left, "left")
+        nursery.start_soon(send, right, "right")
+        nursery.start_soon(receive, right, "at right")
+        nursery.start_soon(receive, left, "at left")
     await left.aclose()
     assert await right.receive_some(10) == b""  # the peer's close is an end of stream
     await right.aclose()
@@ -97,11 +96,10 @@ async def test_the_codec_runs_unchanged_over_a_striped_stream():
             await sender.send(body, params if isinstance(body, protocol.RoundStart) else None)
             await sender.send(protocol.Goodbye("between"))
 
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send)
-            for _ in range(2 * len(bodies)):
-                received.append(await receiver.receive())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        for _ in range(2 * len(bodies)):
+            received.append(await receiver.receive())
     await sender.aclose()
     await receiver.aclose()
     assert [message.body for message in received[::2]] == bodies
@@ -147,11 +145,10 @@ async def test_one_connection_lost_mid_message_ends_both_sides(how):
             _reset(servers[2])
         await servers[2].aclose()
 
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send)
-            nursery.start_soon(receive)
-            nursery.start_soon(cut)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        nursery.start_soon(receive)
+        nursery.start_soon(cut)
     with pytest.raises(trio.BrokenResourceError):
         await sender.stream.send_all(b"more")
     with pytest.raises(trio.BrokenResourceError):
