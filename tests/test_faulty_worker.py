@@ -11,7 +11,6 @@ import sys
 
 import numpy as np
 import pytest
-import trio
 
 from pcp_tui import protocol
 from pcp_tui.contract.connection import Connection
@@ -43,17 +42,13 @@ class RecordingStream:  # what a Connection touches on its MessageStream, record
         return 0
 
 
-def _send_results(results: int) -> list[np.ndarray]:
+async def _send_results(results: int) -> list[np.ndarray]:
     """Send a heartbeat, then `results` round results of Δ = 1; the Δ each one carried."""
     stream = RecordingStream()
     sender = Connection(stream, "worker")
-
-    async def send_all():
-        await sender.send(protocol.Heartbeat(0.0))
-        for number in range(1, results + 1):
-            await sender.send(protocol.RoundResult(round=number), {"w": np.ones(3, np.float32)})
-
-    trio.run(send_all)
+    await sender.send(protocol.Heartbeat(0.0))
+    for number in range(1, results + 1):
+        await sender.send(protocol.RoundResult(round=number), {"w": np.ones(3, np.float32)})
     assert stream.sent[0] == (protocol.Heartbeat(0.0), None)  # other messages pass untouched
     return [tensors["w"] for _, tensors in stream.sent[1:]]
 
@@ -73,15 +68,15 @@ def fresh_sender(monkeypatch):
         ("ratchet", {"factor": 3.0}, [1, 3, 9]),
     ],
 )
-def test_a_result_fault_scales_the_r_th_result_as_documented(
+async def test_a_result_fault_scales_the_r_th_result_as_documented(
     fresh_sender, fault, parameters, factors
 ):
     faulty_worker.FAULTS[fault].inject(**parameters)
-    sent = _send_results(3)
+    sent = await _send_results(3)
     for delta, factor in zip(sent, factors, strict=True):
         np.testing.assert_array_equal(delta, np.full(3, factor, np.float32))
 
 
-def test_nan_poisons_every_value(fresh_sender):
+async def test_nan_poisons_every_value(fresh_sender):
     faulty_worker.FAULTS["nan"].inject()
-    assert all(np.isnan(delta).all() for delta in _send_results(2))
+    assert all(np.isnan(delta).all() for delta in await _send_results(2))

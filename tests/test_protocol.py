@@ -560,7 +560,7 @@ def segment_table(*words: int) -> bytes:
         struct.pack("<I", 2**32 - 1),
     ],
 )
-def test_oversized_frames_are_refused_before_allocating(table):
+async def test_oversized_frames_are_refused_before_allocating(table):
     tracemalloc.start()
     try:
         with pytest.raises(protocol.FrameTooLarge):
@@ -569,13 +569,9 @@ def test_oversized_frames_are_refused_before_allocating(table):
     finally:
         tracemalloc.stop()
     assert peak < 2**20
-
-    async def main():  # a stream that sent only the table: refused without waiting for the body
-        stream = ChunkedStream(table, [])
-        with pytest.raises(protocol.FrameTooLarge):
-            await protocol.MessageStream(stream).receive()
-
-    trio.run(main)
+    stream = ChunkedStream(table, [])  # sent only the table: refused without waiting for the body
+    with pytest.raises(protocol.FrameTooLarge):
+        await protocol.MessageStream(stream).receive()
 
 
 @pytest.mark.parametrize(
