@@ -100,7 +100,6 @@ def round_seconds(count: int, args) -> list[dict]:
         shepherd = OutputProcess(
             shepherd_command(port, *ROUND_RUN, "--rounds", str(args.rounds))
             + ["--streams", str(count), "--metrics", str(metrics)],
-            hang_guard=900,
         )
         link = OutputProcess(link_command(link_port, port, args))
         try:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 
-from pcp_tui.testing import WorkerProcesses, small_config, worker_command, worker_env
+from pcp_tui.testing import (
+    ShepherdProcess,
+    WorkerProcesses,
+    small_config,
+    worker_command,
+    worker_env,
+)
 
 __all__ = ["small_config", "worker_command", "worker_env"]
 
@@ -18,6 +25,20 @@ def spawn_worker():
         yield workers.spawn
 
 
+@pytest.fixture
+def shepherds():
+    """Start headless `pcp-tui shepherd` processes (`ShepherdProcess`); kill leftovers at the end."""
+    started: list[ShepherdProcess] = []
+
+    def start(*flags: str, **options) -> ShepherdProcess:
+        started.append(ShepherdProcess(*flags, **options))
+        return started[-1]
+
+    yield start
+    for shepherd in started:
+        shepherd.kill()
+
+
 @pytest.fixture(autouse=True)
 def _pcp_tui_logger_restored():
     """A test that runs `pcp_tui.app.cli.main` in this process configures the `pcp_tui`
@@ -27,3 +48,35 @@ def _pcp_tui_logger_restored():
     saved = (logger.handlers[:], logger.level, logger.propagate)
     yield
     logger.handlers[:], logger.level, logger.propagate = saved
+
+
+#: what this test (setup and call) started: audit events of a new process, see `_audit`
+_processes_started: list[str] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":
+        _processes_started.append(" ".join(map(str, args[1]))[:120])
+    elif event in ("os.posix_spawn", "os.fork", "os.forkpty"):
+        _processes_started.append(event)
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _processes_started.clear()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """`-m "not e2e"` is the fast set: a test that starts a process must be marked e2e."""
+    result = yield
+    if _processes_started and item.get_closest_marker("e2e") is None:
+        pytest.fail(
+            f"{item.nodeid} starts a process ({_processes_started[0]}) but is not marked e2e: "
+            "add @pytest.mark.e2e, or keep it in this process"
+        )
+    return result

@@ -75,57 +75,49 @@ async def until_closed(stream) -> bytes:
         received += chunk
 
 
-def test_right_token_is_admitted_and_limits_open_up():
-    async def main():
-        admission = Admission(new_state(), token=TOKEN, run_id="r")
+async def test_right_token_is_admitted_and_limits_open_up():
+    admission = Admission(new_state(), token=TOKEN, run_id="r")
 
-        async def client(stream):
-            hello = await read_hello(stream)
-            await stream.send_all(hello_bytes(hello.body.nonce))
+    async def client(stream):
+        hello = await read_hello(stream)
+        await stream.send_all(hello_bytes(hello.body.nonce))
 
-        admitted, _ = await run_admission(admission, client)
-        assert admitted is not None and admitted.hello.worker_id == "w1"
-        assert (
-            admitted.stream.limits == protocol.Limits()
-        )  # pre-auth limits only last the handshake
-        assert admission.pending == 0
-
-    trio.run(main)
+    admitted, _ = await run_admission(admission, client)
+    assert admitted is not None and admitted.hello.worker_id == "w1"
+    assert admitted.stream.limits == protocol.Limits()  # pre-auth limits only last the handshake
+    assert admission.pending == 0
 
 
-def test_replayed_hello_is_refused_and_no_token_too():
-    async def main():
-        state = new_state()
-        admission = Admission(state, token=TOKEN, run_id="r")
-        captured = {}
+async def test_replayed_hello_is_refused_and_no_token_too():
+    state = new_state()
+    admission = Admission(state, token=TOKEN, run_id="r")
+    captured = {}
 
-        async def honest(stream):
-            hello = await read_hello(stream)
-            captured["bytes"] = hello_bytes(hello.body.nonce)
-            await stream.send_all(captured["bytes"])
+    async def honest(stream):
+        hello = await read_hello(stream)
+        captured["bytes"] = hello_bytes(hello.body.nonce)
+        await stream.send_all(captured["bytes"])
 
-        assert (await run_admission(admission, honest))[0] is not None
+    assert (await run_admission(admission, honest))[0] is not None
 
-        async def replay(stream):
-            messages = protocol.MessageStream(stream)
-            await messages.receive()  # a fresh nonce the captured proof does not answer
-            await stream.send_all(captured["bytes"])
-            return await messages.receive()
+    async def replay(stream):
+        messages = protocol.MessageStream(stream)
+        await messages.receive()  # a fresh nonce the captured proof does not answer
+        await stream.send_all(captured["bytes"])
+        return await messages.receive()
 
-        admitted, answer = await run_admission(admission, replay)
-        assert admitted is None and answer.body.code == "authFailed"
+    admitted, answer = await run_admission(admission, replay)
+    assert admitted is None and answer.body.code == "authFailed"
 
-        async def no_token(stream):
-            messages = protocol.MessageStream(stream)
-            await messages.receive()
-            await stream.send_all(hello_bytes(b"", token=None))
-            return await messages.receive()
+    async def no_token(stream):
+        messages = protocol.MessageStream(stream)
+        await messages.receive()
+        await stream.send_all(hello_bytes(b"", token=None))
+        return await messages.receive()
 
-        admitted, answer = await run_admission(admission, no_token)
-        assert admitted is None and answer.body.code == "authFailed"
-        assert all("wrong or missing join token" in text for text in refusals(state))
-
-    trio.run(main)
+    admitted, answer = await run_admission(admission, no_token)
+    assert admitted is None and answer.body.code == "authFailed"
+    assert all("wrong or missing join token" in text for text in refusals(state))
 
 
 @pytest.mark.parametrize(
@@ -138,98 +130,84 @@ def test_replayed_hello_is_refused_and_no_token_too():
         + b"\x00" * 72_000,  # 72 KB: fine after auth, not before
     ],
 )
-def test_big_frames_are_refused_before_anything_is_allocated(payload):
-    async def main():
-        state = new_state()
-        admission = Admission(state, token=TOKEN, run_id="r")
+async def test_big_frames_are_refused_before_anything_is_allocated(payload):
+    state = new_state()
+    admission = Admission(state, token=TOKEN, run_id="r")
 
-        async def client(stream):
-            await read_hello(stream)
-            await stream.send_all(payload)
-            return await until_closed(stream)
+    async def client(stream):
+        await read_hello(stream)
+        await stream.send_all(payload)
+        return await until_closed(stream)
 
-        admitted, answer = await run_admission(admission, client)
-        assert admitted is None
-        assert protocol.decode(answer).body.code == "tooLarge"
-        assert "dropped" in refusals(state)[0]
-
-    trio.run(main)
+    admitted, answer = await run_admission(admission, client)
+    assert admitted is None
+    assert protocol.decode(answer).body.code == "tooLarge"
+    assert "dropped" in refusals(state)[0]
 
 
-def test_a_hello_with_tensors_is_refused():
-    async def main():
-        admission = Admission(new_state(), token=TOKEN, run_id="r")
+async def test_a_hello_with_tensors_is_refused():
+    admission = Admission(new_state(), token=TOKEN, run_id="r")
 
-        async def client(stream):
-            hello = await read_hello(stream)
-            await stream.send_all(
-                hello_bytes(hello.body.nonce, tensors={"x": np.zeros(4, np.float32)})
-            )
-            return await until_closed(stream)
+    async def client(stream):
+        hello = await read_hello(stream)
+        await stream.send_all(hello_bytes(hello.body.nonce, tensors={"x": np.zeros(4, np.float32)}))
+        return await until_closed(stream)
 
-        admitted, answer = await run_admission(admission, client)
-        assert admitted is None and protocol.decode(answer).body.code == "tooLarge"
-        assert PRE_AUTH_LIMITS.max_tensors == 0
-
-    trio.run(main)
+    admitted, answer = await run_admission(admission, client)
+    assert admitted is None and protocol.decode(answer).body.code == "tooLarge"
+    assert PRE_AUTH_LIMITS.max_tensors == 0
 
 
 @pytest.mark.parametrize("trickle", [False, True])
-def test_silent_and_trickling_peers_are_dropped_at_the_deadline(trickle):
-    async def main():
-        state = new_state()
-        admission = Admission(state, token=TOKEN, run_id="r", timeout=10)
+async def test_silent_and_trickling_peers_are_dropped_at_the_deadline(autojump_clock, trickle):
+    state = new_state()
+    admission = Admission(state, token=TOKEN, run_id="r", timeout=10)
 
-        async def client(stream):
-            await read_hello(stream)
-            if trickle:  # a plausible frame header, one byte per second, forever
-                for byte in b"\x00\x00\x00\x00\x10\x00\x00\x00" + b"\x00" * 10**6:
-                    try:
-                        await stream.send_all(bytes([byte]))
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        break
-                    await trio.sleep(1)
-            return await until_closed(stream)
+    async def client(stream):
+        await read_hello(stream)
+        if trickle:  # a plausible frame header, one byte per second, forever
+            for byte in b"\x00\x00\x00\x00\x10\x00\x00\x00" + b"\x00" * 10**6:
+                try:
+                    await stream.send_all(bytes([byte]))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    break
+                await trio.sleep(1)
+        return await until_closed(stream)
 
-        started = trio.current_time()
-        admitted, _ = await run_admission(admission, client)
-        assert admitted is None
-        assert 10 <= trio.current_time() - started < 12
-        assert "handshake not finished within 10 s" in refusals(state)[0]
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    started = trio.current_time()
+    admitted, _ = await run_admission(admission, client)
+    assert admitted is None
+    assert 10 <= trio.current_time() - started < 12
+    assert "handshake not finished within 10 s" in refusals(state)[0]
 
 
-def test_handshakes_beyond_the_caps_are_closed_at_once():
-    async def main():
-        state = new_state()
-        admission = Admission(
-            state, token=TOKEN, run_id="r", timeout=10, max_per_host=3, max_pending=100
-        )
-        hung_up = []
+async def test_handshakes_beyond_the_caps_are_closed_at_once(autojump_clock):
+    state = new_state()
+    admission = Admission(
+        state, token=TOKEN, run_id="r", timeout=10, max_per_host=3, max_pending=100
+    )
+    hung_up = []
 
-        async def silent_peer():
-            server_side, client_side = trio.testing.memory_stream_pair()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(admission.admit, server_side)
-                started = trio.current_time()
-                await until_closed(client_side)
-                hung_up.append(trio.current_time() - started)
-
+    async def silent_peer():
+        server_side, client_side = trio.testing.memory_stream_pair()
         async with trio.open_nursery() as nursery:
-            for _ in range(10):
-                nursery.start_soon(silent_peer)
-        # memory streams all share one "address": 3 wait out the deadline, 7 are closed at once
-        assert sorted(hung_up)[:7] == [0] * 7 and min(sorted(hung_up)[7:]) >= 10
-        assert len(refusals(state)) == 5  # 5 shown per address per minute, the other 5 counted
-        admission.refusals.flush()
-        assert (
-            "… and 5 more in the last 60 s (last: handshake not finished within 10 s)"
-            in refusals(state)[-1]
-        )
-        assert admission.pending == 0
+            nursery.start_soon(admission.admit, server_side)
+            started = trio.current_time()
+            await until_closed(client_side)
+            hung_up.append(trio.current_time() - started)
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            nursery.start_soon(silent_peer)
+    # memory streams all share one "address": 3 wait out the deadline, 7 are closed at once
+    assert sorted(hung_up)[:7] == [0] * 7 and min(sorted(hung_up)[7:]) >= 10
+    assert len(refusals(state)) == 5  # 5 shown per address per minute, the other 5 counted
+    admission.refusals.flush()
+    assert (
+        "… and 5 more in the last 60 s (last: handshake not finished within 10 s)"
+        in refusals(state)[-1]
+    )
+    assert admission.pending == 0
 
 
 def test_refusal_log_is_rate_limited_per_address_and_summarised():
@@ -285,63 +263,59 @@ def server_tls(certificate) -> ServerTLS:
     return ServerTLS.from_files(*certificate)
 
 
+@pytest.mark.e2e  # its certificate fixture runs openssl
 @pytest.mark.parametrize("speaks_first", [False, True], ids=["silent", "plain-bytes"])
-def test_a_peer_without_tls_is_told_in_plain_pcp_to_use_tls(server_tls, speaks_first):
+async def test_a_peer_without_tls_is_told_in_plain_pcp_to_use_tls(
+    autojump_clock, server_tls, speaks_first
+):
     """A worker without --tls-* waits for the shepherd's hello; it must not wait for nothing."""
 
-    async def main():
-        state = new_state()
-        admission = Admission(state, token=TOKEN, run_id="r", tls=server_tls, timeout=10)
+    state = new_state()
+    admission = Admission(state, token=TOKEN, run_id="r", tls=server_tls, timeout=10)
 
-        async def plain_worker(stream):
-            if speaks_first:
-                await stream.send_all(hello_bytes(b""))
-            return await protocol.MessageStream(stream).receive()
+    async def plain_worker(stream):
+        if speaks_first:
+            await stream.send_all(hello_bytes(b""))
+        return await protocol.MessageStream(stream).receive()
 
-        admitted, answer = await run_admission(admission, plain_worker)
-        assert admitted is None
-        assert (answer.kind, answer.body.code) == ("error", "authFailed")  # final for a worker
-        assert answer.body.message == TLS_ONLY
-        assert "TLS handshake failed" in refusals(state)[0] and admission.pending == 0
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    admitted, answer = await run_admission(admission, plain_worker)
+    assert admitted is None
+    assert (answer.kind, answer.body.code) == ("error", "authFailed")  # final for a worker
+    assert answer.body.message == TLS_ONLY
+    assert "TLS handshake failed" in refusals(state)[0] and admission.pending == 0
 
 
-def test_a_tls_worker_is_admitted_after_its_first_bytes_were_looked_at(server_tls):
-    async def main():
-        admission = Admission(new_state(), token=TOKEN, run_id="r", tls=server_tls)
-        client_tls = ClientTLS.from_options(pinned=server_tls.fingerprint)
+@pytest.mark.e2e
+async def test_a_tls_worker_is_admitted_after_its_first_bytes_were_looked_at(server_tls):
+    admission = Admission(new_state(), token=TOKEN, run_id="r", tls=server_tls)
+    client_tls = ClientTLS.from_options(pinned=server_tls.fingerprint)
 
-        async def tls_worker(stream):
-            secure = await client_tls.connect(stream, "localhost")
-            hello = await read_hello(secure)
-            await secure.send_all(hello_bytes(hello.body.nonce))
+    async def tls_worker(stream):
+        secure = await client_tls.connect(stream, "localhost")
+        hello = await read_hello(secure)
+        await secure.send_all(hello_bytes(hello.body.nonce))
 
-        admitted, _ = await run_admission(admission, tls_worker)
-        assert admitted is not None and admitted.hello.worker_id == "w1"
-
-    trio.run(main)
+    admitted, _ = await run_admission(admission, tls_worker)
+    assert admitted is not None and admitted.hello.worker_id == "w1"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("pin_matches", [True, False])
-def test_with_tls_ca_and_tls_fingerprint_the_certificate_must_pass_both(
+async def test_with_tls_ca_and_tls_fingerprint_the_certificate_must_pass_both(
     certificate, server_tls, pin_matches
 ):
-    async def main():
-        admission = Admission(new_state(), token=TOKEN, run_id="r", tls=server_tls)
-        pin = server_tls.fingerprint if pin_matches else "ab" * 32
-        client_tls = ClientTLS.from_options(ca_path=certificate[0], pinned=pin)
+    admission = Admission(new_state(), token=TOKEN, run_id="r", tls=server_tls)
+    pin = server_tls.fingerprint if pin_matches else "ab" * 32
+    client_tls = ClientTLS.from_options(ca_path=certificate[0], pinned=pin)
 
-        async def tls_worker(stream):
-            try:
-                secure = await client_tls.connect(stream, "localhost")
-            except TLSRefused as exc:
-                return str(exc)
-            hello = await read_hello(secure)
-            await secure.send_all(hello_bytes(hello.body.nonce))
+    async def tls_worker(stream):
+        try:
+            secure = await client_tls.connect(stream, "localhost")
+        except TLSRefused as exc:
+            return str(exc)
+        hello = await read_hello(secure)
+        await secure.send_all(hello_bytes(hello.body.nonce))
 
-        admitted, refused = await run_admission(admission, tls_worker)
-        assert (admitted is not None) == pin_matches
-        assert pin_matches or "not the pinned" in refused
-
-    trio.run(main)
+    admitted, refused = await run_admission(admission, tls_worker)
+    assert (admitted is not None) == pin_matches
+    assert pin_matches or "not the pinned" in refused

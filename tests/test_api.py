@@ -19,9 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pcp_tui.testing import (
-    OutputProcess,
+    QUICK_FLAGS,
+    ShepherdProcess,
     WorkerProcesses,
     free_port,
+    self_signed_certificate,
     shepherd_command,
     worker_env,
 )
@@ -29,15 +31,6 @@ from pcp_tui.testing import (
 pytestmark = pytest.mark.e2e
 
 TOKEN = "api-secret-for-tests"
-HANG_GUARD = 180  # seconds; only so that a broken shepherd fails the test instead of hanging it
-QUICK = ["--inner-steps", "10", "--chunk-steps", "5", "--warmup-steps", "5"]
-
-
-class ShepherdProcess(OutputProcess):
-    """A headless `pcp-tui shepherd` whose merged output is collected line by line."""
-
-    def __init__(self, *flags: str, env: dict[str, str]):
-        super().__init__(shepherd_command(0, *flags), env=env, hang_guard=HANG_GUARD)
 
 
 @pytest.fixture
@@ -49,12 +42,12 @@ def run_with_api():
         port = free_port()
         shepherd = ShepherdProcess(
             "--api-port", str(port), *flags, env={**worker_env(), "PCP_API_TOKEN": TOKEN}
-        )
+        )  # returns once it listens
         started.append(shepherd)
         shepherd.wait_for(
             rf"listening on 127\.0\.0\.1:\d+, operator API on http://127\.0\.0\.1:{port};"
         )
-        return shepherd, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+        return shepherd, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=None)
 
     yield start
     for shepherd in started:
@@ -66,18 +59,10 @@ def _authorized(client: httpx.Client, path: str) -> httpx.Response:
 
 
 def _until(probe, what: str):
-    """Poll `probe()` until it returns something truthy; fails after HANG_GUARD seconds."""
-    deadline = time.monotonic() + HANG_GUARD
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
+    """Poll `probe()` until it returns something truthy (`what` it waits for, for the reader)."""
+    while not (value := probe()):
         time.sleep(0.1)
-    pytest.fail(f"never saw {what}")
-
-
-def _shepherd_port(shepherd: ShepherdProcess) -> int:
-    return int(shepherd.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+    return value
 
 
 # --------------------------------------------------------------------------- tokens and bodies
@@ -90,7 +75,6 @@ def test_the_api_will_not_start_without_a_token():
         env=env,
         capture_output=True,
         text=True,
-        timeout=HANG_GUARD,
     )
     assert result.returncode == 2, result.stdout + result.stderr
     errors = result.stderr.strip().splitlines()
@@ -105,7 +89,6 @@ def test_a_busy_api_port_fails_the_run_with_one_line():
             env={**worker_env(), "PCP_API_TOKEN": TOKEN},
             capture_output=True,
             text=True,
-            timeout=HANG_GUARD,
         )
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"cannot serve the operator API on 127.0.0.1:{port}" in result.stderr
@@ -113,7 +96,7 @@ def test_a_busy_api_port_fails_the_run_with_one_line():
 
 
 def test_endpoints_need_the_token_and_show_the_run_and_its_workers(run_with_api):
-    shepherd, client = run_with_api("--workers", "2", "--rounds", "2", *QUICK)
+    shepherd, client = run_with_api("--workers", "2", "--rounds", "2", *QUICK_FLAGS)
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["ready"] is True
     assert client.head("/healthz").status_code == 200
@@ -126,13 +109,13 @@ def test_endpoints_need_the_token_and_show_the_run_and_its_workers(run_with_api)
     assert (job["status"], job["rounds_total"], job["rounds_done"]) == ("waiting", 2, 0)
     assert job["utilization"] is None and job["bytes_data_parallel"] is None  # no round yet
     controller = _authorized(client, "/v1/controller").json()
-    assert controller["address"] == f"127.0.0.1:{_shepherd_port(shepherd)}"
+    assert controller["address"] == f"127.0.0.1:{shepherd.port}"
     assert _authorized(client, "/v1/nothing-here").status_code == 404
     wrong_method = client.get("/v1/job/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
 
     with WorkerProcesses() as workers:
-        workers.spawn(_shepherd_port(shepherd), "--id", "w0")
+        workers.spawn(shepherd.port, "--id", "w0")
         listed = _until(
             lambda: [
                 w
@@ -154,7 +137,7 @@ def test_endpoints_need_the_token_and_show_the_run_and_its_workers(run_with_api)
         assert stats["memory_limit_bytes"] > stats["memory_peak_bytes"]
         assert stats["gpu_utilization"] is None  # not measured on CPU, never a made-up 0
         _check_prometheus(_authorized(client, "/metrics"))
-        workers.spawn(_shepherd_port(shepherd), "--id", "w1")
+        workers.spawn(shepherd.port, "--id", "w1")
         assert shepherd.finish() == 0, shepherd.output
     assert "run done after 2 rounds" in shepherd.output
 
@@ -193,7 +176,7 @@ def _raw_exchange(port: int, request: bytes) -> bytes:
     request is still going out, and its answer may then be lost to the reset):
     that is the server's right. Not returning at all is the failure.
     """
-    with socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD) as raw:
+    with socket.create_connection(("127.0.0.1", port), timeout=None) as raw:
         try:
             raw.sendall(request)
             raw.shutdown(socket.SHUT_WR)  # the request ends here, complete or not
@@ -210,7 +193,7 @@ def _raw_exchange(port: int, request: bytes) -> bytes:
 
 
 def test_malformed_requests_end_their_connection_not_the_run(run_with_api):
-    shepherd, client = run_with_api("--workers", "1", "--rounds", "2", *QUICK)
+    shepherd, client = run_with_api("--workers", "1", "--rounds", "2", *QUICK_FLAGS)
     port = client.base_url.port
     garbage = _raw_exchange(port, b"\x00\xff\x13\x37 not http at all\r\n\r\n" * 4)
     assert garbage.startswith(b"HTTP/1.1 400 ")
@@ -223,7 +206,7 @@ def test_malformed_requests_end_their_connection_not_the_run(run_with_api):
     assert _authorized(client, "/v1/job").status_code == 200
 
     with WorkerProcesses() as workers:
-        workers.spawn(_shepherd_port(shepherd), "--id", "w0")
+        workers.spawn(shepherd.port, "--id", "w0")
         assert shepherd.finish() == 0, shepherd.output
     assert "run done after 2 rounds" in shepherd.output
 
@@ -235,15 +218,16 @@ def test_cancel_ends_the_run_for_good_after_the_current_round(run_with_api, tmp_
     """With checkpoints on, a cancel is still final: the goodbye is not resumable, so the
     worker exits at once instead of waiting --give-up-after for a --resume (issue 27)."""
     shepherd, client = run_with_api(
-        *("--workers", "1", "--rounds", "500", "--checkpoint-dir", str(tmp_path / "ck")), *QUICK
+        *("--workers", "1", "--rounds", "500", "--checkpoint-dir", str(tmp_path / "ck")),
+        *QUICK_FLAGS,
     )
     with WorkerProcesses() as workers:
-        worker = workers.spawn(_shepherd_port(shepherd), "--id", "w0")
+        worker = workers.spawn(shepherd.port, "--id", "w0")
         _until(lambda: _authorized(client, "/v1/job").json()["rounds_done"] >= 1, "round 1 done")
         answer = client.post("/v1/job/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
         assert answer.status_code == 202 and answer.json()["status"] == "stopping"
         assert shepherd.finish() == 0, shepherd.output
-        assert worker.wait(timeout=HANG_GUARD) == 0  # told goodbye for good, not cut off
+        assert worker.wait() == 0  # told goodbye for good, not cut off
         assert "the run can be resumed" not in worker.stdout.read()
     assert "operator API: cancel from 127.0.0.1; ending the run for good" in shepherd.output
     assert "the run can be resumed" not in shepherd.output
@@ -253,9 +237,7 @@ def test_cancel_ends_the_run_for_good_after_the_current_round(run_with_api, tmp_
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_with_a_tls_certificate_the_api_speaks_only_https(tmp_path):
-    from .test_security import self_signed
-
-    cert, key = self_signed(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
     port = free_port()
     shepherd = ShepherdProcess(
         *("--api-port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)),
@@ -268,7 +250,7 @@ def test_with_a_tls_certificate_the_api_speaks_only_https(tmp_path):
             assert client.get("/healthz").status_code == 200
             assert _authorized(client, "/v1/job").json()["status"] == "waiting"
             with pytest.raises(httpx.TransportError):
-                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=HANG_GUARD)
+                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=None)
             cancel = client.post("/v1/job/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
             assert cancel.status_code == 202
         assert shepherd.finish() == 0, shepherd.output
@@ -285,9 +267,8 @@ def test_the_api_serves_from_the_dashboards_guest_run_and_its_cancel_stops_it(mo
     from pcp_tui.app.dashboard import DashboardApp
     from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.testing import small_config
+    from pcp_tui.testing.dashboard import run_async, wait_until
     from pcp_tui.training.build import build_workload
-
-    from .test_dashboard import run_async, wait_until
 
     monkeypatch.setenv("PCP_API_TOKEN", TOKEN)
     port = free_port()

@@ -157,17 +157,14 @@ def test_malformed_int4_block_tensors_are_refused(count, payload, block_size, ma
         protocol.decode(data)
 
 
-def test_a_nan_scale_on_a_stream_is_a_protocol_error_that_ends_the_connection():
+async def test_a_nan_scale_on_a_stream_is_a_protocol_error_that_ends_the_connection():
     """What the shepherd's connection sees: a ProtocolError it answers by closing that connection."""
 
-    async def main():
-        left, right = trio.testing.memory_stream_pair()
-        payload = b"\x77" * 3 + np.array([1, np.nan], "<f4").tobytes()
-        await left.send_all(crafted(5, payload))
-        with pytest.raises(protocol.MalformedMessage, match="block scale"):
-            await protocol.MessageStream(right).receive()
-
-    trio.run(main)
+    left, right = trio.testing.memory_stream_pair()
+    payload = b"\x77" * 3 + np.array([1, np.nan], "<f4").tobytes()
+    await left.send_all(crafted(5, payload))
+    with pytest.raises(protocol.MalformedMessage, match="block scale"):
+        await protocol.MessageStream(right).receive()
 
 
 # --------------------------------------------------------------------------- versions
@@ -184,31 +181,27 @@ def worker_hello(nonce: bytes, versions: tuple[int, ...]) -> bytes:
     ("versions", "admitted"),
     [((protocol.PROTOCOL_VERSION,), True), ((2, 3, 4, 5), False), ((7,), False)],
 )
-def test_a_worker_of_another_protocol_version_is_refused_at_admission(versions, admitted):
+async def test_a_worker_of_another_protocol_version_is_refused_at_admission(versions, admitted):
     """One protocol version until a release: a worker of another is told which side to
     upgrade, at admission, before any plan."""
+    state = RunState(run_id="r", rounds_total=1, settings={})
+    admission = Admission(state, token="t", run_id="r")
+    server_side, client_side = trio.testing.memory_stream_pair()
+    answers = []
 
-    async def main():
-        state = RunState(run_id="r", rounds_total=1, settings={})
-        admission = Admission(state, token="t", run_id="r")
-        server_side, client_side = trio.testing.memory_stream_pair()
-        answers = []
-
-        async def worker():
-            stream = protocol.MessageStream(client_side)
-            hello = await stream.receive()
-            await client_side.send_all(worker_hello(hello.body.nonce, versions))
-            if not admitted:
-                answers.append(await stream.receive())
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(worker)
-            result = await admission.admit(server_side)
-        assert (result is not None) == admitted
+    async def worker():
+        stream = protocol.MessageStream(client_side)
+        hello = await stream.receive()
+        await client_side.send_all(worker_hello(hello.body.nonce, versions))
         if not admitted:
-            (answer,) = answers
-            assert answer.body.code == protocol.ErrorCode.VERSION_MISMATCH
-            older = "this worker" if max(versions) < protocol.PROTOCOL_VERSION else "this shepherd"
-            assert f"upgrade pcp-tui on {older}" in answer.body.message
+            answers.append(await stream.receive())
 
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker)
+        result = await admission.admit(server_side)
+    assert (result is not None) == admitted
+    if not admitted:
+        (answer,) = answers
+        assert answer.body.code == protocol.ErrorCode.VERSION_MISMATCH
+        older = "this worker" if max(versions) < protocol.PROTOCOL_VERSION else "this shepherd"
+        assert f"upgrade pcp-tui on {older}" in answer.body.message

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -73,6 +72,7 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".round-*"))  # no half-written staging directory left behind
 
 
+@pytest.mark.e2e
 def test_a_file_size_limit_is_named_and_a_first_failure_says_nothing_is_saved(tmp_path):
     """A real RLIMIT_FSIZE (1 MiB) under a process writing a 4 MiB checkpoint: EFBIG, which
     safetensors reports in its text. Before: "the previous checkpoint is kept (free disk
@@ -96,26 +96,55 @@ def test_a_file_size_limit_is_named_and_a_first_failure_says_nothing_is_saved(tm
     assert "(ulimit -f)" in said and "free disk space" not in said
 
 
-def test_sigkill_mid_write_leaves_a_loadable_checkpoint(tmp_path):
-    """A real process writing 40 MB checkpoints in a loop is killed with SIGKILL."""
-    writer = textwrap.dedent(f"""
-        import numpy as np
-        from pcp_tui.shepherd import checkpoint
-        r = 0
-        while True:
-            r += 1
-            params = {{"w": np.full((10_000_000,), r, np.float32)}}
-            checkpoint.save({str(tmp_path)!r}, round=r, params=params, outer_state={{}}, meta={{}}, keep=2)
-            print(r, flush=True)
-    """)
-    process = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
-    assert process.stdout.readline().strip() == "1"  # one checkpoint is complete
-    time.sleep(0.3)  # now it is somewhere inside later writes
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+KILLED_AT = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from pcp_tui.shepherd import checkpoint
+    directory, step, round, value = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    def kill_at(done):
+        if done == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    params = {"wte": np.full((1000,), value, np.float32), "h.0.w": np.full((1000, 4), value, np.float32)}
+    outer = {"wte": np.full((1000,), -value, np.float32)}
+    checkpoint.save(directory, round=round, params=params, outer_state=outer, meta={}, fault_hook=kill_at)
+""")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "step, saved_again, resumes_from",
+    [
+        *[(step, False, (1, 1.0)) for step in checkpoint.WRITE_STEPS[:3]],
+        ("renamed", False, (1, 1.0)),  # `latest` still names round 1, which is whole
+        ("latest", False, (2, 2.0)),
+        ("moved aside", True, (1, 1.0)),  # the old copy, read from where it was moved
+        ("renamed", True, (1, 7.0)),
+    ],
+)
+def test_a_process_killed_at_any_step_of_a_write_leaves_a_loadable_checkpoint(
+    tmp_path, step, saved_again, resumes_from
+):
+    """SIGKILL from inside the write (its fault hook), at each step: what --resume reads is
+    complete and of the round it claims. Round 1 is saved; the killed process saves round 2,
+    or round 1 again (the old copy is moved aside first)."""
+    checkpoint.save(
+        tmp_path, round=1, params=_params(1), outer_state={"wte": _params(-1)["wte"]}, meta={}
+    )
+    round, value = (1, 7.0) if saved_again else (2, 2.0)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_AT, str(tmp_path), step, str(round), str(value)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr  # it reached `step`
     saved = checkpoint.load_latest(tmp_path)
-    assert saved.round >= 1
-    assert (saved.params["w"] == saved.round).all()  # complete and of the round it claims
+    assert (saved.round, float(saved.params["wte"][0])) == resumes_from
+    for name, tensor in saved.params.items():
+        assert (tensor == resumes_from[1]).all(), name
+    assert (saved.outer_state["wte"] == -resumes_from[1]).all()
+    checkpoint.save(tmp_path, round=3, params=_params(3), outer_state={}, meta={}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "round-000003"]
 
 
 def test_a_round_directory_loads_too_and_the_message_fits_the_caller(tmp_path):
@@ -258,6 +287,7 @@ def small_disk(tmp_path, monkeypatch):
             subprocess.run(["umount", str(directory)], check=True)
 
 
+@pytest.mark.e2e
 def test_a_disk_full_of_older_checkpoints_makes_room_for_the_newest(small_disk):
     """Two 2 MiB checkpoints fill the disk; the third would be refused for ever (the run
     would go on with no checkpoint after round 2). The older ones make room instead;
@@ -271,6 +301,7 @@ def test_a_disk_full_of_older_checkpoints_makes_room_for_the_newest(small_disk):
     np.testing.assert_array_equal(saved.params["wte"], _params(4, 100_000)["wte"])
 
 
+@pytest.mark.e2e
 def test_a_read_only_directory_is_a_checkpoint_error(read_only_dir):
     with pytest.raises(
         checkpoint.CheckpointError, match=r"not written to .*no earlier checkpoint.*permissions"
@@ -305,36 +336,8 @@ def test_saving_a_round_again_replaces_it_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "round-000001"]
 
 
-def test_killed_while_saving_a_round_again_the_copy_moved_aside_is_read(tmp_path):
-    """SIGKILL between moving round 1 aside and renaming its new copy in (the process kills
-    itself at that rename): before, `latest` named a missing directory and --resume refused
-    ("unreadable") while the complete checkpoint sat beside it under another name."""
-    checkpoint.save(tmp_path, round=1, params=_params(1), outer_state={}, meta={})
-    writer = textwrap.dedent(f"""
-        import os, signal
-        import numpy as np
-        from pcp_tui.shepherd import checkpoint
-        renames = []
-        def rename(source, target):
-            renames.append(target)
-            if len(renames) == 2:  # the old copy is aside; the new one was to go in now
-                os.kill(os.getpid(), signal.SIGKILL)
-            os.replace(source, target)
-        checkpoint.os.rename = rename
-        params = {{"wte": np.full((1000,), 7, np.float32), "h.0.w": np.full((1000, 4), 7, np.float32)}}
-        checkpoint.save({str(tmp_path)!r}, round=1, params=params, outer_state={{}}, meta={{}})
-    """)
-    killed = subprocess.run([sys.executable, "-c", writer], capture_output=True, check=False)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert not (tmp_path / "round-000001").exists()  # the state the kill left
-    saved = checkpoint.load_latest(tmp_path)
-    assert saved.round == 1 and (saved.params["wte"] == 1).all()  # whole, and the old one
-    checkpoint.save(tmp_path, round=2, params=_params(2), outer_state={}, meta={})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "round-000002"]
-
-
 @pytest.mark.e2e
-def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeypatch, spawn_worker):
+async def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeypatch, spawn_worker):
     """A real run checkpoints every round while the next trains; round 2's write raises."""
     config = small_config(
         workers=1, rounds=3, inner_steps=2, chunk_steps=2, checkpoint_every=1,
@@ -350,11 +353,8 @@ def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(checkpoint, "save_file", save_file)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            spawn_worker(await nursery.start(shepherd.run))
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        spawn_worker(await nursery.start(shepherd.run))
     events = [(e.kind, e.data.get("round")) for e in shepherd.state.events]
     assert ("checkpoint_failed", 2) in events and ("checkpoint", 3) in events
     assert shepherd.state.status == "done" and len(shepherd.state.history) == 3

@@ -30,7 +30,6 @@ from .conftest import worker_env
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-GUARD = 300  # seconds: only against hangs, never a measured limit
 TOKEN = "s3cret-token-for-tests"
 SMALL = [
     "--seq-len",
@@ -51,7 +50,6 @@ def pcp(*args: str, **options) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "pcp_tui", *args],
         capture_output=True,
         text=True,
-        timeout=GUARD,
         env=worker_env(),
         cwd=REPO,
         **options,
@@ -96,7 +94,7 @@ class Background:
         return int(self.wait_for(self.out, r"listening on 127\.0\.0\.1:(\d+)").group(1))
 
     def wait(self) -> int:
-        return self.process.wait(timeout=GUARD)
+        return self.process.wait()
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -341,9 +339,7 @@ def test_the_demos_workers_do_not_outlive_a_killed_demo(tmp_path, background):
     assert len(workers) == 1 and all(_alive(pid) for pid in workers)
     demo.process.kill()  # SIGKILL: the demo runs no code of its own on the way out
     demo.wait()
-    deadline = time.monotonic() + GUARD  # only against hangs: they stop within seconds
-    while any(_alive(pid) for pid in workers):
-        assert time.monotonic() < deadline, "the killed demo's workers are still running"
+    while any(_alive(pid) for pid in workers):  # they stop within seconds
         time.sleep(0.1)
 
 
@@ -419,7 +415,7 @@ def test_log_level_debug_logs_connections_and_messages_to_the_log_files(
         shepherd.port(), "--log-level", "debug", "--log-file", str(worker_log), token=TOKEN
     )
     assert shepherd.wait() == 0, shepherd.err.read_text()
-    assert worker.wait(timeout=GUARD) == 0, worker.stdout.read()
+    assert worker.wait() == 0, worker.stdout.read()
     assert "pcp_tui" not in shepherd.err.read_text()  # the log went to the file
     text = shepherd_log.read_text()
     for pattern in (
@@ -609,7 +605,7 @@ def test_a_worker_without_tls_is_told_the_shepherd_speaks_tls(tmp_path, backgrou
         "1",
     )
     worker = spawn_worker(shepherd.port(), token=TOKEN)
-    assert worker.wait(timeout=GUARD) != 0
+    assert worker.wait() != 0
     output = worker.stdout.read()
     assert "this shepherd speaks TLS only" in output and "--tls-fingerprint" in output, output
     assert "not retrying" in output
@@ -720,7 +716,7 @@ def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, backgrou
     )
     worker = spawn_worker(shepherd.port(), token=TOKEN)
     assert shepherd.wait() == 0, shepherd.err.read_text()
-    assert worker.wait(timeout=GUARD) == 0
+    assert worker.wait() == 0
     assert checkpoint.load_latest(resumed).round == 2  # no --checkpoint-dir needed
     done = "run done after round 2 of 2 (1 rounds since resuming after round 1)"
     assert done in shepherd.out.read_text()  # not "after 1 rounds": round 1 was the first run's

@@ -15,8 +15,6 @@ from pcp_tui.testing import free_port, shepherd_command, worker_command, worker_
 
 pytestmark = pytest.mark.e2e
 
-HANG_GUARD = 120.0  # seconds; only against a hang, never a measurement
-
 
 def _closed_pipe() -> int:
     """The write end of a pipe whose reader is gone: writing to it raises EPIPE."""
@@ -26,10 +24,8 @@ def _closed_pipe() -> int:
 
 
 def _wait_for_text(path, text: str, process: subprocess.Popen) -> str:
-    deadline = time.monotonic() + HANG_GUARD
     while text not in (content := path.read_text() if path.exists() else ""):
         assert process.poll() is None, f"exited {process.returncode}: {content}"
-        assert time.monotonic() < deadline, content
         time.sleep(0.1)
     return content
 
@@ -74,7 +70,7 @@ def test_a_closed_terminal_ends_no_run_and_sighup_saves_it(tmp_path):
         assert noted.startswith("pcp-tui: cannot print the run's log any more (Broken pipe)")
         shepherd.stderr.close()  # the terminal is gone: SIGHUP finds no stderr either
         shepherd.send_signal(signal.SIGHUP)
-        assert shepherd.wait(timeout=HANG_GUARD) == 128 + signal.SIGHUP
+        assert shepherd.wait() == 128 + signal.SIGHUP
         saved = checkpoint.load_latest(checkpoints)  # only the stop writes one (every 1000)
         assert 3 <= saved.round < 500
         assert all(np.isfinite(p).all() for p in saved.params.values())

@@ -1,5 +1,5 @@
-"""The one connection class both sides use (virtual clock), and the worker's reconnect budget
-(a real `pcp-tui worker` process)."""
+"""The one connection class both sides use, and the worker's reconnect budget, on trio's virtual
+clock; one real `pcp-tui worker` process that gives up and says so."""
 
 from __future__ import annotations
 
@@ -23,10 +23,7 @@ from pcp_tui.contract.connection import (
 )
 from pcp_tui.contract.plan import Stage
 from pcp_tui.testing import OutputProcess, free_port, worker_command
-
-
-def _run(main) -> None:
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+from pcp_tui.worker.reconnect import FIRST_WAIT, LAST_TRY_SECONDS, Reconnect
 
 
 def _pair() -> tuple[Connection, protocol.MessageStream, trio.abc.Stream]:
@@ -36,126 +33,105 @@ def _pair() -> tuple[Connection, protocol.MessageStream, trio.abc.Stream]:
     return connection, protocol.MessageStream(theirs), theirs
 
 
-def test_heartbeats_go_out_on_the_negotiated_interval():
-    async def main():
-        connection, peer, _ = _pair()
-        beats: list[float] = []
-        async with connection.alive(heartbeat_seconds=2.5, timeout=100.0):
-            while len(beats) < 4:
-                message = await peer.receive()
-                assert message.kind == "heartbeat"
-                beats.append(trio.current_time())
-        assert beats == [2.5, 5.0, 7.5, 10.0]
-
-    _run(main)
+async def test_heartbeats_go_out_on_the_negotiated_interval(autojump_clock):
+    connection, peer, _ = _pair()
+    beats: list[float] = []
+    async with connection.alive(heartbeat_seconds=2.5, timeout=100.0):
+        while len(beats) < 4:
+            message = await peer.receive()
+            assert message.kind == "heartbeat"
+            beats.append(trio.current_time())
+    assert beats == [2.5, 5.0, 7.5, 10.0]
 
 
-def test_the_watchdog_ends_a_silent_connection_after_the_timeout_and_not_while_paused():
-    async def main():
-        connection, _, _ = _pair()
-        with pytest.raises(ConnectionLost) as lost:
-            async with connection.alive(heartbeat_seconds=1.0, timeout=10.0):
-                with connection.paused():  # compiling: the peer's silence does not count
-                    await trio.sleep(30)
-                await connection.receive()  # nothing ever comes
-        # polls every 1 s; silent 10 s is not over the timeout, 11 s is
-        assert trio.current_time() == 30 + 11
-        assert lost.value.code == "timeout"
-        assert lost.value.reason == "silent for 11 s (heartbeat timeout 10 s)"
+async def test_the_watchdog_ends_a_silent_connection_after_the_timeout_and_not_while_paused(
+    autojump_clock,
+):
+    connection, _, _ = _pair()
+    with pytest.raises(ConnectionLost) as lost:
+        async with connection.alive(heartbeat_seconds=1.0, timeout=10.0):
+            with connection.paused():  # compiling: the peer's silence does not count
+                await trio.sleep(30)
+            await connection.receive()  # nothing ever comes
+    # polls every 1 s; silent 10 s is not over the timeout, 11 s is
+    assert trio.current_time() == 30 + 11
+    assert lost.value.code == "timeout"
+    assert lost.value.reason == "silent for 11 s (heartbeat timeout 10 s)"
 
-    _run(main)
 
-
-def test_a_message_still_arriving_is_not_silence():
+async def test_a_message_still_arriving_is_not_silence(autojump_clock):
     """A round start trickles in over 60 s, 100 bytes every 5 s: longer than the 10 s
     timeout, but never 10 s without a byte, so it arrives whole."""
 
-    async def main():
-        connection, _, raw = _pair()
-        connection.stage = Stage.READY
-        weights = np.arange(300, dtype=np.float32)
-        recorder, recorded = trio.testing.memory_stream_pair()
-        size = await protocol.MessageStream(recorder).send(
-            protocol.RoundStart(round=3), {"w": weights}
-        )
-        wire = b""
-        while len(wire) < size:
-            wire += await recorded.receive_some()
+    connection, _, raw = _pair()
+    connection.stage = Stage.READY
+    weights = np.arange(300, dtype=np.float32)
+    recorder, recorded = trio.testing.memory_stream_pair()
+    size = await protocol.MessageStream(recorder).send(protocol.RoundStart(round=3), {"w": weights})
+    wire = b""
+    while len(wire) < size:
+        wire += await recorded.receive_some()
 
-        async def trickle():
-            for start in range(0, len(wire), 100):
-                await trio.sleep(5)
-                await raw.send_all(wire[start : start + 100])
+    async def trickle():
+        for start in range(0, len(wire), 100):
+            await trio.sleep(5)
+            await raw.send_all(wire[start : start + 100])
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(trickle)
-            async with connection.alive(heartbeat_seconds=1.0, timeout=10.0):
-                message = await connection.receive()
-        assert trio.current_time() == 5 * -(-len(wire) // 100) > 10
-        assert message.body.round == 3
-        np.testing.assert_array_equal(message.tensors["w"], weights)
-
-    _run(main)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trickle)
+        async with connection.alive(heartbeat_seconds=1.0, timeout=10.0):
+            message = await connection.receive()
+    assert trio.current_time() == 5 * -(-len(wire) // 100) > 10
+    assert message.body.round == 3
+    np.testing.assert_array_equal(message.tensors["w"], weights)
 
 
-def test_concurrent_sends_never_interleave():
+async def test_concurrent_sends_never_interleave(autojump_clock):
     """Eight tasks send 256 KiB messages at once: each arrives whole, none mixed."""
 
-    async def main():
-        connection, peer, _ = _pair()
-        received: dict[int, np.ndarray] = {}
+    connection, peer, _ = _pair()
+    received: dict[int, np.ndarray] = {}
 
-        async def receive_all():
-            for _ in range(8):
-                message = await peer.receive()
-                received[message.body.round] = message.tensors["w"]
+    async def receive_all():
+        for _ in range(8):
+            message = await peer.receive()
+            received[message.body.round] = message.tensors["w"]
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(receive_all)
-            for number in range(8):
-                tensors = {"w": np.full(65536, number, np.float32)}
-                nursery.start_soon(connection.send, protocol.RoundStart(round=number), tensors)
-        assert sorted(received) == list(range(8))
-        for number, array in received.items():
-            np.testing.assert_array_equal(array, np.full(65536, number, np.float32))
-
-    _run(main)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive_all)
+        for number in range(8):
+            tensors = {"w": np.full(65536, number, np.float32)}
+            nursery.start_soon(connection.send, protocol.RoundStart(round=number), tensors)
+    assert sorted(received) == list(range(8))
+    for number, array in received.items():
+        np.testing.assert_array_equal(array, np.full(65536, number, np.float32))
 
 
-def test_close_tells_the_peer_why_then_says_goodbye():
-    async def main():
-        connection, peer, _ = _pair()
-        await connection.close("done", error=ConnectionLost("you sent garbage", code="malformed"))
-        error, goodbye = await peer.receive(), await peer.receive()
-        assert error.body == protocol.Error(protocol.ErrorCode.MALFORMED, "you sent garbage")
-        assert goodbye.body == protocol.Goodbye("done")
-        with pytest.raises(protocol.ConnectionClosed):
-            await peer.receive()
-        await connection.close("again")  # a second close is a no-op
-
-    _run(main)
+async def test_close_tells_the_peer_why_then_says_goodbye(autojump_clock):
+    connection, peer, _ = _pair()
+    await connection.close("done", error=ConnectionLost("you sent garbage", code="malformed"))
+    error, goodbye = await peer.receive(), await peer.receive()
+    assert error.body == protocol.Error(protocol.ErrorCode.MALFORMED, "you sent garbage")
+    assert goodbye.body == protocol.Goodbye("done")
+    with pytest.raises(protocol.ConnectionClosed):
+        await peer.receive()
+    await connection.close("again")  # a second close is a no-op
 
 
-def test_close_is_bounded_when_the_peer_does_not_read():
-    async def main():
-        ours, _theirs = trio.testing.lockstep_stream_pair()  # a send waits for a reader
-        connection = Connection(protocol.MessageStream(ours), "shepherd", clock=trio.current_time)
-        await connection.close("bye")
-        assert trio.current_time() == CLOSE_SECONDS
-        with pytest.raises(trio.ClosedResourceError):
-            await connection.send(protocol.Heartbeat(0.0))
-
-    _run(main)
+async def test_close_is_bounded_when_the_peer_does_not_read(autojump_clock):
+    ours, _theirs = trio.testing.lockstep_stream_pair()  # a send waits for a reader
+    connection = Connection(protocol.MessageStream(ours), "shepherd", clock=trio.current_time)
+    await connection.close("bye")
+    assert trio.current_time() == CLOSE_SECONDS
+    with pytest.raises(trio.ClosedResourceError):
+        await connection.send(protocol.Heartbeat(0.0))
 
 
-def test_a_kind_out_of_turn_is_refused_from_its_header():
-    async def main():
-        connection, peer, _ = _pair()  # a worker that has no plan yet
-        await peer.send(protocol.RoundStart(round=1), {"w": np.zeros(4, np.float32)})
-        with pytest.raises(protocol.MalformedMessage, match="roundStart is not valid while"):
-            await connection.receive()
-
-    _run(main)
+async def test_a_kind_out_of_turn_is_refused_from_its_header(autojump_clock):
+    connection, peer, _ = _pair()  # a worker that has no plan yet
+    await peer.send(protocol.RoundStart(round=1), {"w": np.zeros(4, np.float32)})
+    with pytest.raises(protocol.MalformedMessage, match="roundStart is not valid while"):
+        await connection.receive()
 
 
 def test_error_codes_fall_into_the_three_kinds():
@@ -179,27 +155,95 @@ def test_error_codes_fall_into_the_three_kinds():
     ],
     ids=["silent", "ssh", "http", "closed"],
 )
-def test_a_port_that_is_no_shepherd_is_named_not_waited_on(answer, error):
+async def test_a_port_that_is_no_shepherd_is_named_not_waited_on(autojump_clock, answer, error):
     """--connect at another service: it says nothing (the worker waited in its handshake
     for all of --give-up-after) or sends bytes that are no PCP frame."""
 
-    async def main():
-        ours, theirs = trio.testing.memory_stream_pair()
-        if answer is None:
-            await theirs.aclose()
-        else:
-            await theirs.send_all(answer)
-        started = trio.current_time()
-        with pytest.raises(ConnectionLost, match=error):
-            await expect_hello(protocol.MessageStream(ours), "shepherd:8080")
-        assert trio.current_time() - started == (HELLO_SECONDS if answer == b"" else 0)
-
-    _run(main)
+    ours, theirs = trio.testing.memory_stream_pair()
+    if answer is None:
+        await theirs.aclose()
+    else:
+        await theirs.send_all(answer)
+    started = trio.current_time()
+    with pytest.raises(ConnectionLost, match=error):
+        await expect_hello(protocol.MessageStream(ours), "shepherd:8080")
+    assert trio.current_time() - started == (HELLO_SECONDS if answer == b"" else 0)
 
 
+class Unreachable:
+    """An attempt that never gets a welcome: when each try began, and the deadline it was given."""
+
+    def __init__(self, takes: str = "nothing"):
+        self.takes = takes  # "nothing": refused at once; "deadline": black-holed until its deadline
+        self.tries: list[tuple[float, float]] = []
+
+    async def __call__(self, deadline: float) -> str:
+        self.tries.append((trio.current_time(), deadline))
+        if self.takes == "deadline":
+            await trio.sleep_until(deadline)
+        raise ConnectionLost("cannot reach 127.0.0.1:9 (connection refused)")
+
+
+async def test_reconnect_waits_double_within_their_range_and_are_cut_to_the_budget(autojump_clock):
+    waits: list[float] = []
+    attempt = Unreachable()
+    reconnect = Reconnect(give_up_after=60, max_backoff=8, on_wait=lambda _, s: waits.append(s))
+    with pytest.raises(ConnectionLost, match=r"; gave up after 60 s of retrying .*--give-up-after"):
+        await reconnect.run(attempt)
+    starts = [start for start, _ in attempt.tries]
+    assert starts[0] == 0 and starts[-1] == 60  # the budget, exactly: the last try is at its end
+    slept = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert slept == pytest.approx(waits, abs=1e-9)  # each wait announced was slept
+    for number, wait in enumerate(waits[:-1], start=1):  # the last one is cut to what is left
+        most = min(8, FIRST_WAIT * 2 ** (number - 1))
+        assert most / 2 <= wait <= most, (number, waits)
+    assert 0 < waits[-1] <= 8
+    assert all(deadline == max(60, start + LAST_TRY_SECONDS) for start, deadline in attempt.tries)
+
+
+async def test_a_black_holed_address_cannot_stretch_the_budget(autojump_clock):
+    attempt = Unreachable(takes="deadline")
+    with pytest.raises(ConnectionLost, match="gave up after 10 s"):
+        await Reconnect(give_up_after=10, max_backoff=4).run(attempt)
+    assert attempt.tries == [(0, 10)] and trio.current_time() == 10
+
+
+async def test_without_retries_the_first_loss_is_final_and_other_errors_pass_at_once(
+    autojump_clock,
+):
+    attempt = Unreachable()
+    with pytest.raises(
+        ConnectionLost, match=r"^cannot reach 127\.0\.0\.1:9 \(connection refused\)$"
+    ):
+        await Reconnect(give_up_after=60, retry=False).run(attempt)
+    assert len(attempt.tries) == 1 and trio.current_time() == 0
+
+    async def refused(deadline: float) -> None:
+        raise Refused("authFailed")
+
+    with pytest.raises(Refused):
+        await Reconnect(give_up_after=60).run(refused)
+    assert trio.current_time() == 0
+
+
+async def test_a_welcome_ends_the_retries_and_a_lost_connection_pauses_first(autojump_clock):
+    tries: list[float] = []
+
+    async def third_time_lucky(deadline: float) -> str:
+        tries.append(trio.current_time())
+        if len(tries) < 3:
+            raise ConnectionLost("cannot reach 127.0.0.1:9 (connection refused)")
+        return "welcome"
+
+    assert await Reconnect(give_up_after=60).run(third_time_lucky, pause_first=True) == "welcome"
+    assert len(tries) == 3
+    assert FIRST_WAIT / 2 <= tries[0] <= FIRST_WAIT  # not hammering a shepherd that dropped it
+
+
+@pytest.mark.e2e
 def test_give_up_after_is_the_total_time_spent_trying():
-    """Nobody listens: the worker retries with growing waits that fit the 3 s budget,
-    logs each attempt and why, then exits 1 naming the option."""
+    """Nobody listens: the worker process retries, logs each attempt and why, then exits 1
+    naming the option (the waits and the budget: the virtual-clock tests above)."""
     port = free_port()
     command = worker_command(port, "--give-up-after", "3", "--log-level", "info", "--quiet")
     worker = OutputProcess(command)

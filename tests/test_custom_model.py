@@ -170,6 +170,7 @@ def test_a_dataset_without_val_holds_out_rows(tmp_path, monkeypatch):
     assert workload.eval_batch_count == 2 and workload.batch_spec[0].shape == (4, 2)
 
 
+@pytest.mark.e2e
 def test_the_isolated_worker_cannot_import_the_model_file(tmp_path):
     probe = "import importlib.util as u, pcp_tui; print(u.find_spec('examples'), u.find_spec('mlp_model'))"
     result = subprocess.run(

@@ -6,7 +6,6 @@ the end-to-end test runs the real shepherd and real `pcp-tui worker` processes.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import functools
 import io
@@ -15,7 +14,6 @@ import re
 
 import pytest
 import trio
-from textual.geometry import Region
 
 from pcp_tui.app.dashboard import DashboardApp
 from pcp_tui.app.dashboard import app as dashboard_app
@@ -26,39 +24,20 @@ from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunH
 from pcp_tui.app.worker_view import WorkerStatusView, status_line
 from pcp_tui.shepherd.coordinator import RunFailed
 from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.testing.dashboard import (
+    NOW,
+    fake_state,
+    panel_lines,
+    run_async,
+    wait_until,
+)
 from pcp_tui.worker.client import WorkerStatus
 
 from .conftest import small_config, worker_command, worker_env
-from .test_dashboard_snapshots import NOW, fake_state
-
-MAX_PAUSES = 600  # generous bound on polling loops; each pause is 0.1 s
-
-
-def run_async(test):
-    """Run an async test on a fresh asyncio loop (Textual's host loop); no pytest plugin needed."""
-
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-
-    return wrapper
-
-
-async def wait_until(pilot, condition, *, pauses: int = MAX_PAUSES) -> None:
-    for _ in range(pauses):
-        if condition():
-            return
-        await pilot.pause(0.1)
-    raise AssertionError(f"condition never became true: {condition.__doc__ or condition}")
 
 
 def screen_text(app: DashboardApp) -> str:
     return app.export_screenshot().replace("&#160;", " ")
-
-
-def panel_lines(widget) -> list[str]:
-    """What a panel shows, line by line, as plain text (border and scrollbars included)."""
-    return [strip.text for strip in widget.render_lines(Region(0, 0, *widget.outer_size))]
 
 
 class StandInShepherd:
@@ -423,6 +402,7 @@ async def test_q_before_the_local_workers_joined_ends_them_with_the_run():
     assert all(process.returncode is not None for process in processes)
 
 
+@pytest.mark.e2e
 @run_async
 async def test_an_app_that_ends_without_q_does_not_leave_its_guest_run_behind():
     """Whatever ends the app (an error, a test failing mid-way), the shepherd's guest run is

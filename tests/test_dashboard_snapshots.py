@@ -6,166 +6,12 @@ and look at the SVGs under tests/__snapshots__/ before committing them.
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
 
-from pcp_tui.app.dashboard import DashboardApp
-from pcp_tui.shepherd.ledger import ShardLedger
-from pcp_tui.shepherd.rounds import data_parallel_bytes, utilization
-from pcp_tui.shepherd.state import Event, RoundRecord, RunState, WorkerView
-
-STARTED = 1_000.0  # monotonic seconds, frozen
-NOW = STARTED + 83.0
-WALL = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC, for event times
-H = 10
-
-
-def fake_state(*, status: str = "training") -> RunState:
-    state = RunState(
-        run_id="3f2a91bc",
-        rounds_total=6,
-        settings={
-            "algorithm": "DiLoCo",
-            "inner_steps": H,
-            "inner_optimizer": "adamw",
-            "inner_lr": 0.001,
-            "outer_optimizer": "nesterov",
-            "outer_lr": 0.7,
-            "outer_momentum": 0.9,
-            "compression": "int8Block",
-            "workers": 4,
-        },
-    )
-    state.model_name, state.param_count = "tiny", 1_234_567
-    state.address = "127.0.0.1:8080"
-    state.join_command = "pcp-tui worker --connect 127.0.0.1:8080 --token Zk3xQ9wLm2Tr7bYp8vNc4d"
-    state.status, state.round, state.started_at = status, 4, STARTED
-    workers = [
-        WorkerView(
-            "gpu-a-1",
-            0,
-            "gpu-a",
-            "cuda NVIDIA H100",
-            "training",
-            4,
-            6,
-            H,
-            2.4121,
-            51_234.0,
-            NOW - 0.2,
-            1_800_000,
-            1_700_000,
-            3,
-        ),
-        WorkerView(
-            "laptop-7",
-            1,
-            "laptop",
-            "cpu",
-            "syncing",
-            4,
-            H,
-            H,
-            2.5310,
-            2_345.0,
-            NOW - 1.4,
-            1_750_000,
-            1_690_000,
-            3,
-        ),
-        WorkerView(
-            "mac-2",
-            2,
-            "studio.local",
-            "metal Apple M2",
-            "lost",
-            3,
-            3,
-            H,
-            2.9012,
-            980.0,
-            NOW - 40,
-            900_000,
-            500_000,
-            1,
-            "silent for 31 s (heartbeat timeout 30 s)",
-        ),
-        WorkerView(
-            "late-3",
-            3,
-            "gpu-b",
-            "cuda NVIDIA A100",
-            "compiling",
-            0,
-            0,
-            0,
-            None,
-            0.0,
-            NOW - 3.0,
-            600_000,
-            0,
-        ),
-    ]
-    for worker, (memory, peak, limit, gpu) in zip(
-        workers,
-        [(61e9, 72e9, 80e9, 0.97), (3.1e9, 3.4e9, 16e9, None), (9e9, 9e9, 32e9, None)],
-        strict=False,
-    ):
-        worker.runtime, worker.devices, worker.compile_seconds = "xla", 1, 2.1
-        worker.memory_in_use, worker.memory_peak, worker.memory_limit = memory, peak, limit
-        worker.gpu_utilization = gpu
-        worker.steps_trained, worker.tokens_trained = 36, 36 * 8 * 32
-    state.shards = ShardLedger(len(workers))
-    for worker in workers:
-        worker.shard, _ = state.shards.assign(worker.worker_id)
-    state.shards.release("mac-2")  # lost: its shard waits for a new worker
-    state.workers = {w.worker_id: w for w in workers}
-    for number in range(1, 4):
-        for step in range(1, H + 1):
-            global_step = (number - 1) * H + step
-            for worker in range(2):
-                loss = (
-                    2.2 + 3.3 * math.exp(-global_step / 6) + 0.05 * math.sin(global_step + worker)
-                )
-                state.step_losses.append((global_step, loss, worker))
-        seconds = 4.0 + number * 0.25
-        run_share, shares = utilization({"gpu-a-1": 3.1, "laptop-7": 2.6}, seconds)
-        state.history.append(
-            RoundRecord(
-                round=number,
-                train_loss=2.3 + 3.0 * math.exp(-number * H / 6),
-                eval_loss=2.4 + 2.8 * math.exp(-number * H / 6),
-                round_seconds=seconds,
-                compute_seconds=3.1,
-                communication_seconds=0.6 + 0.1 * number,
-                straggler_seconds=0.3 + 0.15 * number,
-                tokens=2 * H * 8 * 32,
-                tokens_per_second=1_200.0 - number * 20,
-                bytes_sent=1_200_000,
-                bytes_received=1_150_000,
-                workers=2,
-                worker_ids=("gpu-a-1", "laptop-7"),
-                utilization=run_share,
-                worker_utilization=shares,
-                bytes_data_parallel=data_parallel_bytes(state.param_count, H, 2),
-            )
-        )
-    state.bytes_sent, state.bytes_received = 5_050_000, 3_890_000
-    events = [
-        ("listening", "listening on 127.0.0.1:8080; join with: " + state.join_command, {}),
-        ("joined", "worker 0 (gpu-a-1, cuda NVIDIA H100) joined from 10.0.0.5:51234", {}),
-        ("joined", "worker 1 (laptop-7, cpu) joined from 10.0.0.9:40110", {}),
-        ("compiled", "worker 0 compiled in 2.1 s", {}),
-        ("refused", "refused 10.0.0.66:50000: wrong join token", {"peer": "10.0.0.66:50000"}),
-        *[("round", f"round {r.round} done", {"record": r}) for r in state.history],
-        ("lost", "worker 2 lost: silent for 31 s (heartbeat timeout 30 s)", {}),
-        ("joined", "worker 3 (late-3, cuda NVIDIA A100) joined from 10.0.0.7:33002", {}),
-    ]
-    for offset, (kind, message, data) in enumerate(events):
-        state.events.append(Event(kind, message, data, at=WALL + 5 * offset))
-    return state
+from pcp_tui.shepherd.state import Event
+from pcp_tui.testing.dashboard import NOW, WALL, fake_state, frozen_app
 
 
 @pytest.fixture(autouse=True)
@@ -177,22 +23,18 @@ def _utc(monkeypatch):
     time.tzset()
 
 
-def _app(state: RunState) -> DashboardApp:
-    return DashboardApp(state=state, shepherd=None, clock=lambda: NOW)
-
-
 def test_dashboard_80x24(snap_compare):
-    assert snap_compare(_app(fake_state()), terminal_size=(80, 24))
+    assert snap_compare(frozen_app(fake_state()), terminal_size=(80, 24))
 
 
 def test_dashboard_160x48(snap_compare):
-    assert snap_compare(_app(fake_state()), terminal_size=(160, 48))
+    assert snap_compare(frozen_app(fake_state()), terminal_size=(160, 48))
 
 
 def test_dashboard_finished_linear_zoomed_100x30(snap_compare):
     state = fake_state(status="done")
     state.finished_at = NOW
-    assert snap_compare(_app(state), terminal_size=(100, 30), press=["l", "z"])
+    assert snap_compare(frozen_app(state), terminal_size=(100, 30), press=["l", "z"])
 
 
 def test_dashboard_waiting_for_workers_80x24(snap_compare):
@@ -202,16 +44,16 @@ def test_dashboard_waiting_for_workers_80x24(snap_compare):
     state.events.append(Event("waiting", "waiting for 2 worker(s)", {}, at=WALL))
     state.workers = {"late-3": state.workers["late-3"]}
     state.bytes_sent, state.bytes_received = 600_000, 0
-    assert snap_compare(_app(state), terminal_size=(80, 24))
+    assert snap_compare(frozen_app(state), terminal_size=(80, 24))
 
 
 def test_help_screen(snap_compare):
-    assert snap_compare(_app(fake_state()), terminal_size=(80, 24), press=["question_mark"])
+    assert snap_compare(frozen_app(fake_state()), terminal_size=(80, 24), press=["question_mark"])
 
 
 def test_dashboard_60x15_drops_panels(snap_compare):
-    assert snap_compare(_app(fake_state()), terminal_size=(60, 15))
+    assert snap_compare(frozen_app(fake_state()), terminal_size=(60, 15))
 
 
 def test_worker_detail(snap_compare):
-    assert snap_compare(_app(fake_state()), terminal_size=(100, 30), press=["enter"])
+    assert snap_compare(frozen_app(fake_state()), terminal_size=(100, 30), press=["enter"])

@@ -6,15 +6,13 @@ from textual.content import Content
 
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory, sparkline
-
-from .test_dashboard import panel_lines, run_async, wait_until
-from .test_dashboard_snapshots import _app, fake_state
+from pcp_tui.testing.dashboard import fake_state, frozen_app, panel_lines, run_async, wait_until
 
 
 @run_async
 async def test_enter_on_a_worker_opens_its_detail_with_statistics_and_history():
     state = fake_state()
-    app = _app(state)
+    app = frozen_app(state)
     async with app.run_test(size=(120, 40)) as pilot:
         gpu = state.workers["gpu-a-1"]
         for step, loss in ((7, 2.40), (8, 2.35), (9, 2.30)):  # three ticks of progress
@@ -47,7 +45,7 @@ def test_history_samples_only_new_training_steps():
 
 @run_async
 async def test_slash_filters_the_event_log_and_escape_clears_it():
-    app = _app(fake_state())
+    app = frozen_app(fake_state())
     async with app.run_test(size=(100, 40)) as pilot:
         log = app.query_one(EventLog)
         everything = len(log.lines)
@@ -76,7 +74,7 @@ def _detail_of(app) -> str:
 async def test_arrow_keys_and_enter_pick_a_worker_as_pressed_from_the_start():
     """Nothing is focused by hand: what a person gets when the dashboard opens."""
     state = fake_state()
-    app = _app(state)
+    app = frozen_app(state)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("down", "down", "up", "enter")
         await pilot.pause()
@@ -88,7 +86,7 @@ async def test_arrow_keys_and_enter_pick_a_worker_as_pressed_from_the_start():
 
 @run_async
 async def test_small_terminals_drop_panels_instead_of_squeezing_the_chart():
-    app = _app(fake_state())
+    app = frozen_app(fake_state())
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
         assert app.query_one(RoundTiming).display and app.query_one(EventLog).display
@@ -113,7 +111,7 @@ async def test_a_workers_texts_are_shown_as_written_not_read_as_markup():
     view = state.workers.pop("gpu-a-1")
     view.worker_id, view.host, view.reason = hostile, hostile, "said [/] bye"
     state.workers = {hostile: view, **state.workers}
-    app = _app(state)
+    app = frozen_app(state)
     async with app.run_test(size=(120, 40)) as pilot:
         app.refresh_from_state()
         await pilot.press("enter")
@@ -140,7 +138,7 @@ async def test_c_says_what_it_did_with_the_join_command_inside_tmux_and_out(monk
             monkeypatch.setenv("TMUX", tmux)
         else:
             monkeypatch.delenv("TMUX", raising=False)
-        app = _app(state)
+        app = frozen_app(state)
         async with app.run_test(size=(120, 40)) as pilot:
             await pilot.press("c")
             await pilot.pause()

@@ -153,7 +153,7 @@ async def receive_over_tcp(tensors: dict, quantization: str, threads: int) -> di
     return message.tensors
 
 
-def test_a_bad_scale_in_a_tensor_decoded_behind_the_reading_ends_that_connection_only():
+async def test_a_bad_scale_in_a_tensor_decoded_behind_the_reading_ends_that_connection_only():
     """The first big tensor's last scale is NaN: the error surfaces from the decode thread as
     the plain MalformedMessage (no exception group), after the rest was read, and the stream
     refuses further use; a second connection in the same run receives normally."""
@@ -169,24 +169,21 @@ def test_a_bad_scale_in_a_tensor_decoded_behind_the_reading_ends_that_connection
     scales_end = first + BIG + 4 * -(-BIG // 256)
     wire[scales_end - 4 : scales_end] = np.array([np.nan], np.float32).tobytes()
 
-    async def main():
-        bad_client, bad_server = await tcp_pair()
-        good_client, good_server = await tcp_pair()
-        bad, good = protocol.MessageStream(bad_server), protocol.MessageStream(good_server)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(bad_client.send_all, bytes(wire))
-            with pytest.raises(protocol.MalformedMessage, match="tensor 'a'.*block scale"):
-                await bad.receive()
-        with pytest.raises(protocol.ConnectionClosed, match="unusable"):
+    bad_client, bad_server = await tcp_pair()
+    good_client, good_server = await tcp_pair()
+    bad, good = protocol.MessageStream(bad_server), protocol.MessageStream(good_server)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bad_client.send_all, bytes(wire))
+        with pytest.raises(protocol.MalformedMessage, match="tensor 'a'.*block scale"):
             await bad.receive()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: protocol.MessageStream(good_client).send(body, tensors))
-            message = await good.receive()
-        assert all(message.tensors[n].tobytes() == tensors[n].tobytes() for n in tensors)
-        for stream in (bad_client, bad_server, good_client, good_server):
-            await stream.aclose()
-
-    trio.run(main)
+    with pytest.raises(protocol.ConnectionClosed, match="unusable"):
+        await bad.receive()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: protocol.MessageStream(good_client).send(body, tensors))
+        message = await good.receive()
+    assert all(message.tensors[n].tobytes() == tensors[n].tobytes() for n in tensors)
+    for stream in (bad_client, bad_server, good_client, good_server):
+        await stream.aclose()
 
 
 def test_bfloat16_wire_bits_of_every_kind_decode_as_ml_dtypes_casts_them():

@@ -301,7 +301,7 @@ def test_sigterm_then_resume_brings_the_same_workers_back(tmp_path, spawn_worker
         assert "fresh inner optimizer state" not in text, text
 
 
-def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever():
+async def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever():
     """A run that ended while a worker was cut off never says goodbye to it: after
     --give-up-after seconds of failed reconnects the worker stops and says why."""
     from pcp_tui.config import WorkerConfig
@@ -312,7 +312,7 @@ def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_forever()
     )
     worker = Worker(config, max_backoff=0.02)
     with pytest.raises(ConnectionLost, match=r"gave up after \d+ s of retrying"):
-        trio.run(worker.run)
+        await worker.run()
     assert worker.status.state == "connecting"
 
 

@@ -161,7 +161,7 @@ def test_encode_change_refuses_what_encode_refuses_and_a_missing_base():
         protocol.encode_change(BODY, target, {}, quantization="none")
 
 
-def test_one_encoding_reaches_two_workers_over_tcp_as_the_same_bytes_and_global_value():
+async def test_one_encoding_reaches_two_workers_over_tcp_as_the_same_bytes_and_global_value():
     """The shepherd encodes a fragment update once and sends it to two real TCP peers: each
     decodes the same tensors from the same number of bytes, and forms (last global + change,
     as `worker/rounds.py` does) exactly the value the shepherd kept."""
@@ -171,26 +171,23 @@ def test_one_encoding_reaches_two_workers_over_tcp_as_the_same_bytes_and_global_
     update = protocol.encode_change(BODY, params, old, quantization="int8Block")
     received = []
 
-    async def main():
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        links = []
-        for _ in range(2):
-            client = await trio.testing.open_stream_to_socket_listener(listeners[0])
-            links.append((protocol.MessageStream(client), await listeners[0].accept()))
-        async with trio.open_nursery() as nursery:
-            for shepherd_side, worker_side in links:
-                nursery.start_soon(shepherd_side.send_encoded, update)
-                nursery.start_soon(receive, protocol.MessageStream(worker_side))
-        for shepherd_side, worker_side in links:
-            await shepherd_side.aclose()
-            await worker_side.aclose()
-        for listener in listeners:
-            await listener.aclose()
-
     async def receive(stream):
         received.append(await stream.receive())
 
-    trio.run(main)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    links = []
+    for _ in range(2):
+        client = await trio.testing.open_stream_to_socket_listener(listeners[0])
+        links.append((protocol.MessageStream(client), await listeners[0].accept()))
+    async with trio.open_nursery() as nursery:
+        for shepherd_side, worker_side in links:
+            nursery.start_soon(shepherd_side.send_encoded, update)
+            nursery.start_soon(receive, protocol.MessageStream(worker_side))
+    for shepherd_side, worker_side in links:
+        await shepherd_side.aclose()
+        await worker_side.aclose()
+    for listener in listeners:
+        await listener.aclose()
     assert [m.wire_bytes for m in received] == [update.wire_bytes] * 2
     for message in received:
         assert message.body == BODY
@@ -199,7 +196,7 @@ def test_one_encoding_reaches_two_workers_over_tcp_as_the_same_bytes_and_global_
     assert update.wire_bytes < params["w"].nbytes / 3  # int8: the change, not the values
 
 
-def test_a_worker_link_sends_an_encoded_update_within_its_deadline_or_cuts_the_link():
+async def test_a_worker_link_sends_an_encoded_update_within_its_deadline_or_cuts_the_link():
     """`WorkerLink.send_encoded` keeps `send`'s rule: a peer that reads gets the whole update;
     one that does not read is cut off past --upload-grace + bytes / --min-upload-rate, and its
     link ends (the update is 64 MB: more than a loopback socket holds unread)."""
@@ -210,36 +207,32 @@ def test_a_worker_link_sends_an_encoded_update_within_its_deadline_or_cuts_the_l
     update = protocol.encode_once(protocol.FragmentUpdate(round=1, fragment=0), {"w": values})
     outcomes = {}
 
-    async def main():
-        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
-        state = RunState(run_id="r", rounds_total=1, settings={})
-        links, peers = [], []
-        for index, (grace, rate) in enumerate([(float("inf"), float("inf")), (0.2, 1e9)]):
-            peers.append(await trio.testing.open_stream_to_socket_listener(listener))
-            view = WorkerView(worker_id=f"w{index}", index=index, host="here")
-            stream = protocol.MessageStream(await listener.accept())
-            links.append(
-                WorkerLink(
-                    stream, view, state, protocol.Platform.CPU, min_send_rate=rate, send_grace=grace
-                )
-            )
-        # a bound, not a timing: a link without its deadline would wait on the deaf peer for ever
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send, links[0], "reads")
-                nursery.start_soon(send, links[1], "deaf")
-                outcomes["received"] = await protocol.MessageStream(peers[0]).receive()
-        for stream in [*peers, listener]:
-            await stream.aclose()
-        outcomes["deaf closed"] = links[1].closed
-
     async def send(link, name):
         try:
             outcomes[name] = await link.send_encoded(update)
         except SendTooSlow as exc:
             outcomes[name] = str(exc)
 
-    trio.run(main)
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    state = RunState(run_id="r", rounds_total=1, settings={})
+    links, peers = [], []
+    for index, (grace, rate) in enumerate([(float("inf"), float("inf")), (0.2, 1e9)]):
+        peers.append(await trio.testing.open_stream_to_socket_listener(listener))
+        view = WorkerView(worker_id=f"w{index}", index=index, host="here")
+        stream = protocol.MessageStream(await listener.accept())
+        links.append(
+            WorkerLink(
+                stream, view, state, protocol.Platform.CPU, min_send_rate=rate, send_grace=grace
+            )
+        )
+    # a bound, not a timing: a link without its deadline would wait on the deaf peer for ever
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send, links[0], "reads")
+        nursery.start_soon(send, links[1], "deaf")
+        outcomes["received"] = await protocol.MessageStream(peers[0]).receive()
+    for stream in [*peers, listener]:
+        await stream.aclose()
+    outcomes["deaf closed"] = links[1].closed
     assert outcomes["reads"] == update.wire_bytes == outcomes["received"].wire_bytes
     assert outcomes["received"].tensors["w"].tobytes() == values.tobytes()
     assert "download too slow" in outcomes["deaf"] and f"{values.nbytes}-byte" in outcomes["deaf"]

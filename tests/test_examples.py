@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import jax
@@ -153,9 +154,31 @@ def test_the_readme_model_file_works(tmp_path):
     assert value.shape == () and 0.5 < float(value) < 5
 
 
-def test_install_instructions_use_a_checkout_not_an_unpublished_package():
-    for path in [EXAMPLES.parent / "README.md", *EXAMPLES.glob("*.md")]:
-        assert "pip install pcp-tui" not in path.read_text(), path
+def test_every_documented_pip_install_names_this_checkout_and_extras_it_has():
+    """pcp-tui has no release: a documented install is of the checkout (`.`, `-e .`, `git+`), or
+    adds extras to the installed checkout (`'pcp-tui[iree]'`), and each extra named exists
+    (pip only warns about an unknown one and installs nothing for it)."""
+    extras = set(
+        tomllib.loads((EXAMPLES.parent / "pyproject.toml").read_text())["project"][
+            "optional-dependencies"
+        ]
+    )
+    installs = [
+        (path.name, target)
+        for path in [EXAMPLES.parent / "README.md", *EXAMPLES.glob("*.md")]
+        for command in re.findall(r"pip install\s+([^`#;\n]+)", path.read_text())
+        for target in shlex.split(re.sub(r"<[^>]*>", "URL", command))
+        if not target.startswith("-") or target == "-e"
+    ]
+    assert installs, "no pip install documented"
+    for where, target in installs:
+        if target == "-e" or target.startswith("git+"):
+            continue
+        name, _, named = target.partition("[")
+        assert name in (".", "pcp-tui"), f"{where}: pip install {target} is not this checkout"
+        assert name == "." or named, f"{where}: pip install {target} fetches an unreleased package"
+        unknown = set(named.rstrip("]").split(",")) - extras - {""}
+        assert not unknown, f"{where}: pip install {target}: no extra {sorted(unknown)}"
 
 
 def test_the_gpt2_preset_sizes_in_the_readme_and_its_name():

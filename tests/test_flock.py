@@ -25,29 +25,26 @@ class _Link:  # what a slot touches on a WorkerLink: its view, and `paused`
             self.is_paused = False
 
 
-def test_results_beyond_the_slots_wait_and_small_messages_never_do():
-    async def main():
-        slots = trio.Semaphore(1)
-        first, second = _Link("a"), _Link("b")
-        held = ResultSlot(slots, first)
-        await held.admit("roundResult", 10**9)
-        await ResultSlot(slots, second).admit("progress", 10)  # no payload budget needed
-        waiting = ResultSlot(slots, second)
-        admitted = trio.Event()
+async def test_results_beyond_the_slots_wait_and_small_messages_never_do(autojump_clock):
+    slots = trio.Semaphore(1)
+    first, second = _Link("a"), _Link("b")
+    held = ResultSlot(slots, first)
+    await held.admit("roundResult", 10**9)
+    await ResultSlot(slots, second).admit("progress", 10)  # no payload budget needed
+    waiting = ResultSlot(slots, second)
+    admitted = trio.Event()
 
-        async def second_result():
-            await waiting.admit("roundResult", 10**9)
-            admitted.set()
+    async def second_result():
+        await waiting.admit("roundResult", 10**9)
+        admitted.set()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(second_result)
-            await trio.testing.wait_all_tasks_blocked()
-            assert not admitted.is_set() and second.is_paused  # waiting, and not "silent"
-            held.release()
-            held.release()  # a second release is a no-op, not a second free slot
-            await admitted.wait()
-        assert not second.is_paused and slots.value == 0
-        waiting.release()
-        assert slots.value == 1
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second_result)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not admitted.is_set() and second.is_paused  # waiting, and not "silent"
+        held.release()
+        held.release()  # a second release is a no-op, not a second free slot
+        await admitted.wait()
+    assert not second.is_paused and slots.value == 0
+    waiting.release()
+    assert slots.value == 1

@@ -44,40 +44,25 @@ from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.engine import RoundStarts
 from pcp_tui.shepherd.state import RunState, WorkerView
-from pcp_tui.testing import heartbeat_until_hung_up, run_shepherd, until
+from pcp_tui.testing import (
+    PEER_ERRORS,
+    ready_peer,
+    round_start,
+    run_shepherd,
+    until,
+)
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-from .test_hostile_sessions import NOT_STRIPING, connect, hello
 
 H, CHUNK = 4, 2
 PER_STEP = 4 * 32  # batch rows x tokens a row: small_config's batch 4, sequence 32
-PEER_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError)
 
 LIARS = {  # worker id -> what its round-1 result claims (the honest claim: H, H * PER_STEP, ~s)
     "greedy": dict(inner_steps=1000 * H, tokens=H * PER_STEP, compute_seconds=1e-3),
     "heavy": dict(inner_steps=1, tokens=H * PER_STEP, compute_seconds=0.1),
     "timeless": dict(inner_steps=H, tokens=H * PER_STEP, compute_seconds=1e6),
 }
-
-
-async def ready_peer(port: int, worker_id: str) -> protocol.MessageStream:
-    stream, nonce = await connect(port)
-    await stream.send(hello(worker_id, nonce, supported_versions=NOT_STRIPING))
-    assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
-    await stream.send(protocol.Ready(compile_seconds=0.1))
-    return stream
-
-
-async def round_start(stream: protocol.MessageStream) -> protocol.Message:
-    """Heartbeats (alive to the watchdog while the honest worker compiles) until round 1 starts."""
-    async with trio.open_nursery() as alive:
-        alive.start_soon(heartbeat_until_hung_up, stream)
-        start = await stream.receive()
-        while start.kind != "roundStart":
-            start = await stream.receive()
-        alive.cancel_scope.cancel()
-    return start
 
 
 async def lying_peer(port: int, worker_id: str, seen: dict) -> None:
@@ -201,7 +186,7 @@ async def socket_links(count: int) -> tuple[list[WorkerLink], list[protocol.Mess
     return links, peers
 
 
-def test_a_fragment_closing_as_roundstarts_finish_cuts_off_exactly_the_unsent_ones():
+async def test_a_fragment_closing_as_roundstarts_finish_cuts_off_exactly_the_unsent_ones():
     """Fragments close while roundStarts go out, in every order the scheduler picks: a link
     whose roundStart went out whole keeps its connection and gets the fragment's update; one
     left out of the update has none of it (cut off mid-frame and closed, or never sent).
@@ -236,15 +221,11 @@ def test_a_fragment_closing_as_roundstarts_finish_cuts_off_exactly_the_unsent_on
             await peer.stream.aclose()
         return len(cut), len(links) - len(cut)
 
-    async def main():
-        outcomes = [await one_round(seed) for seed in range(30)]
-        return outcomes
-
-    outcomes = trio.run(main)
+    outcomes = [await one_round(seed) for seed in range(30)]
     print("(cut off, delivered) per round:", outcomes)
 
 
-def test_the_operator_api_answers_503_beyond_its_connection_cap():
+async def test_the_operator_api_answers_503_beyond_its_connection_cap():
     """MAX_CONNECTIONS idle TCP connections hold every slot of the operator API: a real HTTP
     client is answered 503 at once (Retry-After), not queued; once they close, it is served.
     Before, every connection was taken and held until its 10 s read timeout."""
@@ -257,21 +238,18 @@ def test_the_operator_api_answers_503_beyond_its_connection_cap():
     def get() -> httpx.Response:
         return httpx.get(url, timeout=30)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(api.serve)
-            assert (await trio.to_thread.run_sync(get)).status_code == 200
-            await until(lambda: api.server.open == 0)  # that client has closed its connection
-            idle = [await trio.open_tcp_stream(host, int(port)) for _ in range(64)]
-            await until(lambda: api.server.open == api_connections.MAX_CONNECTIONS)
-            busy = await trio.to_thread.run_sync(get)
-            assert (busy.status_code, busy.headers["retry-after"]) == (503, "1"), busy
-            assert "too many open connections" in busy.json()["error"]
-            for stream in idle:
-                await stream.aclose()
-            await until(lambda: api.server.open == 0)
-            assert (await trio.to_thread.run_sync(get)).status_code == 200
-            assert api.server.turned_away == 1
-            api.close()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(api.serve)
+        assert (await trio.to_thread.run_sync(get)).status_code == 200
+        await until(lambda: api.server.open == 0)  # that client has closed its connection
+        idle = [await trio.open_tcp_stream(host, int(port)) for _ in range(64)]
+        await until(lambda: api.server.open == api_connections.MAX_CONNECTIONS)
+        busy = await trio.to_thread.run_sync(get)
+        assert (busy.status_code, busy.headers["retry-after"]) == (503, "1"), busy
+        assert "too many open connections" in busy.json()["error"]
+        for stream in idle:
+            await stream.aclose()
+        await until(lambda: api.server.open == 0)
+        assert (await trio.to_thread.run_sync(get)).status_code == 200
+        assert api.server.turned_away == 1
+        api.close()

@@ -35,7 +35,6 @@ connections), peers in this process that speak the real protocol over 127.0.0.1.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 
 import numpy as np
@@ -45,7 +44,14 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import heartbeat_until_hung_up, run_shepherd, until
+from pcp_tui.testing import (
+    NOT_STRIPING,
+    connect_peer,
+    heartbeat_until_hung_up,
+    peer_hello,
+    run_shepherd,
+    until,
+)
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -53,35 +59,14 @@ from .conftest import small_config
 pytestmark = pytest.mark.e2e
 
 TOKEN = "test-token"
-NOT_STRIPING = (2, 3)  # a peer that does not list protocol 4 is not asked to stripe
 REPEATS = 200  # copies of one result a peer sends
-
-
-async def connect(port: int, receive_buffer: int = 0) -> tuple[protocol.MessageStream, bytes]:
-    """A connection past the shepherd's hello: (the stream, this connection's nonce)."""
-    sock = trio.socket.socket()
-    if receive_buffer:  # before connect: the window the shepherd may fill
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-    await sock.connect(("127.0.0.1", port))
-    stream = protocol.MessageStream(trio.SocketStream(sock))
-    return stream, (await stream.receive()).body.nonce
-
-
-def hello(worker_id: str, nonce: bytes, **fields) -> protocol.WorkerHello:
-    fields.setdefault("supported_versions", protocol.SUPPORTED_VERSIONS)
-    return protocol.WorkerHello(
-        worker_id=worker_id,
-        proof=auth.proof(TOKEN, nonce, worker_id),
-        backend=protocol.BackendInfo(platform=protocol.Platform.CPU),
-        **fields,
-    )
 
 
 async def deaf_peer(port: int) -> None:
     """Join, read the plan, say ready, then heartbeat and never read again."""
-    stream, nonce = await connect(port, receive_buffer=4096)
+    stream, nonce = await connect_peer(port, receive_buffer=4096)
     async with stream.stream:
-        await stream.send(hello("deaf", nonce, supported_versions=NOT_STRIPING))
+        await stream.send(peer_hello("deaf", nonce, supported_versions=NOT_STRIPING))
         assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
         await stream.send(protocol.Ready(compile_seconds=0.1))
         await heartbeat_until_hung_up(stream)  # alive to the watchdog, deaf to everything else
@@ -90,9 +75,9 @@ async def deaf_peer(port: int) -> None:
 async def repeating_peer(port: int, seen: dict) -> None:
     """Join, say ready, answer round 1 with a well-formed result, then send it again and again
     (and one for a round that has not started): a flood of results no worker sends."""
-    stream, nonce = await connect(port)
+    stream, nonce = await connect_peer(port)
     async with stream.stream:
-        await stream.send(hello("repeater", nonce, supported_versions=NOT_STRIPING))
+        await stream.send(peer_hello("repeater", nonce, supported_versions=NOT_STRIPING))
         assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
         await stream.send(protocol.Ready(compile_seconds=0.1))
         start = await stream.receive()
@@ -118,10 +103,10 @@ async def repeating_peer(port: int, seen: dict) -> None:
 async def attach(port: int, worker_id: str, index: int, key: bytes, *, replay: bool = False):
     """An extra connection for `worker_id`'s session; the shepherd's error, or None (attached:
     the stream is returned instead). `replay`: the proof of another connection's nonce."""
-    stream, nonce = await connect(port)
+    stream, nonce = await connect_peer(port)
     proof_nonce = b"\x01" * len(nonce) if replay else nonce
     await stream.send(
-        hello(
+        peer_hello(
             worker_id,
             nonce,
             attach_index=index,
@@ -138,8 +123,8 @@ async def attach(port: int, worker_id: str, index: int, key: bytes, *, replay: b
 async def striping_peer(port: int, seen: dict) -> None:
     """Open a session that asks for 2 connections; let strangers try to attach to it; attach
     the real one; read the plan over both; close the extra connection; heartbeat."""
-    stream, nonce = await connect(port)
-    await stream.send(hello("striper", nonce))
+    stream, nonce = await connect_peer(port)
+    await stream.send(peer_hello("striper", nonce))
     offer = (await stream.receive()).body
     key, wrong = offer.session_key, auth.new_session_key()
     seen["offer"] = offer.streams

@@ -26,11 +26,20 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.shepherd.api_bodies import workers_json
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import faulty_worker_command, pause_after_round, run_shepherd, until
+from pcp_tui.testing import (
+    PEER_ERRORS,
+    faulty_worker_command,
+    pause_after_round,
+    ready_peer,
+    round_start,
+    run_shepherd,
+    until,
+)
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_env
-from .test_hostile_claims import PEER_ERRORS, PER_STEP, ready_peer, round_start
+
+PER_STEP = 4 * 32  # batch rows x tokens a row: small_config's batch 4, sequence 32
 
 TRICKLE_SECONDS = 1.0  # each heartbeat's last byte waits this long (--upload-grace is 10 s)
 

@@ -12,11 +12,10 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import pause_after_round, run_shepherd, until
+from pcp_tui.testing import join_as, pause_after_round, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-from .test_identity import join_as
 
 pytestmark = pytest.mark.e2e
 

@@ -13,33 +13,20 @@ import pytest
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.contract import auth
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds import Round
-from pcp_tui.testing import run_shepherd, until
+from pcp_tui.testing import join_as, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-from .test_elastic import _kinds
 
 pytestmark = pytest.mark.e2e
 
 
-async def join_as(port: int, worker_id: str, token: str = "test-token"):
-    """Handshake as `worker_id` with the token's real proof; (stream, the shepherd's answer)."""
-    stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
-    hello = (await stream.receive()).body
-    await stream.send(
-        protocol.WorkerHello(
-            supported_versions=protocol.SUPPORTED_VERSIONS,
-            worker_id=worker_id,
-            proof=auth.proof(token, hello.nonce, worker_id),
-            backend=protocol.BackendInfo(platform=protocol.Platform.CPU),
-        )
-    )
-    return stream, await stream.receive()
+def _kinds(shepherd, kind: str) -> list:
+    return [e for e in shepherd.state.events if e.kind == kind]
 
 
 def _exit_code(process: subprocess.Popen, guard: float = 120.0) -> int | None:
@@ -138,27 +125,24 @@ def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_rep
     )
 
 
-def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
+async def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
     shapes = {"w": (3,)}
     original, other = object(), object()
 
-    async def main():
-        current = Round(
-            1,
-            ["a"],
-            PseudoGradientMean(("w",)),
-            ResultScreen(shapes, max_tokens=100),
-            connections={"a": original},
-        )
-        assert not current.accepts("a", 1, other)
-        assert not current.accepts("a", 2, original)
-        assert current.accepts("a", 1, original)
-        body = protocol.RoundResult(round=1, tokens=10, losses=(1.0,), inner_steps=1)
-        message = protocol.Message(body, {"w": np.ones(3, np.float32)})
-        assert await current.add("a", message)
-        assert not current.accepts("a", 1, original)  # and only once
-
-    trio.run(main)
+    current = Round(
+        1,
+        ["a"],
+        PseudoGradientMean(("w",)),
+        ResultScreen(shapes, max_tokens=100),
+        connections={"a": original},
+    )
+    assert not current.accepts("a", 1, other)
+    assert not current.accepts("a", 2, original)
+    assert current.accepts("a", 1, original)
+    body = protocol.RoundResult(round=1, tokens=10, losses=(1.0,), inner_steps=1)
+    message = protocol.Message(body, {"w": np.ones(3, np.float32)})
+    assert await current.add("a", message)
+    assert not current.accepts("a", 1, original)  # and only once
 
 
 def test_admitted_connections_are_capped_and_the_extra_is_told_busy():

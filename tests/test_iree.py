@@ -79,6 +79,7 @@ def iree_cache(tmp_path_factory):
 RUN = dict(workers=2, rounds=3, inner_steps=6, chunk_steps=CHUNK, inner_lr=LR, warmup_steps=2)
 
 
+@pytest.mark.e2e  # IREE compiles in a process of its own
 @pytest.mark.parametrize("model", ["tiny", MLP])
 def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
     config = small_config(model=model, batch_size=8 if model == MLP else 4, **RUN)
@@ -120,6 +121,7 @@ def test_iree_train_chunk_and_eval_loss_equal_xla(model, iree_cache):
     assert expected_shapes(init.call, graphs.param_names) == shapes
 
 
+@pytest.mark.e2e
 def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
     """eigh lowers to a LAPACK custom call on CPU: IREE has no lowering, and the error says so.
     A worker never gets that far: the custom call is not one of our exports', so `load`
@@ -137,6 +139,7 @@ def test_a_graph_iree_cannot_compile_names_the_op(tmp_path):
         IreeBackend("cpu", cache_dir=tmp_path).load("eigh", exported.serialize())
 
 
+@pytest.mark.e2e
 def test_cpu_workers_run_unpinned_and_the_cache_names_the_host_cpu(tmp_path, monkeypatch):
     """Two properties of running on the CPU, checked on one small compiled graph.
 
@@ -192,7 +195,7 @@ def _iree_worker_threads() -> list[int]:
 
 
 @pytest.mark.e2e
-def test_an_xla_worker_and_an_iree_worker_train_one_run(iree_cache, spawn_worker):
+async def test_an_xla_worker_and_an_iree_worker_train_one_run(iree_cache, spawn_worker):
     """Real processes: both workers' results are averaged each round and the loss falls.
 
     In the same run a peer that says it runs Vulkan through XLA is refused with
@@ -203,15 +206,12 @@ def test_an_xla_worker_and_an_iree_worker_train_one_run(iree_cache, spawn_worker
     workers = {}
     refusal = []
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            cache = ("--compile-cache", str(iree_cache))
-            workers["xla"] = spawn_worker(port, "--runtime", "xla", "--id", "xla", "--quiet")
-            workers["iree"] = spawn_worker(port, "--runtime", "iree", "--id", "iree", *cache)
-            refusal.append(await _join_as(port, protocol.Platform.VULKAN, protocol.Runtime.XLA))
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        cache = ("--compile-cache", str(iree_cache))
+        workers["xla"] = spawn_worker(port, "--runtime", "xla", "--id", "xla", "--quiet")
+        workers["iree"] = spawn_worker(port, "--runtime", "iree", "--id", "iree", *cache)
+        refusal.append(await _join_as(port, protocol.Platform.VULKAN, protocol.Runtime.XLA))
     for name, process in workers.items():
         assert process.wait(timeout=60) == 0, f"{name}: {process.stdout.read()}"
     history = shepherd.state.history
@@ -261,6 +261,7 @@ async def _join_as(port: int, platform: protocol.Platform, runtime: protocol.Run
         ),
     ],
 )
+@pytest.mark.e2e
 def test_a_worker_that_cannot_run_exits_saying_what_to_do(options, without_iree, says, tmp_path):
     env = worker_env()
     if without_iree:  # an `iree` package without the compiler and runtime shadows the real one
@@ -274,6 +275,7 @@ def test_a_worker_that_cannot_run_exits_saying_what_to_do(options, without_iree,
     assert says in result.stderr
 
 
+@pytest.mark.e2e
 def test_the_gpt2_step_compiles_for_metal(tmp_path):
     """No Mac here: compiling for metal-spirv is what shows a regression in CI.
 
@@ -336,7 +338,7 @@ def build(config):
 
 
 @pytest.mark.e2e
-def test_a_worker_whose_iree_cannot_compile_the_graphs_tells_the_shepherd_and_leaves(
+async def test_a_worker_whose_iree_cannot_compile_the_graphs_tells_the_shepherd_and_leaves(
     tmp_path, spawn_worker
 ):
     model = tmp_path / "eigh_model.py"
@@ -345,16 +347,13 @@ def test_a_worker_whose_iree_cannot_compile_the_graphs_tells_the_shepherd_and_le
     shepherd = Shepherd(config, build_workload(config, shards=1))
     exits = []
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            worker = spawn_worker(port, "--runtime", "iree", "--id", "eigh", "--quiet")
-            exits.append(await trio.to_thread.run_sync(worker.wait, 60))  # reconnect is on
-            exits.append(worker.stdout.read())
-            shepherd.request_stop("the test is over")
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        worker = spawn_worker(port, "--runtime", "iree", "--id", "eigh", "--quiet")
+        exits.append(await trio.to_thread.run_sync(worker.wait, 60))  # reconnect is on
+        exits.append(worker.stdout.read())
+        shepherd.request_stop("the test is over")
+        nursery.cancel_scope.cancel()
     returncode, output = exits
     op = "holds a custom call to 'lapack_ssyevd_ffi', which pcp-tui's exports for cpu never"
     assert returncode == 1 and op in output and "(not retrying)" in output

@@ -20,8 +20,9 @@ CLOSES_ITS_OUTPUT = (
 )
 
 
+@pytest.mark.e2e
 def test_a_process_that_closes_its_output_ends_the_wait_though_it_lives_on():
-    process = OutputProcess([sys.executable, "-c", CLOSES_ITS_OUTPUT], hang_guard=60)
+    process = OutputProcess([sys.executable, "-c", CLOSES_ITS_OUTPUT])
     try:
         assert process.wait_for("started").group() == "started"
         with pytest.raises(AssertionError, match="the process closed its output") as failure:
@@ -32,6 +33,7 @@ def test_a_process_that_closes_its_output_ends_the_wait_though_it_lives_on():
         process.kill()
 
 
+@pytest.mark.e2e
 def test_a_process_that_ends_ends_the_wait_with_its_last_lines_read():
     process = OutputProcess([sys.executable, "-c", "print('last words'); raise SystemExit(3)"])
     with pytest.raises(AssertionError, match="the process closed its output") as failure:

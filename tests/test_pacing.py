@@ -130,27 +130,24 @@ class _NoMean:
 
 
 @pytest.mark.e2e
-def test_a_slow_worker_trains_fewer_steps_and_still_counts(spawn_worker):
+async def test_a_slow_worker_trains_fewer_steps_and_still_counts(spawn_worker):
     config = small_config(
         workers=2, rounds=3, inner_steps=H, chunk_steps=CHUNK, adaptive_steps=True
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            spawn_worker(port, "--id", "fast")
-            command = faulty_worker_command(port, "slow", "--id", "slow", factor=3.0)
-            slow = subprocess.Popen(
-                command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-            )
-            try:
-                while not any(e.kind == "done" for e in shepherd.state.events):
-                    await trio.sleep(0.05)
-            finally:
-                await trio.to_thread.run_sync(slow.wait)
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        spawn_worker(port, "--id", "fast")
+        command = faulty_worker_command(port, "slow", "--id", "slow", factor=3.0)
+        slow = subprocess.Popen(
+            command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+        try:
+            while not any(e.kind == "done" for e in shepherd.state.events):
+                await trio.sleep(0.05)
+        finally:
+            await trio.to_thread.run_sync(slow.wait)
     history = shepherd.state.history
     full = H * config.data.batch_size * config.data.seq_len
     tokens = [r.tokens for r in history]

@@ -379,30 +379,24 @@ async def receive_all(data: bytes, sizes: list[int], count: int) -> list[protoco
     return messages
 
 
-def test_small_message_survives_every_two_piece_split():
+async def test_small_message_survives_every_two_piece_split():
     data = wire(protocol.encode(*SMALL))
 
-    async def main():
-        for cut in range(1, len(data)):
-            [message] = await receive_all(data, [cut], 1)
-            assert_same(message, *SMALL)
-
-    trio.run(main)
+    for cut in range(1, len(data)):
+        [message] = await receive_all(data, [cut], 1)
+        assert_same(message, *SMALL)
 
 
-def test_back_to_back_messages_survive_random_fragmentation():
+async def test_back_to_back_messages_survive_random_fragmentation():
     one = wire(protocol.encode(*SMALL))
     data = one * 3
     rng = random.Random(1)
 
-    async def main():
-        for _ in range(60):
-            sizes = [rng.choice([1, 1, 2, 3, 5, 8, 40, 200]) for _ in range(len(data))]
-            for message in await receive_all(data, sizes, 3):
-                assert_same(message, *SMALL)
-                assert message.wire_bytes == len(one)
-
-    trio.run(main)
+    for _ in range(60):
+        sizes = [rng.choice([1, 1, 2, 3, 5, 8, 40, 200]) for _ in range(len(data))]
+        for message in await receive_all(data, sizes, 3):
+            assert_same(message, *SMALL)
+            assert message.wire_bytes == len(one)
 
 
 async def exchange_all_kinds(left: trio.abc.Stream, right: trio.abc.Stream) -> None:
@@ -430,11 +424,8 @@ async def exchange_all_kinds(left: trio.abc.Stream, right: trio.abc.Stream) -> N
         await receiver.receive()
 
 
-def test_every_kind_over_a_memory_stream():
-    async def main():
-        await exchange_all_kinds(*trio.testing.memory_stream_pair())
-
-    trio.run(main)
+async def test_every_kind_over_a_memory_stream():
+    await exchange_all_kinds(*trio.testing.memory_stream_pair())
 
 
 async def tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
@@ -446,133 +437,104 @@ async def tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
     return client, server
 
 
-def test_every_kind_over_real_tcp():
-    async def main():
-        await exchange_all_kinds(*await tcp_pair())
-
-    trio.run(main)
+async def test_every_kind_over_real_tcp():
+    await exchange_all_kinds(*await tcp_pair())
 
 
-def test_quantized_tensors_over_real_tcp():
-    async def main():
-        client, server = await tcp_pair()
-        sender, receiver = protocol.MessageStream(client), protocol.MessageStream(server)
-        array = RNG.standard_normal(3_000_000).astype(np.float32)  # above the thread-offload size
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                lambda: sender.send(
-                    protocol.RoundResult(round=1), {"d": array}, quantization="int8Block"
-                )
+async def test_quantized_tensors_over_real_tcp():
+    client, server = await tcp_pair()
+    sender, receiver = protocol.MessageStream(client), protocol.MessageStream(server)
+    array = RNG.standard_normal(3_000_000).astype(np.float32)  # above the thread-offload size
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: sender.send(
+                protocol.RoundResult(round=1), {"d": array}, quantization="int8Block"
             )
+        )
+        message = await receiver.receive()
+    assert message.wire_bytes < array.nbytes / 3.9
+    assert np.abs(message.tensors["d"] - array).max() <= np.abs(array).max() / 127
+    await sender.aclose()
+    await receiver.aclose()
+
+
+async def test_concurrent_senders_do_not_interleave_frames():
+    left, right = trio.testing.memory_stream_pair()
+    sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
+    array = np.arange(200_000, dtype=np.float32)
+
+    async def send_many(tag):
+        for _ in range(5):
+            await sender.send(protocol.Goodbye(tag), {"x": array})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_many, "a")
+        nursery.start_soon(send_many, "b")
+        for _ in range(10):
             message = await receiver.receive()
-        assert message.wire_bytes < array.nbytes / 3.9
-        assert np.abs(message.tensors["d"] - array).max() <= np.abs(array).max() / 127
-        await sender.aclose()
-        await receiver.aclose()
-
-    trio.run(main)
-
-
-def test_concurrent_senders_do_not_interleave_frames():
-    async def main():
-        left, right = trio.testing.memory_stream_pair()
-        sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
-        array = np.arange(200_000, dtype=np.float32)
-
-        async def send_many(tag):
-            for _ in range(5):
-                await sender.send(protocol.Goodbye(tag), {"x": array})
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_many, "a")
-            nursery.start_soon(send_many, "b")
-            for _ in range(10):
-                message = await receiver.receive()
-                np.testing.assert_array_equal(message.tensors["x"], array)
-
-    trio.run(main)
+            np.testing.assert_array_equal(message.tensors["x"], array)
 
 
 @pytest.mark.parametrize("cut", [3, 12, 40, -5])
-def test_close_mid_frame_is_reported_as_truncation(cut):
+async def test_close_mid_frame_is_reported_as_truncation(cut):
     data = wire(protocol.encode(*SMALL))
 
-    async def main():
-        stream = protocol.MessageStream(ChunkedStream(data[:cut], []))
-        with pytest.raises(protocol.ConnectionClosed, match="mid-frame.*truncated"):
-            await stream.receive()
-        with pytest.raises(protocol.ConnectionClosed, match="unusable after an earlier failure"):
-            await stream.receive()
-
-    trio.run(main)
+    stream = protocol.MessageStream(ChunkedStream(data[:cut], []))
+    with pytest.raises(protocol.ConnectionClosed, match="mid-frame.*truncated"):
+        await stream.receive()
+    with pytest.raises(protocol.ConnectionClosed, match="unusable after an earlier failure"):
+        await stream.receive()
 
 
-def test_broken_connection_becomes_connection_closed():
-    async def main():
-        client, server = await tcp_pair()
-        client.socket.setsockopt(
-            trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, struct.pack("ii", 1, 0)
-        )
-        await client.send_all(wire(protocol.encode(*SMALL))[:10])
-        await client.aclose()  # linger 0: the peer sees a reset, not a clean close
-        with pytest.raises(protocol.ConnectionClosed):
-            await protocol.MessageStream(server).receive()
-
-    trio.run(main)
+async def test_broken_connection_becomes_connection_closed():
+    client, server = await tcp_pair()
+    client.socket.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await client.send_all(wire(protocol.encode(*SMALL))[:10])
+    await client.aclose()  # linger 0: the peer sees a reset, not a clean close
+    with pytest.raises(protocol.ConnectionClosed):
+        await protocol.MessageStream(server).receive()
 
 
-def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
-    async def main():
-        left, right = trio.testing.memory_stream_pair()
-        sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
-        await sender.send_error("tooLarge", "frame too large")
-        message = await receiver.receive()
-        assert message.body == protocol.Error(protocol.ErrorCode.TOO_LARGE, "frame too large")
-        await receiver.aclose()
-        await sender.send_error("malformed", "nobody listens")
-
-    trio.run(main)
+async def test_send_error_reaches_the_peer_and_is_silent_once_it_is_gone():
+    left, right = trio.testing.memory_stream_pair()
+    sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
+    await sender.send_error("tooLarge", "frame too large")
+    message = await receiver.receive()
+    assert message.body == protocol.Error(protocol.ErrorCode.TOO_LARGE, "frame too large")
+    await receiver.aclose()
+    await sender.send_error("malformed", "nobody listens")
 
 
-def test_version_mismatch_over_a_stream_names_both_sides():
-    async def main():
-        left, right = trio.testing.memory_stream_pair()
-        hello = protocol.Hello(supported_versions=(7, 8))
-        for buffer in protocol.encode(hello, version=7):
-            await left.send_all(buffer)
-        with pytest.raises(protocol.VersionMismatch) as caught:
-            await protocol.MessageStream(right).receive()
-        assert caught.value.peer_versions == (7, 8)
-        assert caught.value.supported == protocol.SUPPORTED_VERSIONS
-        assert caught.value.code == "versionMismatch"
-        assert "upgrade pcp-tui on the older side" in str(caught.value)
-
-    trio.run(main)
+async def test_version_mismatch_over_a_stream_names_both_sides():
+    left, right = trio.testing.memory_stream_pair()
+    hello = protocol.Hello(supported_versions=(7, 8))
+    for buffer in protocol.encode(hello, version=7):
+        await left.send_all(buffer)
+    with pytest.raises(protocol.VersionMismatch) as caught:
+        await protocol.MessageStream(right).receive()
+    assert caught.value.peer_versions == (7, 8)
+    assert caught.value.supported == protocol.SUPPORTED_VERSIONS
+    assert caught.value.code == "versionMismatch"
+    assert "upgrade pcp-tui on the older side" in str(caught.value)
 
 
-def test_cancelled_mid_frame_receive_leaves_the_stream_unusable():
-    async def main():
-        left, right = trio.testing.memory_stream_pair()
-        receiver = protocol.MessageStream(right)
-        await left.send_all(wire(protocol.encode(*SMALL))[:20])
-        with trio.move_on_after(0.05):
-            await receiver.receive()
-        with pytest.raises(protocol.ConnectionClosed, match="unusable"):
-            await receiver.receive()
-
-    trio.run(main)
+async def test_cancelled_mid_frame_receive_leaves_the_stream_unusable():
+    left, right = trio.testing.memory_stream_pair()
+    receiver = protocol.MessageStream(right)
+    await left.send_all(wire(protocol.encode(*SMALL))[:20])
+    with trio.move_on_after(0.05):
+        await receiver.receive()
+    with pytest.raises(protocol.ConnectionClosed, match="unusable"):
+        await receiver.receive()
 
 
-def test_cancelled_receive_between_frames_keeps_the_stream_usable():
-    async def main():
-        left, right = trio.testing.memory_stream_pair()
-        receiver = protocol.MessageStream(right)
-        with trio.move_on_after(0.01):
-            await receiver.receive()
-        await left.send_all(wire(protocol.encode(*SMALL)))
-        assert_same(await receiver.receive(), *SMALL)
-
-    trio.run(main)
+async def test_cancelled_receive_between_frames_keeps_the_stream_usable():
+    left, right = trio.testing.memory_stream_pair()
+    receiver = protocol.MessageStream(right)
+    with trio.move_on_after(0.01):
+        await receiver.receive()
+    await left.send_all(wire(protocol.encode(*SMALL)))
+    assert_same(await receiver.receive(), *SMALL)
 
 
 # --------------------------------------------------------------------------- refusals
@@ -592,7 +554,7 @@ def segment_table(*words: int) -> bytes:
         struct.pack("<I", 2**32 - 1),
     ],
 )
-def test_oversized_frames_are_refused_before_allocating(table):
+async def test_oversized_frames_are_refused_before_allocating(table):
     tracemalloc.start()
     try:
         with pytest.raises(protocol.FrameTooLarge):
@@ -601,13 +563,9 @@ def test_oversized_frames_are_refused_before_allocating(table):
     finally:
         tracemalloc.stop()
     assert peak < 2**20
-
-    async def main():  # a stream that sent only the table: refused without waiting for the body
-        stream = ChunkedStream(table, [])
-        with pytest.raises(protocol.FrameTooLarge):
-            await protocol.MessageStream(stream).receive()
-
-    trio.run(main)
+    stream = ChunkedStream(table, [])  # sent only the table: refused without waiting for the body
+    with pytest.raises(protocol.FrameTooLarge):
+        await protocol.MessageStream(stream).receive()
 
 
 @pytest.mark.parametrize(
@@ -805,40 +763,21 @@ def test_wrong_version_wins_over_an_unknown_kind():
     assert caught.value.peer_versions == (9,)
 
 
-def test_concurrent_receives_are_refused():
-    async def main():
-        _, right = trio.testing.memory_stream_pair()
-        receiver = protocol.MessageStream(right)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(receiver.receive)
-            await trio.testing.wait_all_tasks_blocked()
-            with pytest.raises(trio.BusyResourceError):
-                await receiver.receive()
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+async def test_concurrent_receives_are_refused():
+    _, right = trio.testing.memory_stream_pair()
+    receiver = protocol.MessageStream(right)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receiver.receive)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.BusyResourceError):
+            await receiver.receive()
+        nursery.cancel_scope.cancel()
 
 
-def test_payload_gate_holds_tensor_bytes_on_the_wire_until_it_opens():
+async def test_payload_gate_holds_tensor_bytes_on_the_wire_until_it_opens():
     """A receiver bounding memory: the gate sees the header's payload size before a
     byte of payload is read, small messages pass without it, and the message that
     waited arrives intact once the gate opens."""
-
-    async def main():
-        client, server = await tcp_pair()
-        sender, receiver = protocol.MessageStream(client), protocol.MessageStream(server)
-        big = {"w": np.arange(4 * 2**20, dtype=np.float32)}  # 16 MiB: beyond socket buffers
-        gate_open = trio.Event()
-        seen: list[tuple[str, int]] = []
-
-        async def gate(kind: str, nbytes: int) -> None:
-            seen.append((kind, nbytes))
-            await gate_open.wait()
-
-        with trio.fail_after(60):  # a deadlock guard, not a speed claim
-            await exchange(sender, receiver, big, gate, gate_open, seen)
-        await sender.aclose()
-        await receiver.aclose()
 
     async def exchange(sender, receiver, big, gate, gate_open, seen):
         async with trio.open_nursery() as nursery:
@@ -860,38 +799,46 @@ def test_payload_gate_holds_tensor_bytes_on_the_wire_until_it_opens():
         assert message.body.round == 3
         np.testing.assert_array_equal(message.tensors["w"], big["w"])
 
-    trio.run(main)
+    client, server = await tcp_pair()
+    sender, receiver = protocol.MessageStream(client), protocol.MessageStream(server)
+    big = {"w": np.arange(4 * 2**20, dtype=np.float32)}  # 16 MiB: beyond socket buffers
+    gate_open = trio.Event()
+    seen: list[tuple[str, int]] = []
+
+    async def gate(kind: str, nbytes: int) -> None:
+        seen.append((kind, nbytes))
+        await gate_open.wait()
+
+    await exchange(sender, receiver, big, gate, gate_open, seen)
+    await sender.aclose()
+    await receiver.aclose()
 
 
-def test_last_activity_moves_with_bytes_inside_a_message():
+async def test_last_activity_moves_with_bytes_inside_a_message():
     """Liveness is bytes, not whole messages: a big message arriving slowly keeps the
     receiver's `last_activity` moving while `receive` is still waiting for the end."""
 
-    async def main():
-        client, server = await tcp_pair()
-        receiver = protocol.MessageStream(server)
-        wire = b"".join(
-            bytes(b)
-            for b in protocol.encode(
-                protocol.RoundResult(round=1, tokens=4), {"w": np.ones(64 * 1024, np.float32)}
-            )
+    client, server = await tcp_pair()
+    receiver = protocol.MessageStream(server)
+    wire = b"".join(
+        bytes(b)
+        for b in protocol.encode(
+            protocol.RoundResult(round=1, tokens=4), {"w": np.ones(64 * 1024, np.float32)}
         )
-        marks: list[float] = []
-        received: list[protocol.Message] = []
+    )
+    marks: list[float] = []
+    received: list[protocol.Message] = []
 
-        async def receive():
-            received.append(await receiver.receive())
+    async def receive():
+        received.append(await receiver.receive())
 
-        with trio.fail_after(60):  # a deadlock guard, not a speed claim
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(receive)
-                for start in range(0, len(wire), 64 * 1024):
-                    await client.send_all(wire[start : start + 64 * 1024])
-                    await trio.testing.wait_all_tasks_blocked(cushion=0.01)
-                    marks.append(receiver.last_activity)
-        assert received and received[0].tensors["w"].sum() == 64 * 1024
-        assert len(marks) >= 4 and marks == sorted(marks) and marks[-2] > marks[0]
-        await client.aclose()
-        await receiver.aclose()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        for start in range(0, len(wire), 64 * 1024):
+            await client.send_all(wire[start : start + 64 * 1024])
+            await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+            marks.append(receiver.last_activity)
+    assert received and received[0].tensors["w"].sum() == 64 * 1024
+    assert len(marks) >= 4 and marks == sorted(marks) and marks[-2] > marks[0]
+    await client.aclose()
+    await receiver.aclose()

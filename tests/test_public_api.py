@@ -5,10 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import pcp_tui
 from pcp_tui.testing import SMALL_RUN
 
 
+@pytest.mark.e2e
 def test_every_public_name_resolves_and_nothing_generic_is_installed(tmp_path):
     for name in pcp_tui.__all__:
         assert getattr(pcp_tui, name) is not None, name
@@ -26,6 +29,7 @@ def test_every_public_name_resolves_and_nothing_generic_is_installed(tmp_path):
     assert out.stdout.split() == ["True", "True", "True"]
 
 
+@pytest.mark.e2e
 def test_importing_pcp_tui_loads_no_model_or_dashboard_code():
     probe = (
         "import sys, pcp_tui, pcp_tui.worker.client;"

@@ -6,7 +6,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-import trio
 
 from pcp_tui import protocol
 from pcp_tui.backends import select_backend
@@ -113,7 +112,7 @@ def test_fused_screen_returns_the_global_norm_and_names_the_bad_tensor():
 
 
 @pytest.mark.parametrize("inline_bytes", [0, 2**40])  # folded in a thread, or on the loop
-def test_a_closed_round_folds_nothing_more(monkeypatch, inline_bytes):
+async def test_a_closed_round_folds_nothing_more(monkeypatch, inline_bytes):
     monkeypatch.setattr(rounds, "INLINE_BYTES", inline_bytes)
     mean = PseudoGradientMean(tuple(SHAPES))
     screen = ResultScreen(SHAPES, max_tokens=1000)
@@ -122,14 +121,10 @@ def test_a_closed_round_folds_nothing_more(monkeypatch, inline_bytes):
         body = protocol.RoundResult(round=1, tokens=100, losses=(1.0,))
         return protocol.Message(body, tensors(seed))
 
-    async def main():
-        current = Round(1, ["a", "b"], mean, screen)
-        assert await current.add("a", result(1))
-        await current.close()
-        assert not await current.add("b", result(2))
-        return current
-
-    current = trio.run(main)
+    current = Round(1, ["a", "b"], mean, screen)
+    assert await current.add("a", result(1))
+    await current.close()
+    assert not await current.add("b", result(2))
     assert current.contributors == ["a"] and mean.contributors == 1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,12 +42,16 @@ def test_norm_check_needs_a_baseline_then_refuses_outliers():
 
 def test_norm_baseline_follows_a_drift_over_rounds():
     guard = NormGuard(factor=10, baseline=2, window=4)
-    scale = 1.0
+    judged, truth = [], []
     for round_number in range(20):  # warm-up: every round's updates are 3x the last one's
         for worker in range(2):
-            guard.check(update(scale, seed=10 * round_number + worker))
-        scale *= 3
-    assert scale > 1e9
+            tensors = update(3.0**round_number, seed=10 * round_number + worker)
+            judged.append(guard.check(tensors))  # none refused: the baseline follows the drift
+            truth.append(
+                math.sqrt(sum(float(np.sum(t.astype(np.float64) ** 2)) for t in tensors.values()))
+            )
+    assert judged == pytest.approx(truth, rel=1e-6)  # the norms it judged are the updates' own
+    assert judged[-1] > 1e6 * guard.factor * judged[0]  # far past what one fixed baseline allows
 
 
 def test_norms_are_judged_per_unit_of_learning_rate():

@@ -299,6 +299,7 @@ def test_the_options_reach_the_network_section(factor):
     assert config.network.straggler_min_seconds == 2.5
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fragments", [1, 2], ids=["plain", "streaming"])
 def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker, fragments):
     """The red team's finding: with no --round-timeout a silent-but-alive worker held its
@@ -389,19 +390,16 @@ class SittingOut:
     round_progress: tuple[int, int, int, float] | None = None
 
 
-def test_a_worker_sitting_out_is_hung_only_after_a_grace_without_progress():
-    async def main():
-        link = SittingOut()
-        await trio.sleep_until(10.0)
-        assert hung_reason(link) == ""  # within its grace
-        link.round_progress = (2, 3, 4, 9.0)  # a slow worker, still at it: step 3 of 4
-        await trio.sleep_until(19.0)
-        assert hung_reason(link) == ""  # 10 s since its latest report
-        link.round_progress = (3, 1, 4, 18.0)  # progress of another round does not count
-        await trio.sleep_until(19.5)
-        reason = hung_reason(link)
-        assert reason.startswith("hung: no result and no progress for round 2 in 20 s"), reason
-        link.behind = 0  # its late result came
-        assert hung_reason(link) == ""
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+async def test_a_worker_sitting_out_is_hung_only_after_a_grace_without_progress(autojump_clock):
+    link = SittingOut()
+    await trio.sleep_until(10.0)
+    assert hung_reason(link) == ""  # within its grace
+    link.round_progress = (2, 3, 4, 9.0)  # a slow worker, still at it: step 3 of 4
+    await trio.sleep_until(19.0)
+    assert hung_reason(link) == ""  # 10 s since its latest report
+    link.round_progress = (3, 1, 4, 18.0)  # progress of another round does not count
+    await trio.sleep_until(19.5)
+    reason = hung_reason(link)
+    assert reason.startswith("hung: no result and no progress for round 2 in 20 s"), reason
+    link.behind = 0  # its late result came
+    assert hung_reason(link) == ""

@@ -372,7 +372,7 @@ def test_shepherd_refuses_fragment_headers_that_are_not_the_fragment():
     )
 
 
-def test_worker_holds_fragment_updates_until_their_merge_and_refuses_strangers():
+async def test_worker_holds_fragment_updates_until_their_merge_and_refuses_strangers():
     from pcp_tui.worker.rounds import FragmentUpdates
 
     updates = FragmentUpdates((("a",), ("b",)))
@@ -382,20 +382,17 @@ def test_worker_holds_fragment_updates_until_their_merge_and_refuses_strangers()
     with pytest.raises(protocol.MalformedMessage, match="exactly its fragment's tensors"):
         updates.deliver(_decoded(protocol.FragmentUpdate(round=1, fragment=1), {"a": a}))
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            taken = []
+    async with trio.open_nursery() as nursery:
+        taken = []
 
-            async def merge():
-                taken.append(await updates.take(1, 0))
+        async def merge():
+            taken.append(await updates.take(1, 0))
 
-            nursery.start_soon(merge)
-            await trio.testing.wait_all_tasks_blocked()
-            assert not taken  # waits for its update
-            updates.deliver(_decoded(protocol.FragmentUpdate(round=1, fragment=0), {"a": a}))
-        np.testing.assert_array_equal(taken[0].tensors["a"], a)
-
-    trio.run(main)
+        nursery.start_soon(merge)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not taken  # waits for its update
+        updates.deliver(_decoded(protocol.FragmentUpdate(round=1, fragment=0), {"a": a}))
+    np.testing.assert_array_equal(taken[0].tensors["a"], a)
     for round_number in range(1, 5):  # nobody takes them: a flood ends the connection
         updates.deliver(_decoded(protocol.FragmentUpdate(round=round_number, fragment=0), {"a": a}))
     with pytest.raises(protocol.MalformedMessage, match="nobody asked for"):

@@ -37,7 +37,6 @@ def test_a_striped_run_trains_on_the_same_tokens_as_a_single_stream_run(tmp_path
             metrics = tmp_path / f"streams{streams}.jsonl"
             shepherd = OutputProcess(
                 shepherd_command(port, *RUN, "--streams", str(streams), "--metrics", str(metrics)),
-                hang_guard=180,
             )
             link = _link(link_port, port)
             processes += [shepherd, link]

@@ -50,68 +50,58 @@ async def striped_pair(count: int, piece_bytes: int = PIECE):
 
 
 @pytest.mark.parametrize("count", [1, 3, 4])
-def test_bytes_arrive_exactly_whatever_the_sizes_of_sends_and_receives(count):
+async def test_bytes_arrive_exactly_whatever_the_sizes_of_sends_and_receives(count):
     """Sends of 1 byte to many pieces, both directions at once, receives of random sizes."""
     rng = random.Random(count)
     sizes = [1, 7, PIECE - 1, 1, PIECE, 3 * PIECE + 5, 100, 50_000, 1, 2, 1_000_000, 9]
     sends = [rng.randbytes(size) for size in sizes]
     expected = b"".join(sends)
 
-    async def main():
-        left, right = await striped_pair(count)
-        results = {}
+    left, right = await striped_pair(count)
+    results = {}
 
-        async def send(stream, tag):
-            for data in sends:
-                await stream.send_all(data)
-            results[tag + " sent"] = True
+    async def send(stream, tag):
+        for data in sends:
+            await stream.send_all(data)
+        results[tag + " sent"] = True
 
-        async def receive(stream, tag):
-            got = bytearray()
-            while len(got) < len(expected):
-                got += await stream.receive_some(rng.choice([1, 13, PIECE, 1 << 20, None]))
-            results[tag] = bytes(got)
+    async def receive(stream, tag):
+        got = bytearray()
+        while len(got) < len(expected):
+            got += await stream.receive_some(rng.choice([1, 13, PIECE, 1 << 20, None]))
+        results[tag] = bytes(got)
 
-        with trio.fail_after(60):  # a hang fails the test instead of stalling the suite
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send, left, "left")
-                nursery.start_soon(send, right, "right")
-                nursery.start_soon(receive, right, "at right")
-                nursery.start_soon(receive, left, "at left")
-        await left.aclose()
-        assert await right.receive_some(10) == b""  # the peer's close is an end of stream
-        await right.aclose()
-        return results
-
-    results = trio.run(main)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send, left, "left")
+        nursery.start_soon(send, right, "right")
+        nursery.start_soon(receive, right, "at right")
+        nursery.start_soon(receive, left, "at left")
+    await left.aclose()
+    assert await right.receive_some(10) == b""  # the peer's close is an end of stream
+    await right.aclose()
     assert results["at right"] == expected and results["at left"] == expected
 
 
-def test_the_codec_runs_unchanged_over_a_striped_stream():
+async def test_the_codec_runs_unchanged_over_a_striped_stream():
     """Big and small PCP messages, back to back, with the default piece size."""
     params = {"w": np.arange(3_000_000, dtype=np.float32), "b": np.ones(3, np.float32)}
     bodies = [protocol.Heartbeat(1.5), protocol.RoundStart(round=2, inner_steps=4)]
 
-    async def main():
-        left, right = await striped_pair(4, protocol.PIECE_BYTES)
-        sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
-        received = []
+    left, right = await striped_pair(4, protocol.PIECE_BYTES)
+    sender, receiver = protocol.MessageStream(left), protocol.MessageStream(right)
+    received = []
 
-        async def send():
-            for body in bodies:
-                await sender.send(body, params if isinstance(body, protocol.RoundStart) else None)
-                await sender.send(protocol.Goodbye("between"))
+    async def send():
+        for body in bodies:
+            await sender.send(body, params if isinstance(body, protocol.RoundStart) else None)
+            await sender.send(protocol.Goodbye("between"))
 
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send)
-                for _ in range(2 * len(bodies)):
-                    received.append(await receiver.receive())
-        await sender.aclose()
-        await receiver.aclose()
-        return received
-
-    received = trio.run(main)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        for _ in range(2 * len(bodies)):
+            received.append(await receiver.receive())
+    await sender.aclose()
+    await receiver.aclose()
     assert [message.body for message in received[::2]] == bodies
     assert all(message.body == protocol.Goodbye("between") for message in received[1::2])
     for name, array in params.items():
@@ -124,87 +114,76 @@ def _reset(stream: trio.SocketStream) -> None:
 
 
 @pytest.mark.parametrize("how", ["closed", "reset"])
-def test_one_connection_lost_mid_message_ends_both_sides(how):
+async def test_one_connection_lost_mid_message_ends_both_sides(how):
     """The receiver loses one of its four connections while a 40 MB message is on its way:
     the sender's send fails, the receiver's receive fails (ConnectionClosed), nothing hangs,
     and every later call on either striped stream fails at once."""
     payload = {"x": np.zeros(10_000_000, np.float32)}
 
-    async def main():
-        clients, servers = await connection_pairs(4)
-        sender = protocol.MessageStream(protocol.StripedStream(clients, piece_bytes=PIECE))
-        striped = protocol.StripedStream(servers, piece_bytes=PIECE)
-        receiver = protocol.MessageStream(striped)
-        errors = {}
+    clients, servers = await connection_pairs(4)
+    sender = protocol.MessageStream(protocol.StripedStream(clients, piece_bytes=PIECE))
+    striped = protocol.StripedStream(servers, piece_bytes=PIECE)
+    receiver = protocol.MessageStream(striped)
+    errors = {}
 
-        async def send():
-            try:
-                await sender.send(protocol.RoundResult(round=1), payload)
-            except trio.BrokenResourceError as exc:
-                errors["send"] = exc
+    async def send():
+        try:
+            await sender.send(protocol.RoundResult(round=1), payload)
+        except trio.BrokenResourceError as exc:
+            errors["send"] = exc
 
-        async def receive():
-            try:
-                await receiver.receive()
-            except protocol.ConnectionClosed as exc:
-                errors["receive"] = exc
+    async def receive():
+        try:
+            await receiver.receive()
+        except protocol.ConnectionClosed as exc:
+            errors["receive"] = exc
 
-        async def cut():
-            while striped._received < 8 * PIECE:  # some bytes through, most still to come
-                await trio.sleep(0.001)
-            if how == "reset":
-                _reset(servers[2])
-            await servers[2].aclose()
+    async def cut():
+        while striped._received < 8 * PIECE:  # some bytes through, most still to come
+            await trio.sleep(0.001)
+        if how == "reset":
+            _reset(servers[2])
+        await servers[2].aclose()
 
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send)
-                nursery.start_soon(receive)
-                nursery.start_soon(cut)
-        with pytest.raises(trio.BrokenResourceError):
-            await sender.stream.send_all(b"more")
-        with pytest.raises(trio.BrokenResourceError):
-            await striped.receive_some()
-        await sender.aclose()
-        await receiver.aclose()
-        return errors
-
-    errors = trio.run(main)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        nursery.start_soon(receive)
+        nursery.start_soon(cut)
+    with pytest.raises(trio.BrokenResourceError):
+        await sender.stream.send_all(b"more")
+    with pytest.raises(trio.BrokenResourceError):
+        await striped.receive_some()
+    await sender.aclose()
+    await receiver.aclose()
     assert "striped connections failed" in str(errors["send"])
     assert "receive" in errors  # a ConnectionClosed: "striped connections failed" or, had the
     # sender noticed first and closed all four, "peer closed the connection mid-frame"
 
 
-def test_a_cancelled_send_breaks_the_stream_rather_than_send_bytes_out_of_step():
-    async def main():
-        left, right = await striped_pair(2)
-        with trio.move_on_after(0.5):  # the peer never reads: the send fills every buffer, waits
-            await left.send_all(bytes(64 * 2**20))
-        with pytest.raises(trio.BrokenResourceError, match="cancelled part-way"):
-            await left.send_all(b"x")
-        await left.aclose()
-        await right.aclose()
-
-    trio.run(main)
+async def test_a_cancelled_send_breaks_the_stream_rather_than_send_bytes_out_of_step():
+    left, right = await striped_pair(2)
+    with trio.move_on_after(0.5):  # the peer never reads: the send fills every buffer, waits
+        await left.send_all(bytes(64 * 2**20))
+    with pytest.raises(trio.BrokenResourceError, match="cancelled part-way"):
+        await left.send_all(b"x")
+    await left.aclose()
+    await right.aclose()
 
 
-def test_misuse_is_refused_with_the_usual_trio_errors():
-    async def main():
-        left, right = await striped_pair(2)
-        with pytest.raises(ValueError, match="at least one"):
-            protocol.StripedStream([])
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(right.receive_some)
-            await trio.testing.wait_all_tasks_blocked()
-            with pytest.raises(trio.BusyResourceError):
-                await right.receive_some()
-            await left.send_all(b"1")
-        await left.aclose()
-        with pytest.raises(trio.ClosedResourceError):
-            await left.send_all(b"x")
-        await right.aclose()
-
-    trio.run(main)
+async def test_misuse_is_refused_with_the_usual_trio_errors():
+    left, right = await striped_pair(2)
+    with pytest.raises(ValueError, match="at least one"):
+        protocol.StripedStream([])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(right.receive_some)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.BusyResourceError):
+            await right.receive_some()
+        await left.send_all(b"1")
+    await left.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await left.send_all(b"x")
+    await right.aclose()
 
 
 # --------------------------------------------------------------------------- attaching
@@ -253,43 +232,39 @@ WELCOME = protocol.Welcome(worker_index=0, run_id="r", heartbeat_seconds=0.5)
 
 
 @pytest.mark.parametrize("attached", [3, 2])
-def test_the_second_welcome_settles_striped_or_one_connection(attached):
+async def test_the_second_welcome_settles_striped_or_one_connection(autojump_clock, attached):
     """Both sides of `striping.welcome` over in-memory streams, on a virtual clock: all three
     extra connections attach and a message crosses the striped session; or one is missing,
     the shepherd waits its window, says 1 and closes the two it got."""
     params = {"w": np.arange(200_000, dtype=np.float32)}
 
-    async def main():
-        shepherd_end, worker_end = trio.testing.memory_stream_pair()
-        link = _Link(protocol.MessageStream(shepherd_end))
-        worker = protocol.MessageStream(worker_end)
-        result = {}
+    shepherd_end, worker_end = trio.testing.memory_stream_pair()
+    link = _Link(protocol.MessageStream(shepherd_end))
+    worker = protocol.MessageStream(worker_end)
+    result = {}
 
-        async def shepherd():
-            result["used"] = await striping.welcome(link, WELCOME, 4, wait=5.0)
-            if result["used"] == 4:
-                await link.send(protocol.RoundStart(round=1, inner_steps=4), params)
+    async def shepherd():
+        result["used"] = await striping.welcome(link, WELCOME, 4, wait=5.0)
+        if result["used"] == 4:
+            await link.send(protocol.RoundStart(round=1, inner_steps=4), params)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(shepherd)
-            offer = (await worker.receive()).body
-            assert offer.streams == 4 and len(offer.session_key) == 32
-            pairs = [trio.testing.memory_stream_pair() for _ in range(attached)]
-            for index, (theirs, _) in enumerate(pairs, start=1):
-                hello = _attach_hello(index, offer.session_key)
-                assert link.attachments.offer(hello, protocol.MessageStream(theirs)) is None
-            settled = (await worker.receive()).body
-            assert settled.streams == (4 if attached == 3 else 1)
-            if settled.streams == 4:
-                worker.stripe([protocol.MessageStream(ours) for _, ours in pairs])
-                result["message"] = await worker.receive()
-            else:  # the shepherd closed the ones it got: their far ends read the end of stream
-                assert [await ours.receive_some(10) for _, ours in pairs] == [b""] * attached
-        assert link.attachments is None
-        result["time"] = trio.current_time()
-        return result
-
-    result = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shepherd)
+        offer = (await worker.receive()).body
+        assert offer.streams == 4 and len(offer.session_key) == 32
+        pairs = [trio.testing.memory_stream_pair() for _ in range(attached)]
+        for index, (theirs, _) in enumerate(pairs, start=1):
+            hello = _attach_hello(index, offer.session_key)
+            assert link.attachments.offer(hello, protocol.MessageStream(theirs)) is None
+        settled = (await worker.receive()).body
+        assert settled.streams == (4 if attached == 3 else 1)
+        if settled.streams == 4:
+            worker.stripe([protocol.MessageStream(ours) for _, ours in pairs])
+            result["message"] = await worker.receive()
+        else:  # the shepherd closed the ones it got: their far ends read the end of stream
+            assert [await ours.receive_some(10) for _, ours in pairs] == [b""] * attached
+    assert link.attachments is None
+    result["time"] = trio.current_time()
     if attached == 3:
         assert result["used"] == 4 and result["time"] == 0.0
         np.testing.assert_array_equal(result["message"].tensors["w"], params["w"])

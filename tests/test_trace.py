@@ -10,9 +10,13 @@ import pytest
 
 from pcp_tui import protocol
 from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.testing import WorkerProcesses, shepherd_command, worker_env
-
-from .test_api import HANG_GUARD, QUICK, ShepherdProcess
+from pcp_tui.testing import (
+    QUICK_FLAGS,
+    ShepherdProcess,
+    WorkerProcesses,
+    shepherd_command,
+    worker_env,
+)
 
 FIELDS = {"time", "peer", "direction", "kind", "round", "tensors", "bytes", "since_previous"}
 
@@ -25,14 +29,21 @@ def _lines(path) -> list[dict]:
 def test_shepherd_and_worker_trace_the_same_conversation(tmp_path):
     shepherd_trace, worker_trace = tmp_path / "shepherd.trace", tmp_path / "worker.trace"
     shepherd = ShepherdProcess(
-        "--workers", "1", "--rounds", "2", *QUICK, "--trace", str(shepherd_trace), env=worker_env()
+        "--workers",
+        "1",
+        "--rounds",
+        "2",
+        *QUICK_FLAGS,
+        "--trace",
+        str(shepherd_trace),
+        env=worker_env(),
     )
     try:
-        port = int(shepherd.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+        port = shepherd.port
         with WorkerProcesses() as workers:
             worker = workers.spawn(port, "--id", "w0", "--trace", str(worker_trace))
             assert shepherd.finish() == 0, shepherd.output
-            assert worker.wait(timeout=HANG_GUARD) == 0
+            assert worker.wait() == 0
     finally:
         shepherd.kill()
     ours, theirs = _lines(shepherd_trace), _lines(worker_trace)
@@ -72,13 +83,13 @@ def test_the_trace_rotates_instead_of_growing(tmp_path):
     assert _lines(path)[-1]["kind"] == "heartbeat" and _lines(rotated)
 
 
+@pytest.mark.e2e
 def test_an_unwritable_trace_is_a_one_line_error(tmp_path):
     result = subprocess.run(
         shepherd_command(0, "--trace", str(tmp_path / "missing" / "run.trace")),
         env=worker_env(),
         capture_output=True,
         text=True,
-        timeout=HANG_GUARD,
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().startswith("pcp-tui: error: cannot write --trace")

@@ -15,11 +15,10 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.shepherd.pool import RESULTS_IN_MEMORY
+from pcp_tui.testing import join_as, read_metrics, round_workers
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-from .test_identity import join_as
-from .test_security import HANG_GUARD, Shepherd, metrics, round_workers
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.e2e
 async def start_result(port: int, worker_id: str):
     """Join, say ready, then send a round result's header (the plan's tensors, the most a
     result may hold) and, of its payload, only a first byte."""
-    stream, welcome = await join_as(port, worker_id, token="s3cret")
+    stream, welcome = await join_as(port, worker_id, token="test-token")
     assert welcome.kind == "welcome", welcome.body
     await stream.receive()  # the plan
     await stream.send(protocol.Ready(compile_seconds=0.0))
@@ -42,27 +41,13 @@ async def start_result(port: int, worker_id: str):
 async def trickle(stream: protocol.MessageStream, first: bytes, closed: list[str]) -> None:
     """Send a byte every half second until the shepherd hangs up."""
     try:
-        with trio.fail_after(HANG_GUARD):
-            while True:
-                await stream.stream.send_all(first)
-                await trio.sleep(0.5)
+        while True:
+            await stream.stream.send_all(first)
+            await trio.sleep(0.5)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         closed.append("closed")
     finally:
         await trio.aclose_forcefully(stream.stream)
-
-
-@pytest.fixture
-def shepherds():
-    started: list[Shepherd] = []
-
-    def start(*flags: str) -> Shepherd:
-        started.append(Shepherd(*flags))
-        return started[-1]
-
-    yield start
-    for shepherd in started:
-        shepherd.kill()
 
 
 def test_trickling_uploads_are_dropped_and_the_honest_round_goes_on(
@@ -84,11 +69,11 @@ def test_trickling_uploads_are_dropped_and_the_honest_round_goes_on(
 
     trio.run(attack)  # returns once the shepherd has hung up on every one
     peak_kib = _peak_rss_kib(shepherd.process.pid)  # still waiting for its worker: alive
-    spawn_worker(shepherd.port, token="s3cret")  # every result slot is free again for it
+    spawn_worker(shepherd.port, token="test-token")  # every result slot is free again for it
     assert shepherd.finish() == 0, shepherd.output
     assert len(closed) == tricklers  # every one was hung up on
     assert round_workers(path) == [1, 1]  # the honest worker's rounds went on
-    lost = {row["worker"]: row["message"] for row in metrics(path) if row["event"] == "lost"}
+    lost = {row["worker"]: row["message"] for row in read_metrics(path) if row["event"] == "lost"}
     assert sorted(lost) == [f"trickler-{index}" for index in range(tricklers)]
     assert all("upload too slow" in message for message in lost.values()), lost
     print(f"shepherd peak RSS under {tricklers} trickled uploads: {peak_kib / 1024:.0f} MiB")

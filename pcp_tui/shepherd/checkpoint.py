@@ -38,6 +38,7 @@ import re
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,18 @@ from safetensors.numpy import load_file, save_file
 from pcp_tui.shepherd.state import finite_or_null
 
 FORMAT = "pcp-tui-checkpoint/1"
+
+#: The steps of a write, in order, as `save` names them to its `fault_hook` once each is done
+#: (a test that kills the writer at each of them checks that every crash leaves a loadable
+#: checkpoint). "moved aside" only happens when the round is saved again.
+WRITE_STEPS = (
+    "params.safetensors",
+    "outer.safetensors",
+    "meta.json",
+    "moved aside",
+    "renamed",
+    "latest",
+)
 
 
 class CheckpointError(RuntimeError):
@@ -82,8 +95,12 @@ def save(
     outer_state: dict[str, np.ndarray],
     meta: dict[str, Any],
     keep: int = 3,
+    fault_hook: Callable[[str], None] | None = None,
 ) -> Path:
     """Write round `round` atomically and point `latest` at it; keep the newest `keep`.
+
+    `fault_hook(step)` is called after each of `WRITE_STEPS` (fault injection for tests:
+    a hook that kills the process there is a crash at that moment of the write).
 
     CheckpointError for any failure of the write, whatever raised it: a
     checkpoint that cannot be written must never end the run that asked for it.
@@ -92,13 +109,14 @@ def save(
     every checkpoint after it filled, and a crash would lose every round since.
     """
     root = Path(directory)
+    done = fault_hook or (lambda step: None)
     try:
-        _save_once(root, round, params, outer_state, meta)
+        _save_once(root, round, params, outer_state, meta, done)
     except Exception as exc:  # safetensors' own errors are no OSError; all mean "not written"
         if not (_no_space(exc) and _remove_older_than_latest(root)):
             raise _not_written(root, round, exc) from None
         try:
-            _save_once(root, round, params, outer_state, meta)
+            _save_once(root, round, params, outer_state, meta, done)
         except Exception as again:  # noqa: BLE001 - reported as the CheckpointError below
             raise _not_written(root, round, again) from None
     _prune(root, keep)
@@ -106,19 +124,25 @@ def save(
 
 
 def _save_once(
-    root: Path, round: int, params: dict, outer_state: dict, meta: dict[str, Any]
+    root: Path,
+    round: int,
+    params: dict,
+    outer_state: dict,
+    meta: dict[str, Any],
+    done: Callable[[str], None],
 ) -> None:
     name = f"round-{round:06d}"
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        _write_round(staging, round, params, outer_state, meta)
-        _move_into_place(staging, root / name)
+        _write_round(staging, round, params, outer_state, meta, done)
+        _move_into_place(staging, root / name, done)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _replace_text(root / "latest", name)
     _fsync_dir(root)
+    done("latest")
 
 
 def _not_written(root: Path, round: int, exc: Exception) -> CheckpointError:
@@ -172,6 +196,7 @@ def _write_round(
     params: dict[str, np.ndarray],
     outer_state: dict[str, np.ndarray],
     meta: dict[str, Any],
+    done: Callable[[str], None],
 ) -> None:
     """The round's three files, each fsynced (a rename must never expose unflushed data)."""
     save_file(
@@ -179,16 +204,19 @@ def _write_round(
         staging / "params.safetensors",
         metadata={"format": FORMAT, "round": str(round)},
     )
+    done("params.safetensors")
     save_file(
         {k: np.ascontiguousarray(v) for k, v in outer_state.items()},
         staging / "outer.safetensors",
     )
+    done("outer.safetensors")
     files = {}
     for written in TENSOR_FILES:
         _fsync_file(staging / written)
         files[written] = _fingerprint(staging / written)  # read back: what the disk holds
     _write_json(staging / "meta.json", {"format": FORMAT, "round": round, **meta, "files": files})
     _fsync_dir(staging)
+    done("meta.json")
 
 
 TENSOR_FILES = ("params.safetensors", "outer.safetensors")
@@ -216,14 +244,16 @@ def _verify(path: Path, meta: dict[str, Any]) -> None:
             )
 
 
-def _move_into_place(staging: Path, final: Path) -> None:
+def _move_into_place(staging: Path, final: Path, done: Callable[[str], None]) -> None:
     """Rename `staging` to `final`; an existing `final` is moved aside first, never half-deleted."""
     aside = None
     if final.exists():
         aside = final.with_name(f".{final.name}-replaced")
         shutil.rmtree(aside, ignore_errors=True)
         os.rename(final, aside)
+        done("moved aside")
     os.rename(staging, final)
+    done("renamed")
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
