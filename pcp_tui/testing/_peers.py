@@ -21,6 +21,7 @@ async def join_as(port: int, worker_id: str, token: str = "test-token"):
     """Handshake as `worker_id` with the token's real proof; (stream, the shepherd's answer)."""
     stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
     hello = (await stream.receive()).body
+    assert isinstance(hello, protocol.Hello), f"expected the shepherd's hello, got {hello!r}"
     await stream.send(
         protocol.WorkerHello(
             supported_versions=protocol.SUPPORTED_VERSIONS,
@@ -39,7 +40,9 @@ async def connect_peer(port: int, receive_buffer: int = 0) -> tuple[protocol.Mes
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     await sock.connect(("127.0.0.1", port))
     stream = protocol.MessageStream(trio.SocketStream(sock))
-    return stream, (await stream.receive()).body.nonce
+    hello = (await stream.receive()).body
+    assert isinstance(hello, protocol.Hello), f"expected the shepherd's hello, got {hello!r}"
+    return stream, hello.nonce
 
 
 def peer_hello(

@@ -281,7 +281,9 @@ class ShepherdProcess(OutputProcess):
     def rss_kib(self) -> int:
         """Its resident memory now (Linux /proc)."""
         status = Path(f"/proc/{self.process.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
+        found = re.search(r"VmRSS:\s+(\d+) kB", status)
+        assert found is not None, "/proc/PID/status has no VmRSS line"
+        return int(found.group(1))
 
 
 def self_signed_certificate(directory: Path, name: str = "") -> tuple[Path, Path]:

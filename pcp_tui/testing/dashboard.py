@@ -9,13 +9,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+from typing import Any
 
 from textual.geometry import Region
 
 from pcp_tui.app.dashboard import DashboardApp
 from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.rounds import data_parallel_bytes, utilization
-from pcp_tui.shepherd.state import Event, RoundRecord, RunState, WorkerView
+from pcp_tui.shepherd.state import (
+    Event,
+    EventKind,
+    RoundRecord,
+    RunState,
+    RunStatus,
+    WorkerState,
+    WorkerView,
+)
 
 STARTED = 1_000.0  # monotonic seconds, frozen
 NOW = STARTED + 83.0
@@ -42,14 +51,14 @@ def fake_state(*, status: str = "training") -> RunState:
     state.model_name, state.param_count = "tiny", 1_234_567
     state.address = "127.0.0.1:8080"
     state.join_command = "pcp-tui worker --connect 127.0.0.1:8080 --token Zk3xQ9wLm2Tr7bYp8vNc4d"
-    state.status, state.round, state.started_at = status, 4, STARTED
+    state.status, state.round, state.started_at = RunStatus(status), 4, STARTED
     workers = [
         WorkerView(
             "gpu-a-1",
             0,
             "gpu-a",
             "cuda NVIDIA H100",
-            "training",
+            WorkerState.TRAINING,
             4,
             6,
             H,
@@ -65,7 +74,7 @@ def fake_state(*, status: str = "training") -> RunState:
             1,
             "laptop",
             "cpu",
-            "syncing",
+            WorkerState.SYNCING,
             4,
             H,
             H,
@@ -81,7 +90,7 @@ def fake_state(*, status: str = "training") -> RunState:
             2,
             "studio.local",
             "metal Apple M2",
-            "lost",
+            WorkerState.LOST,
             3,
             3,
             H,
@@ -98,7 +107,7 @@ def fake_state(*, status: str = "training") -> RunState:
             3,
             "gpu-b",
             "cuda NVIDIA A100",
-            "compiling",
+            WorkerState.COMPILING,
             0,
             0,
             0,
@@ -111,7 +120,11 @@ def fake_state(*, status: str = "training") -> RunState:
     ]
     for worker, (memory, peak, limit, gpu) in zip(
         workers,
-        [(61e9, 72e9, 80e9, 0.97), (3.1e9, 3.4e9, 16e9, None), (9e9, 9e9, 32e9, None)],
+        [
+            (61 * 10**9, 72 * 10**9, 80 * 10**9, 0.97),
+            (31 * 10**8, 34 * 10**8, 16 * 10**9, None),
+            (9 * 10**9, 9 * 10**9, 32 * 10**9, None),
+        ],
         strict=False,
     ):
         worker.runtime, worker.devices, worker.compile_seconds = "xla", 1, 2.1
@@ -126,11 +139,9 @@ def fake_state(*, status: str = "training") -> RunState:
     for number in range(1, 4):
         for step in range(1, H + 1):
             global_step = (number - 1) * H + step
-            for worker in range(2):
-                loss = (
-                    2.2 + 3.3 * math.exp(-global_step / 6) + 0.05 * math.sin(global_step + worker)
-                )
-                state.step_losses.append((global_step, loss, worker))
+            for index in range(2):
+                loss = 2.2 + 3.3 * math.exp(-global_step / 6) + 0.05 * math.sin(global_step + index)
+                state.step_losses.append((global_step, loss, index))
         seconds = 4.0 + number * 0.25
         run_share, shares = utilization({"gpu-a-1": 3.1, "laptop-7": 2.6}, seconds)
         state.history.append(
@@ -154,7 +165,7 @@ def fake_state(*, status: str = "training") -> RunState:
             )
         )
     state.bytes_sent, state.bytes_received = 5_050_000, 3_890_000
-    events = [
+    events: list[tuple[str, str, dict[str, Any]]] = [
         ("listening", "listening on 127.0.0.1:8080; join with: " + state.join_command, {}),
         ("joined", "worker 0 (gpu-a-1, cuda NVIDIA H100) joined from 10.0.0.5:51234", {}),
         ("joined", "worker 1 (laptop-7, cpu) joined from 10.0.0.9:40110", {}),
@@ -165,7 +176,7 @@ def fake_state(*, status: str = "training") -> RunState:
         ("joined", "worker 3 (late-3, cuda NVIDIA A100) joined from 10.0.0.7:33002", {}),
     ]
     for offset, (kind, message, data) in enumerate(events):
-        state.events.append(Event(kind, message, data, at=WALL + 5 * offset))
+        state.events.append(Event(EventKind(kind), message, data, at=WALL + 5 * offset))
     return state
 
 
