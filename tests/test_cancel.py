@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
+
+pytestmark = pytest.mark.e2e  # every test here runs real shepherd and worker processes
 
 
 def test_ctrl_backslash_cancels_the_run_and_the_workers_exit_at_once(tmp_path):
@@ -23,12 +27,11 @@ def test_ctrl_backslash_cancels_the_run_and_the_workers_exit_at_once(tmp_path):
             *("--workers", "1", "--rounds", "500", "--inner-steps", "4"),
             *("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "100"),
         ),
-        hang_guard=300,
     )
     worker = None
     try:
         shepherd.wait_for("listening on")
-        worker = OutputProcess(worker_command(port, "--id", "w0"), hang_guard=300)
+        worker = OutputProcess(worker_command(port, "--id", "w0"))
         shepherd.wait_for(r"^round +1/")
         shepherd.process.send_signal(signal.SIGQUIT)
         assert shepherd.finish() == 128 + signal.SIGQUIT, shepherd.output

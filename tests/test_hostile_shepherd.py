@@ -158,6 +158,7 @@ async def _serve(stream: protocol.MessageStream, buffers, answers: list) -> None
             pass
 
 
+@pytest.mark.e2e
 def test_a_worker_sent_a_graph_that_calls_out_refuses_it_and_exits(honest_plan, spawn_worker):
     plan, tensors = honest_plan
     train_chunk = tensors[next(g.tensor for g in plan.graphs if g.name == "train_chunk")]
@@ -181,6 +182,7 @@ def test_a_worker_sent_a_graph_that_calls_out_refuses_it_and_exits(honest_plan, 
     assert f"'{CALLBACK}'" in output and "(not retrying)" in output
 
 
+@pytest.mark.e2e
 def test_plans_that_do_not_fit_their_graphs_are_refused_and_count_against_give_up_after(
     honest_plan, spawn_worker, tmp_path
 ):

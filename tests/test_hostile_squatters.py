@@ -23,11 +23,9 @@ from pcp_tui.shepherd import slots
 from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.state import RunState, WorkerView
-from pcp_tui.testing import run_shepherd, until
+from pcp_tui.testing import run_shepherd, small_config, until
+from pcp_tui.testing._peers import NOT_STRIPING, connect_peer, peer_hello
 from pcp_tui.training.build import build_workload
-
-from .conftest import small_config
-from .test_hostile_sessions import NOT_STRIPING, connect, hello
 
 PEER_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError)
 
@@ -84,9 +82,9 @@ async def squatter(port: int, worker_id: str, seen: dict) -> None:
 
 
 async def _squat(port: int, worker_id: str, seen: dict) -> None:
-    stream, nonce = await connect(port)
+    stream, nonce = await connect_peer(port)
     async with stream.stream:
-        await stream.send(hello(worker_id, nonce, supported_versions=NOT_STRIPING))
+        await stream.send(peer_hello(worker_id, nonce, supported_versions=NOT_STRIPING))
         answer = await stream.receive()
         if answer.kind != "welcome":
             seen.setdefault("refused", []).append(answer.body.message)

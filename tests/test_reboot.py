@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
+
+pytestmark = pytest.mark.e2e  # every test here runs real shepherd and worker processes
 
 
 def test_a_restarted_worker_with_its_old_id_waits_out_the_old_connection(tmp_path):
@@ -23,15 +27,14 @@ def test_a_restarted_worker_with_its_old_id_waits_out_the_old_connection(tmp_pat
             *("--workers", "1", "--rounds", "500", "--inner-steps", "4"),
             *("--heartbeat-timeout", "30"),  # longer than a worker takes to start here
         ),
-        hang_guard=300,
     )
     old = new = None
     try:
         shepherd.wait_for("listening on")
-        old = OutputProcess(worker_command(port, "--id", "w0"), hang_guard=300)
+        old = OutputProcess(worker_command(port, "--id", "w0"))
         shepherd.wait_for(r"^round +1/")
         old.process.send_signal(signal.SIGSTOP)  # the machine goes down, its socket stays open
-        new = OutputProcess(worker_command(port, "--id", "w0"), hang_guard=300)
+        new = OutputProcess(worker_command(port, "--id", "w0"))
         new.wait_for(
             r"\(busy\): worker id .w0. is still held by an earlier connection from .*, silent for"
         )

@@ -147,6 +147,7 @@ def test_latest_pointing_outside_the_directory_is_refused(tmp_path):
         checkpoint.inspect(tmp_path / "ck")
 
 
+@pytest.mark.e2e
 def test_a_nan_checkpoint_ends_the_shepherd_with_exit_2_in_one_line(tmp_path):
     """Issue 25: one NaN parameter used to repeat round 1 for ever (751 repeats in 300 s)."""
     config = small_config()
@@ -193,6 +194,7 @@ def _without_token(command: list[str]) -> list[str]:
     return command[:at] + command[at + 2 :]
 
 
+@pytest.mark.e2e
 def test_resume_alone_brings_the_waiting_workers_back(tmp_path):
     """Issue 27 item 1: the default (random) token used to change on --resume, and every
     waiting worker got a final authFailed. Here the first run has no --token, stops on
