@@ -135,7 +135,7 @@ class Simulation:
         self.config = config
         self.workload = build_workload(config, shards=shard_count)
         graphs = GraphLibrary.for_run(config, self.workload, inner_optimizer(config)).export_main()
-        backend = select_backend("cpu")
+        backend = select_backend(config.model.platforms[0])
         self.names = graphs.param_names
         self.train_chunk = backend.load("train_chunk", graphs.train_chunk).call
         self.init_opt_state = backend.load("init_opt_state", graphs.init_opt_state).call
@@ -181,7 +181,10 @@ class Simulation:
             )
             validator = LossDeltaValidator(self.evaluate, batches)
         tokens = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
-        opt_states = {k: list(self.init_opt_state(tuple(params[n] for n in self.names))) for k in range(workers)}
+        opt_states = {
+            k: list(self.init_opt_state(tuple(params[n] for n in self.names)))
+            for k in range(workers)
+        }
         rng = np.random.default_rng(cfg.model.seed)
         refused = {"attacker": 0, "honest": 0}
         evals, validate_seconds = [], 0.0
@@ -242,7 +245,7 @@ def config_for(args: argparse.Namespace, workers: int) -> RunConfig:
         rounds=args.rounds,
         seed=args.seed,
         workers=workers,
-        platforms=("cpu",),
+        platforms=(args.backend,),
         token="bench-byzantine",
     )
     if args.smoke:
@@ -257,16 +260,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="+", help="scenario labels (or a prefix of them) to run")
+    parser.add_argument("--backend", default="cpu", help="where the graphs run: cpu, cuda")
+    parser.add_argument(
+        "--only", nargs="+", help="scenarios to run, in this order (a label or its start)"
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="a seconds-long run at toy sizes (CI's check)"
     )
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.inner_steps = 2, 2
-    chosen = [
-        s for s in SCENARIOS if not args.only or any(s.label.startswith(o) for o in args.only)
-    ]
+    chosen = SCENARIOS  # in --only's order, if given
+    if args.only:
+        chosen = [s for o in args.only for s in SCENARIOS if s.label.startswith(o)]
     simulations: dict[int, Simulation] = {}
     controls: dict[tuple[int, int, str], Outcome] = {}  # (shards, workers, defence)
     print(

@@ -20,12 +20,17 @@ raises them; a vanishing result lowers them by almost nothing.
 How a gain becomes a weight (`LossDeltaValidator.weigh`):
 
 - refused unless it lowers the loss by more than `MIN_GAIN` of it, and by more
-  than `FLOOR` x the median gain of recent accepted results: a result that does
-  not do the work it claims never reaches the aggregate (so it cannot shrink a
-  centered clip's radius either);
-- otherwise its token weight times min(1, gain / (`FULL` x that median)): a result
-  earns at most its tokens' share, however well it fits its own batches, and
-  one that does part of the work counts for that part.
+  than `FLOOR` x the reference gain: a result that does not do the work it claims
+  never reaches the aggregate (so it cannot shrink a centered clip's radius either);
+- otherwise its token weight times min(1, gain / (`FULL` x the reference)): a
+  result earns at most its tokens' share, however well it fits its own batches,
+  and one that does part of the work counts for that part.
+
+The reference is the upper quartile of recent accepted gains. A gain is measured,
+not claimed, so ids that do no work can only add low gains: a median would follow
+them down once they are most of the ids (one token holder joining as 3 of 5),
+the upper quartile stays with the results that did the work. Raising it takes a
+result that really lowers the loss by more, within the inner-optimizer bound.
 
 Cost, on the shepherd's device: two passes of the exported eval graph over
 N = --eval-batches batches (θ and θ − Δ_k on V_k) per result, plus one
@@ -35,7 +40,6 @@ model-sized subtraction; the eval graph is the one the shepherd already compiled
 from __future__ import annotations
 
 import collections
-import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +51,11 @@ from pcp_tui.diloco.screening import BadResult
 from pcp_tui.training import shards
 
 MIN_GAIN = 1e-3  # refuse a result that lowers the loss on its own batches by less than this of it
-FLOOR = 0.1  # refuse a result whose gain is under this x the median of recent accepted gains
-FULL = 0.5  # a gain of at least this x that median earns the result its full token weight
-GAIN_WINDOW = 16  # recent accepted gains the median is taken over (a few rounds of results)
-GAIN_BASELINE = 2  # gains needed before the median applies
+FLOOR = 0.1  # refuse a result whose gain is under this x the reference (recent gains)
+FULL = 0.25  # a gain of at least this x the reference earns the result its full token weight
+QUANTILE = 75  # the reference: this percentile of recent accepted gains
+GAIN_WINDOW = 16  # recent accepted gains the reference is taken over (a few rounds of results)
+GAIN_BASELINE = 2  # gains needed before the reference applies
 
 #: (params, batches [N, ...] as the eval graph takes them) → mean loss
 Loss = Callable[[Mapping[str, np.ndarray], Any], float]
@@ -90,9 +95,7 @@ class AssignedBatches:
         """[N, ...] batches (a tuple of them for a rows dataset): steps spread over the round."""
         shard = self._shards[assignment.shard]
         kind = (
-            protocol.BatchKind.WINDOWS
-            if isinstance(shard, np.ndarray)
-            else protocol.BatchKind.ROWS
+            protocol.BatchKind.WINDOWS if isinstance(shard, np.ndarray) else protocol.BatchKind.ROWS
         )
         steps = max(assignment.steps, 1)
         picked = np.linspace(0, steps - 1, self.count).round().astype(int)
@@ -139,6 +142,13 @@ class LossDeltaValidator:
         self._number = 0
         self.passes = 0  # eval-graph calls made (two a result)
 
+    def reference(self) -> float:
+        """The gain a result that does the work achieves: the upper quartile of recent ones
+        (0.0 until there are `GAIN_BASELINE` of them)."""
+        if len(self._recent) < GAIN_BASELINE:
+            return 0.0
+        return float(np.percentile(np.array(self._recent), QUANTILE))
+
     def begin(self, number: int, params: Mapping[str, np.ndarray]) -> None:
         """Round `number` starts from `params` (read, never written, until the round closes)."""
         self._number, self._params = number, params
@@ -170,11 +180,11 @@ class LossDeltaValidator:
                 f"from {before:.4g} to {after:.4g}; a result must lower it by over "
                 f"{self.min_gain:g} of it"
             )
-        typical = statistics.median(self._recent) if len(self._recent) >= GAIN_BASELINE else 0.0
+        typical = self.reference()
         if typical > 0 and gain < self.floor * typical:
             raise BadResult(
                 f"it lowers the loss on its own batches by {gain:.4g}, under {self.floor:g}x "
-                f"the median of recent results ({typical:.4g})"
+                f"what recent results did ({typical:.4g}, their upper quartile)"
             )
         self._recent.append(gain)
         share = min(1.0, gain / (self.full * typical)) if typical > 0 else 1.0

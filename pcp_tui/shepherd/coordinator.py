@@ -24,6 +24,7 @@ from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
 from pcp_tui.diloco.aggregate import make_aggregate
 from pcp_tui.diloco.outer import OuterOptimizer
+from pcp_tui.diloco.validation import AssignedBatches, LossDeltaValidator, eval_loss
 from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
@@ -285,6 +286,18 @@ class Shepherd:
         """The run's first export (the shepherd evaluates with it); others are made as workers need."""
         graphs = self.library.export_main()
         self._eval = select_backend("auto").load("eval_loss", graphs.eval_loss)
+        cfg = self.config
+        if cfg.outer.validate == "loss-delta" and self.plain_round is not None:
+            batches = AssignedBatches(
+                self.workload.shards,
+                count=self.workload.eval_batch_count,
+                chunk_steps=graphs.chunk_steps,
+                batch_size=cfg.data.batch_size,
+                seq_len=cfg.data.seq_len,
+                seed=cfg.model.seed,
+            )
+            loss = eval_loss(self._eval.call, graphs.param_names)
+            self._screen.validator = LossDeltaValidator(loss, batches)
         return graphs
 
     async def _train(self, nursery: trio.Nursery) -> None:

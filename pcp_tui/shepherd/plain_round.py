@@ -137,6 +137,8 @@ class PlainRound:
         per_step = self.screen.max_tokens // self.config.inner.steps
         start = (number - 1) * self.config.inner.steps
         self.screen.lr_sum = result_lr_sum(self.config, per_step, start=start)
+        if self.screen.validator is not None:
+            self.screen.validator.begin(number, params)
         if isinstance(self.mean, CenteredClip):  # warm-up and decay move its radius
             self.mean.step_scale = await trio.to_thread.run_sync(round_lr_sum, self.config, number)
         current = Round(

@@ -15,6 +15,7 @@ from pcp_tui import protocol
 from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
+from pcp_tui.diloco.validation import Assignment
 from pcp_tui.shepherd.state import RoundRecord, RunState
 
 if TYPE_CHECKING:
@@ -139,10 +140,13 @@ class Round:
             async with self._lock:
                 if self._closed:
                     return False
-                if sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES:
-                    tokens, losses = self._screen_and_fold(message)
+                small = sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES
+                if small and self._screen.validator is None:  # validation runs the eval graph
+                    tokens, losses = self._screen_and_fold(worker_id, message)
                 else:
-                    tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
+                    tokens, losses = await trio.to_thread.run_sync(
+                        self._screen_and_fold, worker_id, message
+                    )
                 self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
         finally:
             self.folding.discard(worker_id)
@@ -160,7 +164,9 @@ class Round:
         self.finish(worker_id)
         return True
 
-    def _screen_and_fold(self, message: protocol.Message) -> tuple[int, list[float]]:
+    def _screen_and_fold(
+        self, worker_id: str, message: protocol.Message
+    ) -> tuple[int, list[float]]:
         body: protocol.RoundResult = message.body
         self._screen.check(message.tensors, body.tokens)
         tokens = body.tokens
@@ -169,7 +175,12 @@ class Round:
         losses = list(body.losses)
         if not all(math.isfinite(x) for x in losses):
             raise BadResult("reported losses hold NaN or Inf")
-        self.mean.add(message.tensors, float(tokens))
+        weight = float(tokens)
+        if self._screen.validator is not None:  # BadResult unless it lowers the loss
+            view = self.connections[worker_id].view
+            claim = Assignment(view.index, view.shard, body.inner_steps)
+            weight = self._screen.validator.weigh(message.tensors, tokens, claim)
+        self.mean.add(message.tensors, weight)
         return tokens, losses
 
     async def close(self) -> None:
