@@ -230,7 +230,7 @@ class OuterConfig:
         choices=("loss-delta", "off"),
         help="weigh each result by the loss change it causes on the batches it trained on "
         "(two eval passes a result on the shepherd; refuses results that do not lower it; "
-        "plain rounds only, not --streaming-fragments)",
+        "with a robust --aggregate, in plain rounds: not with --streaming-fragments)",
     )
     compression: str = option(
         "none",

@@ -50,7 +50,9 @@ from pcp_tui import protocol
 from pcp_tui.diloco.screening import BadResult
 from pcp_tui.training import shards
 
-MIN_GAIN = 1e-3  # refuse a result that lowers the loss on its own batches by less than this of it
+# refuse a result that lowers the loss on its own batches by less than this of it: above the
+# float32 noise of two evaluations (~1e-7), far below what H honest steps do to their own batches
+MIN_GAIN = 1e-5
 FLOOR = 0.1  # refuse a result whose gain is under this x the reference (recent gains)
 FULL = 0.25  # a gain of at least this x the reference earns the result its full token weight
 QUANTILE = 75  # the reference: this percentile of recent accepted gains

@@ -287,7 +287,12 @@ class Shepherd:
         graphs = self.library.export_main()
         self._eval = select_backend("auto").load("eval_loss", graphs.eval_loss)
         cfg = self.config
-        if cfg.outer.validate == "loss-delta" and self.plain_round is not None:
+        # plain rounds of a robust aggregate: `--aggregate mean` stays DiLoCo's arithmetic
+        if (
+            cfg.outer.validate == "loss-delta"
+            and cfg.outer.aggregate != "mean"
+            and self.plain_round is not None
+        ):
             batches = AssignedBatches(
                 self.workload.shards,
                 count=self.workload.eval_batch_count,
