@@ -267,6 +267,7 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="a seconds-long run at toy sizes (CI's check)"
     )
+    parser.add_argument("--defences", nargs="+", choices=DEFENCES, default=list(DEFENCES))
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.inner_steps = 2, 2
@@ -287,7 +288,7 @@ def main() -> None:
             )
         sim = simulations[scenario.shards]
         sybil = len(scenario.attackers) > 1
-        for defence in DEFENCES:
+        for defence in args.defences:
             # the control: attackers honest, or (several ids of one holder) absent
             workers = scenario.workers - len(scenario.attackers) if sybil else scenario.workers
             key = (scenario.shards, workers, defence)

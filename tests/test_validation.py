@@ -12,9 +12,6 @@ import pytest
 from pcp_tui.backends import select_backend
 from pcp_tui.diloco.screening import BadResult
 from pcp_tui.diloco.validation import (
-    FLOOR,
-    FULL,
-    MIN_GAIN,
     AssignedBatches,
     Assignment,
     LossDeltaValidator,
@@ -90,29 +87,3 @@ def test_an_honest_result_counts_in_full_and_a_flipped_or_vanishing_one_is_refus
     assert validator.weigh(deltas[0], 100, claim) == 100.0
     # another worker's honest result, scored on its own batches
     assert validator.weigh(deltas[1], 100, Assignment(index=1, shard=1, steps=STEPS)) == 100.0
-
-
-def test_a_result_that_did_a_fraction_of_the_work_earns_a_fraction_or_nothing(run):
-    *_, deltas = run
-    validator, _ = _validator(run)
-    claim = Assignment(index=0, shard=0, steps=STEPS)
-    validator.weigh(deltas[0], 100, claim)
-    validator.weigh(deltas[1], 100, Assignment(index=1, shard=1, steps=STEPS))
-    reference = validator.reference()
-    assert reference > 0
-    # Δ scaled down by halves: the gain it still makes, measured as the validator does
-    scaled = {}
-    for k in range(1, 13):
-        before, after = validator.score(run[4], _times(deltas[0], 2**-k), claim, 1)
-        scaled[k] = (before - after, before)
-    partial = [k for k, (gain, _) in scaled.items() if FLOOR * reference < gain < FULL * reference]
-    too_little = [
-        k for k, (gain, before) in scaled.items() if MIN_GAIN * before < gain < FLOOR * reference
-    ]
-    assert partial and too_little  # both kinds exist among the halvings
-    gain = scaled[partial[0]][0]
-    weight = validator.weigh(_times(deltas[0], 2 ** -partial[0]), 100, claim)
-    assert weight == pytest.approx(100 * gain / (FULL * reference), rel=1e-6)
-    assert 0 < weight < 100
-    with pytest.raises(BadResult, match="what recent results did"):
-        validator.weigh(_times(deltas[0], 2 ** -too_little[0]), 100, claim)

@@ -17,20 +17,14 @@ chunk). θ − Δ_k is the worker's own end point, so an honest result lowers th
 losses by what its H steps did; a sign flip, a random direction or an overshoot
 raises them; a vanishing result lowers them by almost nothing.
 
-How a gain becomes a weight (`LossDeltaValidator.weigh`):
-
-- refused unless it lowers the loss by more than `MIN_GAIN` of it, and by more
-  than `FLOOR` x the reference gain: a result that does not do the work it claims
-  never reaches the aggregate (so it cannot shrink a centered clip's radius either);
-- otherwise its token weight times min(1, gain / (`FULL` x the reference)): a
-  result earns at most its tokens' share, however well it fits its own batches,
-  and one that does part of the work counts for that part.
-
-The reference is the upper quartile of recent accepted gains. A gain is measured,
-not claimed, so ids that do no work can only add low gains: a median would follow
-them down once they are most of the ids (one token holder joining as 3 of 5),
-the upper quartile stays with the results that did the work. Raising it takes a
-result that really lowers the loss by more, within the inner-optimizer bound.
+A result is refused (`BadResult`) unless it lowers that loss by more than
+`MIN_GAIN` of it; one that does keeps its token weight. Refused, it never reaches
+the aggregate, so it cannot shrink a centered clip's radius either. Weights scaled
+by the gain against recent gains (tokens x min(1, gain / reference), refusing
+gains under a tenth of it) were tried and taken out: in a run that converges fast
+(the MLP example) honest gains shrink more than tenfold within a few rounds, and
+honest results were refused against the earlier, larger ones; and an overscaled
+update that overfits its own batches raised the reference itself.
 
 Cost, on the shepherd's device: two passes of the exported eval graph over
 N = --eval-batches batches (θ and θ − Δ_k on V_k) per result, plus one
@@ -39,7 +33,6 @@ model-sized subtraction; the eval graph is the one the shepherd already compiled
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,11 +46,6 @@ from pcp_tui.training import shards
 # refuse a result that lowers the loss on its own batches by less than this of it: above the
 # float32 noise of two evaluations (~1e-7), far below what H honest steps do to their own batches
 MIN_GAIN = 1e-5
-FLOOR = 0.1  # refuse a result whose gain is under this x the reference (recent gains)
-FULL = 0.25  # a gain of at least this x the reference earns the result its full token weight
-QUANTILE = 75  # the reference: this percentile of recent accepted gains
-GAIN_WINDOW = 16  # recent accepted gains the reference is taken over (a few rounds of results)
-GAIN_BASELINE = 2  # gains needed before the reference applies
 
 #: (params, batches [N, ...] as the eval graph takes them) → mean loss
 Loss = Callable[[Mapping[str, np.ndarray], Any], float]
@@ -121,7 +109,7 @@ class AssignedBatches:
 
 
 class LossDeltaValidator:
-    """Scores a round's results by the loss change they cause, and turns scores into weights.
+    """Scores a round's results by the loss change they cause; refuses those that lower none.
 
     `begin(number, params)` once a round, before its first result; then
     `weigh(pseudo_gradient, tokens, assignment)` per result, before it is folded in.
@@ -133,23 +121,12 @@ class LossDeltaValidator:
         batches: Callable[[Assignment, int], Any],
         *,
         min_gain: float = MIN_GAIN,
-        floor: float = FLOOR,
-        full: float = FULL,
-        window: int = GAIN_WINDOW,
     ):
         self._loss, self._batches = loss, batches
-        self.min_gain, self.floor, self.full = min_gain, floor, full
-        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+        self.min_gain = min_gain
         self._params: Mapping[str, np.ndarray] | None = None
         self._number = 0
         self.passes = 0  # eval-graph calls made (two a result)
-
-    def reference(self) -> float:
-        """The gain a result that does the work achieves: the upper quartile of recent ones
-        (0.0 until there are `GAIN_BASELINE` of them)."""
-        if len(self._recent) < GAIN_BASELINE:
-            return 0.0
-        return float(np.percentile(np.array(self._recent), QUANTILE))
 
     def begin(self, number: int, params: Mapping[str, np.ndarray]) -> None:
         """Round `number` starts from `params` (read, never written, until the round closes)."""
@@ -182,15 +159,7 @@ class LossDeltaValidator:
                 f"from {before:.4g} to {after:.4g}; a result must lower it by over "
                 f"{self.min_gain:g} of it"
             )
-        typical = self.reference()
-        if typical > 0 and gain < self.floor * typical:
-            raise BadResult(
-                f"it lowers the loss on its own batches by {gain:.4g}, under {self.floor:g}x "
-                f"what recent results did ({typical:.4g}, their upper quartile)"
-            )
-        self._recent.append(gain)
-        share = min(1.0, gain / (self.full * typical)) if typical > 0 else 1.0
-        return float(tokens) * share
+        return float(tokens)
 
 
 def eval_loss(graph_call: Callable[..., Any], names: tuple[str, ...]) -> Loss:
