@@ -22,7 +22,7 @@ workers join in order. Attackers train honestly, then send instead:
 
 Defences: ``mean`` (DiLoCo's token-weighted mean), ``centered-clip`` (the
 default before loss-delta validation), ``clip+validate`` (today's default:
-centered clip, each result weighed by `diloco/validation.py`). Each attacked run
+centered clip, each result checked by `diloco/validation.py`). Each attacked run
 is compared with the same run with the attacker honest ("honest control"); the
 3-of-5 Sybil run with the run where those ids are absent (the 2 honest workers
 alone, on the same shards). docs/security.md has a run.
