@@ -1,161 +1,259 @@
-"""What a token-holding attacker does to a run, per aggregate: final eval loss against honest-only.
+"""What a token-holding attacker does to a run at the CLI's training settings, per defence.
 
-Real `pcp-tui worker` processes on 127.0.0.1, the tiny model, one seed. Four
-honest workers start first (indices and data shards 0..3 in every run); then
-the attacker, a real worker that trains honestly and tampers with the
-pseudo-gradient it returns (`pcp_tui.testing.faulty_worker`):
+The CLI's defaults (tiny model, batch 16 x 128 tokens, inner AdamW lr 1e-3 with
+50 warm-up steps, outer Nesterov 0.7 / 0.9) with `--inner-steps 10`, 6 rounds,
+seed 0: where a round moves the model enough for an attack to show. The run is
+simulated in this process with the shepherd's own parts, in the order a round
+uses them (`shepherd/engine.py`, `shepherd/rounds.py`): the exported graphs
+(each worker's `train_chunk` on its shard's sample streams, its AdamW state kept
+across rounds as a worker keeps it), `ResultScreen.check` (with the
+inner-optimizer bound), the aggregate, the loss-delta validator, and the outer
+step. Worker k is index k on shard k of `--workers` shards, as in a real run whose
+workers join in order. Attackers train honestly, then send instead:
 
 - ``sign flip``: −Δ.
-- ``scaled x100``: 100·Δ.
-- ``norm ratchet``: 3^r·Δ in its r-th round (walks a bound learned from history).
-- ``tiny, 3 ids``: 1e-6·Δ from three worker ids (drags a median of norms down).
-- ``first round 1e6``: 1e6·Δ in its first round, honest after.
+- ``scaled``: Δ scaled to just under the inner-optimizer bound (the most the
+  screen lets through: ``SCALE_TO_BOUND`` of it).
+- ``random``: a Gaussian direction with its honest Δ's norm.
+- ``ALIE``: "a little is enough" (Baruch et al. 2019): mean − z·std over the
+  round's honest results, per coordinate, z from the worker count (it knows them:
+  the strongest colluder).
+- ``tiny, 3 of 5 ids``: one token holder joins as 3 of 5 ids and sends 1e-12·Δ.
 
-Every row's ratio is its final eval loss over that of the honest-only run with
-`--aggregate mean` (today's DiLoCo); the honest-only row of another aggregate
-shows what robustness costs when nobody attacks. docs/security.md has a run.
+Defences: ``mean`` (DiLoCo's token-weighted mean), ``centered-clip`` (the
+default before loss-delta validation), ``clip+validate`` (today's default:
+centered clip, each result checked by `diloco/validation.py`). Each attacked run
+is compared with the same run with the attacker honest ("honest control"); the
+3-of-5 Sybil run with the run where those ids are absent (the 2 honest workers
+alone, on the same shards). docs/security.md has a run.
 
-    python benchmarks/bench_byzantine.py [--rounds 6] [--aggregates centered-clip mean] [--smoke]
+    python benchmarks/bench_byzantine.py [--smoke] [--only "sign flip"]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import tempfile
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from statistics import NormalDist
 
-import trio
+import numpy as np
 
+from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
-from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import (
-    faulty_worker_command,
-    parse_with_smoke,
-    small_config,
-    worker_command,
+from pcp_tui.diloco.aggregate import CenteredClip, make_aggregate
+from pcp_tui.diloco.outer import OuterOptimizer
+from pcp_tui.diloco.screening import BadResult, NormGuard, ResultScreen, global_norm
+from pcp_tui.diloco.validation import (
+    AssignedBatches,
+    Assignment,
+    LossDeltaValidator,
+    eval_loss,
 )
+from pcp_tui.shepherd.engine import (
+    inner_optimizer,
+    result_lr_sum,
+    round_lr_sum,
+    tokens_per_step,
+    update_bound,
+)
+from pcp_tui.shepherd.graphs import GraphLibrary
+from pcp_tui.training import shards
 from pcp_tui.training.build import build_workload
 
-REPO = Path(__file__).resolve().parents[1]
-HONEST = 4
-TOKEN = "bench-byzantine"
-ENV = dict(
-    os.environ,
-    PYTHONUNBUFFERED="1",
-    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-)
-ATTACKS = {  # row label: (pcp_tui.testing.faulty_worker fault and parameters, how many ids send it)
-    "none (honest only)": (None, 0),
-    "sign flip": (("scale", {"factor": -1.0}), 1),
-    "scaled x100": (("scale", {"factor": 100.0}), 1),
-    "norm ratchet": (("ratchet", {"factor": 3.0}), 1),
-    "tiny, 3 ids": (("scale", {"factor": 1e-6}), 3),
-    "first round 1e6": (("scale", {"factor": 1e6, "results": 1}), 1),
-}
+Params = dict[str, np.ndarray]
+# (the attacker's own honest Δ, the round's honest results, the round's bound, rng) → what it sends
+Attack = Callable[[Params, list[Params], float, np.random.Generator], Params]
+
+SCALE_TO_BOUND = 0.95
+DEFENCES = ("mean", "centered-clip", "clip+validate")
+
+
+def sign_flip(own: Params, honest: list[Params], bound: float, rng) -> Params:
+    return {n: -v for n, v in own.items()}
+
+
+def scaled(own: Params, honest: list[Params], bound: float, rng) -> Params:
+    factor = np.float32(SCALE_TO_BOUND * bound / global_norm(own))
+    return {n: v * factor for n, v in own.items()}
+
+
+def random_direction(own: Params, honest: list[Params], bound: float, rng) -> Params:
+    noise = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in own.items()}
+    factor = np.float32(global_norm(own) / global_norm(noise))
+    return {n: v * factor for n, v in noise.items()}
+
+
+def alie(own: Params, honest: list[Params], bound: float, rng) -> Params:
+    """Baruch et al. 2019: z_max = Φ⁻¹((n − s) / n), s = ⌊n/2 + 1⌋ − f, with f attackers of n."""
+    n, f = len(honest) + 1, 1
+    s = math.floor(n / 2 + 1) - f
+    z = NormalDist().inv_cdf((n - s) / n)
+    out = {}
+    for name in own:
+        stacked = np.stack([h[name] for h in honest])
+        out[name] = (stacked.mean(0) - z * stacked.std(0)).astype(np.float32)
+    return out
+
+
+def tiny(own: Params, honest: list[Params], bound: float, rng) -> Params:
+    return {n: v * np.float32(1e-12) for n, v in own.items()}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    label: str
+    workers: int  # ids in the run (shards are always `shards`)
+    attackers: tuple[int, ...]  # indices that attack
+    attack: Attack | None
+    shards: int
+
+
+SCENARIOS = [
+    Scenario("sign flip, 1 of 3", 3, (2,), sign_flip, 3),
+    Scenario("sign flip, 1 of 5", 5, (4,), sign_flip, 5),
+    Scenario("scaled to the bound, 1 of 3", 3, (2,), scaled, 3),
+    Scenario("scaled to the bound, 1 of 5", 5, (4,), scaled, 5),
+    Scenario("random direction, 1 of 3", 3, (2,), random_direction, 3),
+    Scenario("random direction, 1 of 5", 5, (4,), random_direction, 5),
+    Scenario("ALIE, 1 of 3", 3, (2,), alie, 3),
+    Scenario("ALIE, 1 of 5", 5, (4,), alie, 5),
+    Scenario("tiny 1e-12, 3 of 5 ids", 5, (2, 3, 4), tiny, 5),
+]
+
+
+class Simulation:
+    """The run's graphs, compiled once per shard count; `run` trains one scenario."""
+
+    def __init__(self, config: RunConfig, shard_count: int):
+        self.config = config
+        self.workload = build_workload(config, shards=shard_count)
+        graphs = GraphLibrary.for_run(config, self.workload, inner_optimizer(config)).export_main()
+        backend = select_backend(config.model.platforms[0])
+        self.names = graphs.param_names
+        self.train_chunk = backend.load("train_chunk", graphs.train_chunk).call
+        self.init_opt_state = backend.load("init_opt_state", graphs.init_opt_state).call
+        self.evaluate = eval_loss(backend.load("eval_loss", graphs.eval_loss).call, self.names)
+        self.chunk_steps = graphs.chunk_steps
+        self.shapes = {n: tuple(p.shape) for n, p in self.workload.params.items()}
+
+    def _train(self, index: int, number: int, params: Params, opt_state: list) -> tuple:
+        cfg, flat = self.config, [params[n] for n in self.names]
+        for chunk in range(cfg.inner.steps // self.chunk_steps):
+            batches = shards.sample_batches(
+                self.workload.shards[index],
+                steps=self.chunk_steps,
+                batch_size=cfg.data.batch_size,
+                seq_len=cfg.data.seq_len,
+                seed=cfg.model.seed,
+                stream=(index, number, chunk),
+            )
+            first_step = (number - 1) * cfg.inner.steps + chunk * self.chunk_steps
+            flat, opt_state, _ = self.train_chunk(
+                tuple(flat), tuple(opt_state), batches, np.int32(first_step)
+            )
+        trained = {n: np.asarray(v) for n, v in zip(self.names, flat, strict=True)}
+        return {n: params[n] - trained[n] for n in self.names}, list(opt_state)
+
+    def run(self, scenario: Scenario, defence: str, honest: bool, workers: int) -> Outcome:
+        """Final eval loss of `workers` ids (the attackers honest if `honest`) under `defence`."""
+        cfg = self.config
+        params = {n: np.array(p, np.float32) for n, p in self.workload.params.items()}
+        outer = OuterOptimizer(cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum)
+        kind = "mean" if defence == "mean" else "centered-clip"
+        mean = make_aggregate(kind, tuple(sorted(params)))
+        # the screen a round's results pass, as the round engine builds it
+        screen = ResultScreen(
+            dict(self.shapes),
+            max_tokens=cfg.inner.steps * tokens_per_step(cfg, self.workload),
+            norms=None if kind == "mean" else NormGuard(factor=math.inf),
+        )
+        validator = None
+        if defence == "clip+validate":
+            batches = AssignedBatches(
+                self.workload.shards,
+                count=self.workload.eval_batch_count,
+                chunk_steps=self.chunk_steps,
+                batch_size=cfg.data.batch_size,
+                seq_len=cfg.data.seq_len,
+                seed=cfg.model.seed,
+            )
+            validator = LossDeltaValidator(self.evaluate, batches)
+        tokens = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
+        opt_states = {
+            k: list(self.init_opt_state(tuple(params[n] for n in self.names)))
+            for k in range(workers)
+        }
+        rng = np.random.default_rng(cfg.model.seed)
+        refused = {"attacker": 0, "honest": 0}
+        evals, validate_seconds = [], 0.0
+        for number in range(1, cfg.outer.rounds + 1):
+            screen.bound = update_bound(cfg, params)
+            per_step = screen.max_tokens // cfg.inner.steps
+            screen.lr_sum = result_lr_sum(cfg, per_step, end=number * cfg.inner.steps)
+            if isinstance(mean, CenteredClip):
+                mean.step_scale = round_lr_sum(cfg, number)
+            if validator is not None:
+                validator.begin(number, params)
+            mean.reset()
+            results = {}
+            for k in range(workers):
+                results[k], opt_states[k] = self._train(k, number, params, opt_states[k])
+            attacking = () if honest else scenario.attackers
+            honest_results = [results[k] for k in range(workers) if k not in attacking]
+            for k in attacking:
+                results[k] = scenario.attack(results[k], honest_results, screen.bound, rng)
+            for k in range(workers):
+                who = "attacker" if k in attacking else "honest"
+                try:
+                    screen.check(results[k], tokens)
+                    weight = float(tokens)
+                    if validator is not None:
+                        started = time.perf_counter()
+                        try:
+                            weight = validator.weigh(
+                                results[k], tokens, Assignment(k, k, cfg.inner.steps)
+                            )
+                        finally:
+                            validate_seconds += time.perf_counter() - started
+                except BadResult:
+                    refused[who] += 1
+                    continue
+                mean.add(results[k], weight)
+            if mean.contributors:
+                mean.finish()
+                outer.apply(params, mean.sums, mean.scale)
+            evals.append(self.evaluate(params, self.workload.eval_tokens))
+        return Outcome(evals, refused, validate_seconds)
 
 
 @dataclass
-class Row:
-    attack: str
-    aggregate: str
-    final_eval_loss: float
-    refused: int
-    clipped_attacker: int
-    clipped_honest: int
+class Outcome:
+    evals: list[float]
+    refused: dict[str, int]
+    validate_seconds: float
+
+    @property
+    def final(self) -> float:
+        return self.evals[-1]
 
 
-def config(args: argparse.Namespace, aggregate: str, attackers: int) -> RunConfig:
-    """bench_faults' small run (`pcp_tui.testing.small_config`), this benchmark's flock and aggregate."""
-    return small_config(
-        eval_batches=4,
-        rounds=args.rounds,
+def config_for(args: argparse.Namespace, workers: int) -> RunConfig:
+    config = RunConfig(
         inner_steps=args.inner_steps,
-        chunk_steps=5,
-        warmup_steps=10,
-        inner_lr=2e-3,
-        workers=HONEST + attackers,
-        aggregate=aggregate,
-        token=TOKEN,
-        heartbeat_timeout=60.0,
+        rounds=args.rounds,
         seed=args.seed,
-        platforms=("cpu",),
+        workers=workers,
+        platforms=(args.backend,),
+        token="bench-byzantine",
     )
-
-
-def attacker_or_honest_command(
-    port: int, worker_id: str, attack: tuple[str, dict[str, float]] | None
-) -> list[str]:
-    """argv of one worker: honest, or the faulty worker running `attack` (a fault, its parameters)."""
-    if attack is None:
-        return worker_command(port, "--id", worker_id, "--quiet", token=TOKEN)
-    fault, parameters = attack
-    return faulty_worker_command(
-        port, fault, "--id", worker_id, "--quiet", token=TOKEN, **parameters
-    )
-
-
-async def _joined(shepherd: Shepherd, worker_id: str) -> None:
-    while worker_id not in shepherd.state.workers:
-        await trio.sleep(0.05)
-
-
-def run(args: argparse.Namespace, label: str, aggregate: str, logs: Path) -> Row:
-    attack, count = ATTACKS[label]
-    cfg = config(args, aggregate, count)
-    shepherd = Shepherd(cfg, build_workload(cfg, shards=HONEST))
-    processes: list[subprocess.Popen] = []
-    names = [f"honest{i}" for i in range(HONEST)] + [f"attacker{i}" for i in range(count)]
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(shepherd.run)
-            for name in names:  # one by one, so honest workers always get shards 0..3
-                log = open(logs / f"{aggregate}-{label}-{name}.log".replace(" ", "_"), "w")  # noqa: SIM115
-                command = attacker_or_honest_command(
-                    port, name, attack if name.startswith("a") else None
-                )
-                processes.append(
-                    subprocess.Popen(command, cwd=REPO, env=ENV, stdout=log, stderr=log)
-                )
-                await _joined(shepherd, name)
-
-    try:
-        trio.run(main)
-    finally:
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    events = shepherd.state.events
-    clipped = [e.data["worker"] for e in events if e.kind == "result_clipped"]
-    return Row(
-        attack=label,
-        aggregate=aggregate,
-        final_eval_loss=shepherd.state.history[-1].eval_loss,
-        refused=sum(1 for e in events if e.kind == "bad_result"),
-        clipped_attacker=sum(1 for w in clipped if w.startswith("attacker")),
-        clipped_honest=sum(1 for w in clipped if w.startswith("honest")),
-    )
-
-
-def table(rows: list[Row], reference: float) -> str:
-    lines = [
-        "| attack | aggregate | final eval loss | ratio vs honest-only (mean) "
-        "| refused | clipped: attacker / honest |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.attack} | {r.aggregate} | {r.final_eval_loss:.4g} "
-            f"| {r.final_eval_loss / reference:.3f} | {r.refused} "
-            f"| {r.clipped_attacker} / {r.clipped_honest} |"
+    if args.smoke:
+        config = config.replace(
+            batch_size=2, seq_len=16, eval_batches=2, warmup_steps=2, chunk_steps=2
         )
-    return "\n".join(lines)
+    return config
 
 
 def main() -> None:
@@ -163,22 +261,70 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--aggregates", nargs="+", default=["centered-clip", "mean"])
-    parser.add_argument("--only", nargs="+", choices=sorted(ATTACKS), help="attacks to run")
-    args = parse_with_smoke(
-        parser, rounds=2, inner_steps=5, aggregates=["centered-clip"], only=[list(ATTACKS)[1]]
+    parser.add_argument("--backend", default="cpu", help="where the graphs run: cpu, cuda")
+    parser.add_argument(
+        "--only", nargs="+", help="scenarios to run, in this order (a label or its start)"
     )
-    labels = [label for label in ATTACKS if not args.only or label in args.only]
-    logs = Path(tempfile.mkdtemp(prefix="bench-byzantine-"))
-    reference = run(args, "none (honest only)", "mean", logs)
-    rows = [reference]
-    for aggregate in args.aggregates:
-        for label in labels:
-            if (label, aggregate) != ("none (honest only)", "mean"):
-                rows.append(run(args, label, aggregate, logs))
-                print(table(rows[-1:], reference.final_eval_loss).splitlines()[-1], flush=True)
-    print(table(rows, reference.final_eval_loss))
-    print(f"worker logs: {logs}")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a seconds-long run at toy sizes (CI's check)"
+    )
+    parser.add_argument("--defences", nargs="+", choices=DEFENCES, default=list(DEFENCES))
+    args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.inner_steps = 2, 2
+    chosen = SCENARIOS  # in --only's order, if given
+    if args.only:
+        chosen = [s for o in args.only for s in SCENARIOS if s.label.startswith(o)]
+    simulations: dict[int, Simulation] = {}
+    controls: dict[tuple[int, int, str], Outcome] = {}  # (shards, workers, defence)
+    print(
+        "| attack | defence | final eval | honest control | change | refused: attacker / honest |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    worst: dict[str, float] = {}
+    for scenario in chosen:
+        if scenario.shards not in simulations:
+            simulations[scenario.shards] = Simulation(
+                config_for(args, scenario.shards), scenario.shards
+            )
+        sim = simulations[scenario.shards]
+        sybil = len(scenario.attackers) > 1
+        for defence in args.defences:
+            # the control: attackers honest, or (several ids of one holder) absent
+            workers = scenario.workers - len(scenario.attackers) if sybil else scenario.workers
+            key = (scenario.shards, workers, defence)
+            if key not in controls:
+                controls[key] = sim.run(scenario, defence, True, workers)
+            control = controls[key]
+            attacked = sim.run(scenario, defence, False, scenario.workers)
+            change = attacked.final / control.final - 1
+            worst[defence] = max(worst.get(defence, -math.inf), abs(change))
+            print(
+                f"| {scenario.label} | {defence} | {attacked.final:.3f} | {control.final:.3f}"
+                f"{' (ids absent)' if sybil else ''} | {change:+.1%} "
+                f"| {attacked.refused['attacker']} / {attacked.refused['honest']} |",
+                flush=True,
+            )
+    shard_counts = sorted({s.shards for s in chosen})
+    for shard_count in shard_counts:
+        cost = [
+            controls[(shard_count, shard_count, d)].final
+            for d in DEFENCES
+            if (shard_count, shard_count, d) in controls
+        ]
+        if len(cost) == len(DEFENCES):
+            mean, clip, validated = cost
+            print(
+                f"nobody attacks, {shard_count} workers: mean {mean:.4f}, centered-clip "
+                f"{clip:.4f} ({clip / mean - 1:+.2%}), clip+validate {validated:.4f} "
+                f"({validated / mean - 1:+.2%})"
+            )
+    print(
+        "largest |change| vs its control: "
+        + ", ".join(f"{d} {worst[d]:.1%}" for d in DEFENCES if d in worst)
+    )
+    if "mean" in worst and "clip+validate" in worst:  # what the defence leaves of the attacks
+        print(f"ratio_worst_change_defended_vs_mean={worst['clip+validate'] / max(worst['mean'], 1e-9):.4g}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""A token-holding worker that sends a huge pseudo-gradient from round 1 on cannot wreck the run.
+"""A token-holding worker that tampers with its pseudo-gradient cannot wreck the run.
 
 Real shepherd, real worker processes on 127.0.0.1; the attacker is
-pcp_tui.testing.faulty_worker (the real worker, its result scaled by 1e6 before sending).
+pcp_tui.testing.faulty_worker (the real worker, its result scaled before sending):
+by 1e6 (refused by the inner-optimizer bound) or by −1 (a sign flip, within every
+norm bound: refused by loss-delta validation, and shown to bite without it).
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ async def _joined(shepherd: Shepherd, worker_id: str, *, polls: int = 6000) -> N
     raise AssertionError(f"{worker_id} never joined")
 
 
-def _train(attacker: bool) -> Shepherd:
-    """Two honest workers (shards 0 and 1, in that order), and the attacker third if asked."""
-    config = small_config(workers=3 if attacker else 2, rounds=3, inner_steps=4, chunk_steps=2)
+def _train(attacker: bool, factor: float = 1e6, validate: str = "loss-delta") -> Shepherd:
+    """Two honest workers (shards 0 and 1, in that order), and the attacker third if asked,
+    sending `factor`·Δ."""
+    config = small_config(
+        workers=3 if attacker else 2, rounds=3, inner_steps=4, chunk_steps=2, validate=validate
+    )
     shepherd = Shepherd(config, build_workload(config, shards=2))
     processes: list[subprocess.Popen] = []
 
@@ -44,7 +49,7 @@ def _train(attacker: bool) -> Shepherd:
                 command = worker_command(port, "--id", name, "--quiet")
                 if name == "evil":  # the same worker, its results times 1e6
                     command = faulty_worker_command(
-                        port, "scale", "--id", name, "--quiet", factor=1e6
+                        port, "scale", "--id", name, "--quiet", factor=factor
                     )
                 processes.append(
                     subprocess.Popen(
@@ -67,8 +72,14 @@ def _train(attacker: bool) -> Shepherd:
     return shepherd
 
 
-def test_a_huge_first_result_is_refused_and_the_run_matches_honest_only():
-    attacked, honest = _train(attacker=True), _train(attacker=False)
+@pytest.fixture(scope="module")
+def honest() -> Shepherd:
+    """The two honest workers alone."""
+    return _train(attacker=False)
+
+
+def test_a_huge_first_result_is_refused_and_the_run_matches_honest_only(honest):
+    attacked = _train(attacker=True)
     refused = [e for e in attacked.state.events if e.kind == "bad_result"]
     assert [e.data["worker"] for e in refused] == ["evil"] * 3  # from round 1 on, every round
     assert all("the most the plan's inner optimizer" in e.message for e in refused)
@@ -77,3 +88,21 @@ def test_a_huge_first_result_is_refused_and_the_run_matches_honest_only():
     attacked_losses = [r.eval_loss for r in attacked.state.history]
     honest_losses = [r.eval_loss for r in honest.state.history]
     assert attacked_losses == honest_losses
+
+
+def test_a_sign_flip_bites_without_validation_and_is_refused_with_it(honest):
+    """−Δ passes every norm screen and centered clip (it sits as far from the center as an
+    honest result): without validation it costs the run; with it (the default) it is refused
+    every round, and the run is the honest workers' alone, to the bit."""
+    undefended = _train(attacker=True, factor=-1.0, validate="off")
+    assert not [e for e in undefended.state.events if e.kind == "bad_result"]
+    final = {run: run.state.history[-1].eval_loss for run in (undefended, honest)}
+    assert final[undefended] > 1.03 * final[honest]  # measured: +4.8% (4.858 vs 4.633)
+    attacked = _train(attacker=True, factor=-1.0)
+    refused = [e for e in attacked.state.events if e.kind == "bad_result"]
+    assert [e.data["worker"] for e in refused] == ["evil"] * 3
+    assert all("a result must lower it" in e.message for e in refused)
+    assert [set(r.worker_ids) for r in attacked.state.history] == [{"honest0", "honest1"}] * 3
+    assert [r.eval_loss for r in attacked.state.history] == [
+        r.eval_loss for r in honest.state.history
+    ]

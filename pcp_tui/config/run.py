@@ -228,6 +228,13 @@ class OuterConfig:
         choices=("mean", "trimmed-mean", "median", "centered-clip"),
         help="how results combine (centered-clip is robust: a minority cannot steer)",
     )
+    validate: str = option(
+        "loss-delta",
+        choices=("loss-delta", "off"),
+        help="weigh each result by the loss change it causes on the batches it trained on "
+        "(two eval passes a result on the shepherd; refuses results that do not lower it; "
+        "with a robust --aggregate, in plain rounds: not with --streaming-fragments)",
+    )
     compression: str = option(
         "none",
         choices=QUANTIZATIONS,

@@ -18,11 +18,14 @@ import collections
 import math
 import statistics
 from collections.abc import Callable, Mapping
-from typing import SupportsInt
+from typing import TYPE_CHECKING, SupportsInt
 
 import numpy as np
 
 from pcp_tui.contract.checks import is_finite, squared_norm
+
+if TYPE_CHECKING:
+    from pcp_tui.diloco.validation import LossDeltaValidator
 
 
 class BadResult(ValueError):
@@ -136,6 +139,9 @@ class ResultScreen:
         self.bound = bound  # the largest norm an honest worker can send; set every round
         # Σ inner lr over the steps a result of so many tokens covers; set every round
         self.lr_sum: Callable[[int], float] | None = None
+        # weighs a result by the loss change it causes (`validation.py`); set once the
+        # shepherd's eval graph is compiled, None where the run does not validate
+        self.validator: LossDeltaValidator | None = None
 
     def check(self, tensors: Mapping[str, np.ndarray], tokens: object) -> float:
         """The result's global norm; BadResult for wrong tensors, NaN/Inf, a bad token count or norm."""

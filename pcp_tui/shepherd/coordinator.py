@@ -23,6 +23,7 @@ from pcp_tui import protocol
 from pcp_tui.backends import select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
+from pcp_tui.diloco.validation import AssignedBatches, LossDeltaValidator, eval_loss
 from pcp_tui.shepherd import checkpoint, divergence
 from pcp_tui.shepherd.admission import Admission
 from pcp_tui.shepherd.api import OperatorAPI
@@ -295,6 +296,23 @@ class Shepherd:
         """The run's first export (the shepherd evaluates with it); others are made as workers need."""
         graphs = self.library.export_main()
         self._eval = select_backend("auto").load("eval_loss", graphs.eval_loss, own=True)
+        cfg = self.config
+        # plain rounds of a robust aggregate: `--aggregate mean` stays DiLoCo's arithmetic
+        if (
+            cfg.outer.validate == "loss-delta"
+            and cfg.outer.aggregate != "mean"
+            and len(self.engine.fragments) == 1
+        ):
+            batches = AssignedBatches(
+                self.workload.shards,
+                count=self.workload.eval_batch_count,
+                chunk_steps=graphs.chunk_steps,
+                batch_size=cfg.data.batch_size,
+                seq_len=cfg.data.seq_len,
+                seed=cfg.model.seed,
+            )
+            loss = eval_loss(self._eval.call, graphs.param_names)
+            self.engine.screens[0].validator = LossDeltaValidator(loss, batches)
         return graphs
 
     async def _train(self, nursery: trio.Nursery) -> None:

@@ -246,6 +246,8 @@ class RoundEngine:
             screen.bound = bound
             end = (number - 1) * h + self.schedule.send_step(p)
             screen.lr_sum = result_lr_sum(self.config, self.per_step, end=end)
+            if screen.validator is not None:  # scores results against θ as the round starts
+                screen.validator.begin(number, self.params)
             if isinstance(aggregate, CenteredClip):  # its radius scales the same way
                 aggregate.step_scale = await trio.to_thread.run_sync(screen.lr_sum, self.max_tokens)
             rounds.append(

@@ -15,6 +15,7 @@ from pcp_tui import protocol
 from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
+from pcp_tui.diloco.validation import Assignment
 from pcp_tui.shepherd.state import EventKind, RoundRecord, RunState
 
 if TYPE_CHECKING:
@@ -164,10 +165,14 @@ class Round:
             async with self._lock:
                 if self._closed:
                     return False
-                if sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES:
-                    tokens, losses = self._screen_and_fold(message)
+                small = sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES
+                validated = self._screen is not None and self._screen.validator is not None
+                if small and not validated:  # validation runs the eval graph: in a thread
+                    tokens, losses = self._screen_and_fold(worker_id, message)
                 else:
-                    tokens, losses = await trio.to_thread.run_sync(self._screen_and_fold, message)
+                    tokens, losses = await trio.to_thread.run_sync(
+                        self._screen_and_fold, worker_id, message
+                    )
                 self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
         finally:
             self.folding.discard(worker_id)
@@ -185,7 +190,9 @@ class Round:
         self.finish(worker_id)
         return True
 
-    def _screen_and_fold(self, message: protocol.Message) -> tuple[int, list[float]]:
+    def _screen_and_fold(
+        self, worker_id: str, message: protocol.Message
+    ) -> tuple[int, list[float]]:
         body = message.body
         assert isinstance(body, protocol.RoundResult) and self._screen is not None
         self._screen.check(message.tensors, body.tokens)
@@ -195,7 +202,13 @@ class Round:
         losses = list(body.losses)
         if not all(math.isfinite(x) for x in losses):
             raise BadResult("reported losses hold NaN or Inf")
-        self.mean.add(message.tensors, float(tokens))
+        weight = float(tokens)
+        if self._screen.validator is not None:  # BadResult unless it lowers the loss
+            view = (self.connections or {})[worker_id].view
+            assert view.shard is not None, "a worker in a round trains a shard"
+            claim = Assignment(view.index, view.shard, body.inner_steps)
+            weight = self._screen.validator.weigh(message.tensors, tokens, claim)
+        self.mean.add(message.tensors, weight)
         return tokens, losses
 
     async def close(self) -> None:

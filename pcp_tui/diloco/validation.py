@@ -1,0 +1,171 @@
+"""Weigh each pseudo-gradient by what it does to the loss on batches the shepherd picks.
+
+Norm screens and robust aggregates judge a result by its distance to the others,
+which says nothing about its direction: a sign-flipped result sits as far from the
+center as an honest one, and tiny results from several ids shrink any radius that
+counts them. This module checks a result against what it claims to be, the
+outcome of H inner steps on the worker's assigned batches (Templar's "Gauntlet",
+Lidin et al. 2025, scores a peer's pseudo-gradient by the loss before and after
+applying it on data the validator picks; proof-of-learning work, Jia et al. 2021,
+checks a claimed update by replaying the data that produced it):
+
+    gain_k = L(θ; V_k) − L(θ − Δ_k; V_k)
+
+V_k is drawn from the batches worker k trained on this round, known to the
+shepherd from the plan, the run's seed and the sample stream (slot, round,
+chunk). θ − Δ_k is the worker's own end point, so an honest result lowers these
+losses by what its H steps did; a sign flip, a random direction or an overshoot
+raises them; a vanishing result lowers them by almost nothing.
+
+A result is refused (`BadResult`) unless it lowers that loss by more than
+`MIN_GAIN` of it; one that does keeps its token weight. Refused, it never reaches
+the aggregate, so it cannot shrink a centered clip's radius either. Weights scaled
+by the gain against recent gains (tokens x min(1, gain / reference), refusing
+gains under a tenth of it) were tried and taken out: in a run that converges fast
+(the MLP example) honest gains shrink more than tenfold within a few rounds, and
+honest results were refused against the earlier, larger ones; and an overscaled
+update that overfits its own batches raised the reference itself.
+
+Cost, on the shepherd's device: two passes of the exported eval graph over
+N = --eval-batches batches (θ and θ − Δ_k on V_k) per result, plus one
+model-sized subtraction; the eval graph is the one the shepherd already compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pcp_tui import protocol
+from pcp_tui.diloco.screening import BadResult
+from pcp_tui.training import shards
+
+# refuse a result that lowers the loss on its own batches by less than this of it: above the
+# float32 noise of two evaluations (~1e-7), far below what H honest steps do to their own batches
+MIN_GAIN = 1e-5
+
+#: (params, batches [N, ...] as the eval graph takes them) → mean loss
+Loss = Callable[[Mapping[str, np.ndarray], Any], float]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What a result claims to have trained on: the worker's index (its sample stream), its
+    data shard, and the inner steps it reports."""
+
+    index: int
+    shard: int
+    steps: int
+
+
+class AssignedBatches:
+    """N of the batches a worker trained on in a round, drawn as the worker draws them."""
+
+    def __init__(
+        self,
+        shard_data: list[Any],
+        *,
+        count: int,
+        chunk_steps: int,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+    ):
+        self._shards = [
+            shard if isinstance(shard, np.ndarray) else tuple(shard.values())
+            for shard in shard_data
+        ]
+        self.count, self.chunk_steps = count, chunk_steps
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+
+    def __call__(self, assignment: Assignment, number: int) -> Any:
+        """[N, ...] batches (a tuple of them for a rows dataset): steps spread over the round."""
+        shard = self._shards[assignment.shard]
+        kind = (
+            protocol.BatchKind.WINDOWS if isinstance(shard, np.ndarray) else protocol.BatchKind.ROWS
+        )
+        steps = max(assignment.steps, 1)
+        picked = np.linspace(0, steps - 1, self.count).round().astype(int)
+        chunks: dict[int, Any] = {}
+        for step in picked:
+            chunk = int(step) // self.chunk_steps
+            if chunk not in chunks:
+                chunks[chunk] = shards.sample_shard(
+                    kind,
+                    shard,
+                    steps=self.chunk_steps,
+                    batch_size=self.batch_size,
+                    seq_len=self.seq_len,
+                    seed=self.seed,
+                    stream=(assignment.index, number, chunk),
+                )
+        rows = [(chunks[int(s) // self.chunk_steps], int(s) % self.chunk_steps) for s in picked]
+        if kind == protocol.BatchKind.WINDOWS:
+            return np.stack([batches[i] for batches, i in rows])
+        return tuple(np.stack([batches[k][i] for batches, i in rows]) for k in range(len(shard)))
+
+
+class LossDeltaValidator:
+    """Scores a round's results by the loss change they cause; refuses those that lower none.
+
+    `begin(number, params)` once a round, before its first result; then
+    `weigh(pseudo_gradient, tokens, assignment)` per result, before it is folded in.
+    """
+
+    def __init__(
+        self,
+        loss: Loss,
+        batches: Callable[[Assignment, int], Any],
+        *,
+        min_gain: float = MIN_GAIN,
+    ):
+        self._loss, self._batches = loss, batches
+        self.min_gain = min_gain
+        self._params: Mapping[str, np.ndarray] | None = None
+        self._number = 0
+        self.passes = 0  # eval-graph calls made (two a result)
+
+    def begin(self, number: int, params: Mapping[str, np.ndarray]) -> None:
+        """Round `number` starts from `params` (read, never written, until the round closes)."""
+        self._number, self._params = number, params
+
+    def score(
+        self,
+        params: Mapping[str, np.ndarray],
+        pseudo_gradient: Mapping[str, np.ndarray],
+        assignment: Assignment,
+        number: int,
+    ) -> tuple[float, float]:
+        """(loss before, loss after) applying Δ to θ on the batches `assignment` trained on."""
+        batches = self._batches(assignment, number)
+        after = {n: np.subtract(p, pseudo_gradient[n], dtype=np.float32) for n, p in params.items()}
+        self.passes += 2
+        return self._loss(params, batches), self._loss(after, batches)
+
+    def weigh(
+        self, pseudo_gradient: Mapping[str, np.ndarray], tokens: int, assignment: Assignment
+    ) -> float:
+        """The result's weight in the mean: BadResult if it does not lower the loss enough."""
+        if self._params is None:
+            raise RuntimeError("LossDeltaValidator.begin must be called before a round's results")
+        before, after = self.score(self._params, pseudo_gradient, assignment, self._number)
+        gain = before - after
+        if not gain > self.min_gain * abs(before):  # NaN too
+            raise BadResult(
+                f"applied to the round's parameters it changes the loss on its own batches "
+                f"from {before:.4g} to {after:.4g}; a result must lower it by over "
+                f"{self.min_gain:g} of it"
+            )
+        return float(tokens)
+
+
+def eval_loss(graph_call: Callable[..., Any], names: tuple[str, ...]) -> Loss:
+    """A `Loss` over the exported eval graph (`training/export.py` `eval_loss`)."""
+
+    def loss(params: Mapping[str, np.ndarray], batches: Any) -> float:
+        return float(graph_call(tuple(params[n] for n in names), batches))
+
+    return loss
