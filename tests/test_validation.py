@@ -18,7 +18,7 @@ from pcp_tui.diloco.validation import (
     eval_loss,
 )
 from pcp_tui.shepherd.graphs import GraphLibrary
-from pcp_tui.shepherd.plain_round import inner_optimizer
+from pcp_tui.shepherd.engine import inner_optimizer
 from pcp_tui.testing._inprocess import worker_batches
 from pcp_tui.training.build import build_workload
 

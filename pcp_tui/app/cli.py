@@ -287,13 +287,13 @@ def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
         from pcp_tui.app.launch import run_worker
 
         return run_worker(worker_config_from(args), faults=faults)
-    from pcp_tui.shepherd.checkpoint import CheckpointError, CheckpointRefused
+    from pcp_tui.shepherd.checkpoint import CheckpointError
 
     try:
         config = _config_from(args)
-    except CheckpointError as exc:  # --resume: nothing to read (1), or nothing to trust (2)
+    except CheckpointError as exc:  # --resume: nothing to read, or nothing to trust
         print(f"pcp-tui: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, CheckpointRefused) else 1
+        return 2  # an option that cannot work, as the README promises
     from pcp_tui.app.launch import run_demo, run_shepherd
 
     headless = config.operator.headless
