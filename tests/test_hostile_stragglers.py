@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.shepherd.api_bodies import workers_json
+from pcp_tui.app.api_bodies import workers_json
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
     PEER_ERRORS,

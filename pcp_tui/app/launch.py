@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from pcp_tui.app.api import run_with_api
 from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop, clean_stop_plan
 from pcp_tui.app.local_run import run_with_local_workers
 from pcp_tui.app.preflight import preflight
@@ -94,7 +95,7 @@ def run_shepherd(config: RunConfig, *, headless: bool) -> int:
         if launched is not None:
             return launched
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
-    return _run_headless(shepherd, metrics, shepherd.run)
+    return _run_headless(shepherd, metrics, partial(run_with_api, shepherd))
 
 
 def _run_headless(

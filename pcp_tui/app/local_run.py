@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from pcp_tui.app.api import run_with_api
+
 if TYPE_CHECKING:
     from pcp_tui.shepherd.coordinator import Shepherd
 
@@ -32,6 +34,6 @@ async def run_with_local_workers(
     """
     async with trio.open_nursery() as workers:
         async with trio.open_nursery() as run:
-            port = await run.start(shepherd.run)
+            port = await run.start(run_with_api, shepherd)
             task_status.started(await spawn(workers, port))
         workers.cancel_scope.deadline = trio.current_time() + LEAVE_SECONDS

@@ -15,9 +15,9 @@ import socket
 import tempfile
 from pathlib import Path
 
+from pcp_tui.app.api import bearer_token
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.shepherd import checkpoint
-from pcp_tui.shepherd.api import bearer_token
 from pcp_tui.shepherd.coordinator import RunFailed
 
 

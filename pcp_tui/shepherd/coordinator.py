@@ -26,15 +26,12 @@ from pcp_tui.contract import tls
 from pcp_tui.diloco.validation import AssignedBatches, LossDeltaValidator, eval_loss
 from pcp_tui.shepherd import checkpoint, divergence
 from pcp_tui.shepherd.admission import Admission
-from pcp_tui.shepherd.api import OperatorAPI
 from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
 from pcp_tui.shepherd.engine import RoundEngine, inner_optimizer, record_round, tokens_per_step
 from pcp_tui.shepherd.graphs import GraphLibrary
 from pcp_tui.shepherd.ledger import ShardLedger
 from pcp_tui.shepherd.listening import (
-    EVERYWHERE,
     CannotListen,
-    address_for_others,
     advertised,
     join_command,
     open_listeners,
@@ -117,7 +114,6 @@ class Shepherd:
         )
         if saved is not None:
             self._resume(saved)
-        self.api = OperatorAPI.from_config(config, self.state, self.cancel)  # None: off
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -178,28 +174,9 @@ class Shepherd:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
         """Listen, train for `config.outer.rounds` rounds, say goodbye. Raises RunFailed.
 
-        With `--api-port`, the operator API serves from before the graphs are
-        exported (so /healthz and /readyz answer during a long export) until the
-        run ends; its port is taken first, so a busy one fails the run at once.
+        The services around a run (the operator API: `app.api.run_with_api`) are the
+        host's; this is the run itself.
         """
-        if self.api is None:
-            return await self._run(task_status=task_status)
-        try:
-            self.state.api_address = self.api.bind(
-                advertise=address_for_others() if self.api.host in EVERYWHERE else None
-            )
-        except OSError as exc:
-            raise RunFailed(
-                f"cannot serve the operator API on {self.api.host}:{self.api.port} "
-                f"({exc.strerror or exc}); pick another --api-port or --api-host"
-            ) from None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.api.serve)
-            result = await outcome.acapture(self._run, task_status=task_status)
-            self.api.close()
-        return result.unwrap()  # RunFailed leaves bare, not wrapped in the nursery's group
-
-    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
         cfg = self.config
         if self._resumed_from:
             path, number = self._resumed_from
@@ -235,7 +212,7 @@ class Shepherd:
                 self.state.emit(
                     EventKind.LISTENING,
                     f"listening on {self.state.address}"
-                    + (f", operator API on {self.api.url}" if self.api else "")
+                    + (f", operator API on {self.state.api_url}" if self.state.api_url else "")
                     + f"; join with: {self.state.join_command}",
                 )
                 try:

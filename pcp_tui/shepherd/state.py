@@ -216,6 +216,7 @@ class RunState:
         self.address = ""
         self.join_command = ""
         self.api_address = ""  # "host:port" of the operator API, when it is on
+        self.api_url = ""  # and where clients reach it (http or https)
         self.status = RunStatus.STARTING
         self.round = 0
         self.first_round = 1  # the first this shepherd runs: after --resume, the checkpoint's + 1

@@ -17,6 +17,7 @@ import outcome
 import trio
 from textual.app import App
 
+from pcp_tui.app.api import run_with_api
 from pcp_tui.app.dashboard.run_text import FINISHED
 from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.local_run import run_with_local_workers
@@ -59,7 +60,7 @@ class GuestRun(App[None]):
         async with trio.open_nursery() as nursery:
             self._cancel_scope = nursery.cancel_scope
             if self._spawn_workers is None:
-                await nursery.start(self.shepherd.run)
+                await nursery.start(run_with_api, self.shepherd)
                 return
             self.processes = await nursery.start(
                 run_with_local_workers, self.shepherd, self._spawn_workers

@@ -1,7 +1,8 @@
 """The operator API: a run's state as JSON and Prometheus metrics over HTTP, and a cancel command.
 
-`OperatorAPI` is a hand-written ASGI app served by hypercorn inside the
-shepherd's own trio program, so it reads `RunState` in the trio thread between
+`OperatorAPI` is a hand-written ASGI app served by hypercorn beside the
+shepherd, in the same trio program (`run_with_api`, which the headless mode, the
+dashboard and the demo run the shepherd under), so it reads `RunState` in the trio thread between
 two steps of the run: what it returns is always one consistent moment, and no
 lock is needed. It only reads the state and calls the stop command it was given.
 
@@ -33,13 +34,13 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
+import outcome
 import trio
 from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from pcp_tui.config import ConfigError, RunConfig
-from pcp_tui.shepherd.api_bodies import (
+from pcp_tui.app.api_bodies import (
     FINISHED,
     RunCollector,
     controller_json,
@@ -47,10 +48,13 @@ from pcp_tui.shepherd.api_bodies import (
     metrics_json,
     workers_json,
 )
-from pcp_tui.shepherd.api_connections import CappedServer
+from pcp_tui.app.api_connections import CappedServer
+from pcp_tui.config import ConfigError, RunConfig
+from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
+from pcp_tui.shepherd.listening import EVERYWHERE, address_for_others
 from pcp_tui.shepherd.state import EventKind, RunState, finite_or_null
 
-__all__ = ["OperatorAPI", "bearer_token"]
+__all__ = ["OperatorAPI", "bearer_token", "run_with_api"]
 
 Scope = Mapping[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -284,3 +288,31 @@ async def _respond(send: Send, answer: Answer, *, head: bool) -> None:
 def _json(status: int, data: Any, *headers: tuple[bytes, bytes]) -> Answer:
     body = json.dumps(finite_or_null(data), allow_nan=False).encode() + b"\n"
     return Answer(status, body, headers=headers)
+
+
+async def run_with_api(shepherd: Shepherd, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
+    """`shepherd.run()` with its operator API (`--api-port`) serving beside it; the bare run
+    without one. Raises RunFailed as the run does.
+
+    The API serves from before the graphs are exported (so /healthz and /readyz answer
+    during a long export) until the run ends; its port is taken first, so a busy one
+    fails the run at once.
+    """
+    api = OperatorAPI.from_config(shepherd.config, shepherd.state, shepherd.cancel)
+    if api is None:
+        return await shepherd.run(task_status=task_status)
+    try:
+        shepherd.state.api_address = api.bind(
+            advertise=address_for_others() if api.host in EVERYWHERE else None
+        )
+    except OSError as exc:
+        raise RunFailed(
+            f"cannot serve the operator API on {api.host}:{api.port} "
+            f"({exc.strerror or exc}); pick another --api-port or --api-host"
+        ) from None
+    shepherd.state.api_url = api.url
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(api.serve)
+        result = await outcome.acapture(shepherd.run, task_status=task_status)
+        api.close()
+    return result.unwrap()  # RunFailed leaves bare, not wrapped in the nursery's group
