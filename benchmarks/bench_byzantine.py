@@ -324,7 +324,9 @@ def main() -> None:
         + ", ".join(f"{d} {worst[d]:.1%}" for d in DEFENCES if d in worst)
     )
     if "mean" in worst and "clip+validate" in worst:  # what the defence leaves of the attacks
-        print(f"ratio_worst_change_defended_vs_mean={worst['clip+validate'] / max(worst['mean'], 1e-9):.4g}")
+        print(
+            f"ratio_worst_change_defended_vs_mean={worst['clip+validate'] / max(worst['mean'], 1e-9):.4g}"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import capnp
 import numpy as np
@@ -63,6 +64,9 @@ class Limits:
     max_losses: int = 2**16  # entries of a roundResult's `losses`
 
 
+B = TypeVar("B", bound=Body)
+
+
 @dataclass
 class Message:
     """One decoded message: its typed body (see `_messages`) plus its decoded tensors."""
@@ -76,6 +80,13 @@ class Message:
     def kind(self) -> str:
         """The Envelope union member, e.g. "roundResult"."""
         return self.body.KIND
+
+    def body_as(self, kind: type[B]) -> B:
+        """The body, typed as the `kind` the receiver expects; MalformedMessage if it is
+        another (a receiver that checked `message.kind` first never sees that)."""
+        if not isinstance(self.body, kind):
+            raise MalformedMessage(f"expected {kind.KIND}, got {self.kind}")
+        return self.body
 
 
 # --------------------------------------------------------------------------- encode

@@ -18,12 +18,12 @@ import pytest
 import trio
 
 from pcp_tui import protocol
+from pcp_tui.app.api_bodies import worker_json
 from pcp_tui.app.cli import build_parser, worker_config_from
 from pcp_tui.app.config_file import load_config_file
 from pcp_tui.backends import BackendUnavailable, GraphError, JaxBackend
 from pcp_tui.config import ConfigError, RunConfig, ShardingConfig
 from pcp_tui.protocol import _messages as wire
-from pcp_tui.app.api_bodies import worker_json
 from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.state import WorkerView
 from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command

@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from pcp_tui import protocol
+from pcp_tui.app.api_bodies import RunCollector, job_json, metrics_json, workers_json
 from pcp_tui.app.headless import fixed, format_round, times_fewer
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import BadResult, ResultScreen
-from pcp_tui.app.api_bodies import RunCollector, job_json, metrics_json, workers_json
 from pcp_tui.shepherd.rounds import Round, data_parallel_bytes, utilization
 from pcp_tui.shepherd.state import RoundRecord, RunState, WorkerView
 

@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -17,6 +18,9 @@ from pcp_tui.contract.plan import Stage
 from pcp_tui.shepherd.claims import ResultClaims
 from pcp_tui.shepherd.progress_rate import ProgressRate
 from pcp_tui.shepherd.state import RunState, WorkerView
+
+if TYPE_CHECKING:
+    from pcp_tui.shepherd.striping import Attachments
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
 
@@ -99,7 +103,7 @@ class WorkerLink(Connection):
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline
         self.ended = trio.Event()  # set once the connection is closed (its server task ends)
         # while the worker is asked to open more connections (shepherd.striping)
-        self.attachments = None
+        self.attachments: Attachments | None = None
         self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
         self._rounds_started: set[int] = set()  # rounds whose roundStart went out on this link
         # what its results may claim; sized by `worker_plan.bind_to_plan` (no result comes before)

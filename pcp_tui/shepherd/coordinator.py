@@ -20,7 +20,7 @@ import outcome
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.backends import select_backend
+from pcp_tui.backends import LoadedGraph, select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
 from pcp_tui.diloco.validation import AssignedBatches, LossDeltaValidator, eval_loss
@@ -52,9 +52,9 @@ class Shepherd:
     def __init__(self, config: RunConfig, workload: Workload, *, state: RunState | None = None):
         self.config = config.validate()
         self.workload = workload
-        self.token = config.security.token
-        if not self.token:
+        if not config.security.token:
             raise ValueError("the shepherd needs a join token (RunConfig.token)")
+        self.token: str = config.security.token
         resume = config.checkpoints.resume
         saved = checkpoint.load_latest(resume) if resume else None
         # a resumed run is the same run: workers keep their inner optimizer state for it
@@ -77,13 +77,13 @@ class Shepherd:
         self._checkpoints = CheckpointWriter(config.checkpoints.dir, self.state)
         self._paused = False
         self._resumed = trio.Event()
-        self._eval = None
+        self._eval: LoadedGraph | None = None  # the eval graph, once exported (`_export`)
         self._resumed_from: tuple[str, int] | None = None
         self._port = config.network.port
         self.start_round = 1
         self.tls = (
             tls.ServerTLS.from_files(config.security.tls_cert, config.security.tls_key)
-            if config.security.tls_cert
+            if config.security.tls_cert and config.security.tls_key
             else None
         )
         self._admission = Admission.for_run(config, self.state, run_id=self.run_id, tls=self.tls)
@@ -262,6 +262,8 @@ class Shepherd:
     def _checkpoint_on_disk(self) -> bool:
         """Whether a checkpoint can still be read where `--resume` would look; if not, why not."""
         directory = self.config.checkpoints.dir or self.config.checkpoints.resume
+        if not directory:
+            return False
         try:
             checkpoint.inspect(directory, hint="its workers are told the run ended")
         except checkpoint.CheckpointError as exc:
@@ -272,7 +274,9 @@ class Shepherd:
     def _export(self) -> TrainingGraphs:
         """The run's first export (the shepherd evaluates with it); others are made as workers need."""
         graphs = self.library.export_main()
-        self._eval = select_backend("auto").load("eval_loss", graphs.eval_loss, own=True)
+        self._eval = evaluator = select_backend("auto").load(
+            "eval_loss", graphs.eval_loss, own=True
+        )
         cfg = self.config
         # plain rounds of a robust aggregate: `--aggregate mean` stays DiLoCo's arithmetic
         if (
@@ -288,7 +292,7 @@ class Shepherd:
                 seq_len=cfg.data.seq_len,
                 seed=cfg.model.seed,
             )
-            loss = eval_loss(self._eval.call, graphs.param_names)
+            loss = eval_loss(evaluator.call, graphs.param_names)
             self.engine.screens[0].validator = LossDeltaValidator(loss, batches)
         return graphs
 
@@ -408,6 +412,7 @@ class Shepherd:
     def evaluate(self, params: Mapping[str, np.ndarray] | None = None) -> float:
         """Mean loss on the held-out batches (exported eval graph, local backend)."""
         params = params if params is not None else self.params
+        assert self.graphs is not None and self._eval is not None, "evaluated once exported"
         flat = tuple(params[n] for n in self.graphs.param_names)
         return float(self._eval.call(flat, self.workload.eval_tokens))
 

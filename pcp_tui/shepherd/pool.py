@@ -158,9 +158,11 @@ class WorkerPool:
         previous = self._links.get(worker_id)
         network = self.config.network
         timeout = network.heartbeat_timeout
-        alive = previous is not None and not previous.closed
-        silent = previous.silent_for() if alive else 0.0
-        if alive and not previous.is_paused and MISSED_BEATS * network.heartbeat_seconds < silent:
+        cap = self.config.worker_connections
+        if previous is None or previous.closed:
+            return self._busy(previous, cap)
+        silent = previous.silent_for()
+        if not previous.is_paused and MISSED_BEATS * network.heartbeat_seconds < silent:
             # its heartbeats stopped: likely this very worker, restarted (a reboot, a partition)
             # while its old connection hangs half-open. Retryable (busy), not final: it gets
             # in once the old connection's silence reaches the timeout and it is dropped.
@@ -169,14 +171,18 @@ class WorkerPool:
                 f"{previous.view.host}, silent for {silent:.0f} s; it is let in once that "
                 f"connection has been silent for {timeout:g} s (--heartbeat-timeout): retrying"
             )
-        if alive and (previous.is_paused or silent <= timeout):
+        if previous.is_paused or silent <= timeout:
             return protocol.ErrorCode.ID_IN_USE, (
                 f"worker id {worker_id!r} is in use by a live connection from "
                 f"{previous.view.host}; start this worker with another --id, or stop the "
                 f"other one (a reconnect is let in once the old connection has been silent "
                 f"for {timeout:g} s)"
             )
-        cap = self.config.worker_connections
+        return self._busy(previous, cap)
+
+    def _busy(self, previous: WorkerLink | None, cap: int) -> tuple[protocol.ErrorCode, str] | None:
+        """(busy, why) when the admitted connections, `previous` (being replaced) aside, are
+        at --max-worker-connections; else None."""
         live = sum(1 for link in self._links.values() if not link.closed and link is not previous)
         if live >= cap:
             return protocol.ErrorCode.BUSY, (
@@ -251,8 +257,8 @@ class WorkerPool:
             if pending is None
             else pending.offer(hello, admitted.stream)
         )
-        if problem is not None:
-            await self._refuse(admitted, protocol.ErrorCode.AUTH_FAILED, problem)
+        if problem is not None or link is None:
+            await self._refuse(admitted, protocol.ErrorCode.AUTH_FAILED, problem or "")
             return
         # the session owns the connection now; trio's serve_listeners closes a connection once
         # its handler returns, so this one returns when the session has ended
@@ -314,10 +320,10 @@ class WorkerPool:
     def _mark_gone(self, link: WorkerLink, state: str, reason: str) -> None:
         ending = self.state.status in ("done", "stopped", "failed") or self._stopping()
         if ending:
-            state = "left"  # the run is ending: a closing connection is expected, not a loss
+            state = WorkerState.LEFT  # the run is ending: a closing connection is expected
         if self._links.get(link.worker_id) is link:
             del self._links[link.worker_id]
-            link.view.state, link.view.reason = state, reason
+            link.view.state, link.view.reason = WorkerState(state), reason
             orphan = self.state.shards.release(link.worker_id)
             log.info("worker %d %s: %s", link.view.index, state, reason)
             if state == "lost" and not self._stopping():
@@ -359,6 +365,7 @@ class WorkerPool:
         await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
         log.debug("worker %d: welcomed", link.view.index)
         link.view.state = WorkerState.COMPILING
+        assert slot is not None, "the ledger gives every admitted worker a shard"
         plan, tensors = worker_plan(
             cfg, self.workload, graphs, run_id=self.run_id, slot=slot, fragments=self.fragments
         )
@@ -414,7 +421,7 @@ class WorkerPool:
             raise ConnectionLost(f"the worker reported {body.code.value}: {shown(body.message)}")
 
     def _on_progress(self, view: WorkerView, body: protocol.Progress) -> None:
-        view.state = body.phase.value
+        view.state = WorkerState(body.phase.value)
         view.record_stats(body.stats)
         if body.phase is not protocol.Phase.TRAINING:
             return  # e.g. the statistics a worker sends once it has compiled: no step, no loss
@@ -426,14 +433,15 @@ class WorkerPool:
         view.tokens_per_second = body.tokens_per_second
 
     async def _on_result(self, link: WorkerLink, message: protocol.Message) -> None:
+        body = message.body_as(protocol.RoundResult)
         view = link.view
-        current = self.open_rounds.of(message.body.fragment)  # the header check bounds it
-        number = message.body.round
-        link.note_result(message.body, self.state.round)  # a repeat ends the connection
-        link.claims.check(message.body)  # more steps, tokens or seconds than asked: ends it too
+        current = self.open_rounds.of(body.fragment)  # the header check bounds it
+        number = body.round
+        link.note_result(body, self.state.round)  # a repeat ends the connection
+        link.claims.check(body)  # more steps, tokens or seconds than asked: ends it too
         if sitting_out.caught_up(link, number):
             self.wake()
-        link.answered(number, message.body.fragment)
+        link.answered(number, body.fragment)
         try:
             added = (
                 current is not None
@@ -441,6 +449,7 @@ class WorkerPool:
                 and await current.add(link.worker_id, message)
             )
         except BadResult as exc:
+            assert current is not None  # only a round's add refuses a result
             current.finish(link.worker_id)
             view.reason = f"result refused: {exc}"
             self.state.emit(
@@ -455,7 +464,6 @@ class WorkerPool:
             return
         if not added:
             if self.pacing is not None:
-                body = message.body
                 self.pacing.measure(link.worker_id, body.inner_steps, body.compute_seconds, link)
             self.state.emit(
                 EventKind.LATE_RESULT,

@@ -134,7 +134,7 @@ class Worker(Session):
         self._rounds.updates.deliver(message)
 
     def _load_plan(self, message: protocol.Message) -> Training:
-        plan, tensors = message.body, message.tensors
+        plan, tensors = message.body_as(protocol.Plan), message.tensors
         problem = contract.plan_problem(plan, tensors)
         if problem is not None:
             raise protocol.MalformedMessage(problem)
@@ -176,6 +176,7 @@ class Worker(Session):
     ) -> None:
         with contextlib.suppress(*LINK_ERRORS):  # the receive loop reports a broken link
             async for message in rounds:
+                assert self._rounds is not None, "rounds start once the plan is compiled"
                 try:
                     await self._rounds.train_round(connection, message)
                 except RoundRefused as exc:

@@ -19,6 +19,7 @@ import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import trio
 
@@ -99,6 +100,8 @@ class Session:
         """A session with `config.connection`'s settings, for a worker that runs `backend`."""
         connection = config.connection
         host, port = connection.address
+        if not connection.token:
+            raise ValueError("a worker needs the run's join token (WorkerConfig.token)")
         self.host, self.port, self.token = host, port, connection.token
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
@@ -187,10 +190,8 @@ class Session:
     async def _open(self, deadline: float) -> trio.abc.Stream:
         try:
             with trio.fail_at(deadline):
-                stream = await trio.open_tcp_stream(self.host, self.port)
-                if self.tls is not None:
-                    stream = await self.tls.connect(stream, self.host)
-                return stream
+                tcp = await trio.open_tcp_stream(self.host, self.port)
+                return tcp if self.tls is None else await self.tls.connect(tcp, self.host)
         except TLSRefused as exc:
             raise Refused(str(exc)) from None
         except socket.gaierror as exc:
@@ -222,7 +223,7 @@ class Session:
     def _show_wait(self, reason: str, seconds: float) -> None:
         self.status.update(state="connecting", message=f"{reason}; retrying in {seconds:.1f} s")
 
-    async def _session(self, stream: protocol.MessageStream) -> None:
+    async def _session(self, stream: protocol.MessageStream) -> NoReturn:
         """One admitted connection, from the plan to the goodbye; always ends by raising why.
 
         RunOver when the shepherd ends the run, ConnectionLost when the link breaks
@@ -241,7 +242,7 @@ class Session:
                 self.status.update(state="compiling", message="compiling the training graph")
                 with connection.paused():  # compiling does not read the socket: not silence
                     await self._compile(connection, plan_message)
-                stream.limits = contract.worker_limits(plan_message.body)  # from now on
+                stream.limits = contract.worker_limits(plan_message.body_as(protocol.Plan))
                 ready = True
                 rounds_out, rounds_in = trio.open_memory_channel(1)
                 tasks.start_soon(self._train_rounds, connection, rounds_in)
@@ -261,18 +262,18 @@ class Session:
     async def _handshake(self, stream: protocol.MessageStream) -> None:
         self.status.update(state="connecting", message="handshake")
         hello = await expect_hello(stream, f"{self.host}:{self.port}")
-        await stream.send(self._hello(hello.body.nonce))
-        welcome = await _expect(stream, "welcome")
-        interval = welcome.body.heartbeat_seconds  # the run's; a broken shepherd's is bounded
+        await stream.send(self._hello(hello.body_as(protocol.Hello).nonce))
+        welcome = (await _expect(stream, "welcome")).body_as(protocol.Welcome)
+        interval = welcome.heartbeat_seconds  # the run's; a broken shepherd's is bounded
         self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
         self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
         log.info(
             "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
         )
-        self._enter_run(welcome.body.run_id)
-        self.status.update(worker_index=welcome.body.worker_index, message="admitted")
-        if welcome.body.streams > 1:
-            await striping.attach(self, stream, welcome.body)
+        self._enter_run(welcome.run_id)
+        self.status.update(worker_index=welcome.worker_index, message="admitted")
+        if welcome.streams > 1:
+            await striping.attach(self, stream, welcome)
 
     def _hello(
         self, nonce: bytes, *, attach_index: int = 0, session_key: bytes = b""
