@@ -25,7 +25,8 @@ def test_a_restarted_worker_with_its_old_id_waits_out_the_old_connection(tmp_pat
         shepherd_command(
             port,
             *("--workers", "1", "--rounds", "500", "--inner-steps", "4"),
-            *("--heartbeat-timeout", "30"),  # longer than a worker takes to start here
+            # longer than a worker takes to start here, with a loaded CI machine to spare
+            *("--heartbeat-timeout", "60"),
         ),
     )
     old = new = None
