@@ -27,6 +27,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.contract import auth
+from pcp_tui.testing import parse_with_smoke
 
 TOKEN = "bench-token"
 SHEPHERD = [
@@ -128,15 +129,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--squatters", type=int, default=4)
     parser.add_argument("--limit", type=float, default=300.0, help="seconds to give up after")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, squatters=1, limit=120.0)
     show = lambda t: f"{t:.1f} s" if t is not None else f"> {args.limit:g} s"  # noqa: E731
+    print("squatters  both honest workers admitted  run ended")
+    admitted_after = {}
     for squatters in (0, args.squatters):
         admitted, ended = run(squatters, args.limit)
-        print(
-            f"{squatters} squatters: both honest workers admitted after {show(admitted)}, "
-            f"the run ended after {show(ended)}",
-            flush=True,
-        )
+        admitted_after[squatters] = admitted if admitted is not None else args.limit
+        print(f"{squatters:>9}  {show(admitted):>28}  {show(ended):>9}", flush=True)
+    ratio = admitted_after[args.squatters] / max(admitted_after[0], 1e-9)
+    print(f"ratio_admitted_squatted_vs_clean={ratio:.3g}")
 
 
 if __name__ == "__main__":

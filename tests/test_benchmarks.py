@@ -43,6 +43,7 @@ EXPECTED = {
     "bench_shepherd_scale": (r"^\s+workers\s+round s", RATIO),
     "bench_stragglers": (r"^\| scenario \| rounds with an honest result \|", RATIO),
     "bench_streaming": (r"^\s+run\s+util\s+x plain", RATIO),
+    "bench_squatters": (r"^squatters\s+both honest workers admitted", RATIO),
     "bench_streams": (r"^streams\s+seconds", RATIO),
     "bench_tensor_transfer": (r"^method\s+MB\s+wire MB", RATIO),
     "bench_wan": (r"^\s+link\s+round s", RATIO),
@@ -51,24 +52,9 @@ EXPECTED = {
     "bench_worker_sync": (r"^worker sync ", r"round without compute (\S+) s"),
 }
 
-#: benchmarks that start shepherd or worker processes
-PROCESSES = {
-    "bench_byzantine",
-    "bench_compression",
-    "bench_faults",
-    "bench_mixed_speeds",
-    "bench_quality",
-    "bench_resume_clip",
-    "bench_shepherd_scale",
-    "bench_stragglers",
-    "bench_streaming",
-    "bench_wan",
-    "bench_worker_overhead",
-}
-
 
 def _param(path: Path):
-    marks = [pytest.mark.bench] + ([pytest.mark.e2e] if path.stem in PROCESSES else [])
+    marks = [pytest.mark.bench, pytest.mark.e2e]  # each runs as a process of its own
     return pytest.param(path, marks=marks, id=path.stem)
 
 

@@ -150,7 +150,7 @@ def test_claims_beyond_what_was_asked_and_a_progress_flood_end_their_connections
 def test_result_claims_are_bounded_by_the_steps_asked_and_the_wall_time():
     """The ledger's arithmetic, fragment results included, on a clock the test moves."""
     now = [100.0]
-    claims = ResultClaims(tokens_per_step=10, clock=lambda: now[0])
+    claims = ResultClaims(tokens_per_step=10, clock=lambda: now[0], fragments=2)
     fragment = protocol.RoundResult
     claims.check(fragment(round=1, fragment=0, tokens=10**9, inner_steps=9))  # nothing asked
     claims.ask(4)

@@ -142,7 +142,7 @@ def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     window the floor; c's own latest result took 8 s, so it keeps 3 x 8 s."""
 
     async def script(current, links):
-        links["c"].answer_seconds[-1] = 8.0
+        links["c"].answer_seconds[0] = 8.0
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 0.5)
         await answer(current, "c", 23.0)
@@ -165,7 +165,7 @@ def test_a_workers_own_time_counts_up_to_factor_times_the_window(own, closes, so
 
     async def script(current, links):
         if source == "result":
-            links["c"].answer_seconds[-1] = own
+            links["c"].answer_seconds[0] = own
         else:
             links["c"].projected = own
         await deliver(current, {"a": 0, "b": 0, "c": 0})
@@ -208,7 +208,7 @@ def test_a_result_being_folded_in_as_the_round_closes_counts_and_is_no_straggler
 
 def test_a_fragment_round_reads_the_times_of_its_own_fragment():
     async def script(current, links):
-        links["b"].answer_seconds.update({-1: 1000.0, 0: 10.0, 1: 14.0})
+        links["b"].answer_seconds.update({0: 10.0, 1: 14.0, 2: 1000.0})
         await deliver(current, {"a": 0, "b": 0})
         await answer(current, "a", 1.0)
 

@@ -55,6 +55,7 @@ def tracked_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.skipif(not all(HAS.values()), reason="needs wandb and tensorboard (extras)")
+@pytest.mark.e2e  # the tracked run is a real demo process
 def test_each_sink_says_where_the_run_goes_when_it_starts(tracked_run):
     said = (tracked_run / "stdout.txt").read_text().splitlines()
     [folder] = glob.glob(str(tracked_run / "wandb" / "offline-run-*"))
@@ -77,6 +78,7 @@ def _rounds(folder: Path) -> list[dict]:
 
 
 @pytest.mark.skipif(not HAS["tensorboard"], reason="tensorboard not installed (extra: tensorboard)")
+@pytest.mark.e2e  # the tracked run is a real demo process
 def test_tensorboard_event_files_hold_the_metrics_files_scalars(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -115,6 +117,7 @@ def _wandb_records(path: str):
 
 
 @pytest.mark.skipif(not HAS["wandb"], reason="wandb not installed (extra: wandb)")
+@pytest.mark.e2e  # the tracked run is a real demo process
 def test_an_offline_wandb_run_holds_the_metrics_files_scalars(tracked_run):
     [path] = glob.glob(str(tracked_run / "wandb" / "offline-run-*" / "run-*.wandb"))
     history = []
@@ -208,6 +211,7 @@ def test_plot_draws_runs_from_real_metrics_files(tracked_run, tmp_path):
     assert matplotlib_image.imread(output).shape == (1000, 900, 4)
 
 
+@pytest.mark.e2e  # the tracked run is a real demo process
 def test_plot_reads_each_run_of_a_file_with_cumulative_tokens(tracked_run, tmp_path):
     from pcp_tui.app.plot import read_runs
 

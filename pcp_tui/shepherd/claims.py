@@ -36,8 +36,15 @@ CLOCK_SLACK = (1.0, 0.01)  # (seconds, fraction of the wall time) the worker's c
 class ResultClaims:
     """One connection's ledger: the steps asked of it, and the steps, tokens and seconds claimed."""
 
-    def __init__(self, tokens_per_step: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        tokens_per_step: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        fragments: int = 1,
+    ):
         self.tokens_per_step = tokens_per_step
+        self.fragments = fragments  # the plan's: results name theirs where there are several
         self.asked = 0  # inner steps the roundStarts sent on this connection asked for
         self.reported = 0  # inner steps its results reported
         self.compute_seconds = 0.0  # compute seconds its results reported
@@ -55,7 +62,7 @@ class ResultClaims:
         """Count the result's claims; ConnectionLost if one is more than was asked or possible."""
         if self.asked == 0:
             return  # no roundStart went out here: no round takes it (a `late_result`, dropped)
-        part = f", fragment {body.fragment}" if body.fragment else ""
+        part = f", fragment {body.fragment}" if self.fragments > 1 else ""
         where = f"its result for round {body.round}{part}"
         self.reported += body.inner_steps
         if self.reported > self.asked:

@@ -119,7 +119,7 @@ class WorkerLink(Connection):
         write a `late_result` line in the log for every copy (every round, every fragment,
         again from each new connection)."""
         fragment = body.fragment
-        part = f" fragment {fragment}" if fragment else ""
+        part = f" fragment {fragment}" if self.claims.fragments > 1 else ""
         if body.round > running:
             raise ConnectionLost(
                 f"sent a result for round {body.round}{part} while round {running} runs: "

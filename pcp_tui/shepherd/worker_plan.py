@@ -108,4 +108,6 @@ def bind_to_plan(
             )
 
     link.check_tensors = check
-    link.claims = ResultClaims(tokens_per_step=plan.batch_size * plan.tokens_per_row)
+    link.claims = ResultClaims(
+        tokens_per_step=plan.batch_size * plan.tokens_per_row, fragments=len(fragments)
+    )
