@@ -38,10 +38,11 @@ MLP = f"{Path(__file__).parents[1] / 'examples' / 'mlp_model.py'}:build"
 CHUNK = 3
 LR = 3e-3
 _NO_GRAPHS = TrainingGraphs((), b"", b"", b"", ("cpu",), CHUNK, 0.0)
-# Measured worst cases (GPT-2 tiny): losses 2e-7 relative, Adam's moments 3e-7, parameters 8.5e-5.
+# Measured worst cases (GPT-2 tiny): losses 2e-7 relative, Adam's moments 3e-7, parameters 1.0e-4
+# (one value of 65,536 on the batches of the corpus's new held-out split; 8.5e-5 before).
 # Adam divides by sqrt(v): a weight whose gradient is mostly float32 rounding moves by up to the
 # learning rate either way, so parameters agree to a fraction of LR, not to float32's epsilon.
-LOSS_RTOL, STATE_ATOL, PARAM_ATOL = 1e-6, 1e-6, LR / 30
+LOSS_RTOL, STATE_ATOL, PARAM_ATOL = 1e-6, 1e-6, LR / 20
 
 
 def _graphs(workload, platforms=("cpu",)):
