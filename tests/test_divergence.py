@@ -28,6 +28,18 @@ def test_every_result_non_finite_is_divergence():
     assert "first at inner step 9 of 10" in why
 
 
+def test_results_validation_refuses_for_blowing_up_their_own_loss_are_divergence():
+    """With loss-delta validation on, a diverging worker's result is refused for raising the
+    loss on its own batches (finite, but far above where it started): every result of the
+    round so refused is the run diverging; one that merely fails to lower it is not."""
+    refused = "refused worker 0's round 1 result: applied to the round's parameters it changes "
+    blown = Event("bad_result", refused + "the loss on its own batches from 5.55 to 91.2; a", {})
+    flat = Event("bad_result", refused + "the loss on its own batches from 5.55 to 5.56; a", {})
+    why = diverged([blown], 1, 10, None)
+    assert why is not None and "every result of round 1 diverged" in why
+    assert diverged([blown, flat], 1, 10, None) is None  # a flat result: a worker's problem
+
+
 def test_a_round_lost_for_another_reason_too_is_repeated_not_stopped():
     """One NaN worker and one worker whose link broke: that is not the model diverging."""
     events = [Event("lost", NAN_LOSS, {}), Event("lost", "worker 1 lost: connection reset", {})]
