@@ -736,8 +736,9 @@ def test_a_resumed_run_stopped_before_it_evaluates_gives_the_checkpoints_eval_lo
     shutil.copytree(runs / "gpt", resumed)
     saved = checkpoint.inspect(resumed).meta["eval_loss"]
     assert saved is not None
+    # the saved run's options, but a later end, a port of its own and one worker awaited
     shepherd = background(
-        *shepherd_args("--workers", "1", "--rounds", "3", "--resume", str(resumed))
+        *("shepherd", "--resume", str(resumed), "--rounds", "3", "--port", "0", "--workers", "1")
     )
     shepherd.wait_for(shepherd.out, "waiting for 1 worker")  # no worker comes: no round runs
     shepherd.process.send_signal(signal.SIGTERM)

@@ -37,8 +37,9 @@ import pytest
 import trio
 
 from pcp_tui import protocol
+from pcp_tui.app import api_connections
 from pcp_tui.app.api import OperatorAPI
-from pcp_tui.shepherd import api_connections, progress_rate
+from pcp_tui.shepherd import progress_rate
 from pcp_tui.shepherd.claims import ResultClaims
 from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd

@@ -40,6 +40,7 @@ def test_importing_pcp_tui_loads_no_model_or_dashboard_code():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.e2e  # real local worker processes
 def test_train_runs_a_local_flock_and_returns_its_history():
     options = {k: v for k, v in SMALL_RUN.items() if k not in ("token", "heartbeat_seconds")}
     state = pcp_tui.train(workers=2, rounds=2, inner_steps=4, chunk_steps=2, **options)
