@@ -64,8 +64,12 @@ def test_shepherd_and_worker_trace_the_same_conversation(tmp_path):
 
     assert rounds(ours, "sent", "roundStart") == rounds(theirs, "received", "roundStart") == [1, 2]
     assert rounds(ours, "received", "roundResult") == rounds(theirs, "sent", "roundResult")
-    starts = [r for r in ours if r["kind"] == "roundStart"]
-    assert all(r["tensors"] > 0 and r["bytes"] > r["tensors"] * 4 for r in starts)
+    first, second = [r for r in ours if r["kind"] == "roundStart"]
+    assert first["tensors"] > 0 and first["bytes"] > first["tensors"] * 4  # θ goes out once
+    assert second["tensors"] == 0  # continued: the worker holds θ from round 1's update
+    updates = [r for r in ours if r["kind"] == "fragmentUpdate"]
+    assert [r["round"] for r in updates] == [1, 2] == rounds(theirs, "received", "fragmentUpdate")
+    assert all(r["tensors"] == first["tensors"] for r in updates)
     assert ours[-1]["kind"] == "goodbye" and theirs[-1]["kind"] == "goodbye"
 
 
