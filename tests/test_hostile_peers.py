@@ -33,7 +33,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import heartbeat_until_hung_up, run_shepherd, until
+from pcp_tui.testing import heartbeat_until_hung_up, planned, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -80,7 +80,7 @@ async def compiling_peer(port: int, seen: dict) -> None:
     while it compiled (an honest worker reads nothing then), and what after?"""
     stream = await join(port, "compiling")
     async with stream.stream:
-        assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
+        await planned(stream)
         seen["while compiling"] = []
         with trio.move_on_after(2):  # 4 heartbeat intervals
             while True:
@@ -106,7 +106,7 @@ async def peers_with_escapes(port: int) -> protocol.Message:
     )
     stream = await join(port, "rude", hostname="host" + FORGED, backend=backend)
     async with stream.stream:
-        assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
+        await planned(stream)
         await stream.send(protocol.Error(protocol.ErrorCode.MALFORMED, "bye" + FORGED))
         with contextlib.suppress(protocol.ConnectionClosed, trio.BrokenResourceError):
             while True:  # until the shepherd hangs up

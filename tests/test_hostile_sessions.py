@@ -45,10 +45,10 @@ from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
-    NOT_STRIPING,
     connect_peer,
     heartbeat_until_hung_up,
     peer_hello,
+    planned,
     run_shepherd,
     until,
 )
@@ -66,8 +66,8 @@ async def deaf_peer(port: int) -> None:
     """Join, read the plan, say ready, then heartbeat and never read again."""
     stream, nonce = await connect_peer(port, receive_buffer=4096)
     async with stream.stream:
-        await stream.send(peer_hello("deaf", nonce, supported_versions=NOT_STRIPING))
-        assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
+        await stream.send(peer_hello("deaf", nonce))
+        await planned(stream)
         await stream.send(protocol.Ready(compile_seconds=0.1))
         await heartbeat_until_hung_up(stream)  # alive to the watchdog, deaf to everything else
 
@@ -77,8 +77,8 @@ async def repeating_peer(port: int, seen: dict) -> None:
     (and one for a round that has not started): a flood of results no worker sends."""
     stream, nonce = await connect_peer(port)
     async with stream.stream:
-        await stream.send(peer_hello("repeater", nonce, supported_versions=NOT_STRIPING))
-        assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
+        await stream.send(peer_hello("repeater", nonce))
+        await planned(stream)
         await stream.send(protocol.Ready(compile_seconds=0.1))
         start = await stream.receive()
         while start.kind != "roundStart":
@@ -154,6 +154,7 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
 ):
     checkpoints = tmp_path / "checkpoints"
     config = small_config(
+        validate="off",  # its peers answer with zeros: the claim is timing, not their weight
         workers=3,
         rounds=20,
         checkpoint_dir=str(checkpoints),

@@ -24,7 +24,7 @@ from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.state import RunState, WorkerView
 from pcp_tui.testing import run_shepherd, small_config, until
-from pcp_tui.testing._peers import NOT_STRIPING, connect_peer, peer_hello
+from pcp_tui.testing._peers import connect_peer, peer_hello
 from pcp_tui.training.build import build_workload
 
 PEER_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError)
@@ -84,7 +84,7 @@ async def squatter(port: int, worker_id: str, seen: dict) -> None:
 async def _squat(port: int, worker_id: str, seen: dict) -> None:
     stream, nonce = await connect_peer(port)
     async with stream.stream:
-        await stream.send(peer_hello(worker_id, nonce, supported_versions=NOT_STRIPING))
+        await stream.send(peer_hello(worker_id, nonce))
         answer = await stream.receive()
         if answer.kind != "welcome":
             seen.setdefault("refused", []).append(answer.body.message)

@@ -28,11 +28,11 @@ from pcp_tui.testing._inprocess import (
     worker_batches,
 )
 from pcp_tui.testing._peers import (
-    NOT_STRIPING,
     PEER_ERRORS,
     connect_peer,
     join_as,
     peer_hello,
+    planned,
     ready_peer,
     round_start,
 )
@@ -55,8 +55,8 @@ from pcp_tui.testing._processes import (
 )
 
 __all__ = [
-    "NOT_STRIPING",
     "PEER_ERRORS",
+    "planned",
     "connect_peer",
     "join_as",
     "peer_hello",

@@ -11,8 +11,6 @@ from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.testing._inprocess import heartbeat_until_hung_up
 
-#: protocol versions of a peer that does not list protocol 4, so it is not asked to stripe
-NOT_STRIPING = (2, 3)
 #: what a peer's connection may end with when the shepherd hangs up on it
 PEER_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError)
 
@@ -58,11 +56,24 @@ def peer_hello(
     )
 
 
+async def planned(stream: protocol.MessageStream) -> protocol.Message:
+    """The welcome, then the plan, returned. A shepherd of --streams N asks a worker to
+    stripe in its welcome; this peer opens no extra connections, so a second welcome
+    (once the shepherd has waited for them) settles on this one alone, before the plan."""
+    welcome = await stream.receive()
+    assert welcome.kind == "welcome", welcome.kind
+    plan = await stream.receive()
+    if plan.kind == "welcome" and welcome.body_as(protocol.Welcome).streams > 1:
+        plan = await stream.receive()
+    assert plan.kind == "plan", plan.kind
+    return plan
+
+
 async def ready_peer(port: int, worker_id: str) -> protocol.MessageStream:
-    """A peer past welcome and plan that said it is ready (a non-striping one)."""
+    """A peer past welcome and plan that said it is ready (on one connection)."""
     stream, nonce = await connect_peer(port)
-    await stream.send(peer_hello(worker_id, nonce, supported_versions=NOT_STRIPING))
-    assert [(await stream.receive()).kind for _ in "wp"] == ["welcome", "plan"]
+    await stream.send(peer_hello(worker_id, nonce))
+    await planned(stream)
     await stream.send(protocol.Ready(compile_seconds=0.1))
     return stream
 
