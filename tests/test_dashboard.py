@@ -22,6 +22,7 @@ from pcp_tui.app.dashboard.app import summary
 from pcp_tui.app.dashboard.loss_chart import StepMeans
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 from pcp_tui.app.worker_view import WorkerStatusView, status_line
+from pcp_tui.config import RunConfig
 from pcp_tui.shepherd.coordinator import RunFailed
 from pcp_tui.shepherd.state import RunState, WorkerView
 from pcp_tui.testing.dashboard import (
@@ -45,6 +46,7 @@ class StandInShepherd:
 
     def __init__(self, failure: str | None = None):
         self.state = RunState(run_id="standin", rounds_total=3, settings={"inner_steps": 2})
+        self.config = RunConfig(token="standin")  # no --api-port: the app runs no API beside it
         self.failure = failure
         self.commands: list[str] = []
         self._stop: trio.Event | None = None

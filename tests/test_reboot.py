@@ -11,6 +11,7 @@ SIGSTOP stands for the reboot: the stopped process's socket stays open and silen
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -35,6 +36,9 @@ def test_a_restarted_worker_with_its_old_id_waits_out_the_old_connection(tmp_pat
         old = OutputProcess(worker_command(port, "--id", "w0"))
         shepherd.wait_for(r"^round +1/")
         old.process.send_signal(signal.SIGSTOP)  # the machine goes down, its socket stays open
+        # its heartbeats must be seen missing (2 beats of 0.5 s) before the new one asks; a
+        # worker that starts faster than that would hear "in use" from a live-looking twin
+        time.sleep(2.0)
         new = OutputProcess(worker_command(port, "--id", "w0"))
         new.wait_for(
             r"\(busy\): worker id .w0. is still held by an earlier connection from .*, silent for"

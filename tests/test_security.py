@@ -90,8 +90,8 @@ async def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp
     mismatch = answers["v2"].body
     assert mismatch.code == "versionMismatch"
     assert (
-        "speaks protocol versions 2, 3, 4 and 5, this worker speaks version 6; upgrade pcp-tui on "
-        "this shepherd" in mismatch.message
+        f"speaks protocol version {protocol.PROTOCOL_VERSION}, this worker speaks version "
+        f"{protocol.PROTOCOL_VERSION + 1}; upgrade pcp-tui on this shepherd" in mismatch.message
     )
 
     honest = spawn_worker(shepherd.port, token="test-token")

@@ -229,7 +229,7 @@ class OuterConfig:
         help="how results combine (centered-clip is robust: a minority cannot steer)",
     )
     validate: str = option(
-        "loss-delta",
+        "off",
         choices=("loss-delta", "off"),
         help="weigh each result by the loss change it causes on the batches it trained on "
         "(two eval passes a result on the shepherd; refuses results that do not lower it; "
