@@ -172,14 +172,7 @@ class Simulation:
         )
         validator = None
         if defence == "clip+validate":
-            batches = AssignedBatches(
-                self.workload.shards,
-                count=self.workload.eval_batch_count,
-                chunk_steps=self.chunk_steps,
-                batch_size=cfg.data.batch_size,
-                seq_len=cfg.data.seq_len,
-                seed=cfg.model.seed,
-            )
+            batches = AssignedBatches.for_run(cfg, self.workload, self.chunk_steps)
             validator = LossDeltaValidator(self.evaluate, batches)
         tokens = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
         opt_states = {

@@ -35,13 +35,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pcp_tui import protocol
 from pcp_tui.diloco.screening import BadResult
 from pcp_tui.training import shards
+
+if TYPE_CHECKING:
+    from pcp_tui.config import RunConfig
+    from pcp_tui.training.workload import Workload
 
 # refuse a result that lowers the loss on its own batches by less than this of it: above the
 # float32 noise of two evaluations (~1e-7), far below what H honest steps do to their own batches
@@ -80,6 +84,19 @@ class AssignedBatches:
         ]
         self.count, self.chunk_steps = count, chunk_steps
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+
+    @classmethod
+    def for_run(cls, config: RunConfig, workload: Workload, chunk_steps: int) -> AssignedBatches:
+        """The batches of a run's workers, --eval-batches of them a result, as `config` and
+        the exported graphs' `chunk_steps` draw them."""
+        return cls(
+            workload.shards,
+            count=workload.eval_batch_count,
+            chunk_steps=chunk_steps,
+            batch_size=config.data.batch_size,
+            seq_len=config.data.seq_len,
+            seed=config.model.seed,
+        )
 
     def __call__(self, assignment: Assignment, number: int) -> Any:
         """[N, ...] batches (a tuple of them for a rows dataset): steps spread over the round."""

@@ -284,14 +284,7 @@ class Shepherd:
             and cfg.outer.aggregate != "mean"
             and len(self.engine.fragments) == 1
         ):
-            batches = AssignedBatches(
-                self.workload.shards,
-                count=self.workload.eval_batch_count,
-                chunk_steps=graphs.chunk_steps,
-                batch_size=cfg.data.batch_size,
-                seq_len=cfg.data.seq_len,
-                seed=cfg.model.seed,
-            )
+            batches = AssignedBatches.for_run(cfg, self.workload, graphs.chunk_steps)
             loss = eval_loss(evaluator.call, graphs.param_names)
             self.engine.screens[0].validator = LossDeltaValidator(loss, batches)
         return graphs
