@@ -70,7 +70,9 @@ def test_trickled_heartbeats_do_not_hold_a_round_and_a_late_worker_is_named(spaw
         rounds=3,
         inner_steps=4,
         straggler_factor=2.0,
-        straggler_min_seconds=1.0,
+        # round 1's window; the trickler, sitting out, is cut off as hung 2 windows after it
+        # closes (`sitting_out.hung_reason`), and the scenario must name it before that
+        straggler_min_seconds=10.0,
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
     state, seen = shepherd.state, {}
