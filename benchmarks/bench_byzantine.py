@@ -4,7 +4,7 @@ The CLI's defaults (tiny model, batch 16 x 128 tokens, inner AdamW lr 1e-3 with
 50 warm-up steps, outer Nesterov 0.7 / 0.9) with `--inner-steps 10`, 6 rounds,
 seed 0: where a round moves the model enough for an attack to show. The run is
 simulated in this process with the shepherd's own parts, in the order a round
-uses them (`shepherd/engine.py`, `shepherd/rounds.py`): the exported graphs
+uses them (`shepherd/rounds/engine.py`, `shepherd/rounds/results.py`): the exported graphs
 (each worker's `train_chunk` on its shard's sample streams, its AdamW state kept
 across rounds as a worker keeps it), `ResultScreen.check` (with the
 inner-optimizer bound), the aggregate, the loss-delta validator, and the outer
@@ -52,14 +52,14 @@ from pcp_tui.diloco.validation import (
     LossDeltaValidator,
     eval_loss,
 )
-from pcp_tui.shepherd.engine import (
+from pcp_tui.shepherd.rounds.engine import (
     inner_optimizer,
     result_lr_sum,
     round_lr_sum,
     tokens_per_step,
     update_bound,
 )
-from pcp_tui.shepherd.graphs import GraphLibrary
+from pcp_tui.shepherd.run.graphs import GraphLibrary
 from pcp_tui.training import shards
 from pcp_tui.training.build import build_workload
 

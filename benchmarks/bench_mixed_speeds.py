@@ -5,7 +5,7 @@ made FACTOR times slower (`faulty_worker slow`: each compiled chunk sleeps the
 difference, like a slower machine). The baseline gives both H inner steps a
 round, so the fast worker idles while the slow one finishes; with
 --adaptive-steps each worker's round is sized to its measured speed
-(`pcp_tui/shepherd/pacing.py`). With `--fragments F` (F >= 2) the same two runs
+(`pcp_tui/shepherd/rounds/pacing.py`). With `--fragments F` (F >= 2) the same two runs
 are repeated with Streaming DiLoCo (`--streaming-fragments F --overlap-steps τ`),
 each against its own fixed-H baseline.
 

@@ -54,7 +54,7 @@ import trio
 from pcp_tui.app.launch import local_worker_command
 from pcp_tui.config import RunConfig
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.rounds import data_parallel_bytes
+from pcp_tui.shepherd.rounds.results import data_parallel_bytes
 from pcp_tui.testing import parse_with_smoke
 from pcp_tui.training.build import build_workload
 

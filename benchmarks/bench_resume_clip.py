@@ -26,8 +26,8 @@ import tempfile
 
 import trio
 
-from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import WorkerProcesses, parse_with_smoke, small_config, until
 from pcp_tui.training.build import build_workload
 

@@ -168,7 +168,9 @@ async def measured_run(
         return json.loads(bare.stdout.readline())["tokens_per_second"]
 
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    logging.getLogger("pcp_tui.shepherd.engine").setLevel(logging.DEBUG)  # per-fragment times
+    logging.getLogger("pcp_tui.shepherd.rounds.engine").setLevel(
+        logging.DEBUG
+    )  # per-fragment times
     before = (args.bare_rounds + 1) // 2
     bare_rates = [bare_round() for _ in range(before)]
     config = _config(args)

@@ -24,7 +24,7 @@ _EXPORTS = {
     "ModelSpec": "pcp_tui.training.model_file",
     "RunConfig": "pcp_tui.config",
     "RunFailed": "pcp_tui.shepherd.coordinator",
-    "RunState": "pcp_tui.shepherd.state",
+    "RunState": "pcp_tui.shepherd.run.state",
     "Shepherd": "pcp_tui.shepherd.coordinator",
     "Worker": "pcp_tui.worker.client",
     "WorkerConfig": "pcp_tui.config",

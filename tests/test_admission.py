@@ -14,8 +14,8 @@ import trio.testing
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.tls import ClientTLS, ServerTLS, TLSRefused
-from pcp_tui.shepherd.admission import PRE_AUTH_LIMITS, TLS_ONLY, Admission, RefusalLog
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.run.state import RunState
+from pcp_tui.shepherd.serving.admission import PRE_AUTH_LIMITS, TLS_ONLY, Admission, RefusalLog
 
 TOKEN = "unit-token"
 

@@ -14,8 +14,8 @@ from hypothesis.extra import numpy as hnp
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.protocol._schema import Envelope
-from pcp_tui.shepherd.admission import Admission
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.run.state import RunState
+from pcp_tui.shepherd.serving.admission import Admission
 
 RNG = np.random.default_rng(0)
 LEVELS = {"int8Block": 127, "int4Block": 7}

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
 
 pytestmark = pytest.mark.e2e  # every test here runs real shepherd and worker processes

@@ -16,8 +16,8 @@ import safetensors
 import trio
 from safetensors.numpy import load_file
 
-from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -80,7 +80,7 @@ def test_a_file_size_limit_is_named_and_a_first_failure_says_nothing_is_saved(tm
     writer = textwrap.dedent(f"""
         import resource
         import numpy as np
-        from pcp_tui.shepherd import checkpoint
+        from pcp_tui.shepherd.run import checkpoint
         resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
         try:
             checkpoint.save({str(tmp_path)!r}, round=1, params={{"w": np.zeros(2**20, np.float32)}},
@@ -99,7 +99,7 @@ def test_a_file_size_limit_is_named_and_a_first_failure_says_nothing_is_saved(tm
 KILLED_AT = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
-    from pcp_tui.shepherd import checkpoint
+    from pcp_tui.shepherd.run import checkpoint
     directory, step, round, value = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     def kill_at(done):
         if done == step:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pcp_tui.backends import BackendUnavailable, select_backend
-from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import child_pids, faulty_worker_command
 
 from .conftest import worker_env

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from pcp_tui.diloco.aggregate import CenteredClip
-from pcp_tui.shepherd.engine import round_lr_sum
+from pcp_tui.shepherd.rounds.engine import round_lr_sum
 from pcp_tui.testing import small_config
 
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import free_port, shepherd_command, worker_command, worker_env
 
 pytestmark = pytest.mark.e2e

@@ -24,7 +24,7 @@ from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunH
 from pcp_tui.app.worker_view import WorkerStatusView, status_line
 from pcp_tui.config import RunConfig
 from pcp_tui.shepherd.coordinator import RunFailed
-from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.shepherd.run.state import RunState, WorkerView
 from pcp_tui.testing.dashboard import (
     NOW,
     fake_state,

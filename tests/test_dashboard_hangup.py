@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import child_pids, worker_env
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pcp_tui.shepherd.state import Event
+from pcp_tui.shepherd.run.state import Event
 from pcp_tui.testing.dashboard import NOW, WALL, fake_state, frozen_app
 
 

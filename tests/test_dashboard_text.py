@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from pcp_tui.app.dashboard.run_text import EventNotes, header_note, orphan_warning, status_text
-from pcp_tui.shepherd.ledger import ShardLedger
-from pcp_tui.shepherd.state import Event, RunState, WorkerView
+from pcp_tui.shepherd.run.ledger import ShardLedger
+from pcp_tui.shepherd.run.state import Event, RunState, WorkerView
 
 
 def run_state(status: str, shards: int = 0) -> RunState:

@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from pcp_tui.app.headless import HeadlessPrinter
-from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import (
     OutputProcess,
     faulty_worker_command,

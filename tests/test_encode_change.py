@@ -200,8 +200,8 @@ async def test_a_worker_link_sends_an_encoded_update_within_its_deadline_or_cuts
     """`WorkerLink.send_encoded` keeps `send`'s rule: a peer that reads gets the whole update;
     one that does not read is cut off past --upload-grace + bytes / --min-upload-rate, and its
     link ends (the update is 64 MB: more than a loopback socket holds unread)."""
-    from pcp_tui.shepherd.connection import SendTooSlow, WorkerLink
-    from pcp_tui.shepherd.state import RunState, WorkerView
+    from pcp_tui.shepherd.run.state import RunState, WorkerView
+    from pcp_tui.shepherd.serving.connection import SendTooSlow, WorkerLink
 
     values = np.arange(16 * 2**20, dtype=np.float32)
     update = protocol.encode_once(protocol.FragmentUpdate(round=1, fragment=0), {"w": values})

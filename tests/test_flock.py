@@ -7,8 +7,8 @@ import contextlib
 import trio
 import trio.testing
 
-from pcp_tui.shepherd.state import WorkerView
-from pcp_tui.shepherd.uploads import ResultSlot
+from pcp_tui.shepherd.run.state import WorkerView
+from pcp_tui.shepherd.serving.uploads import ResultSlot
 
 
 class _Link:  # what a slot touches on a WorkerLink: its view, and `paused`

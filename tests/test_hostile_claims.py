@@ -6,12 +6,12 @@ claimed a thousand times the steps it was asked (in no time) was taken as the
 fastest worker: the honest one was given the fewest steps from then on. One that
 claimed four steps' tokens for one step counted four times; one that claimed a
 million compute seconds was taken as it said. Each now ends its connection
-(`shepherd/claims.py`), and the honest worker trains H every round.
+(`shepherd/serving/claims.py`), and the honest worker trains H every round.
 
 2. A peer that sends valid progress messages without pause made the shepherd
 update its row and the loss chart's history for every one. Beyond a few a
 second they are now dropped, and a flood ends the connection
-(`shepherd/progress_rate.py`).
+(`shepherd/serving/progress_rate.py`).
 
 3. A streaming round's roundStart whose last byte went out, its task not yet
 resumed when a fragment closed, counted as undelivered: the worker was left
@@ -39,12 +39,12 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.app import api_connections
 from pcp_tui.app.api import OperatorAPI
-from pcp_tui.shepherd import progress_rate
-from pcp_tui.shepherd.claims import ResultClaims
-from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.engine import RoundStarts
-from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.shepherd.rounds.engine import RoundStarts
+from pcp_tui.shepherd.run.state import RunState, WorkerView
+from pcp_tui.shepherd.serving import progress_rate
+from pcp_tui.shepherd.serving.claims import ResultClaims
+from pcp_tui.shepherd.serving.connection import WorkerLink
 from pcp_tui.testing import (
     PEER_ERRORS,
     ready_peer,

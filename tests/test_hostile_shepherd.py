@@ -30,7 +30,7 @@ from jax.extend.mlir.dialects import stablehlo
 
 from pcp_tui import protocol
 from pcp_tui.backends import IreeBackend, JaxBackend, UntrustedGraph
-from pcp_tui.shepherd.worker_plan import worker_plan
+from pcp_tui.shepherd.serving.worker_plan import worker_plan
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.export import InnerOptimizer, build_graphs
 

@@ -3,7 +3,7 @@
 Four of them held every admitted-connection slot of a `--workers 2` shepherd for as
 long as they liked; the honest workers heard `busy` on every retry. Now a newcomer
 takes the slot of the connection longest not ready, once that has had its grace
-(`shepherd/slots.py`), and --ready-timeout drops one that never gets ready.
+(`shepherd/serving/slots.py`), and --ready-timeout drops one that never gets ready.
 
 The rules on trio's MockClock with real WorkerLinks; then a live shepherd in this
 process, four squatting peers over 127.0.0.1 that join again whenever they are put
@@ -19,10 +19,10 @@ import trio
 import trio.testing
 
 from pcp_tui import protocol
-from pcp_tui.shepherd import slots
-from pcp_tui.shepherd.connection import WorkerLink
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.shepherd.run.state import RunState, WorkerView
+from pcp_tui.shepherd.serving import slots
+from pcp_tui.shepherd.serving.connection import WorkerLink
 from pcp_tui.testing import run_shepherd, small_config, until
 from pcp_tui.testing._peers import connect_peer, peer_hello
 from pcp_tui.training.build import build_workload

@@ -16,7 +16,7 @@ from pcp_tui import protocol
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.rounds import Round
+from pcp_tui.shepherd.rounds.results import Round
 from pcp_tui.testing import join_as, run_shepherd, until
 from pcp_tui.training.build import build_workload
 

@@ -25,7 +25,7 @@ from pcp_tui.backends import _iree as iree_backend
 from pcp_tui.contract import auth
 from pcp_tui.contract.checks import expected_shapes
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
+from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 from pcp_tui.training.shards import sample_shard

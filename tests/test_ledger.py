@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pcp_tui.shepherd.ledger import ShardLedger
+from pcp_tui.shepherd.run.ledger import ShardLedger
 
 
 def test_a_lost_workers_shard_goes_to_the_next_joiner_and_a_returning_worker_gets_its_own():

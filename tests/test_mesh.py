@@ -24,8 +24,8 @@ from pcp_tui.app.config_file import load_config_file
 from pcp_tui.backends import BackendUnavailable, GraphError, JaxBackend
 from pcp_tui.config import ConfigError, RunConfig, ShardingConfig
 from pcp_tui.protocol import _messages as wire
-from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
-from pcp_tui.shepherd.state import WorkerView
+from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
+from pcp_tui.shepherd.run.state import WorkerView
 from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
 from pcp_tui.testing import worker_env as base_env
 from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs

@@ -21,8 +21,8 @@ from pcp_tui.config.run import schedule_problem
 from pcp_tui.contract import plan as contract
 from pcp_tui.diloco import reference
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.pacing import SMOOTHING, SpeedEstimate, StepPacing
-from pcp_tui.shepherd.rounds import Round
+from pcp_tui.shepherd.rounds.pacing import SMOOTHING, SpeedEstimate, StepPacing
+from pcp_tui.shepherd.rounds.results import Round
 from pcp_tui.testing import (
     faulty_worker_command,
     pause_after_round,

@@ -20,8 +20,8 @@ from pcp_tui.app.cli import _config_from as config_from
 from pcp_tui.app.cli import build_parser, main, parse_args
 from pcp_tui.app.headless import MetricsWriter
 from pcp_tui.config import RunConfig
-from pcp_tui.shepherd import checkpoint
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.run import checkpoint
+from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
 from pcp_tui.training.build import build_workload
 

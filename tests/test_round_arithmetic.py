@@ -14,8 +14,8 @@ from pcp_tui.diloco import outer as diloco
 from pcp_tui.diloco import reference as reference_diloco
 from pcp_tui.diloco.outer import OuterOptimizer, PseudoGradientMean, scaled_add
 from pcp_tui.diloco.screening import BadResult, ResultScreen, check_pseudo_gradient, global_norm
-from pcp_tui.shepherd import rounds
-from pcp_tui.shepherd.rounds import Round
+from pcp_tui.shepherd.rounds import results as round_results
+from pcp_tui.shepherd.rounds.results import Round
 
 # one tensor spans several chunks (and ends in a partial one), the others fit in one
 SHAPES = {"big": (3, diloco.CHUNK + 1000), "w": (5, 7), "b": (7,), "scalar": ()}
@@ -113,7 +113,7 @@ def test_fused_screen_returns_the_global_norm_and_names_the_bad_tensor():
 
 @pytest.mark.parametrize("inline_bytes", [0, 2**40])  # folded in a thread, or on the loop
 async def test_a_closed_round_folds_nothing_more(monkeypatch, inline_bytes):
-    monkeypatch.setattr(rounds, "INLINE_BYTES", inline_bytes)
+    monkeypatch.setattr(round_results, "INLINE_BYTES", inline_bytes)
     mean = PseudoGradientMean(tuple(SHAPES))
     screen = ResultScreen(SHAPES, max_tokens=1000)
 

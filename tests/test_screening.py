@@ -11,7 +11,7 @@ import pytest
 
 from pcp_tui.contract.checks import expected_shapes, round_start_problem
 from pcp_tui.diloco.screening import NormGuard, check_token_count, global_norm
-from pcp_tui.shepherd.rounds import BadResult
+from pcp_tui.shepherd.rounds.results import BadResult
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 

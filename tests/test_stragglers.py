@@ -1,6 +1,6 @@
 """The straggler window: a round waits for the rest of its results only so long after its quorum.
 
-The unit tests drive `rounds.collect` on trio's `MockClock` with a real `Round`
+The unit tests drive `results.collect` on trio's `MockClock` with a real `Round`
 and real results, so every close time is exact; the links are stand-ins holding
 what `collect` reads of a `WorkerLink`: when its roundStart went out, how long its
 latest results took, and whether a message is partly in.
@@ -24,11 +24,11 @@ from pcp_tui.app.headless import HeadlessPrinter
 from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
-from pcp_tui.shepherd import rounds
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.rounds import Round, collect
-from pcp_tui.shepherd.sitting_out import hung_reason
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.rounds import results
+from pcp_tui.shepherd.rounds.results import Round, collect
+from pcp_tui.shepherd.rounds.sitting_out import hung_reason
+from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.testing import faulty_worker_command, pause_after_round, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
@@ -191,9 +191,9 @@ def test_a_result_being_folded_in_as_the_round_closes_counts_and_is_no_straggler
 
     async def script(current, links):
         await deliver(current, {"a": 0, "b": 0})
-        monkeypatch.setattr(rounds, "INLINE_BYTES", 2**30)  # a's: on the event loop
+        monkeypatch.setattr(results, "INLINE_BYTES", 2**30)  # a's: on the event loop
         await answer(current, "a", 1.0, shapes)
-        monkeypatch.setattr(rounds, "INLINE_BYTES", 0)  # b's: in a thread, as a model-sized one
+        monkeypatch.setattr(results, "INLINE_BYTES", 0)  # b's: in a thread, as a model-sized one
         await trio.sleep_until(2.0)
         links["b"].result_arriving = True  # its upload began inside its window (due at 5 s)
         await trio.sleep_until(2.9 if timeout else 6.0)

@@ -25,7 +25,7 @@ from pcp_tui.config import ConfigError
 from pcp_tui.contract import plan as contract
 from pcp_tui.diloco import reference, streaming
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.engine import inner_optimizer
+from pcp_tui.shepherd.rounds.engine import inner_optimizer
 from pcp_tui.testing import pause_after_round, run_shepherd, until, worker_batches
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.shards import sample_batches
@@ -444,7 +444,7 @@ def test_streaming_survives_a_lost_worker_and_a_newcomer_starts_from_the_global_
 def test_a_worker_refuses_a_broken_fragment_update_and_the_run_goes_on(spawn_worker, monkeypatch):
     """A shepherd that sends a fragment update holding NaN (tampered here, once) hears from the
     worker why it hung up ("fragmentUpdate refused: ..."), and the worker rejoins and finishes."""
-    from pcp_tui.shepherd import engine
+    from pcp_tui.shepherd.rounds import engine
 
     honest = engine._send_update
     tampered = []

@@ -22,9 +22,9 @@ import trio.testing
 from pcp_tui import protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import ConnectionLost
-from pcp_tui.shepherd import striping
-from pcp_tui.shepherd.connection import Hello
-from pcp_tui.shepherd.striping import Attachments
+from pcp_tui.shepherd.serving import striping
+from pcp_tui.shepherd.serving.connection import Hello
+from pcp_tui.shepherd.serving.striping import Attachments
 from pcp_tui.worker import striping as worker_striping
 
 PIECE = 4096

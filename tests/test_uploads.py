@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from pcp_tui import protocol
-from pcp_tui.shepherd.pool import RESULTS_IN_MEMORY
+from pcp_tui.shepherd.serving.pool import RESULTS_IN_MEMORY
 from pcp_tui.testing import join_as, read_metrics, round_workers
 from pcp_tui.training.build import build_workload
 

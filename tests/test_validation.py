@@ -17,8 +17,8 @@ from pcp_tui.diloco.validation import (
     LossDeltaValidator,
     eval_loss,
 )
-from pcp_tui.shepherd.engine import inner_optimizer
-from pcp_tui.shepherd.graphs import GraphLibrary
+from pcp_tui.shepherd.rounds.engine import inner_optimizer
+from pcp_tui.shepherd.run.graphs import GraphLibrary
 from pcp_tui.testing._inprocess import worker_batches
 from pcp_tui.training.build import build_workload
 

@@ -7,7 +7,7 @@ import json
 
 from pcp_tui.app.headless import MetricsWriter
 from pcp_tui.app.worker_view import WorkerStatusView
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.worker.client import WorkerStatus
 
 

@@ -51,8 +51,8 @@ from pcp_tui.app.api_bodies import (
 from pcp_tui.app.api_connections import CappedServer
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
-from pcp_tui.shepherd.listening import EVERYWHERE, address_for_others
-from pcp_tui.shepherd.state import EventKind, RunState, finite_or_null
+from pcp_tui.shepherd.run.state import EventKind, RunState, finite_or_null
+from pcp_tui.shepherd.serving.listening import EVERYWHERE, address_for_others
 
 __all__ = ["OperatorAPI", "bearer_token", "run_with_api"]
 

@@ -88,7 +88,7 @@ def _config_from(args: argparse.Namespace) -> RunConfig:
     if not config.security.token:
         config = config.replace(token=os.environ.get("PCP_TOKEN") or None)
     if resume and not config.security.token:
-        from pcp_tui.shepherd.checkpoint import saved_token
+        from pcp_tui.shepherd.run.checkpoint import saved_token
 
         config = config.replace(token=saved_token(resume))
     return config.validate()
@@ -287,7 +287,7 @@ def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
         from pcp_tui.app.launch import run_worker
 
         return run_worker(worker_config_from(args), faults=faults)
-    from pcp_tui.shepherd.checkpoint import CheckpointError
+    from pcp_tui.shepherd.run.checkpoint import CheckpointError
 
     try:
         config = _config_from(args)
@@ -304,7 +304,7 @@ def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
     from pcp_tui.app.sample import sample_text
-    from pcp_tui.shepherd.checkpoint import CheckpointError
+    from pcp_tui.shepherd.run.checkpoint import CheckpointError
 
     try:
         text = sample_text(

@@ -15,7 +15,7 @@ import trio
 
 from pcp_tui.app.closed_output import abandon, say
 from pcp_tui.app.tracking import GuardedSink
-from pcp_tui.shepherd.state import Event, EventKind, RunState, finite_or_null
+from pcp_tui.shepherd.run.state import Event, EventKind, RunState, finite_or_null
 
 _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 

@@ -20,8 +20,8 @@ from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
 from pcp_tui.contract.auth import new_token
-from pcp_tui.shepherd.checkpoint import CheckpointError, CheckpointRefused, keep_token
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
+from pcp_tui.shepherd.run.checkpoint import CheckpointError, CheckpointRefused, keep_token
 from pcp_tui.training.corpus import DataError, MissingData
 from pcp_tui.training.model_file import ModelFileError
 

@@ -14,7 +14,7 @@ from pcp_tui.app.preflight import preflight
 from pcp_tui.config import RunConfig
 from pcp_tui.contract.auth import new_token
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
-from pcp_tui.shepherd.state import RunState
+from pcp_tui.shepherd.run.state import RunState
 
 
 def train(

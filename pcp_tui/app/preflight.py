@@ -17,8 +17,8 @@ from pathlib import Path
 
 from pcp_tui.app.api import bearer_token
 from pcp_tui.config import ConfigError, RunConfig
-from pcp_tui.shepherd import checkpoint
 from pcp_tui.shepherd.coordinator import RunFailed
+from pcp_tui.shepherd.run import checkpoint
 
 
 def preflight(config: RunConfig) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from pcp_tui.app.config_file import checked
 from pcp_tui.config import ConfigError, RunConfig, flat_names
 from pcp_tui.config.run import defines_run
-from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.run import checkpoint
 
 # Options a checkpoint's record never sets: where this resume reads from and writes to.
 _NOT_RESTORED = ("resume", "checkpoint_dir", "token")

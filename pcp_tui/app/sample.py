@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from pcp_tui.config import ConfigError, RunConfig, flat_names
-from pcp_tui.shepherd import checkpoint
+from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.training.build import model_config
 from pcp_tui.training.corpus import decode_tokens, encode_text
 

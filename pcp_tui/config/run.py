@@ -167,7 +167,7 @@ class InnerConfig:
         help="Streaming DiLoCo: how a merge treats the τ overlap steps' progress (carry: "
         "local + (1 − α)(global − local at the send), which keeps it; mix: the paper's α local + (1 − α) global, which mixes it away)",
     )
-    # workers of different speeds (pcp_tui/shepherd/pacing.py)
+    # workers of different speeds (pcp_tui/shepherd/rounds/pacing.py)
     adaptive_steps: bool = option(
         False,
         flat="adaptive_steps",

@@ -1,6 +1,6 @@
 """One admitted connection, as both sides hold it: sends, receives, liveness, goodbye.
 
-The shepherd (`pcp_tui.shepherd.connection.WorkerLink`, one per worker) and the
+The shepherd (`pcp_tui.shepherd.serving.connection.WorkerLink`, one per worker) and the
 worker (one per session with its shepherd) speak the same conversation after the
 handshake, so they share one class for it:
 

@@ -16,7 +16,7 @@ data parallelism on the union of the workers' batches.
 This file is the oracle of the tests (tests/test_equivalence.py,
 tests/test_round_arithmetic.py); the distributed version is spread over the
 worker (`worker/client.py` runs the exported inner steps), the shepherd
-(`shepherd/rounds.py` screens and folds results, `diloco/aggregate.py` and
+(`shepherd/rounds/results.py` screens and folds results, `diloco/aggregate.py` and
 `diloco/outer.py` average and step in place on host buffers) and the wire.
 It runs on one machine, in plain JAX and optax, a worker at a time.
 

@@ -24,22 +24,28 @@ from pcp_tui.backends import LoadedGraph, select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
 from pcp_tui.diloco.validation import AssignedBatches, LossDeltaValidator, eval_loss
-from pcp_tui.shepherd import checkpoint, divergence
-from pcp_tui.shepherd.admission import Admission
-from pcp_tui.shepherd.checkpoint_writer import CheckpointWriter
-from pcp_tui.shepherd.engine import RoundEngine, inner_optimizer, record_round, tokens_per_step
-from pcp_tui.shepherd.graphs import GraphLibrary
-from pcp_tui.shepherd.ledger import ShardLedger
-from pcp_tui.shepherd.listening import (
+from pcp_tui.shepherd.rounds import divergence
+from pcp_tui.shepherd.rounds.engine import (
+    RoundEngine,
+    inner_optimizer,
+    record_round,
+    tokens_per_step,
+)
+from pcp_tui.shepherd.rounds.pacing import StepPacing
+from pcp_tui.shepherd.rounds.results import OpenRounds
+from pcp_tui.shepherd.run import checkpoint
+from pcp_tui.shepherd.run.checkpoint_writer import CheckpointWriter
+from pcp_tui.shepherd.run.graphs import GraphLibrary
+from pcp_tui.shepherd.run.ledger import ShardLedger
+from pcp_tui.shepherd.run.state import EventKind, RoundRecord, RunState, RunStatus, run_settings
+from pcp_tui.shepherd.serving.admission import Admission
+from pcp_tui.shepherd.serving.listening import (
     CannotListen,
     advertised,
     join_command,
     open_listeners,
 )
-from pcp_tui.shepherd.pacing import StepPacing
-from pcp_tui.shepherd.pool import WorkerPool
-from pcp_tui.shepherd.rounds import OpenRounds
-from pcp_tui.shepherd.state import EventKind, RoundRecord, RunState, RunStatus, run_settings
+from pcp_tui.shepherd.serving.pool import WorkerPool
 from pcp_tui.training.export import TrainingGraphs
 from pcp_tui.training.workload import Workload
 

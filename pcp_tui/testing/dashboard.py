@@ -14,9 +14,9 @@ from typing import Any
 from textual.geometry import Region
 
 from pcp_tui.app.dashboard import DashboardApp
-from pcp_tui.shepherd.ledger import ShardLedger
-from pcp_tui.shepherd.rounds import data_parallel_bytes, utilization
-from pcp_tui.shepherd.state import (
+from pcp_tui.shepherd.rounds.results import data_parallel_bytes, utilization
+from pcp_tui.shepherd.run.ledger import ShardLedger
+from pcp_tui.shepherd.run.state import (
     Event,
     EventKind,
     RoundRecord,

@@ -21,7 +21,7 @@ from pcp_tui.app.api import run_with_api
 from pcp_tui.app.dashboard.run_text import FINISHED
 from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.local_run import run_with_local_workers
-from pcp_tui.shepherd.state import EventKind, RunState, RunStatus
+from pcp_tui.shepherd.run.state import EventKind, RunState, RunStatus
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
 

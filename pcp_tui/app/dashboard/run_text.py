@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pcp_tui.shepherd.state import Event, RunState
+from pcp_tui.shepherd.run.state import Event, RunState
 
 FINISHED = ("done", "failed", "stopped")
 

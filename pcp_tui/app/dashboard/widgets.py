@@ -17,7 +17,7 @@ from pcp_tui.app.dashboard._format import compact_count, duration, short_bytes
 from pcp_tui.app.dashboard.loss_chart import LossChart
 from pcp_tui.app.dashboard.worker_table import WorkerTable
 from pcp_tui.app.headless import human_bytes
-from pcp_tui.shepherd.state import Event, RoundRecord, RunState
+from pcp_tui.shepherd.run.state import Event, RoundRecord, RunState
 
 __all__ = ["EventLog", "LossChart", "RoundTiming", "RunHeader", "WorkerTable"]
 

@@ -15,7 +15,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from pcp_tui.app.dashboard._format import compact_count, duration, loss_text, short_bytes
-from pcp_tui.shepherd.state import WorkerView
+from pcp_tui.shepherd.run.state import WorkerView
 
 HISTORY = 240  # progress samples kept per worker (one per refresh tick that brought a new step)
 

@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from pcp_tui.app.dashboard._format import clip, compact_bytes, compact_count, loss_text
-from pcp_tui.shepherd.state import WORKER_STATES, WorkerView
+from pcp_tui.shepherd.run.state import WORKER_STATES, WorkerView
 
 # (key, label, right-aligned). Cells carry their own one-space separator (cell padding 0):
 # twelve columns fit 80 terminal columns, and a reason line can run on under them as one text.

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import trio
 
-from pcp_tui.shepherd.connection import WorkerLink
-from pcp_tui.shepherd.rounds import Round
+from pcp_tui.shepherd.rounds.results import Round
+from pcp_tui.shepherd.serving.connection import WorkerLink
 
 
 def sit_out(current: Round, worker_ids: list[str]) -> None:

@@ -15,12 +15,12 @@ from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import LINK_ERRORS, Connection, ConnectionLost, Refused
 from pcp_tui.contract.plan import Stage
-from pcp_tui.shepherd.claims import ResultClaims
-from pcp_tui.shepherd.progress_rate import ProgressRate
-from pcp_tui.shepherd.state import RunState, WorkerView
+from pcp_tui.shepherd.run.state import RunState, WorkerView
+from pcp_tui.shepherd.serving.claims import ResultClaims
+from pcp_tui.shepherd.serving.progress_rate import ProgressRate
 
 if TYPE_CHECKING:
-    from pcp_tui.shepherd.striping import Attachments
+    from pcp_tui.shepherd.serving.striping import Attachments
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
 

@@ -48,7 +48,7 @@ import safetensors
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from pcp_tui.shepherd.state import finite_or_null
+from pcp_tui.shepherd.run.state import finite_or_null
 
 FORMAT = "pcp-tui-checkpoint/1"
 

@@ -22,15 +22,16 @@ from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost
-from pcp_tui.shepherd import sitting_out, slots, striping
-from pcp_tui.shepherd.admission import Admission, Admitted
-from pcp_tui.shepherd.connection import WorkerLink, shown
-from pcp_tui.shepherd.graphs import GraphLibrary, Unservable
-from pcp_tui.shepherd.pacing import StepPacing
-from pcp_tui.shepherd.rounds import BadResult, OpenRounds
-from pcp_tui.shepherd.state import EventKind, RunState, WorkerState, WorkerView
-from pcp_tui.shepherd.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
-from pcp_tui.shepherd.worker_plan import bind_to_plan, worker_plan
+from pcp_tui.shepherd.rounds import sitting_out
+from pcp_tui.shepherd.rounds.pacing import StepPacing
+from pcp_tui.shepherd.rounds.results import BadResult, OpenRounds
+from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
+from pcp_tui.shepherd.run.state import EventKind, RunState, WorkerState, WorkerView
+from pcp_tui.shepherd.serving import slots, striping
+from pcp_tui.shepherd.serving.admission import Admission, Admitted
+from pcp_tui.shepherd.serving.connection import WorkerLink, shown
+from pcp_tui.shepherd.serving.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
+from pcp_tui.shepherd.serving.worker_plan import bind_to_plan, worker_plan
 from pcp_tui.training.workload import Workload
 
 log = logging.getLogger(__name__)  # connection-level diagnostics; RunState has the run's events

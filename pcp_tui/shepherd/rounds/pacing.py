@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 
 from pcp_tui.config.run import InnerConfig, schedule_problem
-from pcp_tui.shepherd.rounds import Round
+from pcp_tui.shepherd.rounds.results import Round
 
 SMOOTHING = 0.3  # weight of a round's measured speed in a worker's estimate
 

@@ -17,8 +17,8 @@ import numpy as np
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
-from pcp_tui.shepherd.claims import ResultClaims
-from pcp_tui.shepherd.connection import WorkerLink
+from pcp_tui.shepherd.serving.claims import ResultClaims
+from pcp_tui.shepherd.serving.connection import WorkerLink
 from pcp_tui.training import shards
 from pcp_tui.training.export import TrainingGraphs
 from pcp_tui.training.workload import Workload

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from pcp_tui.shepherd import checkpoint
-from pcp_tui.shepherd.state import EventKind, RunState
+from pcp_tui.shepherd.run import checkpoint
+from pcp_tui.shepherd.run.state import EventKind, RunState
 
 # (parameters, optimizer state arrays): copies the writer may keep while training goes on.
 Snapshot = Callable[[], tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pcp_tui.shepherd.ledger import ShardLedger
+from pcp_tui.shepherd.run.ledger import ShardLedger
 
 if TYPE_CHECKING:
     from pcp_tui.config import RunConfig

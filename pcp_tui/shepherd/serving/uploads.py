@@ -14,7 +14,7 @@ import time
 import trio
 
 from pcp_tui.config import RunConfig
-from pcp_tui.shepherd.connection import WorkerLink
+from pcp_tui.shepherd.serving.connection import WorkerLink
 
 # Round results received but not yet folded into the mean, across all workers: the
 # shepherd holds at most this many model-sized copies however many workers there are.

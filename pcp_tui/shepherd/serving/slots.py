@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pcp_tui.shepherd.connection import WorkerLink
+from pcp_tui.shepherd.serving.connection import WorkerLink
 
 EVICTABLE_AFTER = 45.0  # seconds a connection that is not ready keeps its slot from a newcomer
 

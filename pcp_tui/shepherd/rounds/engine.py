@@ -45,11 +45,11 @@ from pcp_tui.diloco.aggregate import (
 from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.diloco.streaming import Fragments, Schedule, partition
-from pcp_tui.shepherd import sitting_out
-from pcp_tui.shepherd.connection import CONNECTION_ERRORS, WorkerLink
-from pcp_tui.shepherd.pacing import StepPacing
-from pcp_tui.shepherd.rounds import OpenRounds, Round, collect
-from pcp_tui.shepherd.state import EventKind, RoundRecord, RunState, WorkerState
+from pcp_tui.shepherd.rounds import sitting_out
+from pcp_tui.shepherd.rounds.pacing import StepPacing
+from pcp_tui.shepherd.rounds.results import OpenRounds, Round, collect
+from pcp_tui.shepherd.run.state import EventKind, RoundRecord, RunState, WorkerState
+from pcp_tui.shepherd.serving.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.training.export import InnerOptimizer
 from pcp_tui.training.workload import Workload
 
@@ -302,7 +302,7 @@ class RoundEngine:
         body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
         tensors = {} if continued else self.params
         link.view.state, link.view.round, link.view.step = WorkerState.SYNCING, number, 0
-        link.claims.ask(steps)  # what its results may claim (`shepherd/claims.py`)
+        link.claims.ask(steps)  # what its results may claim (`shepherd/serving/claims.py`)
         try:
             await starts.send(link, body, tensors)
         except CONNECTION_ERRORS:

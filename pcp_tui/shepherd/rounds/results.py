@@ -16,10 +16,10 @@ from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.diloco.validation import Assignment
-from pcp_tui.shepherd.state import EventKind, RoundRecord, RunState
+from pcp_tui.shepherd.run.state import EventKind, RoundRecord, RunState
 
 if TYPE_CHECKING:
-    from pcp_tui.shepherd.connection import WorkerLink
+    from pcp_tui.shepherd.serving.connection import WorkerLink
 
 __all__ = [
     "BadResult",

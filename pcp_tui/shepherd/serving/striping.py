@@ -25,7 +25,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.contract import auth
-from pcp_tui.shepherd.connection import Hello, WorkerLink
+from pcp_tui.shepherd.serving.connection import Hello, WorkerLink
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.shepherd.connection import Hello, handshake
-from pcp_tui.shepherd.state import EventKind, RunState
+from pcp_tui.shepherd.run.state import EventKind, RunState
+from pcp_tui.shepherd.serving.connection import Hello, handshake
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
 PRE_AUTH_LIMITS = protocol.Limits(
