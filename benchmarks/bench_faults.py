@@ -184,7 +184,7 @@ def _events(shepherd: Shepherd, kind: str, worker: str | None = None) -> list:
     return [
         e
         for e in shepherd.state.events
-        if e.kind == kind and (worker is None or e.data.get("worker") == worker)
+        if e.kind == kind and (worker is None or e.fields().get("worker") == worker)
     ]
 
 
@@ -216,10 +216,7 @@ async def _start_in_order(shepherd, processes, port, ids, stall=None) -> list:
 
 def _round_starts(shepherd: Shepherd) -> dict[int, float]:
     """Wall-clock start of every recorded round (record time minus its duration)."""
-    return {
-        e.data["record"].round: e.at - e.data["record"].round_seconds
-        for e in _events(shepherd, "round")
-    }
+    return {e.record.round: e.at - e.record.round_seconds for e in _events(shepherd, "round")}
 
 
 def _rounds_cell(numbers: list[int], total: int, repeated: int, redone: int = 0) -> str:
@@ -338,7 +335,7 @@ def silenced_worker(config, processes, timeout) -> Outcome:
 def late_join(config, processes, timeout) -> Outcome:
     async def scenario(shepherd, port):
         def hold_after_round_2(event) -> None:  # called inside the round's record, before round 3
-            if event.kind == "round" and event.data["record"].round == 2:
+            if event.kind == "round" and event.record.round == 2:
                 shepherd.pause()
 
         shepherd.state.subscribe(hold_after_round_2)
@@ -374,7 +371,7 @@ def straggler(config, processes, timeout, stall: float) -> Outcome:
         return {"notice": closed.at - _round_starts(shepherd)[2]}
 
     shepherd, found = run_in_process(config, processes, scenario, timeout)
-    late = [e.data["round"] for e in _events(shepherd, "late_result")]
+    late = [e.round for e in _events(shepherd, "late_result")]
     notice = f"{found['notice']:.2f} (round start → closed; --round-timeout {config.network.round_timeout:g})"
     outcome = _outcome(f"straggler: round 2 stalled {stall:g} s", shepherd, notice, found)
     outcome.rounds += (

@@ -65,7 +65,7 @@ def clip_scales(shepherd: Shepherd) -> dict[int, list[float]]:
     scales: dict[int, list[float]] = {}
     for event in shepherd.state.events:
         if event.kind == "result_clipped":
-            scales.setdefault(event.data["round"], []).append(round(event.data["scale"], 3))
+            scales.setdefault(event.round, []).append(round(event.scale, 3))
     return scales
 
 

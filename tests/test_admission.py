@@ -228,7 +228,9 @@ def test_refusal_log_is_rate_limited_per_address_and_summarised():
         in texts
     )
     assert texts[-1] == "refused 1.2.3.4:999: wrong or missing join token"
-    assert [e.data.get("suppressed") for e in state.events if e.data.get("suppressed")] == [120]
+    assert [e.fields().get("suppressed") for e in state.events if e.fields().get("suppressed")] == [
+        120
+    ]
 
 
 def test_refusal_log_memory_is_bounded_across_many_addresses():
@@ -238,7 +240,7 @@ def test_refusal_log_memory_is_bounded_across_many_addresses():
         log.refused(f"10.0.{i // 256}.{i % 256}", f"10.0.{i // 256}.{i % 256}:1", "garbage")
     assert len(log._suppressed) <= 17
     log.flush()
-    assert sum(e.data.get("suppressed", 0) for e in state.events) == 5000 - 10
+    assert sum(e.fields().get("suppressed", 0) for e in state.events) == 5000 - 10
 
 
 @pytest.fixture(scope="module")

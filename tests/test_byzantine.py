@@ -81,7 +81,7 @@ def honest() -> Shepherd:
 def test_a_huge_first_result_is_refused_and_the_run_matches_honest_only(honest):
     attacked = _train(attacker=True)
     refused = [e for e in attacked.state.events if e.kind == "bad_result"]
-    assert [e.data["worker"] for e in refused] == ["evil"] * 3  # from round 1 on, every round
+    assert [e.worker for e in refused] == ["evil"] * 3  # from round 1 on, every round
     assert all("the most the plan's inner optimizer" in e.message for e in refused)
     assert [set(r.worker_ids) for r in attacked.state.history] == [{"honest0", "honest1"}] * 3
     # the same two results aggregated as without the attacker: the same model, to the bit
@@ -100,7 +100,7 @@ def test_a_sign_flip_bites_without_validation_and_is_refused_with_it(honest):
     assert final[undefended] > 1.03 * final[honest]  # measured: +4.8% (4.858 vs 4.633)
     attacked = _train(attacker=True, factor=-1.0)
     refused = [e for e in attacked.state.events if e.kind == "bad_result"]
-    assert [e.data["worker"] for e in refused] == ["evil"] * 3
+    assert [e.worker for e in refused] == ["evil"] * 3
     assert all("a result must lower it" in e.message for e in refused)
     assert [set(r.worker_ids) for r in attacked.state.history] == [{"honest0", "honest1"}] * 3
     assert [r.eval_loss for r in attacked.state.history] == [

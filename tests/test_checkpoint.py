@@ -355,7 +355,7 @@ async def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeyp
 
     async with trio.open_nursery() as nursery:
         spawn_worker(await nursery.start(shepherd.run))
-    events = [(e.kind, e.data.get("round")) for e in shepherd.state.events]
+    events = [(e.kind, e.fields().get("round")) for e in shepherd.state.events]
     assert ("checkpoint_failed", 2) in events and ("checkpoint", 3) in events
     assert shepherd.state.status == "done" and len(shepherd.state.history) == 3
     assert sorted(p.name for p in tmp_path.glob("round-*")) == ["round-000001", "round-000003"]

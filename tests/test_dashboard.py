@@ -24,6 +24,7 @@ from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunH
 from pcp_tui.app.worker_view import WorkerStatusView, status_line
 from pcp_tui.config import RunConfig
 from pcp_tui.shepherd.coordinator import RunFailed
+from pcp_tui.shepherd.run.events import Listening, Waiting
 from pcp_tui.shepherd.run.state import RunState, WorkerView
 from pcp_tui.testing.dashboard import (
     NOW,
@@ -59,7 +60,7 @@ class StandInShepherd:
         self.state.join_command = f"pcp-tui worker --connect {self.state.address} --token t"
         task_status.started(port)
         self.state.status = "training"
-        self.state.emit("listening", f"listening on {self.state.address}")
+        self.state.emit(Listening(f"listening on {self.state.address}"))
         if self.failure:
             raise RunFailed(self.failure)
         await self._stop.wait()
@@ -250,7 +251,7 @@ async def test_header_fits_80_columns_and_says_what_the_run_waits_for():
     state = fake_state(status="waiting")
     state.history.clear()
     state.events.clear()
-    state.emit("waiting", "waiting for 2 worker(s)")
+    state.emit(Waiting("waiting for 2 worker(s)"))
     for worker in state.workers.values():
         worker.state = "connecting"
     app = DashboardApp(state, clock=lambda: NOW)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pcp_tui.shepherd.run.state import Event
+from pcp_tui.shepherd.run.events import Waiting
 from pcp_tui.testing.dashboard import NOW, WALL, fake_state, frozen_app
 
 
@@ -41,7 +41,7 @@ def test_dashboard_waiting_for_workers_80x24(snap_compare):
     state = fake_state(status="waiting")
     state.round, state.history, state.step_losses = 0, [], type(state.step_losses)()
     state.events.clear()
-    state.events.append(Event("waiting", "waiting for 2 worker(s)", {}, at=WALL))
+    state.events.append(Waiting("waiting for 2 worker(s)", at=WALL))
     state.workers = {"late-3": state.workers["late-3"]}
     state.bytes_sent, state.bytes_received = 600_000, 0
     assert snap_compare(frozen_app(state), terminal_size=(80, 24))

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from pcp_tui.app.dashboard.run_text import EventNotes, header_note, orphan_warning, status_text
+from pcp_tui.shepherd.run.events import Exporting, Paused, PeerRefused, Waiting
 from pcp_tui.shepherd.run.ledger import ShardLedger
-from pcp_tui.shepherd.run.state import Event, RunState, WorkerView
+from pcp_tui.shepherd.run.state import RunState, WorkerView
 
 
 def run_state(status: str, shards: int = 0) -> RunState:
@@ -69,13 +70,11 @@ def test_event_notes_key_refusals_by_host_and_keep_the_latest_phase():
     notes = EventNotes()
     notes.fold(
         [
-            Event(
-                "refused", "refused 10.0.0.66:50000: wrong join token", {"peer": "10.0.0.66:50000"}
-            ),
-            Event("exporting", "exporting the graph", {}),
-            Event("refused", "refused 10.0.0.66:50001: version 2", {"peer": "10.0.0.66:50001"}),
-            Event("waiting", "waiting for 2 workers", {}),
-            Event("round", "round 1 done", {}),
+            PeerRefused("refused 10.0.0.66:50000: wrong join token", peer="10.0.0.66:50000"),
+            Exporting("exporting the graph"),
+            PeerRefused("refused 10.0.0.66:50001: version 2", peer="10.0.0.66:50001"),
+            Waiting("waiting for 2 workers"),
+            Paused("pausing after the current round"),
         ]
     )
     assert notes.refused == {"10.0.0.66": "version 2"}

@@ -12,7 +12,8 @@ import pytest
 
 from pcp_tui.shepherd.rounds.divergence import diverged
 from pcp_tui.shepherd.run import checkpoint
-from pcp_tui.shepherd.run.state import Event, RoundRecord
+from pcp_tui.shepherd.run.events import Event, Lost, ResultRefused
+from pcp_tui.shepherd.run.state import RoundRecord
 from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
 
 NAN_LOSS = "worker 0 lost: roundResult.losses[8] is nan; it must be within [-inf, inf]"
@@ -20,8 +21,8 @@ NAN_LOSS = "worker 0 lost: roundResult.losses[8] is nan; it must be within [-inf
 
 def test_every_result_non_finite_is_divergence():
     events = [
-        Event("lost", NAN_LOSS, {}),
-        Event("bad_result", "... reported losses hold NaN or Inf", {}),
+        Lost(NAN_LOSS, worker="w0"),
+        ResultRefused("... reported losses hold NaN or Inf", worker="w1", round=2),
     ]
     why = diverged(events, 2, 10, None)
     assert why is not None and "every result of round 2 was non-finite" in why
@@ -32,9 +33,10 @@ def test_results_validation_refuses_for_blowing_up_their_own_loss_are_divergence
     """With loss-delta validation on, a diverging worker's result is refused for raising the
     loss on its own batches (finite, but far above where it started): every result of the
     round so refused is the run diverging; one that merely fails to lower it is not."""
+    w0 = {"worker": "w0", "round": 1}
     refused = "refused worker 0's round 1 result: applied to the round's parameters it changes "
-    blown = Event("bad_result", refused + "the loss on its own batches from 5.55 to 91.2; a", {})
-    flat = Event("bad_result", refused + "the loss on its own batches from 5.55 to 5.56; a", {})
+    blown = ResultRefused(refused + "the loss on its own batches from 5.55 to 91.2; a", **w0)
+    flat = ResultRefused(refused + "the loss on its own batches from 5.55 to 5.56; a", **w0)
     why = diverged([blown], 1, 10, None)
     assert why is not None and "every result of round 1 diverged" in why
     assert diverged([blown, flat], 1, 10, None) is None  # a flat result: a worker's problem
@@ -42,7 +44,7 @@ def test_results_validation_refuses_for_blowing_up_their_own_loss_are_divergence
 
 def test_a_round_lost_for_another_reason_too_is_repeated_not_stopped():
     """One NaN worker and one worker whose link broke: that is not the model diverging."""
-    events = [Event("lost", NAN_LOSS, {}), Event("lost", "worker 1 lost: connection reset", {})]
+    events = [Lost(NAN_LOSS, worker="w0"), Lost("worker 1 lost: connection reset", worker="w1")]
     assert diverged(events, 2, 10, None) is None
     assert diverged([], 2, 10, None) is None  # no result and no failure: e.g. the run stopping
 
@@ -69,7 +71,7 @@ def test_a_non_finite_eval_loss_is_divergence_and_a_finite_one_is_not():
     assert (
         diverged([], 3, 10, _record(float("nan"))) == "round 3's outer step made the eval loss nan"
     )
-    one_nan = [Event("lost", NAN_LOSS, {})]  # one worker's NaN among healthy results
+    one_nan: list[Event] = [Lost(NAN_LOSS, worker="w0")]  # one worker's NaN among healthy results
     assert diverged(one_nan, 3, 10, _record(2.5)) is None
     assert diverged(one_nan, 3, 10, _record(None)) is None  # no eval this round
 

@@ -64,7 +64,7 @@ def test_kill_one_of_three_workers_mid_round(spawn_worker):
     assert [r.workers for r in history] == [3, 2, 2, 2]
     assert "victim" not in history[1].worker_ids
     lost = _kinds(shepherd, "lost")
-    assert len(lost) == 1 and lost[0].data["worker"] == "victim"
+    assert len(lost) == 1 and lost[0].worker == "victim"
     print(f"kill -9 noticed after {lost[0].at - killed_at[0]:.3f} s")
     assert all(np.isfinite(p).all() for p in shepherd.params.values())
 
@@ -100,7 +100,7 @@ def test_late_worker_joins_at_the_next_round_boundary_and_one_that_leaves_is_tol
     assert [set(r.worker_ids) for r in history[2:4]] == [{"early", "late"}] * 2
     assert [r.worker_ids for r in history[4:]] == [("late",)] * 2  # early left after round 4
     assert shepherd.state.workers["late"].rounds_contributed >= 2
-    assert [e.data["worker"] for e in _kinds(shepherd, "left")] == ["early"]
+    assert [e.worker for e in _kinds(shepherd, "left")] == ["early"]
     assert not _kinds(shepherd, "lost")
     lines = headless.getvalue().splitlines()
     early = shepherd.state.workers["early"]
@@ -140,7 +140,7 @@ def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
     assert history[1].worker_ids == ("steady",)  # the stalled round closed without the straggler
     assert history[2].worker_ids == ("steady",)  # which sat round 3 out, still on round 2
     late = _kinds(shepherd, "late_result")
-    assert late and late[0].data["worker"] == "slow" and late[0].data["round"] == 2
+    assert late and late[0].worker == "slow" and late[0].round == 2
     assert shepherd.state.workers["slow"].state != "lost"  # slow is not dead
     assert [r.workers for r in history[3:]] == [2, 2, 2]  # and it caught up
 
@@ -342,11 +342,11 @@ def test_a_lost_workers_shard_goes_to_the_next_worker_to_join(spawn_worker):
     b_shard = 1 - workers["a"].shard
     assert workers["b"].shard == b_shard and workers["c"].shard == b_shard
     assert owners[b_shard] == ["c"] and owners[1 - b_shard] == ["a"]
-    assert [e.data["shard"] for e in _kinds(shepherd, "shard_orphaned")] == [b_shard]
-    said = [(e.kind, e.data.get("worker")) for e in shepherd.state.events]
+    assert [e.shard for e in _kinds(shepherd, "shard_orphaned")] == [b_shard]
+    said = [(e.kind, e.fields().get("worker")) for e in shepherd.state.events]
     assert said.index(("lost", "b")) < said.index(("shard_orphaned", "b"))  # why, then what
     adopted = _kinds(shepherd, "shard_adopted")
-    assert [(e.data["worker"], e.data["shard"]) for e in adopted] == [("c", b_shard)]
+    assert [(e.worker, e.shard) for e in adopted] == [("c", b_shard)]
     history = shepherd.state.history
     with_c = [r for r in history if "c" in r.worker_ids]
     assert [sorted(r.worker_ids) for r in history] == [["a", "b"], ["a"], *[["a", "c"]] * 3]

@@ -122,7 +122,7 @@ def test_claims_beyond_what_was_asked_and_a_progress_flood_end_their_connections
             await until(lambda: shepherd.state.status == "done", polls=2400)  # a hang guard
 
     run_shepherd(shepherd, scenario)
-    lost = {e.data["worker"]: e.message for e in shepherd.state.events if e.kind == "lost"}
+    lost = {e.worker: e.message for e in shepherd.state.events if e.kind == "lost"}
     # 1. each lie ends its connection, the peer is told why; only the honest result counts
     assert "to 4000, but its roundStarts asked for 4" in lost["greedy"], lost
     assert "claims 512 tokens; the 1 inner steps it covers read 128" in lost["heavy"], lost

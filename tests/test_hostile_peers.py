@@ -131,7 +131,7 @@ def test_deaf_peers_are_dropped_and_peers_texts_cannot_write_to_the_operators_te
             await until(lambda: len(shepherd.state.history) == 2, polls=2400)  # 120 s: a hang guard
 
     run_shepherd(shepherd, scenario)
-    lost = {e.data["worker"]: e.message for e in shepherd.state.events if e.kind == "lost"}
+    lost = {e.worker: e.message for e in shepherd.state.events if e.kind == "lost"}
     assert set(lost) == {"deaf-to-plan", "deaf-to-rounds", "rude"}
     assert "download too slow" in lost["deaf-to-plan"] and "byte plan" in lost["deaf-to-plan"]
     assert "byte roundStart" in lost["deaf-to-rounds"]
@@ -148,7 +148,7 @@ def test_deaf_peers_are_dropped_and_peers_texts_cannot_write_to_the_operators_te
     assert "rude" in shepherd.state.workers and len(shepherd.state.workers) == 5
     for event in shepherd.state.events:
         assert event.message.isprintable(), event.message
-    [joined] = [e.message for e in shepherd.state.events if e.data.get("worker") == "rude"][:1]
+    [joined] = [e.message for e in shepherd.state.events if e.fields().get("worker") == "rude"][:1]
     assert "\\x1b]0;title\\x07H100" in joined
     assert shepherd.state.workers["rude"].host == "host" + FORGED.encode("unicode_escape").decode()
     assert lost["rude"].endswith(

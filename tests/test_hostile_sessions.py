@@ -186,14 +186,14 @@ def test_a_round_closes_at_its_timeout_and_strangers_cannot_join_a_striped_sessi
 
     run_shepherd(shepherd, scenario)
     events = shepherd.state.events
-    lost = {e.data["worker"]: e.message for e in events if e.kind == "lost"}
+    lost = {e.worker: e.message for e in events if e.kind == "lost"}
     # 1. round 1 closed at its timeout, without the peer that never took its roundStart
     assert sorted([r.worker_ids for r in shepherd.state.history][0]) == ["honest", "repeater"]
     stragglers = [e for e in events if e.kind == "stragglers"]
-    assert "deaf" in stragglers[0].data["workers"], [e.message for e in events]
+    assert "deaf" in stragglers[0].workers, [e.message for e in events]
     assert "deaf" in lost and "--round-timeout" in lost["deaf"], lost
     assert "download too slow" not in lost["deaf"]
-    [deaf_lost] = [e for e in events if e.kind == "lost" and e.data["worker"] == "deaf"]
+    [deaf_lost] = [e for e in events if e.kind == "lost" and e.worker == "deaf"]
     assert events.index(stragglers[0]) < events.index(deaf_lost)  # late first, then cut off
     assert shepherd.state.status == "stopped"
     output = seen["honest"].communicate(timeout=60)[0]
@@ -259,10 +259,10 @@ def test_a_streaming_round_cuts_off_a_roundstart_still_on_its_way_when_a_fragmen
 
     run_shepherd(shepherd, scenario)
     events = shepherd.state.events
-    lost = {e.data["worker"]: e.message for e in events if e.kind == "lost"}
+    lost = {e.worker: e.message for e in events if e.kind == "lost"}
     assert "--round-timeout" in lost["deaf"] and "roundStart" in lost["deaf"], lost
     stragglers = [e for e in events if e.kind == "stragglers"]
-    [deaf_lost] = [e for e in events if e.kind == "lost" and e.data["worker"] == "deaf"]
+    [deaf_lost] = [e for e in events if e.kind == "lost" and e.worker == "deaf"]
     assert events.index(stragglers[0]) < events.index(deaf_lost)
     assert [r.worker_ids for r in shepherd.state.history] == [("honest",), ("honest",)]
     assert [r.fragment_results for r in shepherd.state.history] == [(1, 1), (1, 1)]

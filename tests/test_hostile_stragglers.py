@@ -103,7 +103,7 @@ def test_trickled_heartbeats_do_not_hold_a_round_and_a_late_worker_is_named(spaw
 
     run_shepherd(shepherd, scenario)
     (dropped,) = events("stragglers")
-    assert dropped.data["workers"] == ["trickler"]
+    assert dropped.workers == ["trickler"]
     sitting_out = "late for round 1: sits new rounds out until that result comes"
     assert seen["reason"] == seen["api"]["trickler"]["reason"] == sitting_out
     (waiting,) = [e.message for e in events("waiting") if "no worker is ready" in e.message]

@@ -101,7 +101,7 @@ def test_a_peer_that_joins_mid_round_cannot_slip_in_results_of_rounds_it_was_not
 
     run_shepherd(shepherd, scenario)
     events, history = shepherd.state.events, shepherd.state.history
-    lost = [e.message for e in events if e.kind == "lost" and e.data["worker"] == "liar"]
+    lost = [e.message for e in events if e.kind == "lost" and e.worker == "liar"]
     assert [r.round for r in history] == [1, 2, 3, 4]
     assert [r.worker_ids for r in history[:2]] == [("honest",)] * 2  # round 2 took none of it
     assert lost[0].endswith(

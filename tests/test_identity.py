@@ -76,7 +76,7 @@ def test_a_live_workers_id_cannot_be_taken_by_a_peer_or_a_twin(spawn_worker):
     history = shepherd.state.history
     assert [r.worker_ids for r in history] == [("w",)] * 3  # the honest worker kept its rounds
     assert seen["honest"].wait(timeout=60) == 0  # and was told goodbye
-    refused = [e.data.get("code") for e in _kinds(shepherd, "refused")]
+    refused = [e.fields().get("code") for e in _kinds(shepherd, "refused")]
     assert refused == ["idInUse", "idInUse"]
     assert not _kinds(shepherd, "late_result")
 
@@ -206,5 +206,5 @@ def test_a_worker_whose_id_is_held_retries_only_if_it_was_admitted_before():
     run_shepherd(shepherd, scenario)
     assert seen["state"] == "done"
     assert [r.worker_ids for r in shepherd.state.history] == [("w",), ("w",)]
-    refused = [e.data.get("code") for e in _kinds(shepherd, "refused")]
+    refused = [e.fields().get("code") for e in _kinds(shepherd, "refused")]
     assert refused[:2] == ["idInUse", "idInUse"], [e.message for e in _kinds(shepherd, "refused")]

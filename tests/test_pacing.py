@@ -201,7 +201,7 @@ def test_a_worker_too_slow_for_the_window_is_measured_by_its_late_result(spawn_w
     run_shepherd(shepherd, scenario)
     history = shepherd.state.history
     stragglers = [e for e in shepherd.state.events if e.kind == "stragglers"]
-    assert stragglers[0].data["workers"] == ["slow"] and history[0].worker_ids == ("fast",)
+    assert stragglers[0].workers == ["slow"] and history[0].worker_ids == ("fast",)
     assert history[1].worker_ids == ("fast",)  # slow sat round 2 out, still on round 1
     assert set(history[2].worker_ids) == {"fast", "slow"}  # measured, sized, in time
     full = H * config.data.batch_size * config.data.seq_len

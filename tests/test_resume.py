@@ -21,6 +21,7 @@ from pcp_tui.app.cli import build_parser, main, parse_args
 from pcp_tui.app.headless import MetricsWriter
 from pcp_tui.config import RunConfig
 from pcp_tui.shepherd.run import checkpoint
+from pcp_tui.shepherd.run.events import Done
 from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
 from pcp_tui.training.build import build_workload
@@ -183,7 +184,7 @@ def test_a_nan_eval_loss_is_written_as_null(tmp_path):
     state = RunState(run_id="r", rounds_total=3, settings={})
     writer = MetricsWriter(str(tmp_path / "m.jsonl"), state)
     state.subscribe(writer)
-    state.emit("done", "run done", final_eval_loss=float("nan"), seconds=float("inf"))
+    state.emit(Done("run done", rounds=3, final_eval_loss=float("nan"), seconds=float("inf")))
     writer.close()
     row = json.loads((tmp_path / "m.jsonl").read_text())
     assert row["final_eval_loss"] is None and row["seconds"] is None

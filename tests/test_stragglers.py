@@ -108,7 +108,7 @@ def test_a_worker_that_never_answers_is_dropped_at_factor_times_the_first_result
     assert closed == 30.0  # c's roundStart went out at 0; window max(5, 3 x 10)
     assert current.contributors == ["a", "b"] and not current.pending
     (stragglers,) = [e for e in events if e.kind == "stragglers"]
-    assert stragglers.data["workers"] == ["c"]
+    assert stragglers.workers == ["c"]
     assert "straggler window of 30 s" in stragglers.message
     assert "--adaptive-steps" in stragglers.message
 
@@ -150,7 +150,7 @@ def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     closed, current, events = run_round(window(3.0, 5.0), script)
     assert closed == 23.0  # b (no history) was overdue at 5 s; c had until 24 s
     assert current.contributors == ["a", "c"]
-    assert [e.data["workers"] for e in events if e.kind == "stragglers"] == [["b"]]
+    assert [e.workers for e in events if e.kind == "stragglers"] == [["b"]]
 
 
 @pytest.mark.parametrize("source", ["result", "progress"])
@@ -174,7 +174,7 @@ def test_a_workers_own_time_counts_up_to_factor_times_the_window(own, closes, so
 
     closed, current, events = run_round(window(3.0, 5.0), script)
     assert closed == closes  # the round's window is max(5, 3 x 0.5) = 5 s; c's, 3 x min(own, 15)
-    assert [e.data["workers"] for e in events if e.kind == "stragglers"] == [["c"]]
+    assert [e.workers for e in events if e.kind == "stragglers"] == [["c"]]
 
 
 @pytest.mark.parametrize("timeout", [0.0, 3.0], ids=["window", "round-timeout"])
@@ -203,7 +203,7 @@ def test_a_result_being_folded_in_as_the_round_closes_counts_and_is_no_straggler
     network = window(3.0, 5.0, round_timeout=timeout)
     closed, current, events = run_round(network, script, ("a", "b"), shapes)
     assert current.contributors == ["a", "b"]
-    assert [e.data["workers"] for e in events if e.kind == "stragglers"] == []
+    assert [e.workers for e in events if e.kind == "stragglers"] == []
 
 
 def test_a_fragment_round_reads_the_times_of_its_own_fragment():
@@ -320,7 +320,7 @@ def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker,
     workers, events = shepherd.state.workers, shepherd.state.events
 
     def kinds(kind: str) -> list:
-        return [e for e in events if e.kind == kind and e.data.get("worker") in (None, "hung")]
+        return [e for e in events if e.kind == kind and e.fields().get("worker") in (None, "hung")]
 
     async def scenario(port):
         pause_after_round(shepherd, 3)  # held until the hung worker is back
@@ -349,7 +349,7 @@ def test_a_peer_that_heartbeats_but_never_answers_costs_one_window(spawn_worker,
     assert [r.worker_ids for r in history[1:3]] == [("steady",), ("steady",)]
     dropped = [e for e in events if e.kind == "stragglers"]
     # each of round 2's fragments closed without it; round 3 did not wait for it
-    assert [e.data["workers"] for e in dropped] == [["hung"]] * fragments
+    assert [e.workers for e in dropped] == [["hung"]] * fragments
     (lost,) = kinds("lost")
     assert "hung: no result and no progress for round 2" in lost.message, lost.message
     assert set(history[3].worker_ids) == {"steady", "hung"}  # back, and trained round 4

@@ -7,6 +7,7 @@ import json
 
 from pcp_tui.app.headless import MetricsWriter
 from pcp_tui.app.worker_view import WorkerStatusView
+from pcp_tui.shepherd.run.events import Listening, PeerRefused
 from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.worker.client import WorkerStatus
 
@@ -59,11 +60,12 @@ def test_the_metrics_file_never_holds_the_join_token(tmp_path):
     writer = MetricsWriter(str(path), state, token="tok-1234567890")
     state.subscribe(writer)
     state.emit(
-        "listening",
-        "listening on 10.0.0.5:8080; join with: pcp-tui worker --connect 10.0.0.5:8080 "
-        "--token tok-1234567890 --tls-fingerprint ab",
+        Listening(
+            "listening on 10.0.0.5:8080; join with: pcp-tui worker --connect 10.0.0.5:8080 "
+            "--token tok-1234567890 --tls-fingerprint ab"
+        )
     )
-    state.emit("refused", "refused 1.2.3.4: sent tok-1234567890 as its id", peer="1.2.3.4")
+    state.emit(PeerRefused("refused 1.2.3.4: sent tok-1234567890 as its id", peer="1.2.3.4"))
     writer.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert "tok-1234567890" not in path.read_text()

@@ -51,7 +51,8 @@ from pcp_tui.app.api_bodies import (
 from pcp_tui.app.api_connections import CappedServer
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
-from pcp_tui.shepherd.run.state import EventKind, RunState, finite_or_null
+from pcp_tui.shepherd.run.events import StopRequested
+from pcp_tui.shepherd.run.state import RunState, finite_or_null
 from pcp_tui.shepherd.serving.listening import EVERYWHERE, address_for_others
 
 __all__ = ["OperatorAPI", "bearer_token", "run_with_api"]
@@ -256,9 +257,10 @@ class OperatorAPI:
         client = (scope.get("client") or ("an unknown address",))[0]
         self._request_stop("cancelled through the operator API")
         self.state.emit(
-            EventKind.STOP_REQUESTED,
-            f"operator API: cancel from {client}; ending the run for good after the current "
-            "round (the workers exit)",
+            StopRequested(
+                f"operator API: cancel from {client}; ending the run for good after the current "
+                "round (the workers exit)",
+            )
         )
         return _json(202, {"status": "stopping", "round": self.state.round})
 

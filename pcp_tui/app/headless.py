@@ -15,7 +15,8 @@ import trio
 
 from pcp_tui.app.closed_output import abandon, say
 from pcp_tui.app.tracking import GuardedSink
-from pcp_tui.shepherd.run.state import Event, EventKind, RunState, finite_or_null
+from pcp_tui.shepherd.run.events import Done, Event, MetricsFailed, RoundDone
+from pcp_tui.shepherd.run.state import RunState, finite_or_null
 
 _TOKEN_FLAG = re.compile(r"(--token[ =])\S+")
 
@@ -116,10 +117,10 @@ class HeadlessPrinter:
         self._out = out
 
     def __call__(self, event: Event) -> None:
-        if event.kind == "round":
-            line = format_round(event.data["record"], self._state.rounds_total)
-        elif event.kind == "done":
-            line = f"{event.message}; final eval loss {_fmt(event.data.get('final_eval_loss'))}"
+        if isinstance(event, RoundDone):
+            line = format_round(event.record, self._state.rounds_total)
+        elif isinstance(event, Done):
+            line = f"{event.message}; final eval loss {_fmt(event.final_eval_loss)}"
         elif event.kind in _SHOWN:
             line = event.message
         else:
@@ -166,10 +167,10 @@ class MetricsWriter:
             raise OSError(f"cannot write metrics to {path}: {exc.strerror}") from None
 
     def __call__(self, event: Event) -> None:
-        if event.kind == "round":
-            row = event.data["record"].as_json()
+        if isinstance(event, RoundDone):
+            row = event.record.as_json()
         else:
-            row = {"event": event.kind, "message": event.message, **_plain(event.data)}
+            row = {"event": event.kind, "message": event.message, **_plain(event.fields())}
         if event.kind == "done":
             row.update(
                 run_id=self._state.run_id,
@@ -198,11 +199,12 @@ class MetricsWriter:
         with contextlib.suppress(OSError):  # its flush fails as the write did
             failed.close()
         self._state.emit(
-            EventKind.METRICS_FAILED,
-            f"metrics not written to {self._path}: {exc.strerror or exc}; no more rows go "
-            "there this run and the run goes on (free disk space, or give the next run "
-            "another --metrics)",
-            path=str(self._path),
+            MetricsFailed(
+                f"metrics not written to {self._path}: {exc.strerror or exc}; no more rows go "
+                "there this run and the run goes on (free disk space, or give the next run "
+                "another --metrics)",
+                path=str(self._path),
+            )
         )
 
     def close(self) -> None:

@@ -35,9 +35,23 @@ from pcp_tui.shepherd.rounds.pacing import StepPacing
 from pcp_tui.shepherd.rounds.results import OpenRounds
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.shepherd.run.checkpoint_writer import CheckpointWriter
+from pcp_tui.shepherd.run.events import (
+    Done,
+    Exported,
+    Exporting,
+    Failed,
+    Listening,
+    NotResumable,
+    Paused,
+    Resumable,
+    Resumed,
+    ResumedFrom,
+    RoundRepeated,
+    Waiting,
+)
 from pcp_tui.shepherd.run.graphs import GraphLibrary
 from pcp_tui.shepherd.run.ledger import ShardLedger
-from pcp_tui.shepherd.run.state import EventKind, RoundRecord, RunState, RunStatus, run_settings
+from pcp_tui.shepherd.run.state import RoundRecord, RunState, RunStatus, run_settings
 from pcp_tui.shepherd.serving.admission import Admission
 from pcp_tui.shepherd.serving.listening import (
     CannotListen,
@@ -168,12 +182,12 @@ class Shepherd:
     def pause(self) -> None:
         self._paused = True
         self._resumed = trio.Event()
-        self.state.emit(EventKind.PAUSED, "pausing after the current round")
+        self.state.emit(Paused("pausing after the current round"))
 
     def resume(self) -> None:
         self._paused = False
         self._resumed.set()
-        self.state.emit(EventKind.RESUMED, "training resumed")
+        self.state.emit(Resumed("training resumed"))
 
     # -- the run ------------------------------------------------------------
 
@@ -186,21 +200,20 @@ class Shepherd:
         cfg = self.config
         if self._resumed_from:
             path, number = self._resumed_from
-            self.state.emit(
-                EventKind.RESUMED_FROM, f"resumed from {path} (round {number})", round=number
-            )
+            self.state.emit(ResumedFrom(f"resumed from {path} (round {number})", round=number))
         platforms = ", ".join(self.library.main_platforms)
-        self.state.emit(EventKind.EXPORTING, f"exporting training graphs for {platforms}...")
+        self.state.emit(Exporting(f"exporting training graphs for {platforms}..."))
         self.graphs = await with_notes(
             lambda: trio.to_thread.run_sync(self._export),
             lambda seconds: self.state.emit(
-                EventKind.EXPORTING, f"still exporting training graphs ({seconds:.0f} s so far)"
+                Exporting(f"still exporting training graphs ({seconds:.0f} s so far)")
             ),
         )
         self.state.emit(
-            EventKind.EXPORTED,
-            f"graphs exported in {self.graphs.export_seconds:.1f} s",
-            seconds=self.graphs.export_seconds,
+            Exported(
+                f"graphs exported in {self.graphs.export_seconds:.1f} s",
+                seconds=self.graphs.export_seconds,
+            )
         )
         try:
             listeners, port = await open_listeners(cfg.network)
@@ -216,10 +229,11 @@ class Shepherd:
                 nursery.start_soon(self._admission.refusals.run)
                 task_status.started(port)
                 self.state.emit(
-                    EventKind.LISTENING,
-                    f"listening on {self.state.address}"
-                    + (f", operator API on {self.state.api_url}" if self.state.api_url else "")
-                    + f"; join with: {self.state.join_command}",
+                    Listening(
+                        f"listening on {self.state.address}"
+                        + (f", operator API on {self.state.api_url}" if self.state.api_url else "")
+                        + f"; join with: {self.state.join_command}",
+                    )
                 )
                 try:
                     with self._training:
@@ -236,7 +250,7 @@ class Shepherd:
             self.state.finished_at = time.monotonic()
         if failure is not None:
             self.state.status = RunStatus.FAILED
-            self.state.emit(EventKind.FAILED, str(failure))
+            self.state.emit(Failed(str(failure)))
             raise failure
         return self.state
 
@@ -244,13 +258,14 @@ class Shepherd:
         """Tell the workers goodbye, and to come back when `--resume` can continue the run."""
         resumable = self._resumable(failure)
         if resumable:
-            directory = self.config.checkpoints.dir or self.config.checkpoints.resume
+            directory = self.config.checkpoints.dir or self.config.checkpoints.resume or ""
             self.state.emit(
-                EventKind.RESUMABLE,
-                f"the run can be resumed: pcp-tui shepherd --resume {directory} (its options "
-                "and token are saved there); its workers keep reconnecting until it is, "
-                "for their --give-up-after",
-                directory=directory,
+                Resumable(
+                    f"the run can be resumed: pcp-tui shepherd --resume {directory} (its options "
+                    "and token are saved there); its workers keep reconnecting until it is, "
+                    "for their --give-up-after",
+                    directory=directory,
+                )
             )
         reason = self._stop_reason or str(failure or "run finished")
         await self.pool.goodbye_all(reason, resumable=resumable)
@@ -273,7 +288,7 @@ class Shepherd:
         try:
             checkpoint.inspect(directory, hint="its workers are told the run ended")
         except checkpoint.CheckpointError as exc:
-            self.state.emit(EventKind.NOT_RESUMABLE, f"the run cannot be resumed: {exc}")
+            self.state.emit(NotResumable(f"the run cannot be resumed: {exc}"))
             return False
         return True
 
@@ -326,9 +341,10 @@ class Shepherd:
                 break
             if record is None:
                 self.state.emit(
-                    EventKind.ROUND_REPEATED,
-                    f"round {number} got no result; repeating it",
-                    round=number,
+                    RoundRepeated(
+                        f"round {number} got no result; repeating it",
+                        round=number,
+                    )
                 )
                 continue
             if cfg.checkpoints.dir and number % cfg.checkpoints.every == 0:
@@ -350,11 +366,12 @@ class Shepherd:
         """The run is done, or stopped (then its round may be unfinished: `stop_now`)."""
         self.state.status = RunStatus.STOPPED if self._stop_reason else RunStatus.DONE
         self.state.emit(
-            EventKind.DONE,
-            f"run {self.state.status} {self.state.rounds_summary()}",
-            rounds=len(self.state.history),
-            final_eval_loss=self.state.last_eval_loss(),
-            seconds=self.state.elapsed(),
+            Done(
+                f"run {self.state.status} {self.state.rounds_summary()}",
+                rounds=len(self.state.history),
+                final_eval_loss=self.state.last_eval_loss(),
+                seconds=self.state.elapsed(),
+            )
         )
 
     async def _checkpoint(self, number: int, nursery: trio.Nursery) -> None:
@@ -388,7 +405,7 @@ class Shepherd:
         while self._stop_reason is None and len(self.pool.ready_links()) < count:
             if not announced:
                 late = self.pool.sitting_out_line()  # connected, but owing an old round's result
-                self.state.emit(EventKind.WAITING, f"{message}; {late}" if late else message)
+                self.state.emit(Waiting(f"{message}; {late}" if late else message))
                 announced = True
             await self.pool.changed()
 

@@ -52,7 +52,7 @@ def pause_after_round(shepherd: Any, number: int) -> None:
     """
 
     def listener(event: Any) -> None:
-        if event.kind == "round" and event.data["record"].round == number:
+        if event.kind == "round" and event.record.round == number:
             shepherd.pause()
 
     shepherd.state.subscribe(listener)

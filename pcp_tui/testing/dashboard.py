@@ -7,24 +7,25 @@ Imports Textual: not re-exported by `pcp_tui.testing`, whose harness runs withou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
-from typing import Any
 
 from textual.geometry import Region
 
 from pcp_tui.app.dashboard import DashboardApp
 from pcp_tui.shepherd.rounds.results import data_parallel_bytes, utilization
-from pcp_tui.shepherd.run.ledger import ShardLedger
-from pcp_tui.shepherd.run.state import (
+from pcp_tui.shepherd.run.events import (
+    Compiled,
     Event,
-    EventKind,
-    RoundRecord,
-    RunState,
-    RunStatus,
-    WorkerState,
-    WorkerView,
+    Joined,
+    Listening,
+    Lost,
+    PeerRefused,
+    RoundDone,
 )
+from pcp_tui.shepherd.run.ledger import ShardLedger
+from pcp_tui.shepherd.run.state import RoundRecord, RunState, RunStatus, WorkerState, WorkerView
 
 STARTED = 1_000.0  # monotonic seconds, frozen
 NOW = STARTED + 83.0
@@ -165,18 +166,36 @@ def fake_state(*, status: str = "training") -> RunState:
             )
         )
     state.bytes_sent, state.bytes_received = 5_050_000, 3_890_000
-    events: list[tuple[str, str, dict[str, Any]]] = [
-        ("listening", "listening on 127.0.0.1:8080; join with: " + state.join_command, {}),
-        ("joined", "worker 0 (gpu-a-1, cuda NVIDIA H100) joined from 10.0.0.5:51234", {}),
-        ("joined", "worker 1 (laptop-7, cpu) joined from 10.0.0.9:40110", {}),
-        ("compiled", "worker 0 compiled in 2.1 s", {}),
-        ("refused", "refused 10.0.0.66:50000: wrong join token", {"peer": "10.0.0.66:50000"}),
-        *[("round", f"round {r.round} done", {"record": r}) for r in state.history],
-        ("lost", "worker 2 lost: silent for 31 s (heartbeat timeout 30 s)", {}),
-        ("joined", "worker 3 (late-3, cuda NVIDIA A100) joined from 10.0.0.7:33002", {}),
+    events: list[Event] = [
+        Listening("listening on 127.0.0.1:8080; join with: " + state.join_command),
+        Joined(
+            "worker 0 (gpu-a-1, cuda NVIDIA H100) joined from 10.0.0.5:51234",
+            worker="gpu-a-1",
+            shard=0,
+            platform="cuda",
+            devices=1,
+        ),
+        Joined(
+            "worker 1 (laptop-7, cpu) joined from 10.0.0.9:40110",
+            worker="laptop-7",
+            shard=1,
+            platform="cpu",
+            devices=1,
+        ),
+        Compiled("worker 0 compiled in 2.1 s", worker="gpu-a-1"),
+        PeerRefused("refused 10.0.0.66:50000: wrong join token", peer="10.0.0.66:50000"),
+        *[RoundDone(f"round {r.round} done", record=r) for r in state.history],
+        Lost("worker 2 lost: silent for 31 s (heartbeat timeout 30 s)", worker="old-2"),
+        Joined(
+            "worker 3 (late-3, cuda NVIDIA A100) joined from 10.0.0.7:33002",
+            worker="late-3",
+            shard=2,
+            platform="cuda",
+            devices=1,
+        ),
     ]
-    for offset, (kind, message, data) in enumerate(events):
-        state.events.append(Event(EventKind(kind), message, data, at=WALL + 5 * offset))
+    for offset, event in enumerate(events):
+        state.events.append(dataclasses.replace(event, at=WALL + 5 * offset))
     return state
 
 

@@ -36,7 +36,8 @@ from pcp_tui.app.dashboard.run_text import (
 from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 from pcp_tui.app.dashboard.worker_detail import WorkerHistory
-from pcp_tui.shepherd.run.state import Event, RunState
+from pcp_tui.shepherd.run.events import Event
+from pcp_tui.shepherd.run.state import RunState
 
 __all__ = ["REFRESH_SECONDS", "DashboardApp", "SpawnWorkers", "run_dashboard", "summary"]
 

@@ -21,7 +21,8 @@ from pcp_tui.app.api import run_with_api
 from pcp_tui.app.dashboard.run_text import FINISHED
 from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.local_run import run_with_local_workers
-from pcp_tui.shepherd.run.state import EventKind, RunState, RunStatus
+from pcp_tui.shepherd.run.events import StopRequested
+from pcp_tui.shepherd.run.state import RunState, RunStatus
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
 
@@ -121,9 +122,10 @@ class GuestRun(App[None]):
             name = signal.Signals(signum).name
             self._quitting = True
             self.state.emit(
-                EventKind.STOP_REQUESTED,
-                f"{name}: stopping after the current round, writing the checkpoint and telling "
-                f"workers goodbye ({name} again: stop at once)",
+                StopRequested(
+                    f"{name}: stopping after the current round, writing the checkpoint and telling "
+                    f"workers goodbye ({name} again: stop at once)",
+                )
             )
             self._in_trio(lambda: self.shepherd.request_stop(f"interrupted ({name})"))
             if self.screen_stack:  # after a hang-up the app may already be closing

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pcp_tui.shepherd.run.state import Event, RunState
+from pcp_tui.shepherd.run.events import Event, PeerRefused
+from pcp_tui.shepherd.run.state import RunState
 
 FINISHED = ("done", "failed", "stopped")
 
@@ -25,8 +26,8 @@ class EventNotes:
     def fold(self, events: Iterable[Event]) -> None:
         """Take in one tick's new events (a refused peer is keyed by host: its port changes)."""
         for event in events:
-            if event.kind == "refused":
-                peer = str(event.data.get("peer", "?"))
+            if isinstance(event, PeerRefused):
+                peer = event.peer
                 self.refused[peer.rpartition(":")[0] or peer] = event.message.partition(peer)[
                     2
                 ].lstrip(": ")

@@ -17,7 +17,8 @@ from pcp_tui.app.dashboard._format import compact_count, duration, short_bytes
 from pcp_tui.app.dashboard.loss_chart import LossChart
 from pcp_tui.app.dashboard.worker_table import WorkerTable
 from pcp_tui.app.headless import human_bytes
-from pcp_tui.shepherd.run.state import Event, RoundRecord, RunState
+from pcp_tui.shepherd.run.events import Event, RoundDone
+from pcp_tui.shepherd.run.state import RoundRecord, RunState
 
 __all__ = ["EventLog", "LossChart", "RoundTiming", "RunHeader", "WorkerTable"]
 
@@ -336,8 +337,8 @@ class EventLog(RichLog):
 
 
 def _describe(event: Event) -> str:
-    record = event.data.get("record")
-    if event.kind == "round" and isinstance(record, RoundRecord):
+    if isinstance(event, RoundDone):
+        record = event.record
         eval_text = f" eval {record.eval_loss:.4f}" if record.eval_loss is not None else ""
         return (
             f"{event.message}: train {record.train_loss:.4f}{eval_text} in {record.round_seconds:.2f} s"

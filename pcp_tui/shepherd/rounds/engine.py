@@ -48,7 +48,8 @@ from pcp_tui.diloco.streaming import Fragments, Schedule, partition
 from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.pacing import StepPacing
 from pcp_tui.shepherd.rounds.results import OpenRounds, Round, collect
-from pcp_tui.shepherd.run.state import EventKind, RoundRecord, RunState, WorkerState
+from pcp_tui.shepherd.run.events import ResultClipped, RoundDone
+from pcp_tui.shepherd.run.state import RoundRecord, RunState, WorkerState
 from pcp_tui.shepherd.serving.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.training.export import InnerOptimizer
 from pcp_tui.training.workload import Workload
@@ -357,13 +358,14 @@ class RoundEngine:
         for worker_id, scale in zip(current.contributors, scales, strict=False):
             if scale != 1.0:
                 self.state.emit(
-                    EventKind.RESULT_CLIPPED,
-                    f"round {current.number}{part}: worker "
-                    f"{self.state.workers[worker_id].index}'s result was scaled by "
-                    f"{scale:.3g} to the clip radius {radius:.4g}",
-                    worker=worker_id,
-                    round=current.number,
-                    scale=scale,
+                    ResultClipped(
+                        f"round {current.number}{part}: worker "
+                        f"{self.state.workers[worker_id].index}'s result was scaled by "
+                        f"{scale:.3g} to the clip radius {radius:.4g}",
+                        worker=worker_id,
+                        round=current.number,
+                        scale=scale,
+                    )
                 )
 
     def _step(self, p: int, number: int, mean: Aggregate | None) -> protocol.Encoded:
@@ -505,5 +507,5 @@ def record_round(
     untrained = tuple(s.index for s in state.shards.shards if s.index not in trained)
     entry = dataclasses.replace(entry, untrained_shards=untrained)
     state.history.append(entry)
-    state.emit(EventKind.ROUND, f"round {current.number} done", record=entry)
+    state.emit(RoundDone(f"round {current.number} done", record=entry))
     return entry

@@ -16,7 +16,8 @@ from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.diloco.validation import Assignment
-from pcp_tui.shepherd.run.state import EventKind, RoundRecord, RunState
+from pcp_tui.shepherd.run.events import RoundWaiting, Stragglers
+from pcp_tui.shepherd.run.state import RoundRecord, RunState
 
 if TYPE_CHECKING:
     from pcp_tui.shepherd.serving.connection import WorkerLink
@@ -344,9 +345,10 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
         return []
     if len(current.contributors) < network.min_workers:
         state.emit(
-            EventKind.ROUND_WAITING,
-            f"round {current.number}: timeout with {len(current.contributors)} result(s); "
-            f"waiting for --min-workers {network.min_workers}",
+            RoundWaiting(
+                f"round {current.number}: timeout with {len(current.contributors)} result(s); "
+                f"waiting for --min-workers {network.min_workers}",
+            )
         )
         await current.results(network.min_workers)
     late = sorted(current.pending - current.folding)  # a result being folded in still counts
@@ -367,9 +369,10 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             else f"at --round-timeout {network.round_timeout:g} s"
         )
         state.emit(
-            EventKind.STRAGGLERS,
-            f"round {current.number} closed without {', '.join(late)} {why}",
-            workers=late,
+            Stragglers(
+                f"round {current.number} closed without {', '.join(late)} {why}",
+                workers=late,
+            )
         )
     return late
 
@@ -388,11 +391,12 @@ async def _quorum(
             await current.results(quorum)
         if len(current.contributors) < quorum and not current.done.is_set():
             state.emit(
-                EventKind.ROUND_WAITING,
-                f"round {current.number} has {len(current.contributors)} of the {quorum} "
-                f"results --min-workers asks for, {window:.3g} s (the straggler window) "
-                f"after the first; waiting for {', '.join(sorted(current.pending))} (restart "
-                "a worker that hangs, or lower --min-workers; --round-timeout bounds a round)",
+                RoundWaiting(
+                    f"round {current.number} has {len(current.contributors)} of the {quorum} "
+                    f"results --min-workers asks for, {window:.3g} s (the straggler window) "
+                    f"after the first; waiting for {', '.join(sorted(current.pending))} (restart "
+                    "a worker that hangs, or lower --min-workers; --round-timeout bounds a round)",
+                )
             )
     await current.results(quorum)
 

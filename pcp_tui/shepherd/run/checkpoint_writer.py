@@ -17,7 +17,8 @@ import numpy as np
 import trio
 
 from pcp_tui.shepherd.run import checkpoint
-from pcp_tui.shepherd.run.state import EventKind, RunState
+from pcp_tui.shepherd.run.events import Checkpoint, CheckpointFailed
+from pcp_tui.shepherd.run.state import RunState
 
 # (parameters, optimizer state arrays): copies the writer may keep while training goes on.
 Snapshot = Callable[[], tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
@@ -61,14 +62,15 @@ class CheckpointWriter:
                 )
             )
         except checkpoint.CheckpointError as exc:
-            self._state.emit(EventKind.CHECKPOINT_FAILED, str(exc), round=number)
+            self._state.emit(CheckpointFailed(str(exc), round=number))
             return
         finally:
             self._written.set()
         self.saved = number
         self._state.emit(
-            EventKind.CHECKPOINT,
-            f"checkpoint of round {number} saved to {path}",
-            round=number,
-            path=str(path),
+            Checkpoint(
+                f"checkpoint of round {number} saved to {path}",
+                round=number,
+                path=str(path),
+            )
         )

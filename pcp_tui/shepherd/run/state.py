@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pcp_tui.shepherd.run.events import Event
 from pcp_tui.shepherd.run.ledger import ShardLedger
 
 if TYPE_CHECKING:
@@ -52,43 +53,6 @@ class WorkerState(enum.StrEnum):
 
 
 WORKER_STATES = tuple(WorkerState)
-
-
-class EventKind(enum.StrEnum):
-    """Every kind of event a run emits: the closed set the log, the dashboard and the metrics
-    file read (`RunState.emit` refuses any other)."""
-
-    EXPORTING = "exporting"
-    EXPORTED = "exported"
-    LISTENING = "listening"
-    WAITING = "waiting"
-    JOINED = "joined"
-    REJOINED = "rejoined"
-    REFUSED = "refused"
-    COMPILED = "compiled"
-    LOST = "lost"
-    LEFT = "left"
-    INTERNAL = "internal"
-    SHARD_ADOPTED = "shard_adopted"
-    SHARD_ORPHANED = "shard_orphaned"
-    ROUND = "round"
-    ROUND_REPEATED = "round_repeated"
-    ROUND_WAITING = "round_waiting"
-    STRAGGLERS = "stragglers"
-    LATE_RESULT = "late_result"
-    BAD_RESULT = "bad_result"
-    RESULT_CLIPPED = "result_clipped"
-    PAUSED = "paused"
-    RESUMED = "resumed"
-    RESUMED_FROM = "resumed_from"
-    STOP_REQUESTED = "stop_requested"
-    RESUMABLE = "resumable"
-    NOT_RESUMABLE = "not_resumable"
-    CHECKPOINT = "checkpoint"
-    CHECKPOINT_FAILED = "checkpoint_failed"
-    METRICS_FAILED = "metrics_failed"
-    DONE = "done"
-    FAILED = "failed"
 
 
 @dataclass
@@ -193,14 +157,6 @@ class RoundRecord:
         return {"event": "round", **data}
 
 
-@dataclass(frozen=True)
-class Event:
-    kind: EventKind
-    message: str
-    data: dict[str, Any]
-    at: float = field(default_factory=time.time)
-
-
 Listener = Callable[[Event], None]
 
 
@@ -238,9 +194,8 @@ class RunState:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def emit(self, kind: EventKind | str, message: str, **data: Any) -> Event:
-        """Record an event and tell every listener; ValueError for a kind not in `EventKind`."""
-        event = Event(EventKind(kind), message, data)
+    def emit(self, event: Event) -> Event:
+        """Record `event` and tell every listener."""
         self.events.append(event)
         for listener in self._listeners:
             listener(event)

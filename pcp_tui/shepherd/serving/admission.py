@@ -24,7 +24,8 @@ from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.shepherd.run.state import EventKind, RunState
+from pcp_tui.shepherd.run.events import PeerRefused
+from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.shepherd.serving.connection import Hello, handshake
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
@@ -78,12 +79,14 @@ class RefusalLog:
         self._shown: collections.Counter[str] = collections.Counter()
         self._suppressed: dict[str, list] = {}  # host -> [count, last reason]
 
-    def refused(self, host: str, peer: str, reason: str, *, verb: str = "refused", **data) -> None:
+    def refused(
+        self, host: str, peer: str, reason: str, *, verb: str = "refused", code: str = ""
+    ) -> None:
         self._roll()
         if self._shown[host] < self._per_host and sum(self._shown.values()) < self._total:
             self._shown[host] += 1
             log.info("%s %s: %s", verb, peer, reason)
-            self._state.emit(EventKind.REFUSED, f"{verb} {peer}: {reason}", peer=peer, **data)
+            self._state.emit(PeerRefused(f"{verb} {peer}: {reason}", peer=peer, code=code))
             return
         log.debug("%s %s: %s (not shown: too many refusals)", verb, peer, reason)
         if host not in self._suppressed and len(self._suppressed) >= self._max_hosts:
@@ -96,10 +99,11 @@ class RefusalLog:
         """Emit one summary per address whose refusals were not shown one by one."""
         for host, (count, reason) in self._suppressed.items():
             self._state.emit(
-                EventKind.REFUSED,
-                f"refused {host}: … and {count} more in the last {self._window:.0f} s (last: {reason})",
-                peer=host,
-                suppressed=count,
+                PeerRefused(
+                    f"refused {host}: … and {count} more in the last {self._window:.0f} s (last: {reason})",
+                    peer=host,
+                    suppressed=count,
+                )
             )
         self._suppressed.clear()
         self._shown.clear()

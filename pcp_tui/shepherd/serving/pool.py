@@ -25,8 +25,20 @@ from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLo
 from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.pacing import StepPacing
 from pcp_tui.shepherd.rounds.results import BadResult, OpenRounds
+from pcp_tui.shepherd.run.events import (
+    Compiled,
+    Internal,
+    Joined,
+    LateResult,
+    Left,
+    Lost,
+    Rejoined,
+    ResultRefused,
+    ShardAdopted,
+    ShardOrphaned,
+)
 from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
-from pcp_tui.shepherd.run.state import EventKind, RunState, WorkerState, WorkerView
+from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.serving import slots, striping
 from pcp_tui.shepherd.serving.admission import Admission, Admitted
 from pcp_tui.shepherd.serving.connection import WorkerLink, shown
@@ -132,9 +144,7 @@ class WorkerPool:
             self._mark_gone(link, "lost", ended.reason)
         except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
             reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
-            self.state.emit(
-                EventKind.INTERNAL, f"worker {link.view.index}: {reason}", worker=link.worker_id
-            )
+            self.state.emit(Internal(f"worker {link.view.index}: {reason}", worker=link.worker_id))
             self._mark_gone(link, "lost", reason)
         else:
             self._mark_gone(link, "left", link.view.reason or "said goodbye")
@@ -302,19 +312,21 @@ class WorkerPool:
         verb = "rejoined" if old is not None else "joined"
         log.info("worker %d (%s, %s) %s from %s", index, hello.worker_id, hello.backend, verb, peer)
         self.state.emit(
-            verb,
-            f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
-            worker=hello.worker_id,
-            shard=shard,
-            platform=hello.platform.value,
-            devices=hello.devices,
+            (Rejoined if old is not None else Joined)(
+                f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
+                worker=hello.worker_id,
+                shard=shard,
+                platform=hello.platform.value,
+                devices=hello.devices,
+            )
         )
         if adopted:
             self.state.emit(
-                EventKind.SHARD_ADOPTED,
-                f"worker {index} ({hello.worker_id}) took over untrained shard {shard}",
-                worker=hello.worker_id,
-                shard=shard,
+                ShardAdopted(
+                    f"worker {index} ({hello.worker_id}) took over untrained shard {shard}",
+                    worker=hello.worker_id,
+                    shard=shard,
+                )
             )
         return link
 
@@ -329,23 +341,26 @@ class WorkerPool:
             log.info("worker %d %s: %s", link.view.index, state, reason)
             if state == "lost" and not self._stopping():
                 self.state.emit(
-                    EventKind.LOST,
-                    f"worker {link.view.index} lost: {reason}",
-                    worker=link.worker_id,
+                    Lost(
+                        f"worker {link.view.index} lost: {reason}",
+                        worker=link.worker_id,
+                    )
                 )
             elif not ending:  # said goodbye mid-run (stopped by its operator): worth a line too
                 self.state.emit(
-                    EventKind.LEFT,
-                    f"worker {link.view.index} left: {reason}",
-                    worker=link.worker_id,
+                    Left(
+                        f"worker {link.view.index} left: {reason}",
+                        worker=link.worker_id,
+                    )
                 )
             if orphan is not None and not ending:  # after the line that says why
                 self.state.emit(
-                    EventKind.SHARD_ORPHANED,
-                    f"shard {orphan} has no worker since worker {link.view.index} {state}; "
-                    "the next worker to join trains it",
-                    worker=link.worker_id,
-                    shard=orphan,
+                    ShardOrphaned(
+                        f"shard {orphan} has no worker since worker {link.view.index} {state}; "
+                        "the next worker to join trains it",
+                        worker=link.worker_id,
+                        shard=orphan,
+                    )
                 )
         link.closed = True
         self.open_rounds.finish(link.worker_id, link)
@@ -404,9 +419,10 @@ class WorkerPool:
             view.compile_seconds = body.compile_seconds
             link.ready.set()
             self.state.emit(
-                EventKind.COMPILED,
-                f"worker {view.index} compiled in {body.compile_seconds:.1f} s",
-                worker=view.worker_id,
+                Compiled(
+                    f"worker {view.index} compiled in {body.compile_seconds:.1f} s",
+                    worker=view.worker_id,
+                )
             )
             self.wake()
         elif isinstance(body, protocol.Progress):
@@ -454,9 +470,11 @@ class WorkerPool:
             current.finish(link.worker_id)
             view.reason = f"result refused: {exc}"
             self.state.emit(
-                EventKind.BAD_RESULT,
-                f"refused worker {view.index}'s round {number} result: {exc}",
-                worker=link.worker_id,
+                ResultRefused(
+                    f"refused worker {view.index}'s round {number} result: {exc}",
+                    worker=link.worker_id,
+                    round=number,
+                )
             )
             with contextlib.suppress(*LINK_ERRORS):
                 await link.send(
@@ -467,10 +485,11 @@ class WorkerPool:
             if self.pacing is not None:
                 self.pacing.measure(link.worker_id, body.inner_steps, body.compute_seconds, link)
             self.state.emit(
-                EventKind.LATE_RESULT,
-                f"dropped a late result for round {number} from worker {view.index}",
-                worker=link.worker_id,
-                round=number,
+                LateResult(
+                    f"dropped a late result for round {number} from worker {view.index}",
+                    worker=link.worker_id,
+                    round=number,
+                )
             )
             return
         view.state = WorkerState.IDLE
