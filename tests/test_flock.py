@@ -7,13 +7,15 @@ import contextlib
 import trio
 import trio.testing
 
+from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.run.state import WorkerView
 from pcp_tui.shepherd.serving.uploads import ResultSlot
 
 
-class _Link:  # what a slot touches on a WorkerLink: its view, and `paused`
+class _Link:  # what a slot touches on a WorkerLink: its view, its record, and `paused`
     def __init__(self, name: str):
         self.view = WorkerView(worker_id=name, index=0, host="h", backend="cpu")
+        self.rounds = WorkerRounds()
         self.is_paused = False
 
     @contextlib.contextmanager

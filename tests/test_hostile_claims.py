@@ -6,7 +6,7 @@ claimed a thousand times the steps it was asked (in no time) was taken as the
 fastest worker: the honest one was given the fewest steps from then on. One that
 claimed four steps' tokens for one step counted four times; one that claimed a
 million compute seconds was taken as it said. Each now ends its connection
-(`shepherd/serving/claims.py`), and the honest worker trains H every round.
+(`shepherd/rounds/claims.py`), and the honest worker trains H every round.
 
 2. A peer that sends valid progress messages without pause made the shepherd
 update its row and the loss chart's history for every one. Beyond a few a
@@ -40,10 +40,10 @@ from pcp_tui import protocol
 from pcp_tui.app import api_connections
 from pcp_tui.app.api import OperatorAPI
 from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.rounds.claims import ResultClaims
 from pcp_tui.shepherd.rounds.engine import RoundStarts
 from pcp_tui.shepherd.run.state import RunState, WorkerView
 from pcp_tui.shepherd.serving import progress_rate
-from pcp_tui.shepherd.serving.claims import ResultClaims
 from pcp_tui.shepherd.serving.connection import WorkerLink
 from pcp_tui.testing import (
     PEER_ERRORS,

@@ -26,6 +26,7 @@ from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds import results
+from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.rounds.results import Round, collect
 from pcp_tui.shepherd.rounds.sitting_out import hung_reason
 from pcp_tui.shepherd.run.state import RunState
@@ -39,16 +40,9 @@ SHAPES = {"w": (2, 3)}
 
 @dataclass
 class Link:
-    """What `collect` reads of a `WorkerLink`: deliveries, its latest results' times, whether
-    a result of its is arriving."""
+    """What `collect` reads of a `WorkerLink`: its real record in the rounds."""
 
-    result_arriving: bool = False
-    round_delivered: dict[int, float] = field(default_factory=dict)
-    answer_seconds: dict[int, float] = field(default_factory=dict)
-    projected: float = 0.0  # what its progress reports project for the round
-
-    def projected_seconds(self, number: int) -> float:
-        return self.projected
+    rounds: WorkerRounds = field(default_factory=WorkerRounds)
 
 
 def result(shapes=SHAPES) -> protocol.Message:
@@ -86,7 +80,7 @@ async def deliver(current: Round, at: dict[str, float]) -> None:
     """Mark each worker's roundStart delivered at its time (ascending)."""
     for worker, moment in sorted(at.items(), key=lambda item: item[1]):
         await trio.sleep_until(moment)
-        current.connections[worker].round_delivered[current.number] = trio.current_time()
+        current.connections[worker].rounds.delivered(current.number)
 
 
 async def answer(current: Round, worker: str, at: float, shapes=SHAPES) -> None:
@@ -129,7 +123,7 @@ def test_a_result_arriving_is_waited_for_past_the_window():
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 10.0)
         await trio.sleep_until(28.0)
-        links["b"].result_arriving = True  # b's upload began inside its window
+        links["b"].rounds.result_arriving = True  # b's upload began inside its window
         await answer(current, "b", 41.0)
 
     closed, current, _ = run_round(window(3.0, 5.0), script)
@@ -142,7 +136,7 @@ def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     window the floor; c's own latest result took 8 s, so it keeps 3 x 8 s."""
 
     async def script(current, links):
-        links["c"].answer_seconds[0] = 8.0
+        links["c"].rounds.answer_seconds[0] = 8.0
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 0.5)
         await answer(current, "c", 23.0)
@@ -165,9 +159,10 @@ def test_a_workers_own_time_counts_up_to_factor_times_the_window(own, closes, so
 
     async def script(current, links):
         if source == "result":
-            links["c"].answer_seconds[0] = own
+            links["c"].rounds.answer_seconds[0] = own
         else:
-            links["c"].projected = own
+            # its latest progress report: step 1 of `own` steps, 1 s after its delivery at 0
+            links["c"].rounds.progress = (current.number, 1, int(own), 1.0)
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 0.5)
         await answer(current, "b", 1.0)
@@ -195,9 +190,9 @@ def test_a_result_being_folded_in_as_the_round_closes_counts_and_is_no_straggler
         await answer(current, "a", 1.0, shapes)
         monkeypatch.setattr(results, "INLINE_BYTES", 0)  # b's: in a thread, as a model-sized one
         await trio.sleep_until(2.0)
-        links["b"].result_arriving = True  # its upload began inside its window (due at 5 s)
+        links["b"].rounds.result_arriving = True  # its upload began inside its window (due at 5 s)
         await trio.sleep_until(2.9 if timeout else 6.0)
-        links["b"].result_arriving = False  # all in; its fold takes a thread's time
+        links["b"].rounds.result_arriving = False  # all in; its fold takes a thread's time
         await current.add("b", result(shapes))
 
     network = window(3.0, 5.0, round_timeout=timeout)
@@ -208,7 +203,7 @@ def test_a_result_being_folded_in_as_the_round_closes_counts_and_is_no_straggler
 
 def test_a_fragment_round_reads_the_times_of_its_own_fragment():
     async def script(current, links):
-        links["b"].answer_seconds.update({0: 10.0, 1: 14.0, 2: 1000.0})
+        links["b"].rounds.answer_seconds.update({0: 10.0, 1: 14.0, 2: 1000.0})
         await deliver(current, {"a": 0, "b": 0})
         await answer(current, "a", 1.0)
 
@@ -380,26 +375,17 @@ def test_a_round_short_of_its_quorum_says_whom_it_waits_for():
     assert log.getvalue() == waiting + "\n"
 
 
-@dataclass
-class SittingOut:
-    """What `hung_reason` reads of a `WorkerLink` sitting out."""
-
-    behind: int = 2
-    behind_since: float = 0.0
-    behind_grace: float = 10.0
-    round_progress: tuple[int, int, int, float] | None = None
-
-
 async def test_a_worker_sitting_out_is_hung_only_after_a_grace_without_progress(autojump_clock):
-    link = SittingOut()
+    link = Link()  # dropped from round 2 at 0 s, with 10 s to show a sign of it
+    link.rounds.behind, link.rounds.behind_since, link.rounds.behind_grace = 2, 0.0, 10.0
     await trio.sleep_until(10.0)
-    assert hung_reason(link) == ""  # within its grace
-    link.round_progress = (2, 3, 4, 9.0)  # a slow worker, still at it: step 3 of 4
+    assert hung_reason(link.rounds) == ""  # within its grace
+    link.rounds.progress = (2, 3, 4, 9.0)  # a slow worker, still at it: step 3 of 4
     await trio.sleep_until(19.0)
-    assert hung_reason(link) == ""  # 10 s since its latest report
-    link.round_progress = (3, 1, 4, 18.0)  # progress of another round does not count
+    assert hung_reason(link.rounds) == ""  # 10 s since its latest report
+    link.rounds.progress = (3, 1, 4, 18.0)  # progress of another round does not count
     await trio.sleep_until(19.5)
-    reason = hung_reason(link)
+    reason = hung_reason(link.rounds)
     assert reason.startswith("hung: no result and no progress for round 2 in 20 s"), reason
-    link.behind = 0  # its late result came
-    assert hung_reason(link) == ""
+    link.rounds.behind = 0  # its late result came
+    assert hung_reason(link.rounds) == ""

@@ -303,7 +303,7 @@ class RoundEngine:
         body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
         tensors = {} if continued else self.params
         link.view.state, link.view.round, link.view.step = WorkerState.SYNCING, number, 0
-        link.claims.ask(steps)  # what its results may claim (`shepherd/serving/claims.py`)
+        link.rounds.claims.ask(steps)  # what its results may claim (`shepherd/rounds/claims.py`)
         try:
             await starts.send(link, body, tensors)
         except CONNECTION_ERRORS:
@@ -431,7 +431,7 @@ class RoundStarts:
 
     def delivered(self, link: WorkerLink) -> bool:
         """Whether `link`'s whole roundStart went out (`WorkerLink.round_delivered`)."""
-        return self.number in link.round_delivered
+        return self.number in link.rounds.delivered_at
 
 
 async def _send_update(link: WorkerLink, update: protocol.Encoded, failed: set[WorkerLink]) -> None:

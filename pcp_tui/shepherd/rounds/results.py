@@ -239,7 +239,7 @@ class Round:
         """When this round's roundStart had all gone out to `worker_id` (trio's clock), or
         None while it is on its way (or the round has no connections)."""
         link = (self.connections or {}).get(worker_id)
-        return None if link is None else link.round_delivered.get(self.number)
+        return None if link is None else link.rounds.delivered_at.get(self.number)
 
     def usual_seconds(self, worker_id: str) -> float:
         """How long `worker_id` takes, by what it has shown on its connection: its latest
@@ -249,7 +249,10 @@ class Round:
         link = (self.connections or {}).get(worker_id)
         if link is None:
             return 0.0
-        return max(link.answer_seconds.get(self.fragment, 0.0), link.projected_seconds(self.number))
+        return max(
+            link.rounds.answer_seconds.get(self.fragment, 0.0),
+            link.rounds.projected_seconds(self.number),
+        )
 
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
@@ -258,7 +261,7 @@ class Round:
         Only a result counts: a peer that trickles other messages (heartbeats, each just
         within the upload rule, one after another) would otherwise be waited for for ever."""
         link = (self.connections or {}).get(worker_id)
-        return worker_id in self.folding or (link is not None and link.result_arriving)
+        return worker_id in self.folding or (link is not None and link.rounds.result_arriving)
 
     def record(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import trio
 
+from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.rounds.results import Round
 from pcp_tui.shepherd.serving.connection import WorkerLink
 
@@ -23,8 +24,8 @@ def sit_out(current: Round, worker_ids: list[str]) -> None:
     for worker_id in worker_ids:
         link = (current.connections or {}).get(worker_id)
         if isinstance(link, WorkerLink) and not link.closed:
-            link.behind = current.number
-            link.behind_since, link.behind_grace = trio.current_time(), current.grace
+            link.rounds.behind = current.number
+            link.rounds.behind_since, link.rounds.behind_grace = trio.current_time(), current.grace
             link.view.reason = (
                 f"late for round {current.number}: sits new rounds out until that result comes"
             )
@@ -32,8 +33,8 @@ def sit_out(current: Round, worker_ids: list[str]) -> None:
 
 def caught_up(link: WorkerLink, number: int) -> bool:
     """A result for round `number` came from `link`: whether it sat out and is now back."""
-    if link.behind and number >= link.behind:
-        link.behind = 0
+    if link.rounds.behind and number >= link.rounds.behind:
+        link.rounds.behind = 0
         link.view.reason = ""
         return True
     return False
@@ -42,16 +43,16 @@ def caught_up(link: WorkerLink, number: int) -> bool:
 def waiting_line(links: list[WorkerLink]) -> str:
     """The connected workers that sit rounds out, for a 'waiting' line; "" if none: a run
     whose last workers all sit out waits for their late results."""
-    late = [link for link in links if link.behind and not link.closed]
+    late = [link for link in links if link.rounds.behind and not link.closed]
     return "; ".join(
         f"worker {link.view.index} ({link.worker_id}) sits out, late for round "
-        f"{link.behind}: it trains again once that result comes (if it hangs, restart "
+        f"{link.rounds.behind}: it trains again once that result comes (if it hangs, restart "
         "it: it rejoins for the next round)"
         for link in late
     )
 
 
-def hung_reason(link: WorkerLink) -> str:
+def hung_reason(rounds: WorkerRounds) -> str:
     """Why a worker sitting out (`sit_out`) counts as hung, or "".
 
     It had its round's straggler window to answer; if it then sends no progress report
@@ -60,18 +61,18 @@ def hung_reason(link: WorkerLink) -> str:
     whose round can be cancelled reconnects and trains from the next round; one that
     keeps reporting progress may sit out as long as it takes.
     """
-    if not link.behind:
+    if not rounds.behind:
         return ""
-    last = link.behind_since
-    progress = link.round_progress
-    if progress is not None and progress[0] == link.behind:
+    last = rounds.behind_since
+    progress = rounds.progress
+    if progress is not None and progress[0] == rounds.behind:
         last = max(last, progress[3])
     quiet = trio.current_time() - last
-    if quiet <= link.behind_grace:
+    if quiet <= rounds.behind_grace:
         return ""
     return (
-        f"hung: no result and no progress for round {link.behind} in {quiet:.0f} s since its "
+        f"hung: no result and no progress for round {rounds.behind} in {quiet:.0f} s since its "
         f"round closed without it (--straggler-factor times its window: "
-        f"{link.behind_grace:.3g} s); it may reconnect and train from the next round, and "
+        f"{rounds.behind_grace:.3g} s); it may reconnect and train from the next round, and "
         "its shard goes to the next worker to join"
     )

@@ -15,17 +15,14 @@ from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import LINK_ERRORS, Connection, ConnectionLost, Refused
 from pcp_tui.contract.plan import Stage
+from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.run.state import RunState, WorkerView
-from pcp_tui.shepherd.serving.claims import ResultClaims
 from pcp_tui.shepherd.serving.progress_rate import ProgressRate
 
 if TYPE_CHECKING:
     from pcp_tui.shepherd.serving.striping import Attachments
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
-
-# roundStart delivery times a link keeps: a late result is timed from its own round's
-ROUNDS_REMEMBERED = 8
 
 HANDSHAKE_SECONDS = 10.0
 CONNECTION_ERRORS = LINK_ERRORS  # the name the coordinator knows them by
@@ -83,90 +80,14 @@ class WorkerLink(Connection):
         self._state = state
         self.ready = trio.Event()
         self.admitted_at = trio.current_time()  # for the slot rules (shepherd.slots)
-        # a round it was dropped from as a straggler, its result not yet in (0: none): it
-        # sits new rounds out until then, so a hung peer delays one round, not every one
-        self.behind = 0
-        self.behind_since, self.behind_grace = 0.0, math.inf  # (trio's clock) see hung_reason
-        # for the straggler window (`rounds.collect`), on trio's clock: when each recent
-        # round's roundStart had all gone out here, and how long its latest result took
-        # from there, per fragment
-        self.round_delivered: dict[int, float] = {}
-        self.answer_seconds: dict[int, float] = {}
-        # its latest training progress: (round, step, of steps, when on trio's clock), from
-        # which a worker with no result yet has a time of its own (`projected_seconds`)
-        self.round_progress: tuple[int, int, int, float] | None = None
-        # a result's header is in and it is not yet folded in (`uploads.ResultSlot`): the
-        # window waits for it; for no other message, or trickled heartbeats would hold it
-        self.result_arriving = False
+        self.rounds = WorkerRounds()  # its part in the rounds: sent, answered, timed
         self.min_send_rate, self.send_grace = min_send_rate, send_grace
         self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline
         self.ended = trio.Event()  # set once the connection is closed (its server task ends)
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments: Attachments | None = None
-        self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
-        self._rounds_started: set[int] = set()  # rounds whose roundStart went out on this link
-        # what its results may claim; sized by `worker_plan.bind_to_plan` (no result comes before)
-        self.claims = ResultClaims(tokens_per_step=0)
         self.progress = ProgressRate()  # progress messages beyond a few a second are dropped
-
-    def note_result(self, body: protocol.RoundResult, running: int):
-        """Raise ConnectionLost for a result no worker sends: one for a round that has not
-        started (`running` is the latest that has), one for a round whose roundStart this
-        link never got (a worker's results go out on the connection its round came on: one
-        that reconnects drops the round it was in), or a second for the same round (and
-        fragment). Each would be dropped, but a peer that sends them without end would
-        write a `late_result` line in the log for every copy (every round, every fragment,
-        again from each new connection)."""
-        fragment = body.fragment
-        part = f" fragment {fragment}" if self.claims.fragments > 1 else ""
-        if body.round > running:
-            raise ConnectionLost(
-                f"sent a result for round {body.round}{part} while round {running} runs: "
-                "a worker answers only the rounds it was sent"
-            )
-        if body.round not in self._rounds_started:
-            raise ConnectionLost(
-                f"sent a result for round {body.round}{part}, but round {body.round}'s "
-                "roundStart went to another connection or to none: a worker answers only "
-                "the rounds it was sent"
-            )
-        if (body.round, fragment) in self._results:
-            raise ConnectionLost(
-                f"sent its result for round {body.round}{part} twice: a worker sends each "
-                "result once; this peer is not a pcp-tui worker, or a broken one"
-            )
-        self._results.add((body.round, fragment))
-
-    def _delivered(self, number: int) -> None:
-        """Round `number`'s roundStart has all gone out: its results' time counts from now."""
-        self.round_delivered[number] = trio.current_time()
-        for old in [n for n in self.round_delivered if n < number - ROUNDS_REMEMBERED]:
-            del self.round_delivered[old]
-
-    def answered(self, number: int, fragment: int) -> None:
-        """A result for round `number` (of `fragment`) came in, counted or
-        late: remember how long it took from its roundStart's delivery."""
-        delivered = self.round_delivered.get(number)
-        if delivered is not None:
-            self.answer_seconds[fragment] = trio.current_time() - delivered
-
-    def progressed(self, body: protocol.Progress) -> None:
-        """A training progress report came in (one the rate limit took): note where it is."""
-        if body.phase is protocol.Phase.TRAINING and 0 < body.step <= body.total_steps:
-            self.round_progress = (body.round, body.step, body.total_steps, trio.current_time())
-
-    def projected_seconds(self, number: int) -> float:
-        """How long round `number` takes this worker from its roundStart's delivery, as its
-        latest progress report in that round projects it (H/k x the time to step k); 0.0
-        without one. What the worker says: `rounds` bounds what it may buy."""
-        delivered = self.round_delivered.get(number)
-        if self.round_progress is None or delivered is None:
-            return 0.0
-        round_number, step, steps, when = self.round_progress
-        if round_number != number:
-            return 0.0
-        return max(when - delivered, 0.0) * steps / step
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
@@ -201,14 +122,14 @@ class WorkerLink(Connection):
         if self.failure is not None:
             raise SendTooSlow(self.failure.reason)
         if isinstance(body, protocol.RoundStart):
-            self._rounds_started.add(body.round)  # its results may come (`note_result`)
+            self.rounds.started(body.round)  # its results may come (`WorkerRounds.note_result`)
         async with self._turn:
             seconds = self.send_grace + nbytes / self.min_send_rate
             try:
                 with trio.move_on_after(seconds):
                     sent = await send()
                     if isinstance(body, protocol.RoundStart):
-                        self._delivered(body.round)
+                        self.rounds.delivered(body.round)
                     return sent
             except trio.Cancelled:
                 # part of it may have gone out (a heartbeat is cancelled only as the link ends)

@@ -96,7 +96,7 @@ class WorkerPool:
         return [
             link
             for link in self._links.values()
-            if link.ready.is_set() and not link.closed and not link.behind
+            if link.ready.is_set() and not link.closed and not link.rounds.behind
         ]
 
     def sitting_out_line(self) -> str:
@@ -393,7 +393,7 @@ class WorkerPool:
             timeout=cfg.network.heartbeat_timeout,
             too_slow=lambda: (
                 upload_too_slow(link, self.config)
-                or sitting_out.hung_reason(link)
+                or sitting_out.hung_reason(link.rounds)
                 or slots.not_ready_reason(link, cfg.security.ready_timeout, trio.current_time())
             ),
         ):
@@ -428,7 +428,7 @@ class WorkerPool:
         elif isinstance(body, protocol.Progress):
             if link.progress.admit():  # beyond a few a second: dropped; a flood ends the link
                 self._on_progress(view, body)
-                link.progressed(body)  # a time of its own for the straggler window
+                link.rounds.progressed(body)  # a time of its own for the straggler window
         elif isinstance(body, protocol.RoundResult):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):
@@ -454,11 +454,11 @@ class WorkerPool:
         view = link.view
         current = self.open_rounds.of(body.fragment)  # the header check bounds it
         number = body.round
-        link.note_result(body, self.state.round)  # a repeat ends the connection
-        link.claims.check(body)  # more steps, tokens or seconds than asked: ends it too
+        link.rounds.note_result(body, self.state.round)  # a repeat ends the connection
+        link.rounds.claims.check(body)  # more steps, tokens or seconds than asked: ends it too
         if sitting_out.caught_up(link, number):
             self.wake()
-        link.answered(number, body.fragment)
+        link.rounds.answered(number, body.fragment)
         try:
             added = (
                 current is not None

@@ -58,7 +58,7 @@ class ResultSlot:
         """`before_payload` hook: a round result's payload waits for a free slot."""
         if kind != "roundResult":
             return
-        self._link.result_arriving = True  # the straggler window waits for it (`rounds.py`)
+        self._link.rounds.result_arriving = True  # the straggler window waits for it (`rounds.py`)
         try:
             with self._link.paused():  # waiting for a slot is neither silence nor slowness
                 await self._slots.acquire()
@@ -68,7 +68,7 @@ class ResultSlot:
 
     def release(self) -> None:
         """After the message was handled (a result folded in, or refused): free the slot."""
-        self._link.result_arriving = False
+        self._link.rounds.result_arriving = False
         if self._held:
             self._held = False
             self._slots.release()

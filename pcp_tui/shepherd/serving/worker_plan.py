@@ -17,7 +17,7 @@ import numpy as np
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
-from pcp_tui.shepherd.serving.claims import ResultClaims
+from pcp_tui.shepherd.rounds.claims import ResultClaims
 from pcp_tui.shepherd.serving.connection import WorkerLink
 from pcp_tui.training import shards
 from pcp_tui.training.export import TrainingGraphs
@@ -108,6 +108,6 @@ def bind_to_plan(
             )
 
     link.check_tensors = check
-    link.claims = ResultClaims(
+    link.rounds.claims = ResultClaims(
         tokens_per_step=plan.batch_size * plan.tokens_per_row, fragments=len(fragments)
     )

@@ -1,0 +1,106 @@
+"""One worker connection's part in the rounds: what it was sent, what it answered, how fast.
+
+The connection (`serving.connection.WorkerLink`) moves bytes within deadlines; the rounds
+read and write this record (`link.rounds`): the straggler window (`results.collect`) times a
+worker from its roundStart's delivery, a straggler sits rounds out (`sitting_out`), and a
+result is taken once, for a round this connection was sent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.contract.connection import ConnectionLost
+from pcp_tui.shepherd.rounds.claims import ResultClaims
+
+# roundStart delivery times a record keeps: a late result is timed from its own round's
+ROUNDS_REMEMBERED = 8
+
+
+class WorkerRounds:
+    """A connection's record in the rounds; times are on trio's clock."""
+
+    def __init__(self) -> None:
+        # a round it was dropped from as a straggler, its result not yet in (0: none): it
+        # sits new rounds out until then, so a hung peer delays one round, not every one
+        self.behind = 0
+        self.behind_since, self.behind_grace = 0.0, math.inf  # see `sitting_out.hung_reason`
+        # when each recent round's roundStart had all gone out, and how long its latest
+        # result took from there, per fragment (the straggler window, `results.collect`)
+        self.delivered_at: dict[int, float] = {}
+        self.answer_seconds: dict[int, float] = {}
+        # its latest training progress: (round, step, of steps, when), from which a worker
+        # with no result yet has a time of its own (`projected_seconds`)
+        self.progress: tuple[int, int, int, float] | None = None
+        # a result's header is in and it is not yet folded in (`uploads.ResultSlot`): the
+        # window waits for it; for no other message, or trickled heartbeats would hold it
+        self.result_arriving = False
+        # what its results may claim; sized by `worker_plan.bind_to_plan` (no result comes before)
+        self.claims = ResultClaims(tokens_per_step=0)
+        self._started: set[int] = set()  # rounds whose roundStart went out on this connection
+        self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
+
+    def started(self, number: int) -> None:
+        """Round `number`'s roundStart is going out here: its results may come."""
+        self._started.add(number)
+
+    def delivered(self, number: int) -> None:
+        """Round `number`'s roundStart has all gone out: its results' time counts from now."""
+        self.delivered_at[number] = trio.current_time()
+        for old in [n for n in self.delivered_at if n < number - ROUNDS_REMEMBERED]:
+            del self.delivered_at[old]
+
+    def note_result(self, body: protocol.RoundResult, running: int) -> None:
+        """Raise ConnectionLost for a result no worker sends: one for a round that has not
+        started (`running` is the latest that has), one for a round whose roundStart this
+        connection never got (a worker's results go out on the connection its round came
+        on: one that reconnects drops the round it was in), or a second for the same round
+        (and fragment). Each would be dropped, but a peer that sends them without end would
+        write a `late_result` line in the log for every copy (every round, every fragment,
+        again from each new connection)."""
+        fragment = body.fragment
+        part = f" fragment {fragment}" if self.claims.fragments > 1 else ""
+        if body.round > running:
+            raise ConnectionLost(
+                f"sent a result for round {body.round}{part} while round {running} runs: "
+                "a worker answers only the rounds it was sent"
+            )
+        if body.round not in self._started:
+            raise ConnectionLost(
+                f"sent a result for round {body.round}{part}, but round {body.round}'s "
+                "roundStart went to another connection or to none: a worker answers only "
+                "the rounds it was sent"
+            )
+        if (body.round, fragment) in self._results:
+            raise ConnectionLost(
+                f"sent its result for round {body.round}{part} twice: a worker sends each "
+                "result once; this peer is not a pcp-tui worker, or a broken one"
+            )
+        self._results.add((body.round, fragment))
+
+    def answered(self, number: int, fragment: int) -> None:
+        """A result for round `number` (of `fragment`) came in, counted or late: remember
+        how long it took from its roundStart's delivery."""
+        delivered = self.delivered_at.get(number)
+        if delivered is not None:
+            self.answer_seconds[fragment] = trio.current_time() - delivered
+
+    def progressed(self, body: protocol.Progress) -> None:
+        """A training progress report came in (one the rate limit took): note where it is."""
+        if body.phase is protocol.Phase.TRAINING and 0 < body.step <= body.total_steps:
+            self.progress = (body.round, body.step, body.total_steps, trio.current_time())
+
+    def projected_seconds(self, number: int) -> float:
+        """How long round `number` takes this worker from its roundStart's delivery, as its
+        latest progress report in that round projects it (H/k x the time to step k); 0.0
+        without one. What the worker says: `results` bounds what it may buy."""
+        delivered = self.delivered_at.get(number)
+        if self.progress is None or delivered is None:
+            return 0.0
+        round_number, step, steps, when = self.progress
+        if round_number != number:
+            return 0.0
+        return max(when - delivered, 0.0) * steps / step
