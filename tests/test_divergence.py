@@ -13,7 +13,7 @@ import pytest
 from pcp_tui.shepherd.rounds.divergence import diverged
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.shepherd.run.events import Event, Lost, ResultRefused
-from pcp_tui.shepherd.run.state import RoundRecord
+from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
 
 NAN_LOSS = "worker 0 lost: roundResult.losses[8] is nan; it must be within [-inf, inf]"

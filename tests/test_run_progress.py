@@ -16,7 +16,8 @@ import trio.testing
 from pcp_tui.app.api_bodies import job_json
 from pcp_tui.app.headless import clean_stop_plan
 from pcp_tui.shepherd.coordinator import EXPORT_NOTE_SECONDS, with_notes
-from pcp_tui.shepherd.run.state import RoundRecord, RunState
+from pcp_tui.shepherd.run.history import RoundRecord
+from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.training.model_file import ModelFileError
 
 

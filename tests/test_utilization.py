@@ -23,7 +23,8 @@ from pcp_tui.app.headless import fixed, format_round, times_fewer
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.shepherd.rounds.results import Round, data_parallel_bytes, utilization
-from pcp_tui.shepherd.run.state import RoundRecord, RunState, WorkerView
+from pcp_tui.shepherd.run.history import RoundRecord
+from pcp_tui.shepherd.run.state import RunState, WorkerView
 
 SHAPES = {"w": (4, 3), "b": (3,)}
 PARAMETERS = 15  # 4 x 3 + 3

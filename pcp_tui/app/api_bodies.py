@@ -16,7 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pcp_tui import __version__
-from pcp_tui.shepherd.run.state import RoundRecord, RunState, WorkerView
+from pcp_tui.shepherd.run.history import RoundRecord
+from pcp_tui.shepherd.run.state import RunState, WorkerView
 
 FINISHED = ("done", "failed", "stopped")
 RUN_STATUSES = ("starting", "waiting", "training", "paused", *FINISHED)

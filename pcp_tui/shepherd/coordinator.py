@@ -50,8 +50,9 @@ from pcp_tui.shepherd.run.events import (
     Waiting,
 )
 from pcp_tui.shepherd.run.graphs import GraphLibrary
+from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.ledger import ShardLedger
-from pcp_tui.shepherd.run.state import RoundRecord, RunState, RunStatus, run_settings
+from pcp_tui.shepherd.run.state import RunState, RunStatus, run_settings
 from pcp_tui.shepherd.serving.admission import Admission
 from pcp_tui.shepherd.serving.listening import (
     CannotListen,

@@ -24,8 +24,9 @@ from pcp_tui.shepherd.run.events import (
     PeerRefused,
     RoundDone,
 )
+from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.ledger import ShardLedger
-from pcp_tui.shepherd.run.state import RoundRecord, RunState, RunStatus, WorkerState, WorkerView
+from pcp_tui.shepherd.run.state import RunState, RunStatus, WorkerState, WorkerView
 
 STARTED = 1_000.0  # monotonic seconds, frozen
 NOW = STARTED + 83.0

@@ -18,7 +18,8 @@ from pcp_tui.app.dashboard.loss_chart import LossChart
 from pcp_tui.app.dashboard.worker_table import WorkerTable
 from pcp_tui.app.headless import human_bytes
 from pcp_tui.shepherd.run.events import Event, RoundDone
-from pcp_tui.shepherd.run.state import RoundRecord, RunState
+from pcp_tui.shepherd.run.history import RoundRecord
+from pcp_tui.shepherd.run.state import RunState
 
 __all__ = ["EventLog", "LossChart", "RoundTiming", "RunHeader", "WorkerTable"]
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable
 
 from pcp_tui.shepherd.run.events import Event
-from pcp_tui.shepherd.run.state import RoundRecord
+from pcp_tui.shepherd.run.history import RoundRecord
 
 # How a non-finite result is reported: the decoder's bound check ("roundResult.losses[3] is
 # nan; it must be within ..."), the round's loss check, the screen's norm check.

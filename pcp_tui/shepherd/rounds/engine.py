@@ -49,7 +49,8 @@ from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.pacing import StepPacing
 from pcp_tui.shepherd.rounds.results import OpenRounds, Round, collect
 from pcp_tui.shepherd.run.events import ResultClipped, RoundDone
-from pcp_tui.shepherd.run.state import RoundRecord, RunState, WorkerState
+from pcp_tui.shepherd.run.history import RoundRecord
+from pcp_tui.shepherd.run.state import RunState, WorkerState
 from pcp_tui.shepherd.serving.connection import CONNECTION_ERRORS, WorkerLink
 from pcp_tui.training.export import InnerOptimizer
 from pcp_tui.training.workload import Workload

@@ -17,7 +17,8 @@ from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.diloco.validation import Assignment
 from pcp_tui.shepherd.run.events import RoundWaiting, Stragglers
-from pcp_tui.shepherd.run.state import RoundRecord, RunState
+from pcp_tui.shepherd.run.history import RoundRecord
+from pcp_tui.shepherd.run.state import RunState
 
 if TYPE_CHECKING:
     from pcp_tui.shepherd.serving.connection import WorkerLink

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from pcp_tui.shepherd.run.state import RoundRecord
+    from pcp_tui.shepherd.run.history import RoundRecord
 
 
 class EventKind(enum.StrEnum):
