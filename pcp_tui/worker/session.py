@@ -127,7 +127,7 @@ class Session:
         pass without a welcome that leads to ready: see `Reconnect`.
         """
         lost = False
-        while not await self.reconnect.run(self._attempt, pause_first=lost):
+        while not await self.reconnect.run(self._attempt, rejoin=lost):
             lost = True  # a connection that worked was lost: a fresh budget to get back
 
     async def _attempt(self, deadline: float) -> bool:
