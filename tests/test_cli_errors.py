@@ -728,7 +728,7 @@ def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, backgrou
     assert shepherd.wait() == 0, shepherd.err.read_text()
     assert worker.wait() == 0
     assert checkpoint.load_latest(resumed).round == 2  # no --checkpoint-dir needed
-    done = "run done after round 2 of 2 (1 rounds since resuming after round 1)"
+    done = "run done after round 2 of 2 (1 round since resuming after round 1)"
     assert done in shepherd.out.read_text()  # not "after 1 rounds": round 1 was the first run's
 
 

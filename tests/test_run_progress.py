@@ -46,6 +46,8 @@ def test_a_fresh_run_counts_its_rounds():
     assert state.eta_seconds() == 15.0  # 3 rounds left at their mean, 5 s
     assert state.rounds_summary() == "after 2 rounds"
     assert job_json(state)["rounds_done"] == 2
+    state.history = state.history[:1]
+    assert state.rounds_summary() == "after 1 round"  # a --rounds 1 run said "after 1 rounds"
 
 
 def test_a_resumed_run_counts_from_its_checkpoints_round():
@@ -56,6 +58,8 @@ def test_a_resumed_run_counts_from_its_checkpoints_round():
     assert state.rounds_done() == 12
     assert state.eta_seconds() == 32.0  # 8 rounds left, not 18
     assert state.rounds_summary() == "after round 12 of 20 (2 rounds since resuming after round 10)"
+    state.history = state.history[:1]
+    assert state.rounds_summary() == "after round 11 of 20 (1 round since resuming after round 10)"
 
 
 def test_the_stop_line_promises_only_what_the_stop_will_do():
