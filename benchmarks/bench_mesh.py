@@ -139,7 +139,7 @@ class _Model:
                 header = json.loads(file.readline())
                 train = file.read(header["train_chunk"])
                 graphs = TrainingGraphs(
-                    tuple(header["names"]), train, file.read(), b"", (args.backend,), 0, 0.0
+                    tuple(header["names"]), train, file.read(), b"", (args.backend,), 0
                 )
             print(f"graphs for {devices} device(s) read from {path}")
             return graphs

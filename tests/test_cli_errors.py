@@ -360,6 +360,8 @@ def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     worker.wait_for(worker.out, "retrying in")
     worker.process.send_signal(signal.SIGTERM)
     assert worker.wait() == 143
+    said = worker.out.read_text()  # the state, then its message: not "connecting connecting to"
+    assert f"connecting to 127.0.0.1:{port}\n" in said and "connecting connecting" not in said
     assert one_error_line(worker.err.read_text()) == "pcp-tui: SIGTERM: stopping at once"
 
 
@@ -384,6 +386,7 @@ def test_a_worker_refused_on_every_connect_gives_up_with_growing_waits(backgroun
     line = one_error_line(worker.err.read_text())
     assert line.startswith("pcp-tui: error: connection lost") and "gave up after" in line, line
     assert "--give-up-after" in line
+    assert "is --connect the address its join command printed?" in line, line  # never got in
     waits = [float(w) for w in re.findall(r"retrying in ([\d.]+) s", worker.out.read_text())]
     assert len(waits) >= 2, worker.out.read_text()
     # attempt n waits within [2^n / 4, 2^n / 2] s: never less than the one before (the
@@ -725,7 +728,7 @@ def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, backgrou
     assert shepherd.wait() == 0, shepherd.err.read_text()
     assert worker.wait() == 0
     assert checkpoint.load_latest(resumed).round == 2  # no --checkpoint-dir needed
-    done = "run done after round 2 of 2 (1 rounds since resuming after round 1)"
+    done = "run done after round 2 of 2 (1 round since resuming after round 1)"
     assert done in shepherd.out.read_text()  # not "after 1 rounds": round 1 was the first run's
 
 

@@ -208,6 +208,19 @@ async def test_a_black_holed_address_cannot_stretch_the_budget(autojump_clock):
     assert attempt.tries == [(0, 10)] and trio.current_time() == 10
 
 
+async def test_giving_up_on_a_first_join_points_at_the_address_not_at_an_ended_run(
+    autojump_clock,
+):
+    """A worker that never got in (a wrong --connect port, no shepherd yet) was told the run
+    may have ended while it was cut off; it was never in one. A rejoin still says so."""
+    with pytest.raises(ConnectionLost) as first:
+        await Reconnect(give_up_after=5).run(Unreachable())
+    assert "is --connect the address its join command printed?" in str(first.value)
+    assert "cut off" not in str(first.value)
+    with pytest.raises(ConnectionLost, match="the run may have ended while this worker was cut"):
+        await Reconnect(give_up_after=5).run(Unreachable(), rejoin=True)
+
+
 async def test_without_retries_the_first_loss_is_final_and_other_errors_pass_at_once(
     autojump_clock,
 ):
@@ -235,7 +248,7 @@ async def test_a_welcome_ends_the_retries_and_a_lost_connection_pauses_first(aut
             raise ConnectionLost("cannot reach 127.0.0.1:9 (connection refused)")
         return "welcome"
 
-    assert await Reconnect(give_up_after=60).run(third_time_lucky, pause_first=True) == "welcome"
+    assert await Reconnect(give_up_after=60).run(third_time_lucky, rejoin=True) == "welcome"
     assert len(tries) == 3
     assert FIRST_WAIT / 2 <= tries[0] <= FIRST_WAIT  # not hammering a shepherd that dropped it
 

@@ -37,7 +37,7 @@ pytest.importorskip("iree.compiler", reason="IREE is the optional extra pcp-tui[
 MLP = f"{Path(__file__).parents[1] / 'examples' / 'mlp_model.py'}:build"
 CHUNK = 3
 LR = 3e-3
-_NO_GRAPHS = TrainingGraphs((), b"", b"", b"", ("cpu",), CHUNK, 0.0)
+_NO_GRAPHS = TrainingGraphs((), b"", b"", b"", ("cpu",), CHUNK)
 # Measured worst cases (GPT-2 tiny): losses 2e-7 relative, Adam's moments 3e-7, parameters 1.0e-4
 # (one value of 65,536 on the batches of the corpus's new held-out split; 8.5e-5 before).
 # Adam divides by sqrt(v): a weight whose gradient is mostly float32 rounding moves by up to the

@@ -100,7 +100,7 @@ def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
     with pytest.raises(Unservable, match="batch size 6 does not split over a worker.s 4 devices"):
         trio.run(library.for_worker, protocol.Platform.CPU, protocol.Runtime.XLA, 4)
     cudnn = GraphLibrary.for_run(*_tiny_gpt2(attention="cudnn"), InnerOptimizer())
-    cudnn.main = TrainingGraphs((), b"", b"", b"", ("cuda",), 4, 0.0)  # the run's, unused here
+    cudnn.main = TrainingGraphs((), b"", b"", b"", ("cuda",), 4)  # the run's, unused here
     with pytest.raises(
         Unservable, match="cudnn.*has 1: join with --devices 1, or run the shepherd"
     ):

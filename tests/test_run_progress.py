@@ -47,6 +47,8 @@ def test_a_fresh_run_counts_its_rounds():
     assert state.eta_seconds() == 15.0  # 3 rounds left at their mean, 5 s
     assert state.rounds_summary() == "after 2 rounds"
     assert job_json(state)["rounds_done"] == 2
+    state.history = state.history[:1]
+    assert state.rounds_summary() == "after 1 round"  # a --rounds 1 run said "after 1 rounds"
 
 
 def test_a_resumed_run_counts_from_its_checkpoints_round():
@@ -57,6 +59,8 @@ def test_a_resumed_run_counts_from_its_checkpoints_round():
     assert state.rounds_done() == 12
     assert state.eta_seconds() == 32.0  # 8 rounds left, not 18
     assert state.rounds_summary() == "after round 12 of 20 (2 rounds since resuming after round 10)"
+    state.history = state.history[:1]
+    assert state.rounds_summary() == "after round 11 of 20 (1 round since resuming after round 10)"
 
 
 def test_the_stop_line_promises_only_what_the_stop_will_do():
@@ -88,7 +92,9 @@ def test_a_long_export_says_it_is_still_exporting_and_its_error_leaves_bare():
         raise ModelFileError("model.py:3: in loss: TypeError: ...")
 
     async def main() -> None:
-        assert await with_notes(export, notes.append) == "graphs"
+        # the total counts on the notes' clock: never less than the last "so far" (it was the
+        # jax.export call's own time, and "still exporting (15 s so far)" ended "exported in 12.1 s")
+        assert await with_notes(export, notes.append) == ("graphs", 47)
         with pytest.raises(ModelFileError):  # not an ExceptionGroup around it
             await with_notes(failing, notes.append)
 

@@ -24,7 +24,6 @@ and a worker only ever handles lists of tensors.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -123,7 +122,6 @@ class TrainingGraphs:
     eval_loss: bytes
     platforms: tuple[str, ...]
     chunk_steps: int
-    export_seconds: float
 
     def as_dict(self) -> dict[str, bytes]:
         return {
@@ -163,7 +161,6 @@ def build_graphs(
     devices, parameters placed as `sharding` (a plan's `Sharding`) says; LayoutError
     if the batch does not split over them. `eval_loss` is always for one device.
     """
-    started = time.perf_counter()
     names = tuple(sorted(params))
     param_specs = tuple(jax.ShapeDtypeStruct(np.shape(params[n]), jnp.float32) for n in names)
     optimizer, schedule = inner.direction(), inner.schedule()
@@ -244,7 +241,6 @@ def build_graphs(
         eval_loss=exported(eval_loss, param_specs, stacked(eval_batches)),
         platforms=platforms,
         chunk_steps=chunk_steps,
-        export_seconds=time.perf_counter() - started,
     )
 
 

@@ -62,18 +62,17 @@ class Reconnect:
         self.retry = retry
         self._on_wait = on_wait
 
-    async def run(
-        self, attempt: Callable[[float], Awaitable[T]], *, pause_first: bool = False
-    ) -> T:
+    async def run(self, attempt: Callable[[float], Awaitable[T]], *, rejoin: bool = False) -> T:
         """`await attempt(deadline)` until it returns; what it returns.
 
-        `pause_first`: wait as before a second attempt first (after losing a connection
-        that worked, so that a shepherd that drops every worker is not hammered).
+        `rejoin`: after losing a connection that worked: wait as before a second attempt
+        first (so that a shepherd that drops every worker is not hammered). A first join
+        that gives up says to check the address instead of that the run may have ended.
         Raises ConnectionLost once the budget is spent (or at once without retries),
         and whatever else `attempt` raises (a final refusal, say) unchanged.
         """
         started = trio.current_time()
-        if pause_first:
+        if rejoin:
             await trio.sleep(FIRST_WAIT * random.uniform(0.5, 1.0))
         deadline = started + self.give_up_after
 
@@ -114,10 +113,14 @@ class Reconnect:
             assert last is not None, "only a failed attempt (ConnectionLost) is retried"
             if not self.retry:
                 raise last from None
+            why = (
+                "the run may have ended while this worker was cut off"
+                if rejoin
+                else "is the shepherd up, and is --connect the address its join command printed?"
+            )
             raise ConnectionLost(
                 f"{last}; gave up after {trio.current_time() - started:.0f} s of retrying "
-                "without getting in (the run may have ended while this worker was cut off; "
-                "--give-up-after sets the limit)"
+                f"without getting in ({why}; --give-up-after sets the limit)"
             ) from last
 
 

@@ -127,7 +127,7 @@ class Session:
         pass without a welcome that leads to ready: see `Reconnect`.
         """
         lost = False
-        while not await self.reconnect.run(self._attempt, pause_first=lost):
+        while not await self.reconnect.run(self._attempt, rejoin=lost):
             lost = True  # a connection that worked was lost: a fresh budget to get back
 
     async def _attempt(self, deadline: float) -> bool:
@@ -184,7 +184,7 @@ class Session:
 
     async def _connect(self, deadline: float) -> trio.abc.Stream:
         """A TCP (or TLS) stream to the shepherd, or ConnectionLost (Refused: TLS)."""
-        self.status.update(state="connecting", message=f"connecting to {self.host}:{self.port}")
+        self.status.update(state="connecting", message=f"to {self.host}:{self.port}")
         return await self._open(deadline)
 
     async def _open(self, deadline: float) -> trio.abc.Stream:

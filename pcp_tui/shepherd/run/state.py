@@ -165,10 +165,11 @@ class RunState:
     def rounds_summary(self) -> str:
         """How far the run got: 'after 12 rounds', or after a --resume
         'after round 12 of 20 (2 rounds since resuming after round 10)'."""
+        ran = f"{len(self.history)} round{'' if len(self.history) == 1 else 's'}"
         if self.first_round == 1:
-            return f"after {len(self.history)} rounds"
+            return f"after {ran}"
         return (
-            f"after round {self.rounds_done()} of {self.rounds_total} ({len(self.history)} rounds "
+            f"after round {self.rounds_done()} of {self.rounds_total} ({ran} "
             f"since resuming after round {self.first_round - 1})"
         )
 
