@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
 
 # roundStart delivery times a link keeps: a late result is timed from its own round's
 ROUNDS_REMEMBERED = 8
+# a progress projection counts until this many times itself has passed since its roundStart's
+# delivery (`WorkerLink.projected_seconds`): room for an honest pace's noise, no more
+PROMISE_SLACK = 2.0
 
 HANDSHAKE_SECONDS = 10.0
 CONNECTION_ERRORS = LINK_ERRORS  # the name the coordinator knows them by
@@ -87,6 +90,9 @@ class WorkerLink(Connection):
         # sits new rounds out until then, so a hung peer delays one round, not every one
         self.behind = 0
         self.behind_since, self.behind_grace = 0.0, math.inf  # (trio's clock) see hung_reason
+        # rounds since a result of its was refused, none counted since (0: none refused): it
+        # is not waited for, and past `sitting_out.UNPROVEN_ROUNDS` its connection ends
+        self.unproven = 0
         # for the straggler window (`rounds.collect`), on trio's clock: when each recent
         # round's roundStart had all gone out here, and how long its latest result took
         # from there, per fragment
@@ -159,14 +165,20 @@ class WorkerLink(Connection):
     def projected_seconds(self, number: int) -> float:
         """How long round `number` takes this worker from its roundStart's delivery, as its
         latest progress report in that round projects it (H/k x the time to step k); 0.0
-        without one. What the worker says: `rounds` bounds what it may buy."""
+        without one, or once PROMISE_SLACK times that has passed without its result: a
+        projection is a promise, and one not kept buys nothing more (a peer that reported
+        "step 1 of H" and then nothing held round 1 for factor² windows). What the worker
+        says: `rounds` bounds what it may buy."""
         delivered = self.round_delivered.get(number)
         if self.round_progress is None or delivered is None:
             return 0.0
         round_number, step, steps, when = self.round_progress
         if round_number != number:
             return 0.0
-        return max(when - delivered, 0.0) * steps / step
+        projected = max(when - delivered, 0.0) * steps / step
+        if trio.current_time() - delivered > PROMISE_SLACK * projected:
+            return 0.0
+        return projected
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
@@ -202,6 +214,8 @@ class WorkerLink(Connection):
             raise SendTooSlow(self.failure.reason)
         if isinstance(body, protocol.RoundStart):
             self._rounds_started.add(body.round)  # its results may come (`note_result`)
+            # a repeated round (no result counted) is answered again: one result per start
+            self._results = {sent for sent in self._results if sent[0] != body.round}
         async with self._turn:
             seconds = self.send_grace + nbytes / self.min_send_rate
             try:
