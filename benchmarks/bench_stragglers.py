@@ -20,7 +20,17 @@ every later round within milliseconds (docs/faults.md, fifth pass).
     python benchmarks/bench_stragglers.py [--pace 0.3] [--floor 1] [--rounds 6] [--inner-steps 8]
         [--smoke]
 
-Ends with `ratio_honest_streaming_liar_vs_alone=<x>`: the last row's "vs alone".
+Then the slow-progress staller (issue 25), the `drag` fault of a real worker: each
+round it reports "step 1 of H" --drag-first s in and answers zeros --drag-answer s
+in (3 and 40 s: the issue's peer). Beside the paced honest worker, at the CLI's
+window settings (--straggler-factor 4, --straggler-min-seconds 60): the run's
+seconds against the same run with that peer honest (paced alike), undefended
+(`--validate off`: its zeros count, and every round waits for them, as before) and
+with the defaults (its zeros refused; the rounds after wait for it only the quorum's
+pace x 4; it loses its shard after 3 rounds without a counted result).
+
+Ends with `ratio_honest_streaming_liar_vs_alone=<x>` (the liar table's last row's
+"vs alone") and `ratio_drag_defended_vs_honest=<x>`.
 """
 
 from __future__ import annotations
@@ -127,13 +137,56 @@ def scenario(args, *, liar: bool, fragments: int) -> dict:
     }
 
 
+def drag_scenario(args, *, peer: str, validate: str = "loss-delta") -> dict:
+    """The paced honest worker and a second id, `peer` ("honest": paced alike; "drag": the
+    staller), at the CLI's straggler settings; the run's seconds and whom its rounds counted."""
+    config = small_config(
+        workers=2,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        chunk_steps=1,
+        validate=validate,
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    began = time.monotonic()
+
+    async def drive(port):
+        with WorkerProcesses() as workers:
+            for worker_id in ("honest", "other"):
+                if worker_id == "other" and peer == "drag":
+                    first, answer = args.drag_first, args.drag_answer
+                    command = faulty_worker_command(
+                        port, "drag", "--id", worker_id, first=first, answer=answer
+                    )
+                else:
+                    command = faulty_worker_command(
+                        port, "pace", "--id", worker_id, seconds=args.pace
+                    )
+                workers.start(command)
+            await until(lambda: shepherd.state.status == "done", polls=20 * 1200)
+
+    run_shepherd(shepherd, drive)
+    history = shepherd.state.history
+    lost = [e for e in shepherd.state.events if e.kind == "lost"]
+    return {
+        "seconds": time.monotonic() - began,
+        "other counted": sum("other" in r.worker_ids for r in history),
+        "rounds": len(history),
+        "lost": len(lost),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pace", type=float, default=0.3, help="least seconds a chunk takes")
     parser.add_argument("--floor", type=float, default=1.0, help="--straggler-min-seconds")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--inner-steps", type=int, default=8, help="H (chunks of one step)")
-    args = parse_with_smoke(parser, pace=0.1, floor=0.3, rounds=2, inner_steps=4)
+    parser.add_argument("--drag-first", type=float, default=3.0, help="its progress, s in")
+    parser.add_argument("--drag-answer", type=float, default=40.0, help="its zeros, s in")
+    args = parse_with_smoke(
+        parser, pace=0.1, floor=0.3, rounds=2, inner_steps=4, drag_first=0.5, drag_answer=2.0
+    )
     rows = [
         ("honest alone", scenario(args, liar=False, fragments=1)),
         ("+ fast liar", scenario(args, liar=True, fragments=1)),
@@ -154,6 +207,24 @@ def main() -> None:
             f"{row['liar alone']} | {row['stragglers']} | {row['seconds']:.1f} |"
         )
     print(f"ratio_honest_streaming_liar_vs_alone={rows[-1][1]['honest'] / baseline:.2f}")
+    drags = [
+        ("that peer honest", drag_scenario(args, peer="honest")),
+        ("drag, --validate off (undefended)", drag_scenario(args, peer="drag", validate="off")),
+        ("drag, defaults", drag_scenario(args, peer="drag")),
+    ]
+    honest = drags[0][1]["seconds"]
+    print(
+        f"\nslow-progress staller: step 1 of H at {args.drag_first:g} s, zeros at "
+        f"{args.drag_answer:g} s; --straggler-factor 4, --straggler-min-seconds 60"
+    )
+    print("| beside the paced worker | run s | vs honest | its results counted | lost |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, row in drags:
+        print(
+            f"| {name} | {row['seconds']:.1f} | {row['seconds'] / honest:.2f} | "
+            f"{row['other counted']}/{row['rounds']} | {row['lost']} |"
+        )
+    print(f"ratio_drag_defended_vs_honest={drags[-1][1]['seconds'] / honest:.2f}")
 
 
 if __name__ == "__main__":

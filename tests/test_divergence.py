@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
+from pcp_tui.diloco.screening import BadResult, Refusal
+from pcp_tui.diloco.validation import Assignment, LossDeltaValidator
 from pcp_tui.shepherd.rounds.divergence import diverged
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.shepherd.run.events import Event, Lost, ResultRefused
@@ -22,7 +25,9 @@ NAN_LOSS = "worker 0 lost: roundResult.losses[8] is nan; it must be within [-inf
 def test_every_result_non_finite_is_divergence():
     events = [
         Lost(NAN_LOSS, worker="w0"),
-        ResultRefused("... reported losses hold NaN or Inf", worker="w1", round=2),
+        ResultRefused(
+            "... reported losses hold NaN or Inf", worker="w1", round=2, refusal=Refusal.NON_FINITE
+        ),
     ]
     why = diverged(events, 2, 10, None)
     assert why is not None and "every result of round 2 was non-finite" in why
@@ -31,15 +36,29 @@ def test_every_result_non_finite_is_divergence():
 
 def test_results_validation_refuses_for_blowing_up_their_own_loss_are_divergence():
     """With loss-delta validation on, a diverging worker's result is refused for raising the
-    loss on its own batches (finite, but far above where it started): every result of the
-    round so refused is the run diverging; one that merely fails to lower it is not."""
-    w0 = {"worker": "w0", "round": 1}
-    refused = "refused worker 0's round 1 result: applied to the round's parameters it changes "
-    blown = ResultRefused(refused + "the loss on its own batches from 5.55 to 91.2; a", **w0)
-    flat = ResultRefused(refused + "the loss on its own batches from 5.55 to 5.56; a", **w0)
+    loss on its own batches over `BLOW_UP` times (`Refusal.BLOWN_UP`): every result of the
+    round so refused is the run diverging; one that merely fails to lower it
+    (`Refusal.NO_GAIN`) is not. The refusal's kind decides, not its text."""
+    refused, w0 = "refused worker 0's round 1 result: ", {"worker": "w0", "round": 1}
+    blown = ResultRefused(refused + "from 5.55 to 91.2", refusal=Refusal.BLOWN_UP, **w0)
+    flat = ResultRefused(refused + "from 5.55 to 91.2", refusal=Refusal.NO_GAIN, **w0)
     why = diverged([blown], 1, 10, None)
     assert why is not None and "every result of round 1 diverged" in why
     assert diverged([blown, flat], 1, 10, None) is None  # a flat result: a worker's problem
+    assert diverged([flat], 1, 10, None) is None  # the same words, but not a blow-up
+
+
+def test_the_validator_says_which_refusal_it_is():
+    """What `diverged` reads comes from the validator as a kind, not as words."""
+    before = {"w": np.zeros(1, np.float32)}
+    validator = LossDeltaValidator(lambda p, b: 1.0 + float(p["w"][0]) ** 2, lambda a, n: None)
+    validator.begin(1, before)
+    claim = Assignment(0, 0, 1)
+    with pytest.raises(BadResult) as blown:
+        validator.weigh({"w": np.full(1, 2.0, np.float32)}, 1, claim)  # loss 1 → 5
+    with pytest.raises(BadResult) as flat:
+        validator.weigh({"w": np.full(1, 1e-6, np.float32)}, 1, claim)  # 1 → 1: nowhere
+    assert (blown.value.refusal, flat.value.refusal) == (Refusal.BLOWN_UP, Refusal.NO_GAIN)
 
 
 def test_a_round_lost_for_another_reason_too_is_repeated_not_stopped():

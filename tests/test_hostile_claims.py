@@ -226,6 +226,49 @@ async def test_a_fragment_closing_as_roundstarts_finish_cuts_off_exactly_the_uns
     print("(cut off, delivered) per round:", outcomes)
 
 
+async def test_a_claimed_speed_is_bounded_by_the_shepherds_clock(autojump_clock):
+    """--adaptive-steps sized rounds by the compute seconds a result claims: a worker claiming
+    1% of its real time was 100x the fastest, and the honest worker trained one chunk a round.
+    Its time is now the longer of the claim and its roundStart's delivery to its result's
+    arrival on the shepherd's clock: both workers took 2 s, so both train H."""
+    from pcp_tui.shepherd.rounds.pacing import StepPacing
+
+    (honest, liar), peers = await socket_links(2)
+    pacing = StepPacing(inner_steps=8, quantum=2)
+    for link in (honest, liar):
+        await link.send(protocol.RoundStart(round=1, inner_steps=8))
+    await trio.sleep(2.0)  # both train for 2 s (the mock clock jumps there)
+    for link, claimed in ((honest, 2.0), (liar, 0.02)):
+        link.rounds.answered(1, 0)
+        pacing.measure(link.worker_id, 8, claimed, link)
+    assert pacing.steps_for(["w0", "w1"], {"w0": honest, "w1": liar}) == {"w0": 8, "w1": 8}
+    # by the claims alone (no connection measured): the liar 100x as fast, the honest 1 chunk
+    by_claims = StepPacing(inner_steps=8, quantum=2)
+    by_claims.measure("w0", 8, 2.0)
+    by_claims.measure("w1", 8, 0.02)
+    assert by_claims.steps_for(["w0", "w1"]) == {"w0": 2, "w1": 8}
+    for peer in peers:
+        await peer.stream.aclose()
+
+
+async def test_a_progress_projection_is_a_promise_it_must_keep(autojump_clock):
+    """A peer that reported "step 1 of H" early and then nothing had H x that time as its own,
+    for as long as it liked (round 1 held for factor² windows). Its projection counts until
+    PROMISE_SLACK times itself has passed since its roundStart's delivery."""
+    from pcp_tui.shepherd.rounds.record import PROMISE_SLACK
+
+    (link,), (peer,) = await socket_links(1)
+    await link.send(protocol.RoundStart(round=1, inner_steps=8))
+    await trio.sleep(1.0)
+    link.rounds.progressed(protocol.Progress(1, 1, 8, 3.0, 1.0, protocol.Phase.TRAINING))
+    assert link.rounds.projected_seconds(1) == 8.0
+    await trio.sleep(PROMISE_SLACK * 8.0 - 1.0 - 0.5)
+    assert link.rounds.projected_seconds(1) == 8.0  # a slow worker within its word
+    await trio.sleep(1.0)
+    assert link.rounds.projected_seconds(1) == 0.0  # past it: the promise is broken
+    await peer.stream.aclose()
+
+
 async def test_the_operator_api_answers_503_beyond_its_connection_cap():
     """MAX_CONNECTIONS idle TCP connections hold every slot of the operator API: a real HTTP
     client is answered 503 at once (Retry-After), not queued; once they close, it is served.

@@ -176,3 +176,45 @@ def test_a_fast_liar_does_not_push_a_slower_honest_worker_out_of_the_run(spawn_w
     assert [sorted(r.worker_ids) for r in history] == [["honest", "liar"]] * 2
     assert [r.round_seconds > 5 * 0.5 for r in history] == [True, True]  # past the floor
     assert not [e for e in shepherd.state.events if e.kind == "stragglers"]
+
+
+@pytest.mark.e2e
+def test_progress_without_results_loses_the_round_then_the_shard():
+    """Issue 25: a peer that reports "step 1 of H" early in each round and answers zeros late
+    held every round until its answer (41 s for 2-3 s), its zeros counted. Now its zeros are
+    refused (validation, the default), the rounds after that wait for it only the quorum's
+    pace times --straggler-factor (not the 60 s floor, not its projection), and after
+    `UNPROVEN_ROUNDS` rounds with nothing counted its connection ends and its shard is
+    orphaned for the next worker. The honest worker is in every round."""
+    config = small_config(workers=2, rounds=10, inner_steps=4, chunk_steps=1)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    state = shepherd.state
+
+    async def scenario(port):
+        # the honest worker's rounds take a second at least (4 chunks of 0.25 s): the rounds
+        # after the drag is dropped outlast the watchdog's polls
+        steady = faulty_worker_command(port, "pace", "--id", "steady", seconds=0.25)
+        drag = faulty_worker_command(port, "drag", "--id", "drag", first=0.5, answer=8.0)
+        processes = [
+            subprocess.Popen(command, env=worker_env(), stdout=subprocess.DEVNULL)
+            for command in (steady, drag)
+        ]
+        try:
+            await until(lambda: state.status == "done", polls=2400)  # a hang guard
+        finally:
+            for process in processes:
+                process.kill()
+                await trio.to_thread.run_sync(process.wait)
+
+    run_shepherd(shepherd, scenario)
+    refused = [e for e in state.events if e.kind == "bad_result"]
+    assert refused and {e.data["worker"] for e in refused} == {"drag"}
+    assert {e.data["refusal"] for e in refused} == {"no_gain"}
+    lost = [e for e in state.events if e.kind == "lost" and e.data.get("worker") == "drag"]
+    shown = [(e.kind, e.message) for e in state.events if e.kind not in ("progress",)]
+    assert lost, "\n".join(f"{k}: {m}" for k, m in shown)
+    assert "no result counted in 3 rounds since one was refused" in lost[0].message
+    orphaned = [e for e in state.events if e.kind == "shard_orphaned"]
+    assert [e.data["worker"] for e in orphaned] == ["drag"]
+    assert all("steady" in r.worker_ids for r in state.history)
+    assert len(state.history) == 10

@@ -131,6 +131,35 @@ def test_a_result_arriving_is_waited_for_past_the_window():
     assert closed == 41.0  # c was overdue at 30; the round closed when b's result was in
 
 
+def test_a_worker_whose_last_result_was_refused_gets_the_quorums_pace_not_the_floor():
+    """Issue 25: a peer that answered zeros near its window's end held every round that long
+    (the floor is 60 s by default; its progress projected a long round of its own). Once a
+    result of its is refused, it has factor x the quorum's time, no floor, nothing of its
+    own; a worker in good standing beside it keeps the whole window."""
+
+    async def script(current, links):
+        links["c"].rounds.unproven = 1
+        links["c"].rounds.answer_seconds[0] = 500.0  # what it would buy, and its progress too:
+        links["c"].rounds.progress = (current.number, 1, 500, 1.0)  # step 1 of 500 at 1 s
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 2.0)
+
+    closed, current, events = run_round(window(3.0, 60.0), script)
+    assert closed == 60.0  # b: the window (the floor, 60); c: 3 x 2 = 6 s, long past
+    assert current.contributors == ["a"]
+    (stragglers,) = [e for e in events if e.kind == "stragglers"]
+    assert stragglers.workers == ["b", "c"]
+
+    async def without_b(current, links):
+        links["c"].rounds.unproven = 1
+        links["c"].rounds.progress = (current.number, 1, 500, 1.0)  # projects 500 s
+        await deliver(current, {"a": 0, "c": 0})
+        await answer(current, "a", 2.0)
+
+    closed, current, _ = run_round(window(3.0, 60.0), without_b, participants=("a", "c"))
+    assert closed == 6.0  # before: 3 x 500 (its projection), at most 3² x 60 = 540 s
+
+
 def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     """A peer answering at once (a liar, or a far smaller model of speed) makes the round's
     window the floor; c's own latest result took 8 s, so it keeps 3 x 8 s."""
@@ -389,3 +418,19 @@ async def test_a_worker_sitting_out_is_hung_only_after_a_grace_without_progress(
     assert reason.startswith("hung: no result and no progress for round 2 in 20 s"), reason
     link.rounds.behind = 0  # its late result came
     assert hung_reason(link.rounds) == ""
+
+
+async def test_progress_puts_a_hang_off_for_three_graces_at_most(autojump_clock):
+    """Issue 25: a peer that reported progress for its round and never answered sat out as long
+    as it liked, its shard untrained. Progress puts the cut-off off, up to SIT_OUT_GRACES."""
+    link = Link()  # dropped from round 2 at 0 s, with 10 s to show a sign of it
+    link.rounds.behind, link.rounds.behind_since, link.rounds.behind_grace = 2, 0.0, 10.0
+    for moment in range(5, 30, 5):
+        await trio.sleep_until(float(moment))
+        link.rounds.progress = (2, 1, 4, float(moment))  # step 1 of 4, said again and again
+        assert hung_reason(link.rounds) == "", moment
+    await trio.sleep_until(30.5)
+    link.rounds.progress = (2, 1, 4, 30.5)
+    reason = hung_reason(link.rounds)
+    assert reason.startswith("no result for round 2 in 30 s since its round closed"), reason
+    assert "its shard goes to the next worker to join" in reason

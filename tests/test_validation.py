@@ -87,3 +87,83 @@ def test_an_honest_result_counts_in_full_and_a_flipped_or_vanishing_one_is_refus
     assert validator.weigh(deltas[0], 100, claim) == 100.0
     # another worker's honest result, scored on its own batches
     assert validator.weigh(deltas[1], 100, Assignment(index=1, shard=1, steps=STEPS)) == 100.0
+
+
+def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = None) -> list:
+    """Every honest result of a run at the e2e tests' settings (tiny model, batch 4 x 32, H 4,
+    warm-up and chunks as the CLI sets them, centered clip, outer Nesterov), scored as the
+    shepherd scores it: [(round, worker index, before, after, refusal or None)]. With
+    `adopt_at`, worker 0 leaves before that round and a newcomer (index `workers`, a fresh
+    AdamW state) adopts its shard, as the shard ledger hands it over."""
+    from pcp_tui.diloco.aggregate import make_aggregate
+    from pcp_tui.diloco.outer import OuterOptimizer
+    from pcp_tui.shepherd.rounds.engine import round_lr_sum
+    from pcp_tui.training import shards
+
+    config = small_config(workers=workers, inner_steps=STEPS, seed=seed)
+    workload = build_workload(config, shards=workers)
+    graphs = GraphLibrary.for_run(config, workload, inner_optimizer(config)).export_main()
+    backend = select_backend("cpu")
+    train = backend.load("train_chunk", graphs.train_chunk).call
+    init = backend.load("init_opt_state", graphs.init_opt_state).call
+    names, k = graphs.param_names, graphs.chunk_steps
+    loss = eval_loss(backend.load("eval_loss", graphs.eval_loss).call, names)
+    validator = LossDeltaValidator(loss, AssignedBatches.for_run(config, workload, k))
+    params = {n: np.array(p, np.float32) for n, p in workload.params.items()}
+    outer = OuterOptimizer(config.outer.optimizer, config.outer.lr, config.outer.momentum)
+    clip = make_aggregate("centered-clip", tuple(sorted(params)))
+    fresh = tuple(init(tuple(params[n] for n in names)))
+    team = {index: (index, fresh) for index in range(workers)}  # index -> (shard, AdamW state)
+    scored = []
+    for number in range(1, rounds + 1):
+        if number == adopt_at:
+            team[workers] = (team.pop(0)[0], tuple(init(tuple(params[n] for n in names))))
+        clip.step_scale = round_lr_sum(config, number)
+        clip.reset()
+        validator.begin(number, params)
+        for index, (shard, state) in sorted(team.items()):
+            flat = tuple(params[n] for n in names)
+            for chunk in range(STEPS // k):
+                batches = shards.sample_batches(
+                    workload.shards[shard],
+                    steps=k,
+                    batch_size=config.data.batch_size,
+                    seq_len=config.data.seq_len,
+                    seed=seed,
+                    stream=(index, number, chunk),
+                )
+                first = (number - 1) * STEPS + chunk * k
+                flat, state, _ = train(flat, state, batches, np.int32(first))
+            team[index] = (shard, state)
+            delta = {n: params[n] - np.asarray(v) for n, v in zip(names, flat, strict=True)}
+            claim = Assignment(index, shard, STEPS)
+            before = loss(params, validator._batches(claim, number))
+            after = loss(
+                {n: params[n] - delta[n] for n in names}, validator._batches(claim, number)
+            )
+            try:
+                clip.add(delta, validator.weigh(delta, 1, claim))
+                scored.append((number, index, before, after, None))
+            except BadResult as exc:
+                scored.append((number, index, before, after, exc.refusal))
+        clip.finish()
+        outer.apply(params, clip.sums, clip.scale)
+    return scored
+
+
+def test_no_honest_result_is_refused():
+    """Issue 25: two resume tests saw a round with one of two workers. The cause was not the
+    resume: at round 8 of that run (seed 0, 2 workers) both honest results left their own
+    batches' loss higher than θ's (3.173 → 3.320 and 3.182 → 3.239: the outer step had
+    overshot along the direction the kept AdamW moments still pushed), and "it must lower
+    the loss" refused both (the round was repeated, and the repeat's results then ended both
+    connections as duplicates: `connection.note_result`). Such a result still points
+    downhill (its reverse is worse), which is what the rule asks now. Then worker 0 leaves
+    and a newcomer adopts its shard (round 9 on): scored on its own stream of that shard.
+    Seeds 1 and 2 (3 workers) over 20 rounds, measured the same way: 0 refused (the old
+    rule refused one honest result in each)."""
+    scored = _honest_run(seed=0, workers=2, rounds=10, adopt_at=9)
+    assert [s for s in scored if s[4] is not None] == []
+    raised = [s[:2] for s in scored if s[3] > s[2]]  # what the old rule refused
+    assert raised == [(8, 0), (8, 1)], scored
+    assert {s[1] for s in scored if s[0] >= 9} == {1, 2}

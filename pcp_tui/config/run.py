@@ -229,11 +229,12 @@ class OuterConfig:
         help="how results combine (centered-clip is robust: a minority cannot steer)",
     )
     validate: str = option(
-        "off",
+        "loss-delta",
         choices=("loss-delta", "off"),
-        help="weigh each result by the loss change it causes on the batches it trained on "
-        "(two eval passes a result on the shepherd; refuses results that do not lower it; "
-        "with a robust --aggregate, in plain rounds: not with --streaming-fragments)",
+        help="check each result by the loss change it causes on the batches it trained on "
+        "(two eval passes a result on the shepherd; refuses one that lowers that loss no more "
+        "than its reverse would, or blows it up; with a robust --aggregate, in plain rounds: "
+        "not with --streaming-fragments)",
     )
     compression: str = option(
         "none",

@@ -15,6 +15,7 @@ steps at the start of warm-up had every later, honest result refused as
 from __future__ import annotations
 
 import collections
+import enum
 import math
 import statistics
 from collections.abc import Callable, Mapping
@@ -28,8 +29,22 @@ if TYPE_CHECKING:
     from pcp_tui.diloco.validation import LossDeltaValidator
 
 
+class Refusal(enum.StrEnum):
+    """Why a result was refused, for what acts on it (`shepherd/rounds/divergence.py`): the message
+    is for people, this is for code."""
+
+    MISFIT = "misfit"  # not the plan's tensors, a token count out of range, an outlying norm
+    NON_FINITE = "non_finite"  # NaN or Inf in its tensors, its norm or its reported losses
+    NO_GAIN = "no_gain"  # validation: it does not move the loss on its own batches down
+    BLOWN_UP = "blown_up"  # validation: it leaves its own batches' loss many times higher
+
+
 class BadResult(ValueError):
-    """A round result that must not be averaged in (wrong tensors, NaN, Inf)."""
+    """A round result that must not be averaged in (wrong tensors, NaN, Inf), and why."""
+
+    def __init__(self, message: str, refusal: Refusal = Refusal.MISFIT):
+        super().__init__(message)
+        self.refusal = refusal
 
 
 NORM_FACTOR = 10.0  # refuse a norm above this many times the median of recent ones
@@ -66,7 +81,7 @@ def check_pseudo_gradient(
             raise BadResult(f"{name} has dtype {array.dtype}, expected floating point")
         squares[name] = squared_norm(array)  # inf if it overflows: NormGuard.judge refuses that
         if not is_finite(array, squares[name]):
-            raise BadResult(f"{name} holds NaN or Inf")
+            raise BadResult(f"{name} holds NaN or Inf", Refusal.NON_FINITE)
     return math.sqrt(sum(squares[name] for name in tensors))  # summed in global_norm's order
 
 
@@ -95,7 +110,7 @@ class NormGuard:
     def judge(self, norm: float, scale: float = 1.0) -> float:
         """`norm`, unless it is not finite or absurdly large next to recent ones (BadResult)."""
         if not math.isfinite(norm):
-            raise BadResult("its global L2 norm overflows float32")
+            raise BadResult("its global L2 norm overflows float32", Refusal.NON_FINITE)
         if not scale > 0:  # lr 0 (warm-up's first step) moves nothing: nothing to compare
             return norm
         relative = norm / scale

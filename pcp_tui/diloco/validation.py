@@ -17,9 +17,21 @@ chunk). θ − Δ_k is the worker's own end point, so an honest result lowers th
 losses by what its H steps did; a sign flip, a random direction or an overshoot
 raises them; a vanishing result lowers them by almost nothing.
 
-A result is refused (`BadResult`) unless it lowers that loss by more than
-`MIN_GAIN` of it; one that does keeps its token weight. Refused, it never reaches
-the aggregate, so it cannot shrink a centered clip's radius either. Weights scaled
+A result is refused (`BadResult`, `Refusal.NO_GAIN`) only if it does not lower
+that loss by more than `MIN_GAIN` of it *and* its reverse θ + Δ_k does at least
+as well as θ − Δ_k. The second half is what keeps honest results in: an honest
+worker's end point can sit higher than θ on its own batches (measured: round 8 of
+`tests/test_elastic.py`'s 2-worker run, 3.173 → 3.320, both workers; the outer
+step had overshot along the direction the workers' kept AdamW moments still
+pushed, and the next round's loss spiked), but its direction is still downhill:
+L(θ + Δ) − L(θ − Δ) ≈ 2 g·Δ, the curvature that made the step overshoot cancels.
+A sign flip is exactly the honest result's reverse, so it is refused whenever the
+honest one would pass this half; a vanishing result moves neither loss. A result
+that leaves its own batches' loss over `BLOW_UP` times higher (or non-finite) is
+refused whatever its reverse does (`Refusal.BLOWN_UP`: the inner training diverged,
+`shepherd/rounds/divergence.py` reads it). One that passes keeps its token weight.
+Refused, it never reaches the aggregate, so it cannot shrink a centered clip's
+radius either. Weights scaled
 by the gain against recent gains (tokens x min(1, gain / reference), refusing
 gains under a tenth of it) were tried and taken out: in a run that converges fast
 (the MLP example) honest gains shrink more than tenfold within a few rounds, and
@@ -28,11 +40,13 @@ update that overfits its own batches raised the reference itself.
 
 Cost, on the shepherd's device: two passes of the exported eval graph over
 N = --eval-batches batches (θ and θ − Δ_k on V_k) per result, plus one
-model-sized subtraction; the eval graph is the one the shepherd already compiled.
+model-sized subtraction; a third (θ + Δ_k) only for a result that does not lower
+the loss. The eval graph is the one the shepherd already compiled.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pcp_tui import protocol
-from pcp_tui.diloco.screening import BadResult
+from pcp_tui.diloco.screening import BadResult, Refusal
 from pcp_tui.training import shards
 
 if TYPE_CHECKING:
@@ -50,6 +64,8 @@ if TYPE_CHECKING:
 # refuse a result that lowers the loss on its own batches by less than this of it: above the
 # float32 noise of two evaluations (~1e-7), far below what H honest steps do to their own batches
 MIN_GAIN = 1e-5
+# a result that leaves its own batches' loss this many times higher diverged (`Refusal.BLOWN_UP`)
+BLOW_UP = 2.0
 
 #: (params, batches [N, ...] as the eval graph takes them) → mean loss
 Loss = Callable[[Mapping[str, np.ndarray], Any], float]
@@ -126,7 +142,7 @@ class AssignedBatches:
 
 
 class LossDeltaValidator:
-    """Scores a round's results by the loss change they cause; refuses those that lower none.
+    """Scores a round's results by the loss change they cause; refuses those that go nowhere.
 
     `begin(number, params)` once a round, before its first result; then
     `weigh(pseudo_gradient, tokens, assignment)` per result, before it is folded in.
@@ -143,40 +159,49 @@ class LossDeltaValidator:
         self.min_gain = min_gain
         self._params: Mapping[str, np.ndarray] | None = None
         self._number = 0
-        self.passes = 0  # eval-graph calls made (two a result)
+        self.passes = 0  # eval-graph calls made (two a result, three for one that lowers none)
 
     def begin(self, number: int, params: Mapping[str, np.ndarray]) -> None:
         """Round `number` starts from `params` (read, never written, until the round closes)."""
         self._number, self._params = number, params
 
-    def score(
-        self,
-        params: Mapping[str, np.ndarray],
-        pseudo_gradient: Mapping[str, np.ndarray],
-        assignment: Assignment,
-        number: int,
-    ) -> tuple[float, float]:
-        """(loss before, loss after) applying Δ to θ on the batches `assignment` trained on."""
-        batches = self._batches(assignment, number)
-        after = {n: np.subtract(p, pseudo_gradient[n], dtype=np.float32) for n, p in params.items()}
-        self.passes += 2
-        return self._loss(params, batches), self._loss(after, batches)
+    def _moved(self, params, pseudo_gradient, sign: int, batches) -> float:
+        """The loss at θ + sign·Δ on `batches`."""
+        step = np.add if sign > 0 else np.subtract
+        moved = {n: step(p, pseudo_gradient[n], dtype=np.float32) for n, p in params.items()}
+        self.passes += 1
+        return self._loss(moved, batches)
 
     def weigh(
         self, pseudo_gradient: Mapping[str, np.ndarray], tokens: int, assignment: Assignment
     ) -> float:
-        """The result's weight in the mean: BadResult if it does not lower the loss enough."""
+        """The result's weight in the mean: BadResult if it raises or keeps the loss on its own
+        batches while its reverse does at least as well, or blows that loss up."""
         if self._params is None:
             raise RuntimeError("LossDeltaValidator.begin must be called before a round's results")
-        before, after = self.score(self._params, pseudo_gradient, assignment, self._number)
-        gain = before - after
-        if not gain > self.min_gain * abs(before):  # NaN too
+        batches = self._batches(assignment, self._number)
+        self.passes += 1
+        before = self._loss(self._params, batches)
+        after = self._moved(self._params, pseudo_gradient, -1, batches)
+        if not math.isfinite(after) or after > BLOW_UP * abs(before):
             raise BadResult(
                 f"applied to the round's parameters it changes the loss on its own batches "
-                f"from {before:.4g} to {after:.4g}; a result must lower it by over "
-                f"{self.min_gain:g} of it"
+                f"from {before:.4g} to {after:.4g}, over {BLOW_UP:g}x: its training diverged",
+                Refusal.BLOWN_UP,
             )
-        return float(tokens)
+        tolerance = self.min_gain * abs(before)
+        if before - after > tolerance:
+            return float(tokens)
+        reverse = self._moved(self._params, pseudo_gradient, +1, batches)
+        if reverse - after > tolerance:  # downhill, overshooting: as an honest end point can
+            return float(tokens)
+        raise BadResult(
+            f"applied to the round's parameters it changes the loss on its own batches "
+            f"from {before:.4g} to {after:.4g}, and its reverse to {reverse:.4g}; a result "
+            f"must lower it, or at least do better than its reverse, by over "
+            f"{self.min_gain:g} of it",
+            Refusal.NO_GAIN,
+        )
 
 
 def eval_loss(graph_call: Callable[..., Any], names: tuple[str, ...]) -> Loss:

@@ -410,6 +410,7 @@ class Shepherd:
     async def _run_round(self, number: int) -> RoundRecord | None:
         """Round `number` (`engine.RoundEngine`), recorded."""
         current = await self.engine.run(number, self.pool.ready_links())
+        self.pool.count_unproven(() if current is None else current.contributors)
         if current is None:
             return None
         return record_round(self.state, self.config, current, await self._round_eval(number))

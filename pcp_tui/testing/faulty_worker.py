@@ -28,6 +28,10 @@ FAULTS, the registry, names each fault and its parameters (defaults in brackets)
            a blow-up in the first result only.
   ratchet  --factor [3]: its r-th result (from 0) is FACTOR^r·Δ, which walks up any
            bound the shepherd learns from history.
+  drag     --first [3] --answer [40]: the slow-progress staller (issue 25). Each round
+           its first chunk's progress report goes out FIRST seconds after the round
+           starts (step k of H: a pace of H/k x FIRST), the next chunk ends ANSWER
+           seconds after it, and the result is zeros: progress without results.
 
 A result fault counts the results this process has sent (one per fragment),
 across reconnects.
@@ -114,6 +118,27 @@ class Tampered(Faults):
         return changed
 
 
+class Drag(Faults):
+    """Report the first chunk `first` s into each round, end the second `answer` s into it,
+    and send zeros: a peer whose progress projects a long round and whose result is nothing."""
+
+    def __init__(self, *, first: float, answer: float):
+        self.first, self.answer = first, answer
+        self.started, self.chunks = time.monotonic(), 0
+
+    async def before_round(self, number: int) -> None:
+        self.started, self.chunks = time.monotonic(), 0
+
+    def after_chunk(self, seconds: float) -> None:
+        self.chunks += 1
+        until = self.started + (self.first if self.chunks == 1 else self.answer)
+        if self.chunks <= 2:
+            time.sleep(max(until - time.monotonic(), 0.0))
+
+    def result(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: np.zeros_like(array) for name, array in tensors.items()}
+
+
 def poison_with_nan() -> Faults:
     """Every value of every result is NaN."""
     return Tampered(lambda r, array: np.full_like(array, np.nan))
@@ -162,6 +187,14 @@ FAULTS: dict[str, Fault] = {
         "send FACTOR^r·Δ in the r-th result (from 0)",
         {"factor": Parameter(3.0, "the growth per result")},
         ratchet,
+    ),
+    "drag": Fault(
+        "report progress FIRST s into each round, answer zeros ANSWER s into it",
+        {
+            "first": Parameter(3.0, "when the first chunk's progress report goes out"),
+            "answer": Parameter(40.0, "when the second chunk ends (the result follows)"),
+        },
+        Drag,
     ),
 }
 

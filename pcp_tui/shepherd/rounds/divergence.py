@@ -14,17 +14,15 @@ import math
 import re
 from collections.abc import Iterable
 
-from pcp_tui.shepherd.run.events import Event
+from pcp_tui.diloco.screening import Refusal
+from pcp_tui.diloco.validation import BLOW_UP
+from pcp_tui.shepherd.run.events import Event, ResultRefused
 from pcp_tui.shepherd.run.history import RoundRecord
 
-# How a non-finite result is reported: the decoder's bound check ("roundResult.losses[3] is
-# nan; it must be within ..."), the round's loss check, the screen's norm check.
-_NON_FINITE = re.compile(r"\bis -?(nan|inf)\b|NaN or Inf|overflows float32|not finite", re.I)
+# How the decoder reports a result it refused at its bound check ("worker 0 lost:
+# roundResult.losses[3] is nan; it must be within ..."): the connection ends, as a `lost` event
+_NON_FINITE = re.compile(r"\bis -?(nan|inf)\b", re.I)
 _STEP = re.compile(r"losses\[(\d+)\] is -?(nan|inf)", re.I)
-# Loss-delta validation's refusal (`diloco/validation.py`): the result raised the loss on the
-# very batches it trained on. Far above where it started, that is the inner training diverging.
-_RAISED = re.compile(r"changes the loss on its own batches from (\S+) to (\S+);")
-BLOW_UP = 2.0  # a result that leaves its own batches' loss this many times higher diverged
 _FAILURES = ("lost", "bad_result")
 
 
@@ -53,27 +51,29 @@ def diverged(
             return f"round {number}'s outer step made the eval loss {loss}"
         return None
     failures = [e for e in round_events if e.kind in _FAILURES]
-    if not failures or not all(_diverging(e.message) for e in failures):
+    if not failures or not all(_diverging(e) for e in failures):
         return None
     steps = [int(m.group(1)) + 1 for e in failures if (m := _STEP.search(e.message))]
     where = f" (first at inner step {min(steps)} of {inner_steps})" if steps else ""
     what = (
         "was non-finite"
-        if all(_NON_FINITE.search(e.message) for e in failures)
-        else (f"diverged: non-finite, or raising its own batches' loss over {BLOW_UP:g} times")
+        if all(_non_finite(e) for e in failures)
+        else f"diverged: non-finite, or raising its own batches' loss over {BLOW_UP:g} times"
     )
     return f"every result of round {number} {what}{where} ({failures[0].message})"
 
 
-def _diverging(message: str) -> bool:
-    """Whether a refusal says the result itself diverged: non-finite, or a loss blown up."""
-    if _NON_FINITE.search(message):
-        return True
-    raised = _RAISED.search(message)
-    if raised is None:
-        return False
-    before, after = (float(x) for x in raised.groups())
-    return not math.isfinite(after) or after > BLOW_UP * abs(before)
+def _non_finite(event: Event) -> bool:
+    if isinstance(event, ResultRefused):
+        return event.refusal is Refusal.NON_FINITE
+    return _NON_FINITE.search(event.message) is not None
+
+
+def _diverging(event: Event) -> bool:
+    """Whether a failure says the result itself diverged: non-finite, or a loss blown up
+    (validation's `Refusal.BLOWN_UP`: its own batches' loss over `BLOW_UP` times higher)."""
+    blown_up = isinstance(event, ResultRefused) and event.refusal is Refusal.BLOWN_UP
+    return _non_finite(event) or blown_up
 
 
 def advice(why: str, last_good: int | None, inner_lr: float, checkpoint_dir: str | None) -> str:

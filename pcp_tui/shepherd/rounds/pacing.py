@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 
 from pcp_tui.config.run import InnerConfig, schedule_problem
+from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.rounds.results import Round
 
 SMOOTHING = 0.3  # weight of a round's measured speed in a worker's estimate
@@ -117,7 +118,18 @@ class StepPacing:
         """Fold one result's speed (`steps` in `seconds`, on `connection`) into `worker`'s
         estimate. Late results count too: a worker too slow for the straggler window is
         measured by the result that came late, so its next round is sized to its speed
-        instead of H again (it would only be late again)."""
+        instead of H again (it would only be late again).
+
+        `seconds` is what the worker says it computed for; on a connection that measured
+        its answer (`WorkerRounds.answer_seconds`: from its roundStart's delivery to its
+        result's arrival, the shepherd's own clock) the longer of the two counts. A claim
+        of 1% of its real time made the worker 100x the fastest, and every honest worker
+        trained one chunk a round; now a claim can make a worker no faster than its
+        results arrive."""
+        record = getattr(connection, "rounds", None)  # a WorkerLink's record in the rounds
+        answered = record.answer_seconds if isinstance(record, WorkerRounds) else {}
+        if answered:
+            seconds = max(seconds, max(answered.values()))
         if steps > 0 and seconds > 0:
             estimate = self.speeds.setdefault(worker, SpeedEstimate(self.smoothing))
             estimate.update(steps / seconds, connection)

@@ -18,6 +18,9 @@ from pcp_tui.shepherd.rounds.claims import ResultClaims
 
 # roundStart delivery times a record keeps: a late result is timed from its own round's
 ROUNDS_REMEMBERED = 8
+# a progress projection counts until this many times itself has passed since its roundStart's
+# delivery (`projected_seconds`): room for an honest pace's noise, no more
+PROMISE_SLACK = 2.0
 
 
 class WorkerRounds:
@@ -28,6 +31,9 @@ class WorkerRounds:
         # sits new rounds out until then, so a hung peer delays one round, not every one
         self.behind = 0
         self.behind_since, self.behind_grace = 0.0, math.inf  # see `sitting_out.hung_reason`
+        # rounds since a result of its was refused, none counted since (0: none refused): it
+        # is not waited for, and past `sitting_out.UNPROVEN_ROUNDS` its connection ends
+        self.unproven = 0
         # when each recent round's roundStart had all gone out, and how long its latest
         # result took from there, per fragment (the straggler window, `results.collect`)
         self.delivered_at: dict[int, float] = {}
@@ -44,8 +50,10 @@ class WorkerRounds:
         self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
 
     def started(self, number: int) -> None:
-        """Round `number`'s roundStart is going out here: its results may come."""
+        """Round `number`'s roundStart is going out here: its results may come (a repeated
+        round, no result counted, is answered again: one result per start)."""
         self._started.add(number)
+        self._results = {sent for sent in self._results if sent[0] != number}
 
     def delivered(self, number: int) -> None:
         """Round `number`'s roundStart has all gone out: its results' time counts from now."""
@@ -96,11 +104,17 @@ class WorkerRounds:
     def projected_seconds(self, number: int) -> float:
         """How long round `number` takes this worker from its roundStart's delivery, as its
         latest progress report in that round projects it (H/k x the time to step k); 0.0
-        without one. What the worker says: `results` bounds what it may buy."""
+        without one, or once PROMISE_SLACK times that has passed without its result: a
+        projection is a promise, and one not kept buys nothing more (a peer that reported
+        "step 1 of H" and then nothing held round 1 for factor² windows). What the worker
+        says: `results` bounds what it may buy."""
         delivered = self.delivered_at.get(number)
         if self.progress is None or delivered is None:
             return 0.0
         round_number, step, steps, when = self.progress
         if round_number != number:
             return 0.0
-        return max(when - delivered, 0.0) * steps / step
+        projected = max(when - delivered, 0.0) * steps / step
+        if trio.current_time() - delivered > PROMISE_SLACK * projected:
+            return 0.0
+        return projected

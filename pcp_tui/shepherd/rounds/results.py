@@ -14,7 +14,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config.service import NetworkConfig
 from pcp_tui.diloco.aggregate import Aggregate
-from pcp_tui.diloco.screening import BadResult, ResultScreen
+from pcp_tui.diloco.screening import BadResult, Refusal, ResultScreen
 from pcp_tui.diloco.validation import Assignment
 from pcp_tui.shepherd.run.events import RoundWaiting, Stragglers
 from pcp_tui.shepherd.run.history import RoundRecord
@@ -203,7 +203,7 @@ class Round:
             raise BadResult("a round result must report a positive token count")
         losses = list(body.losses)
         if not all(math.isfinite(x) for x in losses):
-            raise BadResult("reported losses hold NaN or Inf")
+            raise BadResult("reported losses hold NaN or Inf", Refusal.NON_FINITE)
         weight = float(tokens)
         if self._screen.validator is not None:  # BadResult unless it lowers the loss
             view = (self.connections or {})[worker_id].view
@@ -254,6 +254,13 @@ class Round:
             link.rounds.answer_seconds.get(self.fragment, 0.0),
             link.rounds.projected_seconds(self.number),
         )
+
+    def unproven(self, worker_id: str) -> bool:
+        """Whether a result of `worker_id`'s was refused and none counted since (`WorkerLink.
+        unproven`): once the quorum is in, the round waits for it no longer than for the
+        quorum's own pace (`_until_overdue`)."""
+        link = (self.connections or {}).get(worker_id)
+        return link is not None and link.rounds.unproven > 0
 
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
@@ -341,7 +348,9 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
         await _quorum(current, network, state, began, quorum)
         if network.straggler_factor > 0 and not current.done.is_set():
             window = straggler_window(current, network, began, quorum)
-            await _until_overdue(current, window, network.straggler_factor)
+            # no floor for a worker on probation: factor times the quorum's own time
+            short = network.straggler_factor * quorum_seconds(current, began, quorum)
+            await _until_overdue(current, window, network.straggler_factor, min(short, window))
             windowed = True
         else:
             await current.done.wait()
@@ -411,14 +420,22 @@ def straggler_window(current: Round, network: NetworkConfig, began: float, quoru
     --straggler-min-seconds. A worker's time runs from its own delivery (or `began`), so a
     far worker's slower download is not counted against it; `_until_overdue` stretches the
     window for a worker whose own results take longer."""
-    times = sorted(
-        current.answered[w] - (current.delivered(w) or began) for w in current.contributors
-    )
-    quorum_time = times[min(quorum, len(times)) - 1] if times else 0.0
+    quorum_time = quorum_seconds(current, began, quorum)
     return max(network.straggler_min_seconds, network.straggler_factor * quorum_time)
 
 
-async def _until_overdue(current: Round, window: float, factor: float) -> None:
+def quorum_seconds(current: Round, began: float, quorum: int) -> float:
+    """The quorum-th fastest counted result's time from its roundStart's delivery (or
+    `began`); 0.0 without one."""
+    times = sorted(
+        current.answered[w] - (current.delivered(w) or began) for w in current.contributors
+    )
+    return times[min(quorum, len(times)) - 1] if times else 0.0
+
+
+async def _until_overdue(
+    current: Round, window: float, factor: float, probation: float | None = None
+) -> None:
     """Return when nobody is pending, or every pending worker is past its window and not
     uploading. A worker's window is the round's, or `factor` times its own time if that is
     longer (`Round.usual_seconds`: its latest result's, or this round's as its progress
@@ -426,13 +443,19 @@ async def _until_overdue(current: Round, window: float, factor: float) -> None:
     the one an honest worker's own pace has earned. Its own time counts up to `factor`
     times the round's window (so at most factor² x it in all): one result sent hours late,
     or each sent at its window's end, would otherwise buy a window of any length. A worker
-    whose roundStart is still on its way has not started its window."""
+    whose roundStart is still on its way has not started its window. One whose last result
+    was refused (`Round.unproven`) gets `probation` (factor times the quorum's time, no
+    floor, nothing of its own): a peer that answered zeros at its window's end held every
+    round that long."""
     while not current.done.is_set():
         now = trio.current_time()
         due = []
         for worker in current.pending:
             delivered = current.delivered(worker)
             if delivered is not None and not current.receiving(worker):
+                if current.unproven(worker):  # its last result did no work
+                    due.append(delivered + (window if probation is None else probation))
+                    continue
                 own = min(current.usual_seconds(worker), factor * window)
                 due.append(delivered + max(window, factor * own))
         if len(due) == len(current.pending) and all(d <= now for d in due):

@@ -6,16 +6,33 @@ only make that round wait out its window again. So it sits new rounds out
 (`WorkerPool.ready_links` skips it) until a result of its for that round, or a
 later one, comes in (`caught_up`), late or not. One that shows no sign of that
 round for long enough counts as hung (`hung_reason`, a rule the connection's
-watchdog applies), and its connection ends.
+watchdog applies), and its connection ends: progress reports put that off, up to
+`SIT_OUT_GRACES` graces in all.
+
+A worker whose result was refused (it did no work: zeros, a flip) is waited for
+by the rounds after it only --straggler-factor times the quorum's time, without
+the window's floor or a time of its own (`rounds.Round.unproven`), until one of
+its results counts; after `UNPROVEN_ROUNDS` rounds without one its connection ends
+(`unproven_reason`) and its shard goes to the next worker to join. A peer that
+reported progress and answered zeros at its window's end held every round that
+long (41 s for 2-3 s); one that reported progress and never answered kept its
+shard untrained for the rest of the run.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Iterable
 
 import trio
 
 from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.rounds.results import Round
 from pcp_tui.shepherd.serving.connection import WorkerLink
+
+# rounds a worker goes on after a refused result without one counted, the refusal's included
+UNPROVEN_ROUNDS = 3
+# graces (--straggler-factor windows) a worker may sit out while it reports progress
+SIT_OUT_GRACES = 3
 
 
 def sit_out(current: Round, worker_ids: list[str]) -> None:
@@ -29,6 +46,26 @@ def sit_out(current: Round, worker_ids: list[str]) -> None:
             link.view.reason = (
                 f"late for round {current.number}: sits new rounds out until that result comes"
             )
+
+
+def count_unproven(links: Iterable[WorkerLink], counted: Collection[str]) -> None:
+    """A round closed, counting the results of `counted` (worker ids): each worker on
+    probation (a refused result, none counted since) that is not among them, in the round
+    or sitting it out, has one more round against it."""
+    for link in links:
+        if link.rounds.unproven and link.worker_id not in counted:
+            link.rounds.unproven += 1
+
+
+def unproven_reason(rounds: WorkerRounds) -> str:
+    """Why a worker whose results stopped counting loses its connection (and its shard), or
+    ""."""
+    if rounds.unproven <= UNPROVEN_ROUNDS:
+        return ""
+    return (
+        f"no result counted in {rounds.unproven - 1} rounds since one was refused; its "
+        "shard goes to the next worker to join (it may reconnect)"
+    )
 
 
 def caught_up(link: WorkerLink, number: int) -> bool:
@@ -59,15 +96,25 @@ def hung_reason(rounds: WorkerRounds) -> str:
     for that round for --straggler-factor windows more, it is not slow but stuck.
     Ending its connection frees its shard for the next worker to join, and a worker
     whose round can be cancelled reconnects and trains from the next round; one that
-    keeps reporting progress may sit out as long as it takes.
+    keeps reporting progress may sit out up to `SIT_OUT_GRACES` of those (before, as
+    long as it liked: a peer reporting progress and never answering kept its shard).
     """
     if not rounds.behind:
         return ""
+    now = trio.current_time()
+    if now - rounds.behind_since > SIT_OUT_GRACES * rounds.behind_grace:
+        return (
+            f"no result for round {rounds.behind} in {now - rounds.behind_since:.0f} s since "
+            f"its round closed without it, progress or not ({SIT_OUT_GRACES} x "
+            f"--straggler-factor times its window: {SIT_OUT_GRACES * rounds.behind_grace:.3g} "
+            "s); it may reconnect and train from the next round, and its shard goes to the "
+            "next worker to join"
+        )
     last = rounds.behind_since
     progress = rounds.progress
     if progress is not None and progress[0] == rounds.behind:
         last = max(last, progress[3])
-    quiet = trio.current_time() - last
+    quiet = now - last
     if quiet <= rounds.behind_grace:
         return ""
     return (

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pcp_tui.diloco.screening import Refusal
+
 if TYPE_CHECKING:
     from pcp_tui.shepherd.run.history import RoundRecord
 
@@ -262,6 +264,7 @@ class LateResult(WorkerEvent):
 class ResultRefused(WorkerEvent):
     kind = EventKind.BAD_RESULT
     round: int
+    refusal: Refusal  # why, for code (`rounds/divergence.py`); the message is for people
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 
 import trio
@@ -98,6 +98,10 @@ class WorkerPool:
             for link in self._links.values()
             if link.ready.is_set() and not link.closed and not link.rounds.behind
         ]
+
+    def count_unproven(self, counted: Collection[str]) -> None:
+        """A round closed with the results of `counted` (`sitting_out.count_unproven`)."""
+        sitting_out.count_unproven(list(self._links.values()), counted)
 
     def sitting_out_line(self) -> str:
         """The connected workers that sit rounds out, for a 'waiting' line; "" if none."""
@@ -394,6 +398,7 @@ class WorkerPool:
             too_slow=lambda: (
                 upload_too_slow(link, self.config)
                 or sitting_out.hung_reason(link.rounds)
+                or sitting_out.unproven_reason(link.rounds)
                 or slots.not_ready_reason(link, cfg.security.ready_timeout, trio.current_time())
             ),
         ):
@@ -468,12 +473,17 @@ class WorkerPool:
         except BadResult as exc:
             assert current is not None  # only a round's add refuses a result
             current.finish(link.worker_id)
+            # a result that did no work buys its sender no time (`rounds.usual_seconds`), and
+            # the rounds after it do not wait for it until one of its results counts
+            link.rounds.answer_seconds.pop(body.fragment, None)
+            link.rounds.unproven = max(link.rounds.unproven, 1)
             view.reason = f"result refused: {exc}"
             self.state.emit(
                 ResultRefused(
                     f"refused worker {view.index}'s round {number} result: {exc}",
                     worker=link.worker_id,
                     round=number,
+                    refusal=exc.refusal,
                 )
             )
             with contextlib.suppress(*LINK_ERRORS):
@@ -494,4 +504,5 @@ class WorkerPool:
             return
         view.state = WorkerState.IDLE
         view.step = view.total_steps
+        link.rounds.unproven = 0  # a counted result: waited for again
         view.reason = ""  # an earlier refusal no longer describes this worker
