@@ -105,6 +105,7 @@ class WorkerLink(Connection):
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments: Attachments | None = None
         self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
+        self.results_taken = 0  # results screened and folded into a round (`slots`: a slot earned)
         self._rounds_started: set[int] = set()  # rounds whose roundStart went out on this link
         # what its results may claim; sized by `worker_plan.bind_to_plan` (no result comes before)
         self.claims = ResultClaims(tokens_per_step=0)
