@@ -34,6 +34,7 @@ class WorkerRounds:
         # rounds since a result of its was refused, none counted since (0: none refused): it
         # is not waited for, and past `sitting_out.UNPROVEN_ROUNDS` its connection ends
         self.unproven = 0
+        self.results_taken = 0  # results screened and folded into a round (`slots`: a slot earned)
         # when each recent round's roundStart had all gone out, and how long its latest
         # result took from there, per fragment (the straggler window, `results.collect`)
         self.delivered_at: dict[int, float] = {}

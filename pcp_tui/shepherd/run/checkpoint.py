@@ -75,6 +75,10 @@ class CheckpointRefused(CheckpointError):
 
 # Worker indices a checkpoint may hold: far above any run's churn, far below what stalls a join.
 MAX_WORKER_INDEX = 1 << 20
+# Rounds a checkpoint may say it holds: a round number travels as a UInt32 in `roundStart`
+MAX_ROUND = (1 << 31) - 1
+# meta.json and `latest` are small; a bigger one (or /dev/zero behind a link) is not read
+MAX_META_BYTES = 16 << 20
 _ROUND_NAME = re.compile(r"round-(\d{6,})")
 
 
@@ -279,6 +283,38 @@ def locate(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Path:
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"no checkpoint at {root}: no such directory; {hint}")
+    _check_files(root, [root / "latest"], hint)
+    path = _find(root, hint)
+    _check_files(root, [path / name for name in ("meta.json", *TENSOR_FILES)], hint)
+    return path
+
+
+def _check_files(root: Path, files: list[Path], hint: str) -> None:
+    """CheckpointRefused unless each of `files` that exists is a regular file inside `root`.
+
+    A link to a FIFO or /dev/zero would hang the read or fill memory; one to another
+    directory would resume something the operator did not point at.
+    """
+    base = root.resolve()
+    for file in files:
+        if not file.exists() and not file.is_symlink():
+            continue  # missing files are `_unreadable`'s to report
+        real = file.resolve()
+        if not real.is_relative_to(base) or not real.is_file():
+            where = "outside it" if not real.is_relative_to(base) else "not a regular file"
+            raise CheckpointRefused(
+                f"{file} leads to {str(real)[:120]!r}, {where}: a checkpoint's files are "
+                f"regular files inside {root}; {hint}"
+            )
+        if file.name in ("latest", "meta.json") and real.stat().st_size > MAX_META_BYTES:
+            raise CheckpointRefused(
+                f"{file} holds {real.stat().st_size} bytes, more than a checkpoint's "
+                f"{MAX_META_BYTES}: a damaged or edited checkpoint; {hint}"
+            )
+
+
+def _find(root: Path, hint: str) -> Path:
+    """The round directory `latest` names in `root`, or `root` itself, or the newest complete."""
     try:
         name = (root / "latest").read_text().strip()
     except FileNotFoundError:
@@ -307,6 +343,7 @@ def inspect(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Checkpo
     path = locate(directory, hint=hint)
     try:
         meta = _read_meta(path)
+        _check_meta(path, meta)
         with safe_open(path / "params.safetensors", "numpy") as tensors:
             shapes = {n: tuple(tensors.get_slice(n).get_shape()) for n in tensors.keys()}  # noqa: SIM118
     except _UNREADABLE as exc:
@@ -322,6 +359,7 @@ def load_latest(directory: str | os.PathLike, *, hint: str = RESUME_HINT) -> Che
     path = locate(directory, hint=hint)
     try:
         meta = _read_meta(path)
+        _check_meta(path, meta)
         _verify(path, meta)
         params = load_file(path / "params.safetensors")
         outer = load_file(path / "outer.safetensors")
@@ -337,8 +375,8 @@ def check_sane(saved: Checkpoint) -> None:
 
     Every parameter and optimizer-state value finite (one NaN parameter makes every
     worker refuse every round; a NaN momentum makes every later step NaN), the
-    round a number >= 0 that matches its directory's name, worker indices within
-    MAX_WORKER_INDEX. The message names the file and what is wrong in it.
+    round the one its directory's name says (meta.json's entries: `_check_meta`, as it
+    is read). The message names the file and what is wrong in it.
     """
     where = f"checkpoint {saved.path}"
     for file, tensors in (("params", saved.params), ("outer", saved.outer_state)):
@@ -350,22 +388,83 @@ def check_sane(saved: Checkpoint) -> None:
                     "value(s) (NaN or inf): a run cannot continue from it; resume from an "
                     "earlier round-NNNNNN directory, or start a new run"
                 )
-    meta = saved.meta
     numbered = _ROUND_NAME.fullmatch(saved.path.name.lstrip(".").removesuffix("-replaced"))
-    if saved.round < 0 or (numbered and int(numbered.group(1)) != saved.round):
+    if numbered and int(numbered.group(1)) != saved.round:
         raise CheckpointRefused(
             f"{where}: meta.json says round {saved.round}, its directory is {saved.path.name}; "
             "a damaged or edited checkpoint: resume from another round-NNNNNN directory"
         )
-    workers = meta.get("workers", {})
-    if not isinstance(workers, dict) or not all(
-        isinstance(index, int) and not isinstance(index, bool) and 0 <= index < MAX_WORKER_INDEX
-        for index in workers.values()
-    ):
+
+
+def _is_count(value: Any, bound: int | float = float("inf")) -> bool:
+    """An int (not a bool) in 0..bound-1."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < bound
+
+
+def _check_meta(path: Path, meta: dict[str, Any]) -> None:
+    """CheckpointRefused naming the first entry of meta.json a run cannot take back.
+
+    The round, worker indices, the shard ledger, the eval loss and the file records
+    are read back into the run: each must have the shape the shepherd writes.
+    """
+    round_number = meta["round"]
+    if not _is_count(round_number, MAX_ROUND + 1):
         raise CheckpointRefused(
-            f"{where}: meta.json's workers must map worker ids to indices 0..{MAX_WORKER_INDEX - 1} "
-            "(a damaged or edited checkpoint); remove that entry or resume from another round"
+            f"checkpoint {path}: meta.json says round {round_number}, not 0..{MAX_ROUND}; "
+            "a damaged or edited checkpoint: resume from another round-NNNNNN directory"
         )
+    ledger = meta.get("shard_ledger", {})
+    checks = (
+        (
+            "workers",
+            f"map worker ids to indices 0..{MAX_WORKER_INDEX - 1}",
+            lambda v: (
+                isinstance(v, dict) and all(_is_count(i, MAX_WORKER_INDEX) for i in v.values())
+            ),
+            meta.get("workers", {}),
+        ),
+        (
+            "shard_ledger.shards",
+            'be a list of {"rounds": n, "tokens": n} with n >= 0',
+            lambda v: (
+                isinstance(v, list)
+                and all(
+                    isinstance(s, dict)
+                    and _is_count(s.get("rounds"))
+                    and _is_count(s.get("tokens"))
+                    for s in v
+                )
+            ),
+            ledger.get("shards", []) if isinstance(ledger, dict) else None,
+        ),
+        (
+            "shard_ledger.last_shard",
+            "map worker ids to shard indices >= 0",
+            lambda v: isinstance(v, dict) and all(_is_count(i) for i in v.values()),
+            ledger.get("last_shard", {}) if isinstance(ledger, dict) else None,
+        ),
+        (
+            "eval_loss",
+            "be a number or null",
+            lambda v: v is None or (isinstance(v, int | float) and not isinstance(v, bool)),
+            meta.get("eval_loss"),
+        ),
+        (
+            "files",
+            'map file names to {"bytes": n, "crc32": n}',
+            lambda v: (
+                isinstance(v, dict)
+                and all(isinstance(r, dict) and set(r) == {"bytes", "crc32"} for r in v.values())
+            ),
+            meta.get("files") or {},
+        ),
+    )
+    for key, must, holds, value in checks:
+        if not holds(value):
+            raise CheckpointRefused(
+                f"checkpoint {path}: meta.json's {key} must {must} (found {str(value)[:80]}): "
+                "a damaged or edited checkpoint; remove that entry or resume from another round"
+            )
 
 
 _UNREADABLE = (OSError, ValueError, safetensors.SafetensorError)
@@ -466,6 +565,8 @@ def saved_token(directory: str | os.PathLike) -> str | None:
     directory); None if there is none."""
     root = Path(directory)
     for candidate in (root / TOKEN_FILE, root.parent / TOKEN_FILE):
+        if candidate.exists():  # not a FIFO or /dev/zero behind a link: it would never end
+            _check_files(candidate.parent, [candidate], "start without --resume, with --token")
         try:
             token = candidate.read_text(encoding="utf-8").strip()
         except FileNotFoundError:

@@ -209,9 +209,9 @@ class WorkerPool:
     async def _wait_for_slot(
         self, worker_id: str, busy: tuple[protocol.ErrorCode, str]
     ) -> tuple[protocol.ErrorCode, str] | None:
-        """Every slot is taken: wait, in order of arrival, for one whose connection is not
-        ready to pass its grace, and take it (`slots`); None once this worker may join, else
-        the refusal (every holder is ready, or as many newcomers as slots wait already).
+        """Every slot is taken: wait, in order of arrival, for a connection that has not earned
+        its slot to pass its grace, and take it (`slots`); None once this worker may join, else
+        the refusal (every holder has contributed, or as many newcomers as slots wait already).
 
         Waiting in line, not retrying, is what lets an honest worker in: squatters that
         are put out join again at once, and a retry every few seconds would lose every
@@ -219,18 +219,18 @@ class WorkerPool:
         """
         if self._slot_waiters >= self.config.worker_connections:
             return busy
-        grace = slots.evictable_after(self.config.security.ready_timeout)
+        ready_timeout = self.config.security.ready_timeout
         self._slot_waiters += 1
         try:
             async with self._slot_line:  # trio's locks are fair: first come, first served
                 while (refusal := self._refusal(worker_id)) and refusal[0] is busy[0]:
                     now = trio.current_time()
-                    taken = slots.slot_to_take(self._links.values(), now, grace)
+                    taken = slots.slot_to_take(self._links.values(), now, ready_timeout)
                     if taken is not None:
                         await self._move_out(taken)
                         continue
-                    free_at = slots.next_to_free(self._links.values(), grace)
-                    if free_at is None:  # every holder is ready: none will free for this one
+                    free_at = slots.next_to_free(self._links.values(), ready_timeout)
+                    if free_at is None:  # every holder has contributed: none will free
                         return refusal
                     await trio.sleep_until(min(free_at, now + 1.0))  # or one leaves sooner
                 return refusal
@@ -238,10 +238,11 @@ class WorkerPool:
             self._slot_waiters -= 1
 
     async def _move_out(self, link: WorkerLink) -> None:
-        """Close a connection that is not ready, for a newcomer to take its slot (`slots`)."""
+        """Close a connection that has not earned its slot, for a newcomer to take it (`slots`)."""
         waited = trio.current_time() - link.admitted_at
+        what = "no result taken" if link.ready.is_set() else "not ready"
         reason = (
-            f"not ready {waited:.0f} s after its welcome, and every connection slot is taken: "
+            f"{what} {waited:.0f} s after its welcome, and every connection slot is taken: "
             "its slot went to a new worker (it may join again)"
         )
         # its own task then marks it gone, for this reason (the failure is set first: the
@@ -502,6 +503,7 @@ class WorkerPool:
                 )
             )
             return
+        link.rounds.results_taken += 1
         view.state = WorkerState.IDLE
         view.step = view.total_steps
         link.rounds.unproven = 0  # a counted result: waited for again

@@ -13,10 +13,17 @@ heard `busy` on every retry. Two rules bound that:
   that has gone longest without saying ready to pass `evictable_after(ready_timeout)`
   seconds, and takes its slot (`slot_to_take`, `next_to_free`): 45 s, or a quarter of
   --ready-timeout if that is less. Squatters that are put out join again behind it, so
-  they delay an honest worker by about that grace, not by --ready-timeout. Ready workers
-  are never moved; as many newcomers may wait as there are slots. An honest worker
-  moved while it compiles loses little: it finishes compiling, keeps the compiled
-  graphs, and is ready as soon as it is back in.
+  they delay an honest worker by about that grace, not by --ready-timeout. As many
+  newcomers may wait as there are slots. An honest worker moved while it compiles loses
+  little: it finishes compiling, keeps the compiled graphs, and is ready as soon as it
+  is back in;
+- saying ready costs nothing: four squatters that said ready at once and never answered
+  a round held every slot, and round 1 waited for them, for ever. So a ready connection
+  that was sent a round keeps its slot from a newcomer for --ready-timeout from its first
+  `roundStart` (an honest worker's first round) unless a result of its has been taken
+  into a round (screened and folded in; or its worker contributed before a reconnect).
+  A ready worker not yet sent a round (it waits for the next one), and one that has
+  delivered, are never moved.
 
 Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 """
@@ -46,21 +53,36 @@ def not_ready_reason(link: WorkerLink, ready_timeout: float, now: float) -> str:
     )
 
 
-def slot_to_take(links: Iterable[WorkerLink], now: float, grace: float) -> WorkerLink | None:
-    """The open connection a newcomer may take the slot of, or None: the one welcomed longest
-    ago of those still not ready `grace` seconds after their welcome."""
-    waiting = [
-        link
-        for link in links
-        if not link.closed and not link.ready.is_set() and now - link.admitted_at >= grace
+def _free_at(link: WorkerLink, ready_timeout: float) -> float | None:
+    """When a newcomer may take `link`'s slot (trio's clock), or None: never (closed, ready
+    and not yet sent a round, or a result of its was taken)."""
+    if link.closed:
+        return None
+    if not link.ready.is_set():
+        return link.admitted_at + evictable_after(ready_timeout)
+    # a result taken here, or before a reconnect
+    earned = link.rounds.results_taken or link.view.rounds_contributed
+    if not earned and link.rounds.delivered_at:  # sent rounds, and nothing to show for them
+        return min(link.rounds.delivered_at.values()) + ready_timeout
+    return None
+
+
+def slot_to_take(
+    links: Iterable[WorkerLink], now: float, ready_timeout: float
+) -> WorkerLink | None:
+    """The open connection a newcomer may take the slot of, or None: of those past `_free_at`,
+    the one that got there first (then the one welcomed first)."""
+    due = [
+        (free_at, link.admitted_at, index, link)
+        for index, link in enumerate(links)
+        if (free_at := _free_at(link, ready_timeout)) is not None and free_at <= now
     ]
-    return min(waiting, key=lambda link: link.admitted_at, default=None)
+    return min(due, default=(None,) * 4)[3]
 
 
-def next_to_free(links: Iterable[WorkerLink], grace: float) -> float | None:
-    """When the first open connection that is not ready passes its grace (trio's clock), or
-    None if every open connection is ready."""
+def next_to_free(links: Iterable[WorkerLink], ready_timeout: float) -> float | None:
+    """When the first open connection passes `_free_at` (trio's clock), or None if none will."""
     return min(
-        (link.admitted_at + grace for link in links if not link.closed and not link.ready.is_set()),
+        (at for link in links if (at := _free_at(link, ready_timeout)) is not None),
         default=None,
     )
