@@ -56,10 +56,24 @@ async def fake_worker(port: int, index: int) -> None:
             software="bench",
         )
     )
-    await stream.receive()  # welcome
+    welcome = (await stream.receive()).body
     plan = (await stream.receive()).body
     tokens = plan.inner_steps * plan.batch_size * plan.tokens_per_row
     await stream.send(protocol.Ready(compile_seconds=0.0))
+    async with trio.open_nursery() as nursery:  # heartbeats, as a real worker sends them
+        nursery.start_soon(heartbeats, stream, welcome.heartbeat_seconds)
+        await answer_rounds(stream, plan, tokens, index)
+        nursery.cancel_scope.cancel()
+
+
+async def heartbeats(stream: protocol.MessageStream, seconds: float) -> None:
+    while True:
+        await trio.sleep(seconds)
+        await stream.send(protocol.Heartbeat(time.time()))
+
+
+async def answer_rounds(stream: protocol.MessageStream, plan, tokens: int, index: int) -> None:
+    """Answer every roundStart at once: a progress report of the whole round, then the result."""
     pseudo_gradient = None
     while True:
         message = await stream.receive()
@@ -67,14 +81,19 @@ async def fake_worker(port: int, index: int) -> None:
             return
         if message.kind != "roundStart":
             continue
+        number, steps = message.body.round, message.body.inner_steps or plan.inner_steps
         if pseudo_gradient is None:
             rng = np.random.default_rng(index)
             pseudo_gradient = {
                 n: rng.standard_normal(t.shape, dtype=np.float32) * np.float32(1e-4)
                 for n, t in message.tensors.items()
             }
+        progress = protocol.Progress(
+            round=number, step=steps, total_steps=steps, loss=1.0, phase=protocol.Phase.TRAINING
+        )
+        await stream.send(progress)
         result = protocol.RoundResult(
-            round=message.body.round,
+            round=number,
             tokens=tokens,
             losses=(1.0,) * plan.inner_steps,
             inner_steps=plan.inner_steps,

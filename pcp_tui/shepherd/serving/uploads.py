@@ -9,6 +9,9 @@ for ever: `upload_too_slow` is the rule the link's watchdog applies to it.
 
 from __future__ import annotations
 
+import bisect
+import collections
+import math
 import time
 
 import trio
@@ -24,24 +27,71 @@ from pcp_tui.shepherd.serving.connection import WorkerLink
 RESULTS_IN_MEMORY = 8
 
 
-def upload_too_slow(link: WorkerLink, config: RunConfig) -> str:
+# How often the receiver's load is sampled (`ReceiverLoad`), and for how long it is kept:
+# longer than any upload is given (--upload-grace plus a result at --min-upload-rate).
+TICK_SECONDS = 0.1
+LOAD_SECONDS = 3600.0
+
+
+class ReceiverLoad:
+    """How much of each recent second the shepherd was too busy to read: its own load.
+
+    A task sleeps TICK_SECONDS at a time; whatever it oversleeps, the event loop
+    was running other work (sending round starts, decoding, folding), and no
+    upload was read meanwhile. Those seconds are the receiver's, not the peer's:
+    `upload_too_slow` does not count them against an upload. An idle shepherd
+    oversleeps nothing, so a peer that trickles bytes into it is judged at the
+    full --min-upload-rate; a congested one (hundreds of uploads, 2 cores) judges
+    each upload only on the time it could have taken it in.
+    """
+
+    def __init__(self) -> None:
+        self.busy_total = 0.0  # seconds the loop was busy, since this started
+        self._marks: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=int(LOAD_SECONDS / TICK_SECONDS)
+        )  # (time.monotonic(), busy_total then), one per tick
+
+    async def run(self) -> None:
+        """Sample the load until cancelled (the shepherd's nursery runs it)."""
+        while True:
+            before = time.monotonic()
+            await trio.sleep(TICK_SECONDS)
+            now = time.monotonic()
+            self.busy_total += max(now - before - TICK_SECONDS, 0.0)
+            self._marks.append((now, self.busy_total))
+
+    def busy_since(self, since: float) -> float:
+        """Seconds the loop was busy since `since` (`time.monotonic()`), to the tick."""
+        index = bisect.bisect_left(self._marks, (since, -math.inf))
+        if index >= len(self._marks):
+            return 0.0
+        before = self._marks[index - 1][1] if index > 0 else 0.0
+        return self.busy_total - before
+
+
+def upload_too_slow(link: WorkerLink, config: RunConfig, load: ReceiverLoad | None = None) -> str:
     """Why the message arriving on `link` is too slow to wait for, or "".
 
     After --upload-grace seconds a message must average --min-upload-rate, so an
     upload of n bytes has grace + n / rate seconds at most: trickling bytes keeps a
     connection active, not alive. The clock starts again when a result gets its
-    memory slot (`view.last_heard` is set then), as waiting for one is not slowness.
+    memory slot (`view.last_heard` is set then), as waiting for one is not slowness,
+    and it does not run while the shepherd itself was too busy to read (`load`): a
+    congested shepherd must not drop honest workers for its own load.
     """
     partial = link.stream.partial_message
     if partial is None:
         return ""
     started, received = partial
-    elapsed = time.monotonic() - max(started, link.view.last_heard)
+    since = max(started, link.view.last_heard)
+    elapsed = time.monotonic() - since
+    busy = load.busy_since(since) if load is not None else 0.0
     rate, grace = config.security.min_upload_rate, config.security.upload_grace
-    if received >= rate * (elapsed - grace):
+    if received >= rate * (elapsed - busy - grace):
         return ""
+    spent = f", {busy:.0f} s of them with the shepherd busy" if busy >= 0.5 else ""
     return (
-        f"upload too slow: {received} bytes in {elapsed:.0f} s, under --min-upload-rate "
+        f"upload too slow: {received} bytes in {elapsed:.0f} s{spent}, under --min-upload-rate "
         f"{rate:g} B/s after --upload-grace {grace:g} s"
     )
 
