@@ -17,7 +17,10 @@ moved, seconds per GB moved (flat means linear in bytes), and the overhead as
 a fraction of a reference round, a real 1-worker round of H inner steps
 measured on this machine by bench_worker_overhead (pass
 --reference-round-seconds; default: H=50 tiny on a 2-core CPU, ~6 s). Ends with
-`ratio_round_seconds_<last N>_vs_<first N>=<x>`.
+`ratio_round_seconds_<last N>_vs_<first N>=<x>`. `fewest` is the fewest results a round
+folded in and `lost` the workers the shepherd dropped: the fakes heartbeat and report
+progress like real workers, so a loss is the shepherd's doing (before per-peer bounds left
+out its own load, 256 fakes of `--param-shapes small` lost workers as "upload too slow").
 
 `--param-shapes gpt2` gives the model the parameter shapes of that preset
 (GPT-2 124M: 498 MB of float32) with a stand-in loss: nothing here runs the
@@ -155,9 +158,15 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
         workload = with_param_shapes(workload, args.param_shapes)
     shepherd = Shepherd(config, workload)
     cpu_at_round: list[float] = []  # this process's CPU seconds when each round ended
-    shepherd.state.subscribe(
-        lambda event: cpu_at_round.append(time.process_time()) if event.kind == "round" else None
-    )
+    lost: list[str] = []  # why workers were dropped: a fake behaves, so none should be
+
+    def note(event) -> None:
+        if event.kind == "round":
+            cpu_at_round.append(time.process_time())
+        elif event.kind == "lost":
+            lost.append(event.message)
+
+    shepherd.state.subscribe(note)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
         command = [sys.executable, __file__, "--fake", str(port), str(count)]
@@ -173,6 +182,9 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
         "mb_moved": moved / 1e6,
         "seconds_per_gb": seconds / (moved / 1e9),
         "params": shepherd.workload.param_count,
+        "fewest_workers": min(r.workers for r in shepherd.state.history),
+        "lost": len(lost),
+        "lost_example": lost[0] if lost else "",
     }
 
 
@@ -205,14 +217,17 @@ def main() -> None:
     )
     print(
         f"{'workers':>8}{'round s':>10}{'CPU s':>8}{'MB moved':>11}{'s per GB':>10}"
-        f"{'of a ' + str(args.reference_round_seconds) + ' s round':>20}"
+        f"{'of a ' + str(args.reference_round_seconds) + ' s round':>20}{'fewest':>8}{'lost':>6}"
     )
     for r in rows:
         print(
             f"{r['workers']:>8}{r['round_seconds']:>10.3f}{r['shepherd_cpu_seconds']:>8.3f}"
             f"{r['mb_moved']:>11.1f}{r['seconds_per_gb']:>10.3f}"
             f"{r['round_seconds'] / args.reference_round_seconds:>20.1%}"
+            f"{r['fewest_workers']:>8}{r['lost']:>6}"
         )
+        if r["lost"]:
+            print(f"    first loss: {r['lost_example']}")
     print(json.dumps(rows))
     first, last = rows[0], rows[-1]
     print(
