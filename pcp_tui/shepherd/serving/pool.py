@@ -310,6 +310,7 @@ class WorkerPool:
             hello.runtime,
             min_send_rate=security.min_upload_rate,
             send_grace=security.upload_grace,
+            load=self.load,
         )
         previous = self._links.get(hello.worker_id)
         if previous is not None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 
 import trio
 
@@ -50,6 +52,7 @@ class ReceiverLoad:
         self._marks: collections.deque[tuple[float, float]] = collections.deque(
             maxlen=int(LOAD_SECONDS / TICK_SECONDS)
         )  # (time.monotonic(), busy_total then), one per tick
+        self._deadlines: set[trio.CancelScope] = set()  # sends whose deadline the load moves
 
     async def run(self) -> None:
         """Sample the load until cancelled (the shepherd's nursery runs it)."""
@@ -57,8 +60,21 @@ class ReceiverLoad:
             before = time.monotonic()
             await trio.sleep(TICK_SECONDS)
             now = time.monotonic()
-            self.busy_total += max(now - before - TICK_SECONDS, 0.0)
+            busy = max(now - before - TICK_SECONDS, 0.0)
+            self.busy_total += busy
             self._marks.append((now, self.busy_total))
+            for scope in self._deadlines:
+                scope.deadline += busy
+
+    @contextlib.contextmanager
+    def stretched(self, scope: trio.CancelScope) -> Iterator[None]:
+        """Within: `scope`'s deadline (a message to a worker) moves on by every second the
+        shepherd was busy, as the upload clock leaves them out."""
+        self._deadlines.add(scope)
+        try:
+            yield
+        finally:
+            self._deadlines.discard(scope)
 
     def busy_since(self, since: float) -> float:
         """Seconds the loop was busy since `since` (`time.monotonic()`), to the tick."""
