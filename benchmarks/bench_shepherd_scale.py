@@ -34,6 +34,7 @@ import dataclasses
 import json
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import trio
@@ -41,10 +42,21 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import auth
+from pcp_tui.contract.connection import LINK_ERRORS
 from pcp_tui.testing import parse_with_smoke
+
+FAKE_PROCESSES = 4  # the fakes run in this many processes
 
 
 async def fake_worker(port: int, index: int) -> None:
+    """One fake; a link the shepherd ends ends it (the shepherd counts it as lost)."""
+    try:
+        await fake_session(port, index)
+    except* LINK_ERRORS:
+        pass
+
+
+async def fake_session(port: int, index: int) -> None:
     raw = await trio.open_tcp_stream("127.0.0.1", port)
     stream = protocol.MessageStream(raw)
     hello = await stream.receive()
@@ -104,9 +116,9 @@ async def answer_rounds(stream: protocol.MessageStream, plan, tokens: int, index
         await stream.send(result, pseudo_gradient)
 
 
-async def fake_workers(port: int, count: int) -> None:
+async def fake_workers(port: int, first: int, count: int) -> None:
     async with trio.open_nursery() as nursery:
-        for i in range(count):
+        for i in range(first, first + count):
             nursery.start_soon(fake_worker, port, i)
 
 
@@ -165,12 +177,18 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
             cpu_at_round.append(time.process_time())
         elif event.kind == "lost":
             lost.append(event.message)
+            print(f"  {event.message}", file=sys.stderr, flush=True)
 
     shepherd.state.subscribe(note)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
-        command = [sys.executable, __file__, "--fake", str(port), str(count)]
-        nursery.start_soon(lambda: trio.run_process(command))
+        # several processes, as real workers have CPUs of their own: one process decoding
+        # every fake's round start was the slowest "worker" (silent for the heartbeat timeout)
+        processes = min(count, FAKE_PROCESSES)
+        for p in range(processes):
+            first, last = p * count // processes, (p + 1) * count // processes
+            command = [sys.executable, __file__, "--fake", str(port), str(first), str(last - first)]
+            nursery.start_soon(partial(trio.run_process, command))
     history = shepherd.state.history[1:]  # round 1 also compiles the outer step
     seconds = float(np.median([r.round_seconds for r in history]))
     cpu = float(np.median(np.diff(cpu_at_round)))
@@ -197,7 +215,7 @@ def main() -> None:
         "--param-shapes", choices=["tiny", "small", "gpt2"], help="stand-in model of these shapes"
     )
     parser.add_argument("--reference-round-seconds", type=float, default=6.0)
-    parser.add_argument("--fake", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--fake", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parse_with_smoke(parser, workers=[1, 4], rounds=3)
     if args.fake:
         trio.run(fake_workers, *args.fake)
