@@ -88,7 +88,8 @@ class NormGuard:
     def __init__(self, factor: float = NORM_FACTOR, rounds: int = NORM_ROUNDS):
         self.factor = factor
         self._medians: collections.deque[float] = collections.deque(maxlen=rounds)
-        self.round_norms: list[float] = []  # this round's judged norms per unit of lr
+        # this round's judged norms per unit of lr (a relay's join them: docs/relays.md)
+        self.round_norms: list[float] = []
         self.typical = 0.0  # this round's baseline per unit of lr (0: none yet)
 
     def begin_round(self) -> None:
@@ -97,10 +98,6 @@ class NormGuard:
             self._medians.append(statistics.median(self.round_norms))
             self.round_norms = []
         self.typical = statistics.median(self._medians) if self._medians else 0.0
-
-    def take(self, norms: list[float]) -> None:
-        """Count norms judged elsewhere against this round's baseline (a relay's) in the round."""
-        self.round_norms.extend(norms)
 
     def check(self, tensors: Mapping[str, np.ndarray], scale: float = 1.0) -> float:
         """The pseudo-gradient's global norm; BadResult if it is not finite or absurdly large."""
