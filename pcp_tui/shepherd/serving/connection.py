@@ -163,6 +163,14 @@ class WorkerLink(Connection):
         with trio.CancelScope(shield=True):  # half a frame went out: nothing more to say
             await trio.aclose_forcefully(self.stream.stream)
 
+    def silent_for(self) -> float:
+        """`Connection.silent_for`, less the seconds the shepherd itself was too busy to read
+        (`uploads.ReceiverLoad`): a congested shepherd does not hear heartbeats it has not read."""
+        silent = super().silent_for()
+        if self.load is None or silent <= 0:
+            return silent
+        return max(silent - self.load.busy_since(time.monotonic() - silent), 0.0)
+
     @property
     def worker_id(self) -> str:
         return self.view.worker_id
