@@ -408,7 +408,7 @@ class WorkerPool:
 
     async def _receive_loop(self, link: WorkerLink) -> None:
         while True:
-            slot = ResultSlot(self._result_slots, link)
+            slot = ResultSlot(self._result_slots, link, self.load)
             try:
                 message = await link.receive(before_payload=slot.admit)
                 await self._handle(link, message)

@@ -13,6 +13,7 @@ import bisect
 import collections
 import contextlib
 import math
+import statistics
 import time
 from collections.abc import Iterator
 
@@ -33,6 +34,14 @@ RESULTS_IN_MEMORY = 8
 # longer than any upload is given (--upload-grace plus a result at --min-upload-rate).
 TICK_SECONDS = 0.1
 LOAD_SECONDS = 3600.0
+# What the shepherd's peers show it can take in: the rates of its latest result uploads. Once
+# PEER_UPLOADS of them are in, an upload is judged against PEER_SHARE of their median when that
+# is below --min-upload-rate (a shepherd that takes everyone's results slowly, whatever the
+# reason, does not drop the one it takes as slowly as the rest), never below FLOOR_SHARE of it.
+UPLOAD_RATES = 32
+PEER_UPLOADS = 4
+PEER_SHARE = 0.25
+FLOOR_SHARE = 1 / 16
 
 
 class ReceiverLoad:
@@ -53,6 +62,22 @@ class ReceiverLoad:
             maxlen=int(LOAD_SECONDS / TICK_SECONDS)
         )  # (time.monotonic(), busy_total then), one per tick
         self._deadlines: set[trio.CancelScope] = set()  # sends whose deadline the load moves
+        # bytes/s of the latest result uploads, from their slot to their last byte
+        self.upload_rates: collections.deque[float] = collections.deque(maxlen=UPLOAD_RATES)
+
+    def uploaded(self, nbytes: int, since: float, until: float) -> None:
+        """A result upload of `nbytes` ran from `since` to `until` (`time.monotonic()`)."""
+        seconds = until - since - self.busy_since(since)
+        if nbytes > 0 and seconds > 0:
+            self.upload_rates.append(nbytes / seconds)
+
+    def required_rate(self, configured: float) -> float:
+        """The rate an upload must average: --min-upload-rate, or less where the latest uploads
+        all ran slower (PEER_SHARE of their median, at least FLOOR_SHARE of the option)."""
+        if len(self.upload_rates) < PEER_UPLOADS:
+            return configured
+        peers = PEER_SHARE * statistics.median(self.upload_rates)
+        return min(configured, max(peers, FLOOR_SHARE * configured))
 
     async def run(self) -> None:
         """Sample the load until cancelled (the shepherd's nursery runs it)."""
@@ -93,7 +118,10 @@ def upload_too_slow(link: WorkerLink, config: RunConfig, load: ReceiverLoad | No
     connection active, not alive. The clock starts again when a result gets its
     memory slot (`view.last_heard` is set then), as waiting for one is not slowness,
     and it does not run while the shepherd itself was too busy to read (`load`): a
-    congested shepherd must not drop honest workers for its own load.
+    congested shepherd must not drop honest workers for its own load. Where the latest
+    uploads all ran under the option's rate, the bound is a share of theirs
+    (`ReceiverLoad.required_rate`): the shepherd takes everyone in slowly, so the one
+    upload as slow as the rest is not the peer's fault; a trickler is still far below.
     """
     partial = link.stream.partial_message
     if partial is None:
@@ -103,9 +131,16 @@ def upload_too_slow(link: WorkerLink, config: RunConfig, load: ReceiverLoad | No
     elapsed = time.monotonic() - since
     busy = load.busy_since(since) if load is not None else 0.0
     rate, grace = config.security.min_upload_rate, config.security.upload_grace
-    if received >= rate * (elapsed - busy - grace):
+    required = load.required_rate(rate) if load is not None else rate
+    if received >= required * (elapsed - busy - grace):
         return ""
     spent = f", {busy:.0f} s of them with the shepherd busy" if busy >= 0.5 else ""
+    if required < rate:
+        return (
+            f"upload too slow: {received} bytes in {elapsed:.0f} s{spent}, under {required:.3g} B/s "
+            f"({PEER_SHARE:g} of the median of the latest uploads, as they are under "
+            f"--min-upload-rate {rate:g} B/s) after --upload-grace {grace:g} s"
+        )
     return (
         f"upload too slow: {received} bytes in {elapsed:.0f} s{spent}, under --min-upload-rate "
         f"{rate:g} B/s after --upload-grace {grace:g} s"
@@ -116,9 +151,10 @@ class ResultSlot:
     """One round result's claim on the shepherd's memory, from its header to its fold; while
     it lasts the link's `result_arriving` is set."""
 
-    def __init__(self, slots: trio.Semaphore, link: WorkerLink):
-        self._slots, self._link = slots, link
+    def __init__(self, slots: trio.Semaphore, link: WorkerLink, load: ReceiverLoad | None = None):
+        self._slots, self._link, self._load = slots, link, load
         self._held = False
+        self._since, self._bytes_before = 0.0, 0  # when its slot came, and the link's bytes then
 
     async def admit(self, kind: str, nbytes: int) -> None:
         """`before_payload` hook: a round result's payload waits for a free slot."""
@@ -131,6 +167,7 @@ class ResultSlot:
         finally:
             self._link.view.last_heard = time.monotonic()  # the upload-rate clock starts now
         self._held = True
+        self._since, self._bytes_before = self._link.view.last_heard, self._link.view.bytes_in
 
     def release(self) -> None:
         """After the message was handled (a result folded in, or refused): free the slot."""
@@ -138,3 +175,8 @@ class ResultSlot:
         if self._held:
             self._held = False
             self._slots.release()
+            view = self._link.view  # its last byte came when it was last heard
+            if self._load is not None and view.bytes_in > self._bytes_before:
+                self._load.uploaded(
+                    view.bytes_in - self._bytes_before, self._since, view.last_heard
+                )
