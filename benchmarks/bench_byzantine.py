@@ -184,6 +184,7 @@ class Simulation:
         evals, validate_seconds = [], 0.0
         for number in range(1, cfg.outer.rounds + 1):
             screen.bound = update_bound(cfg, params)
+            screen.norms.begin_round()
             per_step = screen.max_tokens // cfg.inner.steps
             screen.lr_sum = result_lr_sum(cfg, per_step, end=number * cfg.inner.steps)
             if isinstance(mean, CenteredClip):

@@ -59,7 +59,7 @@ def old_close(clip: CenteredClip) -> None:
     """Centered clip's close as it was: `sums += center * w` and `center = sums * scale`."""
     sums = clip.sums
     for name in sums:
-        sums[name] += clip.center[name] * np.float32(clip._center_weight)
+        sums[name] += clip.center[name] * np.float32(clip.partial.center_weight)
         np.multiply(sums[name], clip.scale, out=clip.center[name])
 
 

@@ -43,7 +43,7 @@ def run(config, *, stop_after: int | None = None, forget_clip: bool = False) -> 
         aggregate.load_state_arrays({})  # a probe, not the product: private state below
         if hasattr(aggregate, "center"):
             aggregate.center = None
-            aggregate._recent.clear()
+            aggregate._medians.clear()
 
     async def main():
         with WorkerProcesses() as workers:

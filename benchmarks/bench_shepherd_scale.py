@@ -17,7 +17,10 @@ moved, seconds per GB moved (flat means linear in bytes), and the overhead as
 a fraction of a reference round, a real 1-worker round of H inner steps
 measured on this machine by bench_worker_overhead (pass
 --reference-round-seconds; default: H=50 tiny on a 2-core CPU, ~6 s). Ends with
-`ratio_round_seconds_<last N>_vs_<first N>=<x>`.
+`ratio_round_seconds_<last N>_vs_<first N>=<x>`. `fewest` is the fewest results a round
+folded in and `lost` the workers the shepherd dropped: the fakes heartbeat and report
+progress like real workers, so a loss is the shepherd's doing (before per-peer bounds left
+out its own load, 256 fakes of `--param-shapes small` lost workers as "upload too slow").
 
 `--param-shapes gpt2` gives the model the parameter shapes of that preset
 (GPT-2 124M: 498 MB of float32) with a stand-in loss: nothing here runs the
@@ -31,6 +34,7 @@ import dataclasses
 import json
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import trio
@@ -38,10 +42,21 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import auth
+from pcp_tui.contract.connection import LINK_ERRORS
 from pcp_tui.testing import parse_with_smoke
+
+FAKE_PROCESSES = 4  # the fakes run in this many processes
 
 
 async def fake_worker(port: int, index: int) -> None:
+    """One fake; a link the shepherd ends ends it (the shepherd counts it as lost)."""
+    try:
+        await fake_session(port, index)
+    except* LINK_ERRORS:
+        pass
+
+
+async def fake_session(port: int, index: int) -> None:
     raw = await trio.open_tcp_stream("127.0.0.1", port)
     stream = protocol.MessageStream(raw)
     hello = await stream.receive()
@@ -56,10 +71,47 @@ async def fake_worker(port: int, index: int) -> None:
             software="bench",
         )
     )
-    await stream.receive()  # welcome
+    welcome = (await stream.receive()).body
     plan = (await stream.receive()).body
     tokens = plan.inner_steps * plan.batch_size * plan.tokens_per_row
     await stream.send(protocol.Ready(compile_seconds=0.0))
+    async with trio.open_nursery() as nursery:  # heartbeats, as a real worker sends them
+        nursery.start_soon(heartbeats, stream, welcome.heartbeat_seconds)
+        await answer_rounds(stream, plan, tokens, index)
+        nursery.cancel_scope.cancel()
+
+
+async def heartbeats(stream: protocol.MessageStream, seconds: float) -> None:
+    while True:
+        await trio.sleep(seconds)
+        await stream.send(protocol.Heartbeat(time.time()))
+
+
+PSEUDO_GRADIENTS = 4  # distinct results per fake process (drawing one per fake stalled it)
+_drawn: dict[tuple, dict[str, np.ndarray]] = {}
+
+
+async def _pseudo_gradient(shapes: tuple, seed: int) -> dict[str, np.ndarray]:
+    """A small random result of `shapes`, drawn once per process and seed, in a thread: drawn
+    on the event loop for each of 64 fakes it kept every fake of the process from sending a
+    heartbeat for longer than the heartbeat timeout, as no real worker does."""
+    key = (shapes, seed)
+    if key not in _drawn:
+
+        def draw() -> dict[str, np.ndarray]:
+            rng = np.random.default_rng(seed)
+            return {
+                n: rng.standard_normal(shape, dtype=np.float32) * np.float32(1e-4)
+                for n, shape in shapes
+            }
+
+        result = await trio.to_thread.run_sync(draw)
+        _drawn.setdefault(key, result)
+    return _drawn[key]
+
+
+async def answer_rounds(stream: protocol.MessageStream, plan, tokens: int, index: int) -> None:
+    """Answer every roundStart at once: a progress report of the whole round, then the result."""
     pseudo_gradient = None
     while True:
         message = await stream.receive()
@@ -67,14 +119,16 @@ async def fake_worker(port: int, index: int) -> None:
             return
         if message.kind != "roundStart":
             continue
+        number, steps = message.body.round, message.body.inner_steps or plan.inner_steps
         if pseudo_gradient is None:
-            rng = np.random.default_rng(index)
-            pseudo_gradient = {
-                n: rng.standard_normal(t.shape, dtype=np.float32) * np.float32(1e-4)
-                for n, t in message.tensors.items()
-            }
+            shapes = tuple((n, t.shape) for n, t in message.tensors.items())
+            pseudo_gradient = await _pseudo_gradient(shapes, index % PSEUDO_GRADIENTS)
+        progress = protocol.Progress(
+            round=number, step=steps, total_steps=steps, loss=1.0, phase=protocol.Phase.TRAINING
+        )
+        await stream.send(progress)
         result = protocol.RoundResult(
-            round=message.body.round,
+            round=number,
             tokens=tokens,
             losses=(1.0,) * plan.inner_steps,
             inner_steps=plan.inner_steps,
@@ -82,9 +136,9 @@ async def fake_worker(port: int, index: int) -> None:
         await stream.send(result, pseudo_gradient)
 
 
-async def fake_workers(port: int, count: int) -> None:
+async def fake_workers(port: int, first: int, count: int) -> None:
     async with trio.open_nursery() as nursery:
-        for i in range(count):
+        for i in range(first, first + count):
             nursery.start_soon(fake_worker, port, i)
 
 
@@ -136,13 +190,25 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
         workload = with_param_shapes(workload, args.param_shapes)
     shepherd = Shepherd(config, workload)
     cpu_at_round: list[float] = []  # this process's CPU seconds when each round ended
-    shepherd.state.subscribe(
-        lambda event: cpu_at_round.append(time.process_time()) if event.kind == "round" else None
-    )
+    lost: list[str] = []  # why workers were dropped: a fake behaves, so none should be
+
+    def note(event) -> None:
+        if event.kind == "round":
+            cpu_at_round.append(time.process_time())
+        elif event.kind == "lost":
+            lost.append(event.message)
+            print(f"  {event.message}", file=sys.stderr, flush=True)
+
+    shepherd.state.subscribe(note)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
-        command = [sys.executable, __file__, "--fake", str(port), str(count)]
-        nursery.start_soon(lambda: trio.run_process(command))
+        # several processes, as real workers have CPUs of their own: one process decoding
+        # every fake's round start was the slowest "worker" (silent for the heartbeat timeout)
+        processes = min(count, FAKE_PROCESSES)
+        for p in range(processes):
+            first, last = p * count // processes, (p + 1) * count // processes
+            command = [sys.executable, __file__, "--fake", str(port), str(first), str(last - first)]
+            nursery.start_soon(partial(trio.run_process, command))
     history = shepherd.state.history[1:]  # round 1 also compiles the outer step
     seconds = float(np.median([r.round_seconds for r in history]))
     cpu = float(np.median(np.diff(cpu_at_round)))
@@ -154,6 +220,9 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
         "mb_moved": moved / 1e6,
         "seconds_per_gb": seconds / (moved / 1e9),
         "params": shepherd.workload.param_count,
+        "fewest_workers": min(r.workers for r in shepherd.state.history),
+        "lost": len(lost),
+        "lost_example": lost[0] if lost else "",
     }
 
 
@@ -166,7 +235,7 @@ def main() -> None:
         "--param-shapes", choices=["tiny", "small", "gpt2"], help="stand-in model of these shapes"
     )
     parser.add_argument("--reference-round-seconds", type=float, default=6.0)
-    parser.add_argument("--fake", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--fake", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parse_with_smoke(parser, workers=[1, 4], rounds=3)
     if args.fake:
         trio.run(fake_workers, *args.fake)
@@ -186,14 +255,17 @@ def main() -> None:
     )
     print(
         f"{'workers':>8}{'round s':>10}{'CPU s':>8}{'MB moved':>11}{'s per GB':>10}"
-        f"{'of a ' + str(args.reference_round_seconds) + ' s round':>20}"
+        f"{'of a ' + str(args.reference_round_seconds) + ' s round':>20}{'fewest':>8}{'lost':>6}"
     )
     for r in rows:
         print(
             f"{r['workers']:>8}{r['round_seconds']:>10.3f}{r['shepherd_cpu_seconds']:>8.3f}"
             f"{r['mb_moved']:>11.1f}{r['seconds_per_gb']:>10.3f}"
             f"{r['round_seconds'] / args.reference_round_seconds:>20.1%}"
+            f"{r['fewest_workers']:>8}{r['lost']:>6}"
         )
+        if r["lost"]:
+            print(f"    first loss: {r['lost_example']}")
     print(json.dumps(rows))
     first, last = rows[0], rows[-1]
     print(

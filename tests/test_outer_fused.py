@@ -101,7 +101,7 @@ def test_centered_clip_close_over_threads_is_the_plain_arithmetic():
         for _ in range(3):  # results far from the center: clipped, so the center gets a share
             clip.add(_gradient(np.random.default_rng(5), "normal") | {"w": center["w"] + 9}, 10.0)
     expected = {n: v.copy() for n, v in clips[0].sums.items()}
-    weight, scale = np.float32(clips[0]._center_weight), clips[0].scale
+    weight, scale = np.float32(clips[0].partial.center_weight), clips[0].scale
     assert weight > 0
     for name in names:
         expected[name] += center[name] * weight

@@ -29,23 +29,26 @@ def test_global_norm_is_the_l2_norm_of_everything():
     assert global_norm(tensors) == pytest.approx(5.0)
 
 
-def test_norm_check_needs_a_baseline_then_refuses_outliers():
-    guard = NormGuard(factor=10, baseline=2)
-    guard.check(update(1.0, seed=1))  # no baseline yet: anything finite passes
-    guard.check(update(1000.0))  # one earlier norm: no baseline yet (it joins the window)
-    guard.check(update(1.2, seed=2))
-    guard.check(update(3.0, seed=3))  # drift well within 10x is fine
+def test_norm_check_needs_a_round_of_baseline_then_refuses_outliers():
+    guard = NormGuard(factor=10)
+    guard.begin_round()
+    for norm in (1.0, 1000.0, 1.2):  # round 1: no baseline yet, anything finite passes
+        assert guard.judge(norm) == norm
+    guard.begin_round()  # the baseline: round 1's median, 1.2, however its results came in
+    assert guard.typical == 1.2
+    assert guard.judge(3.0) == 3.0  # drift well within 10x is fine
     with pytest.raises(BadResult, match=r"over 10x the median"):
-        guard.check(update(50.0, seed=4))
+        guard.judge(12.5)
     guard.check(update(0.0))  # a tiny update cannot blow the model up: not refused
 
 
 def test_norm_baseline_follows_a_drift_over_rounds():
-    guard = NormGuard(factor=10, baseline=2, window=4)
+    guard = NormGuard(factor=10, rounds=3)
     judged, truth = [], []
-    for round_number in range(20):  # warm-up: every round's updates are 3x the last one's
+    for round_number in range(30):  # warm-up: every round's updates are 2x the last one's
+        guard.begin_round()
         for worker in range(2):
-            tensors = update(3.0**round_number, seed=10 * round_number + worker)
+            tensors = update(2.0**round_number, seed=10 * round_number + worker)
             judged.append(guard.check(tensors))  # none refused: the baseline follows the drift
             truth.append(
                 math.sqrt(sum(float(np.sum(t.astype(np.float64) ** 2)) for t in tensors.values()))
@@ -55,9 +58,10 @@ def test_norm_baseline_follows_a_drift_over_rounds():
 
 
 def test_norms_are_judged_per_unit_of_learning_rate():
-    guard = NormGuard(factor=10, baseline=2)
+    guard = NormGuard(factor=10)
     for seed in range(2):  # 5 steps at the start of warm-up: Σ lr is tiny, so is the norm
         guard.check(update(0.01, seed=seed), scale=0.001)
+    guard.begin_round()
     assert guard.check(update(5.0, seed=2), scale=1.0) > 0  # 40 steps at full rate: alike
     with pytest.raises(BadResult, match=r"over 10x the median"):
         guard.check(update(5.0, seed=3), scale=0.001)  # the same norm from a step at lr 0.001
@@ -65,16 +69,20 @@ def test_norms_are_judged_per_unit_of_learning_rate():
 
 
 def test_when_every_result_moves_at_once_the_baseline_follows_instead_of_refusing_forever():
-    guard = NormGuard(factor=10, baseline=2, window=4)
-    for seed in range(4):
-        guard.check(update(1.0, seed=seed))
-    refused = 0
-    for seed in range(4, 12):  # every worker's norm is 50x what it was (say, a new lr)
-        try:
-            guard.check(update(50.0, seed=seed))
-        except BadResult:
-            refused += 1
-    assert refused == 2  # until the new norms are the window's majority
+    guard = NormGuard(factor=10, rounds=3)
+    for seed in range(2):  # two rounds of two workers
+        guard.begin_round()
+        for worker in range(2):
+            guard.check(update(1.0, seed=2 * seed + worker))
+    refused = []
+    for seed in range(2, 6):  # every worker's norm is 50x what it was (say, a new lr)
+        guard.begin_round()
+        for worker in range(2):
+            try:
+                guard.check(update(50.0, seed=2 * seed + worker))
+            except BadResult:
+                refused.append(seed)
+    assert refused == [2, 2, 3, 3]  # two rounds, until the new norms are the history's majority
 
 
 def test_an_overflowing_norm_is_refused_even_without_a_baseline():

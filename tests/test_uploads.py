@@ -75,7 +75,9 @@ def test_trickling_uploads_are_dropped_and_the_honest_round_goes_on(
     assert round_workers(path) == [1, 1]  # the honest worker's rounds went on
     lost = {row["worker"]: row["message"] for row in read_metrics(path) if row["event"] == "lost"}
     assert sorted(lost) == [f"trickler-{index}" for index in range(tricklers)]
-    assert all("upload too slow" in message for message in lost.values()), lost
+    # too slow either way: the one a round started with may hit its roundStart's deadline
+    # first (on a loaded machine the upload clock leaves out the seconds the shepherd was busy)
+    assert all(re.search("(up|down)load too slow", message) for message in lost.values()), lost
     print(f"shepherd peak RSS under {tricklers} trickled uploads: {peak_kib / 1024:.0f} MiB")
 
 

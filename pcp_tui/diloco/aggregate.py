@@ -7,11 +7,13 @@ worker moves it as far as it likes. The others bound what a minority can do:
   history for Byzantine robust optimization"): every result is pulled back to
   within a radius of the previous round's aggregate before the token-weighted
   mean, so a worker moves the round by at most radius x its token share. The
-  radius is `CLIP_FACTOR` x the median distance of recent results from their
-  center, each divided by its round's `step_scale` (the sum of the inner
-  learning rates of the round: updates grow with warm-up and shrink with decay):
-  a median that a minority cannot move. It streams (one running sum plus the
-  center: two model-sized buffers), like the mean.
+  radius is `CLIP_FACTOR` x the median, over the last CLIP_ROUNDS rounds, of
+  each round's median distance of its results from their center, divided by its
+  `step_scale` (the sum of the inner learning rates of the round: updates grow
+  with warm-up and shrink with decay): medians of whole rounds, which neither a
+  minority nor the order results arrive in can move. It streams (one running
+  sum plus the center: two model-sized buffers), like the mean, and splits over
+  relays (`partial.py`).
 - `median` and `trimmed-mean` (Yin et al. 2018, "Byzantine-robust distributed
   learning"): per coordinate over the round's results, ignoring token counts.
   They need every result at once: k model-sized float32 copies for k results.
@@ -30,11 +32,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from pcp_tui.diloco import fused
-from pcp_tui.diloco.fused import CHUNK
 from pcp_tui.diloco.outer import PseudoGradientMean
+from pcp_tui.diloco.partial import Partial, distance
 
 CLIP_FACTOR = 2.0  # clip radius: this many times the median distance of recent results
-CLIP_WINDOW = 32  # recent distances the median is taken over (a few rounds of results)
+CLIP_ROUNDS = 3  # rounds whose median distances the radius is the median of
 TRIM = 0.2  # trimmed mean: the fraction of results dropped at each end, per coordinate
 BOUND_MARGIN = 1.01  # float32 rounding of θ − θ_k on top of the exact bound
 
@@ -78,37 +80,24 @@ def inner_update_bound(
     return moved * BOUND_MARGIN
 
 
-def distance(tensors: Mapping[str, np.ndarray], center: Mapping[str, np.ndarray] | None) -> float:
-    """L2 distance between two pseudo-gradients (the norm of the first if `center` is None).
-
-    Each cache-sized piece is a float32 BLAS dot (its rounding is ~1e-7 of the
-    piece's sum), and the pieces add up in float64. Converting every piece to
-    float64 first made this the shepherd's largest cost on a 124M-parameter
-    model (about 2 s per result, on the round's critical path).
-    """
-    total = 0.0
-    scratch = np.empty(CHUNK if center is not None else 0, np.float32)
-    for name, array in tensors.items():
-        flat = np.ravel(np.asarray(array, np.float32))
-        reference = None if center is None else np.ravel(np.asarray(center[name], np.float32))
-        for start in range(0, flat.size, CHUNK):
-            part = flat[start : start + CHUNK]
-            if reference is not None:
-                part = np.subtract(part, reference[start : start + CHUNK], out=scratch[: part.size])
-            total += float(np.dot(part, part))
-    return math.sqrt(total)
-
-
 class CenteredClip:
     """Token-weighted mean of results clipped to a ball around the previous aggregate.
 
     A result Δ_k at distance d_k from the center v counts as
     v + (Δ_k − v)·s_k with s_k = min(1, radius / d_k). Streamed as
-    Σ w_k s_k Δ_k + v·Σ w_k (1 − s_k): one running sum, the center added at the end.
+    Σ w_k s_k Δ_k + v·Σ w_k (1 − s_k): one running sum (a `partial.Partial`, which a
+    relay's partial of the same round merges into), the center added at the end.
     A round without earlier distances from a center (the run's first two: the
     first has no center, its distances are norms; or the first after resuming a
     checkpoint that predates this state) holds its results until it closes and
     takes the radius from their own median: k model-sized copies, those rounds only.
+
+    The radius is a function of the set of earlier rounds' results, never of the
+    order they came in: each round (its results merged from every partial) adds
+    the median of its distances to a history of CLIP_ROUNDS rounds, and the radius
+    is `factor` x the median of that history. A minority of a round's results cannot
+    move its median far, whenever they arrive; a window of the latest arrivals let
+    the last ones set it.
 
     The center is the previous aggregate scaled to this round's learning rate:
     v · step_scale / (its round's step_scale). Unscaled, a round whose Σ lr fell
@@ -118,46 +107,57 @@ class CenteredClip:
     """
 
     def __init__(
-        self, names: tuple[str, ...], factor: float = CLIP_FACTOR, window: int = CLIP_WINDOW
+        self, names: tuple[str, ...], factor: float = CLIP_FACTOR, rounds: int = CLIP_ROUNDS
     ):
         self._names = names
         self._factor = factor
-        self._sum = PseudoGradientMean(names)
-        self._recent: collections.deque[float] = collections.deque(maxlen=window)
-        self._round: list[float] = []
-        self._held: list[tuple[dict[str, np.ndarray], float]] = []
-        self._scales: list[float] = []
+        self._sum: dict[str, np.ndarray] = {}  # the partial's buffers, kept from round to round
+        self.threads = fused.THREADS  # threads of each fold and of the close
+        self._medians: collections.deque[float] = collections.deque(maxlen=rounds)
+        self._held: list[tuple[str, dict[str, np.ndarray], float, float]] = []
         self.center: dict[str, np.ndarray] | None = None
         self.center_scale = 0.0  # the step_scale of the round the center comes from (0: unknown)
         self.radius = math.inf
         self.step_scale = 1.0  # what this round's updates scale with (Σ inner lr); set per round
-        self.total_weight = 0.0
-        self._center_weight = 0.0
-        self.contributors = 0
+        self.partial = Partial(names, buffers=self._sum)
+        self._centered = False  # this round's center is scaled to its step_scale
+        self._closed = False
 
     @property
-    def threads(self) -> int:
-        """Threads of each fold and of the close (`fused.over_chunks`)."""
-        return self._sum.threads
+    def total_weight(self) -> float:
+        return self.partial.weight + sum(weight for _, _, weight, _ in self._held)
 
-    @threads.setter
-    def threads(self, count: int) -> None:
-        self._sum.threads = count
+    @property
+    def contributors(self) -> int:
+        return len(self.partial.results) + len(self._held)
 
     def reset(self) -> None:
         """Start a round: its radius comes from the distances of earlier rounds."""
-        self._sum.reset()
-        self._round, self._held, self._scales = [], [], []
-        self.total_weight = self._center_weight = 0.0
-        self.contributors = 0
-        self.radius = self._radius(self._recent) if self._recent else math.inf
+        self._held, self._centered, self._closed = [], False, False
+        self.radius = self._radius(self._medians) if self._medians else math.inf
+        self.partial = self._partial(self._sum)
+
+    def open_partial(self) -> Partial:
+        """An empty partial of this round (its center, radius and step scale), for a relay to
+        fold its workers' results into and hand to `merge`."""
+        self._scale_center()
+        return self._partial(None)
+
+    def _partial(self, buffers: dict[str, np.ndarray] | None) -> Partial:
+        return Partial(
+            self._names,
+            center=self.center,
+            radius=self.radius,
+            step_scale=self.step_scale,
+            buffers=buffers,
+            threads=self.threads,
+        )
 
     def _scale_center(self) -> None:
-        """Bring the center to this round's step_scale (once a round, with its first result).
-
-        A model-sized multiply: it runs where results are folded in (a worker thread for
-        large ones), not when the round is set up on the event loop.
-        """
+        """Bring the center to this round's step_scale (once a round)."""
+        if self._centered:
+            return
+        self._centered = True
         if self.center is not None and self.center_scale > 0 and self.step_scale > 0:
             ratio = np.float32(self.step_scale / self.center_scale)
             if ratio != 1:
@@ -169,53 +169,71 @@ class CenteredClip:
         typical = statistics.median(relative_distances) * self.step_scale
         return self._factor * typical if typical > 0 else math.inf  # a zero median says nothing
 
-    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float) -> None:
-        """Fold one result in (or hold it, in a round without history)."""
+    def _open(self) -> None:
+        if self._closed:
+            raise ValueError("the round is closed: a late result does not count")
+        self._scale_center()
+
+    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float, key: str = "") -> None:
+        """Fold one result in (or hold it, in a round without history). `key` names it (a
+        second result of one key is refused), by default its place in the round."""
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
-        result = {n: pseudo_gradient[n] for n in self._names}
-        if self.contributors == 0:
-            self._scale_center()
-        gap = distance(result, self.center)
-        self._round.append(gap / self.step_scale if self.step_scale > 0 else 0.0)
-        self.contributors += 1
-        if not self._recent:
-            self._held.append(({n: np.array(v, np.float32) for n, v in result.items()}, weight))
+        self._open()
+        key = key or f"#{self.contributors}"
+        if not self._medians:
+            if key in self.partial.results or any(key == k for k, *_ in self._held):
+                raise ValueError(f"result {key!r} is already folded into this round")
+            result = {n: np.array(pseudo_gradient[n], np.float32) for n in self._names}
+            self._held.append((key, result, weight, distance(result, self.center)))
             return
-        self._fold(result, weight, gap)
+        self.partial.threads = self.threads
+        self.partial.add(key, pseudo_gradient, weight)
 
-    def _fold(self, result: Mapping[str, np.ndarray], weight: float, gap: float) -> None:
-        scale = min(1.0, self.radius / gap) if gap > 0 else 1.0
-        self._sum.add(result, weight * scale)
-        self.total_weight += weight
-        self._center_weight += weight * (1.0 - scale)
-        self._scales.append(scale)
+    def merge(self, partial: Partial) -> None:
+        """Fold in a partial of this round's results (`open_partial`'s, from a relay).
+
+        ValueError in a round without history (its radius is not known until it
+        closes: its results come whole) or for a result folded in already.
+        """
+        self._open()
+        if not self._medians:
+            raise ValueError("a round without a radius yet takes whole results, not partials")
+        self.partial.merge(partial)
 
     def finish(self) -> list[float]:
         """Close the round; returns the factor each result was scaled by, in the order added.
 
         Adds the center's share to the sum, then remembers the aggregate (the next
-        center) and the round's distances (the next radius).
+        center) and the median of the round's distances (the next radius).
         """
+        self._open()
+        self._closed = True
         if self._held:
-            self.radius = self._radius(self._round)
-            for (result, weight), relative in zip(self._held, self._round, strict=True):
-                self._fold(result, weight, relative * self.step_scale)
+            per_scale = self.step_scale if self.step_scale > 0 else math.inf
+            self.radius = self._radius([gap / per_scale for *_, gap in self._held])
+            self.partial = self._partial(self._sum)
+            for key, result, weight, gap in self._held:
+                self.partial.add(key, result, weight, gap=gap)
             self._held = []
-        sums = self._sum.sums
+        if not self.partial.results:
+            raise ValueError("no pseudo-gradient was added")
+        sums = self.partial.sums
         share = None  # the center's share, added to the sum in the same pass as the new center
         if self.center is None:  # the first round's distances are norms: no history for later
             self.center = {n: np.empty_like(v) for n, v in sums.items()}
         else:
-            self._recent.extend(self._round)
-            share = np.float32(self._center_weight) if self._center_weight > 0 else None
+            distances = [entry.distance for entry in self.partial.results.values()]
+            self._medians.append(statistics.median(distances))
+            weight = self.partial.center_weight
+            share = np.float32(weight) if weight > 0 else None
         rows = [(sums[n], self.center[n]) for n in self._names]
         fused.over_chunks(fused.center_chunk, rows, (share, self.scale), self.threads)
-        return self._scales
+        return [entry.scale for entry in self.partial.results.values()]
 
     @property
     def sums(self) -> Mapping[str, np.ndarray]:
-        return self._sum.sums
+        return self.partial.sums
 
     @property
     def scale(self) -> np.float32:
@@ -224,22 +242,30 @@ class CenteredClip:
         return np.float32(1.0 / self.total_weight)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """Center and recent distances, for the checkpoint (so `--resume` screens at once)."""
+        """Center and the recent rounds' median distances, for the checkpoint (so `--resume`
+        screens at once)."""
         if self.center is None:
             return {}
         arrays = {f"aggregate.center[{n!r}]": v for n, v in self.center.items()}
-        arrays["aggregate.distances"] = np.array(self._recent, np.float64)
+        arrays["aggregate.round_distances"] = np.array(self._medians, np.float64)
         arrays["aggregate.center_scale"] = np.array([self.center_scale], np.float64)
         return arrays
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Take the state back; a checkpoint without it (older) starts without a history."""
+        """Take the state back; a checkpoint without it (older) starts without a history.
+
+        A checkpoint from before the history was kept by rounds holds the latest
+        distances (`aggregate.distances`): their median stands for one round.
+        """
         keys = {n: f"aggregate.center[{n!r}]" for n in self._names}
         if not all(key in arrays for key in keys.values()):
             return
         self.center = {n: np.array(arrays[key], np.float32) for n, key in keys.items()}
-        self._recent.clear()
-        self._recent.extend(float(x) for x in np.ravel(arrays.get("aggregate.distances", [])))
+        self._medians.clear()
+        medians = np.ravel(arrays.get("aggregate.round_distances", []))
+        if not medians.size and np.size(arrays.get("aggregate.distances", [])):
+            medians = np.array([np.median(arrays["aggregate.distances"])])
+        self._medians.extend(float(x) for x in medians)
         # a checkpoint from before the center was scaled: take the center as it is
         saved = np.ravel(arrays.get("aggregate.center_scale", []))
         self.center_scale = float(saved[0]) if saved.size else 0.0
@@ -265,8 +291,9 @@ class CoordinateWise:
         self._results = []
         self.contributors = 0
 
-    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float) -> None:
-        """Hold a copy of the result until the round closes."""
+    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float, key: str = "") -> None:
+        """Hold a copy of the result until the round closes (its key is not needed: the round
+        takes one result a worker)."""
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         self._results.append({n: np.array(pseudo_gradient[n], np.float32) for n in self._names})

@@ -25,6 +25,7 @@ import numpy as np
 
 from pcp_tui.diloco import fused, reference
 from pcp_tui.diloco.fused import CHUNK as CHUNK  # re-exported: the chunk of the in-place loops
+from pcp_tui.diloco.partial import Partial
 
 
 def scaled_add(
@@ -40,37 +41,39 @@ def scaled_add(
 class PseudoGradientMean:
     """Streaming token-weighted mean: one running sum, never every worker's copy.
 
-    The sum's buffers are reused after `reset`, so a run allocates them once.
+    The round's results fold into one `partial.Partial` without a center or a
+    radius (the same fold centered clip and a relay use; a relay's partial merges
+    in with `merge`). The sum's buffers are reused after `reset`, so a run
+    allocates them once.
     """
 
     def __init__(self, names: tuple[str, ...]):
         self._names = names
         self._sum: dict[str, np.ndarray] = {}
         self.threads = fused.THREADS  # threads of each fold (`fused.over_chunks`)
-        self.total_weight = 0.0
-        self.contributors = 0
+        self.partial = Partial(names, measure=False, buffers=self._sum)
 
     def reset(self) -> None:
         """Forget the pseudo-gradients added so far (the buffers stay)."""
-        self.total_weight = 0.0
-        self.contributors = 0
+        self.partial = Partial(self._names, measure=False, buffers=self._sum, threads=self.threads)
 
-    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float) -> None:
-        """Fold one result in with weight `weight` (its tokens)."""
-        if weight <= 0:
-            raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
-        scale = np.float32(weight)
-        rows = []
-        for n in self._names:
-            array = np.ascontiguousarray(pseudo_gradient[n], np.float32)
-            total = self._sum.get(n)
-            if total is None or total.shape != array.shape:
-                total = self._sum[n] = np.empty(array.shape, np.float32)
-            rows.append((total, array))
-        first = self.contributors == 0  # the sum starts as the first result times its weight
-        fused.over_chunks(fused.fold_chunk, rows, (scale, first), self.threads)
-        self.total_weight += weight
-        self.contributors += 1
+    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float, key: str = "") -> None:
+        """Fold one result in with weight `weight` (its tokens); `key` names it (a second
+        result of one key is refused), by default its place in the round."""
+        self.partial.threads = self.threads
+        self.partial.add(key or f"#{len(self.partial.results)}", pseudo_gradient, weight)
+
+    def merge(self, partial: Partial) -> None:
+        """Fold in a partial of this round's results (a relay's), folded without a center."""
+        self.partial.merge(partial)
+
+    @property
+    def total_weight(self) -> float:
+        return self.partial.weight
+
+    @property
+    def contributors(self) -> int:
+        return len(self.partial.results)
 
     def finish(self) -> list[float]:
         """Nothing to do (no result is scaled): the outer step forms the mean as it goes."""

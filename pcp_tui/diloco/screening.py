@@ -48,8 +48,7 @@ class BadResult(ValueError):
 
 
 NORM_FACTOR = 10.0  # refuse a norm above this many times the median of recent ones
-NORM_BASELINE = 2  # norms needed before the check applies
-NORM_WINDOW = 8  # recent norms the median is taken over (a few rounds)
+NORM_ROUNDS = 3  # rounds whose median norms the baseline is the median of
 
 
 def global_norm(tensors: Mapping[str, np.ndarray]) -> float:
@@ -86,40 +85,52 @@ def check_pseudo_gradient(
 
 
 class NormGuard:
-    """Remembers the norms of recent pseudo-gradients and refuses outliers.
+    """Remembers the norms of recent rounds' pseudo-gradients and refuses outliers.
 
     A norm is judged per unit of learning rate (`scale`: Σ inner lr over the
     steps the result covers; 1 when the caller has no schedule), against the
-    median of the recent ones. Every judged norm joins the window, refused ones
-    too: when every honest result moves at once (a learning rate raised on
-    `--resume`, a new phase of training), the baseline follows within a window
-    instead of refusing everyone forever, and a minority of outliers cannot move
-    the median far.
+    round's baseline: the median, over the last `rounds` rounds, of each round's
+    median norm, fixed when the round begins (`begin_round`). So the baseline is a
+    function of the set of earlier rounds' results, never of the order they came
+    in: a window of the latest arrivals let the slowest few set the next screen.
+    The first round has no baseline (the plan's bound still applies). Every judged
+    norm counts toward its round's median, refused ones too: when every honest
+    result moves at once (a learning rate raised on `--resume`, a new phase of
+    training), the baseline follows within a few rounds instead of refusing
+    everyone forever, and a minority of outliers cannot move the median far.
     """
 
-    def __init__(
-        self, factor: float = NORM_FACTOR, baseline: int = NORM_BASELINE, window: int = NORM_WINDOW
-    ):
-        self.factor, self.baseline = factor, baseline
-        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+    def __init__(self, factor: float = NORM_FACTOR, rounds: int = NORM_ROUNDS):
+        self.factor = factor
+        self._medians: collections.deque[float] = collections.deque(maxlen=rounds)
+        # this round's judged norms per unit of lr (a relay's join them: docs/relays.md)
+        self.round_norms: list[float] = []
+        self.typical = 0.0  # this round's baseline per unit of lr (0: none yet)
+
+    def begin_round(self) -> None:
+        """Close the round judged so far (its median joins the history); fix the baseline."""
+        if self.round_norms:
+            self._medians.append(statistics.median(self.round_norms))
+            self.round_norms = []
+        self.typical = statistics.median(self._medians) if self._medians else 0.0
 
     def check(self, tensors: Mapping[str, np.ndarray], scale: float = 1.0) -> float:
         """The pseudo-gradient's global norm; BadResult if it is not finite or absurdly large."""
         return self.judge(global_norm(tensors), scale)
 
     def judge(self, norm: float, scale: float = 1.0) -> float:
-        """`norm`, unless it is not finite or absurdly large next to recent ones (BadResult)."""
+        """`norm`, unless it is not finite or absurdly large next to earlier rounds (BadResult)."""
         if not math.isfinite(norm):
             raise BadResult("its global L2 norm overflows float32", Refusal.NON_FINITE)
         if not scale > 0:  # lr 0 (warm-up's first step) moves nothing: nothing to compare
             return norm
         relative = norm / scale
-        typical = statistics.median(self._recent) if len(self._recent) >= self.baseline else 0
-        self._recent.append(relative)
+        self.round_norms.append(relative)
+        typical = self.typical
         if typical > 0 and relative > self.factor * typical:  # a zero median says nothing
             raise BadResult(
                 f"its global L2 norm {norm:.4g} is over {self.factor:g}x the median of recent "
-                f"results ({typical * scale:.4g} for the learning rate of the steps it covers)"
+                f"rounds ({typical * scale:.4g} for the learning rate of the steps it covers)"
             )
         return norm
 

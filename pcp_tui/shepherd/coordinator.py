@@ -223,6 +223,7 @@ class Shepherd:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(trio.serve_listeners, self.pool.serve, listeners)
                 nursery.start_soon(self._admission.refusals.run)
+                nursery.start_soon(self.pool.load.run)
                 task_status.started(port)
                 self.state.emit(
                     Listening(

@@ -246,6 +246,7 @@ class RoundEngine:
             # fragment p's results cover the steps since its last send: they scale with
             # their Σ lr (round 1: the (p + 1) H / F - τ steps of warm-up's start)
             screen.bound = bound
+            screen.norms.begin_round()  # the screen's baseline: earlier rounds' norms, as a set
             end = (number - 1) * h + self.schedule.send_step(p)
             screen.lr_sum = result_lr_sum(self.config, self.per_step, end=end)
             if screen.validator is not None:  # scores results against θ as the round starts

@@ -210,7 +210,7 @@ class Round:
             assert view.shard is not None, "a worker in a round trains a shard"
             claim = Assignment(view.index, view.shard, body.inner_steps)
             weight = self._screen.validator.weigh(message.tensors, tokens, claim)
-        self.mean.add(message.tensors, weight)
+        self.mean.add(message.tensors, weight, key=worker_id)
         return tokens, losses
 
     async def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ from pcp_tui.shepherd.serving.progress_rate import ProgressRate
 
 if TYPE_CHECKING:
     from pcp_tui.shepherd.serving.striping import Attachments
+    from pcp_tui.shepherd.serving.uploads import ReceiverLoad
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
 
@@ -72,6 +74,7 @@ class WorkerLink(Connection):
         *,
         min_send_rate: float = math.inf,
         send_grace: float = math.inf,
+        load: ReceiverLoad | None = None,
     ):
         super().__init__(stream, "shepherd", log=log, name=f"worker {view.index}: ")
         self.view = view
@@ -82,6 +85,7 @@ class WorkerLink(Connection):
         self.admitted_at = trio.current_time()  # for the slot rules (shepherd.slots)
         self.rounds = WorkerRounds()  # its part in the rounds: sent, answered, timed
         self.min_send_rate, self.send_grace = min_send_rate, send_grace
+        self.load = load  # the shepherd's own load: a send's deadline leaves its busy seconds out
         self.failure: ConnectionLost | None = None  # why this side ended the link, if it did
         self._turn = trio.Lock()  # messages wait their turn here, outside their deadline
         self.ended = trio.Event()  # set once the connection is closed (its server task ends)
@@ -125,8 +129,12 @@ class WorkerLink(Connection):
             self.rounds.started(body.round)  # its results may come (`WorkerRounds.note_result`)
         async with self._turn:
             seconds = self.send_grace + nbytes / self.min_send_rate
+            began = trio.current_time()
             try:
-                with trio.move_on_after(seconds):
+                with (
+                    trio.move_on_after(seconds) as scope,
+                    self.load.stretched(scope) if self.load else contextlib.nullcontext(),
+                ):
                     sent = await send()
                     if isinstance(body, protocol.RoundStart):
                         self.rounds.delivered(body.round)
@@ -142,7 +150,7 @@ class WorkerLink(Connection):
                 raise
             reason = (
                 f"download too slow: the worker did not take a {nbytes}-byte {body.KIND} in "
-                f"{seconds:.0f} s (--upload-grace {self.send_grace:g} s, then "
+                f"{trio.current_time() - began:.0f} s (--upload-grace {self.send_grace:g} s, then "
                 f"--min-upload-rate {self.min_send_rate:g} B/s); a worker must keep reading"
             )
             await self._cut_off(reason)
@@ -154,6 +162,14 @@ class WorkerLink(Connection):
         self.closed = True
         with trio.CancelScope(shield=True):  # half a frame went out: nothing more to say
             await trio.aclose_forcefully(self.stream.stream)
+
+    def silent_for(self) -> float:
+        """`Connection.silent_for`, less the seconds the shepherd itself was too busy to read
+        (`uploads.ReceiverLoad`): a congested shepherd does not hear heartbeats it has not read."""
+        silent = super().silent_for()
+        if self.load is None or silent <= 0:
+            return silent
+        return max(silent - self.load.busy_since(time.monotonic() - silent), 0.0)
 
     @property
     def worker_id(self) -> str:

@@ -42,7 +42,12 @@ from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.serving import slots, striping
 from pcp_tui.shepherd.serving.admission import Admission, Admitted
 from pcp_tui.shepherd.serving.connection import WorkerLink, shown
-from pcp_tui.shepherd.serving.uploads import RESULTS_IN_MEMORY, ResultSlot, upload_too_slow
+from pcp_tui.shepherd.serving.uploads import (
+    RESULTS_IN_MEMORY,
+    ReceiverLoad,
+    ResultSlot,
+    upload_too_slow,
+)
 from pcp_tui.shepherd.serving.worker_plan import bind_to_plan, worker_plan
 from pcp_tui.training.workload import Workload
 
@@ -83,6 +88,7 @@ class WorkerPool:
         self._next_index = 0
         self._known_indices: dict[str, int] = {}  # worker id -> index, from a checkpoint
         self._result_slots = trio.Semaphore(RESULTS_IN_MEMORY)
+        self.load = ReceiverLoad()  # the shepherd's own load, which uploads are not blamed for
         self._slot_line = trio.Lock()  # newcomers waiting for a connection slot (`_wait_for_slot`)
         self._slot_waiters = 0
 
@@ -309,6 +315,7 @@ class WorkerPool:
             hello.runtime,
             min_send_rate=security.min_upload_rate,
             send_grace=security.upload_grace,
+            load=self.load,
         )
         previous = self._links.get(hello.worker_id)
         if previous is not None:
@@ -397,7 +404,7 @@ class WorkerPool:
             heartbeat_seconds=cfg.network.heartbeat_seconds,
             timeout=cfg.network.heartbeat_timeout,
             too_slow=lambda: (
-                upload_too_slow(link, self.config)
+                upload_too_slow(link, self.config, self.load)
                 or sitting_out.hung_reason(link.rounds)
                 or sitting_out.unproven_reason(link.rounds)
                 or slots.not_ready_reason(link, cfg.security.ready_timeout, trio.current_time())
@@ -407,7 +414,7 @@ class WorkerPool:
 
     async def _receive_loop(self, link: WorkerLink) -> None:
         while True:
-            slot = ResultSlot(self._result_slots, link)
+            slot = ResultSlot(self._result_slots, link, self.load)
             try:
                 message = await link.receive(before_payload=slot.admit)
                 await self._handle(link, message)
