@@ -39,6 +39,8 @@ _SHOWN = {
     "result_clipped",
     "stragglers",
     "round_waiting",
+    "evaluated",
+    "eval_skipped",
     "paused",
     "resumed",
     "failed",

@@ -11,7 +11,7 @@ import enum
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pcp_tui.shepherd.ledger import ShardLedger
@@ -74,6 +74,8 @@ class EventKind(enum.StrEnum):
     ROUND = "round"
     ROUND_REPEATED = "round_repeated"
     ROUND_WAITING = "round_waiting"
+    EVALUATED = "evaluated"  # a round's held-out eval, which arrives after the round's event
+    EVAL_SKIPPED = "eval_skipped"
     STRAGGLERS = "stragglers"
     LATE_RESULT = "late_result"
     BAD_RESULT = "bad_result"
@@ -269,6 +271,20 @@ class RunState:
             return None
         mean = sum(r.round_seconds for r in self.history) / len(self.history)
         return mean * max(self.rounds_total - self.rounds_done(), 0)
+
+    def evaluated(self, number: int, loss: float) -> None:
+        """Attach round `number`'s eval loss to its history entry (the eval runs off the
+        rounds' path and ends after the round's own event); emit `evaluated`."""
+        for index in range(len(self.history) - 1, -1, -1):
+            if self.history[index].round == number:
+                self.history[index] = replace(self.history[index], eval_loss=loss)
+                break
+        self.emit(
+            EventKind.EVALUATED,
+            f"round {number}: eval loss {loss:.4f}",
+            round=number,
+            eval_loss=loss,
+        )
 
     def last_eval_loss(self) -> float | None:
         """The eval loss of the last round that was evaluated, by this shepherd or, after a
