@@ -53,7 +53,7 @@ def main() -> None:
         *("--model", args.model, "--rounds", str(args.rounds)),
         *("--inner-steps", str(args.inner_steps), "--chunk-steps", str(args.inner_steps)),
         *("--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)),
-        *("--eval-every", "1"),
+        *("--eval-every", "1", "--data-max-bytes", str(4 * 2**20)),
     )
     rows = []
     with tempfile.TemporaryDirectory() as workdir:

@@ -280,6 +280,8 @@ class WorkerPool:
             host=hello.hostname or peer,
             backend=hello.backend,
             devices=hello.devices,
+            processes=hello.processes,
+            hosts=hello.hosts,
             shard=shard,
             runtime=hello.runtime.value,
         )
@@ -307,6 +309,7 @@ class WorkerPool:
             shard=shard,
             platform=hello.platform.value,
             devices=hello.devices,
+            processes=hello.processes,
         )
         if adopted:
             self.state.emit(

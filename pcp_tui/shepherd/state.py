@@ -112,7 +112,9 @@ class WorkerView:
     reason: str = ""
     shard: int | None = None  # the data shard it trains (see ShardLedger)
     runtime: str = "xla"  # what runs its graphs: "xla" (JAX) or "iree"
-    devices: int = 1  # local devices it trains on as one worker (pcp-tui worker --devices)
+    devices: int = 1  # devices it trains on as one worker (pcp-tui worker --devices), all hosts
+    processes: int = 1  # a site: its processes (multi-controller JAX, one a host)
+    hosts: tuple[str, ...] = ()  # a site: its processes' hosts, process 0's first
     compile_seconds: float | None = None
     # its own statistics, from its latest progress message (WorkerStats)
     steps_trained: int = 0  # inner steps since the worker process started
@@ -136,6 +138,8 @@ class WorkerView:
         return {
             "runtime": self.runtime,
             "devices": self.devices,
+            "processes": self.processes,
+            "hosts": list(self.hosts) or [self.host],
             "shard": self.shard,
             "compile_seconds": self.compile_seconds,
             "steps_trained": self.steps_trained,
