@@ -13,7 +13,8 @@ With two CPUs or more the shepherd runs on one and the workers on the others,
 as a coordinator on a machine of its own would (`--no-pin`: all share all).
 
 Columns: `busy` (the workers' compute seconds over the time between two round
-ends, the shepherd's work between rounds included; rounds 2..R), each against
+ends, the shepherd's work between rounds included; rounds 2..R-1: the last one
+ends after the run's final eval, which no worker waits for), each against
 the baseline, the round's wall time, the rounds whose eval ran (the last one
 always does, awaited), the final eval loss.
 
@@ -44,7 +45,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     args = parse_with_smoke(
-        parser, eval_batches=[1, 2], rounds=2, inner_steps=2, batch_size=2, seq_len=16
+        parser, eval_batches=[1, 2], rounds=3, inner_steps=2, batch_size=2, seq_len=16
     )
     available = sorted(os.sched_getaffinity(0))
     pin = args.pin and len(available) >= 2
@@ -77,7 +78,7 @@ def main() -> None:
     print(
         f"{args.workers} worker(s), {args.model}, H={args.inner_steps}, "
         f"batch {args.batch_size}x{args.seq_len}, eval every round, {where}, "
-        f"rounds 2..{args.rounds}\n"
+        f"busy over rounds 2..{max(args.rounds - 1, 2)}\n"
     )
     print(
         f"{'eval batches':>12} {'busy':>6} {'x base':>7} {'round s':>8} {'evaluated':>10} "

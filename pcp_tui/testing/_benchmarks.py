@@ -80,7 +80,7 @@ def run_over_link(
     the run's metrics file in `workdir`. `cpus`: the shepherd's and the workers'
     CPUs, as if each ran on a machine of its own. `busy` is the workers' share of
     the time between round ends (the shepherd's work between rounds included:
-    `utilization` counts only the round's own seconds).
+    `utilization` counts only the round's own seconds), the last round left out.
     """
     name = f"{link}{label}".replace("/", "_")
     port, metrics = free_port(), workdir / f"{name}.jsonl"
@@ -132,8 +132,10 @@ def run_over_link(
         "round_seconds": statistics.mean(r["round_seconds"] for r in rounds),
         "compute_seconds": statistics.mean(r["compute_seconds"] for r in rounds),
         "utilization": statistics.mean(r["utilization"] for r in rounds),
+        # the last round ends after the run's final eval, which no worker waits for: left out
         "busy": statistics.mean(
-            r["compute_seconds"] / (ends[r["round"]] - ends[r["round"] - 1]) for r in rounds
+            r["compute_seconds"] / (ends[r["round"]] - ends[r["round"] - 1])
+            for r in rounds[:-1] or rounds
         ),
         "bytes_per_round": statistics.mean(r["bytes_sent"] + r["bytes_received"] for r in rounds),
         "bytes_data_parallel": statistics.mean(r["bytes_data_parallel"] for r in rounds),
