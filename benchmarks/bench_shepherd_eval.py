@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +45,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
+    parser.add_argument(
+        "--cpu-shepherd",
+        action="store_true",
+        help="the shepherd on the CPU (JAX_PLATFORMS=cpu) beside GPU workers",
+    )
+    parser.add_argument(
+        "--shepherd-args",
+        default="",
+        help="more shepherd options for both runs, e.g. a GPU run's "
+        "'--data tokens.bin --compute-dtype bfloat16 --platforms cpu cuda'",
+    )
     args = parse_with_smoke(
         parser, eval_batches=[1, 2], rounds=3, inner_steps=2, batch_size=2, seq_len=16
     )
@@ -55,6 +67,7 @@ def main() -> None:
         *("--inner-steps", str(args.inner_steps), "--chunk-steps", str(args.inner_steps)),
         *("--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)),
         *("--eval-every", "1", "--data-max-bytes", str(4 * 2**20)),
+        *shlex.split(args.shepherd_args),
     )
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
@@ -67,6 +80,7 @@ def main() -> None:
                 workers=args.workers,
                 label=f"eval{batches}",
                 cpus=cpus,
+                shepherd_env={"JAX_PLATFORMS": "cpu"} if args.cpu_shepherd else None,
             )
             rows.append({**row, "batches": batches})
     base = rows[0]

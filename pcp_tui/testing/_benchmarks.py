@@ -70,6 +70,7 @@ def run_over_link(
     workers: int,
     label: str = "",
     cpus: tuple[set[int], set[int]] | None = None,
+    shepherd_env: dict[str, str] | None = None,
 ) -> dict:
     """A headless shepherd process and `workers` worker processes over `link`: mean round numbers.
 
@@ -78,7 +79,8 @@ def run_over_link(
     the shepherd's (`--rounds`, `--inner-steps`, ...; `--metrics` is added); the
     means are over the rounds after the first (first-call warm-up). `label` names
     the run's metrics file in `workdir`. `cpus`: the shepherd's and the workers'
-    CPUs, as if each ran on a machine of its own. `busy` is the workers' share of
+    CPUs, as if each ran on a machine of its own; `shepherd_env`: more of its environment
+    (`JAX_PLATFORMS=cpu`: a CPU shepherd beside GPU workers). `busy` is the workers' share of
     the time between round ends (the shepherd's work between rounds included:
     `utilization` counts only the round's own seconds), the last round left out.
     """
@@ -89,7 +91,7 @@ def run_over_link(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=worker_env(),
+        env={**worker_env(), **(shepherd_env or {})},
     )
     if cpus is not None:  # before it starts a thread: its threads inherit the set
         os.sched_setaffinity(shepherd.pid, cpus[0])
