@@ -54,7 +54,7 @@ def main() -> None:
         "--shepherd-args",
         default="",
         help="more shepherd options for both runs, e.g. a GPU run's "
-        "'--data tokens.bin --compute-dtype bfloat16 --platforms cpu cuda'",
+        "'--data tokens.bin --compute-dtype bfloat16 --attention xla'",
     )
     args = parse_with_smoke(
         parser, eval_batches=[1, 2], rounds=3, inner_steps=2, batch_size=2, seq_len=16
