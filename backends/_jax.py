@@ -245,7 +245,10 @@ class JaxBackend(Backend):
         ]
 
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        if any(not a.is_fully_addressable and not a.is_fully_replicated for a in arrays):
+        if any(
+            not getattr(a, "is_fully_addressable", True) and not a.is_fully_replicated
+            for a in arrays
+        ):
             # a site's mesh spans other processes' devices: a collective, which every process
             # of the site runs for the same arrays (pcp_tui/worker/site.py)
             from jax.experimental import multihost_utils
