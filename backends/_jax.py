@@ -245,6 +245,17 @@ class JaxBackend(Backend):
         ]
 
     def to_host(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        if any(
+            not getattr(a, "is_fully_addressable", True) and not a.is_fully_replicated
+            for a in arrays
+        ):
+            # a site's mesh spans other processes' devices: a collective, which every process
+            # of the site runs for the same arrays (pcp_tui/worker/site.py)
+            from jax.experimental import multihost_utils
+
+            return [
+                np.asarray(a) for a in multihost_utils.process_allgather(list(arrays), tiled=True)
+            ]
         if self._pinned_host is None or self._mesh is not None:  # a mesh gathers its shards
             return [np.asarray(a) for a in self._jax.device_get(list(arrays))]
         return [np.asarray(a) for a in self._jax.device_put(list(arrays), self._pinned_host)]

@@ -14,6 +14,8 @@ from typing import ClassVar
 from ._enums import ErrorCode, Platform, Runtime
 from ._fields import REASON_CHARS, Body, _finite, _items, _text
 
+MAX_SITE_PROCESSES = 1024  # hosts a site's hello may name
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -26,6 +28,8 @@ class BackendInfo:
     jax_version: str = _text()
     runtime: Runtime = Runtime.XLA
     target: str = _text()
+    process_count: int = 0  # a site of several processes (jax.distributed); 0, 1: one
+    hostnames: tuple[str, ...] = _items(MAX_SITE_PROCESSES)  # each process's, process 0 first
 
 
 @dataclass(frozen=True)

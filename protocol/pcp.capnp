@@ -96,6 +96,10 @@ struct BackendInfo {
   jaxVersion @4 :Text;
   runtime @5 :Runtime;         # what compiles and runs the graphs on this worker
   target @6 :Text;             # what it compiles for: the XLA platform, or IREE's e.g. "vulkan-spirv"
+  # a site: one worker of several processes (multi-controller JAX, one a host), deviceCount
+  # over all of them; 0 or 1 and no hostnames: one process (WorkerHello.hostname's)
+  processCount @7 :UInt32;
+  hostnames @8 :List(Text);    # each process's host, process 0's first
 }
 
 # shepherd -> worker, the first message on a connection.

@@ -131,6 +131,7 @@ def test_endpoints_need_the_token_and_show_the_run_and_its_workers(run_with_api)
         assert listed[0]["utilization"] is None  # it has contributed to no round yet
         stats = listed[0]
         assert (stats["runtime"], stats["devices"], stats["shard"]) == ("xla", 1, 0)
+        assert (stats["processes"], stats["hosts"]) == (1, [socket.gethostname()])  # not a site
         assert stats["compile_seconds"] > 0 and stats["steps_trained"] == 0
         # a CPU worker's "device" memory is its resident memory: more than its Python alone
         assert 0 < stats["memory_in_use_bytes"] <= stats["memory_peak_bytes"]
@@ -159,6 +160,7 @@ def _check_prometheus(answer: httpx.Response) -> None:
     assert families["pcp_worker_bytes_out"].samples[0].value > 0
     assert info[0].labels["runtime"] == "xla"
     assert [s.value for s in families["pcp_worker_shard"].samples] == [0]
+    assert [s.value for s in families["pcp_worker_processes"].samples] == [1]
     assert families["pcp_worker_memory_bytes"].samples[0].value > 0
     assert families["pcp_worker_steps_trained"].type == "counter"
     assert families["pcp_worker_gpu_utilization"].samples == []  # not measured, not zero

@@ -273,3 +273,31 @@ def test_give_up_after_is_the_total_time_spent_trying():
         r"after \d+ s of retrying without getting in \(.*--give-up-after sets the limit\)",
         last,
     ), last
+
+
+async def test_a_sites_hello_says_its_devices_processes_and_hosts():
+    """A worker of 2 processes x 2 devices (multi-controller JAX) is one worker of 4 devices."""
+    from pcp_tui.contract import auth
+    from pcp_tui.shepherd.serving.connection import handshake
+
+    ours, theirs = trio.testing.memory_stream_pair()
+    shepherd, worker = protocol.MessageStream(ours), protocol.MessageStream(theirs)
+    backend = protocol.BackendInfo(device_count=4, process_count=2, hostnames=("a", "b\x1b"))
+    async with trio.open_nursery() as nursery:
+
+        async def answer() -> None:
+            hello = (await worker.receive()).body
+            proof = auth.proof("t", hello.nonce, "site")
+            body = protocol.WorkerHello(
+                supported_versions=protocol.SUPPORTED_VERSIONS,
+                worker_id="site",
+                hostname="a",
+                backend=backend,
+                proof=proof,
+            )
+            await worker.send(body)
+
+        nursery.start_soon(answer)
+        hello = await handshake(shepherd, token="t", run_id="r")
+    assert (hello.backend, hello.devices, hello.processes) == ("cpu x4 on 2 hosts", 4, 2)
+    assert hello.hosts == ("a", "b\\x1b")  # shown as text, never a terminal escape

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from pcp_tui.app.plot import with_evals
+
 from .conftest import worker_env
 
 pytestmark = pytest.mark.e2e
@@ -64,7 +66,7 @@ def test_demo_trains_and_writes_complete_metrics(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _read_metrics(metrics)
-    rounds = [r for r in rows if r["event"] == "round"]
+    rounds = with_evals(rows)  # each round's eval ends after its row: an `evaluated` row
     assert [r["round"] for r in rounds] == [1, 2, 3, 4]
     for row in rounds:
         for key in (

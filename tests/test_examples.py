@@ -17,6 +17,7 @@ import pytest
 
 from pcp_tui.app.cli import _config_from, build_parser, parse_args
 from pcp_tui.app.config_file import load_config_file, reference_toml
+from pcp_tui.app.plot import with_evals
 from pcp_tui.config import RunConfig
 from pcp_tui.training.build import model_config, preset_name
 from pcp_tui.training.model_file import load_spec
@@ -84,7 +85,7 @@ def test_the_example_model_trains_well_with_the_readme_command(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    evals = [row["eval_loss"] for row in rows if row["event"] == "round"]
+    evals = [row["eval_loss"] for row in with_evals(rows)]
     assert len(evals) == 12 and all(b < a for a, b in zip(evals, evals[1:], strict=False)), evals
     assert evals[-1] < 0.55, evals
 

@@ -213,8 +213,9 @@ def test_any_tensors_round_trip_through_a_fragmenting_stream(tensors, sizes):
 
 
 def test_nesting_deeper_than_the_limit_is_refused():
-    """Envelope -> workerHello -> backend is 3 structs deep: a limit of 2 must refuse it, not crash."""
+    """Envelope -> workerHello -> backend -> its hostnames list is 4 deep: a limit of 3 must
+    refuse it, not crash."""
     data = wire(protocol.encode(protocol.WorkerHello(worker_id="w")))
-    assert decodes_or_refuses(data, protocol.Limits(nesting_limit=2)) is None
-    message = decodes_or_refuses(data, protocol.Limits(nesting_limit=3))
+    assert decodes_or_refuses(data, protocol.Limits(nesting_limit=3)) is None
+    message = decodes_or_refuses(data, protocol.Limits(nesting_limit=4))
     assert message.body.backend.platform == protocol.Platform.CPU

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from pcp_tui import protocol
+from pcp_tui.app.plot import with_evals
 from pcp_tui.contract import auth
 from pcp_tui.contract.tls import normalize_fingerprint
 from pcp_tui.testing import (
@@ -212,7 +213,7 @@ def test_a_worker_sending_nan_is_refused_and_the_model_stays_finite(
     assert round_workers(tmp_path / "m") == [2, 2]
     bad = [row for row in rows if row["event"] == "bad_result"]
     assert len(bad) == 2 and all("NaN or Inf" in row["message"] for row in bad)
-    assert all(math.isfinite(row["eval_loss"]) for row in rows if row["event"] == "round")
+    assert all(math.isfinite(row["eval_loss"]) for row in with_evals(rows))
 
 
 # --------------------------------------------------------------------------- TLS

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from pcp_tui.app.plot import with_evals
 from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
 
 RUN = ("--workers", "1", "--rounds", "2", "--inner-steps", "4", "--chunk-steps", "4")
@@ -59,11 +60,7 @@ def test_a_striped_run_trains_on_the_same_tokens_as_a_single_stream_run(tmp_path
     assert "session striped over 4 connections" in outputs[4], outputs[4]
     assert "striped" not in outputs[1]
     rounds = {
-        streams: [
-            row
-            for row in map(json.loads, metrics.read_text().splitlines())
-            if row["event"] == "round"
-        ]
+        streams: with_evals(map(json.loads, metrics.read_text().splitlines()))
         for streams, (_, _, metrics) in runs.items()
     }
     assert [row["train_loss"] for row in rounds[4]] == [row["train_loss"] for row in rounds[1]]

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pcp_tui.app.plot import with_evals
 from pcp_tui.app.tracking import GuardedSink, open_sinks, scalars
 from pcp_tui.testing import worker_env
 
@@ -72,7 +73,7 @@ def test_each_sink_says_where_the_run_goes_when_it_starts(tracked_run):
 
 def _rounds(folder: Path) -> list[dict]:
     rows = [json.loads(line) for line in (folder / "run.jsonl").read_text().splitlines()]
-    rounds = [r for r in rows if r["event"] == "round"]
+    rounds = with_evals(rows)  # the eval of rounds 1 and 2 ends after their rows
     assert [r["round"] for r in rounds] == [1, 2, 3]
     return rounds
 

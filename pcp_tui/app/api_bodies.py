@@ -290,6 +290,12 @@ _WORKER_FAMILIES: tuple[tuple[str, str, type, Callable[[WorkerView, float], floa
     ("pcp_worker_shard", "The data shard it trains", GaugeMetricFamily, lambda w, _: w.shard),
     ("pcp_worker_devices", "Devices it reported", GaugeMetricFamily, lambda w, _: w.devices),
     (
+        "pcp_worker_processes",
+        "Processes (hosts) of a site, one worker over multi-controller JAX",
+        GaugeMetricFamily,
+        lambda w, _: w.processes,
+    ),
+    (
         "pcp_worker_compile_seconds",
         "Seconds it took to compile the training graphs",
         GaugeMetricFamily,

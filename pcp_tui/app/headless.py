@@ -40,6 +40,8 @@ _SHOWN = {
     "result_clipped",
     "stragglers",
     "round_waiting",
+    "evaluated",
+    "eval_skipped",
     "paused",
     "resumed",
     "failed",

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class PlotError(Exception):
@@ -73,20 +75,40 @@ def _unique_labels(series: list[Series]) -> list[Series]:
     return series
 
 
+def with_evals(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The round rows of a metrics file, each with the eval loss of its `evaluated` row.
+
+    A round's eval runs off the rounds' path (`shepherd/run/evaluation.py`): its row
+    says `"eval_loss": null` and an `evaluated` row follows when the eval ends.
+    """
+    rounds: list[dict[str, Any]] = []
+    for row in rows:
+        if row.get("event") == "round":
+            rounds.append(dict(row))
+        elif row.get("event") == "evaluated":
+            for earlier in reversed(rounds):
+                if earlier.get("round") == row.get("round"):
+                    earlier["eval_loss"] = row.get("eval_loss")
+                    break
+    return rounds
+
+
 def read_runs(path: Path) -> list[Series]:
     """The runs in one metrics file; lines that are not JSON (a cut-off last line) are skipped."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise PlotError(f"cannot read {path}: {exc.strerror or exc}") from None
-    parts: list[Series] = []
+    rows = []
     for line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if not isinstance(row, dict) or row.get("event") != "round":
-            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    parts: list[Series] = []
+    for row in with_evals(rows):
         number = row.get("round")
         if not isinstance(number, int):
             continue

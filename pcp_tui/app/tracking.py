@@ -24,6 +24,8 @@ from typing import IO, Any, Protocol
 log = logging.getLogger(__name__)
 
 _NOT_SCALARS = {"round", "time"}  # the step and the wall clock, not curves
+# rows logged at step = their round: a round's, and its eval's (which ends after the round's row)
+_STEPPED = ("round", "evaluated")
 
 
 class MetricsSink(Protocol):
@@ -120,7 +122,7 @@ class WandbSink:
         return f"W&B: run {run.name} at {run.url}"
 
     def __call__(self, row: Mapping[str, Any]) -> None:
-        if row.get("event") == "round":
+        if row.get("event") in _STEPPED:
             self._run.log(scalars(row), step=int(row["round"]))
         elif row.get("event") == "done":
             self._run.summary.update(scalars(row))
@@ -147,7 +149,7 @@ class TensorBoardSink:
         return f"TensorBoard: event files in {self._directory} (tensorboard --logdir {self._directory})"
 
     def __call__(self, row: Mapping[str, Any]) -> None:
-        if row.get("event") != "round":
+        if row.get("event") not in _STEPPED:
             return
         values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars(row).items()]
         event = self._event(

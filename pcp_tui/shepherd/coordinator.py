@@ -27,6 +27,7 @@ from pcp_tui.diloco.validation import AssignedBatches, LossDeltaValidator, eval_
 from pcp_tui.shepherd.rounds import divergence
 from pcp_tui.shepherd.rounds.engine import (
     RoundEngine,
+    copy_tensors,
     inner_optimizer,
     record_round,
     tokens_per_step,
@@ -35,6 +36,7 @@ from pcp_tui.shepherd.rounds.pacing import StepPacing
 from pcp_tui.shepherd.rounds.results import OpenRounds
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.shepherd.run.checkpoint_writer import CheckpointWriter
+from pcp_tui.shepherd.run.evaluation import HeldOutEval
 from pcp_tui.shepherd.run.events import (
     Done,
     Exported,
@@ -132,6 +134,14 @@ class Shepherd:
             pacing=self.engine.pacing,
             run_id=self.run_id,
             stopping=lambda: self._stop_reason is not None,
+        )
+        self.evals = HeldOutEval(
+            self.evaluate,
+            copy_tensors,
+            self.state,
+            every=config.evaluation.every,
+            last_round=config.outer.rounds,
+            diverged=self._eval_diverged,
         )
         if saved is not None:
             self._resume(saved)
@@ -324,7 +334,7 @@ class Shepherd:
                 break
             self.state.status = RunStatus.TRAINING
             mark = self.state.events[-1] if self.state.events else None
-            record = await self._run_round(number)
+            record = await self._run_round(number, nursery)
             why = divergence.diverged(
                 divergence.events_since(self.state.events, mark),
                 number,
@@ -347,6 +357,7 @@ class Shepherd:
             if cfg.checkpoints.dir and number % cfg.checkpoints.every == 0:
                 await self._checkpoint(number, nursery)
             number += 1
+        await self.evals.idle()  # the last checkpoint and the `done` event have its loss
         if (
             cfg.checkpoints.dir
             and not self._diverged
@@ -385,17 +396,16 @@ class Shepherd:
             "data_positions": {"seed": self.config.model.seed, "next_round": number + 1},
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
             "shard_ledger": self.state.shards.as_meta(),
+            # the newest known: an earlier round's while this round's eval runs (`HeldOutEval`)
             "eval_loss": self.state.last_eval_loss(),
         }
         self._checkpointed = number
         await self._checkpoints.save(number, meta, self._snapshot, nursery)
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        state = self.engine.state_arrays()
-        return (
-            {n: p.copy() for n, p in self.params.items()},
-            {n: np.array(v, copy=True) for n, v in state.items()},
-        )
+        """θ and the outer state, copied over the outer step's threads (on the next round's
+        path: a 124M model's θ and momentum are 1 GB)."""
+        return copy_tensors(self.params), copy_tensors(self.engine.state_arrays())
 
     async def _wait_for_workers(self, count: int, message: str) -> None:
         announced = False
@@ -408,20 +418,28 @@ class Shepherd:
 
     # -- one round ------------------------------------------------------------
 
-    async def _run_round(self, number: int) -> RoundRecord | None:
-        """Round `number` (`engine.RoundEngine`), recorded."""
+    async def _run_round(self, number: int, nursery: trio.Nursery) -> RoundRecord | None:
+        """Round `number` (`engine.RoundEngine`), recorded; its eval started in `nursery`
+        (`HeldOutEval`), or awaited for the run's last round."""
         current = await self.engine.run(number, self.pool.ready_links())
         self.pool.count_unproven(() if current is None else current.contributors)
         if current is None:
             return None
-        return record_round(self.state, self.config, current, await self._round_eval(number))
+        if number == self.config.outer.rounds:
+            loss = await self.evals.final(number, self.params)
+            return record_round(self.state, self.config, current, loss)
+        record = record_round(self.state, self.config, current, None)
+        if self.evals.due(number):
+            await self.evals.start(number, self.params, nursery)
+        return record
 
-    async def _round_eval(self, number: int) -> float | None:
-        """The eval loss after round `number`, on the rounds --eval-every asks for (and the last)."""
-        cfg = self.config
-        if number % cfg.evaluation.every == 0 or number == cfg.outer.rounds:
-            return await trio.to_thread.run_sync(self.evaluate)
-        return None
+    def _eval_diverged(self, number: int, loss: float) -> None:
+        """Round `number`'s eval, ended after the round, found the outer step diverged."""
+        self._diverged = True
+        kept = self._checkpointed
+        kept = kept if kept is not None and kept < number else None
+        why = f"round {number}'s outer step made the eval loss {loss}"
+        self.abort(divergence.advice(why, kept, self.config.inner.lr, self.config.checkpoints.dir))
 
     def evaluate(self, params: Mapping[str, np.ndarray] | None = None) -> float:
         """Mean loss on the held-out batches (exported eval graph, local backend)."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from pcp_tui.app.plot import with_evals
 from pcp_tui.testing._processes import WorkerProcesses, free_port, shepherd_command, worker_env
 
 
@@ -61,7 +63,14 @@ def link_emulator_command(listen: int, target: int, bandwidth: str, rtt: str, *e
 
 
 def run_over_link(
-    link: str, workdir: Path, options: tuple[str, ...], *, workers: int, label: str = ""
+    link: str,
+    workdir: Path,
+    options: tuple[str, ...],
+    *,
+    workers: int,
+    label: str = "",
+    cpus: tuple[set[int], set[int]] | None = None,
+    shepherd_env: dict[str, str] | None = None,
 ) -> dict:
     """A headless shepherd process and `workers` worker processes over `link`: mean round numbers.
 
@@ -69,7 +78,11 @@ def run_over_link(
     the workers and the shepherd, one shaped link per connection). `options` are
     the shepherd's (`--rounds`, `--inner-steps`, ...; `--metrics` is added); the
     means are over the rounds after the first (first-call warm-up). `label` names
-    the run's metrics file in `workdir`.
+    the run's metrics file in `workdir`. `cpus`: the shepherd's and the workers'
+    CPUs, as if each ran on a machine of its own; `shepherd_env`: more of its environment
+    (`JAX_PLATFORMS=cpu`: a CPU shepherd beside GPU workers). `busy` is the workers' share of
+    the time between round ends (the shepherd's work between rounds included:
+    `utilization` counts only the round's own seconds), the last round left out.
     """
     name = f"{link}{label}".replace("/", "_")
     port, metrics = free_port(), workdir / f"{name}.jsonl"
@@ -78,8 +91,10 @@ def run_over_link(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=worker_env(),
+        env={**worker_env(), **(shepherd_env or {})},
     )
+    if cpus is not None:  # before it starts a thread: its threads inherit the set
+        os.sched_setaffinity(shepherd.pid, cpus[0])
     emulator, join_port = None, port
     with WorkerProcesses() as processes:
         try:
@@ -95,7 +110,9 @@ def run_over_link(
                 if "listening on" in line:
                     break
             for index in range(workers):
-                processes.spawn(join_port, "--id", f"w{index}")
+                worker = processes.spawn(join_port, "--id", f"w{index}")
+                if cpus is not None:
+                    os.sched_setaffinity(worker.pid, cpus[1])
             output, _ = shepherd.communicate(timeout=3600)
             if shepherd.returncode != 0:
                 raise SystemExit(f"the {link} run failed:\n{output}")
@@ -104,16 +121,24 @@ def run_over_link(
                 if process is not None and process.poll() is None:
                     process.kill()
     events = [json.loads(line) for line in metrics.read_text().splitlines()]
-    rounds = [r for r in events if r["event"] == "round" and r["round"] > 1]
+    every = with_evals(events)
+    ends = {r["round"]: r["time"] for r in every}
+    rounds = [r for r in every if r["round"] > 1]
     if not rounds:
         raise SystemExit(f"the {link} run had no round after the first: give it --rounds 2 or more")
     return {
-        "final_eval_loss": [r for r in events if r["event"] == "round"][-1]["eval_loss"],
+        "final_eval_loss": every[-1]["eval_loss"],
+        "evaluated": sum(r["eval_loss"] is not None for r in every),
         "largest_result_bytes": max(r.get("largest_result_bytes", 0) for r in rounds),
         "link": link,
         "round_seconds": statistics.mean(r["round_seconds"] for r in rounds),
         "compute_seconds": statistics.mean(r["compute_seconds"] for r in rounds),
         "utilization": statistics.mean(r["utilization"] for r in rounds),
+        # the last round ends after the run's final eval, which no worker waits for: left out
+        "busy": statistics.mean(
+            r["compute_seconds"] / (ends[r["round"]] - ends[r["round"] - 1])
+            for r in rounds[:-1] or rounds
+        ),
         "bytes_per_round": statistics.mean(r["bytes_sent"] + r["bytes_received"] for r in rounds),
         "bytes_data_parallel": statistics.mean(r["bytes_data_parallel"] for r in rounds),
     }

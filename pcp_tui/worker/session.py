@@ -289,6 +289,8 @@ class Session:
             jax_version=info.jax_version,
             runtime=protocol.Runtime(info.runtime),
             target=info.target[: protocol.ID_CHARS],
+            process_count=info.process_count,
+            hostnames=tuple(h[: protocol.ID_CHARS] for h in info.hostnames),
         )
         return protocol.WorkerHello(
             supported_versions=protocol.SUPPORTED_VERSIONS,

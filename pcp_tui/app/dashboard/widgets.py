@@ -282,6 +282,7 @@ class EventLog(RichLog):
         "metrics_failed",
         "not_resumable",
         "shard_orphaned",
+        "eval_skipped",
     }
     _GOOD = {
         "joined",

@@ -98,7 +98,7 @@ def detail_renderable(view: WorkerView, history: WorkerHistory | None, now: floa
     compiled = "-" if view.compile_seconds is None else f"{view.compile_seconds:.1f} s"
     rows = (
         ("index / id", f"{view.index} / {view.worker_id}"),
-        ("host", view.host),
+        ("host", ", ".join(view.hosts) if view.processes > 1 and view.hosts else view.host),
         (
             "backend",
             f"{view.backend or '?'} · runtime {view.runtime or '?'} · {view.devices} device(s)",

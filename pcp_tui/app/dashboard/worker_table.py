@@ -218,7 +218,7 @@ def _worker_cells(w: WorkerView, now: float) -> tuple[str, ...]:
         "-" if gone or not w.memory_in_use else compact_bytes(w.memory_in_use),
         "-" if gone else _ago(now - w.last_heard),
         f"{compact_bytes(w.bytes_out)}/{compact_bytes(w.bytes_in)}",
-        clip(w.host, 28),
+        clip(w.host if w.processes <= 1 else f"{w.host} +{w.processes - 1}", 28),
     )
 
 

@@ -38,6 +38,8 @@ class EventKind(enum.StrEnum):
     ROUND = "round"
     ROUND_REPEATED = "round_repeated"
     ROUND_WAITING = "round_waiting"
+    EVALUATED = "evaluated"  # a round's held-out eval, which arrives after the round's event
+    EVAL_SKIPPED = "eval_skipped"
     STRAGGLERS = "stragglers"
     LATE_RESULT = "late_result"
     BAD_RESULT = "bad_result"
@@ -187,6 +189,7 @@ class Joined(WorkerEvent):
     shard: int
     platform: str
     devices: int
+    processes: int = 1  # a site: one worker over several hosts' processes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +249,21 @@ class RoundRepeated(Event):
 @dataclass(frozen=True)
 class RoundWaiting(Event):
     kind = EventKind.ROUND_WAITING
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluated(Event):
+    """Round `round`'s held-out eval, ended after the round's own event (`run/evaluation.py`)."""
+
+    kind = EventKind.EVALUATED
+    round: int
+    eval_loss: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSkipped(Event):
+    kind = EventKind.EVAL_SKIPPED
+    round: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,10 +11,10 @@ import enum
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pcp_tui.shepherd.run.events import Event
+from pcp_tui.shepherd.run.events import Evaluated, Event
 from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.ledger import ShardLedger
 
@@ -75,7 +75,9 @@ class WorkerView:
     reason: str = ""
     shard: int | None = None  # the data shard it trains (see ShardLedger)
     runtime: str = "xla"  # what runs its graphs: "xla" (JAX) or "iree"
-    devices: int = 1  # local devices it trains on as one worker (pcp-tui worker --devices)
+    devices: int = 1  # devices it trains on as one worker (pcp-tui worker --devices), all hosts
+    processes: int = 1  # a site: its processes (multi-controller JAX, one a host)
+    hosts: tuple[str, ...] = ()  # a site: its processes' hosts, process 0's first
     compile_seconds: float | None = None
     # its own statistics, from its latest progress message (WorkerStats)
     steps_trained: int = 0  # inner steps since the worker process started
@@ -99,6 +101,8 @@ class WorkerView:
         return {
             "runtime": self.runtime,
             "devices": self.devices,
+            "processes": self.processes,
+            "hosts": list(self.hosts) or [self.host],
             "shard": self.shard,
             "compile_seconds": self.compile_seconds,
             "steps_trained": self.steps_trained,
@@ -178,6 +182,15 @@ class RunState:
             return None
         mean = sum(r.round_seconds for r in self.history) / len(self.history)
         return mean * max(self.rounds_total - self.rounds_done(), 0)
+
+    def evaluated(self, number: int, loss: float) -> None:
+        """Attach round `number`'s eval loss to its history entry (the eval runs off the
+        rounds' path and ends after the round's own event); emit `evaluated`."""
+        for index in range(len(self.history) - 1, -1, -1):
+            if self.history[index].round == number:
+                self.history[index] = replace(self.history[index], eval_loss=loss)
+                break
+        self.emit(Evaluated(f"round {number}: eval loss {loss:.4f}", round=number, eval_loss=loss))
 
     def last_eval_loss(self) -> float | None:
         """The eval loss of the last round that was evaluated, by this shepherd or, after a

@@ -38,6 +38,8 @@ class Hello:
     platform: protocol.Platform
     devices: int = 1  # local devices the worker trains on as one (a JAX mesh)
     runtime: protocol.Runtime = protocol.Runtime.XLA
+    processes: int = 1  # a site's (multi-controller JAX), one a host; `devices` over them all
+    hosts: tuple[str, ...] = ()  # a site's processes' hosts, process 0's first
     nonce: bytes = b""  # this connection's challenge (an attach proof covers it too)
     attach_index: int = 0  # > 0: an extra connection for the worker's striped session
     attach_proof: bytes = b""
@@ -238,8 +240,11 @@ async def handshake(
     described = backend.platform.value
     if backend.platform != protocol.Platform.CPU:
         described = f"{backend.platform.value} {shown(backend.device_kind)}".strip()
+    processes = max(backend.process_count, 1)
     if devices > 1:
         described = f"{described} x{devices}"
+    if processes > 1:
+        described = f"{described} on {processes} hosts"
     if backend.runtime != protocol.Runtime.XLA:
         described += f" ({backend.runtime.value} {shown(backend.target)})".replace(" )", ")")
     return Hello(
@@ -249,6 +254,8 @@ async def handshake(
         backend.platform,
         devices,
         backend.runtime,
+        processes=processes,
+        hosts=tuple(shown(h) for h in backend.hostnames),
         nonce=nonce,
         attach_index=body.attach_index,
         attach_proof=body.attach_proof,

@@ -302,6 +302,8 @@ class WorkerPool:
             host=hello.hostname or peer,
             backend=hello.backend,
             devices=hello.devices,
+            processes=hello.processes,
+            hosts=hello.hosts,
             shard=shard,
             runtime=hello.runtime.value,
         )
@@ -330,6 +332,7 @@ class WorkerPool:
                 shard=shard,
                 platform=hello.platform.value,
                 devices=hello.devices,
+                processes=hello.processes,
             )
         )
         if adopted:
