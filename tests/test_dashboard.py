@@ -247,6 +247,18 @@ async def test_lost_and_refused_workers_keep_their_reason_on_screen():
 
 
 @run_async
+async def test_a_refresh_tick_due_as_the_app_closes_draws_nothing(monkeypatch):
+    """Before: a tick that came due while the app shut down ran against a screen whose
+    widgets were gone (NoMatches: 'RunHeader'); on a loaded machine the suite's dashboard
+    tests failed so now and then. A tick every millisecond makes one due at the close."""
+    monkeypatch.setattr(dashboard_app, "REFRESH_SECONDS", 0.001)
+    app = DashboardApp(fake_state(), clock=lambda: NOW)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert "3 active / 5" in panel_lines(app.query_one(WorkerTable))[-1]
+
+
+@run_async
 async def test_header_fits_80_columns_and_says_what_the_run_waits_for():
     state = fake_state(status="waiting")
     state.history.clear()

@@ -133,6 +133,8 @@ class DashboardApp(KeyActions):
 
     def refresh_from_state(self) -> None:
         """One refresh tick: read the state, hand each panel what changed. Never per message."""
+        if not self.is_running:  # a tick due as the app shuts down: its widgets may be gone
+            return
         self._fit_layout()
         state = self.state
         now = self._clock()
