@@ -70,8 +70,8 @@ def test_a_newcomer_takes_the_slot_of_the_connection_longest_not_ready_after_its
         assert slots.not_ready_reason(links[0], 600, trio.current_time()) == ""
         links[2].ready.set()
         assert slots.next_to_free(links, 600) is None  # ready and not yet sent a round
-        links[0].rounds.delivered_at[1] = 30.0  # its first roundStart: 30 s; no result since
-        links[2].rounds.delivered_at[1] = 40.0
+        links[0].rounds.first_delivered = 30.0  # its first roundStart: 30 s; no result since
+        links[2].rounds.first_delivered = 40.0
         assert slots.next_to_free(links, 600) == 630
         assert slots.slot_to_take(links, trio.current_time(), 600) is None
         await trio.sleep_until(630)

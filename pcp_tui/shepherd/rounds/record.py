@@ -38,6 +38,7 @@ class WorkerRounds:
         # when each recent round's roundStart had all gone out, and how long its latest
         # result took from there, per fragment (the straggler window, `results.collect`)
         self.delivered_at: dict[int, float] = {}
+        self.first_delivered: float | None = None  # its first roundStart's (`slots`)
         self.answer_seconds: dict[int, float] = {}
         # its latest training progress: (round, step, of steps, when), from which a worker
         # with no result yet has a time of its own (`projected_seconds`)
@@ -59,6 +60,8 @@ class WorkerRounds:
     def delivered(self, number: int) -> None:
         """Round `number`'s roundStart has all gone out: its results' time counts from now."""
         self.delivered_at[number] = trio.current_time()
+        if self.first_delivered is None:
+            self.first_delivered = self.delivered_at[number]
         for old in [n for n in self.delivered_at if n < number - ROUNDS_REMEMBERED]:
             del self.delivered_at[old]
 

@@ -62,8 +62,9 @@ def _free_at(link: WorkerLink, ready_timeout: float) -> float | None:
         return link.admitted_at + evictable_after(ready_timeout)
     # a result taken here, or before a reconnect
     earned = link.rounds.results_taken or link.view.rounds_contributed
-    if not earned and link.rounds.delivered_at:  # sent rounds, and nothing to show for them
-        return min(link.rounds.delivered_at.values()) + ready_timeout
+    first = link.rounds.first_delivered
+    if not earned and first is not None:  # sent rounds, and nothing to show for them
+        return first + ready_timeout
     return None
 
 
