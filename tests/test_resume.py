@@ -245,4 +245,6 @@ def test_resume_alone_brings_the_waiting_workers_back(tmp_path):
     assert len(resumed) == 1 and resumed[0]["round"] == stopped.round
     rounds = [r["round"] for r in rows if r["event"] == "round"]
     assert rounds == list(range(1, 7))  # one metrics file, every round once
+    done = [r for r in rows if r["event"] == "done"][-1]
+    assert done["rounds"] == 6  # the run's rounds, not only those since the resume
     assert checkpoint.load_latest(checkpoints).round == 6

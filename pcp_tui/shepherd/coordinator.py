@@ -376,7 +376,7 @@ class Shepherd:
         self.state.emit(
             Done(
                 f"run {self.state.status} {self.state.rounds_summary()}",
-                rounds=len(self.state.history),
+                rounds=self.state.rounds_done(),  # counting those before a --resume
                 final_eval_loss=self.state.last_eval_loss(),
                 seconds=self.state.elapsed(),
             )
