@@ -429,10 +429,10 @@ def test_log_level_debug_logs_connections_and_messages_to_the_log_files(
     assert "pcp_tui" not in shepherd.err.read_text()  # the log went to the file
     text = shepherd_log.read_text()
     for pattern in (
-        r"INFO pcp_tui\.shepherd\.pool: worker 0 \(\S+, cpu\) joined from 127\.0\.0\.1:\d+",
-        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: sent plan \(\d+ bytes\)",
-        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: received roundResult \(\d+ bytes\)",
-        r"DEBUG pcp_tui\.shepherd\.pool: worker 0: received ready \(\d+ bytes\)",
+        r"INFO pcp_tui\.shepherd\.serving\.pool: worker 0 \(\S+, cpu\) joined from 127\.0\.0\.1:\d+",
+        r"DEBUG pcp_tui\.shepherd\.serving\.pool: worker 0: sent plan \(\d+ bytes\)",
+        r"DEBUG pcp_tui\.shepherd\.serving\.pool: worker 0: received roundResult \(\d+ bytes\)",
+        r"DEBUG pcp_tui\.shepherd\.serving\.pool: worker 0: received ready \(\d+ bytes\)",
     ):
         assert re.search(pattern, text), (pattern, text)
     text = worker_log.read_text()

@@ -208,13 +208,13 @@ def test_progress_without_results_loses_the_round_then_the_shard():
 
     run_shepherd(shepherd, scenario)
     refused = [e for e in state.events if e.kind == "bad_result"]
-    assert refused and {e.data["worker"] for e in refused} == {"drag"}
-    assert {e.data["refusal"] for e in refused} == {"no_gain"}
-    lost = [e for e in state.events if e.kind == "lost" and e.data.get("worker") == "drag"]
+    assert refused and {e.worker for e in refused} == {"drag"}
+    assert {e.refusal for e in refused} == {"no_gain"}
+    lost = [e for e in state.events if e.kind == "lost" and e.fields().get("worker") == "drag"]
     shown = [(e.kind, e.message) for e in state.events if e.kind not in ("progress",)]
     assert lost, "\n".join(f"{k}: {m}" for k, m in shown)
     assert "no result counted in 3 rounds since one was refused" in lost[0].message
     orphaned = [e for e in state.events if e.kind == "shard_orphaned"]
-    assert [e.data["worker"] for e in orphaned] == ["drag"]
+    assert [e.worker for e in orphaned] == ["drag"]
     assert all("steady" in r.worker_ids for r in state.history)
     assert len(state.history) == 10
