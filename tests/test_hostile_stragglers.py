@@ -53,13 +53,23 @@ async def trickling_peer(port: int, seen: dict) -> None:
         await round_start(stream)
         seen["trickled"] = 0
         try:
-            while "stop" not in seen:  # all but its last byte at once: always "arriving"
-                await stream.stream.send_all(beat[:-1])
-                await trio.sleep(TRICKLE_SECONDS)
-                await stream.stream.send_all(beat[-1:])
-                seen["trickled"] += 1
-        except PEER_ERRORS:
+            async with trio.open_nursery() as reading:
+                # it takes what it is sent (round 1's update), as a worker does: one that
+                # does not read is cut off for that ("download too slow"), not tested here
+                reading.start_soon(_drain, stream)
+                while "stop" not in seen:  # all but its last byte at once: always "arriving"
+                    await stream.stream.send_all(beat[:-1])
+                    await trio.sleep(TRICKLE_SECONDS)
+                    await stream.stream.send_all(beat[-1:])
+                    seen["trickled"] += 1
+                reading.cancel_scope.cancel()
+        except* PEER_ERRORS:
             seen["cut off"] = True
+
+
+async def _drain(stream) -> None:
+    while True:
+        await stream.receive()
 
 
 @pytest.mark.e2e
