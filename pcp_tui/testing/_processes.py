@@ -61,7 +61,8 @@ def free_port() -> int:
 
 
 def worker_env() -> dict[str, str]:
-    """This process's environment for a worker: one XLA thread each, unbuffered output.
+    """This process's environment for a worker: one XLA thread each, unbuffered output, and
+    Python's fault handler (a process that crashes or aborts prints every thread's stack).
 
     Several workers share the cores of one test machine; without the thread
     limit each would start a thread per core and they would fight.
@@ -69,6 +70,7 @@ def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"
     return env
 
 
