@@ -332,6 +332,8 @@ class Shepherd:
             await self._wait_for_workers(1, "no worker is ready; waiting for one to join")
             if self._stop_reason is not None:
                 break
+            if await self.pool.drop_revoked():  # --worker-keys lost a line: not in this round
+                continue
             self.state.status = RunStatus.TRAINING
             mark = self.state.events[-1] if self.state.events else None
             record = await self._run_round(number, nursery)
