@@ -315,7 +315,9 @@ def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
     headless = config.operator.headless
     if args.command == "demo":
         if config.security.worker_keys:
-            raise ConfigError("--worker-keys is for pcp-tui shepherd: the demo's workers hold no key")
+            raise ConfigError(
+                "--worker-keys is for pcp-tui shepherd: the demo's workers hold no key"
+            )
         return run_demo(config, headless=headless, backend=args.backend)
     return run_shepherd(config, headless=headless)
 

@@ -29,7 +29,7 @@ _NO_KEY = (
 class WorkerKeys:
     """The issued keys of one --worker-keys file, kept current (see the module)."""
 
-    def __init__(self, path: str, on_reread: Callable[[str], None] = lambda message: None):
+    def __init__(self, path: str, on_reread: Callable[[str], object] = lambda message: None):
         """Read `path`; ConfigError (what to fix) if it cannot be read or a line is not a key.
 
         `on_reread(message)` is told, each time the file is read again, how many keys it
@@ -37,6 +37,7 @@ class WorkerKeys:
         """
         self.path = path
         self._on_reread = on_reread
+        self._missing = ""  # why the file could not be read, when it could not
         self._seen, issued = self._read()
         if issued is None:
             raise ConfigError(f"cannot read --worker-keys {path}: {self._missing}")
@@ -103,9 +104,7 @@ class WorkerKeys:
         if name == worker_id:
             return None
         if name is None:
-            return (
-                f"its key {keys.fingerprint(public)} was removed from --worker-keys {self.path}"
-            )
+            return f"its key {keys.fingerprint(public)} was removed from --worker-keys {self.path}"
         return f"its key {keys.fingerprint(public)} is now issued to {name!r} in {self.path}"
 
     def _read(
