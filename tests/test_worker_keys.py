@@ -186,3 +186,23 @@ def test_keygen_writes_a_private_key_only_its_owner_reads_and_prints_its_line(tm
     assert main(["keygen", "--out", str(out), "--name", "alice"]) == 2  # never overwritten
     assert "never overwrites a key" in capsys.readouterr().err
     assert keys.load_private_key(str(out)).private_bytes_raw() == key.private_bytes_raw()
+
+
+@pytest.mark.e2e
+def test_a_worker_process_joins_with_the_key_keygen_made(tmp_path, capsys, spawn_worker):
+    """The commands of docs/security.md: keygen's line in --worker-keys, `pcp-tui worker
+    --key FILE --id NAME` trains every round."""
+    key = tmp_path / "gpu-1.key"
+    assert main(["keygen", "--out", str(key), "--name", "gpu-1"]) == 0
+    issued = tmp_path / "workers.keys"
+    issued.write_text(capsys.readouterr().out)
+    config = small_config(workers=1, rounds=2, inner_steps=5, worker_keys=str(issued))
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    worker = {}
+
+    def scenario(port: int) -> None:
+        worker["process"] = spawn_worker(port, "--key", str(key), "--id", "gpu-1")
+
+    run_shepherd(shepherd, scenario)
+    assert [r.worker_ids for r in shepherd.state.history] == [("gpu-1",), ("gpu-1",)]
+    assert worker["process"].wait(timeout=60) == 0
