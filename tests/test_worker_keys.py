@@ -188,6 +188,19 @@ def test_keygen_writes_a_private_key_only_its_owner_reads_and_prints_its_line(tm
     assert keys.load_private_key(str(out)).private_bytes_raw() == key.private_bytes_raw()
 
 
+def test_a_key_or_keys_file_that_cannot_work_exits_2_naming_it(tmp_path, capsys):
+    junk = tmp_path / "junk"
+    junk.write_text("junk\n")
+    worker = ["worker", "--connect", "127.0.0.1:9", "--token", "t", "--compile-cache", ""]
+    assert main([*worker, "--key", str(junk), "--quiet"]) == 2
+    assert f"--key {junk} is not an OpenSSH private key" in capsys.readouterr().err
+    # before data and model load
+    assert main(["shepherd", "--headless", "--port", "0", "--worker-keys", str(junk)]) == 2
+    said = capsys.readouterr()
+    assert f"--worker-keys {junk} line 1: wants ssh-ed25519 keys" in said.err
+    assert "loading data" not in said.out + said.err
+
+
 @pytest.mark.e2e
 def test_a_worker_process_joins_with_the_key_keygen_made(tmp_path, capsys, spawn_worker):
     """The commands of docs/security.md: keygen's line in --worker-keys, `pcp-tui worker
