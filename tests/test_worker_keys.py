@@ -7,6 +7,7 @@ signature that is wrong in one way each.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 
@@ -62,10 +63,14 @@ async def answer(port: int, hello_for) -> protocol.Message:
     return reply
 
 
-def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_leaves(tmp_path):
+def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_leaves(
+    tmp_path, caplog
+):
+    """Each worker's session is striped over 2 connections: the extra one signs too."""
+    caplog.set_level(logging.INFO, logger="pcp_tui.shepherd.serving.striping")
     issued = tmp_path / "workers.keys"
     write_keys(issued, ["alice", "bob"])
-    config = small_config(workers=2, rounds=3, inner_steps=5, worker_keys=str(issued))
+    config = small_config(workers=2, rounds=3, inner_steps=5, worker_keys=str(issued), streams=2)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     answers: dict[str, protocol.Message] = {}
     seen: dict[str, object] = {}
@@ -138,6 +143,8 @@ def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_
     ]
     [reread] = [e.message for e in shepherd.state.events if e.kind == "worker_keys"]
     assert reread == f"--worker-keys {issued} read again: 1 key(s)"
+    striped = [r.getMessage() for r in caplog.records if "striped over" in r.getMessage()]
+    assert sorted(striped) == [f"worker {i}: session striped over 2 connections" for i in (0, 1)]
     [gone] = [e for e in shepherd.state.events if e.kind == "lost" and e.worker == "bob"]
     assert "was removed from --worker-keys" in gone.message
 
