@@ -143,6 +143,7 @@ def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_
     ]
     [reread] = [e.message for e in shepherd.state.events if e.kind == "worker_keys"]
     assert reread == f"--worker-keys {issued} read again: 1 key(s)"
+    assert shepherd.state.join_command.endswith("--key <KEY_FILE> --id <ITS_NAME_IN_WORKER_KEYS>")
     striped = [r.getMessage() for r in caplog.records if "striped over" in r.getMessage()]
     assert sorted(striped) == [f"worker {i}: session striped over 2 connections" for i in (0, 1)]
     [gone] = [e for e in shepherd.state.events if e.kind == "lost" and e.worker == "bob"]

@@ -227,7 +227,12 @@ class Shepherd:
             raise RunFailed(str(exc)) from None
         self._port = port  # a --port 0 run resumes on the port its workers know
         self.state.address = f"{advertised(cfg.network.host)}:{port}"
-        self.state.join_command = join_command(self.state.address, self.token, self.tls)
+        self.state.join_command = join_command(
+            self.state.address,
+            self.token,
+            self.tls,
+            keyed=self.config.security.worker_keys is not None,
+        )
         failure: RunFailed | None = None
         try:
             async with trio.open_nursery() as nursery:
