@@ -45,7 +45,8 @@ class Hello(Body):
 
 @dataclass(frozen=True)
 class WorkerHello(Body):
-    """worker -> shepherd: who it is, what it runs on, and its proof of the token."""
+    """worker -> shepherd: who it is, what it runs on, its proof of the token and (for a
+    shepherd with --worker-keys) its key's signature of the same challenge."""
 
     KIND: ClassVar[str] = "workerHello"
     supported_versions: tuple[int, ...] = _items(16)
@@ -56,6 +57,8 @@ class WorkerHello(Body):
     software: str = _text()
     attach_index: int = 0  # > 0: an extra connection of a striped session (protocol 4)
     attach_proof: bytes = field(default=b"", metadata={"bytes": 64})
+    public_key: bytes = field(default=b"", metadata={"bytes": 32})  # --worker-keys: its key
+    signature: bytes = field(default=b"", metadata={"bytes": 64})  # and its Ed25519 signature
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,11 @@ struct WorkerHello {
   # attachProof = HMAC-SHA256(the welcome's sessionKey, nonce || workerId || i)
   attachIndex @6 :UInt16;
   attachProof @7 :Data;
+  # a shepherd with --worker-keys admits a worker whose Ed25519 key it lists under this
+  # workerId: publicKey is its 32 bytes, signature Ed25519 over "pcp-tui workerHello" 0x00
+  # || nonce || 0x00 || workerId || 0x00 || attachIndex in decimal (pcp_tui/contract/keys.py)
+  publicKey @8 :Data;
+  signature @9 :Data;
 }
 
 struct Welcome {

@@ -131,6 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = _command(commands, "worker", help="join a shepherd and train")
     add_flags(worker, WorkerConfig, WorkerConfig())
+    keygen = _command(
+        commands, "keygen", help="make a worker's key: its line goes in a shepherd's --worker-keys"
+    )
+    keygen.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="write the private key here (OpenSSH format, mode 0600; never overwritten)",
+    )
+    keygen.add_argument(
+        "--name",
+        metavar="ID",
+        help="the worker id the key is issued to (default: this host's name)",
+    )
     link_emulator.add_parser(commands)
     plot.add_parser(commands)
     sample = _command(commands, "sample", help="generate text from a GPT-2 checkpoint")
@@ -283,6 +297,8 @@ def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
         return link_emulator.run(args)
     if args.command == "plot":
         return plot.run(args)
+    if args.command == "keygen":
+        return _keygen(args)
     if args.command == "worker":
         from pcp_tui.app.launch import run_worker
 
@@ -298,8 +314,33 @@ def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
 
     headless = config.operator.headless
     if args.command == "demo":
+        if config.security.worker_keys:
+            raise ConfigError(
+                "--worker-keys is for pcp-tui shepherd: the demo's workers hold no key"
+            )
         return run_demo(config, headless=headless, backend=args.backend)
     return run_shepherd(config, headless=headless)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    """Write a new worker key to --out and print its public line (stdout: `>> workers.keys`)."""
+    import platform
+
+    from pcp_tui.contract import keys
+
+    name = args.name or platform.node() or "worker"
+    problem = keys.name_problem(name)
+    if problem is not None:
+        raise ConfigError(f"--name {name!r}: {problem}")
+    key = keys.generate()
+    keys.write_private_key(key, args.out)
+    print(keys.public_line(key, name))
+    print(
+        f"pcp-tui: wrote {args.out} (keep it on the worker, private); add the line above to the "
+        f"shepherd's --worker-keys file, then start the worker with --key {args.out} --id {name}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _sample(args: argparse.Namespace) -> int:

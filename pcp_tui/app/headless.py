@@ -34,6 +34,7 @@ _SHOWN = {
     "shard_orphaned",
     "shard_adopted",
     "refused",
+    "worker_keys",
     "round_repeated",
     "late_result",
     "bad_result",

@@ -332,6 +332,8 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
         worker = Worker(config.replace(token=token), tls=tls, trace=trace, faults=faults)
     except OSError as exc:
         return _fail(f"cannot write --trace {output.trace} ({exc.strerror or exc})", 2)
+    except ConfigError as exc:  # --key: not a key this worker can sign with
+        return _fail(str(exc), 2)
     except (BackendUnavailable, ValueError) as exc:
         return _fail(str(exc))
     view = contextlib.nullcontext() if output.quiet else WorkerStatusView(worker.status)

@@ -19,6 +19,7 @@ from pcp_tui.app.api import bearer_token
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.shepherd.coordinator import RunFailed
 from pcp_tui.shepherd.run import checkpoint
+from pcp_tui.shepherd.serving.worker_keys import WorkerKeys
 
 
 def preflight(config: RunConfig) -> None:
@@ -43,6 +44,8 @@ def preflight(config: RunConfig) -> None:
             raise ConfigError(
                 f"cannot write --metrics {config.operator.metrics} ({exc.strerror or exc})"
             ) from None
+    if config.security.worker_keys:
+        WorkerKeys(config.security.worker_keys)  # a bad line says so now, not after the model
     if config.checkpoints.resume:
         saved = checkpoint.inspect(config.checkpoints.resume)
         if saved.round >= config.outer.rounds:

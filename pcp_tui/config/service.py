@@ -100,6 +100,15 @@ class SecurityConfig:
         "fingerprint)",
     )
     tls_key: str | None = option(None, example="shepherd.key", help="PEM private key of --tls-cert")
+    worker_keys: str | None = option(
+        None,
+        example="workers.keys",
+        metavar="FILE",
+        help="admit only workers that sign the handshake with a key listed here, one "
+        "'ssh-ed25519 KEY NAME' line each (pcp-tui keygen prints it), as worker id NAME; "
+        "remove a line to revoke it: the file is re-read when it changes, and that worker "
+        "leaves before the next round (default: anyone with the token)",
+    )
     handshake_timeout: float = option(
         10.0,
         above=0,

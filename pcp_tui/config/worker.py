@@ -59,6 +59,12 @@ class ConnectionConfig:
     worker_id: str | None = option(
         None, flag="id", help="stable worker id (default: host-pid-random)"
     )
+    key: str | None = option(
+        None,
+        metavar="FILE",
+        help="sign the handshake with this private key (pcp-tui keygen --out FILE), as a "
+        "shepherd with --worker-keys asks; join with the --id its line there names",
+    )
     reconnect: bool = option(  # a switch on by default: its help describes --no-reconnect
         True, help="exit instead of reconnecting when the link breaks"
     )

@@ -227,7 +227,12 @@ class Shepherd:
             raise RunFailed(str(exc)) from None
         self._port = port  # a --port 0 run resumes on the port its workers know
         self.state.address = f"{advertised(cfg.network.host)}:{port}"
-        self.state.join_command = join_command(self.state.address, self.token, self.tls)
+        self.state.join_command = join_command(
+            self.state.address,
+            self.token,
+            self.tls,
+            keyed=self.config.security.worker_keys is not None,
+        )
         failure: RunFailed | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -332,6 +337,8 @@ class Shepherd:
             await self._wait_for_workers(1, "no worker is ready; waiting for one to join")
             if self._stop_reason is not None:
                 break
+            if await self.pool.drop_revoked():  # --worker-keys lost a line: not in this round
+                continue
             self.state.status = RunStatus.TRAINING
             mark = self.state.events[-1] if self.state.events else None
             record = await self._run_round(number, nursery)

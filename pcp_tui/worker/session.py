@@ -26,7 +26,7 @@ import trio
 from pcp_tui import __version__, protocol
 from pcp_tui.backends import Backend
 from pcp_tui.config import WorkerConfig
-from pcp_tui.contract import auth
+from pcp_tui.contract import auth, keys
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
@@ -106,6 +106,8 @@ class Session:
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
         self.backend = backend  # what the hello describes
+        # --key: every hello is signed with it (a shepherd with --worker-keys checks it)
+        self.key = keys.load_private_key(connection.key) if connection.key else None
         self.worker_id = connection.worker_id or (
             f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         )
@@ -304,6 +306,10 @@ class Session:
                 auth.attach_proof(session_key, nonce, self.worker_id, attach_index)
                 if attach_index
                 else b""
+            ),
+            public_key=keys.public_bytes(self.key) if self.key else b"",
+            signature=(
+                keys.sign_hello(self.key, nonce, self.worker_id, attach_index) if self.key else b""
             ),
         )
 

@@ -29,6 +29,7 @@ class EventKind(enum.StrEnum):
     JOINED = "joined"
     REJOINED = "rejoined"
     REFUSED = "refused"
+    WORKER_KEYS = "worker_keys"
     COMPILED = "compiled"
     LOST = "lost"
     LEFT = "left"
@@ -174,6 +175,13 @@ class PeerRefused(Event):
     peer: str
     code: str = ""
     suppressed: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerKeysRead(Event):
+    """--worker-keys changed and was read again: how many keys it holds, what was left out."""
+
+    kind = EventKind.WORKER_KEYS
 
 
 @dataclass(frozen=True, kw_only=True)

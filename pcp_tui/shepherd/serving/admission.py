@@ -24,9 +24,10 @@ from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
-from pcp_tui.shepherd.run.events import PeerRefused
+from pcp_tui.shepherd.run.events import PeerRefused, WorkerKeysRead
 from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.shepherd.serving.connection import Hello, handshake
+from pcp_tui.shepherd.serving.worker_keys import WorkerKeys
 
 # Before the token is proven: a hello is a few hundred bytes and carries no tensor.
 PRE_AUTH_LIMITS = protocol.Limits(
@@ -145,8 +146,10 @@ class Admission:
         max_pending: int = 64,
         refusals: RefusalLog | None = None,
         trace: MessageTrace | None = None,
+        worker_keys: WorkerKeys | None = None,
     ):
         self._token, self._run_id, self._tls = token, run_id, tls
+        self.worker_keys = worker_keys  # --worker-keys: each worker signs with a key issued to it
         self.trace = trace  # --trace: every message of every connection, from its hello
         self.timeout, self.max_per_host, self.max_pending = timeout, max_per_host, max_pending
         self.refusals = refusals or RefusalLog(state)
@@ -169,6 +172,14 @@ class Admission:
             max_per_host=security.max_handshakes_per_host,
             max_pending=security.max_handshakes,
             trace=_open_trace(config.operator.trace),
+            worker_keys=(
+                WorkerKeys(
+                    security.worker_keys,
+                    on_reread=lambda message: state.emit(WorkerKeysRead(message)),
+                )
+                if security.worker_keys
+                else None
+            ),
         )
 
     @property
@@ -203,7 +214,9 @@ class Admission:
             with trio.fail_at(deadline):
                 stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
                 stream.observer = self.trace.observer(peer) if self.trace else None
-                hello = await handshake(stream, token=self._token, run_id=self._run_id)
+                hello = await handshake(
+                    stream, token=self._token, run_id=self._run_id, keys=self.worker_keys
+                )
         except Refused as exc:
             self.refusals.refused(host, peer, exc.reason, code=exc.code)
             await _close(transport)

@@ -23,6 +23,7 @@ from pcp_tui.shepherd.serving.progress_rate import ProgressRate
 if TYPE_CHECKING:
     from pcp_tui.shepherd.serving.striping import Attachments
     from pcp_tui.shepherd.serving.uploads import ReceiverLoad
+    from pcp_tui.shepherd.serving.worker_keys import WorkerKeys
 
 log = logging.getLogger(__name__)  # connection-level diagnostics (--log-level)
 
@@ -43,6 +44,7 @@ class Hello:
     nonce: bytes = b""  # this connection's challenge (an attach proof covers it too)
     attach_index: int = 0  # > 0: an extra connection for the worker's striped session
     attach_proof: bytes = b""
+    public_key: bytes = b""  # --worker-keys: the key it was admitted with (revocable)
 
 
 class SendTooSlow(trio.BrokenResourceError):
@@ -94,6 +96,7 @@ class WorkerLink(Connection):
         # while the worker is asked to open more connections (shepherd.striping)
         self.attachments: Attachments | None = None
         self.progress = ProgressRate()  # progress messages beyond a few a second are dropped
+        self.public_key = b""  # --worker-keys: the key it joined with (`WorkerPool.drop_revoked`)
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
@@ -192,8 +195,10 @@ async def handshake(
     *,
     token: str,
     run_id: str,
+    keys: WorkerKeys | None = None,
 ) -> Hello:
-    """Challenge the peer: it must answer with HMAC(token, nonce, id).
+    """Challenge the peer: it must answer with HMAC(token, nonce, id), and with `keys`
+    (--worker-keys) also sign the same nonce and id with a key issued to that id.
 
     A worker of another protocol version is refused here, with advice on which
     side to upgrade. Raises Refused with an error already sent to the peer when it fails.
@@ -235,6 +240,10 @@ async def handshake(
             f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
         raise Refused(reason, code="authFailed")
+    unsigned = keys.refusal(body, nonce) if keys is not None else None
+    if unsigned is not None:
+        await stream.send_error("authFailed", unsigned)
+        raise Refused(unsigned, code="authFailed")
     backend = body.backend
     devices = max(backend.device_count, 1)  # a worker that does not say runs on one
     described = backend.platform.value
@@ -259,6 +268,7 @@ async def handshake(
         nonce=nonce,
         attach_index=body.attach_index,
         attach_proof=body.attach_proof,
+        public_key=bytes(body.public_key) if keys is not None else b"",
     )
 
 

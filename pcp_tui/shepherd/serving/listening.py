@@ -45,9 +45,12 @@ def advertised(host: str) -> str:
     return address_for_others() if host in EVERYWHERE else host
 
 
-def join_command(address: str, token: str, tls: ServerTLS | None) -> str:
-    """The command line that joins a worker to the shepherd at `address`."""
+def join_command(address: str, token: str, tls: ServerTLS | None, *, keyed: bool = False) -> str:
+    """The command line that joins a worker to the shepherd at `address`; `keyed`
+    (--worker-keys): with the placeholders of the worker's own key and id."""
     flags = tls.worker_flags() if tls else []
+    if keyed:
+        flags += ["--key", "<KEY_FILE>", "--id", "<ITS_NAME_IN_WORKER_KEYS>"]
     return " ".join(["pcp-tui", "worker", "--connect", address, "--token", token, *flags])
 
 

@@ -251,12 +251,32 @@ class WorkerPool:
             f"{what} {waited:.0f} s after its welcome, and every connection slot is taken: "
             "its slot went to a new worker (it may join again)"
         )
+        await self._close_link(link, protocol.ErrorCode.BUSY, reason)
+
+    async def drop_revoked(self) -> bool:
+        """Close the connections whose key is no longer issued to their worker id (a line
+        removed from --worker-keys); True if any was. Called before each round."""
+        keys = self.admission.worker_keys
+        if keys is None:
+            return False
+        revoked = [
+            (link, why)
+            for link in list(self._links.values())
+            if not link.closed and (why := keys.revoked(link.public_key, link.worker_id))
+        ]
+        for link, why in revoked:
+            reason = f"{why}: the operator revoked it, so this worker may not train on"
+            await self._close_link(link, protocol.ErrorCode.AUTH_FAILED, reason)
+        return bool(revoked)
+
+    async def _close_link(self, link: WorkerLink, code: protocol.ErrorCode, reason: str) -> None:
+        """Tell `link`'s worker why (`code`, `reason`) and close its connection."""
         # its own task then marks it gone, for this reason (the failure is set first: the
         # task may run as soon as the socket closes)
-        link.failure = ConnectionLost(reason, code=protocol.ErrorCode.BUSY.value)
+        link.failure = ConnectionLost(reason, code=code.value)
         link.closed = True
         with trio.move_on_after(CLOSE_SECONDS):  # the link's send refuses once failure is set
-            await link.stream.send_error(protocol.ErrorCode.BUSY, reason)
+            await link.stream.send_error(code, reason)
         with contextlib.suppress(*LINK_ERRORS):
             await trio.aclose_forcefully(link.stream.stream)
 
@@ -319,6 +339,7 @@ class WorkerPool:
             send_grace=security.upload_grace,
             load=self.load,
         )
+        link.public_key = hello.public_key  # --worker-keys: checked again before each round
         previous = self._links.get(hello.worker_id)
         if previous is not None:
             previous.closed = True

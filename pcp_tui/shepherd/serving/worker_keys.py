@@ -1,0 +1,129 @@
+"""--worker-keys: the keys the operator issued, re-read whenever the file changes.
+
+Revoking a key is removing its line. The file is looked at (one `stat`) at every
+handshake and before every round, and read again when it changed: a removed key's
+worker cannot join again, and a connected one is dropped before the next round
+(`WorkerPool.drop_revoked`). No signal is needed, and none can be missed.
+
+A line the shepherd cannot use is fatal when it starts (exit 2, the operator is at
+hand); later, only that line is left out, and the run's events say which: the lines
+that still hold keep their workers, and a removed line always revokes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from pcp_tui import protocol
+from pcp_tui.config import ConfigError
+from pcp_tui.contract import keys
+
+_NO_KEY = (
+    "this shepherd admits only workers holding a key it issued (--worker-keys): start the "
+    "worker with --key FILE (pcp-tui keygen --out FILE makes one and prints the line the "
+    "operator adds)"
+)
+
+
+class WorkerKeys:
+    """The issued keys of one --worker-keys file, kept current (see the module)."""
+
+    def __init__(self, path: str, on_reread: Callable[[str], object] = lambda message: None):
+        """Read `path`; ConfigError (what to fix) if it cannot be read or a line is not a key.
+
+        `on_reread(message)` is told, each time the file is read again, how many keys it
+        now holds and which lines were left out.
+        """
+        self.path = path
+        self._on_reread = on_reread
+        self._missing = ""  # why the file could not be read, when it could not
+        self._seen, issued = self._read()
+        if issued is None:
+            raise ConfigError(f"cannot read --worker-keys {path}: {self._missing}")
+        if issued.problems:
+            raise ConfigError(f"--worker-keys {issued.problems[0]}")
+        if not issued.names:
+            raise ConfigError(
+                f"--worker-keys {path} holds no key: add one 'ssh-ed25519 KEY NAME' line per "
+                "worker (pcp-tui keygen --out FILE prints it)"
+            )
+        self._names = issued.names
+
+    def names(self) -> dict[bytes, str]:
+        """Worker id by public key, as the file says now (read again if it changed)."""
+        seen, issued = self._read(unless=self._seen)
+        if seen == self._seen:
+            return self._names
+        self._seen = seen
+        if issued is None:  # gone or unreadable: nobody holds a key until it is back
+            self._names = {}
+            self._on_reread(
+                f"--worker-keys {self.path} cannot be read ({self._missing}): no worker is "
+                "admitted, and connected ones leave before the next round, until it can"
+            )
+            return self._names
+        self._names = issued.names
+        left_out = f"; left out: {'; '.join(issued.problems)}" if issued.problems else ""
+        self._on_reread(
+            f"--worker-keys {self.path} read again: {len(issued.names)} key(s){left_out}"
+        )
+        return self._names
+
+    def refusal(self, hello: protocol.WorkerHello, nonce: bytes) -> str | None:
+        """Why `hello` (on the connection whose challenge is `nonce`) may not join; None if its
+        key is issued to its worker id and signed this connection's challenge."""
+        if not hello.public_key or not hello.signature:
+            return _NO_KEY
+        public = bytes(hello.public_key)
+        shown = keys.fingerprint(public) if len(public) == keys.PUBLIC_KEY_BYTES else "(malformed)"
+        name = self.names().get(public)
+        if name is None:
+            return (
+                f"key {shown} is not in this shepherd's --worker-keys (never issued, or revoked): "
+                "ask the operator to add its line (pcp-tui keygen printed it)"
+            )
+        if name != hello.worker_id:
+            return (
+                f"key {shown} is issued to worker id {name!r}, not {hello.worker_id!r}: one key "
+                f"joins as one id; start the worker with --id {name}"
+            )
+        if not keys.verify_hello(
+            public, hello.signature, nonce, hello.worker_id, hello.attach_index
+        ):
+            return (
+                f"the hello's signature is not key {shown}'s over this connection's challenge: "
+                "sign with the private key of that public key (--key), on the connection it is for"
+            )
+        return None
+
+    def revoked(self, public: bytes, worker_id: str) -> str | None:
+        """Why a connected worker admitted with key `public` as `worker_id` must leave; None if
+        that key is still issued to that id."""
+        name = self.names().get(public)
+        if name == worker_id:
+            return None
+        if name is None:
+            return f"its key {keys.fingerprint(public)} was removed from --worker-keys {self.path}"
+        return f"its key {keys.fingerprint(public)} is now issued to {name!r} in {self.path}"
+
+    def _read(
+        self, unless: tuple[int, ...] | None = None
+    ) -> tuple[tuple[int, ...], keys.IssuedKeys | None]:
+        """(the file's identity and times, its keys) — its keys None if it cannot be read, and
+        not read at all when the first is `unless` (it did not change)."""
+        try:
+            stat = os.stat(self.path)
+        except OSError as exc:
+            self._missing = exc.strerror or str(exc)
+            return (), None
+        seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        if seen == unless:
+            return seen, None
+        try:
+            with open(self.path, encoding="utf-8") as file:
+                text = file.read(16 * 1024 * 1024)
+        except (OSError, UnicodeDecodeError) as exc:
+            self._missing = getattr(exc, "strerror", None) or str(exc)
+            return seen, None
+        return seen, keys.parse_worker_keys(text, self.path)

@@ -1,0 +1,229 @@
+"""--worker-keys: a worker joins as the one id its key was issued for, until the key is revoked.
+
+A live shepherd on 127.0.0.1 in this process, keyed workers (`Worker`, the real client)
+training in it, and peers that speak the real protocol with the token's proof and a
+signature that is wrong in one way each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import pytest
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.app.cli import main
+from pcp_tui.config import ConfigError, WorkerConfig
+from pcp_tui.contract import keys
+from pcp_tui.contract.connection import Refused
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.serving.worker_keys import WorkerKeys
+from pcp_tui.testing import connect_peer, pause_after_round, peer_hello, run_shepherd, until
+from pcp_tui.training.build import build_workload
+from pcp_tui.worker.client import Worker
+
+from .conftest import small_config
+
+ISSUED = {name: keys.generate() for name in ("alice", "bob")}
+STRANGER = keys.generate()
+
+
+def write_keys(path, names) -> None:
+    path.write_text("# issued by the operator\n" + "".join(
+        f"{keys.public_line(ISSUED[name], name)}\n" for name in names
+    ))  # fmt: skip
+
+
+def write_private(tmp_path, name: str) -> str:
+    path = str(tmp_path / f"{name}.key")
+    keys.write_private_key(ISSUED[name], path)
+    return path
+
+
+def signed(worker_id: str, nonce: bytes, key, *, public=None, signed_nonce=None):
+    """A hello as `worker_id` with the token's proof for `nonce`, signed by `key` over
+    `signed_nonce` (default: this connection's), presenting `public` (default: `key`'s)."""
+    return peer_hello(
+        worker_id,
+        nonce,
+        public_key=keys.public_bytes(public or key),
+        signature=keys.sign_hello(key, signed_nonce or nonce, worker_id, 0),
+    )
+
+
+async def answer(port: int, hello_for) -> protocol.Message:
+    """Open a connection, send `hello_for(its nonce)`, return the shepherd's answer."""
+    stream, nonce = await connect_peer(port)
+    await stream.send(hello_for(nonce))
+    reply = await stream.receive()
+    await stream.aclose()
+    return reply
+
+
+def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_leaves(
+    tmp_path, caplog
+):
+    """Each worker's session is striped over 2 connections: the extra one signs too."""
+    caplog.set_level(logging.INFO, logger="pcp_tui.shepherd.serving.striping")
+    issued = tmp_path / "workers.keys"
+    write_keys(issued, ["alice", "bob"])
+    config = small_config(workers=2, rounds=3, inner_steps=5, worker_keys=str(issued), streams=2)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    answers: dict[str, protocol.Message] = {}
+    seen: dict[str, object] = {}
+
+    def worker(port: int, name: str) -> Worker:
+        return Worker(
+            WorkerConfig(
+                connect=f"127.0.0.1:{port}",
+                token="test-token",
+                backend="cpu",
+                worker_id=name,
+                key=write_private(tmp_path, name),
+                reconnect=False,
+            )
+        )
+
+    async def bob_until_revoked(port: int) -> None:
+        try:
+            await worker(port, "bob").run()
+        except Refused as exc:
+            seen["bob"] = str(exc)
+
+    async def scenario(port: int) -> None:
+        alice = ISSUED["alice"]
+        answers["no key"] = await answer(port, lambda nonce: peer_hello("alice", nonce))
+        answers["unknown key"] = await answer(
+            port, lambda nonce: signed("mallory", nonce, STRANGER)
+        )
+        answers["wrong signature"] = await answer(
+            port, lambda nonce: signed("alice", nonce, STRANGER, public=alice)
+        )
+        other, elsewhere = await connect_peer(port)  # alice's signature for another connection
+        answers["replayed"] = await answer(
+            port, lambda nonce: signed("alice", nonce, alice, signed_nonce=elsewhere)
+        )
+        await other.aclose()
+        answers["second id"] = await answer(port, lambda nonce: signed("alice-2", nonce, alice))
+        pause_after_round(shepherd, 1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker(port, "alice").run)
+            nursery.start_soon(bob_until_revoked, port)
+            await until(lambda: shepherd.state.status == "paused" and shepherd.state.history)
+            write_keys(issued, ["alice"])  # the operator revokes bob's key
+            shepherd.resume()
+            await until(lambda: "bob" in seen)
+            answers["revoked"] = await answer(
+                port, lambda nonce: signed("bob", nonce, ISSUED["bob"])
+            )
+
+    run_shepherd(shepherd, scenario)
+    assert {name: a.kind for name, a in answers.items()} == dict.fromkeys(answers, "error")
+    assert {a.body.code for a in answers.values()} == {protocol.ErrorCode.AUTH_FAILED}
+    said = {name: a.body.message for name, a in answers.items()}
+    assert "start the worker with --key FILE" in said["no key"]
+    stranger = keys.fingerprint(keys.public_bytes(STRANGER))
+    assert said["unknown key"].startswith(f"key {stranger} is not in this shepherd's --worker-keys")
+    assert "signature is not key" in said["wrong signature"]
+    assert "signature is not key" in said["replayed"]
+    assert "issued to worker id 'alice', not 'alice-2'" in said["second id"]
+    assert "--id alice" in said["second id"]
+    assert "is not in this shepherd's --worker-keys" in said["revoked"]
+    bob = keys.fingerprint(keys.public_bytes(ISSUED["bob"]))
+    assert f"its key {bob} was removed from --worker-keys" in str(seen["bob"])
+    assert "authFailed" in str(seen["bob"])
+    # the run went on: bob trained round 1 only, alice every round
+    assert [sorted(r.worker_ids) for r in shepherd.state.history] == [
+        ["alice", "bob"],
+        ["alice"],
+        ["alice"],
+    ]
+    [reread] = [e.message for e in shepherd.state.events if e.kind == "worker_keys"]
+    assert reread == f"--worker-keys {issued} read again: 1 key(s)"
+    assert shepherd.state.join_command.endswith("--key <KEY_FILE> --id <ITS_NAME_IN_WORKER_KEYS>")
+    striped = [r.getMessage() for r in caplog.records if "striped over" in r.getMessage()]
+    assert sorted(striped) == [f"worker {i}: session striped over 2 connections" for i in (0, 1)]
+    [gone] = [e for e in shepherd.state.events if e.kind == "lost" and e.worker == "bob"]
+    assert "was removed from --worker-keys" in gone.message
+
+
+def test_a_keys_file_is_strict_at_start_and_leaves_out_only_bad_lines_later(tmp_path):
+    issued = tmp_path / "workers.keys"
+    alice, bob = (keys.public_line(ISSUED[n], n) for n in ("alice", "bob"))
+    for text, problem in [
+        (f"{alice}\nssh-rsa AAAA carol\n", "line 2: wants ssh-ed25519 keys"),
+        (f"{alice}\n{alice.replace('alice', 'carol')}\n", "line 2: the key of line 1 again"),
+        (f"{alice}\n{bob.replace('bob', 'alice')}\n", "line 2: 'alice' was issued a key on line 1"),
+        (alice.removesuffix(" alice"), "line 1: wants 'ssh-ed25519 KEY NAME'"),
+        ("# nobody yet\n", "holds no key"),
+    ]:
+        issued.write_text(text)
+        with pytest.raises(ConfigError, match=problem):
+            WorkerKeys(str(issued))
+    issued.write_text(f"{alice}\n{bob}\n")
+    said: list[str] = []
+    held = WorkerKeys(str(issued), on_reread=said.append)
+    alice_key, bob_key = (keys.public_bytes(ISSUED[n]) for n in ("alice", "bob"))
+    assert held.names() == {alice_key: "alice", bob_key: "bob"} and not said  # not read again
+    issued.write_text(f"{alice}\n{bob.replace('AAAA', 'BBBB')}\n")
+    assert held.names() == {alice_key: "alice"}
+    assert said[-1].endswith(
+        "1 key(s); left out: " + f"{issued} line 2: the key is not an ssh-ed25519 public key"
+    )
+    assert (
+        held.revoked(bob_key, "bob")
+        == f"its key {keys.fingerprint(bob_key)} was removed from --worker-keys {issued}"
+    )
+    assert held.revoked(alice_key, "alice") is None
+    os.remove(issued)
+    assert held.names() == {}  # fails closed: nobody holds a key until the file is back
+    assert "cannot be read" in said[-1]
+
+
+def test_keygen_writes_a_private_key_only_its_owner_reads_and_prints_its_line(tmp_path, capsys):
+    out = tmp_path / "w.key"
+    assert main(["keygen", "--out", str(out), "--name", "alice"]) == 0
+    line = capsys.readouterr().out.strip()
+    key = keys.load_private_key(str(out))
+    assert line == keys.public_line(key, "alice")
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert keys.parse_worker_keys(line, "f").names == {keys.public_bytes(key): "alice"}
+    assert main(["keygen", "--out", str(out), "--name", "alice"]) == 2  # never overwritten
+    assert "never overwrites a key" in capsys.readouterr().err
+    assert keys.load_private_key(str(out)).private_bytes_raw() == key.private_bytes_raw()
+
+
+def test_a_key_or_keys_file_that_cannot_work_exits_2_naming_it(tmp_path, capsys):
+    junk = tmp_path / "junk"
+    junk.write_text("junk\n")
+    worker = ["worker", "--connect", "127.0.0.1:9", "--token", "t", "--compile-cache", ""]
+    assert main([*worker, "--key", str(junk), "--quiet"]) == 2
+    assert f"--key {junk} is not an OpenSSH private key" in capsys.readouterr().err
+    # before data and model load
+    assert main(["shepherd", "--headless", "--port", "0", "--worker-keys", str(junk)]) == 2
+    said = capsys.readouterr()
+    assert f"--worker-keys {junk} line 1: wants ssh-ed25519 keys" in said.err
+    assert "loading data" not in said.out + said.err
+
+
+@pytest.mark.e2e
+def test_a_worker_process_joins_with_the_key_keygen_made(tmp_path, capsys, spawn_worker):
+    """The commands of docs/security.md: keygen's line in --worker-keys, `pcp-tui worker
+    --key FILE --id NAME` trains every round."""
+    key = tmp_path / "gpu-1.key"
+    assert main(["keygen", "--out", str(key), "--name", "gpu-1"]) == 0
+    issued = tmp_path / "workers.keys"
+    issued.write_text(capsys.readouterr().out)
+    config = small_config(workers=1, rounds=2, inner_steps=5, worker_keys=str(issued))
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    worker = {}
+
+    def scenario(port: int) -> None:
+        worker["process"] = spawn_worker(port, "--key", str(key), "--id", "gpu-1")
+
+    run_shepherd(shepherd, scenario)
+    assert [r.worker_ids for r in shepherd.state.history] == [("gpu-1",), ("gpu-1",)]
+    assert worker["process"].wait(timeout=60) == 0
