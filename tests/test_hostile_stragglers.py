@@ -225,6 +225,8 @@ def test_progress_without_results_loses_the_round_then_the_shard():
     assert lost, "\n".join(f"{k}: {m}" for k, m in shown)
     assert "no result counted in 3 rounds since one was refused" in lost[0].message
     orphaned = [e for e in state.events if e.kind == "shard_orphaned"]
-    assert [e.worker for e in orphaned] == ["drag"]
+    # under load the ten rounds last long enough for the drag to come back and lose its shard
+    # again: each time it is the drag's
+    assert orphaned and {e.worker for e in orphaned} == {"drag"}, [e.worker for e in orphaned]
     assert all("steady" in r.worker_ids for r in state.history)
     assert len(state.history) == 10
