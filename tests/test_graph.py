@@ -66,6 +66,20 @@ def _optax_reference(inner: InnerOptimizer, first_step: int) -> optax.GradientTr
     return optax.chain(optax.clip_by_global_norm(inner.grad_clip), step)
 
 
+_chunks: dict = {}
+
+
+def _compiled_chunk(workload, inner: InnerOptimizer):
+    """The exported and compiled train_chunk (and init) of `inner`, once per optimizer: the
+    first step is an argument of the graph, so both cases of one optimizer share it."""
+    if inner not in _chunks:
+        graphs = _graphs(workload, inner, chunk=3)
+        backend = select_backend("cpu")
+        train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
+        _chunks[inner] = (graphs, train, backend.load("init_opt_state", graphs.init_opt_state))
+    return _chunks[inner]
+
+
 @pytest.mark.parametrize(
     ("name", "first_step"), [("adamw", 0), ("adamw", 7), ("sgd", 0), ("sgd", 11)]
 )
@@ -74,10 +88,7 @@ def test_exported_train_chunk_matches_optax_loop(workload, name, first_step):
     optax.adamw / optax.sgd whose schedule is read at the run's step, not the worker's own:
     that is what keeps a late joiner or a reconnected worker on the run's warm-up and decay."""
     inner = InnerOptimizer(name=name, lr=3e-3, warmup_steps=4, decay_steps=20)
-    graphs = _graphs(workload, inner, chunk=3)
-    backend = select_backend("cpu")
-    train = backend.load("train_chunk", graphs.train_chunk, donate_argnums=(0, 1))
-    init = backend.load("init_opt_state", graphs.init_opt_state)
+    graphs, train, init = _compiled_chunk(workload, inner)
     batches = sample_batches(
         workload.shards[0], steps=3, batch_size=4, seq_len=32, seed=0, stream=(0, 1, 0)
     )
