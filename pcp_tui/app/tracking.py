@@ -94,7 +94,12 @@ class GuardedSink:
 
 
 class WandbSink:
-    """A W&B run named after the PCP run; round rows are logged at step = round.
+    """A W&B run named after the PCP run; every scalar is plotted against `round`.
+
+    A round's eval ends while later rounds train, so its row can come after the next
+    round's: logged at W&B's own `step = round`, W&B would drop it (a step lower than
+    the last one logged). So each row is its own W&B step, carrying `round`, and
+    `define_metric` makes `round` every curve's x axis: a late eval lands at its round.
 
     Offline (`WANDB_MODE=offline`) it writes the run under `./wandb` (or
     `$WANDB_DIR`) for a later `wandb sync`; online it needs `wandb login` first.
@@ -111,6 +116,8 @@ class WandbSink:
             config=dict(settings),
             settings=wandb.Settings(console="off", silent=True),  # the terminal is ours
         )
+        self._run.define_metric("round")
+        self._run.define_metric("*", step_metric="round")
 
     @property
     def where(self) -> str:
@@ -123,7 +130,7 @@ class WandbSink:
 
     def __call__(self, row: Mapping[str, Any]) -> None:
         if row.get("event") in _STEPPED:
-            self._run.log(scalars(row), step=int(row["round"]))
+            self._run.log({"round": int(row["round"]), **scalars(row)})
         elif row.get("event") == "done":
             self._run.summary.update(scalars(row))
 
