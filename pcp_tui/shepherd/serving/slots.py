@@ -25,7 +25,7 @@ heard `busy` on every retry. These rules bound that:
   measured (the latest result of any open connection, from its roundStart's delivery),
   if longer. An honest worker's first round shows progress or a result within that: its
   peers' pace times the factor the straggler window gives it too, and, before any
-  result, the grace (a tiny-model round on a loaded 2-core CPU took under 3 s). One
+  result, the grace (its first chunk, not its compile: that came before ready). One
   that has shown progress or a result, none of it taken into a round, keeps its slot
   for --ready-timeout from its first `roundStart` (the straggler window, `sitting_out`
   and the unproven rule bound what it holds a round meanwhile);
@@ -36,14 +36,17 @@ heard `busy` on every retry. These rules bound that:
 - one whose result was taken into a round (screened and folded in; or its worker
   contributed before a reconnect) has earned its slot and is never moved.
 
-Worst case (trio's clock, `--workers 2`, every slot taken by peers that never answer,
-joining again at once): one such peer holds an honest newcomer out for at most the
-grace after its first `roundStart` (or its welcome, or its ready), and a round it is
-in, while a newcomer waits, for at most `silent_seconds`: 10 s with --ready-timeout 40,
-45 s at the defaults (rounds of honest peers answering within a quarter of that). Four
-cost no more than one: they come due together, and each newcomer in line takes one
-slot. Rounds without a newcomer in line hold them for the straggler window
-(`rounds.results.collect`).
+Worst case, every slot of a `--workers 2` run taken by peers that never answer and join
+again at once (so they also wait in line): one such peer holds an honest newcomer out,
+and holds each round it is sent, for at most `silent_seconds` from that round's start
+(the grace, 10 s at --ready-timeout 40 and 45 s at the defaults, unless the run's honest
+answers are slower than a quarter of it); four cost no more than one, as they come due
+together and each newcomer in line takes one slot. Measured (`bench_squatters.py
+--ready --rounds 2`): the honest run ended 44.0 s after its workers started beside four
+(9.7 s without) at --ready-timeout 40, 139.0 s (14.5 s) at the defaults. A round with no
+newcomer in line waits for such a peer its straggler window (`rounds.results.collect`),
+at least --straggler-min-seconds; it then sits rounds out and ends as hung
+(`rounds.sitting_out`).
 
 Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 """
