@@ -46,7 +46,9 @@ together and each newcomer in line takes one slot. Measured (`bench_squatters.py
 (9.7 s without) at --ready-timeout 40, 139.0 s (14.5 s) at the defaults. A round with no
 newcomer in line waits for such a peer its straggler window (`rounds.results.collect`),
 at least --straggler-min-seconds; it then sits rounds out and ends as hung
-(`rounds.sitting_out`).
+(`rounds.sitting_out`). A peer that reports progress it does not make keeps its slot
+longest: --ready-timeout from its first `roundStart` (the rounds bound what it holds
+them: `rounds.results`, `sitting_out`).
 
 Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 """
