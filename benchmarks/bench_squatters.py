@@ -10,7 +10,13 @@ without squatters, the workers' start-up alone), and until the run's end (their
 compile and the round too, which vary with the machine's load). docs/security.md
 has a run.
 
-    python benchmarks/bench_squatters.py [--squatters 4] [--limit 300]
+With --ready the squatters say ready at once (nothing compiled), read every roundStart
+and never answer one (`shepherd/serving/slots.py`: a ready connection sent a round that
+shows nothing gives its slot up after the grace); --rounds and --ready-timeout are the
+shepherd's (default: 1 round, the CLI's --ready-timeout).
+
+    python benchmarks/bench_squatters.py [--squatters 4] [--limit 300] [--ready]
+        [--rounds 1] [--ready-timeout S]
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from pcp_tui.testing import parse_with_smoke
 
 TOKEN = "bench-token"
 SHEPHERD = [
-    *("--workers", "2", "--rounds", "1", "--inner-steps", "2", "--chunk-steps", "2"),
+    *("--workers", "2", "--inner-steps", "2", "--chunk-steps", "2"),
     *("--seq-len", "32", "--batch-size", "4", "--data-max-bytes", "262144"),
     *("--eval-batches", "2", "--heartbeat-seconds", "0.5", "--host", "127.0.0.1"),
     *("--port", "0", "--headless", "--token", TOKEN),
@@ -39,8 +45,9 @@ SHEPHERD = [
 PEER_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError, OSError)
 
 
-async def squat(port: int, worker_id: str, counts: dict) -> None:
-    """Join, take the plan, heartbeat, never say ready; join again whenever put out."""
+async def squat(port: int, worker_id: str, counts: dict, ready: bool = False) -> None:
+    """Join, take the plan, heartbeat, never say ready (`ready`: say it at once, and never
+    answer a round); join again whenever put out."""
     while True:
         try:
             stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
@@ -54,6 +61,8 @@ async def squat(port: int, worker_id: str, counts: dict) -> None:
                 )
                 if (await stream.receive()).kind == "welcome":
                     await stream.receive()  # the plan
+                    if ready:
+                        await stream.send(protocol.Ready(compile_seconds=0.0))
                     counts["welcomed"] = counts.get("welcomed", 0) + 1
                     while True:
                         await stream.send(protocol.Heartbeat(time.time()))
@@ -64,12 +73,16 @@ async def squat(port: int, worker_id: str, counts: dict) -> None:
         await trio.sleep(0.05)
 
 
-def run(squatters: int, limit: float) -> tuple[float | None, float | None]:
+def run(squatters: int, args: argparse.Namespace) -> tuple[float | None, float | None]:
     """Seconds from starting the honest workers to both being admitted, and to the run's end;
-    None past `limit`."""
+    None past `args.limit`."""
+    limit = args.limit
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    flags = [*SHEPHERD, "--rounds", str(args.rounds)]
+    if args.ready_timeout is not None:
+        flags += ["--ready-timeout", str(args.ready_timeout)]
     shepherd = subprocess.Popen(
-        [sys.executable, "-m", "pcp_tui", "shepherd", *SHEPHERD],
+        [sys.executable, "-m", "pcp_tui", "shepherd", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -93,7 +106,7 @@ def run(squatters: int, limit: float) -> tuple[float | None, float | None]:
             counts: dict = {}
             async with trio.open_nursery() as nursery:
                 for index in range(squatters):
-                    nursery.start_soon(squat, port, f"squatter-{index}", counts)
+                    nursery.start_soon(squat, port, f"squatter-{index}", counts, args.ready)
                 while counts.get("welcomed", 0) < squatters:
                     await trio.sleep(0.1)
                 started = time.monotonic()
@@ -129,12 +142,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--squatters", type=int, default=4)
     parser.add_argument("--limit", type=float, default=300.0, help="seconds to give up after")
+    parser.add_argument("--ready", action="store_true", help="squatters say ready at once")
+    parser.add_argument("--rounds", type=int, default=1, help="the shepherd's --rounds")
+    parser.add_argument("--ready-timeout", type=float, default=None, help="the shepherd's")
     args = parse_with_smoke(parser, squatters=1, limit=120.0)
     show = lambda t: f"{t:.1f} s" if t is not None else f"> {args.limit:g} s"  # noqa: E731
     print("squatters  both honest workers admitted  run ended")
     admitted_after = {}
     for squatters in (0, args.squatters):
-        admitted, ended = run(squatters, args.limit)
+        admitted, ended = run(squatters, args)
         admitted_after[squatters] = admitted if admitted is not None else args.limit
         print(f"{squatters:>9}  {show(admitted):>28}  {show(ended):>9}", flush=True)
     ratio = admitted_after[args.squatters] / max(admitted_after[0], 1e-9)

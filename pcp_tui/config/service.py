@@ -131,7 +131,8 @@ class SecurityConfig:
         above=0,
         help="seconds an admitted worker has to compile the plan and say ready before its "
         "connection is dropped; when every connection is taken, one not ready after 45 s "
-        "(or a quarter of this, if less) already gives its slot to a newcomer",
+        "(or a quarter of this, if less) already gives its slot to a newcomer, as does a "
+        "ready one that shows no progress or result that long after its round started",
     )
     min_upload_rate: float = option(
         1e6,

@@ -51,6 +51,17 @@ class WorkerRounds:
         self._started: set[int] = set()  # rounds whose roundStart went out on this connection
         self._results: set[tuple[int, int]] = set()  # (round, fragment) of every result sent
 
+    @property
+    def shown_work(self) -> bool:
+        """Whether it reported training progress or sent a result (counted, late or refused)
+        on this connection (`slots`: one that shows nothing keeps its slot less long)."""
+        return self.progress is not None or bool(self._results)
+
+    @property
+    def sent_a_round(self) -> bool:
+        """Whether a roundStart went out (or is going out) on this connection."""
+        return bool(self._started)
+
     def started(self, number: int) -> None:
         """Round `number`'s roundStart is going out here: its results may come (a repeated
         round, no result counted, is answered again: one result per start)."""

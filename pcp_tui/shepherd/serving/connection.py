@@ -87,6 +87,7 @@ class WorkerLink(Connection):
         self._state = state
         self.ready = trio.Event()
         self.admitted_at = trio.current_time()  # for the slot rules (shepherd.slots)
+        self.ready_at: float | None = None  # when it said ready (trio's clock; `slots` too)
         self.rounds = WorkerRounds()  # its part in the rounds: sent, answered, timed
         self.min_send_rate, self.send_grace = min_send_rate, send_grace
         self.load = load  # the shepherd's own load: a send's deadline leaves its busy seconds out

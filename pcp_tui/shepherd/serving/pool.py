@@ -216,8 +216,9 @@ class WorkerPool:
         self, worker_id: str, busy: tuple[protocol.ErrorCode, str]
     ) -> tuple[protocol.ErrorCode, str] | None:
         """Every slot is taken: wait, in order of arrival, for a connection that has not earned
-        its slot to pass its grace, and take it (`slots`); None once this worker may join, else
-        the refusal (every holder has contributed, or as many newcomers as slots wait already).
+        its slot to pass its bound, and take it (`slots`); None once this worker may join, else
+        the refusal (no holder will free: each has earned its slot, or waits for its next
+        round while the run has its workers; or as many newcomers as slots wait already).
 
         Waiting in line, not retrying, is what lets an honest worker in: squatters that
         are put out join again at once, and a retry every few seconds would lose every
@@ -225,18 +226,18 @@ class WorkerPool:
         """
         if self._slot_waiters >= self.config.worker_connections:
             return busy
-        ready_timeout = self.config.security.ready_timeout
+        rules = slots.SlotRules.of(self.config)
         self._slot_waiters += 1
         try:
             async with self._slot_line:  # trio's locks are fair: first come, first served
                 while (refusal := self._refusal(worker_id)) and refusal[0] is busy[0]:
                     now = trio.current_time()
-                    taken = slots.slot_to_take(self._links.values(), now, ready_timeout)
+                    taken = slots.slot_to_take(self._links.values(), now, rules)
                     if taken is not None:
                         await self._move_out(taken)
                         continue
-                    free_at = slots.next_to_free(self._links.values(), ready_timeout)
-                    if free_at is None:  # every holder has contributed: none will free
+                    free_at = slots.next_to_free(self._links.values(), rules)
+                    if free_at is None:  # none will free (`slots`)
                         return refusal
                     await trio.sleep_until(min(free_at, now + 1.0))  # or one leaves sooner
                 return refusal
@@ -246,7 +247,12 @@ class WorkerPool:
     async def _move_out(self, link: WorkerLink) -> None:
         """Close a connection that has not earned its slot, for a newcomer to take it (`slots`)."""
         waited = trio.current_time() - link.admitted_at
-        what = "no result taken" if link.ready.is_set() else "not ready"
+        if not link.ready.is_set():
+            what = "not ready"
+        elif link.rounds.shown_work:
+            what = "no result taken"
+        else:
+            what = "no progress and no result"
         reason = (
             f"{what} {waited:.0f} s after its welcome, and every connection slot is taken: "
             "its slot went to a new worker (it may join again)"
@@ -454,6 +460,7 @@ class WorkerPool:
             view.state = WorkerState.IDLE
             link.stage = contract.Stage.READY
             view.compile_seconds = body.compile_seconds
+            link.ready_at = trio.current_time()
             link.ready.set()
             self.state.emit(
                 Compiled(

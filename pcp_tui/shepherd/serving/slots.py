@@ -3,27 +3,52 @@
 The shepherd serves at most --max-worker-connections admitted connections. A token
 holder that joins, reads the plan and never says ready held a slot for as long as it
 liked: four of them held every slot of a `--workers 2` run, and the honest workers
-heard `busy` on every retry. Two rules bound that:
+heard `busy` on every retry. These rules bound that:
 
 - a connection that has not said ready --ready-timeout seconds after its welcome is
   dropped (the watchdog's `not_ready_reason`); the default, 600 s, fits slow honest
   compiles (measured on a loaded 2-core CPU at the CLI's defaults, batch 16 x 128 in
   chunks of 10 steps: the tiny GPT-2's train_chunk 26 s, GPT-2 124M's 125 s);
 - when every slot is taken, a newcomer waits in line (not refused) for the connection
-  that has gone longest without saying ready to pass `evictable_after(ready_timeout)`
-  seconds, and takes its slot (`slot_to_take`, `next_to_free`): 45 s, or a quarter of
-  --ready-timeout if that is less. Squatters that are put out join again behind it, so
-  they delay an honest worker by about that grace, not by --ready-timeout. As many
-  newcomers may wait as there are slots. An honest worker moved while it compiles loses
-  little: it finishes compiling, keeps the compiled graphs, and is ready as soon as it
-  is back in;
+  that has gone longest without earning its slot to pass its bound (`slot_to_take`,
+  `next_to_free`), and takes its slot. A connection not ready: `evictable_after(
+  ready_timeout)` after its welcome, 45 s or a quarter of --ready-timeout if that is
+  less (the grace). Squatters that are put out join again behind it, so they delay an
+  honest worker by about that grace, not by --ready-timeout. As many newcomers may wait
+  as there are slots. An honest worker moved while it compiles loses little: it
+  finishes compiling, keeps the compiled graphs, and is ready as soon as it is back in;
 - saying ready costs nothing: four squatters that said ready at once and never answered
-  a round held every slot, and round 1 waited for them, for ever. So a ready connection
-  that was sent a round keeps its slot from a newcomer for --ready-timeout from its first
-  `roundStart` (an honest worker's first round) unless a result of its has been taken
-  into a round (screened and folded in; or its worker contributed before a reconnect).
-  A ready worker not yet sent a round (it waits for the next one), and one that has
-  delivered, are never moved.
+  a round held every slot, and round 1 waited for them, for ever. A ready connection
+  that was sent a round and has shown nothing since (no training progress, no result)
+  keeps its slot from a newcomer for `SlotRules.silent_seconds` from its first
+  `roundStart`: the grace, or --straggler-factor times the slowest answer the run has
+  measured (the latest result of any open connection, from its roundStart's delivery),
+  if longer. An honest worker's first round shows progress or a result within that: its
+  peers' pace times the factor the straggler window gives it too, and, before any
+  result, the grace (its first chunk, not its compile: that came before ready). One
+  that has shown progress or a result, none of it taken into a round, keeps its slot
+  for --ready-timeout from its first `roundStart` (the straggler window, `sitting_out`
+  and the unproven rule bound what it holds a round meanwhile);
+- a ready connection not yet sent a round waits for the next one and is not moved,
+  unless fewer than --workers open connections have been sent a round or earned their
+  slot: then the run needs its slot, and it keeps it `silent_seconds` from saying ready
+  (a peer that says ready and leaves whenever a round comes held its slot so for ever);
+- one whose result was taken into a round (screened and folded in; or its worker
+  contributed before a reconnect) has earned its slot and is never moved.
+
+Worst case, every slot of a `--workers 2` run taken by peers that never answer and join
+again at once (so they also wait in line): one such peer holds an honest newcomer out,
+and holds each round it is sent, for at most `silent_seconds` from that round's start
+(the grace, 10 s at --ready-timeout 40 and 45 s at the defaults, unless the run's honest
+answers are slower than a quarter of it); four cost no more than one, as they come due
+together and each newcomer in line takes one slot. Measured (`bench_squatters.py
+--ready --rounds 2`): the honest run ended 44.0 s after its workers started beside four
+(9.7 s without) at --ready-timeout 40, 139.0 s (14.5 s) at the defaults. A round with no
+newcomer in line waits for such a peer its straggler window (`rounds.results.collect`),
+at least --straggler-min-seconds; it then sits rounds out and ends as hung
+(`rounds.sitting_out`). A peer that reports progress it does not make keeps its slot
+longest: --ready-timeout from its first `roundStart` (the rounds bound what it holds
+them: `rounds.results`, `sitting_out`).
 
 Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 """
@@ -31,7 +56,9 @@ Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
+from pcp_tui.config import RunConfig
 from pcp_tui.shepherd.serving.connection import WorkerLink
 
 EVICTABLE_AFTER = 45.0  # seconds a connection that is not ready keeps its slot from a newcomer
@@ -53,37 +80,79 @@ def not_ready_reason(link: WorkerLink, ready_timeout: float, now: float) -> str:
     )
 
 
-def _free_at(link: WorkerLink, ready_timeout: float) -> float | None:
-    """When a newcomer may take `link`'s slot (trio's clock), or None: never (closed, ready
-    and not yet sent a round, or a result of its was taken)."""
-    if link.closed:
+@dataclass(frozen=True)
+class SlotRules:
+    """The run's settings the slot rules read (`of` a RunConfig)."""
+
+    ready_timeout: float  # --ready-timeout
+    straggler_factor: float  # --straggler-factor
+    workers: int  # --workers
+
+    @classmethod
+    def of(cls, config: RunConfig) -> SlotRules:
+        return cls(
+            config.security.ready_timeout,
+            config.network.straggler_factor,
+            config.network.workers,
+        )
+
+    def silent_seconds(self, links: Iterable[WorkerLink]) -> float:
+        """How long a ready connection that shows nothing keeps its slot from a newcomer:
+        the grace, or --straggler-factor times the slowest latest answer of an open link
+        (from its roundStart's delivery), if longer."""
+        measured = max(
+            (s for link in links if not link.closed for s in link.rounds.answer_seconds.values()),
+            default=0.0,
+        )
+        return max(evictable_after(self.ready_timeout), self.straggler_factor * measured)
+
+
+def _earned(link: WorkerLink) -> bool:
+    """A result of its was taken into a round here, or its worker's before a reconnect."""
+    return bool(link.rounds.results_taken or link.view.rounds_contributed)
+
+
+def _free_at(link: WorkerLink, rules: SlotRules, silent: float, needed: bool) -> float | None:
+    """When a newcomer may take `link`'s slot (trio's clock), or None: never (closed, earned,
+    or ready and its first roundStart not yet delivered while the run has `--workers` sent
+    or earned). `silent`: `SlotRules.silent_seconds`; `needed`: fewer than --workers open
+    links were sent a round or earned their slot."""
+    if link.closed or _earned(link):
         return None
     if not link.ready.is_set():
-        return link.admitted_at + evictable_after(ready_timeout)
-    # a result taken here, or before a reconnect
-    earned = link.rounds.results_taken or link.view.rounds_contributed
+        return link.admitted_at + evictable_after(rules.ready_timeout)
     first = link.rounds.first_delivered
-    if not earned and first is not None:  # sent rounds, and nothing to show for them
-        return first + ready_timeout
-    return None
+    if first is None:  # ready, waiting for its first round
+        return link.ready_at + silent if needed and link.ready_at is not None else None
+    if link.rounds.shown_work:  # progress or a result, none taken yet
+        return first + rules.ready_timeout
+    return first + silent
 
 
-def slot_to_take(
-    links: Iterable[WorkerLink], now: float, ready_timeout: float
-) -> WorkerLink | None:
-    """The open connection a newcomer may take the slot of, or None: of those past `_free_at`,
-    the one that got there first (then the one welcomed first)."""
-    due = [
+def _due(
+    links: Iterable[WorkerLink], rules: SlotRules
+) -> list[tuple[float, float, int, WorkerLink]]:
+    """(free_at, admitted_at, order, link) of every open link that will free, unsorted."""
+    links = list(links)
+    silent = rules.silent_seconds(links)
+    working = sum(
+        1 for link in links if not link.closed and (_earned(link) or link.rounds.sent_a_round)
+    )
+    needed = working < rules.workers
+    return [
         (free_at, link.admitted_at, index, link)
         for index, link in enumerate(links)
-        if (free_at := _free_at(link, ready_timeout)) is not None and free_at <= now
+        if (free_at := _free_at(link, rules, silent, needed)) is not None
     ]
+
+
+def slot_to_take(links: Iterable[WorkerLink], now: float, rules: SlotRules) -> WorkerLink | None:
+    """The open connection a newcomer may take the slot of, or None: of those past `_free_at`,
+    the one that got there first (then the one welcomed first)."""
+    due = [entry for entry in _due(links, rules) if entry[0] <= now]
     return min(due, default=(None,) * 4)[3]
 
 
-def next_to_free(links: Iterable[WorkerLink], ready_timeout: float) -> float | None:
+def next_to_free(links: Iterable[WorkerLink], rules: SlotRules) -> float | None:
     """When the first open connection passes `_free_at` (trio's clock), or None if none will."""
-    return min(
-        (at for link in links if (at := _free_at(link, ready_timeout)) is not None),
-        default=None,
-    )
+    return min((entry[0] for entry in _due(links, rules)), default=None)
