@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
@@ -162,7 +163,46 @@ def run_unwrapped(
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
         return first
+    finally:
+        settle_threads()
     return None
+
+
+# seconds to wait for trio's cached threads to come back from their last job; far more than
+# dropping a job's objects takes, and bounded: the process exits either way
+SETTLE_SECONDS = 10.0
+
+
+def settle_threads() -> None:
+    """Wait until every thread of trio's thread cache is back from its last job.
+
+    Blocking JAX work runs on trio's cached threads, which are daemon threads. A
+    thread hands its job's result back, then drops its own reference to it; when
+    that was the last one, the arrays are freed on that thread, in jaxlib's C++,
+    which may let go of the GIL. If the interpreter is finalizing by the time it
+    wants the GIL back, CPython before 3.14 ends the thread with pthread_exit,
+    whose unwinding through a C++ destructor aborts the process (CPython
+    gh-87135): a worker that had finished its run exited with SIGABRT (-6).
+
+    One job a thread, all held at a barrier until each has a thread of its own:
+    trio gives a new job to an idle thread first, and a thread that is still
+    finishing its last job takes the new one only once that is done.
+    """
+    count = sum(1 for t in threading.enumerate() if t.daemon and t.name.startswith("Trio thread"))
+    if not count:
+        return
+    barrier = threading.Barrier(count, timeout=SETTLE_SECONDS)
+
+    def wait() -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait()
+
+    async def settle() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(count):
+                nursery.start_soon(trio.to_thread.run_sync, wait)
+
+    trio.run(settle)
 
 
 def _launch_dashboard(
