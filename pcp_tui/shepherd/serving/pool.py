@@ -541,7 +541,7 @@ class WorkerPool:
                 )
             )
             return
-        link.rounds.results_taken += 1
+        link.rounds.took(body.fragment)
         view.state = WorkerState.IDLE
         view.step = view.total_steps
         link.rounds.unproven = 0  # a counted result: waited for again
