@@ -183,6 +183,32 @@ def test_a_keys_file_is_strict_at_start_and_leaves_out_only_bad_lines_later(tmp_
     assert "cannot be read" in said[-1]
 
 
+def test_a_keys_file_is_read_whole_or_not_at_all_and_its_byte_order_mark_is_no_text(tmp_path):
+    """A file cut where it was read issued the cut line's key to its name's prefix: here
+    alice's key, issued to 'alice-2', went to 'alice' once the 16 MiB read cut it there. A
+    file too big to be keys is read as none. A Windows editor's byte order mark and CRLF
+    lines left line 1 out; they are not text of the file's."""
+    issued = tmp_path / "workers.keys"
+    alice, bob = (keys.public_line(ISSUED[n], n) for n in ("alice", "bob"))
+    alice_key, bob_key = (keys.public_bytes(ISSUED[n]) for n in ("alice", "bob"))
+    issued.write_bytes(b"\xef\xbb\xbf" + f"{alice}\r\n{bob}\r\n".encode())
+    assert WorkerKeys(str(issued)).names() == {alice_key: "alice", bob_key: "bob"}
+
+    cut = 16 * 1024 * 1024  # where the read stopped
+    padding = cut - len(alice)  # comment lines, then alice's line cut after its name
+    pad = "#" * 1023 + "\n"
+    big = pad * (padding // len(pad) - 1)
+    big += "#" * (padding - len(big) - 1) + "\n" + alice.replace(" alice", " alice-2") + "\n"
+    issued.write_text(big)
+    with pytest.raises(ConfigError, match="over 1048576 characters; is it the right file"):
+        WorkerKeys(str(issued))
+    issued.write_text(f"{bob}\n")
+    said: list[str] = []
+    held = WorkerKeys(str(issued), on_reread=said.append)
+    issued.write_text(big)
+    assert held.names() == {} and "over 1048576 characters" in said[-1]
+
+
 def test_keygen_writes_a_private_key_only_its_owner_reads_and_prints_its_line(tmp_path, capsys):
     out = tmp_path / "w.key"
     assert main(["keygen", "--out", str(out), "--name", "alice"]) == 0

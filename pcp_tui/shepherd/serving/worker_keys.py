@@ -19,6 +19,10 @@ from pcp_tui import protocol
 from pcp_tui.config import ConfigError
 from pcp_tui.contract import keys
 
+# a line is about 100 characters: room for thousands of keys, and read (on the event loop,
+# at a handshake or before a round) in a fraction of a second
+MAX_CHARS = 1024 * 1024
+SHOWN = 3  # the lines left out that a re-read's event names, of however many
 _NO_KEY = (
     "this shepherd admits only workers holding a key it issued (--worker-keys): start the "
     "worker with --key FILE (pcp-tui keygen --out FILE makes one and prints the line the "
@@ -64,7 +68,9 @@ class WorkerKeys:
             )
             return self._names
         self._names = issued.names
-        left_out = f"; left out: {'; '.join(issued.problems)}" if issued.problems else ""
+        problems = issued.problems
+        more = f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        left_out = f"; left out: {'; '.join(problems[:SHOWN])}{more}" if problems else ""
         self._on_reread(
             f"--worker-keys {self.path} read again: {len(issued.names)} key(s){left_out}"
         )
@@ -120,10 +126,13 @@ class WorkerKeys:
         seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
         if seen == unless:
             return seen, None
-        try:
-            with open(self.path, encoding="utf-8") as file:
-                text = file.read(16 * 1024 * 1024)
+        try:  # utf-8-sig: a byte order mark (Windows editors write one) is not line 1's text
+            with open(self.path, encoding="utf-8-sig") as file:
+                text = file.read(MAX_CHARS + 1)
         except (OSError, UnicodeDecodeError) as exc:
             self._missing = getattr(exc, "strerror", None) or str(exc)
+            return seen, None
+        if len(text) > MAX_CHARS:  # never a part: a cut line could name another id
+            self._missing = f"it is over {MAX_CHARS} characters; is it the right file?"
             return seen, None
         return seen, keys.parse_worker_keys(text, self.path)
