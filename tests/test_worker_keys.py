@@ -24,6 +24,7 @@ from pcp_tui.shepherd.serving.worker_keys import WorkerKeys
 from pcp_tui.testing import connect_peer, pause_after_round, peer_hello, run_shepherd, until
 from pcp_tui.training.build import build_workload
 from pcp_tui.worker.client import Worker
+from pcp_tui.worker.rounds import Faults
 
 from .conftest import small_config
 
@@ -148,6 +149,49 @@ def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_
     assert sorted(striped) == [f"worker {i}: session striped over 2 connections" for i in (0, 1)]
     [gone] = [e for e in shepherd.state.events if e.kind == "lost" and e.worker == "bob"]
     assert "was removed from --worker-keys" in gone.message
+
+
+def test_a_key_revoked_mid_round_takes_that_rounds_result_with_it(tmp_path):
+    """The operator removes bob's line while bob trains round 1: bob's result of that round,
+    sent after, was folded in (revocation was looked at only before a round); now it ends
+    bob's connection with authFailed, and round 1 is alice's alone."""
+    issued = tmp_path / "workers.keys"
+    write_keys(issued, ["alice", "bob"])
+    config = small_config(workers=2, rounds=1, inner_steps=2, worker_keys=str(issued))
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    seen: dict[str, str] = {}
+
+    class RevokedAsItTrains(Faults):
+        async def before_round(self, number: int) -> None:
+            write_keys(issued, ["alice"])
+
+    def worker(port: int, name: str, faults: Faults | None = None) -> Worker:
+        settings = WorkerConfig(
+            connect=f"127.0.0.1:{port}",
+            token="test-token",
+            backend="cpu",
+            worker_id=name,
+            key=write_private(tmp_path, name),
+            reconnect=False,
+        )
+        return Worker(settings, faults=faults)
+
+    async def bob(port: int) -> None:
+        try:
+            await worker(port, "bob", RevokedAsItTrains()).run()
+        except Refused as exc:
+            seen["bob"] = str(exc)
+
+    async def scenario(port: int) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker(port, "alice").run)
+            nursery.start_soon(bob, port)
+
+    run_shepherd(shepherd, scenario)
+    assert [sorted(r.worker_ids) for r in shepherd.state.history] == [["alice"]]
+    bob_key = keys.fingerprint(keys.public_bytes(ISSUED["bob"]))
+    assert f"its key {bob_key} was removed from --worker-keys" in seen["bob"]
+    assert "authFailed" in seen["bob"]
 
 
 def test_a_keys_file_is_strict_at_start_and_leaves_out_only_bad_lines_later(tmp_path):
