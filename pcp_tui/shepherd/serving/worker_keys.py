@@ -1,9 +1,10 @@
 """--worker-keys: the keys the operator issued, re-read whenever the file changes.
 
 Revoking a key is removing its line. The file is looked at (one `stat`) at every
-handshake and before every round, and read again when it changed: a removed key's
-worker cannot join again, and a connected one is dropped before the next round
-(`WorkerPool.drop_revoked`), or as its result comes (that result is not taken). No signal is needed, and none can be missed.
+handshake, before every round and at every result, and read again when it changed: a
+removed key's worker cannot join again, and a connected one is dropped before the next
+round (`WorkerPool.drop_revoked`), or as its result comes (that result is not taken).
+No signal is needed, and none can be missed.
 
 A line the shepherd cannot use is fatal when it starts (exit 2, the operator is at
 hand); later, only that line is left out, and the run's events say which: the lines
