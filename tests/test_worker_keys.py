@@ -253,6 +253,30 @@ def test_a_keys_file_is_read_whole_or_not_at_all_and_its_byte_order_mark_is_no_t
     assert held.names() == {} and "over 1048576 characters" in said[-1]
 
 
+def test_a_character_beyond_ascii_or_a_byte_beyond_utf8_spoils_its_line_only(tmp_path):
+    """A key pasted as shown cut ("AAAAC3Nz…") raised ValueError out of the parser: a
+    traceback at start, and mid-run out of the handshake or the check before a round,
+    ending the run. A byte that is not UTF-8 (a Latin-1 name) made the whole file unreadable:
+    every connected worker was revoked. Each is now one line left out, named."""
+    issued = tmp_path / "workers.keys"
+    alice, bob = (keys.public_line(ISSUED[n], n) for n in ("alice", "bob"))
+    pasted = f"{keys.public_line(STRANGER, 'carol')[:24]}… carol"
+    issued.write_text(f"{alice}\n{pasted}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="line 2: the key is not base64"):
+        WorkerKeys(str(issued))
+    issued.write_text(f"{alice}\n{bob}\n")
+    said: list[str] = []
+    held = WorkerKeys(str(issued), on_reread=said.append)
+    both = held.names()
+    latin1 = keys.public_line(STRANGER, "caf\xe9").encode("latin-1")
+    issued.write_bytes(f"{alice}\n{pasted}\n".encode() + latin1 + f"\n{bob}\n".encode())
+    assert held.names() == both
+    assert said[-1].endswith(
+        f"2 key(s); left out: {issued} line 2: the key is not base64; {issued} line 3: a key's "
+        "name is its worker id: printable characters, no spaces"
+    )
+
+
 def test_keygen_writes_a_private_key_only_its_owner_reads_and_prints_its_line(tmp_path, capsys):
     out = tmp_path / "w.key"
     assert main(["keygen", "--out", str(out), "--name", "alice"]) == 0

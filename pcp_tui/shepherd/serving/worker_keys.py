@@ -127,11 +127,13 @@ class WorkerKeys:
         seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
         if seen == unless:
             return seen, None
-        try:  # utf-8-sig: a byte order mark (Windows editors write one) is not line 1's text
-            with open(self.path, encoding="utf-8-sig") as file:
+        # utf-8-sig: a byte order mark (Windows editors write one) is not line 1's text; a byte
+        # that is not UTF-8 spoils its line only (surrogateescape: a character no line takes)
+        try:
+            with open(self.path, encoding="utf-8-sig", errors="surrogateescape") as file:
                 text = file.read(MAX_CHARS + 1)
-        except (OSError, UnicodeDecodeError) as exc:
-            self._missing = getattr(exc, "strerror", None) or str(exc)
+        except OSError as exc:
+            self._missing = exc.strerror or str(exc)
             return seen, None
         if len(text) > MAX_CHARS:  # never a part: a cut line could name another id
             self._missing = f"it is over {MAX_CHARS} characters; is it the right file?"
