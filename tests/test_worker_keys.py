@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 
 import pytest
 import trio
@@ -275,6 +276,29 @@ def test_a_character_beyond_ascii_or_a_byte_beyond_utf8_spoils_its_line_only(tmp
         f"2 key(s); left out: {issued} line 2: the key is not base64; {issued} line 3: a key's "
         "name is its worker id: printable characters, no spaces"
     )
+
+
+def test_a_pipe_is_not_a_keys_file(tmp_path):
+    """`--worker-keys <(...)` or a FIFO was read: opening and reading it again mid-run would
+    wait on a writer with the event loop stopped (and, once its writer is done, read no key,
+    revoking every worker). It is refused at start, naming what to pass instead."""
+    fifo = tmp_path / "workers.keys"
+    os.mkfifo(fifo)
+    line = f"{keys.public_line(ISSUED['alice'], 'alice')}\n".encode()
+
+    def writer() -> None:  # what <(...) does: write the keys once, then close
+        with open(fifo, "wb") as pipe:
+            pipe.write(line)
+
+    feeding = threading.Thread(target=writer, daemon=True)
+    feeding.start()
+    try:
+        with pytest.raises(ConfigError, match="not a regular file"):
+            WorkerKeys(str(fifo))
+    finally:  # a reader, held open until the writer is done, lets its open return
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        feeding.join(timeout=60)
+        os.close(reader)
 
 
 def test_keygen_writes_a_private_key_only_its_owner_reads_and_prints_its_line(tmp_path, capsys):

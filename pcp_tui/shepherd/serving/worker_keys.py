@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from stat import S_ISREG
 
 from pcp_tui import protocol
 from pcp_tui.config import ConfigError
@@ -126,6 +127,9 @@ class WorkerKeys:
             return (), None
         seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
         if seen == unless:
+            return seen, None
+        if not S_ISREG(stat.st_mode):  # a pipe's open or read would stop the event loop
+            self._missing = "it is not a regular file (a pipe or <(...) is read once, then empty)"
             return seen, None
         # utf-8-sig: a byte order mark (Windows editors write one) is not line 1's text; a byte
         # that is not UTF-8 spoils its line only (surrogateescape: a character no line takes)
