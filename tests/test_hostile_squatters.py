@@ -127,7 +127,7 @@ def test_a_ready_link_that_shows_nothing_after_its_round_starts_gives_its_slot_u
         assert talker.rounds.shown_work and not silent.rounds.shown_work
         await trio.sleep_until(120)
         honest.rounds.answered(2, 0)
-        honest.rounds.results_taken = 1
+        honest.rounds.took(0)
         links = [honest, silent, talker, waiting]
         assert RULES.silent_seconds(links) == 4 * 20
         # the honest one has earned its slot; three links sent or earned, of --workers 2:
@@ -143,6 +143,28 @@ def test_a_ready_link_that_shows_nothing_after_its_round_starts_gives_its_slot_u
         assert slots.next_to_free(links, RULES) == 100 + 80
         waiting.view.rounds_contributed = 1  # it contributed before a reconnect: earned
         assert slots.next_to_free(links, RULES) is None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_late_result_does_not_stretch_how_long_silent_squatters_keep_their_slots():
+    """A hostile peer is sent round 1 with three silent squatters, reports progress (its
+    slot: --ready-timeout from its roundStart) and sends a result just before that, long
+    after the round closed: dropped as late, but its time was measured. It made the silent
+    squatters keep their slots --straggler-factor x 590 s (2360 s) instead of the grace;
+    only a result taken into a round measures the run's pace now."""
+
+    async def main() -> None:
+        stretcher, *silent = _links(4)
+        for link in (stretcher, *silent):
+            _ready(link)
+            _sent(link, 1)
+        stretcher.rounds.progressed(protocol.Progress(1, 1, 10, 1.0, 1.0, protocol.Phase.TRAINING))
+        await trio.sleep_until(590)
+        stretcher.rounds.answered(1, 0)  # what the pool does for every result, late ones too
+        links = [stretcher, *silent]
+        assert RULES.silent_seconds(links) == slots.EVICTABLE_AFTER
+        assert slots.slot_to_take(links, trio.current_time(), RULES) is silent[0]
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 

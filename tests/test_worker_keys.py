@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 
 import pytest
 import trio
@@ -24,6 +25,7 @@ from pcp_tui.shepherd.serving.worker_keys import WorkerKeys
 from pcp_tui.testing import connect_peer, pause_after_round, peer_hello, run_shepherd, until
 from pcp_tui.training.build import build_workload
 from pcp_tui.worker.client import Worker
+from pcp_tui.worker.rounds import Faults
 
 from .conftest import small_config
 
@@ -150,6 +152,49 @@ def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_
     assert "was removed from --worker-keys" in gone.message
 
 
+def test_a_key_revoked_mid_round_takes_that_rounds_result_with_it(tmp_path):
+    """The operator removes bob's line while bob trains round 1: bob's result of that round,
+    sent after, was folded in (revocation was looked at only before a round); now it ends
+    bob's connection with authFailed, and round 1 is alice's alone."""
+    issued = tmp_path / "workers.keys"
+    write_keys(issued, ["alice", "bob"])
+    config = small_config(workers=2, rounds=1, inner_steps=2, worker_keys=str(issued))
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    seen: dict[str, str] = {}
+
+    class RevokedAsItTrains(Faults):
+        async def before_round(self, number: int) -> None:
+            write_keys(issued, ["alice"])
+
+    def worker(port: int, name: str, faults: Faults | None = None) -> Worker:
+        settings = WorkerConfig(
+            connect=f"127.0.0.1:{port}",
+            token="test-token",
+            backend="cpu",
+            worker_id=name,
+            key=write_private(tmp_path, name),
+            reconnect=False,
+        )
+        return Worker(settings, faults=faults)
+
+    async def bob(port: int) -> None:
+        try:
+            await worker(port, "bob", RevokedAsItTrains()).run()
+        except Refused as exc:
+            seen["bob"] = str(exc)
+
+    async def scenario(port: int) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker(port, "alice").run)
+            nursery.start_soon(bob, port)
+
+    run_shepherd(shepherd, scenario)
+    assert [sorted(r.worker_ids) for r in shepherd.state.history] == [["alice"]]
+    bob_key = keys.fingerprint(keys.public_bytes(ISSUED["bob"]))
+    assert f"its key {bob_key} was removed from --worker-keys" in seen["bob"]
+    assert "authFailed" in seen["bob"]
+
+
 def test_a_keys_file_is_strict_at_start_and_leaves_out_only_bad_lines_later(tmp_path):
     issued = tmp_path / "workers.keys"
     alice, bob = (keys.public_line(ISSUED[n], n) for n in ("alice", "bob"))
@@ -181,6 +226,79 @@ def test_a_keys_file_is_strict_at_start_and_leaves_out_only_bad_lines_later(tmp_
     os.remove(issued)
     assert held.names() == {}  # fails closed: nobody holds a key until the file is back
     assert "cannot be read" in said[-1]
+
+
+def test_a_keys_file_is_read_whole_or_not_at_all_and_its_byte_order_mark_is_no_text(tmp_path):
+    """A file cut where it was read issued the cut line's key to its name's prefix: here
+    alice's key, issued to 'alice-2', went to 'alice' once the 16 MiB read cut it there. A
+    file too big to be keys is read as none. A Windows editor's byte order mark and CRLF
+    lines left line 1 out; they are not text of the file's."""
+    issued = tmp_path / "workers.keys"
+    alice, bob = (keys.public_line(ISSUED[n], n) for n in ("alice", "bob"))
+    alice_key, bob_key = (keys.public_bytes(ISSUED[n]) for n in ("alice", "bob"))
+    issued.write_bytes(b"\xef\xbb\xbf" + f"{alice}\r\n{bob}\r\n".encode())
+    assert WorkerKeys(str(issued)).names() == {alice_key: "alice", bob_key: "bob"}
+
+    cut = 16 * 1024 * 1024  # where the read stopped
+    padding = cut - len(alice)  # comment lines, then alice's line cut after its name
+    pad = "#" * 1023 + "\n"
+    big = pad * (padding // len(pad) - 1)
+    big += "#" * (padding - len(big) - 1) + "\n" + alice.replace(" alice", " alice-2") + "\n"
+    issued.write_text(big)
+    with pytest.raises(ConfigError, match="over 1048576 characters; is it the right file"):
+        WorkerKeys(str(issued))
+    issued.write_text(f"{bob}\n")
+    said: list[str] = []
+    held = WorkerKeys(str(issued), on_reread=said.append)
+    issued.write_text(big)
+    assert held.names() == {} and "over 1048576 characters" in said[-1]
+
+
+def test_a_character_beyond_ascii_or_a_byte_beyond_utf8_spoils_its_line_only(tmp_path):
+    """A key pasted as shown cut ("AAAAC3Nz…") raised ValueError out of the parser: a
+    traceback at start, and mid-run out of the handshake or the check before a round,
+    ending the run. A byte that is not UTF-8 (a Latin-1 name) made the whole file unreadable:
+    every connected worker was revoked. Each is now one line left out, named."""
+    issued = tmp_path / "workers.keys"
+    alice, bob = (keys.public_line(ISSUED[n], n) for n in ("alice", "bob"))
+    pasted = f"{keys.public_line(STRANGER, 'carol')[:24]}… carol"
+    issued.write_text(f"{alice}\n{pasted}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="line 2: the key is not base64"):
+        WorkerKeys(str(issued))
+    issued.write_text(f"{alice}\n{bob}\n")
+    said: list[str] = []
+    held = WorkerKeys(str(issued), on_reread=said.append)
+    both = held.names()
+    latin1 = keys.public_line(STRANGER, "caf\xe9").encode("latin-1")
+    issued.write_bytes(f"{alice}\n{pasted}\n".encode() + latin1 + f"\n{bob}\n".encode())
+    assert held.names() == both
+    assert said[-1].endswith(
+        f"2 key(s); left out: {issued} line 2: the key is not base64; {issued} line 3: a key's "
+        "name is its worker id: printable characters, no spaces"
+    )
+
+
+def test_a_pipe_is_not_a_keys_file(tmp_path):
+    """`--worker-keys <(...)` or a FIFO was read: opening and reading it again mid-run would
+    wait on a writer with the event loop stopped (and, once its writer is done, read no key,
+    revoking every worker). It is refused at start, naming what to pass instead."""
+    fifo = tmp_path / "workers.keys"
+    os.mkfifo(fifo)
+    line = f"{keys.public_line(ISSUED['alice'], 'alice')}\n".encode()
+
+    def writer() -> None:  # what <(...) does: write the keys once, then close
+        with open(fifo, "wb") as pipe:
+            pipe.write(line)
+
+    feeding = threading.Thread(target=writer, daemon=True)
+    feeding.start()
+    try:
+        with pytest.raises(ConfigError, match="not a regular file"):
+            WorkerKeys(str(fifo))
+    finally:  # a reader, held open until the writer is done, lets its open return
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        feeding.join(timeout=60)
+        os.close(reader)
 
 
 def test_keygen_writes_a_private_key_only_its_owner_reads_and_prints_its_line(tmp_path, capsys):

@@ -15,7 +15,6 @@ another connection, and a key signs for its one id only.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import os
 from dataclasses import dataclass
@@ -187,7 +186,7 @@ def _parse_line(words: list[str]) -> tuple[bytes, str] | str:
         return problem
     try:
         blob = base64.b64decode(words[1], validate=True)
-    except binascii.Error:
+    except ValueError:  # binascii.Error, or a character beyond ASCII ("AAAA…" pasted)
         return "the key is not base64"
     kind = _ssh_string(KEY_TYPE.encode())
     if not blob.startswith(kind) or blob[len(kind) :][:4] != PUBLIC_KEY_BYTES.to_bytes(4, "big"):

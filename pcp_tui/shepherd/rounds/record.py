@@ -40,6 +40,9 @@ class WorkerRounds:
         self.delivered_at: dict[int, float] = {}
         self.first_delivered: float | None = None  # its first roundStart's (`slots`)
         self.answer_seconds: dict[int, float] = {}
+        # the same, of its latest result taken into a round (`slots`: a late or refused one,
+        # which any peer can send, must not stretch how long a silent peer keeps its slot)
+        self.taken_seconds: dict[int, float] = {}
         # its latest training progress: (round, step, of steps, when), from which a worker
         # with no result yet has a time of its own (`projected_seconds`)
         self.progress: tuple[int, int, int, float] | None = None
@@ -110,6 +113,12 @@ class WorkerRounds:
         delivered = self.delivered_at.get(number)
         if delivered is not None:
             self.answer_seconds[fragment] = trio.current_time() - delivered
+
+    def took(self, fragment: int) -> None:
+        """Its result (of `fragment`) just `answered` was screened and folded into a round."""
+        self.results_taken += 1
+        if fragment in self.answer_seconds:
+            self.taken_seconds[fragment] = self.answer_seconds[fragment]
 
     def progressed(self, body: protocol.Progress) -> None:
         """A training progress report came in (one the rate limit took): note where it is."""

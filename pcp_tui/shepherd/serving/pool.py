@@ -268,12 +268,17 @@ class WorkerPool:
         revoked = [
             (link, why)
             for link in list(self._links.values())
-            if not link.closed and (why := keys.revoked(link.public_key, link.worker_id))
+            if not link.closed and (why := self._revoked(link))
         ]
         for link, why in revoked:
-            reason = f"{why}: the operator revoked it, so this worker may not train on"
-            await self._close_link(link, protocol.ErrorCode.AUTH_FAILED, reason)
+            await self._close_link(link, protocol.ErrorCode.AUTH_FAILED, why)
         return bool(revoked)
+
+    def _revoked(self, link: WorkerLink) -> str | None:
+        """Why `link` may not train on (its key's line left --worker-keys), or None."""
+        keys = self.admission.worker_keys
+        why = keys.revoked(link.public_key, link.worker_id) if keys is not None else None
+        return f"{why}: the operator revoked it, so this worker may not train on" if why else None
 
     async def _close_link(self, link: WorkerLink, code: protocol.ErrorCode, reason: str) -> None:
         """Tell `link`'s worker why (`code`, `reason`) and close its connection."""
@@ -499,6 +504,8 @@ class WorkerPool:
         current = self.open_rounds.of(body.fragment)  # the header check bounds it
         number = body.round
         link.rounds.note_result(body, self.state.round)  # a repeat ends the connection
+        if revoked := self._revoked(link):  # revoked mid-round: not its round's result either
+            raise ConnectionLost(revoked, code=protocol.ErrorCode.AUTH_FAILED.value)
         link.rounds.claims.check(body)  # more steps, tokens or seconds than asked: ends it too
         if sitting_out.caught_up(link, number):
             self.wake()
@@ -541,7 +548,7 @@ class WorkerPool:
                 )
             )
             return
-        link.rounds.results_taken += 1
+        link.rounds.took(body.fragment)
         view.state = WorkerState.IDLE
         view.step = view.total_steps
         link.rounds.unproven = 0  # a counted result: waited for again

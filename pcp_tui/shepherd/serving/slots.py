@@ -22,10 +22,11 @@ heard `busy` on every retry. These rules bound that:
   that was sent a round and has shown nothing since (no training progress, no result)
   keeps its slot from a newcomer for `SlotRules.silent_seconds` from its first
   `roundStart`: the grace, or --straggler-factor times the slowest answer the run has
-  measured (the latest result of any open connection, from its roundStart's delivery),
-  if longer. An honest worker's first round shows progress or a result within that: its
-  peers' pace times the factor the straggler window gives it too, and, before any
-  result, the grace (its first chunk, not its compile: that came before ready). One
+  measured (the latest result of any open connection taken into a round, from its
+  roundStart's delivery; a late one does not count: any peer can send one), if longer.
+  An honest worker's first round shows progress or a result within that: its peers'
+  pace times the factor the straggler window gives it too, and, before any result, the
+  grace (its first chunk, not its compile: that came before ready). One
   that has shown progress or a result, none of it taken into a round, keeps its slot
   for --ready-timeout from its first `roundStart` (the straggler window, `sitting_out`
   and the unproven rule bound what it holds a round meanwhile);
@@ -99,9 +100,10 @@ class SlotRules:
     def silent_seconds(self, links: Iterable[WorkerLink]) -> float:
         """How long a ready connection that shows nothing keeps its slot from a newcomer:
         the grace, or --straggler-factor times the slowest latest answer of an open link
-        (from its roundStart's delivery), if longer."""
+        (from its roundStart's delivery) that was taken into a round, if longer: a late or
+        refused result is any token holder's to send, as late as it likes."""
         measured = max(
-            (s for link in links if not link.closed for s in link.rounds.answer_seconds.values()),
+            (s for link in links if not link.closed for s in link.rounds.taken_seconds.values()),
             default=0.0,
         )
         return max(evictable_after(self.ready_timeout), self.straggler_factor * measured)

@@ -1,9 +1,10 @@
 """--worker-keys: the keys the operator issued, re-read whenever the file changes.
 
 Revoking a key is removing its line. The file is looked at (one `stat`) at every
-handshake and before every round, and read again when it changed: a removed key's
-worker cannot join again, and a connected one is dropped before the next round
-(`WorkerPool.drop_revoked`). No signal is needed, and none can be missed.
+handshake, before every round and at every result, and read again when it changed: a
+removed key's worker cannot join again, and a connected one is dropped before the next
+round (`WorkerPool.drop_revoked`), or as its result comes (that result is not taken).
+No signal is needed, and none can be missed.
 
 A line the shepherd cannot use is fatal when it starts (exit 2, the operator is at
 hand); later, only that line is left out, and the run's events say which: the lines
@@ -14,11 +15,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from stat import S_ISREG
 
 from pcp_tui import protocol
 from pcp_tui.config import ConfigError
 from pcp_tui.contract import keys
 
+# a line is about 100 characters: room for thousands of keys, and read (on the event loop,
+# at a handshake or before a round) in a fraction of a second
+MAX_CHARS = 1024 * 1024
+SHOWN = 3  # the lines left out that a re-read's event names, of however many
 _NO_KEY = (
     "this shepherd admits only workers holding a key it issued (--worker-keys): start the "
     "worker with --key FILE (pcp-tui keygen --out FILE makes one and prints the line the "
@@ -64,7 +70,9 @@ class WorkerKeys:
             )
             return self._names
         self._names = issued.names
-        left_out = f"; left out: {'; '.join(issued.problems)}" if issued.problems else ""
+        problems = issued.problems
+        more = f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        left_out = f"; left out: {'; '.join(problems[:SHOWN])}{more}" if problems else ""
         self._on_reread(
             f"--worker-keys {self.path} read again: {len(issued.names)} key(s){left_out}"
         )
@@ -120,10 +128,18 @@ class WorkerKeys:
         seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
         if seen == unless:
             return seen, None
+        if not S_ISREG(stat.st_mode):  # a pipe's open or read would stop the event loop
+            self._missing = "it is not a regular file (a pipe or <(...) is read once, then empty)"
+            return seen, None
+        # utf-8-sig: a byte order mark (Windows editors write one) is not line 1's text; a byte
+        # that is not UTF-8 spoils its line only (surrogateescape: a character no line takes)
         try:
-            with open(self.path, encoding="utf-8") as file:
-                text = file.read(16 * 1024 * 1024)
-        except (OSError, UnicodeDecodeError) as exc:
-            self._missing = getattr(exc, "strerror", None) or str(exc)
+            with open(self.path, encoding="utf-8-sig", errors="surrogateescape") as file:
+                text = file.read(MAX_CHARS + 1)
+        except OSError as exc:
+            self._missing = exc.strerror or str(exc)
+            return seen, None
+        if len(text) > MAX_CHARS:  # never a part: a cut line could name another id
+            self._missing = f"it is over {MAX_CHARS} characters; is it the right file?"
             return seen, None
         return seen, keys.parse_worker_keys(text, self.path)
