@@ -17,7 +17,13 @@ import sys
 import numpy as np
 import pytest
 
-from pcp_tui.testing import free_port
+from pcp_tui.testing import (
+    OutputProcess,
+    free_port,
+    shepherd_command,
+    worker_command,
+    worker_env,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -156,3 +162,110 @@ def test_a_site_of_2_processes_trains_as_one_process_of_4_devices(mode):
     alone, in_site = (np.concatenate(run["pseudo_gradient"]) for run in (one, first))
     apart = np.linalg.norm(in_site - alone) / np.linalg.norm(alone)
     assert apart <= 2e-6, apart
+
+
+# ----------------------------------------------------------------------------- the CLI's site
+
+
+def _site_env(devices: int) -> dict[str, str]:
+    """A worker process's environment with `devices` forced CPU devices, one XLA thread each."""
+    env = worker_env()
+    env["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices} "
+        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _site_processes(port: int, *extra: str) -> list[OutputProcess]:
+    """`pcp-tui worker` as the 2 processes of one site of 2 forced CPU devices each."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        OutputProcess(
+            worker_command(
+                port,
+                "--coordinator-address",
+                coordinator,
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--quiet",
+                *extra,
+            ),
+            env=_site_env(2),
+        )  # fmt: skip
+        for i in range(2)
+    ]
+
+
+def _rows(metrics) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_a_site_of_2_processes_is_one_worker_that_trains_as_4_devices_of_one(tmp_path):
+    """The same run, 2 rounds of 4 steps, once with one worker of 4 devices and once with a
+    site of 2 processes x 2 devices (at the same time, on their own shepherds): the site is one
+    worker of 4 devices on 2 processes, and its per-round losses are the single worker's to
+    float32's last bits: the site's all-reduce adds the devices' gradients across processes
+    (Gloo) in another order than one process does, so a step's loss may differ by an ulp (as
+    `test_a_site_of_2_processes_trains_as_one_process_of_4_devices` measures), and round 2
+    starts from an outer step over such pseudo-gradients."""
+    runs = {}
+    for name in ("one", "site"):
+        port, metrics = free_port(), tmp_path / f"{name}.jsonl"
+        shepherd = OutputProcess(
+            shepherd_command(
+                port, "--workers", "1", "--rounds", "2", "--inner-steps", "4", "--chunk-steps",
+                "4", "--warmup-steps", "2", "--metrics", str(metrics),
+            )
+        )  # fmt: skip
+        if name == "one":
+            workers = [OutputProcess(worker_command(port, "--quiet"), env=_site_env(4))]
+        else:
+            workers = _site_processes(port)
+        runs[name] = (shepherd, workers, metrics)
+    try:
+        for shepherd, workers, _ in runs.values():
+            for worker in workers:  # first: the shepherd would wait for a failed one for ever
+                assert worker.finish() == 0, worker.output
+            assert shepherd.finish() == 0, shepherd.output
+    finally:
+        for shepherd, workers, _ in runs.values():
+            for process in (shepherd, *workers):
+                process.kill()
+    leader, follower = runs["site"][1]
+    assert "trusted LAN" in leader.output and "trusted LAN" not in follower.output
+    losses = {}
+    for name, (_, _, metrics) in runs.items():
+        rows = _rows(metrics)
+        [joined] = [row for row in rows if row["event"] == "joined"]
+        assert joined["devices"] == 4 and joined["processes"] == (2 if name == "site" else 1)
+        losses[name] = [row["train_loss"] for row in rows if row["event"] == "round"]
+    assert len(losses["site"]) == 2
+    np.testing.assert_allclose(losses["site"], losses["one"], rtol=4e-7, atol=0)
+
+
+def test_a_site_ends_as_one_when_a_process_dies(tmp_path):
+    """Process 1 killed mid-run: process 0 ends with a line that says the site lost it, and the
+    shepherd records its one worker lost (the run waits for workers, as for any lost one)."""
+    port, metrics = free_port(), tmp_path / "run.jsonl"
+    shepherd = OutputProcess(
+        shepherd_command(
+            port, "--workers", "1", "--rounds", "1000", "--inner-steps", "4", "--chunk-steps",
+            "4", "--metrics", str(metrics),
+        )
+    )  # fmt: skip
+    leader, follower = _site_processes(port)
+    try:
+        shepherd.wait_for(r"round\s+1/")
+        follower.process.kill()
+        assert leader.finish() not in (0, None)
+        assert "unhealthy" in leader.output and "stopped sending heartbeats" in leader.output
+        shepherd.wait_for(r"\blost\b")
+    finally:
+        for process in (shepherd, leader, follower):
+            process.kill()
+    events = [row["event"] for row in _rows(metrics)]
+    assert events.count("joined") == 1 and "lost" in events
