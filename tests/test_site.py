@@ -244,12 +244,16 @@ def test_a_site_of_2_processes_is_one_worker_that_trains_as_4_devices_of_one(tmp
         assert joined["devices"] == 4 and joined["processes"] == (2 if name == "site" else 1)
         losses[name] = [row["train_loss"] for row in rows if row["event"] == "round"]
     assert len(losses["site"]) == 2
-    np.testing.assert_allclose(losses["site"], losses["one"], rtol=4e-7, atol=0)
+    np.testing.assert_allclose(losses["site"], losses["one"], rtol=2.4e-7, atol=0)
 
 
 def test_a_site_ends_as_one_when_a_process_dies(tmp_path):
     """Process 1 killed mid-run: process 0 ends with a line that says the site lost it, and the
-    shepherd records its one worker lost (the run waits for workers, as for any lost one)."""
+    shepherd sees its one worker go (the run waits for workers, as for any other).
+
+    Process 0 hears it one of two ways, by where it is: in a collective with process 1 (most
+    of a round), Gloo fails it at once and the worker leaves with that reason; anywhere else,
+    JAX's coordination service ends it once process 1 misses its heartbeats (10 s)."""
     port, metrics = free_port(), tmp_path / "run.jsonl"
     shepherd = OutputProcess(
         shepherd_command(
@@ -262,10 +266,13 @@ def test_a_site_ends_as_one_when_a_process_dies(tmp_path):
         shepherd.wait_for(r"round\s+1/")
         follower.process.kill()
         assert leader.finish() not in (0, None)
-        assert "unhealthy" in leader.output and "stopped sending heartbeats" in leader.output
-        shepherd.wait_for(r"\blost\b")
+        assert (
+            "another process of the site is gone" in leader.output
+            or "stopped sending heartbeats" in leader.output
+        ), leader.output
+        shepherd.wait_for(r"worker 0 (left|lost)")
     finally:
         for process in (shepherd, leader, follower):
             process.kill()
     events = [row["event"] for row in _rows(metrics)]
-    assert events.count("joined") == 1 and "lost" in events
+    assert events.count("joined") == 1 and {"left", "lost"} & set(events)

@@ -265,6 +265,10 @@ class Session:
         except ConnectionEnded as exc:
             ended = exc
             raise
+        except Exception as exc:  # e.g. a site's collective with a process that is gone
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            ended = ConnectionEnded(f"the worker failed: {why}")
+            raise
         finally:
             with trio.CancelScope(shield=True):  # tells the shepherd what it sent wrong, if it did
                 lost = ended if isinstance(ended, ConnectionLost | CannotRun) else None
