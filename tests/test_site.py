@@ -1,9 +1,11 @@
 """A site (`pcp_tui/worker/site.py`): 2 real processes x 2 forced CPU devices, multi-controller JAX.
 
-What a site stands on, on this JAX: its processes join, share process 0's
-bytes, compute over the global mesh of all 4 devices (the worker's own backend
-and exported train_chunk, data and fsdp), and one process dying ends the other
-(no hang in the collective it waits in).
+What a site stands on, on this JAX: its processes join, get process 0's
+messages (`Site.send`, `Site.receive`), compute over the global mesh of all 4
+devices (the worker's own backend and exported train_chunk, data and fsdp), and
+one process dying ends the other (no hang in the collective it waits in). Then
+the CLI's site: `pcp-tui worker --num-processes 2` trains a run as one worker of
+4 devices would, and ends as one when a process dies.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ from pcp_tui.worker.site import join_site
 port, process_id, die = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "die"
 site = join_site(f"127.0.0.1:{port}", 2, process_id, heartbeat_seconds=5)
 import jax, numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-shared = site.share(b"plan bytes from process 0" if site.leads else None)
+if site.leads:
+    site.send(b"plan bytes from process 0")
+shared = b"plan bytes from process 0" if site.leads else site.receive()
 if die and process_id == 1:
     os._exit(3)  # a host gone: no goodbye
 mesh = Mesh(np.array(jax.devices()), ("devices",))
@@ -42,7 +47,7 @@ rows = np.arange(8, dtype=np.float32).reshape(4, 2)  # every process has the who
 batch = jax.make_array_from_callback((4, 2), NamedSharding(mesh, PartitionSpec("devices")),
                                      lambda index: rows[index])
 total = jax.jit(lambda x: x.sum(axis=0), out_shardings=NamedSharding(mesh, PartitionSpec()))(batch)
-site.share(None if process_id else b"x")  # process 1 may be gone: this must not hang
+multihost_utils.broadcast_one_to_all(np.ones(1))  # process 1 may be gone: this must not hang
 print(json.dumps({"devices": jax.device_count(), "local": jax.local_device_count(),
                   "hosts": site.hostnames, "shared": shared.decode(),
                   "total": np.asarray(total.addressable_data(0)).tolist()}), flush=True)

@@ -450,7 +450,7 @@ def _run_site_process(worker: Worker, *, quiet: bool) -> NoReturn:
             result.append(await worker.follow())
 
         with view:
-            ended = _run_with_signals(stop, follow, (SiteLost, JaxRuntimeError))
+            ended = _run_with_signals(stop, follow, (SiteLost, JaxRuntimeError, Refused))
         if isinstance(ended, JaxRuntimeError):
             code, reason = 1, _site_broken(site.process_id, ended)
         elif ended is not None:

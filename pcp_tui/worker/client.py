@@ -188,6 +188,13 @@ class Worker(Session):
         problem = contract.plan_problem(plan, tensors)
         if problem is not None:
             raise protocol.MalformedMessage(problem)
+        if plan.overlap_steps and self.site.process_count > 1:
+            # a fragment's exchange (its reads and uploads are collectives over the site) would
+            # run beside training's collectives, in an order that may differ between processes
+            raise CannotRun(
+                f"a site of several processes cannot train with --overlap-steps "
+                f"{plan.overlap_steps}: this run needs one-process workers"
+            )
         try:
             _, shard = shards.shard_from_plan(plan, tensors)
         except shards.DataError as exc:

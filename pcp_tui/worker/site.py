@@ -86,21 +86,6 @@ class Site:
         """Whether this process holds the PCP session (process 0)."""
         return self.process_id == 0
 
-    def share(self, data: bytes | None) -> bytes:
-        """Process 0's `data`, on every process (a collective: every process calls it, in the
-        same order; the others pass None).
-
-        Two broadcasts over the site's devices: the length, then the bytes.
-        """
-        from jax.experimental import multihost_utils
-
-        mine_size = np.array([len(data) if self.leads and data is not None else 0], np.int64)
-        size = int(np.asarray(multihost_utils.broadcast_one_to_all(mine_size))[0])
-        if size == 0:
-            return b""
-        mine = np.frombuffer(data, np.uint8) if self.leads and data else np.zeros(size, np.uint8)
-        return np.asarray(multihost_utils.broadcast_one_to_all(mine)).tobytes()
-
     def send(self, data: bytes) -> None:
         """Process 0: `data` is the followers' next message (blocks while the store takes it)."""
         assert self.leads, "only process 0 sends"
