@@ -364,7 +364,6 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
         )
     try:
         host, port = connection.address
-        site_config.check()
     except ConfigError as exc:
         return _fail(str(exc), 2)
     if site_config.num_processes > 1 and config.compute.devices != "all":
