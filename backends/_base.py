@@ -32,9 +32,6 @@ class BackendInfo:
     target: str = (
         ""  # what the runtime compiles for: the XLA platform, or IREE's e.g. "vulkan-spirv"
     )
-    # a site (multi-controller JAX): its processes, device_count over them all, and their hosts
-    process_count: int = 1
-    hostnames: tuple[str, ...] = ()
 
     def describe(self) -> str:
         via = f" ({self.runtime} {self.target})" if self.runtime != "xla" else ""

@@ -87,7 +87,8 @@ class JaxBackend(Backend):
         used = found[: devices or len(found)]
         self._jax = jax
         self._platform = platform
-        self._device = used[0]
+        # this process's first device (in a site, `used` spans every process's: pcp_tui's site.py)
+        self._device = next(d for d in used if d.process_index == jax.process_index())
         # several devices: one mesh axis, over which graphs exported for that many devices run
         self._mesh = jax.sharding.Mesh(np.array(used), (MESH_AXIS,)) if len(used) > 1 else None
         # Device-to-host copies land in page-locked host memory where the device has it:

@@ -92,6 +92,22 @@ def test_worker_flags_build_a_worker_config():
         worker_config_from(build_parser().parse_args([*argv, "--backend", "tpu"]))
 
 
+def test_a_site_process_is_told_what_its_flags_lack():
+    site = ["worker", "--connect", "10.0.0.5:8080", "--num-processes", "2"]
+    config = worker_config_from(
+        build_parser().parse_args([*site, "--coordinator-address", "10.0.0.7:9123"])
+    )
+    assert (config.site.num_processes, config.site.process_id) == (2, 0)
+    with pytest.raises(ConfigError, match="--num-processes 2 needs --coordinator-address"):
+        worker_config_from(build_parser().parse_args(site))
+    with pytest.raises(
+        ConfigError, match=r"--process-id 2 is not one of the site's 2 processes \(0 to 1\)"
+    ):
+        worker_config_from(
+            build_parser().parse_args([*site, "--coordinator-address", "h:1", "--process-id", "2"])
+        )
+
+
 def test_a_bad_log_level_is_a_config_error_before_logging_is_set_up(capsys):
     assert main(["shepherd", "--log-level", "verbose"]) == 2
     assert capsys.readouterr().err == (

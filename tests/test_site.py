@@ -1,9 +1,11 @@
 """A site (`pcp_tui/worker/site.py`): 2 real processes x 2 forced CPU devices, multi-controller JAX.
 
-What a site stands on, on this JAX: its processes join, share process 0's
-bytes, compute over the global mesh of all 4 devices (the worker's own backend
-and exported train_chunk, data and fsdp), and one process dying ends the other
-(no hang in the collective it waits in).
+What a site stands on, on this JAX: its processes join, get process 0's
+messages (`Site.send`, `Site.receive`), compute over the global mesh of all 4
+devices (the worker's own backend and exported train_chunk, data and fsdp), and
+one process dying ends the other (no hang in the collective it waits in). Then
+the CLI's site: `pcp-tui worker --num-processes 2` trains a run as one worker of
+4 devices would, and ends as one when a process dies.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import sys
 import numpy as np
 import pytest
 
-from pcp_tui.testing import free_port
+from pcp_tui.testing import (
+    OutputProcess,
+    free_port,
+    shepherd_command,
+    worker_command,
+    worker_env,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -27,8 +35,11 @@ from pcp_tui.worker.site import join_site
 port, process_id, die = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "die"
 site = join_site(f"127.0.0.1:{port}", 2, process_id, heartbeat_seconds=5)
 import jax, numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-shared = site.share(b"plan bytes from process 0" if site.leads else None)
+if site.leads:
+    site.send(b"plan bytes from process 0")
+shared = b"plan bytes from process 0" if site.leads else site.receive()
 if die and process_id == 1:
     os._exit(3)  # a host gone: no goodbye
 mesh = Mesh(np.array(jax.devices()), ("devices",))
@@ -36,7 +47,7 @@ rows = np.arange(8, dtype=np.float32).reshape(4, 2)  # every process has the who
 batch = jax.make_array_from_callback((4, 2), NamedSharding(mesh, PartitionSpec("devices")),
                                      lambda index: rows[index])
 total = jax.jit(lambda x: x.sum(axis=0), out_shardings=NamedSharding(mesh, PartitionSpec()))(batch)
-site.share(None if process_id else b"x")  # process 1 may be gone: this must not hang
+multihost_utils.broadcast_one_to_all(np.ones(1))  # process 1 may be gone: this must not hang
 print(json.dumps({"devices": jax.device_count(), "local": jax.local_device_count(),
                   "hosts": site.hostnames, "shared": shared.decode(),
                   "total": np.asarray(total.addressable_data(0)).tolist()}), flush=True)
@@ -156,3 +167,126 @@ def test_a_site_of_2_processes_trains_as_one_process_of_4_devices(mode):
     alone, in_site = (np.concatenate(run["pseudo_gradient"]) for run in (one, first))
     apart = np.linalg.norm(in_site - alone) / np.linalg.norm(alone)
     assert apart <= 2e-6, apart
+
+
+# ----------------------------------------------------------------------------- the CLI's site
+
+
+def _site_env(devices: int) -> dict[str, str]:
+    """A worker process's environment with `devices` forced CPU devices, one XLA thread each."""
+    env = worker_env()
+    env["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices} "
+        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _site_processes(port: int, *extra: str) -> list[OutputProcess]:
+    """`pcp-tui worker` as the 2 processes of one site of 2 forced CPU devices each."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        OutputProcess(
+            worker_command(
+                port,
+                "--coordinator-address",
+                coordinator,
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--quiet",
+                *extra,
+            ),
+            env=_site_env(2),
+        )  # fmt: skip
+        for i in range(2)
+    ]
+
+
+def _rows(metrics) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_a_site_of_2_processes_is_one_worker_that_trains_as_4_devices_of_one(tmp_path):
+    """The same run, 2 rounds of 4 steps, once with one worker of 4 devices and once with a
+    site of 2 processes x 2 devices (at the same time, on their own shepherds): the site is one
+    worker of 4 devices on 2 processes, and its per-round losses are the single worker's to
+    float32's last bits: the site's all-reduce adds the devices' gradients across processes
+    (Gloo) in another order than one process does, so a step's loss may differ by an ulp (as
+    `test_a_site_of_2_processes_trains_as_one_process_of_4_devices` measures), and round 2
+    starts from an outer step over such pseudo-gradients."""
+    runs = {}
+    for name in ("one", "site"):
+        port, metrics = free_port(), tmp_path / f"{name}.jsonl"
+        shepherd = OutputProcess(
+            shepherd_command(
+                port, "--workers", "1", "--rounds", "2", "--inner-steps", "4", "--chunk-steps",
+                "4", "--warmup-steps", "2", "--metrics", str(metrics),
+            )
+        )  # fmt: skip
+        if name == "one":
+            workers = [OutputProcess(worker_command(port, "--quiet"), env=_site_env(4))]
+        else:
+            workers = _site_processes(port)
+        runs[name] = (shepherd, workers, metrics)
+    try:
+        for shepherd, workers, _ in runs.values():
+            for worker in workers:  # first: the shepherd would wait for a failed one for ever
+                assert worker.finish() == 0, worker.output
+            assert shepherd.finish() == 0, shepherd.output
+    finally:
+        for shepherd, workers, _ in runs.values():
+            for process in (shepherd, *workers):
+                process.kill()
+    leader, follower = runs["site"][1]
+    assert "trusted LAN" in leader.output and "trusted LAN" not in follower.output
+    losses = {}
+    for name, (_, _, metrics) in runs.items():
+        rows = _rows(metrics)
+        [joined] = [row for row in rows if row["event"] == "joined"]
+        assert joined["devices"] == 4 and joined["processes"] == (2 if name == "site" else 1)
+        losses[name] = [row["train_loss"] for row in rows if row["event"] == "round"]
+    assert len(losses["site"]) == 2
+    np.testing.assert_allclose(losses["site"], losses["one"], rtol=2.4e-7, atol=0)
+
+
+@pytest.mark.parametrize("dies", [1, 0])
+def test_a_site_ends_as_one_when_a_process_dies(tmp_path, dies):
+    """A process of the site killed mid-run: the other ends with a line that says the site
+    lost it, and the shepherd sees its one worker go (the run waits for workers, as for any).
+
+    The survivor hears it one of a few ways, by where it is: in a collective with the dead
+    one (most of a round), Gloo fails it at once; a follower waiting for process 0's next
+    message hears from the store that process 0 (and its coordination service) is gone;
+    anywhere else, JAX's coordination service ends it once the dead one misses its
+    heartbeats (10 s), or its agent once it cannot reach process 0's service."""
+    port, metrics = free_port(), tmp_path / "run.jsonl"
+    shepherd = OutputProcess(
+        shepherd_command(
+            port, "--workers", "1", "--rounds", "1000", "--inner-steps", "4", "--chunk-steps",
+            "4", "--metrics", str(metrics),
+        )
+    )  # fmt: skip
+    site = _site_processes(port)
+    survivor, dead = site[1 - dies], site[dies]
+    try:
+        shepherd.wait_for(r"round\s+1/")
+        dead.process.kill()
+        assert survivor.finish() not in (0, None)
+        assert any(
+            line in survivor.output
+            for line in (
+                "another process of the site is gone",  # a collective failed
+                "the site's process 0 (",  # a follower's wait for process 0's next message
+                "stopped sending heartbeats",  # JAX's coordination service
+                "the leader task was preempted/died",  # JAX's agent, without process 0
+            )
+        ), survivor.output
+        shepherd.wait_for(r"worker 0 (left|lost)")
+    finally:
+        for process in (shepherd, *site):
+            process.kill()
+    events = [row["event"] for row in _rows(metrics)]
+    assert events.count("joined") == 1 and {"left", "lost"} & set(events)

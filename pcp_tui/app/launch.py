@@ -9,7 +9,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
@@ -27,7 +27,9 @@ from pcp_tui.training.corpus import DataError, MissingData
 from pcp_tui.training.model_file import ModelFileError
 
 if TYPE_CHECKING:  # the worker loads on demand: `pcp-tui --help` stays fast
+    from pcp_tui.worker.client import Worker
     from pcp_tui.worker.rounds import Faults
+    from pcp_tui.worker.site import Site
 
 
 def _fail(reason: str, code: int = 1) -> int:
@@ -345,6 +347,8 @@ PLAIN_TCP_WARNING = (
 def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
     """Join the shepherd at `config.connection.connect` and train until it says goodbye.
 
+    With --num-processes N > 1 this process is one of a site's (`worker/site.py`):
+    process 0 joins the shepherd, the others follow it, and the site ends as one.
     `faults`: where a test makes the worker misbehave (`worker.rounds.Faults`).
     """
     from pcp_tui.app.worker_view import WorkerStatusView
@@ -352,7 +356,7 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
     from pcp_tui.contract.trace import MessageTrace
     from pcp_tui.worker.client import ConnectionLost, Refused, Worker
 
-    connection, output = config.connection, config.output
+    connection, output, site_config = config.connection, config.output, config.site
     token = connection.token or os.environ.get("PCP_TOKEN")
     if not token:
         return _fail(
@@ -362,20 +366,26 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
         host, port = connection.address
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    _warn_if_unresolved(host, port, retrying=connection.reconnect)
-    if not (connection.tls_ca or connection.tls_fingerprint or output.parent_fd is not None):
-        print(PLAIN_TCP_WARNING.format(address=connection.connect), file=sys.stderr, flush=True)
+    if site_config.num_processes > 1 and config.compute.devices != "all":
+        return _fail("a site trains on every device of its processes: leave out --devices", 2)
+    site = _join_site(config)  # before anything else of JAX (its rule)
+    if site.leads:
+        _warn_if_unresolved(host, port, retrying=connection.reconnect)
+        if not (connection.tls_ca or connection.tls_fingerprint or output.parent_fd is not None):
+            print(PLAIN_TCP_WARNING.format(address=connection.connect), file=sys.stderr, flush=True)
     _enable_compile_cache(config.compute.compile_cache)
     try:
         tls = ClientTLS.from_options(connection.tls_ca, connection.tls_fingerprint)
         trace = MessageTrace(output.trace) if output.trace else None
-        worker = Worker(config.replace(token=token), tls=tls, trace=trace, faults=faults)
+        worker = Worker(config.replace(token=token), tls=tls, trace=trace, faults=faults, site=site)
     except OSError as exc:
         return _fail(f"cannot write --trace {output.trace} ({exc.strerror or exc})", 2)
     except ConfigError as exc:  # --key: not a key this worker can sign with
         return _fail(str(exc), 2)
     except (BackendUnavailable, ValueError) as exc:
         return _fail(str(exc))
+    if site.process_count > 1:
+        return _run_site_process(worker, quiet=output.quiet)
     view = contextlib.nullcontext() if output.quiet else WorkerStatusView(worker.status)
     stop = SignalStop()  # the first SIGINT/SIGTERM ends the worker; the shepherd sees it leave
     fd = output.parent_fd
@@ -387,6 +397,80 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
     if ended is not None:
         return _fail(str(ended))
     return stop.exit_code or 0
+
+
+def _join_site(config: WorkerConfig) -> Site:
+    """This process's site: itself, or (--num-processes > 1) the one it joins now."""
+    from pcp_tui.worker.site import Site, join_site
+
+    site = config.site
+    if site.num_processes == 1:
+        return Site.alone()
+    backend = config.compute.backend
+    return join_site(
+        site.coordinator_address,
+        site.num_processes,
+        site.process_id,
+        platform="cpu" if backend == "auto" else backend,
+    )
+
+
+def _run_site_process(worker: Worker, *, quiet: bool) -> NoReturn:
+    """One process of a site of several: process 0 holds the session and, when it ends for
+    any reason, tells the others; they follow it until then. Exits: a process of a site
+    does not run JAX's own shutdown, which waits for every process, one of which may be
+    stuck in a collective with a process that is gone (`worker/site.py`)."""
+    from jax.errors import JaxRuntimeError
+
+    from pcp_tui.app.worker_view import WorkerStatusView
+    from pcp_tui.worker.client import ConnectionLost, Refused
+    from pcp_tui.worker.site import SiteEnd, SiteLost
+
+    site = worker.site
+    view = contextlib.nullcontext() if quiet else WorkerStatusView(worker.status)
+    stop = SignalStop()
+    code, reason = 0, "the run is over"
+    if site.leads:
+        with view:
+            ended = _run_with_signals(stop, worker.run, (Refused, ConnectionLost, JaxRuntimeError))
+        if isinstance(ended, JaxRuntimeError):  # a collective with a process that is gone
+            code, reason = 1, _site_broken(site.process_id, ended)
+        elif ended is not None:
+            code, reason = 1, f"{ended}{' (not retrying)' if isinstance(ended, Refused) else ''}"
+        elif stop.exit_code:
+            code, reason = stop.exit_code, "stopped by a signal"
+        if code:
+            _fail(f"{reason}; the site's other processes end with it")
+        site.end(code, reason)
+    else:
+        result: list[SiteEnd] = []
+
+        async def follow() -> None:
+            result.append(await worker.follow())
+
+        with view:
+            ended = _run_with_signals(stop, follow, (SiteLost, JaxRuntimeError, Refused))
+        if isinstance(ended, JaxRuntimeError):
+            code, reason = 1, _site_broken(site.process_id, ended)
+        elif ended is not None:
+            code, reason = 1, str(ended)
+        elif result:
+            code, reason = result[0].code, f"process 0's worker ended: {result[0].reason}"
+        else:
+            code, reason = stop.exit_code or 1, "stopped by a signal"
+        if code:
+            _fail(reason)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _site_broken(process_id: int, error: BaseException) -> str:
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return (
+        f"a collective of the site failed in process {process_id} ({first}): another process "
+        "of the site is gone; restart every process of the site"
+    )
 
 
 def _enable_compile_cache(directory: str) -> None:

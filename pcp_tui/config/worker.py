@@ -150,6 +150,44 @@ class ComputeConfig:
 
 
 @dataclass(frozen=True)
+class SiteConfig:
+    """site: several hosts' processes as one worker (multi-controller JAX)"""
+
+    coordinator_address: str = option(
+        "",
+        metavar="HOST:PORT",
+        help="make this process one of a site's: the address of process 0's coordination "
+        "service, which process 0 binds on every interface (no authentication: keep it on a "
+        "trusted LAN); every process of the site passes the same",
+    )
+    num_processes: int = option(
+        1,
+        at_least=1,
+        metavar="N",
+        help="the site's processes, one a host (with --coordinator-address)",
+    )
+    process_id: int = option(
+        0,
+        at_least=0,
+        metavar="I",
+        help="this process's place in the site, 0 to N-1: process 0 joins the shepherd, the "
+        "others follow it; the site ends as one if any of them dies or loses the shepherd",
+    )
+
+    def check(self) -> None:
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ConfigError(
+                f"--num-processes {self.num_processes} needs --coordinator-address HOST:PORT "
+                "(process 0's host and a free port, the same on every process of the site)"
+            )
+        if self.process_id >= self.num_processes:
+            raise ConfigError(
+                f"--process-id {self.process_id} is not one of the site's {self.num_processes} "
+                f"processes (0 to {self.num_processes - 1})"
+            )
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     """output: what the worker shows and records"""
 
@@ -190,5 +228,6 @@ class WorkerConfig(Sections):
 
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
+    site: SiteConfig = field(default_factory=SiteConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -15,6 +15,7 @@ import logging
 import shlex
 import time
 from collections.abc import Callable
+from typing import cast
 
 import trio
 
@@ -35,6 +36,7 @@ from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.training import shards
 from pcp_tui.worker.rounds import Faults, InnerState, RoundRefused, RoundTrainer, Training
 from pcp_tui.worker.session import CannotRun, Session, WorkerStatus
+from pcp_tui.worker.site import Site, SiteEnd
 from pcp_tui.worker.stats import WorkerCounters
 
 # the names callers import from here; the connection's live in worker/session.py
@@ -64,13 +66,15 @@ class Worker(Session):
         trace: MessageTrace | None = None,
         max_backoff: float = 30.0,
         faults: Faults | None = None,
+        site: Site | None = None,
     ):
         """A worker with `config`'s settings; `config.connection.token` must be set.
 
         `backend` overrides `config.compute.backend` with one already built;
         `tls` and `trace` are built from the config by the caller (`launch.run_worker`),
         which turns their errors into exit codes. `faults`: where tests make it misbehave
-        (`worker.rounds.Faults`; the honest worker's by default).
+        (`worker.rounds.Faults`; the honest worker's by default). `site`: the processes
+        this worker is one of (`join_site`, before anything else of JAX), else itself.
         """
         compute = config.compute
         backend = backend or select_backend(
@@ -80,13 +84,59 @@ class Worker(Session):
             cache_dir=compute.compile_cache or None,
             iree_flags=tuple(shlex.split(compute.iree_flags)),
         )
-        super().__init__(config, backend, tls=tls, trace=trace, max_backoff=max_backoff)
+        super().__init__(config, backend, tls=tls, trace=trace, max_backoff=max_backoff, site=site)
         self.counters = WorkerCounters(self.backend)  # steps, tokens, memory: sent with progress
         self.run_id: str | None = None  # the run the per-run state below belongs to
         self._inner = InnerState()  # the inner optimizer's, kept across reconnects to one run
         self._compiled: dict[bytes, tuple[Callable, Callable, tuple | None]] = {}
         self._rounds: RoundTrainer | None = None  # the current plan's, once compiled
         self._faults = faults
+
+    async def follow(self) -> SiteEnd:
+        """A site's process other than 0: run what process 0 is handed, as it runs it, until
+        it ends (`SiteEnd`: the exit code and why); SiteLost if process 0 is gone.
+
+        The same hooks as process 0's session (`_enter_run`, `_compile`, `_train_rounds`,
+        `_deliver_fragment_update`), with the messages from process 0 and the replies
+        going nowhere: process 0 sends the site's. Process 0 may have stopped mid-round
+        (a goodbye cancels its round) short of a collective this process is in: once the
+        end is here, that collective's failure as process 0 leaves is no error.
+        """
+        from jax.errors import JaxRuntimeError
+
+        outbox = cast(Connection, _Outbox())
+        rounds_out, rounds_in = trio.open_memory_channel(1)
+        end: SiteEnd | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                training = False
+                while end is None:
+                    data = await trio.to_thread.run_sync(self.site.receive, abandon_on_cancel=True)
+                    if isinstance(data, SiteEnd):
+                        end = data
+                        await trio.to_thread.run_sync(self.site.barrier)  # process 0 may go
+                        nursery.cancel_scope.cancel()
+                        break
+                    message = protocol.decode(data)
+                    body = message.body
+                    if isinstance(body, protocol.Welcome):
+                        self._enter_run(body.run_id)
+                        self.status.update(worker_index=body.worker_index, state="connecting")
+                    elif isinstance(body, protocol.Plan):
+                        self.status.update(state="compiling", message="compiling the graphs")
+                        await self._compile(outbox, message)
+                        if not training:
+                            nursery.start_soon(self._train_rounds, outbox, rounds_in)
+                            training = True
+                    elif isinstance(body, protocol.RoundStart):
+                        await rounds_out.send(message)
+                    elif isinstance(body, protocol.FragmentUpdate):
+                        self._deliver_fragment_update(message)
+        except* JaxRuntimeError:
+            if end is None:
+                raise
+        assert end is not None, "the loop ends at the site's end"
+        return end
 
     def _enter_run(self, run_id: str) -> None:
         """Keep the per-run state (the inner optimizer's) only for the run it belongs to.
@@ -138,6 +188,13 @@ class Worker(Session):
         problem = contract.plan_problem(plan, tensors)
         if problem is not None:
             raise protocol.MalformedMessage(problem)
+        if plan.overlap_steps and self.site.process_count > 1:
+            # a fragment's exchange (its reads and uploads are collectives over the site) would
+            # run beside training's collectives, in an order that may differ between processes
+            raise CannotRun(
+                f"a site of several processes cannot train with --overlap-steps "
+                f"{plan.overlap_steps}: this run needs one-process workers"
+            )
         try:
             _, shard = shards.shard_from_plan(plan, tensors)
         except shards.DataError as exc:
@@ -188,3 +245,20 @@ class Worker(Session):
         self.status.update(message=f"refused: {reason}")
         await connection.send(protocol.Error(protocol.ErrorCode.MALFORMED, reason))
         await connection.stream.aclose()
+
+
+class _Outbox:
+    """A follower's connection: what its rounds would send goes nowhere (process 0 sends the
+    site's one copy); it is never busy sending, and hanging it up is process 0's to do."""
+
+    sending = False
+
+    @property
+    def stream(self) -> _Outbox:
+        return self
+
+    async def send(self, *message: object, **options: object) -> int:
+        return 0
+
+    async def aclose(self) -> None:
+        return None

@@ -46,6 +46,7 @@ from pcp_tui.contract.tls import ClientTLS, TLSRefused
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.worker import striping
 from pcp_tui.worker.reconnect import Reconnect, connect_failure
+from pcp_tui.worker.site import Site
 
 MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
 # connection-level diagnostics (--log-level, --log-file), under the name the worker's
@@ -96,8 +97,10 @@ class Session:
         tls: ClientTLS | None = None,
         trace: MessageTrace | None = None,
         max_backoff: float = 30.0,
+        site: Site | None = None,
     ):
-        """A session with `config.connection`'s settings, for a worker that runs `backend`."""
+        """A session with `config.connection`'s settings, for a worker that runs `backend`;
+        `site`: the processes it speaks for (process 0 of it: `worker/site.py`), else itself."""
         connection = config.connection
         host, port = connection.address
         if not connection.token:
@@ -108,6 +111,7 @@ class Session:
         self.backend = backend  # what the hello describes
         # --key: every hello is signed with it (a shepherd with --worker-keys checks it)
         self.key = keys.load_private_key(connection.key) if connection.key else None
+        self.site = site or Site.alone()  # its followers get what says what to compute
         self.worker_id = connection.worker_id or (
             f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
         )
@@ -153,6 +157,11 @@ class Session:
             self.status.update(state="done", message="the shepherd ended the run")
             return True
         except _LostAfterWelcome as exc:
+            if exc.ready and self.site.process_count > 1:  # its processes may be mid-round at
+                raise ConnectionLost(  # different points: only a restart puts them in step
+                    f"{exc.__cause__ or exc}; a site does not rejoin a run it was ready in: "
+                    "restart every process of the site to rejoin"
+                ) from exc
             if isinstance(exc.__cause__, RunResumable):
                 done = self._shepherd_stopped(exc.__cause__)
             else:
@@ -240,6 +249,7 @@ class Session:
                 heartbeat_seconds=self.heartbeat_seconds, timeout=self.heartbeat_timeout
             ) as tasks:
                 plan_message = await _expect(connection, "plan")
+                await self._to_site(plan_message)
                 connection.stage = contract.Stage.READY
                 self.status.update(state="compiling", message="compiling the training graph")
                 with connection.paused():  # compiling does not read the socket: not silence
@@ -255,6 +265,10 @@ class Session:
         except ConnectionEnded as exc:
             ended = exc
             raise
+        except Exception as exc:  # e.g. a site's collective with a process that is gone
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            ended = ConnectionEnded(f"the worker failed: {why}")
+            raise
         finally:
             with trio.CancelScope(shield=True):  # tells the shepherd what it sent wrong, if it did
                 lost = ended if isinstance(ended, ConnectionLost | CannotRun) else None
@@ -265,7 +279,8 @@ class Session:
         self.status.update(state="connecting", message="handshake")
         hello = await expect_hello(stream, f"{self.host}:{self.port}")
         await stream.send(self._hello(hello.body_as(protocol.Hello).nonce))
-        welcome = (await _expect(stream, "welcome")).body_as(protocol.Welcome)
+        welcome_message = await _expect(stream, "welcome")
+        welcome = welcome_message.body_as(protocol.Welcome)
         interval = welcome.heartbeat_seconds  # the run's; a broken shepherd's is bounded
         self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
         self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
@@ -273,6 +288,7 @@ class Session:
             "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
         )
         self._enter_run(welcome.run_id)
+        await self._to_site(welcome_message)
         self.status.update(worker_index=welcome.worker_index, message="admitted")
         if welcome.streams > 1:
             await striping.attach(self, stream, welcome)
@@ -291,8 +307,8 @@ class Session:
             jax_version=info.jax_version,
             runtime=protocol.Runtime(info.runtime),
             target=info.target[: protocol.ID_CHARS],
-            process_count=info.process_count,
-            hostnames=tuple(h[: protocol.ID_CHARS] for h in info.hostnames),
+            process_count=self.site.process_count,
+            hostnames=tuple(h[: protocol.ID_CHARS] for h in self.site.hostnames),
         )
         return protocol.WorkerHello(
             supported_versions=protocol.SUPPORTED_VERSIONS,
@@ -322,8 +338,10 @@ class Session:
             message = await connection.receive()
             body = message.body
             if isinstance(body, protocol.RoundStart):
+                await self._to_site(message)
                 await rounds.send(message)
             elif isinstance(body, protocol.FragmentUpdate):  # Streaming DiLoCo
+                await self._to_site(message)
                 self._deliver_fragment_update(message)
             elif isinstance(body, protocol.Goodbye):
                 raise goodbye_ended(body)
@@ -332,6 +350,12 @@ class Session:
                     self.status.update(message=f"shepherd refused a result: {body.message}")
                     continue
                 raise ended_by(body)
+
+    async def _to_site(self, message: protocol.Message) -> None:
+        """The site's other processes get `message` too (`worker/site.py`), in the order this
+        process does; a site of one has none."""
+        if self.site.process_count > 1:
+            await trio.to_thread.run_sync(self.site.send, _encoded(message))
 
     # -- what the training side does (client.Worker) ----------------------------
 
@@ -361,6 +385,11 @@ class _LostAfterWelcome(Exception):
     def __init__(self, reason: str, *, ready: bool):
         super().__init__(reason)
         self.ready = ready
+
+
+def _encoded(message: protocol.Message) -> bytes:
+    """`message` as the shepherd sent it (its tensors as they were decoded)."""
+    return b"".join(protocol.encode(message.body, message.tensors))
 
 
 def _duration(seconds: float) -> str:

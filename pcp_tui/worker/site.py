@@ -2,15 +2,26 @@
 
 Each process of a site calls `join_site` with JAX's own names (the
 coordinator's address, the number of processes, its id). Process 0 holds the
-PCP session; the others follow it: what they must run comes from process 0
-over the site's own collectives (`Site.share`: a broadcast over every
-process's devices, Gloo on CPU), and the graphs run over the global mesh.
+PCP session; the others follow it: every message of its session that says
+what to compute (the welcome, the plan, round starts, fragment updates) goes
+to them as it comes, over the coordination service's key-value store
+(`Site.send`, `Site.receive`), and each runs it as process 0 does
+(`client.Worker.follow`), so the graphs run over the global mesh with every
+process in step. The store, not a device collective, carries them: a
+follower waits for the next message for as long as the shepherd takes, and a
+collective waited in beside training would have to be entered in the same
+order as training's own on every process. A one-process worker is a site of
+one (`Site.alone`): nothing to send.
 
-The site is one failure unit, and that is JAX's coordination service's doing:
-a process that stops heartbeating for `heartbeat_seconds` (it died, or its
-host did) makes the service end every other process (checked on JAX 0.10.2,
-CPU, 2 processes: the survivor aborted after the heartbeat timeout, never
-hung in the collective it was waiting in).
+The site is one failure unit. A process that stops heartbeating for
+`heartbeat_seconds` (it died, or its host did) makes JAX's coordination
+service end every other process (checked on JAX 0.10.2, CPU: the survivor
+aborts with "The following tasks are unhealthy (stopped sending heartbeats)",
+never hangs in the collective it was waiting in); a follower whose process 0
+is gone hears it at once from the store (`SiteLost`). A process 0 whose session
+ends, for any reason, tells the followers (`Site.end`), and the site exits as
+one: a lost shepherd is not retried by a site, whose processes may be mid-round
+at different points; restart the site's processes to rejoin.
 
 The coordination service has no authentication and no TLS in JAX's API
 (`jax.distributed.initialize` takes none): anyone who reaches its port can
@@ -20,9 +31,11 @@ join the site or read what it shares. It must stay on a trusted LAN;
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform as host_platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +43,10 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 10  # a process silent this long is dead: the whole site ends
 HOSTNAME_BYTES = 64
+MESSAGES = "pcp-tui/messages"  # process 0's messages to the followers, numbered, in the store
+POLL_MS = 1000  # a follower's wait for the next message, renewed until it comes
+END_WAIT_MS = 30_000  # how long the site's processes wait for each other at the end
+MESSAGE, END = b"m", b"e"  # what a message to the followers is: a PCP message, or the end
 
 TRUSTED_LAN = (
     "the site's coordination service ({address}) has no authentication or encryption "
@@ -38,32 +55,91 @@ TRUSTED_LAN = (
 
 
 @dataclass(frozen=True)
+class SiteEnd:
+    """Process 0's worker ended: the followers exit with `code`; `reason` says why."""
+
+    code: int
+    reason: str
+
+
+class SiteLost(Exception):
+    """Another process of the site is gone (or unreachable): this one ends too."""
+
+
+@dataclass
 class Site:
     """This process's place in its site: `process_id` of `process_count`, and each one's host."""
 
     process_id: int
     process_count: int
     hostnames: tuple[str, ...]
+    _sent: int = 0  # messages process 0 sent the followers; on a follower: received
+    _client: Any = field(default=None, repr=False)  # the coordination service's client
+
+    @classmethod
+    def alone(cls) -> Site:
+        """A one-process worker's site: itself."""
+        return cls(0, 1, (host_platform.node(),))
 
     @property
     def leads(self) -> bool:
         """Whether this process holds the PCP session (process 0)."""
         return self.process_id == 0
 
-    def share(self, data: bytes | None) -> bytes:
-        """Process 0's `data`, on every process (a collective: every process calls it, in the
-        same order; the others pass None).
+    def send(self, data: bytes) -> None:
+        """Process 0: `data` is the followers' next message (blocks while the store takes it)."""
+        assert self.leads, "only process 0 sends"
+        if self.process_count > 1:
+            self._client.key_value_set_bytes(f"{MESSAGES}/{self._sent}", MESSAGE + data)
+            self._sent += 1
 
-        Two broadcasts over the site's devices: the length, then the bytes.
-        """
-        from jax.experimental import multihost_utils
+    def receive(self) -> bytes | SiteEnd:
+        """A follower: process 0's next message, or the site's end, waiting as long as it
+        takes; SiteLost if process 0 is gone. The last follower to read a message deletes it
+        from the store."""
+        assert not self.leads, "process 0 sends"
+        from jax.errors import JaxRuntimeError
 
-        mine_size = np.array([len(data) if self.leads and data is not None else 0], np.int64)
-        size = int(np.asarray(multihost_utils.broadcast_one_to_all(mine_size))[0])
-        if size == 0:
-            return b""
-        mine = np.frombuffer(data, np.uint8) if self.leads and data else np.zeros(size, np.uint8)
-        return np.asarray(multihost_utils.broadcast_one_to_all(mine)).tobytes()
+        key = f"{MESSAGES}/{self._sent}"
+        while True:
+            try:
+                data = self._client.blocking_key_value_get_bytes(key, POLL_MS)
+                if self._client.key_value_increment(f"{key}/read", 1) == self.process_count - 1:
+                    self._client.key_value_delete(key)
+                    self._client.key_value_delete(f"{key}/read")
+                break
+            except JaxRuntimeError as exc:
+                if str(exc).startswith("DEADLINE_EXCEEDED"):
+                    continue  # nothing yet: the shepherd is slow, or between rounds
+                raise SiteLost(self._gone(0, exc)) from None
+        self._sent += 1
+        if data.startswith(END):
+            return SiteEnd(data[len(END)], data[len(END) + 1 :].decode(errors="replace"))
+        return data[len(MESSAGE) :]
+
+    def end(self, code: int, reason: str) -> None:
+        """Process 0: the worker ended (`code`, the exit code, and why): the followers end
+        too. Waits, a bounded time, until they have read it."""
+        if self.process_count > 1:
+            data = END + bytes([min(max(code, 0), 255)]) + reason.encode()
+            self._client.key_value_set_bytes(f"{MESSAGES}/{self._sent}", data)
+            self._sent += 1
+        self.barrier()
+
+    def barrier(self) -> None:
+        """Every process of the site here, or END_WAIT_MS passed (a process may be gone)."""
+        from jax.errors import JaxRuntimeError
+
+        if self.process_count > 1:
+            with contextlib.suppress(JaxRuntimeError):
+                self._client.wait_at_barrier("pcp-tui/end", END_WAIT_MS)
+
+    def _gone(self, process: int, exc: BaseException) -> str:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return (
+            f"the site's process {process} ({self.hostnames[process]}) is gone ({why}): this "
+            f"process {self.process_id} ends with it; restart every process of the site"
+        )
 
 
 def join_site(
@@ -107,4 +183,6 @@ def join_site(
         bytes(row).rstrip(b"\0").decode(errors="replace")
         for row in np.asarray(every).reshape(process_count, HOSTNAME_BYTES)
     )
-    return Site(process_id, process_count, hostnames)
+    from jax._src import distributed  # its client: the only handle on the store JAX gives
+
+    return Site(process_id, process_count, hostnames, _client=distributed.global_state.client)
