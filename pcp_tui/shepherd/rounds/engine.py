@@ -241,6 +241,8 @@ class RoundEngine:
         ids = [link.worker_id for link in links]
         connections = {link.worker_id: link for link in links}
         h = self.config.inner.steps
+        steps = self.pacing.steps_for(ids, connections) if self.pacing else {}
+        theta = await self._scored_against()
         rounds = []
         for p, (aggregate, screen) in enumerate(zip(self.aggregates, self.screens, strict=True)):
             # fragment p's results cover the steps since its last send: they scale with
@@ -250,18 +252,27 @@ class RoundEngine:
             end = (number - 1) * h + self.schedule.send_step(p)
             screen.lr_sum = result_lr_sum(self.config, self.per_step, end=end)
             if screen.validator is not None:  # scores results against θ as the round starts
-                screen.validator.begin(number, self.params)
+                screen.validator.begin(number, theta)
             if isinstance(aggregate, CenteredClip):  # its radius scales the same way
                 aggregate.step_scale = await trio.to_thread.run_sync(screen.lr_sum, self.max_tokens)
+            # each worker's steps of this round before fragment p's send: what it trained on
+            sends = {w: self._schedule(steps.get(w, h)).send_step(p) for w in ids}
             rounds.append(
-                Round(number, ids, aggregate, screen, connections=connections, fragment=p)
+                Round(
+                    number,
+                    ids,
+                    aggregate,
+                    screen,
+                    connections=connections,
+                    fragment=p,
+                    send_steps=sends,
+                )
             )
         started = time.monotonic()
         at_start = (self.state.bytes_sent, self.state.bytes_received)
         self._open.rounds = rounds
         self.state.round = number
         failed: set[WorkerLink] = set()
-        steps = self.pacing.steps_for(ids, connections) if self.pacing else {}
         # --round-timeout counts from here: each fragment's results are collected while
         # the roundStarts go out, and a roundStart still on its way when a fragment closes
         # is cancelled (its link ends: the worker would wait for that fragment's update)
@@ -289,6 +300,24 @@ class RoundEngine:
         if self.pacing is not None:
             self.pacing.observe(summary)
         return summary
+
+    def _schedule(self, steps: int) -> Schedule:
+        """The schedule of a worker's round of `steps` inner steps (H_k under --adaptive-steps)."""
+        return dataclasses.replace(self.schedule, inner_steps=steps)
+
+    async def _scored_against(self) -> Mapping[str, np.ndarray]:
+        """θ as the round starts, for validation to score its results against.
+
+        With several fragments, each one's outer step writes `params` in place
+        (over threads, chunk by chunk) while other fragments' results are still
+        scored in threads, which would then read a half-written model: they read
+        a copy made now (one model-sized copy a round, `copy_tensors`). With one
+        fragment nothing writes `params` until the round's last result is scored.
+        """
+        validated = any(screen.validator is not None for screen in self.screens)
+        if not validated or len(self.fragments) == 1:
+            return self.params
+        return await trio.to_thread.run_sync(copy_tensors, self.params)
 
     async def _start(
         self,

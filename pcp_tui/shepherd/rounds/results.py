@@ -106,9 +106,13 @@ class Round:
         *,
         connections: Mapping[str, WorkerLink] | None = None,
         fragment: int = 0,
+        send_steps: Mapping[str, int] | None = None,
     ):
         self.number = number
         self.fragment = fragment  # the fragment this Round collects (plain DiLoCo: 0, the model)
+        # worker id -> the inner steps of this round before its result for this fragment
+        # leaves (the schedule's send step for its H_k): validation draws its batches there
+        self.send_steps = dict(send_steps or {})
         self.grace = math.inf  # set as it closes: how long its stragglers may go quiet (`collect`)
         # worker id -> the connection its roundStart went to: only that one may answer
         self.connections = dict(connections) if connections is not None else None
@@ -208,7 +212,7 @@ class Round:
         if self._screen.validator is not None:  # BadResult unless it lowers the loss
             view = (self.connections or {})[worker_id].view
             assert view.shard is not None, "a worker in a round trains a shard"
-            claim = Assignment(view.index, view.shard, body.inner_steps)
+            claim = Assignment(view.index, view.shard, self.send_steps[worker_id])
             weight = self._screen.validator.weigh(message.tensors, tokens, claim)
         self.mean.add(message.tensors, weight, key=worker_id)
         return tokens, losses
