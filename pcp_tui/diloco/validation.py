@@ -41,12 +41,13 @@ values of the fragments before f (the worker merged them before f's send point;
 the engine scores f's results once their outer steps are done) and the round's
 start for the later ones (read from a copy: outer steps write in place). Scored
 with the earlier fragments at the round's start instead, honest fragment results
-were refused (inner SGD at lr 0.1: 3 of 16 in 4 rounds; none so). V_f is drawn
-from the worker's steps of this round before f's send step (the `Assignment`'s
-steps): Δ_f covers those, plus the previous round's steps after f's send, not
-drawn. Weights scaled
-by the gain against recent gains (tokens x min(1, gain / reference), refusing
-gains under a tenth of it) were tried and taken out: in a run that converges fast
+were refused (inner SGD at lr 0.1, the paper's mix at α = 0: 3 of 16 in 4 rounds;
+none so; docs/security.md has the rest). V_f is drawn from the worker's steps of
+this round before f's send step (the `Assignment`'s steps): Δ_f covers those,
+plus the previous round's steps after f's send, not drawn.
+
+Weights scaled by the gain against recent gains (tokens x min(1, gain / reference),
+refusing gains under a tenth of it) were tried and taken out: in a run that converges fast
 (the MLP example) honest gains shrink more than tenfold within a few rounds, and
 honest results were refused against the earlier, larger ones; and an overscaled
 update that overfits its own batches raised the reference itself.
