@@ -3,7 +3,8 @@
 Real shepherd, real worker processes on 127.0.0.1; the attacker is
 pcp_tui.testing.faulty_worker (the real worker, its result scaled before sending):
 by 1e6 (refused by the inner-optimizer bound) or by −1 (a sign flip, within every
-norm bound: refused by loss-delta validation, and shown to bite without it).
+norm bound: refused by loss-delta validation, and shown to bite without it), in plain
+and in streaming rounds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from pcp_tui.diloco.screening import Refusal
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import faulty_worker_command
 from pcp_tui.training.build import build_workload
@@ -33,11 +35,15 @@ async def _joined(shepherd: Shepherd, worker_id: str, *, polls: int = 6000) -> N
     raise AssertionError(f"{worker_id} never joined")
 
 
-def _train(attacker: bool, factor: float = 1e6, validate: str = "loss-delta") -> Shepherd:
+def _train(
+    attacker: bool, factor: float = 1e6, validate: str = "loss-delta", **changes
+) -> Shepherd:
     """Two honest workers (shards 0 and 1, in that order), and the attacker third if asked,
-    sending `factor`·Δ."""
+    sending `factor`·Δ (`changes`: more of the run's config)."""
     config = small_config(
-        workers=3 if attacker else 2, rounds=3, inner_steps=4, chunk_steps=2, validate=validate
+        **{"rounds": 3, "inner_steps": 4, "chunk_steps": 2, **changes},
+        workers=3 if attacker else 2,
+        validate=validate,
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
     processes: list[subprocess.Popen] = []
@@ -106,3 +112,26 @@ def test_a_sign_flip_bites_without_validation_and_is_refused_with_it(honest):
     assert [r.eval_loss for r in attacked.state.history] == [
         r.eval_loss for r in honest.state.history
     ]
+
+
+STREAMING = dict(inner_steps=8, streaming_fragments=2, overlap_steps=2)
+
+
+def test_a_sign_flip_in_a_streaming_run_bites_without_validation_and_is_refused_with_it():
+    """--streaming-fragments 2: the attacker flips each fragment result. Scored as its
+    fragment's tensors moved on θ, on the batches its worker trained before that fragment's
+    send, every flipped one is refused as `no_gain`, and every honest one counts."""
+    undefended = _train(attacker=True, factor=-1.0, validate="off", **STREAMING)
+    assert not [e for e in undefended.state.events if e.kind == "bad_result"]
+    attacked = _train(attacker=True, factor=-1.0, **STREAMING)
+    refused = [e for e in attacked.state.events if e.kind == "bad_result"]
+    assert [(e.worker, e.refusal) for e in refused] == [("evil", Refusal.NO_GAIN)] * 6
+    assert sorted(e.round for e in refused) == [1, 1, 2, 2, 3, 3]  # both fragments, each round
+    history = attacked.state.history
+    assert [(set(r.worker_ids), r.fragment_results) for r in history] == [
+        ({"honest0", "honest1"}, (2, 2))
+    ] * 3
+    # the refused run is the honest workers' alone (measured: equal to the bit to a run
+    # without the attacker); without validation the flip costs it
+    final = {run: run.state.history[-1].eval_loss for run in (undefended, attacked)}
+    assert final[undefended] > 1.05 * final[attacked]  # measured: +8.3% (4.639 vs 4.285)

@@ -53,6 +53,7 @@ def test_a_peer_that_joins_mid_round_cannot_slip_in_results_of_rounds_it_was_not
         chunk_steps=2,
         streaming_fragments=FRAGMENTS,
         overlap_steps=0,
+        validate="off",  # its results are zeros: the claim is which rounds, not their weight
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
     seen = {}

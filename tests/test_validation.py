@@ -11,6 +11,7 @@ import pytest
 
 from pcp_tui.backends import select_backend
 from pcp_tui.diloco.screening import BadResult
+from pcp_tui.diloco.streaming import partition
 from pcp_tui.diloco.validation import (
     AssignedBatches,
     Assignment,
@@ -87,6 +88,20 @@ def test_an_honest_result_counts_in_full_and_a_flipped_or_vanishing_one_is_refus
     assert validator.weigh(deltas[0], 100, claim) == 100.0
     # another worker's honest result, scored on its own batches
     assert validator.weigh(deltas[1], 100, Assignment(index=1, shard=1, steps=STEPS)) == 100.0
+
+
+def test_a_fragment_result_moves_its_own_tensors_only(run):
+    """Streaming: a fragment's Δ names its tensors; θ − Δ_f keeps every other tensor at θ.
+    Each half of an honest result lowers the loss, each flipped half is refused."""
+    *_, theta, deltas = run
+    validator, _ = _validator(run)
+    shapes = {n: p.shape for n, p in theta.items()}
+    claim = Assignment(index=0, shard=0, steps=STEPS)
+    for names in partition(shapes, 2):
+        honest = {n: deltas[0][n] for n in names}
+        assert validator.weigh(honest, 100, claim) == 100.0
+        with pytest.raises(BadResult, match="a result must lower it"):
+            validator.weigh(_times(honest, -1.0), 100, claim)
 
 
 def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = None) -> list:

@@ -232,9 +232,9 @@ class OuterConfig:
         "loss-delta",
         choices=("loss-delta", "off"),
         help="check each result by the loss change it causes on the batches it trained on "
-        "(two eval passes a result on the shepherd; refuses one that lowers that loss no more "
-        "than its reverse would, or blows it up; with a robust --aggregate, in plain rounds: "
-        "not with --streaming-fragments)",
+        "(two eval passes a result, or a fragment result, on the shepherd; refuses one that "
+        "lowers that loss no more than its reverse would, or blows it up; with a robust "
+        "--aggregate)",
     )
     compression: str = option(
         "none",

@@ -31,17 +31,33 @@ that leaves its own batches' loss over `BLOW_UP` times higher (or non-finite) is
 refused whatever its reverse does (`Refusal.BLOWN_UP`: the inner training diverged,
 `shepherd/rounds/divergence.py` reads it). One that passes keeps its token weight.
 Refused, it never reaches the aggregate, so it cannot shrink a centered clip's
-radius either. Weights scaled
-by the gain against recent gains (tokens x min(1, gain / reference), refusing
-gains under a tenth of it) were tried and taken out: in a run that converges fast
+radius either.
+
+Streaming DiLoCo scores each fragment's results with the fragment's own validator,
+the same way: Δ_f names fragment f's tensors only, and θ − Δ_f moves those alone.
+θ is what the worker held outside f's own progress when it sent Δ_f: fragment f's
+global value as it was sent (it changes only at f's own sync), the new global
+values of the fragments before f (the worker merged them before f's send point;
+the engine scores f's results once their outer steps are done) and the round's
+start for the later ones (read from a copy: outer steps write in place). Scored
+with the earlier fragments at the round's start instead, honest fragment results
+were refused (inner SGD at lr 0.1, the paper's mix at α = 0: 3 of 16 in 4 rounds;
+none so; docs/security.md has the rest). V_f is drawn from the worker's steps of
+this round before f's send step (the `Assignment`'s steps): Δ_f covers those,
+plus the previous round's steps after f's send, not drawn.
+
+Weights scaled by the gain against recent gains (tokens x min(1, gain / reference),
+refusing gains under a tenth of it) were tried and taken out: in a run that converges fast
 (the MLP example) honest gains shrink more than tenfold within a few rounds, and
 honest results were refused against the earlier, larger ones; and an overscaled
 update that overfits its own batches raised the reference itself.
 
 Cost, on the shepherd's device: two passes of the exported eval graph over
 N = --eval-batches batches (θ and θ − Δ_k on V_k) per result, plus one
-model-sized subtraction; a third (θ + Δ_k) only for a result that does not lower
-the loss. The eval graph is the one the shepherd already compiled.
+subtraction the size of the result; a third (θ + Δ_k) only for a result that does
+not lower the loss. The eval graph is the one the shepherd already compiled. A
+fragment result costs the same two passes of the whole model (F results a worker a
+round: F times a plain round's scoring), and a streaming round one model-sized copy.
 """
 
 from __future__ import annotations
@@ -73,8 +89,8 @@ Loss = Callable[[Mapping[str, np.ndarray], Any], float]
 
 @dataclass(frozen=True)
 class Assignment:
-    """What a result claims to have trained on: the worker's index (its sample stream), its
-    data shard, and the inner steps it reports."""
+    """What a result trained on: the worker's index (its sample stream), its data shard, and
+    its steps of the round before the result left (H_k; a fragment's: its send step)."""
 
     index: int
     shard: int
@@ -115,7 +131,8 @@ class AssignedBatches:
         )
 
     def __call__(self, assignment: Assignment, number: int) -> Any:
-        """[N, ...] batches (a tuple of them for a rows dataset): steps spread over the round."""
+        """[N, ...] batches (a tuple of them for a rows dataset): steps spread over the
+        assignment's steps of round `number`."""
         shard = self._shards[assignment.shard]
         kind = (
             protocol.BatchKind.WINDOWS if isinstance(shard, np.ndarray) else protocol.BatchKind.ROWS
@@ -162,13 +179,15 @@ class LossDeltaValidator:
         self.passes = 0  # eval-graph calls made (two a result, three for one that lowers none)
 
     def begin(self, number: int, params: Mapping[str, np.ndarray]) -> None:
-        """Round `number` starts from `params` (read, never written, until the round closes)."""
+        """Round `number` starts from `params`, every tensor (read, never written, until the
+        round closes; a result moves the tensors it names)."""
         self._number, self._params = number, params
 
     def _moved(self, params, pseudo_gradient, sign: int, batches) -> float:
-        """The loss at θ + sign·Δ on `batches`."""
+        """The loss at θ + sign·Δ on `batches`, the tensors Δ does not name as θ has them."""
         step = np.add if sign > 0 else np.subtract
-        moved = {n: step(p, pseudo_gradient[n], dtype=np.float32) for n, p in params.items()}
+        moved = dict(params)
+        moved.update({n: step(params[n], d, dtype=np.float32) for n, d in pseudo_gradient.items()})
         self.passes += 1
         return self._loss(moved, batches)
 

@@ -311,15 +311,13 @@ class Shepherd:
             "eval_loss", graphs.eval_loss, own=True
         )
         cfg = self.config
-        # plain rounds of a robust aggregate: `--aggregate mean` stays DiLoCo's arithmetic
-        if (
-            cfg.outer.validate == "loss-delta"
-            and cfg.outer.aggregate != "mean"
-            and len(self.engine.fragments) == 1
-        ):
+        # a robust aggregate's rounds, each fragment's results: `--aggregate mean` stays
+        # DiLoCo's arithmetic
+        if cfg.outer.validate == "loss-delta" and cfg.outer.aggregate != "mean":
             batches = AssignedBatches.for_run(cfg, self.workload, graphs.chunk_steps)
             loss = eval_loss(evaluator.call, graphs.param_names)
-            self.engine.screens[0].validator = LossDeltaValidator(loss, batches)
+            for screen in self.engine.screens:
+                screen.validator = LossDeltaValidator(loss, batches)
         return graphs
 
     async def _train(self, nursery: trio.Nursery) -> None:

@@ -241,6 +241,9 @@ class RoundEngine:
         ids = [link.worker_id for link in links]
         connections = {link.worker_id: link for link in links}
         h = self.config.inner.steps
+        steps = self.pacing.steps_for(ids, connections) if self.pacing else {}
+        views = await self._scored_against()
+        stepped = [trio.Event() for _ in self.fragments]  # each fragment's outer step is done
         rounds = []
         for p, (aggregate, screen) in enumerate(zip(self.aggregates, self.screens, strict=True)):
             # fragment p's results cover the steps since its last send: they scale with
@@ -249,19 +252,29 @@ class RoundEngine:
             screen.norms.begin_round()  # the screen's baseline: earlier rounds' norms, as a set
             end = (number - 1) * h + self.schedule.send_step(p)
             screen.lr_sum = result_lr_sum(self.config, self.per_step, end=end)
-            if screen.validator is not None:  # scores results against θ as the round starts
-                screen.validator.begin(number, self.params)
+            if screen.validator is not None:  # scores results against θ as p's send finds it
+                screen.validator.begin(number, views[p])
             if isinstance(aggregate, CenteredClip):  # its radius scales the same way
                 aggregate.step_scale = await trio.to_thread.run_sync(screen.lr_sum, self.max_tokens)
+            # each worker's steps of this round before fragment p's send: what it trained on
+            sends = {w: self._schedule(steps.get(w, h)).send_step(p) for w in ids}
             rounds.append(
-                Round(number, ids, aggregate, screen, connections=connections, fragment=p)
+                Round(
+                    number,
+                    ids,
+                    aggregate,
+                    screen,
+                    connections=connections,
+                    fragment=p,
+                    send_steps=sends,
+                    after=stepped[:p],
+                )
             )
         started = time.monotonic()
         at_start = (self.state.bytes_sent, self.state.bytes_received)
         self._open.rounds = rounds
         self.state.round = number
         failed: set[WorkerLink] = set()
-        steps = self.pacing.steps_for(ids, connections) if self.pacing else {}
         # --round-timeout counts from here: each fragment's results are collected while
         # the roundStarts go out, and a roundStart still on its way when a fragment closes
         # is cancelled (its link ends: the worker would wait for that fragment's update)
@@ -279,7 +292,7 @@ class RoundEngine:
                         failed,
                     )
                 for p in range(len(self.fragments)):
-                    nursery.start_soon(self._sync, p, rounds[p], links, starts, failed)
+                    nursery.start_soon(self._sync, p, rounds[p], links, starts, failed, stepped[p])
         finally:
             self._open.rounds = []
         self.in_sync = {link for link in links if link not in failed and not link.closed}
@@ -289,6 +302,32 @@ class RoundEngine:
         if self.pacing is not None:
             self.pacing.observe(summary)
         return summary
+
+    def _schedule(self, steps: int) -> Schedule:
+        """The schedule of a worker's round of `steps` inner steps (H_k under --adaptive-steps)."""
+        return dataclasses.replace(self.schedule, inner_steps=steps)
+
+    async def _scored_against(self) -> list[Mapping[str, np.ndarray]]:
+        """Per fragment p, θ as validation scores p's results against: what a worker held
+        outside p's own progress when it sent them.
+
+        That is the round's start for fragments p and later (p's own changes only at
+        its own outer step, after its results), and the new global value for earlier
+        ones: a worker merges those before p's send point (`Round.after` waits for
+        their steps). The outer steps write `params` in place, over threads, and a
+        later fragment can step while p's results are still scored, so later
+        fragments are read from a copy made now: all but fragment 0's tensors, once a
+        round (none in plain rounds).
+        """
+        if all(screen.validator is None for screen in self.screens):
+            return [self.params] * len(self.fragments)
+        later = {n: self.params[n] for names in self.fragments[1:] for n in names}
+        start = await trio.to_thread.run_sync(copy_tensors, later)
+        views = []
+        for p in range(len(self.fragments)):
+            live = {n for names in self.fragments[: p + 1] for n in names}
+            views.append({n: v if n in live else start[n] for n, v in self.params.items()})
+        return views
 
     async def _start(
         self,
@@ -320,8 +359,10 @@ class RoundEngine:
         links: list[WorkerLink],
         starts: RoundStarts,
         failed: set[WorkerLink],
+        stepped: trio.Event,
     ) -> None:
-        """Fragment p: collect its results, take its outer step, send its global value back.
+        """Fragment p: collect its results, take its outer step (then set `stepped`), send
+        its global value back.
 
         `starts` (`RoundStarts`): a worker still taking its roundStart when the fragment
         closes is a straggler, cut off; it would wait for this fragment's update.
@@ -336,7 +377,8 @@ class RoundEngine:
             scales = await trio.to_thread.run_sync(mean.finish)
             self._say_clipped(current, scales)
         update = await trio.to_thread.run_sync(self._step, p, current.number, mean)
-        stepped = time.monotonic()
+        stepped.set()
+        done = time.monotonic()
         async with trio.open_nursery() as nursery:
             for link in links:
                 if link not in failed:
@@ -347,8 +389,8 @@ class RoundEngine:
             current.number,
             p,
             collected - current.started,
-            stepped - collected,
-            time.monotonic() - stepped,
+            done - collected,
+            time.monotonic() - done,
         )
 
     def _say_clipped(self, current: Round, scales: list[float]) -> None:

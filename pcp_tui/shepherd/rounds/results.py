@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -106,9 +106,17 @@ class Round:
         *,
         connections: Mapping[str, WorkerLink] | None = None,
         fragment: int = 0,
+        send_steps: Mapping[str, int] | None = None,
+        after: Sequence[trio.Event] = (),
     ):
         self.number = number
         self.fragment = fragment  # the fragment this Round collects (plain DiLoCo: 0, the model)
+        # worker id -> the inner steps of this round before its result for this fragment
+        # leaves (the schedule's send step for its H_k): validation draws its batches there
+        self.send_steps = dict(send_steps or {})
+        # the earlier fragments' outer steps: a result is scored once they are done (a worker
+        # merges their new values before it sends this fragment's; validation reads them)
+        self.after = tuple(after)
         self.grace = math.inf  # set as it closes: how long its stragglers may go quiet (`collect`)
         # worker id -> the connection its roundStart went to: only that one may answer
         self.connections = dict(connections) if connections is not None else None
@@ -169,6 +177,8 @@ class Round:
                     return False
                 small = sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES
                 validated = self._screen is not None and self._screen.validator is not None
+                for earlier in self.after if validated else ():
+                    await earlier.wait()  # an honest worker's result never waits here
                 if small and not validated:  # validation runs the eval graph: in a thread
                     tokens, losses = self._screen_and_fold(worker_id, message)
                 else:
@@ -208,7 +218,7 @@ class Round:
         if self._screen.validator is not None:  # BadResult unless it lowers the loss
             view = (self.connections or {})[worker_id].view
             assert view.shard is not None, "a worker in a round trains a shard"
-            claim = Assignment(view.index, view.shard, body.inner_steps)
+            claim = Assignment(view.index, view.shard, self.send_steps[worker_id])
             weight = self._screen.validator.weigh(message.tensors, tokens, claim)
         self.mean.add(message.tensors, weight, key=worker_id)
         return tokens, losses
