@@ -323,7 +323,7 @@ class RoundEngine:
             return [self.params] * len(self.fragments)
         later = {n: self.params[n] for names in self.fragments[1:] for n in names}
         start = await trio.to_thread.run_sync(copy_tensors, later)
-        views = []
+        views: list[Mapping[str, np.ndarray]] = []
         for p in range(len(self.fragments)):
             live = {n for names in self.fragments[: p + 1] for n in names}
             views.append({n: v if n in live else start[n] for n, v in self.params.items()})
