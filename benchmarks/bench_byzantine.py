@@ -267,6 +267,8 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.inner_steps = 2, 2
     chosen = SCENARIOS  # in --only's order, if given
+    if args.smoke:  # every attack and the Sybil run once, on one shard count: one compile
+        chosen = [s for s in SCENARIOS if s.shards == 5]
     if args.only:
         chosen = [s for o in args.only for s in SCENARIOS if s.label.startswith(o)]
     simulations: dict[int, Simulation] = {}

@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--drag-first", type=float, default=3.0, help="its progress, s in")
     parser.add_argument("--drag-answer", type=float, default=40.0, help="its zeros, s in")
     args = parse_with_smoke(
-        parser, pace=0.1, floor=0.3, rounds=2, inner_steps=4, drag_first=0.5, drag_answer=2.0
+        parser, pace=0.1, floor=0.3, rounds=2, inner_steps=4, drag_first=0.3, drag_answer=1.0
     )
     rows = [
         ("honest alone", scenario(args, liar=False, fragments=1)),
