@@ -28,6 +28,8 @@ is compared with the same run with the attacker honest ("honest control"); the
 alone, on the same shards). docs/security.md has a run.
 
     python benchmarks/bench_byzantine.py [--smoke] [--only "sign flip"]
+
+`--smoke` runs the scenarios of 5 ids only: every attack and the Sybil, one compile.
 """
 
 from __future__ import annotations
