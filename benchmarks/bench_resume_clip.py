@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--aggregates", nargs="+", default=["centered-clip", "mean"])
     parser.add_argument("--workers", type=int, default=3)
     args = parse_with_smoke(
-        parser, rounds=2, stop=1, inner_steps=5, workers=2, aggregates=["centered-clip"]
+        parser, rounds=3, stop=1, inner_steps=5, workers=2, aggregates=["centered-clip"]
     )
     rows = []
     for aggregate in args.aggregates:
