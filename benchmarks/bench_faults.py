@@ -569,7 +569,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--timeout", type=float, default=600, help="seconds per scenario")
     parser.add_argument("--json", type=Path, help="also write the outcomes here")
-    args = parse_with_smoke(parser, rounds=2, inner_steps=10, only=["kill"])
+    args = parse_with_smoke(parser, rounds=3, inner_steps=10, only=["kill"])
     config = base_config(args)
     workdir = Path(tempfile.mkdtemp(prefix="bench-faults-"))
     print(f"logs and metrics in {workdir}", flush=True)
