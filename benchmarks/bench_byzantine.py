@@ -28,6 +28,8 @@ is compared with the same run with the attacker honest ("honest control"); the
 alone, on the same shards). docs/security.md has a run.
 
     python benchmarks/bench_byzantine.py [--smoke] [--only "sign flip"]
+
+`--smoke` runs the scenarios of 5 ids only: every attack and the Sybil, one compile.
 """
 
 from __future__ import annotations
@@ -267,6 +269,8 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.inner_steps = 2, 2
     chosen = SCENARIOS  # in --only's order, if given
+    if args.smoke:  # every attack and the Sybil run once, on one shard count: one compile
+        chosen = [s for s in SCENARIOS if s.shards == 5]
     if args.only:
         chosen = [s for o in args.only for s in SCENARIOS if s.label.startswith(o)]
     simulations: dict[int, Simulation] = {}

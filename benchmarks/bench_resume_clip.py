@@ -13,7 +13,7 @@ Prints one table: eval loss per round, and the clip scale of each result in the
 first resumed round; the baseline is the uninterrupted run of the same aggregate.
 
     python benchmarks/bench_resume_clip.py [--rounds 8] [--stop 3] [--inner-steps 30] [--inner-lr 2e-3]
-        [--smoke]
+        [--workers 3] [--smoke]
 
 Ends with `ratio_first_resumed_vs_uninterrupted=<x>` of the last resumed run.
 """
@@ -31,12 +31,10 @@ from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import WorkerProcesses, parse_with_smoke, small_config, until
 from pcp_tui.training.build import build_workload
 
-WORKERS = 3
-
 
 def run(config, *, stop_after: int | None = None, forget_clip: bool = False) -> Shepherd:
     """One run on fresh worker processes; `stop_after`: stop (checkpointed) after that round."""
-    workload = build_workload(config, shards=WORKERS)
+    workload = build_workload(config, shards=config.network.workers)
     shepherd = Shepherd(config, workload)
     shepherd.ask_workers_back = False  # fresh processes for a resume: the point of this probe
     for aggregate in shepherd.engine.aggregates if forget_clip else ():  # one per fragment
@@ -49,7 +47,7 @@ def run(config, *, stop_after: int | None = None, forget_clip: bool = False) -> 
         with WorkerProcesses() as workers:
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(shepherd.run)
-                for index in range(WORKERS):
+                for index in range(config.network.workers):
                     workers.spawn(port, "--id", f"w{index}")
                 if stop_after is not None:
                     await until(lambda: len(shepherd.state.history) >= stop_after, polls=6000)
@@ -76,12 +74,15 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=30)
     parser.add_argument("--inner-lr", type=float, default=2e-3)
     parser.add_argument("--aggregates", nargs="+", default=["centered-clip", "mean"])
-    args = parse_with_smoke(parser, rounds=3, stop=1, inner_steps=5, aggregates=["centered-clip"])
+    parser.add_argument("--workers", type=int, default=3)
+    args = parse_with_smoke(
+        parser, rounds=3, stop=1, inner_steps=5, workers=2, aggregates=["centered-clip"]
+    )
     rows = []
     for aggregate in args.aggregates:
         with tempfile.TemporaryDirectory() as directory:
             common = dict(
-                workers=WORKERS,
+                workers=args.workers,
                 rounds=args.rounds,
                 inner_steps=args.inner_steps,
                 inner_lr=args.inner_lr,

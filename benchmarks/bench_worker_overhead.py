@@ -159,8 +159,6 @@ async def measured_run(
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
-    if bare.stdout.readline().strip() != "ready":
-        raise SystemExit("the bare loop did not start")
 
     def bare_round() -> float:
         bare.stdin.write("go\n")
@@ -171,10 +169,12 @@ async def measured_run(
     logging.getLogger("pcp_tui.shepherd.rounds.engine").setLevel(
         logging.DEBUG
     )  # per-fragment times
+    config = _config(args)
+    shepherd = Shepherd(config, build_workload(config, shards=1))  # while the bare loop compiles
+    if bare.stdout.readline().strip() != "ready":
+        raise SystemExit("the bare loop did not start")
     before = (args.bare_rounds + 1) // 2
     bare_rates = [bare_round() for _ in range(before)]
-    config = _config(args)
-    shepherd = Shepherd(config, build_workload(config, shards=1))
     ends: list[float] = []
     shepherd.state.subscribe(lambda e: ends.append(time.monotonic()) if e.kind == "round" else None)
     async with trio.open_nursery() as nursery:
