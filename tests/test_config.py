@@ -106,6 +106,13 @@ def test_a_site_process_is_told_what_its_flags_lack():
         worker_config_from(
             build_parser().parse_args([*site, "--coordinator-address", "h:1", "--process-id", "2"])
         )
+    with pytest.raises(ConfigError, match="--coordinator-address wants HOST:PORT, got '10.0.0.7'"):
+        worker_config_from(build_parser().parse_args([*site, "--coordinator-address", "10.0.0.7"]))
+    alone = ["worker", "--connect", "10.0.0.5:8080"]
+    with pytest.raises(ConfigError, match="--coordinator-address makes this process one of a s"):
+        worker_config_from(build_parser().parse_args([*alone, "--coordinator-address", "h:1"]))
+    with pytest.raises(ConfigError, match=r"\(0 to 0\) \(pass --num-processes N\)"):
+        worker_config_from(build_parser().parse_args([*alone, "--process-id", "1"]))
 
 
 def test_a_bad_log_level_is_a_config_error_before_logging_is_set_up(capsys):

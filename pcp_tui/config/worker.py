@@ -180,10 +180,21 @@ class SiteConfig:
                 f"--num-processes {self.num_processes} needs --coordinator-address HOST:PORT "
                 "(process 0's host and a free port, the same on every process of the site)"
             )
+        if self.coordinator_address and self.num_processes == 1:
+            raise ConfigError(
+                "--coordinator-address makes this process one of a site's: pass "
+                "--num-processes N (the site's processes, 2 or more) and --process-id I"
+            )
+        if self.coordinator_address:
+            try:
+                parse_connect(self.coordinator_address)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace("--connect", "--coordinator-address")) from None
         if self.process_id >= self.num_processes:
+            hint = " (pass --num-processes N)" if self.num_processes == 1 else ""
             raise ConfigError(
                 f"--process-id {self.process_id} is not one of the site's {self.num_processes} "
-                f"processes (0 to {self.num_processes - 1})"
+                f"processes (0 to {self.num_processes - 1}){hint}"
             )
 
 

@@ -32,16 +32,15 @@ join the site or read what it shares. It must stay on a trusted LAN;
 from __future__ import annotations
 
 import contextlib
-import logging
 import platform as host_platform
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-log = logging.getLogger(__name__)
-
 HEARTBEAT_SECONDS = 10  # a process silent this long is dead: the whole site ends
+JOIN_SECONDS = 120  # how long a process waits for the site's others to start (JAX's: 300)
 HOSTNAME_BYTES = 64
 MESSAGES = "pcp-tui/messages"  # process 0's messages to the followers, numbered, in the store
 POLL_MS = 1000  # a follower's wait for the next message, renewed until it comes
@@ -167,13 +166,26 @@ def join_site(
             f"(0 to {process_count - 1})"
         )
     if process_id == 0:
-        log.warning(TRUSTED_LAN.format(address=bind_address or coordinator_address))
+        print(
+            f"pcp-tui: warning: {TRUSTED_LAN.format(address=bind_address or coordinator_address)}",
+            file=sys.stderr,
+            flush=True,
+        )
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX waits here for every process, unable to hear a signal, then ends the process with
+    # its own fatal log line: say first what it waits for
+    print(
+        f"pcp-tui: waiting up to {JOIN_SECONDS} s for the site's {process_count} processes "
+        f"at {coordinator_address} (process 0 serves it; start every process of the site)",
+        file=sys.stderr,
+        flush=True,
+    )
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=process_count,
         process_id=process_id,
+        initialization_timeout=JOIN_SECONDS,
         heartbeat_timeout_seconds=heartbeat_seconds,
         coordinator_bind_address=bind_address,
     )
