@@ -209,12 +209,9 @@ async def _heartbeats(stream: protocol.MessageStream) -> None:
         return
 
 
-@pytest.mark.e2e
-def test_four_squatters_do_not_keep_two_honest_workers_out(spawn_worker):
-    """--workers 2, so 4 connection slots, all taken by squatters before the honest workers
-    start. With --ready-timeout 40 a squatter keeps its slot from a newcomer for 10 s: the
-    honest workers get in, train the run's rounds and exit 0; the squatters are told their
-    slot went to a new worker. (Before, the honest workers heard `busy` until they gave up.)"""
+def _two_honest_beside_four(squat, spawn_worker) -> tuple[Shepherd, dict]:
+    """A `--workers 2` run (--ready-timeout 40) whose 4 slots `squat` peers take first; then
+    two honest worker processes start. The shepherd after the run, and what the peers saw."""
     config = small_config(workers=2, rounds=2, inner_steps=2, chunk_steps=2, ready_timeout=40)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     seen: dict = {}
@@ -222,16 +219,26 @@ def test_four_squatters_do_not_keep_two_honest_workers_out(spawn_worker):
     async def scenario(port):
         async with trio.open_nursery() as peers:
             for index in range(4):
-                peers.start_soon(squatter, port, f"squatter-{index}", seen)
-            await until(lambda: len(seen.get("welcomed", ())) == 4)
+                peers.start_soon(squat, port, f"squatter-{index}", seen)
+            await until(lambda: len(seen.get("welcomed", ())) >= 4)
             started = time.monotonic()
             seen["honest"] = [spawn_worker(port, "--id", f"honest-{i}") for i in range(2)]
-            await until(lambda: shepherd.state.status == "done", polls=2400)  # a hang guard
+            await until(lambda: shepherd.state.status == "done", polls=6000)  # a hang guard
             seen["seconds"] = time.monotonic() - started
             peers.cancel_scope.cancel()
 
     run_shepherd(shepherd, scenario)
     print(f"honest workers started to the run's end: {seen['seconds']:.1f} s")
+    return shepherd, seen
+
+
+@pytest.mark.e2e
+def test_four_squatters_do_not_keep_two_honest_workers_out(spawn_worker):
+    """--workers 2, so 4 connection slots, all taken by squatters before the honest workers
+    start. With --ready-timeout 40 a squatter keeps its slot from a newcomer for 10 s: the
+    honest workers get in, train the run's rounds and exit 0; the squatters are told their
+    slot went to a new worker. (Before, the honest workers heard `busy` until they gave up.)"""
+    shepherd, seen = _two_honest_beside_four(squatter, spawn_worker)
     assert [sorted(r.worker_ids) for r in shepherd.state.history] == [["honest-0", "honest-1"]] * 2
     put_out = [error.message for error in seen["put out"]]
     assert len(put_out) >= 2, put_out  # each honest worker took a squatter's slot
@@ -269,23 +276,7 @@ def test_four_squatters_that_say_ready_do_not_keep_two_honest_workers_out(spawn_
     ended 161 s after the honest workers started. Now one that shows nothing gives its slot
     up after the grace (10 s): each round is held at most that (the time is printed, about
     40 s here, not asserted). The honest workers train both rounds, alone."""
-    config = small_config(workers=2, rounds=2, inner_steps=2, chunk_steps=2, ready_timeout=40)
-    shepherd = Shepherd(config, build_workload(config, shards=2))
-    seen: dict = {}
-
-    async def scenario(port):
-        async with trio.open_nursery() as peers:
-            for index in range(4):
-                peers.start_soon(ready_squatter, port, f"squatter-{index}", seen)
-            await until(lambda: len(seen.get("welcomed", ())) >= 4)
-            started = time.monotonic()
-            seen["honest"] = [spawn_worker(port, "--id", f"honest-{i}") for i in range(2)]
-            await until(lambda: shepherd.state.status == "done", polls=6000)  # a hang guard
-            seen["seconds"] = time.monotonic() - started
-            peers.cancel_scope.cancel()
-
-    run_shepherd(shepherd, scenario)
-    print(f"honest workers started to the run's end: {seen['seconds']:.1f} s")
+    shepherd, seen = _two_honest_beside_four(ready_squatter, spawn_worker)
     contributors = [(r.round, sorted(r.worker_ids)) for r in shepherd.state.history]
     assert contributors == [(1, ["honest-0", "honest-1"]), (2, ["honest-0", "honest-1"])]
     codes = [process.wait(timeout=60) for process in seen["honest"]]

@@ -45,6 +45,19 @@ def write_private(tmp_path, name: str) -> str:
     return path
 
 
+def keyed_worker(tmp_path, port: int, name: str, faults: Faults | None = None) -> Worker:
+    """A CPU worker `name` joining 127.0.0.1:`port` with a key of its own, once (no reconnect)."""
+    settings = WorkerConfig(
+        connect=f"127.0.0.1:{port}",
+        token="test-token",
+        backend="cpu",
+        worker_id=name,
+        key=write_private(tmp_path, name),
+        reconnect=False,
+    )
+    return Worker(settings, faults=faults)
+
+
 def signed(worker_id: str, nonce: bytes, key, *, public=None, signed_nonce=None):
     """A hello as `worker_id` with the token's proof for `nonce`, signed by `key` over
     `signed_nonce` (default: this connection's), presenting `public` (default: `key`'s)."""
@@ -78,16 +91,7 @@ def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_
     seen: dict[str, object] = {}
 
     def worker(port: int, name: str) -> Worker:
-        return Worker(
-            WorkerConfig(
-                connect=f"127.0.0.1:{port}",
-                token="test-token",
-                backend="cpu",
-                worker_id=name,
-                key=write_private(tmp_path, name),
-                reconnect=False,
-            )
-        )
+        return keyed_worker(tmp_path, port, name)
 
     async def bob_until_revoked(port: int) -> None:
         try:
@@ -167,15 +171,7 @@ def test_a_key_revoked_mid_round_takes_that_rounds_result_with_it(tmp_path):
             write_keys(issued, ["alice"])
 
     def worker(port: int, name: str, faults: Faults | None = None) -> Worker:
-        settings = WorkerConfig(
-            connect=f"127.0.0.1:{port}",
-            token="test-token",
-            backend="cpu",
-            worker_id=name,
-            key=write_private(tmp_path, name),
-            reconnect=False,
-        )
-        return Worker(settings, faults=faults)
+        return keyed_worker(tmp_path, port, name, faults)
 
     async def bob(port: int) -> None:
         try:
