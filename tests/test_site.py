@@ -30,17 +30,26 @@ from pcp_tui.testing import (
 pytestmark = pytest.mark.e2e
 
 PROCESS = """
-import json, os, sys
+import json, os, sys, time
 from pcp_tui.worker.site import join_site
-port, process_id, die = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "die"
+port, process_id, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 site = join_site(f"127.0.0.1:{port}", 2, process_id, heartbeat_seconds=5)
+if mode == "end":  # process 0 ends the site and exits at once; process 1 is slow to exit
+    if site.leads:
+        site.end(0, "the run is over")
+        os._exit(0)
+    end = site.receive()
+    site.leave()
+    time.sleep(3)  # process 0 and its coordination service are gone by now
+    print(json.dumps({"end": [end.code, end.reason]}), flush=True)
+    os._exit(0)
 import jax, numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 if site.leads:
     site.send(b"plan bytes from process 0")
 shared = b"plan bytes from process 0" if site.leads else site.receive()
-if die and process_id == 1:
+if mode == "die" and process_id == 1:
     os._exit(3)  # a host gone: no goodbye
 mesh = Mesh(np.array(jax.devices()), ("devices",))
 rows = np.arange(8, dtype=np.float32).reshape(4, 2)  # every process has the whole batch
@@ -104,6 +113,15 @@ def test_one_process_dying_ends_the_other():
     assert dead == 3
     assert survivor == -signal.SIGABRT and '"total"' not in out  # never past the collective
     assert "heartbeat" in err or "unhealthy" in err or "Terminating process" in err, err[-3000:]
+
+
+def test_a_follower_outlives_process_0_at_the_end():
+    """Process 0 ends the site and exits at once, taking the coordination service with it;
+    process 1 exits 3 s later. Having left the site first (JAX's shutdown, whose barrier
+    process 0 waits at), it is not aborted by its client for the service's loss."""
+    (leader, _, _), (follower, out, err) = _site("end")
+    assert (leader, follower) == (0, 0), err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"end": [0, "the run is over"]}
 
 
 CHUNKS = """

@@ -44,7 +44,7 @@ JOIN_SECONDS = 120  # how long a process waits for the site's others to start (J
 HOSTNAME_BYTES = 64
 MESSAGES = "pcp-tui/messages"  # process 0's messages to the followers, numbered, in the store
 POLL_MS = 1000  # a follower's wait for the next message, renewed until it comes
-END_WAIT_MS = 30_000  # how long the site's processes wait for each other at the end
+END_WAIT_SECONDS = 30  # how long the site's processes wait for each other at the end
 MESSAGE, END = b"m", b"e"  # what a message to the followers is: a PCP message, or the end
 
 TRUSTED_LAN = (
@@ -118,20 +118,25 @@ class Site:
 
     def end(self, code: int, reason: str) -> None:
         """Process 0: the worker ended (`code`, the exit code, and why): the followers end
-        too. Waits, a bounded time, until they have read it."""
+        too. Leaves the site once they have read it (`leave`)."""
         if self.process_count > 1:
             data = END + bytes([min(max(code, 0), 255)]) + reason.encode()
             self._client.key_value_set_bytes(f"{MESSAGES}/{self._sent}", data)
             self._sent += 1
-        self.barrier()
+        self.leave()
 
-    def barrier(self) -> None:
-        """Every process of the site here, or END_WAIT_MS passed (a process may be gone)."""
+    def leave(self) -> None:
+        """Disconnect from the coordination service once every process of the site is
+        leaving too, or END_WAIT_SECONDS passed (a process may be gone): JAX's own
+        shutdown, whose barrier keeps process 0's service up until each follower has
+        disconnected. A follower still connected as the service goes would be aborted by
+        its client ("the JAX distributed service detected fatal errors")."""
+        import jax
         from jax.errors import JaxRuntimeError
 
         if self.process_count > 1:
             with contextlib.suppress(JaxRuntimeError):
-                self._client.wait_at_barrier("pcp-tui/end", END_WAIT_MS)
+                jax.distributed.shutdown()
 
     def _gone(self, process: int, exc: BaseException) -> str:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -187,6 +192,7 @@ def join_site(
         process_id=process_id,
         initialization_timeout=JOIN_SECONDS,
         heartbeat_timeout_seconds=heartbeat_seconds,
+        shutdown_timeout_seconds=END_WAIT_SECONDS,
         coordinator_bind_address=bind_address,
     )
     mine = host_platform.node().encode()[:HOSTNAME_BYTES].ljust(HOSTNAME_BYTES, b"\0")
