@@ -50,6 +50,13 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--sharding", default="data", choices=["data", "fsdp"])
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
+    parser.add_argument(
+        "--exchange-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="what an N-device worker gathers and reduces in (default: the compute dtype, "
+        "as the shepherd exports it)",
+    )
     parser.add_argument("--graphs", default=None, help="folder to keep and reuse exports in")
     parser.add_argument("--export-only", action="store_true", help="fill --graphs, time nothing")
     return parse_with_smoke(
@@ -115,6 +122,7 @@ class _Model:
             sharding_mode=args.sharding,
         )
         self.workload = build_workload(self.config, shards=1)
+        self.exchange_dtype = args.exchange_dtype or self.workload.compute_dtype
         self.param_count = self.workload.param_count
 
     def graphs(self, devices: int):
@@ -131,7 +139,8 @@ class _Model:
         batch = args.batch_per_device * devices
         name = (
             f"{args.model}-{args.backend}-{args.attention}-{args.compute_dtype}-"
-            f"{batch}x{args.seq_len}-k{args.chunk_steps}-{devices}dev-{args.sharding}"
+            f"{batch}x{args.seq_len}-k{args.chunk_steps}-{devices}dev-{args.sharding}-"
+            f"{self.exchange_dtype}"
         )
         path = os.path.join(args.graphs, name) if args.graphs else None
         if path and os.path.exists(path):
@@ -154,6 +163,7 @@ class _Model:
             custom_calls=CUDNN_ATTENTION_CALLS if args.attention == "cudnn" else (),
             devices=devices,
             sharding=self.config.sharding.to_wire(),
+            exchange_dtype=self.exchange_dtype,
         )
         print(f"graphs for {devices} device(s) exported on jax {jax.__version__}")
         if path:

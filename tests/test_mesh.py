@@ -255,7 +255,8 @@ def test_an_n_device_worker_trains_as_a_one_device_worker(mesh_runs, run):
 
 @pytest.mark.e2e
 def test_a_mesh_worker_and_a_one_device_worker_train_one_run(tmp_path):
-    """One shepherd (FSDP [sharding]), a 4-device worker and a 1-device worker: both contribute."""
+    """One shepherd (FSDP [sharding]), a 4-device worker and a 1-device worker: both contribute.
+    The shepherd runs on a 4-device host too, as on a GPU node: it evaluates on one device."""
     port, metrics, config = free_port(), tmp_path / "run.jsonl", tmp_path / "run.toml"
     config.write_text('platforms = ["cpu"]\n[sharding]\nmode = "fsdp"\n')
     shepherd = OutputProcess(
@@ -264,6 +265,7 @@ def test_a_mesh_worker_and_a_one_device_worker_train_one_run(tmp_path):
             "--inner-lr", "3e-3", "--warmup-steps", "2", "--config", str(config),
             "--metrics", str(metrics),
         ),
+        env=mesh_env(),
     )  # fmt: skip
     try:
         with WorkerProcesses(env=mesh_env()) as workers:

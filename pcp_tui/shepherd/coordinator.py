@@ -305,9 +305,10 @@ class Shepherd:
         return True
 
     def _export(self) -> TrainingGraphs:
-        """The run's first export (the shepherd evaluates with it); others are made as workers need."""
+        """The run's first export (the shepherd evaluates with it, on one device of its host,
+        as eval_loss is exported for one); others are made as workers need."""
         graphs = self.library.export_main()
-        self._eval = evaluator = select_backend("auto").load(
+        self._eval = evaluator = select_backend("auto", 1).load(
             "eval_loss", graphs.eval_loss, own=True
         )
         cfg = self.config

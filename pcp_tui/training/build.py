@@ -69,4 +69,5 @@ def build_workload(config: RunConfig, shards: int) -> Workload:
         eval_tokens=evals,
         tokens_per_step=config.data.batch_size * config.data.seq_len,
         flops_per_token=gpt2.flops_per_token(gpt, config.data.seq_len),
+        compute_dtype=gpt.compute_dtype,
     )

@@ -144,6 +144,7 @@ def build_graphs(
     scan_unroll: int = 1,
     devices: int = 1,
     sharding: Any = None,
+    exchange_dtype: str = "float32",
 ) -> TrainingGraphs:
     """Export the worker's graphs for `platforms`.
 
@@ -159,7 +160,9 @@ def build_graphs(
     copies of the loop's carried state between steps), for a compile of more code.
     `devices` > 1 exports `train_chunk` and `init_opt_state` for a worker with that many
     devices, parameters placed as `sharding` (a plan's `Sharding`) says; LayoutError
-    if the batch does not split over them. `eval_loss` is always for one device.
+    if the batch does not split over them; its devices gather parameters and reduce
+    gradients in `exchange_dtype` (see `_Mesh.gradient`). `eval_loss` is always for one
+    device.
     """
     names = tuple(sorted(params))
     param_specs = tuple(jax.ShapeDtypeStruct(np.shape(params[n]), jnp.float32) for n in names)
@@ -176,7 +179,7 @@ def build_graphs(
     shapes = tuple(s.shape for s in param_specs)
     mesh = _Mesh(devices, param_axes(names, shapes, sharding, devices) if devices > 1 else ())
     gradient = (
-        mesh.gradient(loss_fn, names, shapes, batch_spec)
+        mesh.gradient(loss_fn, names, shapes, batch_spec, jnp.dtype(exchange_dtype))
         if devices > 1
         else jax.value_and_grad(loss_fn)
     )
@@ -284,7 +287,9 @@ class _Mesh:
                     f"with --batch-size a multiple of {self.devices}"
                 )
 
-    def gradient(self, loss_fn: LossFn, names: tuple[str, ...], shapes: tuple, batch: Any):
+    def gradient(
+        self, loss_fn: LossFn, names: tuple[str, ...], shapes: tuple, batch: Any, dtype: Any
+    ):
         """`jax.value_and_grad(loss_fn)` of the global batch, computed per device and reduced.
 
         Each device gathers its `fsdp` parameters whole and differentiates the
@@ -294,22 +299,33 @@ class _Mesh:
         as an all-reduce (replicated) or a reduce-scatter (`fsdp`). The mean of
         N equal parts' means is the global batch's mean, for a loss that is a
         mean over its rows (a loss weighted per row would need its weights summed).
+
+        Parameters are gathered, and gradients reduced, in `dtype` (the mixed
+        precision of PyTorch FSDP's `param_dtype` and `reduce_dtype`): for a loss that
+        casts every parameter to `dtype` as it starts (GPT-2 at `--compute-dtype
+        bfloat16`) no forward value changes, and each device's gradient is already a
+        `dtype` value upcast; only the N-term sums round to `dtype`. Half the bytes
+        of float32 cross between the devices.
         """
         axes = dict(zip(names, self.param_axes, strict=True))
 
         def per_device(params: dict, rows: Any) -> tuple[jax.Array, dict]:
             whole = {
-                name: jax.lax.pcast(p, MESH_AXIS, to="varying")
+                name: jax.lax.pcast(p.astype(dtype), MESH_AXIS, to="varying")
                 if axes[name] is None
-                else jax.lax.all_gather(p, MESH_AXIS, axis=axes[name], tiled=True)
+                else jax.lax.all_gather(p.astype(dtype), MESH_AXIS, axis=axes[name], tiled=True)
                 for name, p in params.items()
             }
             value, grads = jax.value_and_grad(loss_fn)(whole, rows)
             reduced = {
-                name: jax.lax.pmean(g, MESH_AXIS)
-                if axes[name] is None
-                else jax.lax.psum_scatter(g, MESH_AXIS, scatter_dimension=axes[name], tiled=True)
-                / self.devices
+                name: (
+                    jax.lax.pmean(g, MESH_AXIS)
+                    if axes[name] is None
+                    else jax.lax.psum_scatter(
+                        g, MESH_AXIS, scatter_dimension=axes[name], tiled=True
+                    )
+                    / self.devices
+                ).astype(jnp.float32)
                 for name, g in grads.items()
             }
             return jax.lax.pmean(value, MESH_AXIS), reduced

@@ -30,6 +30,9 @@ class Workload(Generic[Batch]):
     eval_tokens: Any  # [N, B, T+1], or a tuple of [N, B, ...] for rows
     tokens_per_step: int
     flops_per_token: float
+    # the dtype `loss_fn` casts every parameter to as it starts (a preset's --compute-dtype):
+    # a worker of several devices gathers parameters and reduces gradients in it
+    compute_dtype: str = "float32"
 
     @property
     def param_count(self) -> int:

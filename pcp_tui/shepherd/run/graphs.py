@@ -77,6 +77,7 @@ class GraphLibrary:
                 custom_calls=CUDNN_ATTENTION_CALLS if cudnn else (),
                 devices=devices,
                 sharding=config.sharding.to_wire(),
+                exchange_dtype=workload.compute_dtype,
             )
 
         # cuDNN attention exists only on CUDA, and its kernels are custom calls
