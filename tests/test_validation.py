@@ -48,7 +48,8 @@ def run():
     return config, workload, graphs, backend, theta, deltas
 
 
-def _validator(run) -> tuple[LossDeltaValidator, AssignedBatches]:
+def _validator(run, watch=None) -> tuple[LossDeltaValidator, AssignedBatches]:
+    """A validator of round 1 from θ, with the real eval graph; `watch()` before each pass."""
     config, workload, graphs, backend, theta, _ = run
     batches = AssignedBatches(
         workload.shards,
@@ -59,7 +60,13 @@ def _validator(run) -> tuple[LossDeltaValidator, AssignedBatches]:
         seed=config.model.seed,
     )
     loss = eval_loss(backend.load("eval_loss", graphs.eval_loss).call, graphs.param_names)
-    validator = LossDeltaValidator(loss, batches)
+
+    def watched(params, batch):
+        if watch is not None:
+            watch()
+        return loss(params, batch)
+
+    validator = LossDeltaValidator(watched, batches)
     validator.begin(1, theta)
     return validator, batches
 
@@ -182,3 +189,43 @@ def test_no_honest_result_is_refused():
     raised = [s[:2] for s in scored if s[3] > s[2]]  # what the old rule refused
     assert raised == [(8, 0), (8, 1)], scored
     assert {s[1] for s in scored if s[0] >= 9} == {1, 2}
+
+
+def test_a_connection_is_not_silent_while_the_shepherd_screens_its_result(run):
+    """Validation runs the model on the shepherd (a minute for GPT-2 124M on a CPU) while it
+    reads nothing more from the worker's connection, heartbeats included: `Round.add` pauses
+    that connection meanwhile, so the watchdog does not end it for the shepherd's own
+    silence (it did, on a CPU shepherd of a GPU worker: "silent for 21 s" every round)."""
+    import trio.testing
+
+    from pcp_tui import protocol
+    from pcp_tui.diloco.outer import PseudoGradientMean
+    from pcp_tui.diloco.screening import ResultScreen
+    from pcp_tui.shepherd.rounds.results import Round
+    from pcp_tui.shepherd.run.state import RunState, WorkerView
+    from pcp_tui.shepherd.serving.connection import WorkerLink
+
+    config, _, _, _, theta, deltas = run
+    paused_while_scored: list[bool] = []
+    body = protocol.RoundResult(
+        round=1, tokens=STEPS * config.data.batch_size * config.data.seq_len, losses=(3.0,),
+        compute_seconds=1.0, inner_steps=STEPS,
+    )  # fmt: skip
+
+    async def main() -> None:
+        near, _far = trio.testing.memory_stream_pair()
+        view = WorkerView(worker_id="w0", index=0, host="here", shard=0)
+        state = RunState(run_id="r", rounds_total=1, settings={})
+        link = WorkerLink(protocol.MessageStream(near), view, state, protocol.Platform.CPU)
+        validator, _ = _validator(run, watch=lambda: paused_while_scored.append(link.is_paused))
+        screen = ResultScreen({n: p.shape for n, p in theta.items()}, max_tokens=10**9)
+        screen.validator = validator
+        current = Round(
+            1, ["w0"], PseudoGradientMean(tuple(sorted(theta))), screen,
+            connections={"w0": link}, send_steps={"w0": STEPS},
+        )  # fmt: skip
+        assert await current.add("w0", protocol.Message(body, deltas[0], wire_bytes=64))
+        assert not link.is_paused and current.contributors == ["w0"]
+
+    trio.run(main)
+    assert paused_while_scored and all(paused_while_scored)  # every pass of the eval graph

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -166,26 +167,31 @@ class Round:
         """Screen one result and fold it into the running mean (off the event loop if it is big).
 
         BadResult if it is refused; False if the round closed while it waited
-        its turn (it is then not counted).
+        its turn (it is then not counted). The worker's connection is paused meanwhile:
+        while the shepherd screens its result (validation runs the model: a minute for
+        GPT-2 124M on a CPU) it reads nothing more from that connection, heartbeats
+        included, and that silence is the shepherd's own.
         """
         body = message.body
         assert isinstance(body, protocol.RoundResult), "the pool hands over results only"
+        link = (self.connections or {}).get(worker_id)
         self.folding.add(worker_id)
         try:
-            async with self._lock:
-                if self._closed:
-                    return False
-                small = sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES
-                validated = self._screen is not None and self._screen.validator is not None
-                for earlier in self.after if validated else ():
-                    await earlier.wait()  # an honest worker's result never waits here
-                if small and not validated:  # validation runs the eval graph: in a thread
-                    tokens, losses = self._screen_and_fold(worker_id, message)
-                else:
-                    tokens, losses = await trio.to_thread.run_sync(
-                        self._screen_and_fold, worker_id, message
-                    )
-                self.contributors.append(worker_id)  # in the order folded in (`Aggregate.finish`)
+            with link.paused() if link is not None else contextlib.nullcontext():
+                async with self._lock:
+                    if self._closed:
+                        return False
+                    small = sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES
+                    validated = self._screen is not None and self._screen.validator is not None
+                    for earlier in self.after if validated else ():
+                        await earlier.wait()  # an honest worker's result never waits here
+                    if small and not validated:  # validation runs the eval graph: in a thread
+                        tokens, losses = self._screen_and_fold(worker_id, message)
+                    else:
+                        tokens, losses = await trio.to_thread.run_sync(
+                            self._screen_and_fold, worker_id, message
+                        )
+                    self.contributors.append(worker_id)  # the order folded in (`Aggregate.finish`)
         finally:
             self.folding.discard(worker_id)
         self.tokens += tokens
