@@ -7,6 +7,7 @@ signature that is wrong in one way each.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -20,9 +21,17 @@ from pcp_tui.app.cli import main
 from pcp_tui.config import ConfigError, WorkerConfig
 from pcp_tui.contract import keys
 from pcp_tui.contract.connection import Refused
+from pcp_tui.contract.tls import ClientTLS, ServerTLS
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.serving.worker_keys import WorkerKeys
-from pcp_tui.testing import connect_peer, pause_after_round, peer_hello, run_shepherd, until
+from pcp_tui.testing import (
+    connect_peer,
+    pause_after_round,
+    peer_hello,
+    run_shepherd,
+    self_signed_certificate,
+    until,
+)
 from pcp_tui.training.build import build_workload
 from pcp_tui.worker.client import Worker
 from pcp_tui.worker.rounds import Faults
@@ -41,12 +50,16 @@ def write_keys(path, names) -> None:
 
 def write_private(tmp_path, name: str) -> str:
     path = str(tmp_path / f"{name}.key")
-    keys.write_private_key(ISSUED[name], path)
+    if not os.path.exists(path):  # written once: pcp-tui never overwrites a key
+        keys.write_private_key(ISSUED[name], path)
     return path
 
 
-def keyed_worker(tmp_path, port: int, name: str, faults: Faults | None = None) -> Worker:
-    """A CPU worker `name` joining 127.0.0.1:`port` with a key of its own, once (no reconnect)."""
+def keyed_worker(
+    tmp_path, port: int, name: str, faults: Faults | None = None, pin: str | None = None
+) -> Worker:
+    """A CPU worker `name` joining 127.0.0.1:`port` with a key of its own, once (no reconnect);
+    over TLS to a shepherd of certificate fingerprint `pin`, if given."""
     settings = WorkerConfig(
         connect=f"127.0.0.1:{port}",
         token="test-token",
@@ -54,8 +67,9 @@ def keyed_worker(tmp_path, port: int, name: str, faults: Faults | None = None) -
         worker_id=name,
         key=write_private(tmp_path, name),
         reconnect=False,
+        tls_fingerprint=pin,
     )
-    return Worker(settings, faults=faults)
+    return Worker(settings, faults=faults, tls=ClientTLS.from_options(pinned=pin))
 
 
 def signed(worker_id: str, nonce: bytes, key, *, public=None, signed_nonce=None):
@@ -65,7 +79,7 @@ def signed(worker_id: str, nonce: bytes, key, *, public=None, signed_nonce=None)
         worker_id,
         nonce,
         public_key=keys.public_bytes(public or key),
-        signature=keys.sign_hello(key, signed_nonce or nonce, worker_id, 0),
+        signature=keys.sign_hello(key, signed_nonce or nonce, worker_id, 0, ""),  # plain TCP
     )
 
 
@@ -341,3 +355,64 @@ def test_a_worker_process_joins_with_the_key_keygen_made(tmp_path, capsys, spawn
     run_shepherd(shepherd, scenario)
     assert [r.worker_ids for r in shepherd.state.history] == [("gpu-1",), ("gpu-1",)]
     assert worker["process"].wait(timeout=60) == 0
+
+
+async def _relay(listen: trio.SocketListener, tls: ServerTLS, port: int, pin: str) -> None:
+    """A hostile host the worker was made to trust (it shows its own certificate, `tls`): it
+    relays each connection's bytes, both ways, to the shepherd on `port` over TLS."""
+
+    async def pipe(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := await source.receive_some():
+                await sink.send_all(data)
+
+    async def serve(raw: trio.SocketStream) -> None:
+        worker = await tls.accept(raw)
+        shepherd = await ClientTLS.from_options(pinned=pin).connect(
+            await trio.open_tcp_stream("127.0.0.1", port), "127.0.0.1"
+        )
+        async with trio.open_nursery() as both:
+            both.start_soon(pipe, worker, shepherd)
+            both.start_soon(pipe, shepherd, worker)
+
+    await trio.serve_listeners(serve, [listen])
+
+
+@pytest.mark.e2e  # openssl makes the certificates
+def test_a_keyed_hello_relayed_by_a_host_the_worker_trusts_is_refused(tmp_path):
+    """The signature covers the certificate the worker was shown: relayed to the real
+    shepherd by a host with another certificate (one the worker trusts: a wrong --connect
+    and pin, a CA that signed both), the hello is refused; straight to it over TLS, the same
+    worker trains."""
+    cert, key = self_signed_certificate(tmp_path)
+    other_cert, other_key = self_signed_certificate(tmp_path, "relay-")
+    shepherd_tls, relay_tls = (
+        ServerTLS.from_files(str(cert), str(key)),
+        ServerTLS.from_files(str(other_cert), str(other_key)),
+    )
+    issued = tmp_path / "workers.keys"
+    write_keys(issued, ["alice"])
+    config = small_config(
+        workers=1, rounds=1, inner_steps=2, worker_keys=str(issued),
+        tls_cert=str(cert), tls_key=str(key),
+    )  # fmt: skip
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    refused: list[str] = []
+
+    async def scenario(port: int) -> None:
+        async with trio.open_nursery() as nursery:
+            [listen] = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            nursery.start_soon(_relay, listen, relay_tls, port, shepherd_tls.fingerprint)
+            relayed = keyed_worker(
+                tmp_path, listen.socket.getsockname()[1], "alice", pin=relay_tls.fingerprint
+            )
+            with pytest.raises(Refused) as exc:
+                await relayed.run()
+            refused.append(str(exc.value))
+            nursery.cancel_scope.cancel()
+        await keyed_worker(tmp_path, port, "alice", pin=shepherd_tls.fingerprint).run()
+
+    run_shepherd(shepherd, scenario)
+    [said] = refused
+    assert "authFailed" in said and "relayed it here" in said, said
+    assert [r.worker_ids for r in shepherd.state.history] == [("alice",)]

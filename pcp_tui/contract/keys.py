@@ -8,8 +8,12 @@ join as more ids than it was given keys. The files are OpenSSH's: a private key 
 issued to.
 
 The signature covers the connection's fresh nonce (the same challenge the token's proof
-answers), the worker id and the attach index: a captured signature is worthless on
-another connection, and a key signs for its one id only.
+answers), the worker id, the attach index and the channel: the SHA-256 of the TLS
+certificate the worker was shown ("" over plain TCP). A captured signature is worthless
+on another connection, a key signs for its one id only, and a shepherd (or anyone the
+worker was made to trust) that relays a worker's handshake to another shepherd gets a
+signature for its own certificate, which the other refuses. Over plain TCP nothing binds
+the signature to a shepherd: run keyed workers over TLS.
 """
 
 from __future__ import annotations
@@ -104,22 +108,33 @@ def _ssh_string(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
-def _signed(nonce: bytes, worker_id: str, attach_index: int) -> bytes:
-    return _SIGNED + nonce + b"\x00" + worker_id.encode() + b"\x00" + str(attach_index).encode()
+def _signed(nonce: bytes, worker_id: str, attach_index: int, channel: str) -> bytes:
+    return b"\x00".join(
+        (_SIGNED + nonce, worker_id.encode(), str(attach_index).encode(), channel.encode())
+    )
 
 
-def sign_hello(key: Ed25519PrivateKey, nonce: bytes, worker_id: str, attach_index: int) -> bytes:
-    """The hello's signature on connection `nonce` for `worker_id` (64 bytes)."""
-    return key.sign(_signed(nonce, worker_id, attach_index))
+def sign_hello(
+    key: Ed25519PrivateKey, nonce: bytes, worker_id: str, attach_index: int, channel: str
+) -> bytes:
+    """The hello's signature on connection `nonce` for `worker_id` (64 bytes), over the
+    shepherd certificate's `channel` fingerprint as the worker saw it ("": plain TCP)."""
+    return key.sign(_signed(nonce, worker_id, attach_index, channel))
 
 
 def verify_hello(
-    public: bytes, signature: bytes, nonce: bytes, worker_id: str, attach_index: int
+    public: bytes,
+    signature: bytes,
+    nonce: bytes,
+    worker_id: str,
+    attach_index: int,
+    channel: str,
 ) -> bool:
-    """Whether `signature` is `public`'s over this connection's nonce, id and attach index."""
+    """Whether `signature` is `public`'s over this connection's nonce, id, attach index
+    and this shepherd's certificate fingerprint (`channel`, "" over plain TCP)."""
     try:
         Ed25519PublicKey.from_public_bytes(bytes(public)).verify(
-            bytes(signature), _signed(nonce, worker_id, attach_index)
+            bytes(signature), _signed(nonce, worker_id, attach_index, channel)
         )
     except (InvalidSignature, ValueError):
         return False

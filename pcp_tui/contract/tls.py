@@ -30,6 +30,14 @@ def fingerprint(der: bytes) -> str:
     return hashlib.sha256(der).hexdigest()
 
 
+def shown_fingerprint(transport: trio.abc.Stream) -> str:
+    """The fingerprint of the certificate the shepherd showed on `transport`; "" for plain
+    TCP. A worker's key signs it (`keys.sign_hello`)."""
+    if isinstance(transport, trio.SSLStream):
+        return fingerprint(transport.getpeercert(binary_form=True) or b"")
+    return ""
+
+
 def normalize_fingerprint(text: str) -> str:
     """Accept `ab12...`, `AB:12:...` or openssl's `SHA256 Fingerprint=AB:12:...`; ValueError otherwise."""
     digits = re.sub(r"[\s:]", "", text.split("=")[-1].removeprefix("sha256")).lower()

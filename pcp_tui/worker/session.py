@@ -42,7 +42,7 @@ from pcp_tui.contract.connection import (
     goodbye_ended,
 )
 from pcp_tui.contract.connection import expect as _expect
-from pcp_tui.contract.tls import ClientTLS, TLSRefused
+from pcp_tui.contract.tls import ClientTLS, TLSRefused, shown_fingerprint
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.worker import striping
 from pcp_tui.worker.reconnect import Reconnect, connect_failure
@@ -278,7 +278,8 @@ class Session:
     async def _handshake(self, stream: protocol.MessageStream) -> None:
         self.status.update(state="connecting", message="handshake")
         hello = await expect_hello(stream, f"{self.host}:{self.port}")
-        await stream.send(self._hello(hello.body_as(protocol.Hello).nonce))
+        nonce = hello.body_as(protocol.Hello).nonce
+        await stream.send(self._hello(nonce, channel=shown_fingerprint(stream.stream)))
         welcome_message = await _expect(stream, "welcome")
         welcome = welcome_message.body_as(protocol.Welcome)
         interval = welcome.heartbeat_seconds  # the run's; a broken shepherd's is bounded
@@ -294,9 +295,10 @@ class Session:
             await striping.attach(self, stream, welcome)
 
     def _hello(
-        self, nonce: bytes, *, attach_index: int = 0, session_key: bytes = b""
+        self, nonce: bytes, *, channel: str, attach_index: int = 0, session_key: bytes = b""
     ) -> protocol.WorkerHello:
-        """This worker's hello for a connection whose challenge is `nonce`; with `attach_index`,
+        """This worker's hello for a connection whose challenge is `nonce` and whose shepherd
+        showed the certificate of fingerprint `channel` ("": plain TCP); with `attach_index`,
         for extra connection `attach_index` of the session that got `session_key`."""
         info = self.backend.info
         backend = protocol.BackendInfo(
@@ -325,7 +327,9 @@ class Session:
             ),
             public_key=keys.public_bytes(self.key) if self.key else b"",
             signature=(
-                keys.sign_hello(self.key, nonce, self.worker_id, attach_index) if self.key else b""
+                keys.sign_hello(self.key, nonce, self.worker_id, attach_index, channel)
+                if self.key
+                else b""
             ),
         )
 

@@ -18,6 +18,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionEnded, ConnectionLost, expect
+from pcp_tui.contract.tls import shown_fingerprint
 
 ATTACH_SECONDS = 10.0  # for each extra connection, from connect to its hello sent
 AT_ONCE = 4  # extra connections in their handshake at once (the shepherd caps those per address)
@@ -32,7 +33,7 @@ class Dialer(Protocol):
     async def _open(self, deadline: float) -> trio.abc.Stream: ...
 
     def _hello(
-        self, nonce: bytes, *, attach_index: int = 0, session_key: bytes = b""
+        self, nonce: bytes, *, channel: str, attach_index: int = 0, session_key: bytes = b""
     ) -> protocol.WorkerHello: ...
 
 
@@ -90,7 +91,12 @@ async def _attach_one(
                 hello = (await expect(stream, "hello")).body
                 assert isinstance(hello, protocol.Hello), "expect checked its kind"
                 await stream.send(
-                    worker._hello(hello.nonce, attach_index=index, session_key=session_key)
+                    worker._hello(
+                        hello.nonce,
+                        channel=shown_fingerprint(stream.stream),
+                        attach_index=index,
+                        session_key=session_key,
+                    )
                 )
         extra[index] = stream
     except (ConnectionEnded, trio.TooSlowError, *LINK_ERRORS) as exc:

@@ -176,6 +176,7 @@ class Admission:
                 WorkerKeys(
                     security.worker_keys,
                     on_reread=lambda message: state.emit(WorkerKeysRead(message)),
+                    channel=tls.fingerprint if tls is not None else "",
                 )
                 if security.worker_keys
                 else None

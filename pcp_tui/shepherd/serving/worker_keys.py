@@ -35,13 +35,20 @@ _NO_KEY = (
 class WorkerKeys:
     """The issued keys of one --worker-keys file, kept current (see the module)."""
 
-    def __init__(self, path: str, on_reread: Callable[[str], object] = lambda message: None):
+    def __init__(
+        self,
+        path: str,
+        on_reread: Callable[[str], object] = lambda message: None,
+        *,
+        channel: str = "",
+    ):
         """Read `path`; ConfigError (what to fix) if it cannot be read or a line is not a key.
 
         `on_reread(message)` is told, each time the file is read again, how many keys it
-        now holds and which lines were left out.
+        now holds and which lines were left out. `channel`: this shepherd's certificate
+        fingerprint ("" without TLS), which a hello's signature must cover.
         """
-        self.path = path
+        self.path, self.channel = path, channel
         self._on_reread = on_reread
         self._missing = ""  # why the file could not be read, when it could not
         self._seen, issued = self._read()
@@ -97,11 +104,13 @@ class WorkerKeys:
                 f"joins as one id; start the worker with --id {name}"
             )
         if not keys.verify_hello(
-            public, hello.signature, nonce, hello.worker_id, hello.attach_index
+            public, hello.signature, nonce, hello.worker_id, hello.attach_index, self.channel
         ):
             return (
-                f"the hello's signature is not key {shown}'s over this connection's challenge: "
-                "sign with the private key of that public key (--key), on the connection it is for"
+                f"the hello's signature is not key {shown}'s over this connection's challenge "
+                "and this shepherd's certificate: sign with the private key of that public key "
+                "(--key), on the connection it is for (a worker that was shown another "
+                "certificate reached another shepherd first, which relayed it here)"
             )
         return None
 
