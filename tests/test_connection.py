@@ -275,14 +275,19 @@ def test_give_up_after_is_the_total_time_spent_trying():
     ), last
 
 
-async def test_a_sites_hello_says_its_devices_processes_and_hosts():
-    """A worker of 2 processes x 2 devices (multi-controller JAX) is one worker of 4 devices."""
+@pytest.mark.parametrize(
+    ("hostnames", "described"),
+    [(("a", "b\x1b"), "cpu x4 on 2 hosts"), (("a", "a"), "cpu x4 in 2 processes")],
+)
+async def test_a_sites_hello_says_its_devices_processes_and_hosts(hostnames, described):
+    """A worker of 2 processes x 2 devices (multi-controller JAX) is one worker of 4 devices;
+    its hosts are counted by name (two processes tried on one host are not 2 hosts)."""
     from pcp_tui.contract import auth
     from pcp_tui.shepherd.serving.connection import handshake
 
     ours, theirs = trio.testing.memory_stream_pair()
     shepherd, worker = protocol.MessageStream(ours), protocol.MessageStream(theirs)
-    backend = protocol.BackendInfo(device_count=4, process_count=2, hostnames=("a", "b\x1b"))
+    backend = protocol.BackendInfo(device_count=4, process_count=2, hostnames=hostnames)
     async with trio.open_nursery() as nursery:
 
         async def answer() -> None:
@@ -299,5 +304,5 @@ async def test_a_sites_hello_says_its_devices_processes_and_hosts():
 
         nursery.start_soon(answer)
         hello = await handshake(shepherd, token="t", run_id="r")
-    assert (hello.backend, hello.devices, hello.processes) == ("cpu x4 on 2 hosts", 4, 2)
-    assert hello.hosts == ("a", "b\\x1b")  # shown as text, never a terminal escape
+    assert (hello.backend, hello.devices, hello.processes) == (described, 4, 2)
+    assert hello.hosts == tuple(h.replace("\x1b", "\\x1b") for h in hostnames)  # no escape

@@ -265,6 +265,7 @@ def test_a_site_of_2_processes_is_one_worker_that_trains_as_4_devices_of_one(tmp
         rows = _rows(metrics)
         [joined] = [row for row in rows if row["event"] == "joined"]
         assert joined["devices"] == 4 and joined["processes"] == (2 if name == "site" else 1)
+        assert ("cpu x4 in 2 processes" in joined["message"]) == (name == "site")  # one host
         losses[name] = [row["train_loss"] for row in rows if row["event"] == "round"]
     assert len(losses["site"]) == 2
     np.testing.assert_allclose(losses["site"], losses["one"], rtol=2.4e-7, atol=0)

@@ -114,6 +114,7 @@ class Worker(Session):
                     data = await trio.to_thread.run_sync(self.site.receive, abandon_on_cancel=True)
                     if isinstance(data, SiteEnd):
                         end = data
+                        self.status.update(state="done", message=f"process 0: {end.reason}")
                         await trio.to_thread.run_sync(self.site.leave)  # process 0 may go
                         nursery.cancel_scope.cancel()
                         break

@@ -253,8 +253,9 @@ async def handshake(
     processes = max(backend.process_count, 1)
     if devices > 1:
         described = f"{described} x{devices}"
-    if processes > 1:
-        described = f"{described} on {processes} hosts"
+    if processes > 1:  # a site: its processes' hosts, or (a site tried on one host) its processes
+        hosts = len(set(backend.hostnames))
+        described += f" on {hosts} hosts" if hosts > 1 else f" in {processes} processes"
     if backend.runtime != protocol.Runtime.XLA:
         described += f" ({backend.runtime.value} {shown(backend.target)})".replace(" )", ")")
     return Hello(
