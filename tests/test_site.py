@@ -30,10 +30,19 @@ from pcp_tui.testing import (
 pytestmark = pytest.mark.e2e
 
 PROCESS = """
-import json, os, sys, time
-from pcp_tui.worker.site import join_site
+import json, os, socket, sys, time
+from pcp_tui.worker import site as sites
 port, process_id, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-site = join_site(f"127.0.0.1:{port}", 2, process_id, heartbeat_seconds=5)
+if mode == "stranger":  # process 1 first knocks on process 0's message port without the secret
+    honest = sites._reach_process_0
+    def knock_then_join(site, host):
+        message_port = int(site._client.blocking_key_value_get(sites.CHANNEL, 60_000).split()[0])
+        with socket.create_connection((host, message_port)) as stranger:
+            stranger.sendall(bytes(sites.SECRET_BYTES) + (1).to_bytes(2, "big"))
+            assert stranger.recv(1) == b"", "process 0 must hang up on a wrong secret"
+        honest(site, host)
+    sites._reach_process_0 = knock_then_join
+site = sites.join_site(f"127.0.0.1:{port}", 2, process_id, heartbeat_seconds=5)
 if mode == "end":  # process 0 ends the site and exits at once; process 1 is slow to exit
     if site.leads:
         site.end(0, "the run is over")
@@ -94,9 +103,12 @@ def _site(mode: str) -> list[tuple[int, str, str]]:
     return ended
 
 
-def test_two_processes_are_one_site_over_four_devices():
+@pytest.mark.parametrize("mode", ["live", "stranger"])
+def test_two_processes_are_one_site_over_four_devices(mode):
+    """`stranger`: a connection to process 0's message port without the site's secret is
+    hung up on, and the site forms all the same."""
     outputs = []
-    for code, out, err in _site("live"):
+    for code, out, err in _site(mode):
         assert code == 0, err[-3000:]
         outputs.append(json.loads(out.strip().splitlines()[-1]))
     for seen in outputs:
@@ -278,9 +290,9 @@ def test_a_site_ends_as_one_when_a_process_dies(tmp_path, dies):
 
     The survivor hears it one of a few ways, by where it is: in a collective with the dead
     one (most of a round), Gloo fails it at once; a follower waiting for process 0's next
-    message hears from the store that process 0 (and its coordination service) is gone;
-    anywhere else, JAX's coordination service ends it once the dead one misses its
-    heartbeats (10 s), or its agent once it cannot reach process 0's service."""
+    message, or process 0 sending the next one, finds their connection closed; anywhere
+    else, JAX's coordination service ends it once the dead one misses its heartbeats (10 s),
+    or its agent once it cannot reach process 0's service."""
     port, metrics = free_port(), tmp_path / "run.jsonl"
     shepherd = OutputProcess(
         shepherd_command(
@@ -298,7 +310,7 @@ def test_a_site_ends_as_one_when_a_process_dies(tmp_path, dies):
             line in survivor.output
             for line in (
                 "another process of the site is gone",  # a collective failed
-                "the site's process 0 (",  # a follower's wait for process 0's next message
+                f"the site's process {dies} (",  # their message connection closed
                 "stopped sending heartbeats",  # JAX's coordination service
                 "the leader task was preempted/died",  # JAX's agent, without process 0
             )

@@ -432,9 +432,13 @@ def _run_site_process(worker: Worker, *, quiet: bool) -> NoReturn:
     code, reason = 0, "the run is over"
     if site.leads:
         with view:
-            ended = _run_with_signals(stop, worker.run, (Refused, ConnectionLost, JaxRuntimeError))
+            ended = _run_with_signals(
+                stop, worker.run, (Refused, ConnectionLost, JaxRuntimeError, SiteLost)
+            )
         if isinstance(ended, JaxRuntimeError):  # a collective with a process that is gone
             code, reason = 1, _site_broken(site.process_id, ended)
+        elif isinstance(ended, SiteLost):  # a follower is gone
+            code, reason = 1, str(ended)
         elif ended is not None:
             code, reason = 1, f"{ended}{' (not retrying)' if isinstance(ended, Refused) else ''}"
         elif stop.exit_code:

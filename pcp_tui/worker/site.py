@@ -4,36 +4,48 @@ Each process of a site calls `join_site` with JAX's own names (the
 coordinator's address, the number of processes, its id). Process 0 holds the
 PCP session; the others follow it: every message of its session that says
 what to compute (the welcome, the plan, round starts, fragment updates) goes
-to them as it comes, over the coordination service's key-value store
+to them as it comes, over a TCP connection from each follower to process 0
 (`Site.send`, `Site.receive`), and each runs it as process 0 does
 (`client.Worker.follow`), so the graphs run over the global mesh with every
-process in step. The store, not a device collective, carries them: a
-follower waits for the next message for as long as the shepherd takes, and a
+process in step. Process 0 listens on a port of its own and says which, with a
+fresh secret each follower must present, in the coordination service's
+key-value store. Neither that store nor a device collective carries the
+messages: the store's gRPC compresses every value, which holds float32
+parameters to about 10 MB/s (tens of seconds for GPT-2's round start); and a
+follower waits for the next message for as long as the shepherd takes, where a
 collective waited in beside training would have to be entered in the same
-order as training's own on every process. A one-process worker is a site of
-one (`Site.alone`): nothing to send.
+order as training's own on every process. A one-process worker is a site of one
+(`Site.alone`): nothing to send.
 
 The site is one failure unit. A process that stops heartbeating for
 `heartbeat_seconds` (it died, or its host did) makes JAX's coordination
 service end every other process (checked on JAX 0.10.2, CPU: the survivor
 aborts with "The following tasks are unhealthy (stopped sending heartbeats)",
 never hangs in the collective it was waiting in); a follower whose process 0
-is gone hears it at once from the store (`SiteLost`). A process 0 whose session
+is gone, or a process 0 whose follower is, hears it at once from their connection
+(`SiteLost`). A process 0 whose session
 ends, for any reason, tells the followers (`Site.end`), and the site exits as
 one: a lost shepherd is not retried by a site, whose processes may be mid-round
 at different points; restart the site's processes to rejoin.
 
 The coordination service has no authentication and no TLS in JAX's API
 (`jax.distributed.initialize` takes none): anyone who reaches its port can
-join the site or read what it shares. It must stay on a trusted LAN;
-`join_site` says so once.
+join the site or read what it shares (the message port's secret included). It
+must stay on a trusted LAN; `join_site` says so once. The messages themselves
+go in the clear, as the collectives' own traffic does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import os
 import platform as host_platform
+import queue
+import socket
+import struct
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +54,12 @@ import numpy as np
 HEARTBEAT_SECONDS = 10  # a process silent this long is dead: the whole site ends
 JOIN_SECONDS = 120  # how long a process waits for the site's others to start (JAX's: 300)
 HOSTNAME_BYTES = 64
-MESSAGES = "pcp-tui/messages"  # process 0's messages to the followers, numbered, in the store
-POLL_MS = 1000  # a follower's wait for the next message, renewed until it comes
+CHANNEL = "pcp-tui/messages"  # in the store: process 0's message port and its secret
+SECRET_BYTES = 32
+POLL_SECONDS = 1.0  # a follower's wait for the next message, renewed until it comes
 END_WAIT_SECONDS = 30  # how long the site's processes wait for each other at the end
 MESSAGE, END = b"m", b"e"  # what a message to the followers is: a PCP message, or the end
+HEADER = struct.Struct("!cQ")  # a message's kind and length
 
 TRUSTED_LAN = (
     "the site's coordination service ({address}) has no authentication or encryption "
@@ -72,8 +86,13 @@ class Site:
     process_id: int
     process_count: int
     hostnames: tuple[str, ...]
-    _sent: int = 0  # messages process 0 sent the followers; on a follower: received
     _client: Any = field(default=None, repr=False)  # the coordination service's client
+    # process 0: a connection from each follower, by process id; a follower: its to process 0
+    _links: dict[int, socket.socket] = field(default_factory=dict, repr=False)
+    # process 0: each follower's messages not yet written, and its writer (`_write`)
+    _queues: dict[int, queue.SimpleQueue] = field(default_factory=dict, repr=False)
+    _writers: list[threading.Thread] = field(default_factory=list, repr=False)
+    _broken: list[str] = field(default_factory=list, repr=False)  # why a follower's write failed
 
     @classmethod
     def alone(cls) -> Site:
@@ -86,43 +105,65 @@ class Site:
         return self.process_id == 0
 
     def send(self, data: bytes) -> None:
-        """Process 0: `data` is the followers' next message (blocks while the store takes it)."""
+        """Process 0: `data` is the followers' next message. Returns at once (each
+        follower's writer sends it, in order, as fast as that follower reads: a follower
+        busy compiling holds nothing up here); SiteLost once a follower is gone."""
         assert self.leads, "only process 0 sends"
-        if self.process_count > 1:
-            self._client.key_value_set_bytes(f"{MESSAGES}/{self._sent}", MESSAGE + data)
-            self._sent += 1
+        self._send(MESSAGE, data)
+
+    def _send(self, kind: bytes, data: bytes) -> None:
+        if self._broken:
+            raise SiteLost(self._broken[0])
+        for pending in self._queues.values():
+            pending.put((kind, data))
+
+    def _write(self, process: int) -> None:
+        """Process 0's writer to follower `process`: its messages in order, until the end."""
+        link, pending = self._links[process], self._queues[process]
+        while True:
+            kind, data = pending.get()
+            try:
+                link.sendall(HEADER.pack(kind, len(data)))
+                link.sendall(data)
+            except OSError as exc:
+                self._broken.append(self._gone(process, exc))
+                return
+            if kind == END:
+                return
 
     def receive(self) -> bytes | SiteEnd:
         """A follower: process 0's next message, or the site's end, waiting as long as it
-        takes; SiteLost if process 0 is gone. The last follower to read a message deletes it
-        from the store."""
+        takes; SiteLost if process 0 is gone."""
         assert not self.leads, "process 0 sends"
-        from jax.errors import JaxRuntimeError
+        kind, length = HEADER.unpack(self._read(HEADER.size))
+        data = self._read(length)
+        if kind == END:
+            return SiteEnd(data[0], data[1:].decode(errors="replace"))
+        return data
 
-        key = f"{MESSAGES}/{self._sent}"
-        while True:
+    def _read(self, count: int) -> bytes:
+        """`count` bytes from process 0, however long they take to come."""
+        link, buffer = self._links[0], bytearray(count)
+        view, got = memoryview(buffer), 0
+        while got < count:
             try:
-                data = self._client.blocking_key_value_get_bytes(key, POLL_MS)
-                if self._client.key_value_increment(f"{key}/read", 1) == self.process_count - 1:
-                    self._client.key_value_delete(key)
-                    self._client.key_value_delete(f"{key}/read")
-                break
-            except JaxRuntimeError as exc:
-                if str(exc).startswith("DEADLINE_EXCEEDED"):
-                    continue  # nothing yet: the shepherd is slow, or between rounds
+                read = link.recv_into(view[got:], min(count - got, 1 << 24))
+            except TimeoutError:
+                continue  # nothing yet: the shepherd is slow, or between rounds
+            except OSError as exc:
                 raise SiteLost(self._gone(0, exc)) from None
-        self._sent += 1
-        if data.startswith(END):
-            return SiteEnd(data[len(END)], data[len(END) + 1 :].decode(errors="replace"))
-        return data[len(MESSAGE) :]
+            if not read:
+                raise SiteLost(self._gone(0, ConnectionError("it closed the connection")))
+            got += read
+        return bytes(buffer)
 
     def end(self, code: int, reason: str) -> None:
         """Process 0: the worker ended (`code`, the exit code, and why): the followers end
         too. Leaves the site once they have read it (`leave`)."""
-        if self.process_count > 1:
-            data = END + bytes([min(max(code, 0), 255)]) + reason.encode()
-            self._client.key_value_set_bytes(f"{MESSAGES}/{self._sent}", data)
-            self._sent += 1
+        for pending in self._queues.values():  # a follower already gone ends as it can
+            pending.put((END, bytes([min(max(code, 0), 255)]) + reason.encode()))
+        for writer in self._writers:
+            writer.join(END_WAIT_SECONDS)
         self.leave()
 
     def leave(self) -> None:
@@ -137,6 +178,8 @@ class Site:
         if self.process_count > 1:
             with contextlib.suppress(JaxRuntimeError):
                 jax.distributed.shutdown()
+            for link in self._links.values():
+                link.close()
 
     def _gone(self, process: int, exc: BaseException) -> str:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -203,4 +246,79 @@ def join_site(
     )
     from jax._src import distributed  # its client: the only handle on the store JAX gives
 
-    return Site(process_id, process_count, hostnames, _client=distributed.global_state.client)
+    site = Site(process_id, process_count, hostnames, _client=distributed.global_state.client)
+    host = coordinator_address.rsplit(":", 1)[0].strip("[]")
+    if site.leads:
+        _serve_followers(site, bind_address)
+    else:
+        _reach_process_0(site, host)
+    return site
+
+
+def _serve_followers(site: Site, bind_address: str | None) -> None:
+    """Process 0: listen on a fresh port, say it and a fresh secret in the store, and take
+    one connection from each follower that presents the secret and its process id."""
+    secret = os.urandom(SECRET_BYTES)
+    bind = bind_address.rsplit(":", 1)[0].strip("[]") if bind_address else ""
+    if not bind and socket.has_dualstack_ipv6():
+        listener = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+        listener = socket.create_server((bind, 0))
+    with listener:
+        port = listener.getsockname()[1]
+        site._client.key_value_set(CHANNEL, f"{port} {secret.hex()}")
+        listener.settimeout(JOIN_SECONDS)
+        while len(site._links) < site.process_count - 1:
+            try:
+                link, _ = listener.accept()
+            except TimeoutError:
+                raise SiteLost(
+                    f"the site's other processes did not connect to process 0's message port "
+                    f"{port} within {JOIN_SECONDS} s: let them reach it (a firewall?)"
+                ) from None
+            link.settimeout(JOIN_SECONDS)
+            try:
+                said = _read_exactly(link, SECRET_BYTES + 2)
+            except OSError:
+                link.close()
+                continue
+            process = int.from_bytes(said[SECRET_BYTES:], "big")
+            if not hmac.compare_digest(said[:SECRET_BYTES], secret) or not (
+                0 < process < site.process_count and process not in site._links
+            ):
+                link.close()  # not one of the site's processes
+                continue
+            link.settimeout(None)
+            link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            site._links[process] = link
+    for process in sorted(site._links):
+        site._queues[process] = queue.SimpleQueue()
+        writer = threading.Thread(
+            target=site._write, args=(process,), name=f"pcp-tui site writer {process}", daemon=True
+        )
+        writer.start()
+        site._writers.append(writer)
+
+
+def _reach_process_0(site: Site, host: str) -> None:
+    """A follower: connect to process 0's message port (from the store) with the secret."""
+    from jax.errors import JaxRuntimeError
+
+    try:
+        port, secret = site._client.blocking_key_value_get(CHANNEL, JOIN_SECONDS * 1000).split()
+        link = socket.create_connection((host, int(port)), timeout=JOIN_SECONDS)
+        link.sendall(bytes.fromhex(secret) + site.process_id.to_bytes(2, "big"))
+    except (JaxRuntimeError, OSError) as exc:
+        raise SiteLost(site._gone(0, exc)) from None
+    link.settimeout(POLL_SECONDS)
+    site._links[0] = link
+
+
+def _read_exactly(link: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = link.recv(count - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
