@@ -33,6 +33,8 @@ PROCESS = """
 import json, os, socket, sys, time
 from pcp_tui.worker import site as sites
 port, process_id, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if mode == "late":  # the site's processes wait 3 s for each other at the end, not 30
+    sites.END_WAIT_SECONDS = 3
 if mode == "stranger":  # process 1 first knocks on process 0's message port without the secret
     honest = sites._reach_process_0
     def knock_then_join(site, host):
@@ -43,6 +45,12 @@ if mode == "stranger":  # process 1 first knocks on process 0's message port wit
         honest(site, host)
     sites._reach_process_0 = knock_then_join
 site = sites.join_site(f"127.0.0.1:{port}", 2, process_id, heartbeat_seconds=5)
+if mode == "late":  # process 1 does not come to the end in time (stuck in a collective)
+    if site.leads:
+        site.end(7, "the shepherd refused this worker")
+        os._exit(7)  # as the launcher exits (`_run_site_process`)
+    time.sleep(20)
+    os._exit(0)
 if mode == "end":  # process 0 ends the site and exits at once; process 1 is slow to exit
     if site.leads:
         site.end(0, "the run is over")
@@ -134,6 +142,14 @@ def test_a_follower_outlives_process_0_at_the_end():
     (leader, _, _), (follower, out, err) = _site("end")
     assert (leader, follower) == (0, 0), err[-3000:]
     assert json.loads(out.strip().splitlines()[-1]) == {"end": [0, "the run is over"]}
+
+
+def test_process_0_exits_with_its_code_when_a_follower_does_not_come_to_the_end():
+    """Process 0 ends the site with exit code 7; process 1, stuck (in a collective with a
+    process that is gone, say), is not there within the end's wait. Process 0 leaves
+    without JAX's shutdown, whose barrier would fail and abort it (SIGABRT, not 7)."""
+    (leader, _, err), _ = _site("late")
+    assert leader == 7, err[-3000:]
 
 
 CHUNKS = """

@@ -229,3 +229,58 @@ def test_a_connection_is_not_silent_while_the_shepherd_screens_its_result(run):
 
     trio.run(main)
     assert paused_while_scored and all(paused_while_scored)  # every pass of the eval graph
+
+
+def test_a_result_sent_before_the_earlier_fragments_steps_is_the_peers_own_silence(run):
+    """Streaming with validation: fragment 1's result is scored once fragment 0's outer step
+    is done, and an honest worker sends it only after it merged that step's update. A peer
+    that sends it first waits in `Round.add` for a step its own missing fragment-0 result
+    may hold back; that wait is not the shepherd's work, so the connection is not paused
+    and the real watchdog ends it at the heartbeat timeout (paused, it held its result slot
+    and the round for as long as fragment 0 stayed open: with 8 such peers, every slot, and
+    no honest result could come in to close it). Meanwhile the round can close without it."""
+    import trio.testing
+
+    from pcp_tui import protocol
+    from pcp_tui.contract.connection import ConnectionLost
+    from pcp_tui.diloco.outer import PseudoGradientMean
+    from pcp_tui.diloco.screening import ResultScreen
+    from pcp_tui.shepherd.rounds.results import Round
+    from pcp_tui.shepherd.run.state import RunState, WorkerView
+    from pcp_tui.shepherd.serving.connection import WorkerLink
+
+    config, _, _, _, theta, deltas = run
+    body = protocol.RoundResult(
+        round=1, tokens=STEPS * config.data.batch_size * config.data.seq_len, losses=(3.0,),
+        compute_seconds=1.0, inner_steps=STEPS, fragment=1,
+    )  # fmt: skip
+
+    async def main() -> None:
+        near, _far = trio.testing.memory_stream_pair()
+        view = WorkerView(worker_id="w0", index=0, host="here", shard=0)
+        state = RunState(run_id="r", rounds_total=1, settings={})
+        link = WorkerLink(protocol.MessageStream(near), view, state, protocol.Platform.CPU)
+        link._clock = trio.current_time  # the watchdog on the MockClock (Connection's clock)
+        link.heard()
+        validator, _ = _validator(run)
+        screen = ResultScreen({n: p.shape for n, p in theta.items()}, max_tokens=10**9)
+        screen.validator = validator
+        fragment_0_stepped = trio.Event()  # never: fragment 0 waits for this peer's result
+        current = Round(
+            1, ["w0"], PseudoGradientMean(tuple(sorted(theta))), screen,
+            connections={"w0": link}, fragment=1, send_steps={"w0": STEPS},
+            after=(fragment_0_stepped,),
+        )  # fmt: skip
+        began = trio.current_time()
+        with trio.fail_after(3600), pytest.raises(ConnectionLost, match="silent for"):
+            async with link.alive(heartbeat_seconds=5, timeout=20), trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    current.add, "w0", protocol.Message(body, deltas[0], wire_bytes=64)
+                )
+                await trio.testing.wait_all_tasks_blocked()
+                with trio.fail_after(1):
+                    await current.close()  # not held by a result that waits its turn
+        assert 20 < trio.current_time() - began <= 21
+        assert current.contributors == [] and not current.folding
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import stat
+import subprocess
 import threading
 
 import pytest
@@ -416,3 +417,52 @@ def test_a_keyed_hello_relayed_by_a_host_the_worker_trusts_is_refused(tmp_path):
     [said] = refused
     assert "authFailed" in said and "relayed it here" in said, said
     assert [r.worker_ids for r in shepherd.state.history] == [("alice",)]
+
+
+def _ca_signed_chain(directory) -> tuple[str, str, str]:
+    """(chain file: the shepherd's certificate then the CA's, its key, the CA's certificate),
+    made by `openssl`: a shepherd whose --tls-cert holds a chain, trusted with --tls-ca."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=directory)
+
+    curve = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *curve, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=ca")
+    openssl("req", *curve, "-keyout", "leaf.key", "-out", "leaf.csr", "-subj", "/CN=pcp")
+    (directory / "san").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl(
+        "x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "leaf.pem", "-days", "2", "-extfile", "san",
+    )  # fmt: skip
+    chain = directory / "chain.pem"
+    chain.write_bytes((directory / "leaf.pem").read_bytes() + (directory / "ca.pem").read_bytes())
+    return str(chain), str(directory / "leaf.key"), str(directory / "ca.pem")
+
+
+@pytest.mark.e2e  # openssl makes the certificates
+def test_a_keyed_worker_trusting_a_ca_stripes_over_tls_to_a_shepherd_of_a_chain(tmp_path, caplog):
+    """Both sides fingerprint the shepherd's own certificate, the chain's first: a worker that
+    trusts the CA (--tls-ca, no pin) signs the leaf the handshake showed it, on its first
+    connection and on its striped extra one, and the shepherd checks the leaf of its
+    --tls-cert file, not the CA after it."""
+    caplog.set_level(logging.INFO, logger="pcp_tui.worker.striping")
+    chain, key, ca = _ca_signed_chain(tmp_path)
+    issued = tmp_path / "workers.keys"
+    write_keys(issued, ["alice"])
+    config = small_config(
+        workers=1, rounds=1, inner_steps=2, worker_keys=str(issued), streams=2,
+        tls_cert=chain, tls_key=key,
+    )  # fmt: skip
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+
+    async def scenario(port: int) -> None:
+        settings = WorkerConfig(
+            connect=f"127.0.0.1:{port}", token="test-token", backend="cpu", worker_id="alice",
+            key=write_private(tmp_path, "alice"), reconnect=False, tls_ca=ca,
+        )  # fmt: skip
+        await Worker(settings, tls=ClientTLS.from_options(ca_path=ca)).run()
+
+    run_shepherd(shepherd, scenario)
+    assert [r.worker_ids for r in shepherd.state.history] == [("alice",)]
+    striped = [r.getMessage() for r in caplog.records if "striped over" in r.getMessage()]
+    assert striped == ["session striped over 2 connections"]

@@ -417,9 +417,9 @@ def _join_site(config: WorkerConfig) -> Site:
 
 def _run_site_process(worker: Worker, *, quiet: bool) -> NoReturn:
     """One process of a site of several: process 0 holds the session and, when it ends for
-    any reason, tells the others; they follow it until then. Exits: a process of a site
-    does not run JAX's own shutdown, which waits for every process, one of which may be
-    stuck in a collective with a process that is gone (`worker/site.py`)."""
+    any reason, tells the others; they follow it until then. Exits with `os._exit`: JAX's
+    own shutdown, which waits for every process (one may be stuck in a collective with a
+    process that is gone), runs only once every process came to the end (`Site.leave`)."""
     from jax.errors import JaxRuntimeError
 
     from pcp_tui.app.worker_view import WorkerStatusView

@@ -168,14 +168,21 @@ class Site:
 
     def leave(self) -> None:
         """Disconnect from the coordination service once every process of the site is
-        leaving too, or END_WAIT_SECONDS passed (a process may be gone): JAX's own
-        shutdown, whose barrier keeps process 0's service up until each follower has
-        disconnected. A follower still connected as the service goes would be aborted by
-        its client ("the JAX distributed service detected fatal errors")."""
+        leaving too: JAX's own shutdown, whose barrier keeps process 0's service up until
+        each follower has disconnected. A follower still connected as the service goes
+        would be aborted by its client ("the JAX distributed service detected fatal
+        errors"). Only once all have met at the site's own end barrier: a process gone or
+        stuck (in a collective with one that is gone) for END_WAIT_SECONDS would fail JAX's
+        shutdown barrier, and that aborts this process too (SIGABRT, not its exit code);
+        then this one leaves without it (the launcher exits with `os._exit`)."""
         import jax
         from jax.errors import JaxRuntimeError
 
         if self.process_count > 1:
+            try:
+                self._client.wait_at_barrier("pcp-tui/end", END_WAIT_SECONDS * 1000)
+            except JaxRuntimeError:
+                return  # a process gone or stuck: JAX's shutdown barrier would abort this one
             with contextlib.suppress(JaxRuntimeError):
                 jax.distributed.shutdown()
             for link in self._links.values():

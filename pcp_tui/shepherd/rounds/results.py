@@ -175,16 +175,20 @@ class Round:
         body = message.body
         assert isinstance(body, protocol.RoundResult), "the pool hands over results only"
         link = (self.connections or {}).get(worker_id)
+        validated = self._screen is not None and self._screen.validator is not None
         self.folding.add(worker_id)
         try:
+            # Not paused, nor holding the lock: an honest worker's result never waits here
+            # (it merged those steps' updates before it sent this one). A peer that sends it
+            # early waits on its own account: the watchdog ends it at the heartbeat timeout,
+            # and the round may close meanwhile (the result is then late).
+            for earlier in self.after if validated else ():
+                await earlier.wait()
             with link.paused() if link is not None else contextlib.nullcontext():
                 async with self._lock:
                     if self._closed:
                         return False
                     small = sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES
-                    validated = self._screen is not None and self._screen.validator is not None
-                    for earlier in self.after if validated else ():
-                        await earlier.wait()  # an honest worker's result never waits here
                     if small and not validated:  # validation runs the eval graph: in a thread
                         tokens, losses = self._screen_and_fold(worker_id, message)
                     else:

@@ -110,7 +110,8 @@ class WorkerKeys:
                 f"the hello's signature is not key {shown}'s over this connection's challenge "
                 "and this shepherd's certificate: sign with the private key of that public key "
                 "(--key), on the connection it is for (a worker that was shown another "
-                "certificate reached another shepherd first, which relayed it here)"
+                "certificate reached another host first, which relayed it here: another "
+                "shepherd, or a proxy that ends TLS, where TLS must end at this shepherd)"
             )
         return None
 
