@@ -43,4 +43,6 @@ def test_ctrl_backslash_cancels_the_run_and_the_workers_exit_at_once(tmp_path):
     assert "SIGQUIT: cancelling the run for good after the current round" in shepherd.output
     assert "the run can be resumed" not in shepherd.output + worker.output
     assert "reconnecting" not in worker.output
+    # the worker's operator learns why it ended: a cancel, not the run's end or a failure
+    assert "the shepherd ended the run (cancelled (SIGQUIT))" in worker.output
     assert checkpoint.load_latest(checkpoints).round >= 1  # the stop still wrote it
