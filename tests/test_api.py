@@ -233,7 +233,7 @@ def test_cancel_ends_the_run_for_good_after_the_current_round(run_with_api, tmp_
         assert "the run can be resumed" not in worker.stdout.read()
     assert "operator API: cancel from 127.0.0.1; ending the run for good" in shepherd.output
     assert "the run can be resumed" not in shepherd.output
-    stopped = shepherd.wait_for(r"run stopped after (\d+) rounds")
+    stopped = shepherd.wait_for(r"run cancelled after (\d+) rounds")
     assert 1 <= int(stopped.group(1)) < 500
 
 

@@ -8,6 +8,7 @@ tests/test_cli_errors.py; a resumable stop's bounded wait: tests/test_resume.py.
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -43,4 +44,7 @@ def test_ctrl_backslash_cancels_the_run_and_the_workers_exit_at_once(tmp_path):
     assert "SIGQUIT: cancelling the run for good after the current round" in shepherd.output
     assert "the run can be resumed" not in shepherd.output + worker.output
     assert "reconnecting" not in worker.output
+    # the worker's operator learns why it ended: a cancel, not the run's end or a failure
+    assert "the shepherd ended the run (cancelled (SIGQUIT))" in worker.output
+    assert re.search(r"^run cancelled after \d+ rounds?; final eval loss", shepherd.output, re.M)
     assert checkpoint.load_latest(checkpoints).round >= 1  # the stop still wrote it

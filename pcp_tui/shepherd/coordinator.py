@@ -379,9 +379,10 @@ class Shepherd:
     def _finished(self) -> None:
         """The run is done, or stopped (then its round may be unfinished: `stop_now`)."""
         self.state.status = RunStatus.STOPPED if self._stop_reason else RunStatus.DONE
+        said = "cancelled" if self._cancelled else self.state.status  # not to be resumed
         self.state.emit(
             Done(
-                f"run {self.state.status} {self.state.rounds_summary()}",
+                f"run {said} {self.state.rounds_summary()}",
                 rounds=self.state.rounds_done(),  # counting those before a --resume
                 final_eval_loss=self.state.last_eval_loss(),
                 seconds=self.state.elapsed(),

@@ -152,9 +152,12 @@ class Session:
         try:
             await self._join(messages, deadline)  # a ConnectionLost here is retried in the budget
             await self._session(messages)
-        except RunOver:
-            log.info("the shepherd ended the run")
-            self.status.update(state="done", message="the shepherd ended the run")
+        except RunOver as exc:  # why: finished, cancelled, diverged (the goodbye's reason)
+            said = (
+                f"the shepherd ended the run ({exc})" if str(exc) else "the shepherd ended the run"
+            )
+            log.info("%s", said)
+            self.status.update(state="done", message=said)
             return True
         except _LostAfterWelcome as exc:
             if exc.ready and self.site.process_count > 1:  # its processes may be mid-round at
