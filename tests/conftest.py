@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sys
+import tempfile
+from functools import partial
 
 import pytest
 
@@ -16,6 +20,24 @@ from pcp_tui.testing import (
 )
 
 __all__ = ["small_config", "worker_command", "worker_env"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One fresh compile cache for this test run, shared by all of its processes.
+
+    A worker keeps compiled graphs in `--compile-cache` ($PCP_COMPILE_CACHE, by default
+    the user's own cache); the shepherds and this process keep theirs in JAX's
+    ($JAX_COMPILATION_CACHE_DIR, read when JAX is imported). Both point at one new
+    directory: a graph compiled once in the run loads from disk in the next process,
+    and a run starts cold, whatever earlier runs compiled. xdist's workers are started
+    after this and inherit the controller's directory with its environment.
+    """
+    if hasattr(config, "workerinput"):
+        return
+    directory = tempfile.mkdtemp(prefix="pcp-tui-test-compile-cache-")
+    # ignore_errors: a process that outlived its test may still be writing there
+    config.add_cleanup(partial(shutil.rmtree, directory, ignore_errors=True))
+    os.environ["PCP_COMPILE_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
 
 
 @pytest.fixture

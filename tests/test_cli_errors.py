@@ -1,7 +1,11 @@
 """Error paths of the real CLI: one line saying what happened and what to do, the right exit code.
 
-Every test runs `python -m pcp_tui` in a subprocess; the runs use real sockets on
-127.0.0.1 and real worker processes.
+An option refused before anything runs is checked through `pcp_tui.app.cli.main` in this
+process (`cli`): what it prints and the code it returns, which the installed `pcp-tui`
+passes to `sys.exit` (`test_the_installed_command_exits_with_mains_code` checks that
+once). What happens while something runs (signals, heartbeats, failures inside a run)
+is checked on real `python -m pcp_tui` processes, real sockets on 127.0.0.1 and real
+worker processes.
 """
 
 from __future__ import annotations
@@ -15,19 +19,19 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from pcp_tui.app.cli import main
 from pcp_tui.backends import BackendUnavailable, select_backend
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import child_pids, faulty_worker_command
 
 from .conftest import worker_env
-
-pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-token-for-tests"
@@ -54,6 +58,28 @@ def pcp(*args: str, **options) -> subprocess.CompletedProcess:
         cwd=REPO,
         **options,
     )
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`pcp-tui ARGS` in this process: its exit code and what it printed, as `pcp` gives them.
+
+    The code is what `main` returns, or what argparse's `sys.exit` carries (usage errors,
+    `--help`); help is formatted for 80 columns, as for a process without a terminal.
+    """
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("COLUMNS", "80")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as stop:
+            code = stop.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 NO_TLS = "pcp-tui: warning: no TLS"  # a worker without TLS says so once (launch.PLAIN_TCP_WARNING)
@@ -146,6 +172,7 @@ def shepherd_args(*extra: str) -> list[str]:
 # -- 1. failures inside the run: one line, no ExceptionGroup traceback ---------
 
 
+@pytest.mark.e2e
 def test_demo_on_a_busy_port_says_so_in_one_line():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -174,6 +201,7 @@ def _missing_backend() -> str:
     return missing[0]
 
 
+@pytest.mark.e2e
 def test_demo_whose_workers_cannot_start_fails_with_one_line():
     backend = _missing_backend()
     result = pcp(
@@ -189,6 +217,7 @@ def test_demo_whose_workers_cannot_start_fails_with_one_line():
 # -- 2. SIGINT / SIGTERM: stop cleanly, checkpoint, goodbye; twice: at once ---------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_worker, signum):
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
@@ -226,6 +255,7 @@ def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_
     assert f"--token {TOKEN}" in shepherd.out.read_text()  # the operator still sees it
 
 
+@pytest.mark.e2e
 def test_a_second_sigint_stops_at_once(tmp_path, background):
     metrics = tmp_path / "m.jsonl"
     shepherd = background(
@@ -258,6 +288,7 @@ def test_a_second_sigint_stops_at_once(tmp_path, background):
     assert "Traceback" not in err and "pcp-tui: SIGINT: stopping at once" in err, err
 
 
+@pytest.mark.e2e
 def test_ctrl_c_at_the_terminal_stops_the_demo_and_its_workers_cleanly(tmp_path, background):
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     # its own process group, as a terminal gives a command
@@ -303,6 +334,7 @@ def _demo(background, checkpoints: Path, metrics: Path, **options) -> Background
     return demo
 
 
+@pytest.mark.e2e
 def test_sighup_stops_the_demo_like_sigterm(tmp_path, background):
     """Closing the terminal sends SIGHUP: a message, the final checkpoint, workers told goodbye."""
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
@@ -319,6 +351,7 @@ def test_sighup_stops_the_demo_like_sigterm(tmp_path, background):
     assert not [pid for pid in workers if _alive(pid)]  # the demo waited for their goodbye
 
 
+@pytest.mark.e2e
 def test_ctrl_c_before_the_demos_workers_joined_ends_the_demo_and_them(tmp_path, background):
     """Its workers are still starting, so no goodbye reaches them: the demo ends them itself.
 
@@ -340,6 +373,7 @@ def test_ctrl_c_before_the_demos_workers_joined_ends_the_demo_and_them(tmp_path,
     assert not [pid for pid in workers if _alive(pid)]
 
 
+@pytest.mark.e2e
 def test_the_demos_workers_do_not_outlive_a_killed_demo(tmp_path, background):
     demo = _demo(background, tmp_path / "ckpt", tmp_path / "m.jsonl")
     workers = child_pids(demo.process.pid)
@@ -350,6 +384,7 @@ def test_the_demos_workers_do_not_outlive_a_killed_demo(tmp_path, background):
         time.sleep(0.1)
 
 
+@pytest.mark.e2e
 def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     with socket.socket() as closed:  # nobody listens: the worker retries with back-off
         closed.bind(("127.0.0.1", 0))
@@ -365,6 +400,7 @@ def test_sigterm_ends_a_worker_with_a_line_and_143(background):
     assert one_error_line(worker.err.read_text()) == "pcp-tui: SIGTERM: stopping at once"
 
 
+@pytest.mark.e2e
 def test_a_worker_refused_on_every_connect_gives_up_with_growing_waits(background):
     """--give-up-after counts from the last welcome, not the last TCP connect."""
     with socket.socket() as refusing:  # accepts, then hangs up at once: never a welcome
@@ -394,6 +430,7 @@ def test_a_worker_refused_on_every_connect_gives_up_with_growing_waits(backgroun
     assert waits[:-1] == sorted(waits[:-1]), waits
 
 
+@pytest.mark.e2e
 def test_idle_workers_beat_at_the_runs_heartbeat_interval(tmp_path, background, spawn_worker):
     """--heartbeat-seconds 0.25 --heartbeat-timeout 1.5: workers beat every 0.25 s, not 2 s."""
     metrics = tmp_path / "m.jsonl"
@@ -413,6 +450,7 @@ def test_idle_workers_beat_at_the_runs_heartbeat_interval(tmp_path, background, 
     assert "round" in events and "lost" not in events and "rejoined" not in events, events
 
 
+@pytest.mark.e2e
 def test_log_level_debug_logs_connections_and_messages_to_the_log_files(
     tmp_path, background, spawn_worker
 ):
@@ -459,17 +497,42 @@ def test_log_level_debug_logs_connections_and_messages_to_the_log_files(
         (["--model", "missing.py:build"], "--model 'missing.py:build': no file"),
     ],
 )
-def test_options_that_cannot_work_exit_2_with_one_line(flags, message):
-    result = pcp("shepherd", "--headless", "--port", "0", *flags)
+def test_options_that_cannot_work_exit_2_with_one_line(flags, message, cli):
+    result = cli("shepherd", "--headless", "--port", "0", *flags)
     assert result.returncode == 2
     assert message in one_error_line(result)
     assert "loading data" not in result.stdout  # refused before the slow part
 
 
-def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2():
+def _installed_command() -> str:
+    """The `pcp-tui` script that installing the package wrote next to this Python's."""
+    found = shutil.which("pcp-tui", path=sysconfig.get_path("scripts")) or shutil.which("pcp-tui")
+    assert found, "no pcp-tui command: install the package (pip install -e '.[test]')"
+    return found
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["shepherd", "--headless", "--checkpoint-every", "0"], "--checkpoint-every must be"),
+        (["shepherd", "--inner-step", "5"], "did you mean --inner-steps?"),
+    ],
+    ids=["returned", "argparse"],
+)
+def test_the_installed_command_exits_with_mains_code(args, message):
+    """The tests above call `main` in process: here the command itself exits with its code."""
+    result = subprocess.run(
+        [_installed_command(), *args], capture_output=True, text=True, env=worker_env(), cwd=REPO
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2(cli):
     if "cuda" not in _missing_backends():
         pytest.skip("this machine has CUDA: cuDNN attention can be exported here")
-    result = pcp("shepherd", "--headless", "--port", "0", "--attention", "cudnn",
+    result = cli("shepherd", "--headless", "--port", "0", "--attention", "cudnn",
                  "--compute-dtype", "bfloat16")  # fmt: skip
     assert result.returncode == 2
     assert "--attention cudnn needs JAX with CUDA and cuDNN on the shepherd" in one_error_line(
@@ -496,8 +559,8 @@ def test_cudnn_attention_on_a_shepherd_without_cuda_exits_2():
         (["sample", "--check", "ckpt"], "--check ckpt; did you mean --checkpoint?"),
     ],
 )
-def test_abbreviated_options_are_errors_not_guesses(args, message):
-    result = pcp(*args)
+def test_abbreviated_options_are_errors_not_guesses(args, message, cli):
+    result = cli(*args)
     assert result.returncode == 2
     assert message in result.stderr, result.stderr
 
@@ -526,23 +589,23 @@ def _model_file(tmp_path: Path, old: str, new: str) -> str:
     ],
     ids=["syntax", "shape", "init"],
 )  # fmt: skip
-def test_a_model_files_error_is_one_line_at_its_line(tmp_path, old, new, error):
+def test_a_model_files_error_is_one_line_at_its_line(tmp_path, old, new, error, cli):
     where = _model_file(tmp_path, old, new)
-    result = pcp("shepherd", "--headless", "--port", "0", "--model", f"{tmp_path}/model.py:build",
+    result = cli("shepherd", "--headless", "--port", "0", "--model", f"{tmp_path}/model.py:build",
                  "--workers", "1", *SMALL)  # fmt: skip
     assert result.returncode == 1, result.stderr
     assert one_error_line(result) == where + error
     assert "listening" not in result.stdout
 
 
-def test_a_loss_that_is_not_a_scalar_is_one_line_at_the_loss(tmp_path):
+def test_a_loss_that_is_not_a_scalar_is_one_line_at_the_loss(tmp_path, cli):
     """The commonest JAX beginner's mistake: a per-example loss (JAX's complaint is 84 lines deep)."""
     mean = 'return -jnp.mean(jnp.take_along_axis(log_probs, batch["y"][:, None], axis=1))'
     per_row = 'return -jnp.take_along_axis(log_probs, batch["y"][:, None], axis=1)[:, 0]'
     text = (REPO / "examples" / "mlp_model.py").read_text()
     line = text[: text.index("def loss(")].count("\n") + 1
     _model_file(tmp_path, mean, per_row)
-    result = pcp("shepherd", "--headless", "--port", "0", "--model", f"{tmp_path}/model.py:build",
+    result = cli("shepherd", "--headless", "--port", "0", "--model", f"{tmp_path}/model.py:build",
                  "--workers", "1", *SMALL)  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert one_error_line(result) == (
@@ -563,7 +626,7 @@ def _not_text(tmp_path: Path) -> list[tuple[str, str]]:
     ]
 
 
-def test_a_missing_data_path_is_an_option_that_cannot_work_exit_2(tmp_path):
+def test_a_missing_data_path_is_an_option_that_cannot_work_exit_2(tmp_path, cli):
     for data, message in (
         (
             tmp_path / "nope.txt",
@@ -571,23 +634,23 @@ def test_a_missing_data_path_is_an_option_that_cannot_work_exit_2(tmp_path):
         ),
         (f"shakespeare:{tmp_path / 'nope.tar.gz'}", "does not exist; for the Shakespeare corpus"),
     ):
-        result = pcp("shepherd", "--headless", "--port", "0", "--data", str(data), *SMALL)
+        result = cli("shepherd", "--headless", "--port", "0", "--data", str(data), *SMALL)
         assert result.returncode == 2, result.stderr
         assert message in one_error_line(result)
 
 
-def test_data_that_is_not_text_or_not_tokens_is_refused(tmp_path):
+def test_data_that_is_not_text_or_not_tokens_is_refused(tmp_path, cli):
     for data, message in _not_text(tmp_path):
-        result = pcp("shepherd", "--headless", "--port", "0", "--data", data, *SMALL)
+        result = cli("shepherd", "--headless", "--port", "0", "--data", data, *SMALL)
         assert result.returncode == 1, result.stderr
         line = one_error_line(result)
         assert line.startswith(f"pcp-tui: error: {message}") and "--data" in line, line
 
 
-def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path):
+def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path, cli):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    result = pcp("shepherd", "--headless", "--port", "0", "--checkpoint-dir", str(blocker / "ckpt"))
+    result = cli("shepherd", "--headless", "--port", "0", "--checkpoint-dir", str(blocker / "ckpt"))
     assert result.returncode == 2
     line = one_error_line(result)
     assert f"cannot write checkpoints to {blocker / 'ckpt'}" in line and "--checkpoint-dir" in line
@@ -596,6 +659,7 @@ def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path):
 # -- 10. a worker without TLS against a TLS shepherd --------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_a_worker_without_tls_is_told_the_shepherd_speaks_tls(tmp_path, background, spawn_worker):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -634,12 +698,13 @@ def test_a_worker_without_tls_is_told_the_shepherd_speaks_tls(tmp_path, backgrou
         ("127.0.0.1", "--connect wants HOST:PORT"),
     ],
 )
-def test_a_bad_connect_address_exits_2(address, message):
-    result = pcp("worker", "--connect", address, "--token", "t", "--backend", "cpu")
+def test_a_bad_connect_address_exits_2(address, message, cli):
+    result = cli("worker", "--connect", address, "--token", "t", "--backend", "cpu")
     assert result.returncode == 2
     assert message in one_error_line(result)
 
 
+@pytest.mark.e2e
 def test_bracketed_ipv6_is_an_address_and_an_unknown_name_is_named():
     with socket.socket() as closed:  # a port with nobody listening
         closed.bind(("127.0.0.1", 0))
@@ -678,15 +743,17 @@ def runs(tmp_path_factory):
     return root
 
 
-def test_sample_reads_a_round_directory_and_takes_checkpoint_dir(runs):
+@pytest.mark.e2e
+def test_sample_reads_a_round_directory_and_takes_checkpoint_dir(runs, cli):
     for flag, where in (("--checkpoint", "round-000001"), ("--checkpoint-dir", "")):
-        result = pcp("sample", flag, str(runs / "gpt" / where), "--tokens", "8", "--prompt", "de")
+        result = cli("sample", flag, str(runs / "gpt" / where), "--tokens", "8", "--prompt", "de")
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("de")
 
 
-def test_sample_of_a_custom_model_says_it_reads_gpt2(runs):
-    result = pcp("sample", "--checkpoint", str(runs / "mlp"))
+@pytest.mark.e2e
+def test_sample_of_a_custom_model_says_it_reads_gpt2(runs, cli):
+    result = cli("sample", "--checkpoint", str(runs / "mlp"))
     assert result.returncode == 2
     line = one_error_line(result)
     assert "sample generates text from a GPT-2 checkpoint" in line
@@ -694,22 +761,24 @@ def test_sample_of_a_custom_model_says_it_reads_gpt2(runs):
 
 
 @pytest.mark.parametrize("where", ["nope", "empty"])
-def test_sample_without_a_checkpoint_says_what_to_pass(tmp_path, where):
+def test_sample_without_a_checkpoint_says_what_to_pass(tmp_path, where, cli):
     (tmp_path / "empty").mkdir()
-    result = pcp("sample", "--checkpoint", str(tmp_path / where))
+    result = cli("sample", "--checkpoint", str(tmp_path / where))
     assert result.returncode == 1
     line = one_error_line(result)
     assert "--resume" not in line and "round-NNNNNN" in line
 
 
-def test_resume_of_a_finished_checkpoint_says_to_raise_rounds(runs):
-    result = pcp("shepherd", "--resume", str(runs / "gpt"))  # its options: --rounds 1
+@pytest.mark.e2e
+def test_resume_of_a_finished_checkpoint_says_to_raise_rounds(runs, cli):
+    result = cli("shepherd", "--resume", str(runs / "gpt"))  # its options: --rounds 1
     assert result.returncode == 2
     assert "is at round 1 of 1; pass a larger --rounds to train further" in one_error_line(result)
 
 
-def test_resume_with_another_model_names_the_model_not_the_data(runs):
-    result = pcp(*shepherd_args("--rounds", "5", "--model", "tiny", "--resume", str(runs / "mlp")))
+@pytest.mark.e2e
+def test_resume_with_another_model_names_the_model_not_the_data(runs, cli):
+    result = cli(*shepherd_args("--rounds", "5", "--model", "tiny", "--resume", str(runs / "mlp")))
     assert result.returncode == 2
     line = one_error_line(result)
     assert "--model tiny would change the run saved in" in line
@@ -717,6 +786,7 @@ def test_resume_with_another_model_names_the_model_not_the_data(runs):
     assert "data" not in line
 
 
+@pytest.mark.e2e
 def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, background, spawn_worker):
     resumed = tmp_path / "gpt"
     shutil.copytree(runs / "gpt", resumed)
@@ -732,6 +802,7 @@ def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, backgrou
     assert done in shepherd.out.read_text()  # not "after 1 rounds": round 1 was the first run's
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_stopped_before_it_evaluates_gives_the_checkpoints_eval_loss(
     tmp_path, runs, background
 ):
@@ -752,13 +823,13 @@ def test_a_resumed_run_stopped_before_it_evaluates_gives_the_checkpoints_eval_lo
 # -- 15. help text --------------------------------------------------------------------
 
 
-def test_help_shows_each_default_once_and_documents_every_option():
-    shepherd = pcp("shepherd", "--help").stdout
+def test_help_shows_each_default_once_and_documents_every_option(cli):
+    shepherd = cli("shepherd", "--help").stdout
     assert "(default: None)" not in shepherd
     assert not re.search(r"\(default:[^)]*\)\s*\(default:", shepherd)
-    worker = pcp("worker", "--help").stdout
+    worker = cli("worker", "--help").stdout
     assert re.search(r"--backend \{[^}]*\}\s+where to run the graphs", worker)
-    sample = pcp("sample", "--help").stdout
+    sample = cli("sample", "--help").stdout
     for flag in ("--temperature TEMPERATURE", "--top-k TOP_K", "--seed SEED"):
         assert re.search(re.escape(flag) + r"\s+\w", sample), flag
     assert "--checkpoint-dir" in sample
