@@ -20,25 +20,24 @@ import trio.testing
 
 from pcp_tui import protocol
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.shepherd.run.state import RunState, WorkerView
 from pcp_tui.shepherd.serving import slots
 from pcp_tui.shepherd.serving.connection import WorkerLink
-from pcp_tui.testing import run_shepherd, small_config, until
-from pcp_tui.testing._peers import connect_peer, peer_hello, ready_peer
+from pcp_tui.testing import (
+    PEER_ERRORS,
+    connect_peer,
+    memory_link,
+    peer_hello,
+    ready_peer,
+    run_shepherd,
+    small_config,
+    until,
+)
 from pcp_tui.training.build import build_workload
-
-PEER_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError)
 
 
 def _links(count: int) -> list[WorkerLink]:
     """`count` real WorkerLinks (of memory streams), welcomed now, none ready."""
-    state = RunState(run_id="r", rounds_total=1, settings={})
-    links = []
-    for index in range(count):
-        near, _far = trio.testing.memory_stream_pair()
-        view = WorkerView(worker_id=f"w{index}", index=index, host="here")
-        links.append(WorkerLink(protocol.MessageStream(near), view, state, protocol.Platform.CPU))
-    return links
+    return [memory_link(f"w{index}", index) for index in range(count)]
 
 
 def _ready(link: WorkerLink) -> None:

@@ -11,16 +11,13 @@ import subprocess
 import numpy as np
 import pytest
 import trio
-import trio.testing
 
 from pcp_tui import protocol
 from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds.results import Round
-from pcp_tui.shepherd.run.state import RunState, WorkerView
-from pcp_tui.shepherd.serving.connection import WorkerLink
-from pcp_tui.testing import join_as, run_shepherd, until
+from pcp_tui.testing import join_as, memory_link, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -128,17 +125,9 @@ def test_a_silent_connection_is_replaced_by_a_reconnect_and_its_round_is_not_rep
     )
 
 
-def _link(worker_id: str) -> WorkerLink:
-    """A real WorkerLink (of a memory stream) for `worker_id`."""
-    near, _far = trio.testing.memory_stream_pair()
-    view = WorkerView(worker_id=worker_id, index=0, host="here")
-    state = RunState(run_id="r", rounds_total=1, settings={})
-    return WorkerLink(protocol.MessageStream(near), view, state, protocol.Platform.CPU)
-
-
 async def test_a_round_counts_a_result_only_from_the_connection_it_started_on():
     shapes = {"w": (3,)}
-    original, other = _link("a"), _link("a")  # two connections of worker a
+    original, other = memory_link("a"), memory_link("a")  # two connections of worker a
 
     current = Round(
         1,

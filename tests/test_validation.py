@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
+import trio.testing
 
+from pcp_tui import protocol
 from pcp_tui.backends import select_backend
-from pcp_tui.diloco.screening import BadResult
+from pcp_tui.diloco.outer import PseudoGradientMean
+from pcp_tui.diloco.screening import BadResult, ResultScreen
 from pcp_tui.diloco.streaming import partition
 from pcp_tui.diloco.validation import (
     AssignedBatches,
@@ -19,8 +23,9 @@ from pcp_tui.diloco.validation import (
     eval_loss,
 )
 from pcp_tui.shepherd.rounds.engine import inner_optimizer
+from pcp_tui.shepherd.rounds.results import Round
 from pcp_tui.shepherd.run.graphs import GraphLibrary
-from pcp_tui.testing._inprocess import worker_batches
+from pcp_tui.testing import memory_link, worker_batches
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -191,40 +196,40 @@ def test_no_honest_result_is_refused():
     assert {s[1] for s in scored if s[0] >= 9} == {1, 2}
 
 
+def _validated_round(run, link, *, watch=None, **round_options) -> Round:
+    """Round 1 of one worker "w0" on `link`, its results screened with the real validator."""
+    theta = run[4]
+    screen = ResultScreen({n: p.shape for n, p in theta.items()}, max_tokens=10**9)
+    screen.validator, _ = _validator(run, watch=watch)
+    return Round(
+        1, ["w0"], PseudoGradientMean(tuple(sorted(theta))), screen,
+        connections={"w0": link}, send_steps={"w0": STEPS}, **round_options,
+    )  # fmt: skip
+
+
+def _result(config, delta, fragment: int = 0) -> protocol.Message:
+    """A round 1 result of `delta`, for `STEPS` steps of `config`'s batches."""
+    body = protocol.RoundResult(
+        round=1, tokens=STEPS * config.data.batch_size * config.data.seq_len, losses=(3.0,),
+        compute_seconds=1.0, inner_steps=STEPS, fragment=fragment,
+    )  # fmt: skip
+    return protocol.Message(body, delta, wire_bytes=64)
+
+
 def test_a_connection_is_not_silent_while_the_shepherd_screens_its_result(run):
     """Validation runs the model on the shepherd (a minute for GPT-2 124M on a CPU) while it
     reads nothing more from the worker's connection, heartbeats included: `Round.add` pauses
     that connection meanwhile, so the watchdog does not end it for the shepherd's own
     silence (it did, on a CPU shepherd of a GPU worker: "silent for 21 s" every round)."""
-    import trio.testing
-
-    from pcp_tui import protocol
-    from pcp_tui.diloco.outer import PseudoGradientMean
-    from pcp_tui.diloco.screening import ResultScreen
-    from pcp_tui.shepherd.rounds.results import Round
-    from pcp_tui.shepherd.run.state import RunState, WorkerView
-    from pcp_tui.shepherd.serving.connection import WorkerLink
-
-    config, _, _, _, theta, deltas = run
+    config, _, _, _, _, deltas = run
     paused_while_scored: list[bool] = []
-    body = protocol.RoundResult(
-        round=1, tokens=STEPS * config.data.batch_size * config.data.seq_len, losses=(3.0,),
-        compute_seconds=1.0, inner_steps=STEPS,
-    )  # fmt: skip
 
     async def main() -> None:
-        near, _far = trio.testing.memory_stream_pair()
-        view = WorkerView(worker_id="w0", index=0, host="here", shard=0)
-        state = RunState(run_id="r", rounds_total=1, settings={})
-        link = WorkerLink(protocol.MessageStream(near), view, state, protocol.Platform.CPU)
-        validator, _ = _validator(run, watch=lambda: paused_while_scored.append(link.is_paused))
-        screen = ResultScreen({n: p.shape for n, p in theta.items()}, max_tokens=10**9)
-        screen.validator = validator
-        current = Round(
-            1, ["w0"], PseudoGradientMean(tuple(sorted(theta))), screen,
-            connections={"w0": link}, send_steps={"w0": STEPS},
-        )  # fmt: skip
-        assert await current.add("w0", protocol.Message(body, deltas[0], wire_bytes=64))
+        link = memory_link("w0", shard=0)
+        current = _validated_round(
+            run, link, watch=lambda: paused_while_scored.append(link.is_paused)
+        )
+        assert await current.add("w0", _result(config, deltas[0]))
         assert not link.is_paused and current.contributors == ["w0"]
 
     trio.run(main)
@@ -239,44 +244,20 @@ def test_a_result_sent_before_the_earlier_fragments_steps_is_the_peers_own_silen
     and the real watchdog ends it at the heartbeat timeout (paused, it held its result slot
     and the round for as long as fragment 0 stayed open: with 8 such peers, every slot, and
     no honest result could come in to close it). Meanwhile the round can close without it."""
-    import trio.testing
-
-    from pcp_tui import protocol
     from pcp_tui.contract.connection import ConnectionLost
-    from pcp_tui.diloco.outer import PseudoGradientMean
-    from pcp_tui.diloco.screening import ResultScreen
-    from pcp_tui.shepherd.rounds.results import Round
-    from pcp_tui.shepherd.run.state import RunState, WorkerView
-    from pcp_tui.shepherd.serving.connection import WorkerLink
 
-    config, _, _, _, theta, deltas = run
-    body = protocol.RoundResult(
-        round=1, tokens=STEPS * config.data.batch_size * config.data.seq_len, losses=(3.0,),
-        compute_seconds=1.0, inner_steps=STEPS, fragment=1,
-    )  # fmt: skip
+    config, _, _, _, _, deltas = run
 
     async def main() -> None:
-        near, _far = trio.testing.memory_stream_pair()
-        view = WorkerView(worker_id="w0", index=0, host="here", shard=0)
-        state = RunState(run_id="r", rounds_total=1, settings={})
-        link = WorkerLink(protocol.MessageStream(near), view, state, protocol.Platform.CPU)
+        link = memory_link("w0", shard=0)
         link._clock = trio.current_time  # the watchdog on the MockClock (Connection's clock)
         link.heard()
-        validator, _ = _validator(run)
-        screen = ResultScreen({n: p.shape for n, p in theta.items()}, max_tokens=10**9)
-        screen.validator = validator
         fragment_0_stepped = trio.Event()  # never: fragment 0 waits for this peer's result
-        current = Round(
-            1, ["w0"], PseudoGradientMean(tuple(sorted(theta))), screen,
-            connections={"w0": link}, fragment=1, send_steps={"w0": STEPS},
-            after=(fragment_0_stepped,),
-        )  # fmt: skip
+        current = _validated_round(run, link, fragment=1, after=(fragment_0_stepped,))
         began = trio.current_time()
         with trio.fail_after(3600), pytest.raises(ConnectionLost, match="silent for"):
             async with link.alive(heartbeat_seconds=5, timeout=20), trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    current.add, "w0", protocol.Message(body, deltas[0], wire_bytes=64)
-                )
+                nursery.start_soon(current.add, "w0", _result(config, deltas[0], fragment=1))
                 await trio.testing.wait_all_tasks_blocked()
                 with trio.fail_after(1):
                     await current.close()  # not held by a result that waits its turn

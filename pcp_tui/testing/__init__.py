@@ -22,6 +22,7 @@ from pcp_tui.testing._benchmarks import (
 )
 from pcp_tui.testing._inprocess import (
     heartbeat_until_hung_up,
+    memory_link,
     pause_after_round,
     run_shepherd,
     until,
@@ -63,6 +64,7 @@ __all__ = [
     "ready_peer",
     "round_start",
     "heartbeat_until_hung_up",
+    "memory_link",
     "QUICK_FLAGS",
     "read_metrics",
     "round_workers",

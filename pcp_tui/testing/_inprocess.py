@@ -76,6 +76,20 @@ def worker_batches(workload: Any, config: Any, slot: int, number: int, steps: in
     ]
 
 
+def memory_link(worker_id: str, index: int = 0, shard: int | None = None) -> Any:
+    """A real shepherd-side `WorkerLink` of `worker_id` over an in-memory stream (its peer
+    end dropped), welcomed now: for round and slot logic without a socket. In trio."""
+    import trio.testing
+
+    from pcp_tui.shepherd.run.state import RunState, WorkerView
+    from pcp_tui.shepherd.serving.connection import WorkerLink
+
+    near, _far = trio.testing.memory_stream_pair()
+    view = WorkerView(worker_id=worker_id, index=index, host="here", shard=shard)
+    state = RunState(run_id="r", rounds_total=1, settings={})
+    return WorkerLink(protocol.MessageStream(near), view, state, protocol.Platform.CPU)
+
+
 async def heartbeat_until_hung_up(stream: Any, every: float = 0.2) -> None:
     """A hostile peer's tail: heartbeats forever (alive to the watchdog), reading nothing more.
 
