@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 29 on a 4-GPU host. Phases (arguments, in order): mesh, gpu, cpu, cpuval.
+#   mesh:   bench_mesh.py --devices 4, data and fsdp, bf16 exchange (one 4-GPU worker vs four 1-GPU workers).
+#   gpu:    a GPU shepherd + one --devices all worker (fsdp), GPT-2 124M bf16, 16x1024 a GPU, H=300.
+#   cpu:    the same with the shepherd on CPU and --validate off; cpuval: with validation on.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+ln -sfn ../protocol pcp_tui/protocol; ln -sfn ../backends pcp_tui/backends
+python3 -c "import numpy as np; np.random.default_rng(0).integers(0,50257,40_000_000,dtype=np.uint16).tofile('/tmp/tokens.bin')"
+export PYTHONUNBUFFERED=1 PCP_TOKEN=realrun-token
+printf '[sharding]\nmode = "fsdp"\n' > /tmp/fsdp.toml
+summary() { python3 - "$1" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    if "tokens_per_second" in row:
+        print({k: row.get(k) for k in ("round", "train_loss", "eval_loss", "round_seconds", "compute_seconds", "tokens_per_second", "utilization")})
+PY
+}
+mesh() {
+  for sh in data fsdp; do
+    echo "=== mesh sharding=$sh exchange=bfloat16 $(date +%T)"
+    CUDA_VISIBLE_DEVICES=0,1,2,3 XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 timeout 200 python3 benchmarks/bench_mesh.py --backend cuda \
+      --devices 4 --model gpt2 --data /tmp/tokens.bin --compute-dtype bfloat16 --attention cudnn --seq-len 1024 \
+      --batch-per-device 16 --chunk-steps 20 --sharding $sh --exchange-dtype bfloat16 --graphs /tmp/g 2>&1 \
+      | grep -v "^W0\|^I0" | tail -9 | tee -a $OUT/mesh_4gpu.txt
+  done
+}
+real() {  # $1: gpu | cpu (the shepherd's platform), $2: attention, $3: name, $4: seconds, the rest: options
+  echo "=== real run, shepherd on $1, attention $2, $3 $(date +%T)"
+  plat=(); [ $1 = cpu ] && plat=(JAX_PLATFORMS=cpu)
+  attention=$2; name=$3; limit=$4; shift 4
+  env "${plat[@]}" CUDA_VISIBLE_DEVICES=0,1,2,3 XLA_PYTHON_CLIENT_MEM_FRACTION=0.12 timeout $limit python3 -m pcp_tui shepherd \
+    --headless --workers 1 --model gpt2 --data /tmp/tokens.bin --compute-dtype bfloat16 --attention $attention --seq-len 1024 \
+    --batch-size 64 --inner-steps 300 --chunk-steps 20 --eval-batches 1 --port 18080 --config /tmp/fsdp.toml "$@" \
+    --metrics $OUT/real_$name.jsonl --checkpoint-dir /tmp/ck_$name > $OUT/real_${name}_shepherd.txt 2>&1 &
+  sleep 5
+  CUDA_VISIBLE_DEVICES=0,1,2,3 XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout $((limit - 5)) python3 -m pcp_tui worker \
+    --connect 127.0.0.1:18080 --backend cuda --devices all --quiet > $OUT/real_${name}_worker.txt 2>&1; echo "worker rc=$?"
+  wait; grep -v "^W0\|^I0" $OUT/real_${name}_shepherd.txt | grep -v "^round\|^checkpoint" | tail -6; summary $OUT/real_$name.jsonl
+}
+nvidia-smi -L; python3 -c "import pcp_tui.app.cli, pcp_tui.app.api, pcp_tui.contract.keys, pcp_tui.shepherd.coordinator" || exit 1
+for phase in "$@"; do
+  case $phase in
+    mesh) mesh ;;
+    gpu) real gpu cudnn gpu 240 --rounds 5 ;;
+    cpu) real cpu xla cpu 240 --rounds 5 --validate off ;;
+    cpuval) real cpu xla cpuval 300 --rounds 3 ;;
+  esac
+done
