@@ -1,11 +1,26 @@
 #!/usr/bin/env bash
-# Issue 29 on a 4-GPU host. Phases (arguments, in order): mesh, gpu, cpu, cpuval.
+# Issue 29 on a 4-GPU host. Phases (arguments, in order): mesh, gpu, gpustream, cpu, cpuval.
 #   mesh:   bench_mesh.py --devices 4, data and fsdp, bf16 exchange (one 4-GPU worker vs four 1-GPU workers).
 #   gpu:    a GPU shepherd + one --devices all worker (fsdp), GPT-2 124M bf16, 16x1024 a GPU, H=300.
+#   gpustream: the same, Streaming DiLoCo (F=3, tau=40: each fragment's exchange overlaps 40 steps).
 #   cpu:    the same with the shepherd on CPU and --validate off; cpuval: with validation on.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 ln -sfn ../protocol pcp_tui/protocol; ln -sfn ../backends pcp_tui/backends
-python3 -c "import numpy as np; np.random.default_rng(0).integers(0,50257,40_000_000,dtype=np.uint16).tofile('/tmp/tokens.bin')"
+# TOKENS=random (default): 40M uniform random GPT-2 ids, as every run of docs/performance.md section 6;
+# TOKENS=stdlib: the host's Python stdlib sources as bytes (ids < 256), a corpus the model learns.
+if [ "${TOKENS:-random}" = stdlib ]; then
+  python3 - <<'PY'
+import pathlib, sysconfig, numpy as np
+root = pathlib.Path(sysconfig.get_paths()["stdlib"]); out, n = [], 0
+for f in sorted(root.rglob("*.py")):
+    b = f.read_bytes(); out.append(b); n += len(b)
+    if n > 40_000_000: break
+data = np.frombuffer(b"".join(out), np.uint8).astype(np.uint16)
+np.resize(data, 40_000_000).tofile("/tmp/tokens.bin"); print(f"tokens: {data.size:,} stdlib bytes")
+PY
+else
+  python3 -c "import numpy as np; np.random.default_rng(0).integers(0,50257,40_000_000,dtype=np.uint16).tofile('/tmp/tokens.bin')"
+fi
 export PYTHONUNBUFFERED=1 PCP_TOKEN=realrun-token
 printf '[sharding]\nmode = "fsdp"\n' > /tmp/fsdp.toml
 summary() { python3 - "$1" <<'PY'
@@ -43,6 +58,7 @@ for phase in "$@"; do
   case $phase in
     mesh) mesh ;;
     gpu) real gpu cudnn gpu 240 --rounds 5 ;;
+    gpustream) real gpu cudnn gpustream 240 --rounds 5 --streaming-fragments 3 --overlap-steps 40 ;;
     cpu) real cpu xla cpu 240 --rounds 5 --validate off ;;
     cpuval) real cpu xla cpuval 300 --rounds 3 ;;
   esac
