@@ -138,6 +138,7 @@ class Simulation:
         self.train_chunk = backend.load("train_chunk", graphs.train_chunk).call
         self.init_opt_state = backend.load("init_opt_state", graphs.init_opt_state).call
         self.evaluate = eval_loss(backend.load("eval_loss", graphs.eval_loss).call, self.names)
+        self.score = eval_loss(backend.load("score_loss", graphs.score_loss).call, self.names)
         self.chunk_steps = graphs.chunk_steps
         self.shapes = {n: tuple(p.shape) for n, p in self.workload.params.items()}
 
@@ -175,7 +176,7 @@ class Simulation:
         validator = None
         if defence == "clip+validate":
             batches = AssignedBatches.for_run(cfg, self.workload, self.chunk_steps)
-            validator = LossDeltaValidator(self.evaluate, batches)
+            validator = LossDeltaValidator(self.score, batches)
         tokens = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
         opt_states = {
             k: list(self.init_opt_state(tuple(params[n] for n in self.names)))

@@ -302,7 +302,7 @@ def test_the_gpt2_step_compiles_for_metal(tmp_path):
 def test_iree_workers_get_the_cpu_export_and_cudnn_runs_refuse_them():
     """Which export serves whom (no export runs: platforms_for only decides)."""
     P, R = protocol.Platform, protocol.Runtime
-    library = GraphLibrary(lambda platforms, devices: None, ("cpu", "cuda", "rocm"))
+    library = GraphLibrary(lambda platforms, devices, rows: None, ("cpu", "cuda", "rocm"))
     library.main = dataclasses.replace(_NO_GRAPHS, platforms=library.main_platforms)
     assert library.platforms_for(P.CUDA, R.XLA) == ("cpu", "cuda", "rocm")
     assert library.platforms_for(P.METAL, R.XLA) == ("metal",)  # exported when one joins

@@ -1,6 +1,6 @@
 """Loss-delta validation scores real results of the real exported graphs by what they do.
 
-The tiny model, its exported `train_chunk` and `eval_loss` (what a worker and the
+The tiny model, its exported `train_chunk` and `score_loss` (what a worker and the
 shepherd run), real pseudo-gradients of one round from two workers' assigned batches.
 """
 
@@ -54,17 +54,17 @@ def run():
 
 
 def _validator(run, watch=None) -> tuple[LossDeltaValidator, AssignedBatches]:
-    """A validator of round 1 from θ, with the real eval graph; `watch()` before each pass."""
+    """A validator of round 1 from θ, with the real score graph; `watch()` before each pass."""
     config, workload, graphs, backend, theta, _ = run
     batches = AssignedBatches(
         workload.shards,
-        count=workload.eval_batch_count,
+        rows=config.outer.validate_rows,
         chunk_steps=graphs.chunk_steps,
         batch_size=config.data.batch_size,
         seq_len=config.data.seq_len,
         seed=config.model.seed,
     )
-    loss = eval_loss(backend.load("eval_loss", graphs.eval_loss).call, graphs.param_names)
+    loss = eval_loss(backend.load("score_loss", graphs.score_loss).call, graphs.param_names)
 
     def watched(params, batch):
         if watch is not None:
@@ -80,14 +80,20 @@ def _times(delta, factor):
     return {n: v * np.float32(factor) for n, v in delta.items()}
 
 
-def test_the_batches_scored_are_ones_the_worker_trained_on(run):
+def test_the_rows_scored_are_ones_the_worker_trained_on_and_it_cannot_know_which(run):
     config, workload, *_ = run
     _, batches = _validator(run)
     trained = worker_batches(workload, config, 1, 3, STEPS)
-    picked = batches(Assignment(index=1, shard=1, steps=STEPS), 3)
-    assert picked.shape == (workload.eval_batch_count, *trained[0].shape)
-    # two batches spread over four steps: the first and the last
-    np.testing.assert_array_equal(picked, np.stack([trained[0], trained[STEPS - 1]]))
+    claim = Assignment(index=1, shard=1, steps=STEPS)
+    picked, again = batches(claim, 3), batches(claim, 3)
+    rows = config.outer.validate_rows
+    assert picked.shape == (1, rows, *trained[0].shape[1:])
+    # R steps spread over the four: each scored row is a row of that step's batch
+    steps = np.linspace(0, STEPS - 1, rows).round().astype(int)
+    for row, step in zip(picked[0], steps, strict=True):
+        assert any(np.array_equal(row, candidate) for candidate in trained[step])
+    # which row of each step's batch: the shepherd's draw, not a function of the plan
+    assert not np.array_equal(picked, again)
 
 
 def test_an_honest_result_counts_in_full_and_a_flipped_or_vanishing_one_is_refused(run):
@@ -134,8 +140,9 @@ def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = Non
     train = backend.load("train_chunk", graphs.train_chunk).call
     init = backend.load("init_opt_state", graphs.init_opt_state).call
     names, k = graphs.param_names, graphs.chunk_steps
-    loss = eval_loss(backend.load("eval_loss", graphs.eval_loss).call, names)
-    validator = LossDeltaValidator(loss, AssignedBatches.for_run(config, workload, k))
+    loss = eval_loss(backend.load("score_loss", graphs.score_loss).call, names)
+    rows = AssignedBatches.for_run(config, workload, k, rng=np.random.default_rng(seed))
+    validator = LossDeltaValidator(loss, rows)
     params = {n: np.array(p, np.float32) for n, p in workload.params.items()}
     outer = OuterOptimizer(config.outer.optimizer, config.outer.lr, config.outer.momentum)
     clip = make_aggregate("centered-clip", tuple(sorted(params)))
@@ -164,10 +171,9 @@ def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = Non
             team[index] = (shard, state)
             delta = {n: params[n] - np.asarray(v) for n, v in zip(names, flat, strict=True)}
             claim = Assignment(index, shard, STEPS)
-            before = loss(params, validator._batches(claim, number))
-            after = loss(
-                {n: params[n] - delta[n] for n in names}, validator._batches(claim, number)
-            )
+            scored_rows = rows(claim, number)  # as the validator draws them (it draws its own)
+            before = loss(params, scored_rows)
+            after = loss({n: params[n] - delta[n] for n in names}, scored_rows)
             try:
                 clip.add(delta, validator.weigh(delta, 1, claim))
                 scored.append((number, index, before, after, None))
@@ -192,7 +198,7 @@ def test_no_honest_result_is_refused():
     scored = _honest_run(seed=0, workers=2, rounds=10, adopt_at=9)
     assert [s for s in scored if s[4] is not None] == []
     raised = [s[:2] for s in scored if s[3] > s[2]]  # what the old rule refused
-    assert raised == [(8, 0), (8, 1)], scored
+    assert raised == [(8, 0)], scored  # on the rows drawn from seed 0 (both on whole batches)
     assert {s[1] for s in scored if s[0] >= 9} == {1, 2}
 
 

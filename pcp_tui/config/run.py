@@ -236,12 +236,24 @@ class OuterConfig:
         "lowers that loss no more than its reverse would, or blows it up; with a robust "
         "--aggregate)",
     )
+    validate_rows: int = option(
+        16,
+        at_least=1,
+        help="rows of a result's own batches that --validate scores (a pass costs the loss of "
+        "that many rows, whatever --batch-size; drawn where the worker cannot know which)",
+    )
     compression: str = option(
         "none",
         choices=QUANTIZATIONS,
         help="pseudo-gradient encoding on the wire (int8Block: ~1/4 of float32's bytes; "
         "int4Block: ~1/8)",
     )
+
+    @property
+    def validating(self) -> bool:
+        """Whether results are scored by loss-delta validation: with a robust aggregate only
+        (`--aggregate mean` stays DiLoCo's arithmetic)."""
+        return self.validate == "loss-delta" and self.aggregate != "mean"
 
 
 @dataclass(frozen=True)

@@ -52,10 +52,11 @@ refusing gains under a tenth of it) were tried and taken out: in a run that conv
 honest results were refused against the earlier, larger ones; and an overscaled
 update that overfits its own batches raised the reference itself.
 
-Cost, on the shepherd's device: two passes of the exported eval graph over
-N = --eval-batches batches (θ and θ − Δ_k on V_k) per result, plus one
+Cost, on the shepherd's device: two passes of the exported `score_loss` graph over
+R = --validate-rows rows (θ and θ − Δ_k on V_k) per result, plus one
 subtraction the size of the result; a third (θ + Δ_k) only for a result that does
-not lower the loss. The eval graph is the one the shepherd already compiled. A
+not lower the loss. R, not the run's batch size, sets the cost: GPT-2 124M at 64 x 1024
+a batch took 47–63 s of a 64-core CPU a result over one whole batch (issue 29's run). A
 fragment result costs the same two passes of the whole model (F results a worker a
 round: F times a plain round's scoring), and a streaming round one model-sized copy.
 """
@@ -63,6 +64,7 @@ round: F times a plain round's scoring), and a streaming round one model-sized c
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -98,47 +100,63 @@ class Assignment:
 
 
 class AssignedBatches:
-    """N of the batches a worker trained on in a round, drawn as the worker draws them."""
+    """R rows of the batches a worker trained on in a round, drawn as the worker draws them.
+
+    The R rows come from R steps spread over the assignment's steps, one row of each step's
+    batch, which row drawn from the shepherd's own randomness (`rng`; the OS's by default) as
+    the result is scored: the worker, which knows its batches from the plan and the seed,
+    cannot know which rows will judge it, so a result must lower the loss on all of them.
+    """
 
     def __init__(
         self,
         shard_data: list[Any],
         *,
-        count: int,
+        rows: int,
         chunk_steps: int,
         batch_size: int,
         seq_len: int,
         seed: int,
+        rng: np.random.Generator | None = None,
     ):
         self._shards = [
             shard if isinstance(shard, np.ndarray) else tuple(shard.values())
             for shard in shard_data
         ]
-        self.count, self.chunk_steps = count, chunk_steps
+        self.rows, self.chunk_steps = rows, chunk_steps
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self._rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
 
     @classmethod
-    def for_run(cls, config: RunConfig, workload: Workload, chunk_steps: int) -> AssignedBatches:
-        """The batches of a run's workers, --eval-batches of them a result, as `config` and
-        the exported graphs' `chunk_steps` draw them."""
+    def for_run(
+        cls,
+        config: RunConfig,
+        workload: Workload,
+        chunk_steps: int,
+        rng: np.random.Generator | None = None,
+    ) -> AssignedBatches:
+        """The rows of a run's workers, --validate-rows of them a result, as `config` and the
+        exported graphs' `chunk_steps` draw them (`rng` as the constructor's)."""
         return cls(
             workload.shards,
-            count=workload.eval_batch_count,
+            rows=config.outer.validate_rows,
             chunk_steps=chunk_steps,
             batch_size=config.data.batch_size,
             seq_len=config.data.seq_len,
             seed=config.model.seed,
+            rng=rng,
         )
 
     def __call__(self, assignment: Assignment, number: int) -> Any:
-        """[N, ...] batches (a tuple of them for a rows dataset): steps spread over the
-        assignment's steps of round `number`."""
+        """[1, R, ...] rows (a tuple of them for a rows dataset): one of each of R steps spread
+        over the assignment's steps of round `number`, as `score_loss` takes them."""
         shard = self._shards[assignment.shard]
         kind = (
             protocol.BatchKind.WINDOWS if isinstance(shard, np.ndarray) else protocol.BatchKind.ROWS
         )
         steps = max(assignment.steps, 1)
-        picked = np.linspace(0, steps - 1, self.count).round().astype(int)
+        picked = np.linspace(0, steps - 1, self.rows).round().astype(int)
+        rows = self._rng.integers(self.batch_size, size=self.rows)
         chunks: dict[int, Any] = {}
         for step in picked:
             chunk = int(step) // self.chunk_steps
@@ -152,10 +170,13 @@ class AssignedBatches:
                     seed=self.seed,
                     stream=(assignment.index, number, chunk),
                 )
-        rows = [(chunks[int(s) // self.chunk_steps], int(s) % self.chunk_steps) for s in picked]
+        at = [(chunks[int(s) // self.chunk_steps], int(s) % self.chunk_steps) for s in picked]
         if kind == protocol.BatchKind.WINDOWS:
-            return np.stack([batches[i] for batches, i in rows])
-        return tuple(np.stack([batches[k][i] for batches, i in rows]) for k in range(len(shard)))
+            return np.stack([batches[i][r] for (batches, i), r in zip(at, rows, strict=True)])[None]
+        return tuple(
+            np.stack([batches[k][i][r] for (batches, i), r in zip(at, rows, strict=True)])[None]
+            for k in range(len(shard))
+        )
 
 
 class LossDeltaValidator:

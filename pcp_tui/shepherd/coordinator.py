@@ -308,15 +308,13 @@ class Shepherd:
         """The run's first export (the shepherd evaluates with it, on one device of its host,
         as eval_loss is exported for one); others are made as workers need."""
         graphs = self.library.export_main()
-        self._eval = evaluator = select_backend("auto", 1).load(
-            "eval_loss", graphs.eval_loss, own=True
-        )
+        backend = select_backend("auto", 1)
+        self._eval = backend.load("eval_loss", graphs.eval_loss, own=True)
         cfg = self.config
-        # a robust aggregate's rounds, each fragment's results: `--aggregate mean` stays
-        # DiLoCo's arithmetic
-        if cfg.outer.validate == "loss-delta" and cfg.outer.aggregate != "mean":
+        if cfg.outer.validating:  # each result, each fragment's, scored on its own rows
             batches = AssignedBatches.for_run(cfg, self.workload, graphs.chunk_steps)
-            loss = eval_loss(evaluator.call, graphs.param_names)
+            scorer = backend.load("score_loss", graphs.score_loss, own=True)
+            loss = eval_loss(scorer.call, graphs.param_names)
             for screen in self.engine.screens:
                 screen.validator = LossDeltaValidator(loss, batches)
         return graphs

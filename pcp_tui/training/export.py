@@ -7,6 +7,8 @@ The worker never sees Python model code: it gets serialized StableHLO for
   (K inner optimizer steps in one ``lax.scan``; ``first_step`` is the run's
   global inner step of the first of them, which sets the learning rate)
 - ``eval_loss(params, batches[N, ...]) -> mean loss``
+- ``score_loss(params, rows[1, R, ...]) -> mean loss`` (the shepherd's own: R rows of a
+  result's batches, which validation scores; see `pcp_tui.diloco.validation`)
 
 For a worker with N devices (`devices` > 1) the same graphs are exported over
 an N-device mesh: each device runs the loss and its gradient on its B/N rows
@@ -122,6 +124,7 @@ class TrainingGraphs:
     eval_loss: bytes
     platforms: tuple[str, ...]
     chunk_steps: int
+    score_loss: bytes = b""  # exported only where `score_rows` asked for it (the shepherd's)
 
     def as_dict(self) -> dict[str, bytes]:
         return {
@@ -145,6 +148,7 @@ def build_graphs(
     devices: int = 1,
     sharding: Any = None,
     exchange_dtype: str = "float32",
+    score_rows: int = 0,
 ) -> TrainingGraphs:
     """Export the worker's graphs for `platforms`.
 
@@ -162,7 +166,8 @@ def build_graphs(
     devices, parameters placed as `sharding` (a plan's `Sharding`) says; LayoutError
     if the batch does not split over them; its devices gather parameters and reduce
     gradients in `exchange_dtype` (see `_Mesh.gradient`). `eval_loss` is always for one
-    device.
+    device. `score_rows` R > 0 also exports `score_loss`, the eval graph over one batch of R
+    rows (validation's cost is R rows a pass, whatever the run's batch size).
     """
     names = tuple(sorted(params))
     param_specs = tuple(jax.ShapeDtypeStruct(np.shape(params[n]), jnp.float32) for n in names)
@@ -203,8 +208,12 @@ def build_graphs(
         p = as_dict(flat_params)
         return jnp.mean(jax.lax.map(lambda b: loss_fn(p, b), batches))
 
-    def stacked(n: int) -> Any:
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), batch_spec)
+    def stacked(n: int, rows: int | None = None) -> Any:
+        """`n` batches of `batch_spec`, each of `rows` rows if given."""
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((n, rows or s.shape[0], *s.shape[1:]), s.dtype),
+            batch_spec,
+        )
 
     allowed = [export.DisabledSafetyCheck.custom_call(target) for target in custom_calls]
 
@@ -244,6 +253,9 @@ def build_graphs(
         eval_loss=exported(eval_loss, param_specs, stacked(eval_batches)),
         platforms=platforms,
         chunk_steps=chunk_steps,
+        score_loss=(
+            exported(eval_loss, param_specs, stacked(1, score_rows)) if score_rows > 0 else b""
+        ),
     )
 
 

@@ -32,7 +32,8 @@ from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 from pcp_tui.training.sharding import LayoutError
 from pcp_tui.training.workload import Workload
 
-Export = Callable[[tuple[str, ...], int], TrainingGraphs]  # (platforms, devices) -> graphs
+# (platforms, devices, score rows) -> graphs
+Export = Callable[[tuple[str, ...], int, int], TrainingGraphs]
 Shape = tuple[tuple[str, ...], int]  # the platforms an export is lowered for, its device count
 
 
@@ -43,10 +44,19 @@ class Unservable(Exception):
 class GraphLibrary:
     """Exports by platform set and device count, made once each; `for_worker` picks a worker's."""
 
-    def __init__(self, export: Export, main_platforms: tuple[str, ...], *, cuda_only: str = ""):
-        """`export(platforms, devices)` builds the graphs; `cuda_only` says why, if only CUDA can."""
+    def __init__(
+        self,
+        export: Export,
+        main_platforms: tuple[str, ...],
+        *,
+        cuda_only: str = "",
+        score_rows: int = 0,
+    ):
+        """`export(platforms, devices, score_rows)` builds the graphs; `cuda_only` says why, if
+        only CUDA can; `score_rows` > 0: the main export has validation's `score_loss`."""
         self._export = export
         self.main_platforms = main_platforms
+        self.score_rows = score_rows
         self._cuda_only = cuda_only
         self._made: dict[Shape, TrainingGraphs] = {}
         self._locks: dict[Shape, trio.Lock] = {}
@@ -57,7 +67,7 @@ class GraphLibrary:
         """The graphs of `workload` trained with `inner` as `config` says (chunk, attention)."""
         cudnn = config.model.attention == "cudnn"
 
-        def export(platforms: tuple[str, ...], devices: int) -> TrainingGraphs:
+        def export(platforms: tuple[str, ...], devices: int, score_rows: int) -> TrainingGraphs:
             here = jax.device_count()
             if cudnn and devices > here:  # JAX lowers cuDNN attention over real devices only
                 raise LayoutError(
@@ -78,6 +88,7 @@ class GraphLibrary:
                 devices=devices,
                 sharding=config.sharding.to_wire(),
                 exchange_dtype=workload.compute_dtype,
+                score_rows=score_rows,
             )
 
         # cuDNN attention exists only on CUDA, and its kernels are custom calls
@@ -85,11 +96,12 @@ class GraphLibrary:
             export,
             ("cuda",) if cudnn else tuple(config.model.platforms),
             cuda_only="this run uses --attention cudnn" if cudnn else "",
+            score_rows=config.outer.validate_rows if config.outer.validating else 0,
         )
 
     def export_main(self) -> TrainingGraphs:
         """The run's first export, for `main_platforms` (blocking: call it in a thread)."""
-        self.main = self._export(self.main_platforms, 1)
+        self.main = self._export(self.main_platforms, 1, self.score_rows)
         self._made[self.main_platforms, 1] = self.main
         return self.main
 
@@ -125,7 +137,7 @@ class GraphLibrary:
         async with lock:  # workers of one new shape joining together wait for one export
             if shape not in self._made:
                 try:
-                    self._made[shape] = await trio.to_thread.run_sync(self._export, *shape)
+                    self._made[shape] = await trio.to_thread.run_sync(self._export, *shape, 0)
                 except LayoutError as exc:  # this worker's devices cannot split the batch
                     raise Unservable(str(exc)) from None
                 except Exception as exc:  # jax raises many types for a platform it cannot lower
