@@ -23,6 +23,7 @@ from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
 from pcp_tui.contract.auth import new_token
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.shepherd.run.checkpoint import CheckpointError, CheckpointRefused, keep_token
+from pcp_tui.shepherd.serving.listening import open_files_for
 from pcp_tui.training.corpus import DataError, MissingData
 from pcp_tui.training.model_file import ModelFileError
 
@@ -48,6 +49,9 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
             keep_token(config.checkpoints.dir, token)
         except CheckpointError as exc:
             print(f"pcp-tui: warning: {exc}", file=sys.stderr, flush=True)
+    files = open_files_for(config.worker_connections, config.network.streams)
+    if files:
+        print(f"pcp-tui: warning: {files}", file=sys.stderr, flush=True)
     print(f"loading data and model ({config.model.name})...", flush=True)
     workload = build_workload(config, shards=shards)
     print(

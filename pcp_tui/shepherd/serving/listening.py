@@ -9,6 +9,7 @@ routing table for this machine's outward address instead.
 from __future__ import annotations
 
 import errno
+import resource
 import socket
 
 import trio
@@ -17,6 +18,8 @@ from pcp_tui.config.service import NetworkConfig
 from pcp_tui.contract.tls import ServerTLS
 
 EVERYWHERE = ("0.0.0.0", "::", "")  # hosts that mean "every interface of this machine"
+# descriptors beside the workers' sockets: listeners, the API's, files, JAX's, refused peers
+SPARE_FILES = 256
 
 
 class CannotListen(OSError):
@@ -38,6 +41,30 @@ async def open_listeners(network: NetworkConfig) -> tuple[list[trio.SocketListen
             f"cannot listen on {where} ({exc.strerror}); pick another --port"
         ) from None
     return listeners, listeners[0].socket.getsockname()[1]
+
+
+def open_files_for(connections: int, streams: int) -> str:
+    """Raise this process's open-files soft limit to what `connections` admitted workers of
+    `streams` sockets each need (up to the hard limit); "" or a warning saying what to do.
+
+    Linux starts most shells at a soft limit of 1,024: a thousand workers, or 250 with
+    --streams 4, would otherwise fail in `accept` ("Too many open files") as they join.
+    """
+    needed = connections * streams + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return ""
+    raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if raised > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if raised >= needed:
+        return ""
+    return (
+        f"{connections} worker connection(s) x {streams} stream(s) need about {needed} open "
+        f"files and this process may hold {raised} (its hard limit): raise it (`ulimit -Hn "
+        f"{needed}` as root, or LimitNOFILE= in a systemd unit) or lower "
+        "--max-worker-connections"
+    )
 
 
 def advertised(host: str) -> str:
