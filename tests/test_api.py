@@ -288,9 +288,9 @@ def test_the_api_serves_from_the_dashboards_guest_run_and_its_cancel_stops_it(mo
             await wait_until(pilot, lambda: shepherd.state.status == "waiting")
             assert (await client.get("/v1/job")).json()["status"] == "waiting"
             assert (await client.post("/v1/job/cancel")).status_code == 202
-            await wait_until(pilot, lambda: shepherd.state.status == "stopped")
+            await wait_until(pilot, lambda: shepherd.state.status == "cancelled")
             await pilot.press("q")
             await wait_until(pilot, lambda: not app.is_running)
 
     scenario()
-    assert shepherd.state.status == "stopped" and not shepherd.state.history
+    assert shepherd.state.status == "cancelled" and not shepherd.state.history

@@ -25,7 +25,7 @@ from pcp_tui.app.worker_view import WorkerStatusView, status_line
 from pcp_tui.config import RunConfig
 from pcp_tui.shepherd.coordinator import RunFailed
 from pcp_tui.shepherd.run.events import Listening, Waiting
-from pcp_tui.shepherd.run.state import RunState, WorkerView
+from pcp_tui.shepherd.run.state import RunState, RunStatus, WorkerView
 from pcp_tui.testing.dashboard import (
     NOW,
     fake_state,
@@ -64,11 +64,13 @@ class StandInShepherd:
         if self.failure:
             raise RunFailed(self.failure)
         await self._stop.wait()
-        self.state.status = "stopped"
+        self.state.status = self._ended_as
         self.state.finished_at = trio.current_time()  # any number: freezes elapsed
         for listener in listeners:
             await listener.aclose()
         return self.state
+
+    _ended_as = RunStatus.STOPPED  # as the real one: stopped, or cancelled for good
 
     def request_stop(self, reason: str) -> None:
         trio.lowlevel.current_trio_token()  # raises outside trio: commands must be routed in
@@ -78,6 +80,7 @@ class StandInShepherd:
     def cancel(self, reason: str) -> None:
         trio.lowlevel.current_trio_token()
         self.commands.append(f"cancel: {reason}")
+        self._ended_as = RunStatus.CANCELLED
         self._stop.set()
 
     def stop_now(self, reason: str) -> None:
@@ -110,7 +113,7 @@ async def test_quit_stops_the_guest_run_then_exits():
         await wait_until(pilot, lambda: not app.is_running)
     assert shepherd.commands == ["pause", "resume", "cancel: quit from the dashboard"]
     assert app.return_code == 0 and not app.guest_running
-    assert shepherd.state.status == "stopped"
+    assert shepherd.state.status == "cancelled"
 
 
 @run_async
@@ -379,7 +382,7 @@ async def test_dashboard_hosts_a_real_run_and_quits_cleanly():
             if process.returncode is None:
                 process.kill()
     assert app.return_code == 0
-    assert state.status == "stopped" and len(state.history) < 40
+    assert state.status == "cancelled" and len(state.history) < 40
     assert [p.returncode for p in processes] == [0, 0]
     assert math.isfinite(state.history[-1].train_loss)
     assert f"{len(state.history)}/40 rounds" in summary(state)
@@ -413,7 +416,7 @@ async def test_q_before_the_local_workers_joined_ends_them_with_the_run():
         for process in processes:
             if process.returncode is None:
                 process.kill()
-    assert shepherd.state.status == "stopped" and not shepherd.state.history
+    assert shepherd.state.status == "cancelled" and not shepherd.state.history
     assert all(process.returncode is not None for process in processes)
 
 

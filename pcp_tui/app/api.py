@@ -41,7 +41,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from pcp_tui.app.api_bodies import (
-    FINISHED,
     RunCollector,
     controller_json,
     job_json,
@@ -52,7 +51,7 @@ from pcp_tui.app.api_connections import CappedServer
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.shepherd.run.events import StopRequested
-from pcp_tui.shepherd.run.state import RunState, finite_or_null
+from pcp_tui.shepherd.run.state import FINISHED, RunState, finite_or_null
 from pcp_tui.shepherd.serving.listening import EVERYWHERE, address_for_others
 
 __all__ = ["OperatorAPI", "bearer_token", "run_with_api"]

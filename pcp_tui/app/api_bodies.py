@@ -17,10 +17,8 @@ from prometheus_client.registry import Collector
 
 from pcp_tui import __version__
 from pcp_tui.shepherd.run.history import RoundRecord
-from pcp_tui.shepherd.run.state import RunState, WorkerView
+from pcp_tui.shepherd.run.state import RunState, RunStatus, WorkerView
 
-FINISHED = ("done", "failed", "stopped")
-RUN_STATUSES = ("starting", "waiting", "training", "paused", *FINISHED)
 _RECENT_ROUNDS = 100  # rounds /v1/metrics lists; its totals cover the whole run
 
 
@@ -167,8 +165,8 @@ class RunCollector(Collector):
         status = GaugeMetricFamily(
             "pcp_run_status", "1 for the run's current status", labels=["status"]
         )
-        for name in RUN_STATUSES:
-            status.add_metric([name], 1 if state.status == name else 0)
+        for each in RunStatus:
+            status.add_metric([each.value], 1 if state.status == each else 0)
         yield status
         yield GaugeMetricFamily("pcp_round", "Round in progress (or last run)", value=state.round)
         yield GaugeMetricFamily(

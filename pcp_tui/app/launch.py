@@ -321,7 +321,7 @@ async def _worker_process(
         for fd in (parent_end, demo_end):
             if fd is not None:
                 os.close(fd)
-    if process.returncode != 0 and shepherd.state.status not in ("done", "stopped", "failed"):
+    if process.returncode != 0 and not shepherd.state.status.finished:
         shepherd.abort(
             f"local worker {index} exited with code {process.returncode} (its reason is above)"
         )

@@ -376,11 +376,16 @@ class Shepherd:
 
     def _finished(self) -> None:
         """The run is done, or stopped (then its round may be unfinished: `stop_now`)."""
-        self.state.status = RunStatus.STOPPED if self._stop_reason else RunStatus.DONE
-        said = "cancelled" if self._cancelled else self.state.status  # not to be resumed
+        self.state.status = (
+            RunStatus.CANCELLED
+            if self._cancelled  # not to be resumed
+            else RunStatus.STOPPED
+            if self._stop_reason
+            else RunStatus.DONE
+        )
         self.state.emit(
             Done(
-                f"run {said} {self.state.rounds_summary()}",
+                f"run {self.state.status} {self.state.rounds_summary()}",
                 rounds=self.state.rounds_done(),  # counting those before a --resume
                 final_eval_loss=self.state.last_eval_loss(),
                 seconds=self.state.elapsed(),

@@ -27,7 +27,6 @@ from pcp_tui.app.dashboard.guest_run import SpawnWorkers
 from pcp_tui.app.dashboard.key_actions import KeyActions
 from pcp_tui.app.dashboard.loss_chart import StepMeans
 from pcp_tui.app.dashboard.run_text import (
-    FINISHED,
     EventNotes,
     header_note,
     status_text,
@@ -37,7 +36,7 @@ from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, RoundTiming, RunHeader, WorkerTable
 from pcp_tui.app.dashboard.worker_detail import WorkerHistory
 from pcp_tui.shepherd.run.events import Event
-from pcp_tui.shepherd.run.state import RunState
+from pcp_tui.shepherd.run.state import FINISHED, RunState
 
 __all__ = ["REFRESH_SECONDS", "DashboardApp", "SpawnWorkers", "run_dashboard", "summary"]
 

@@ -18,11 +18,10 @@ import trio
 from textual.app import App
 
 from pcp_tui.app.api import run_with_api
-from pcp_tui.app.dashboard.run_text import FINISHED
 from pcp_tui.app.dashboard.signals import StopSignals
 from pcp_tui.app.local_run import run_with_local_workers
 from pcp_tui.shepherd.run.events import StopRequested
-from pcp_tui.shepherd.run.state import RunState, RunStatus
+from pcp_tui.shepherd.run.state import FINISHED, RunState, RunStatus
 
 SpawnWorkers = Callable[[trio.Nursery, int], Awaitable[list[trio.Process]]]
 

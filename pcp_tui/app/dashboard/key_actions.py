@@ -14,9 +14,9 @@ from textual.widgets import Input
 
 from pcp_tui.app.dashboard.guest_run import GuestRun
 from pcp_tui.app.dashboard.help_screen import HelpScreen
-from pcp_tui.app.dashboard.run_text import FINISHED
 from pcp_tui.app.dashboard.widgets import EventLog, LossChart, WorkerTable
 from pcp_tui.app.dashboard.worker_detail import WorkerDetail, WorkerHistory
+from pcp_tui.shepherd.run.state import FINISHED
 
 
 class KeyActions(GuestRun):

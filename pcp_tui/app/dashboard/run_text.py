@@ -11,9 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pcp_tui.shepherd.run.events import Event, PeerRefused
-from pcp_tui.shepherd.run.state import RunState
-
-FINISHED = ("done", "failed", "stopped")
+from pcp_tui.shepherd.run.state import FINISHED, RunState
 
 
 @dataclass

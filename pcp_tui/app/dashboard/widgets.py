@@ -19,7 +19,7 @@ from pcp_tui.app.dashboard.worker_table import WorkerTable
 from pcp_tui.app.headless import human_bytes
 from pcp_tui.shepherd.run.events import Event, RoundDone
 from pcp_tui.shepherd.run.history import RoundRecord
-from pcp_tui.shepherd.run.state import RunState
+from pcp_tui.shepherd.run.state import RunState, RunStatus
 
 __all__ = ["EventLog", "LossChart", "RoundTiming", "RunHeader", "WorkerTable"]
 
@@ -32,7 +32,7 @@ def _fit(candidates: Sequence[Text], width: int) -> Text:
     return candidates[-1]
 
 
-_STATUSES = ("starting", "waiting", "training", "paused", "done", "failed", "stopped")
+_STATUSES = tuple(RunStatus)
 
 
 class RunHeader(Static):

@@ -32,11 +32,15 @@ class RunStatus(enum.StrEnum):
     PAUSED = "paused"
     DONE = "done"
     FAILED = "failed"
-    STOPPED = "stopped"
+    STOPPED = "stopped"  # by the operator, resumable (its checkpoint, `--resume`)
+    CANCELLED = "cancelled"  # for good: its workers exit
 
     @property
     def finished(self) -> bool:
-        return self in (RunStatus.DONE, RunStatus.FAILED, RunStatus.STOPPED)
+        return self in FINISHED
+
+
+FINISHED = frozenset({RunStatus.DONE, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED})
 
 
 class WorkerState(enum.StrEnum):

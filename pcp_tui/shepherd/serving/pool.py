@@ -378,7 +378,7 @@ class WorkerPool:
         return link
 
     def _mark_gone(self, link: WorkerLink, state: str, reason: str) -> None:
-        ending = self.state.status in ("done", "stopped", "failed") or self._stopping()
+        ending = self.state.status.finished or self._stopping()
         if ending:
             state = WorkerState.LEFT  # the run is ending: a closing connection is expected
         if self._links.get(link.worker_id) is link:
