@@ -69,7 +69,7 @@ def test_resume_alone_continues_the_run_as_saved(tmp_path, monkeypatch):
     assert stat.S_IMODE((tmp_path / "ck" / "token").stat().st_mode) == 0o600
 
 
-def test_an_option_given_again_overrides_where_safe(tmp_path, monkeypatch):
+def test_an_option_given_again_overrides_where_safe_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("PCP_TOKEN", raising=False)
     _saved_run(tmp_path / "ck")
     config = _resumed(
@@ -79,6 +79,12 @@ def test_an_option_given_again_overrides_where_safe(tmp_path, monkeypatch):
     assert (config.network.port, config.network.workers, config.outer.rounds) == (9200, 5, 40)
     assert (config.operator.metrics, config.security.token) == ("new.jsonl", "other")
     assert config.inner.steps == 7  # given again with the saved value: no change, no refusal
+    saved = SAVED.flat()
+    assert capsys.readouterr().out == (
+        f"resuming {tmp_path / 'ck'} with --rounds 40 (was {saved['rounds']}), --port 9200 "
+        f"(was {saved['port']}), --workers 5 (was {saved['workers']}), --metrics new.jsonl "
+        f"(was {saved['metrics']})\n"
+    )  # in the options' order; the token is never shown, --inner-steps 7 changed nothing
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,8 @@ _NOT_RESTORED = ("resume", "checkpoint_dir", "token")
 
 
 def resumed_config(directory: str, given: dict[str, Any], defaults: RunConfig) -> RunConfig:
-    """The run saved in `directory`, with the options in `given` that may change applied.
+    """The run saved in `directory`, with the options in `given` that may change applied
+    (printed, each with its saved value: "resuming DIR with --rounds 40 (was 20)").
 
     ConfigError for an option that would change the run's meaning, or a saved record
     that is not a run's options; CheckpointError when there is no checkpoint to read.
@@ -43,6 +44,16 @@ def resumed_config(directory: str, given: dict[str, Any], defaults: RunConfig) -
             )
     values = {**saved, **given, "resume": directory}
     values["checkpoint_dir"] = given.get("checkpoint_dir") or directory  # keep saving there
+    changed = [
+        f"{flat_names(RunConfig)[flat].flag} {_shown(given[flat])} (was {_shown(saved[flat])})"
+        for flat in flat_names(RunConfig)
+        if flat in given
+        and flat in saved
+        and given[flat] != saved[flat]
+        and flat not in _NOT_RESTORED
+    ]
+    if changed:  # say what differs from the run as it was, so a typo shows
+        print(f"resuming {directory} with {', '.join(changed)}", flush=True)
     return defaults.replace(**values)
 
 
