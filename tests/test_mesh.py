@@ -71,6 +71,9 @@ def test_sharding_section_reads_from_toml_in_order(tmp_path):
     path.write_text('[sharding]\nmodes = "fsdp"\n')
     with pytest.raises(ConfigError, match="unknown option 'modes'.*did you mean 'mode'"):
         load_config_file(path)
+    path.write_text('[sharding]\nmode = "fsdpp"\n')  # named as the file names it: no such flag
+    with pytest.raises(ConfigError, match=r"^\[sharding\] mode must be one of data, fsdp, got"):
+        RunConfig(**load_config_file(path)).validate()
 
 
 def test_first_matching_rule_decides_then_the_mode():

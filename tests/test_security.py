@@ -276,3 +276,12 @@ async def test_tls_run_and_workers_that_do_not_trust_the_shepherd(
     assert round_workers(tmp_path / "m") == [2, 2]
     assert "TLS handshake failed" in shepherd.output
     assert shepherd.output.count("session striped over 2 connections") == 2, shepherd.output
+
+
+def test_a_new_token_never_reads_as_a_flag_after_token():
+    """Pasted as `--token TOKEN`, one in 64 random tokens began with "-" and argparse took it
+    for a flag; the join command the shepherd printed then failed."""
+    tokens = {auth.new_token() for _ in range(2000)}
+    assert len(tokens) == 2000 and all(len(t) == 24 for t in tokens)
+    assert not any(t.startswith("-") for t in tokens)
+    assert any("-" in t[1:] for t in tokens)  # the alphabet is still URL-safe base64's

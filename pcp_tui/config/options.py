@@ -122,6 +122,10 @@ class Spec:
 
     @property
     def flag(self) -> str:
+        """`--inner-steps`; an option with no flag (`cli=False`) as its --config file names it,
+        `[sharding] mode`."""
+        if not self.option.cli:
+            return f"[{self.section}] {self.name}"
         return "--" + (self.option.flag or self.flat).replace("_", "-")
 
     @property

@@ -233,8 +233,8 @@ class OuterConfig:
         choices=("loss-delta", "off"),
         help="check each result by the loss change it causes on the batches it trained on "
         "(two eval passes a result, or a fragment result, on the shepherd; refuses one that "
-        "lowers that loss no more than its reverse would, or blows it up; with a robust "
-        "--aggregate)",
+        "lowers that loss no more than its reverse would, or blows it up; ignored with "
+        "--aggregate mean, which is DiLoCo's arithmetic)",
     )
     validate_rows: int = option(
         16,
@@ -330,7 +330,9 @@ class ShardingConfig:
 # different value (pcp_tui.app.resume). Options elsewhere (where the shepherd listens, who
 # joins, where it writes, what it shows) may change from one resume to the next, as may these:
 RUN_SECTIONS = ("model", "data", "inner", "outer", "evaluation")
-FREE_ON_RESUME = frozenset({"rounds", "chunk_steps", "platforms", "attention", "eval_every"})
+FREE_ON_RESUME = frozenset(
+    {"rounds", "chunk_steps", "platforms", "attention", "eval_every", "validate_rows"}
+)
 
 
 def defines_run(flat: str) -> bool:

@@ -10,7 +10,11 @@ NONCE_BYTES = 32
 
 
 def new_token() -> str:
-    return secrets.token_urlsafe(18)
+    """24 URL-safe characters, never starting with "-" (pasted after `--token`, such a token
+    read as a flag: `error: argument --token: expected one argument`)."""
+    while (token := secrets.token_urlsafe(18)).startswith("-"):
+        pass
+    return token
 
 
 def new_nonce() -> bytes:
