@@ -97,6 +97,17 @@ class Assignment:
     steps: int
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A result folded into its round before its check (`shepherd/rounds/checks.py`): its
+    sender, tensors, weight in the aggregate (its tokens) and what it trained on."""
+
+    worker_id: str
+    tensors: Mapping[str, np.ndarray]
+    weight: float
+    assignment: Assignment
+
+
 class AssignedBatches:
     """N of the batches a worker trained on in a round, drawn as the worker draws them."""
 
