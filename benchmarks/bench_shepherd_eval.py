@@ -95,6 +95,7 @@ def main() -> None:
         runs.append((args.eval_batches[-1], "loss-delta", args.before))
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
+        os.chdir(workdir)  # `python -m` puts the working directory first: not this checkout
         for batches, mode, code in runs:
             label = f"eval{batches}-{mode}" + ("-before" if code else "")
             print(f"running {label}...", file=sys.stderr, flush=True)
@@ -138,7 +139,7 @@ def main() -> None:
         off = next(r for r in rows if r["batches"] == last and r["mode"] == "off")
         for row in rows:
             if row["batches"] == last and row["mode"] != "off":
-                name = row["mode"].replace(" (before)", "_before")
+                name = row["mode"].replace(" (before)", "_before").replace("-", "_")
                 print(f"ratio_busy_{name}_vs_off={row['busy'] / off['busy']:.3f}")
         return
     last = rows[-1]

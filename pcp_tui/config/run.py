@@ -232,8 +232,9 @@ class OuterConfig:
         "loss-delta",
         choices=("loss-delta", "off"),
         help="check each result by the loss change it causes on the batches it trained on "
-        "(two eval passes a result, or a fragment result, on the shepherd; refuses one that "
-        "lowers that loss no more than its reverse would, or blows it up; with a robust "
+        "(two eval passes a result, or a fragment result, on the shepherd, while the next "
+        "round trains; refuses one that lowers that loss no more than its reverse would, or "
+        "blows it up, and takes it out of its round's step a round late; with a robust "
         "--aggregate)",
     )
     compression: str = option(

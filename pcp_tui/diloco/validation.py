@@ -30,16 +30,17 @@ honest one would pass this half; a vanishing result moves neither loss. A result
 that leaves its own batches' loss over `BLOW_UP` times higher (or non-finite) is
 refused whatever its reverse does (`Refusal.BLOWN_UP`: the inner training diverged,
 `shepherd/rounds/divergence.py` reads it). One that passes keeps its token weight.
-Refused, it never reaches the aggregate, so it cannot shrink a centered clip's
-radius either.
+The shepherd runs these checks after the round's outer step, while the next
+round trains, and takes a refused result out of its round's step then
+(`shepherd/rounds/checks.py`).
 
 Streaming DiLoCo scores each fragment's results with the fragment's own validator,
 the same way: Δ_f names fragment f's tensors only, and θ − Δ_f moves those alone.
 θ is what the worker held outside f's own progress when it sent Δ_f: fragment f's
 global value as it was sent (it changes only at f's own sync), the new global
 values of the fragments before f (the worker merged them before f's send point;
-the engine scores f's results once their outer steps are done) and the round's
-start for the later ones (read from a copy: outer steps write in place). Scored
+f's check starts once their outer steps are done) and the round's start for the
+later ones (all read from copies: outer steps write in place). Scored
 with the earlier fragments at the round's start instead, honest fragment results
 were refused (inner SGD at lr 0.1, the paper's mix at α = 0: 3 of 16 in 4 rounds;
 none so; docs/security.md has the rest). V_f is drawn from the worker's steps of
@@ -172,8 +173,8 @@ class AssignedBatches:
 class LossDeltaValidator:
     """Scores a round's results by the loss change they cause; refuses those that go nowhere.
 
-    `begin(number, params)` once a round, before its first result; then
-    `weigh(pseudo_gradient, tokens, assignment)` per result, before it is folded in.
+    `begin(number, params)` once a round's results are scored; then
+    `weigh(pseudo_gradient, tokens, assignment)` per result.
     """
 
     def __init__(

@@ -11,6 +11,9 @@ and concurrently: the fragment's results are collected (`rounds.collect`:
 (`rounds.Round.add`), its outer step runs, and its new global value goes back
 to every worker of the round (with --compression as its change, encoded once).
 A fragment with no result keeps its global value and is sent back as it is.
+Where the run validates results (`--validate loss-delta`), each fragment's
+results are checked after its step, while the next round trains, and a
+refusal is taken out of that step before the next one (`checks.py`).
 
 `record_round` turns the round into the `RoundRecord` the history keeps. The
 run around the rounds (admission, the rounds loop, checkpoints, goodbye) is
