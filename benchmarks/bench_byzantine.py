@@ -200,8 +200,6 @@ class Simulation:
             if isinstance(mean, CenteredClip):
                 mean.step_scale = round_lr_sum(cfg, number)
             start = {n: v.copy() for n, v in params.items()}  # the workers' start: scored on
-            aggregate_state = {n: np.array(v) for n, v in mean.state_arrays().items()}
-            mean.reset()
             results = {}
             for k in range(workers):
                 results[k], opt_states[k] = self._train(k, number, params, opt_states[k])
@@ -209,7 +207,14 @@ class Simulation:
             honest_results = [results[k] for k in range(workers) if k not in attacking]
             for k in attacking:
                 results[k] = scenario.attack(results[k], honest_results, screen.bound, rng)
-            kept = []  # folded in at once; checked after the step, as the engine does
+            if correction is not None:  # the last round's refusals leave its step now
+                params.update(correction.params)
+                outer.state = correction.outer_state
+                mean.load_state_arrays(correction.aggregate)
+            # the engine folds as results come, then again after a correction: the same sums
+            aggregate_state = {n: np.array(v) for n, v in mean.state_arrays().items()}
+            mean.reset()
+            kept = []  # checked after the step, as the engine does
             for k in range(workers):
                 who = "attacker" if k in attacking else "honest"
                 try:
@@ -219,11 +224,6 @@ class Simulation:
                     continue
                 mean.add(results[k], float(tokens), key=str(k))
                 kept.append(Kept(str(k), results[k], float(tokens), Assignment(k, k, steps)))
-            if correction is not None:  # the last round's refusals leave its step now
-                params.update(correction.params)
-                outer.state = correction.outer_state
-                if correction.retake and isinstance(mean, CenteredClip):
-                    mean.retake_last_round(correction.median)
             correction = None
             if mean.contributors:
                 mean.finish()

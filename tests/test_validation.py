@@ -250,8 +250,8 @@ class _Engine:
 
 
 def _stepped(config, theta, rounds: list[list[dict]]):
-    """θ and the outer state after outer steps on `rounds`' results (each a list, in the order
-    folded in): what a run that had refused the others as they came would hold."""
+    """θ and the outer and aggregate state after outer steps on `rounds`' results (each a list,
+    in the order folded in): what a run that had refused the others as they came would hold."""
     from pcp_tui.diloco.aggregate import make_aggregate
     from pcp_tui.diloco.outer import OuterOptimizer
     from pcp_tui.shepherd.rounds.engine import round_lr_sum
@@ -268,7 +268,7 @@ def _stepped(config, theta, rounds: list[list[dict]]):
             aggregate.add(delta, tokens, key=f"w{index}")
         aggregate.finish()
         outer.apply(params, aggregate.sums, aggregate.scale)
-    return params, outer.state_arrays()
+    return params, {**outer.state_arrays(), **aggregate.state_arrays()}
 
 
 def test_the_next_round_starts_while_the_last_ones_results_are_checked(run):
@@ -316,24 +316,32 @@ def test_the_next_round_starts_while_the_last_ones_results_are_checked(run):
 
 
 def test_a_refused_result_is_taken_out_of_its_step_exactly(run):
-    """Centered clip (the default) and outer Nesterov: round 1 folds in w0's honest result and
-    w1's flipped one; its check refuses the flip, and `settle` (the run's end, a checkpoint)
-    replaces θ and the outer state by the step without it: the same bits as a run that
-    refused it as it came (the same fold of the same results, from the same state)."""
+    """Centered clip (the default) and outer Nesterov. Round 1 folds in w0's honest result and
+    w1's flipped one; round 2 both honest ones, as round 1's check (refusing the flip) still
+    runs. Round 2's step takes the flip out of round 1's (θ, outer state, the clip's center
+    and radius history) and folds round 2's results again against the corrected center and
+    radius: θ and every state then equal, to the bit, a run that refused the flip as it came
+    and got the same round 2 results (the same folds of the same results from the same
+    states). `settle` (the run's end) takes in round 2's check (nothing refused)."""
     *_, theta, deltas = run
     late = _Engine(run, "centered-clip")
-    late.release.set()
+    flipped = _times(deltas[1], -1.0)
 
     async def main() -> None:
         async with trio.open_nursery() as checks:
-            await late.round(1, {"w0": deltas[0], "w1": _times(deltas[1], -1.0)}, checks)
+            await late.round(1, {"w0": deltas[0], "w1": flipped}, checks)
+            checks.start_soon(trio.to_thread.run_sync, late.release.set)
+            await late.round(2, {"w0": deltas[0], "w1": deltas[1]}, checks)
             await late.engine.settle()
 
     trio.run(main)
-    assert [(v.counted, v.uncounted) for v in late.engine.verdicts()] == [(["w0"], ["w1"])]
-    params, state = _stepped(late.config, theta, [[deltas[0]]])
+    verdicts = [(v.number, sorted(v.counted), v.uncounted) for v in late.engine.verdicts()]
+    assert verdicts == [(1, ["w0"], ["w1"]), (2, ["w0", "w1"], [])]
+    # two results a round sum the same bits in either order: their arrival order is free
+    params, state = _stepped(late.config, theta, [[deltas[0]], [deltas[0], deltas[1]]])
     for name, value in params.items():
         np.testing.assert_array_equal(late.engine.params[name], value, err_msg=name)
     arrays = late.engine.state_arrays()
+    assert {n for n in arrays if n.startswith("[0]")} == {f"[0]{n}" for n in state}
     for name, value in state.items():
         np.testing.assert_array_equal(arrays[f"[0]{name}"], value, err_msg=name)

@@ -232,19 +232,6 @@ class CenteredClip:
         return [entry.scale for entry in self.partial.results.values()]
 
     @property
-    def round_medians(self) -> tuple[float, ...]:
-        """The recent rounds' median distances per step scale, oldest first (the radius's)."""
-        return tuple(self._medians)
-
-    def retake_last_round(self, median: float | None) -> None:
-        """The last round's median distance is `median` after all (None: the round had no
-        result): a late check took results out of it (`shepherd/rounds/checks.py`)."""
-        if self._medians:
-            self._medians.pop()
-        if median is not None:
-            self._medians.append(median)
-
-    @property
     def sums(self) -> Mapping[str, np.ndarray]:
         return self.partial.sums
 
@@ -272,6 +259,8 @@ class CenteredClip:
         """
         keys = {n: f"aggregate.center[{n!r}]" for n in self._names}
         if not all(key in arrays for key in keys.values()):
+            self.center, self.center_scale = None, 0.0
+            self._medians.clear()
             return
         self.center = {n: np.array(arrays[key], np.float32) for n, key in keys.items()}
         self._medians.clear()

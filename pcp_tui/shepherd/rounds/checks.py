@@ -20,12 +20,15 @@ the result replaces θ and the optimizer state: they are then what a run that
 refused those results as they came would hold, to the bit (`tests/
 test_validation.py`). For Nesterov and SGD that is the same as adding the
 difference of the two steps, which is linear in the aggregate, but without its
-rounding. Round r + 1's own results were trained from the uncorrected θ; they
-are folded in as they came, and its step is taken from the corrected θ. The
-aggregate's history of median distances (centered clip's radius) is corrected
-too; its center, which round r + 1's results were clipped against already, is
-not. With --compression, round r + 1's update travels as its change from what
-the workers hold (the uncorrected θ), so it carries the correction to them.
+rounding. The aggregate's state (centered clip's center and history of median
+distances, hence its radius) is replaced the same way, and round r + 1's results,
+folded in as they came against the uncorrected center and radius, are folded
+again against the corrected ones before its step (`RoundEngine._refold`): given
+the same results, round r + 1's step is then the one a run that refused round
+r's results as they came would take. What is not undone is that round r + 1's
+workers trained from the uncorrected θ. With --compression, round r + 1's update
+travels as its change from what the workers hold (the uncorrected θ), so it
+carries the correction to them.
 
 A refusal is reported (`bad_result`, probation: `results.note_refusal`) as the
 check ends, a round after the result came; the round's history entry loses the
@@ -90,8 +93,7 @@ class Correction:
 
     params: dict[str, np.ndarray]  # its tensors
     outer_state: Any  # its outer optimizer's state
-    retake: bool  # whether the round added a median distance to the clip's history
-    median: float | None  # that median without the refused results (None: none counted)
+    aggregate: dict[str, np.ndarray]  # its aggregate's `state_arrays` (centered clip's center)
 
 
 def recompute(
@@ -107,20 +109,17 @@ def recompute(
     """
     params = {n: np.array(v, np.float32) for n, v in before.params.items()}
     outer.state = before.outer_state
-    retake = isinstance(aggregate, CenteredClip) and bool(before.aggregate)
-    median = None
-    if counted:
-        aggregate.load_state_arrays(before.aggregate)
-        if isinstance(aggregate, CenteredClip):
-            aggregate.step_scale = before.step_scale
-        aggregate.reset()
-        for kept in counted:
-            aggregate.add(kept.tensors, kept.weight, key=kept.worker_id)
-        aggregate.finish()
-        outer.apply(params, aggregate.sums, aggregate.scale)
-        if isinstance(aggregate, CenteredClip) and retake:
-            median = aggregate.round_medians[-1]
-    return Correction(params, outer.state, retake, median)
+    if not counted:  # no step: the state stays as the round found it
+        return Correction(params, outer.state, dict(before.aggregate))
+    aggregate.load_state_arrays(before.aggregate)
+    if isinstance(aggregate, CenteredClip):
+        aggregate.step_scale = before.step_scale
+    aggregate.reset()
+    for kept in counted:
+        aggregate.add(kept.tensors, kept.weight, key=kept.worker_id)
+    aggregate.finish()
+    outer.apply(params, aggregate.sums, aggregate.scale)
+    return Correction(params, outer.state, aggregate.state_arrays())
 
 
 class Check:

@@ -366,16 +366,25 @@ class RoundEngine:
 
     async def _join(self, p: int) -> Correction | None:
         """Wait for the last round's check of fragment p; its correction, if it refused any
-        result (the clip's history is corrected here, before this round's closes)."""
+        result (the aggregate's state is corrected here, before this round's step)."""
         check, self._pending[p] = self._pending[p], None
         if check is None:
             return None
         await check.done.wait()
         correction = check.correction
-        aggregate = self.aggregates[p]
-        if correction is not None and correction.retake and isinstance(aggregate, CenteredClip):
-            aggregate.retake_last_round(correction.median)
+        if correction is not None:  # the aggregate's state as it would be without them
+            self.aggregates[p].load_state_arrays(correction.aggregate)
         return correction
+
+    def _refold(self, current: Round) -> None:
+        """Fold `current`'s results again, in the order they came, into its aggregate as the
+        last round's correction left it (centered clip: its center and radius; a
+        coordinate-wise aggregate keeps nothing across rounds, the mean is not validated)."""
+        aggregate = current.mean
+        if isinstance(aggregate, CenteredClip):
+            aggregate.reset()
+            for kept in current.kept:
+                aggregate.add(kept.tensors, kept.weight, key=kept.worker_id)
 
     def _correct(self, p: int, correction: Correction) -> None:
         """Fragment p's tensors and outer state as its last step without the refused results
@@ -435,6 +444,8 @@ class RoundEngine:
         mean = None
         if current.contributors:
             mean = current.mean
+            if correction is not None:
+                await trio.to_thread.run_sync(self._refold, current)
             scales = await trio.to_thread.run_sync(mean.finish)
             self._say_clipped(current, scales)
         update, before = await trio.to_thread.run_sync(
@@ -531,7 +542,7 @@ class RoundEngine:
                 before = Before(
                     copy_tensors(own) if correction else {n: copies.start[n] for n in own},
                     None if part.state is None else copy_tree(part.state),
-                    copies.aggregates[p],
+                    correction.aggregate if correction else copies.aggregates[p],
                     mean.step_scale if isinstance(mean, CenteredClip) else 1.0,
                 )
             self.outer.apply(p, self.params, mean.sums, mean.scale)
