@@ -11,7 +11,8 @@ inner-optimizer bound), the aggregate, the loss-delta validator, and the outer
 step. As in the engine, a round's results that pass the screen are folded in at
 once and checked after its outer step (`shepherd/rounds/checks.py`): the next
 round's workers train from that step, and a refusal leaves it (`checks.recompute`)
-before the next step. Worker k is index k on shard k of `--workers` shards, as in
+before the next step; the refused worker's next results are scored before they
+count (probation; its check is taken to end before the next round's results come). Worker k is index k on shard k of `--workers` shards, as in
 a real run whose workers join in order. Attackers train honestly, then send instead:
 
 - ``sign flip``: −Δ.
@@ -192,6 +193,7 @@ class Simulation:
         refused = {"attacker": 0, "honest": 0}
         evals, validate_seconds = [], 0.0
         correction = None  # the last round's check's, taken in before this round's step
+        probation: set[int] = set()  # workers whose last check refused them: scored as they come
         for number in range(1, cfg.outer.rounds + 1):
             screen.bound = update_bound(cfg, params)
             screen.norms.begin_round()
@@ -217,13 +219,16 @@ class Simulation:
             kept = []  # checked after the step, as the engine does
             for k in range(workers):
                 who = "attacker" if k in attacking else "honest"
+                claim = Assignment(k, k, steps)
                 try:
                     screen.check(results[k], tokens)
+                    if validator is not None and k in probation:  # scored before it counts
+                        validator.score(results[k], tokens, claim, number=number, params=start)
                 except BadResult:
                     refused[who] += 1
                     continue
                 mean.add(results[k], float(tokens), key=str(k))
-                kept.append(Kept(str(k), results[k], float(tokens), Assignment(k, k, steps)))
+                kept.append(Kept(str(k), results[k], float(tokens), claim, k in probation))
             correction = None
             if mean.contributors:
                 mean.finish()
@@ -240,12 +245,15 @@ class Simulation:
                     out = set()
                     for result in kept:
                         try:
-                            validator.weigh(result.tensors, tokens, result.assignment)
+                            if not result.checked:
+                                validator.weigh(result.tensors, tokens, result.assignment)
+                            probation.discard(int(result.worker_id))  # it counts
                         except BadResult:
                             refused[
                                 "attacker" if int(result.worker_id) in attacking else "honest"
                             ] += 1
                             out.add(result.worker_id)
+                            probation.add(int(result.worker_id))
                     validate_seconds += time.perf_counter() - started
                     if out:
                         counted = [r for r in kept if r.worker_id not in out]

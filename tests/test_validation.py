@@ -22,6 +22,7 @@ from pcp_tui.diloco.validation import (
     LossDeltaValidator,
     eval_loss,
 )
+from pcp_tui.shepherd.rounds.checks import corrected
 from pcp_tui.shepherd.rounds.engine import RoundEngine, inner_optimizer, tokens_per_step
 from pcp_tui.shepherd.rounds.results import OpenRounds, Round
 from pcp_tui.shepherd.run.graphs import GraphLibrary
@@ -229,6 +230,7 @@ class _Engine:
         validator, _ = _validator(run, watch=self._wait)
         self.engine.screens[0].validator = validator
         self.links: list = []  # made in trio, by the first round
+        self.refused_as_it_came: list[tuple[int, str]] = []
 
     def _wait(self) -> None:
         assert self.release.wait(timeout=600), "the test never released the check"
@@ -241,7 +243,11 @@ class _Engine:
         async def send(worker_id: str, delta) -> None:
             while (current := self.open_rounds.of(0)) is None or current.number != number:
                 await trio.sleep(0.01)
-            assert await current.add(worker_id, _result(self.config, delta, number))
+            try:
+                assert await current.add(worker_id, _result(self.config, delta, number))
+            except BadResult:  # as the pool takes it: the worker is out of the round
+                self.refused_as_it_came.append((number, worker_id))
+                current.finish(worker_id)
 
         async with trio.open_nursery() as nursery:
             for worker_id, delta in results.items():
@@ -345,3 +351,30 @@ def test_a_refused_result_is_taken_out_of_its_step_exactly(run):
     assert {n for n in arrays if n.startswith("[0]")} == {f"[0]{n}" for n in state}
     for name, value in state.items():
         np.testing.assert_array_equal(arrays[f"[0]{name}"], value, err_msg=name)
+
+
+def test_after_a_refusal_its_senders_results_are_checked_before_they_count(run):
+    """A refused result puts its sender on probation (`results.note_refusal`): its next
+    results are scored as they come, before they are folded in, as every result was before
+    checks ran a round late. A worker that flips every result taints one round's step
+    (the round its first flip was folded in), not every round's."""
+    *_, theta, deltas = run
+    late = _Engine(run, "centered-clip")
+    late.release.set()
+    flipped = _times(deltas[1], -1.0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as checks:
+            first = await late.round(1, {"w0": deltas[0], "w1": flipped}, checks)
+            assert first is not None
+            await corrected(first.checks)  # round 1's check has ended: w1 is on probation
+            second = await late.round(2, {"w0": deltas[0], "w1": flipped}, checks)
+            assert second is not None and second.contributors == ["w0"]
+            await late.engine.settle()
+
+    trio.run(main)
+    assert late.refused_as_it_came == [(2, "w1")]
+    verdicts = [(v.number, v.counted, v.uncounted) for v in late.engine.verdicts()]
+    assert verdicts == [(1, ["w0"], ["w1"]), (2, ["w0"], [])]
+    refused = [(e.worker, e.round) for e in late.state.events if e.kind == "bad_result"]
+    assert refused == [("w1", 1)]  # round 2's refusal is the pool's to report, as it comes

@@ -107,6 +107,7 @@ class Kept:
     tensors: Mapping[str, np.ndarray]
     weight: float
     assignment: Assignment
+    checked: bool = False  # scored before it was folded in (its sender was on probation)
 
 
 class AssignedBatches:
@@ -210,10 +211,25 @@ class LossDeltaValidator:
         batches while its reverse does at least as well, or blows that loss up."""
         if self._params is None:
             raise RuntimeError("LossDeltaValidator.begin must be called before a round's results")
-        batches = self._batches(assignment, self._number)
+        return self.score(
+            pseudo_gradient, tokens, assignment, number=self._number, params=self._params
+        )
+
+    def score(
+        self,
+        pseudo_gradient: Mapping[str, np.ndarray],
+        tokens: int,
+        assignment: Assignment,
+        *,
+        number: int,
+        params: Mapping[str, np.ndarray],
+    ) -> float:
+        """`weigh`, against round `number`'s `params` as given (no state of the validator's:
+        it may run beside a check of another round)."""
+        batches = self._batches(assignment, number)
         self.passes += 1
-        before = self._loss(self._params, batches)
-        after = self._moved(self._params, pseudo_gradient, -1, batches)
+        before = self._loss(params, batches)
+        after = self._moved(params, pseudo_gradient, -1, batches)
         if not math.isfinite(after) or after > BLOW_UP * abs(before):
             raise BadResult(
                 f"applied to the round's parameters it changes the loss on its own batches "
@@ -223,7 +239,7 @@ class LossDeltaValidator:
         tolerance = self.min_gain * abs(before)
         if before - after > tolerance:
             return float(tokens)
-        reverse = self._moved(self._params, pseudo_gradient, +1, batches)
+        reverse = self._moved(params, pseudo_gradient, +1, batches)
         if reverse - after > tolerance:  # downhill, overshooting: as an honest end point can
             return float(tokens)
         raise BadResult(

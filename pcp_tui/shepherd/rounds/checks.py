@@ -184,6 +184,8 @@ class Check:
         self._validator.begin(self.number, params)
         refused = []
         for kept in self.kept:
+            if kept.checked:  # scored as it came (`Round.add`: its sender was on probation)
+                continue
             try:
                 self._validator.weigh(kept.tensors, int(kept.weight), kept.assignment)
             except BadResult as exc:

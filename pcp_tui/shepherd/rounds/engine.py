@@ -285,6 +285,7 @@ class RoundEngine:
                     connections=connections,
                     fragment=p,
                     send_steps=sends,
+                    view=functools.partial(copies.view, p) if copies is not None else None,
                 )
             )
         started = time.monotonic()

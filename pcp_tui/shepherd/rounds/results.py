@@ -6,7 +6,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -139,6 +139,7 @@ class Round:
         connections: Mapping[str, WorkerLink] | None = None,
         fragment: int = 0,
         send_steps: Mapping[str, int] | None = None,
+        view: Callable[[], Awaitable[Mapping[str, np.ndarray]]] | None = None,
     ):
         self.number = number
         self.fragment = fragment  # the fragment this Round collects (plain DiLoCo: 0, the model)
@@ -147,6 +148,9 @@ class Round:
         self.send_steps = dict(send_steps or {})
         # the results folded in, in that order, for their loss-delta check (validated rounds)
         self.kept: list[Kept] = []
+        # θ as the workers held it for this round's results (`RoundCopies.view`): a result
+        # from a worker on probation is scored against it before it is folded in
+        self._view = view
         self.checks: list[Check] = []  # a round's summary: its checks, started after its steps
         self.grace = math.inf  # set as it closes: how long its stragglers may go quiet (`collect`)
         # worker id -> the connection its roundStart went to: only that one may answer
@@ -206,7 +210,9 @@ class Round:
         its turn (it is then not counted). The screens here are the cheap ones
         (names, shapes, finiteness, norms, token count); a validated round keeps
         the result (`kept`) for its loss-delta check, which runs after the round's
-        outer step, while the next round trains (`checks.py`). The worker's connection
+        outer step, while the next round trains (`checks.py`); a result from a worker on
+        probation (one of its results was refused, none counted since) is scored before
+        it is folded in, as every result once was. The worker's connection
         is paused while its result is screened and folded in: the shepherd reads
         nothing more from it meanwhile, and that silence is the shepherd's own.
         """
@@ -215,15 +221,22 @@ class Round:
         link = (self.connections or {}).get(worker_id)
         self.folding.add(worker_id)
         try:
+            scored_against = None
+            # on probation (`note_refusal`): checked before it counts. Not paused: the view
+            # waits for the earlier fragments' steps, which an honest worker's result never
+            # waits for (it merged them before sending this one)
+            if self._view is not None and link is not None and link.rounds.unproven > 0:
+                scored_against = await self._view()
             with link.paused() if link is not None else contextlib.nullcontext():
                 async with self._lock:
                     if self._closed:
                         return False
-                    if sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES:
-                        tokens, losses = self._screen_and_fold(worker_id, message)
-                    else:
+                    small = sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES
+                    if small and scored_against is None:
+                        tokens, losses = self._screen_and_fold(worker_id, message, None)
+                    else:  # big, or scored by the model
                         tokens, losses = await trio.to_thread.run_sync(
-                            self._screen_and_fold, worker_id, message
+                            self._screen_and_fold, worker_id, message, scored_against
                         )
                     self.contributors.append(worker_id)  # the order folded in (`Aggregate.finish`)
         finally:
@@ -243,7 +256,10 @@ class Round:
         return True
 
     def _screen_and_fold(
-        self, worker_id: str, message: protocol.Message
+        self,
+        worker_id: str,
+        message: protocol.Message,
+        scored_against: Mapping[str, np.ndarray] | None,
     ) -> tuple[int, list[float]]:
         body = message.body
         assert isinstance(body, protocol.RoundResult) and self._screen is not None
@@ -259,7 +275,14 @@ class Round:
             view = (self.connections or {})[worker_id].view
             assert view.shard is not None, "a worker in a round trains a shard"
             claim = Assignment(view.index, view.shard, self.send_steps[worker_id])
-            self.kept.append(Kept(worker_id, message.tensors, weight, claim))
+            if scored_against is not None:  # BadResult unless it lowers the loss
+                validator = self._screen.validator
+                assert validator is not None
+                weight = validator.score(
+                    message.tensors, tokens, claim, number=self.number, params=scored_against
+                )
+            checked = scored_against is not None
+            self.kept.append(Kept(worker_id, message.tensors, weight, claim, checked))
         self.mean.add(message.tensors, weight, key=worker_id)
         return tokens, losses
 
