@@ -11,8 +11,9 @@ inner-optimizer bound), the aggregate, the loss-delta validator, and the outer
 step. As in the engine, a round's results that pass the screen are folded in at
 once and checked after its outer step (`shepherd/rounds/checks.py`): the next
 round's workers train from that step, and a refusal leaves it (`checks.recompute`)
-before the next step; the refused worker's next results are scored before they
-count (probation; its check is taken to end before the next round's results come). Worker k is index k on shard k of `--workers` shards, as in
+before the next step. A worker's results are scored before they count until one
+has counted, and again after a refusal (its check taken to end before the next
+round's results come). Worker k is index k on shard k of `--workers` shards, as in
 a real run whose workers join in order. Attackers train honestly, then send instead:
 
 - ``sign flip``: −Δ.
@@ -193,7 +194,8 @@ class Simulation:
         refused = {"attacker": 0, "honest": 0}
         evals, validate_seconds = [], 0.0
         correction = None  # the last round's check's, taken in before this round's step
-        probation: set[int] = set()  # workers whose last check refused them: scored as they come
+        # workers none of whose results has counted yet, or refused since: scored as they come
+        probation: set[int] = set(range(workers))
         for number in range(1, cfg.outer.rounds + 1):
             screen.bound = update_bound(cfg, params)
             screen.norms.begin_round()

@@ -99,25 +99,22 @@ def test_a_huge_first_result_is_refused_and_the_run_matches_honest_only(honest):
 def test_a_sign_flip_bites_without_validation_and_is_refused_with_it(honest):
     """−Δ passes every norm screen and centered clip (it sits as far from the center as an
     honest result): without validation it costs the run; with it (the default) it is refused
-    every round, by the round's check while the next round trains, and taken out of its
-    round's step then: round 1's step is the honest workers' alone, to the bit."""
+    every round (as it comes: none of its results has counted; `Round.suspect`), and the run
+    is the honest workers' alone, to the bit. Trusted workers' results are checked a round
+    late (`tests/test_validation.py`)."""
     undefended = _train(attacker=True, factor=-1.0, validate="off")
     assert not [e for e in undefended.state.events if e.kind == "bad_result"]
     final = {run: run.state.history[-1].eval_loss for run in (undefended, honest)}
     assert final[undefended] > 1.03 * final[honest]  # measured: +4.8% (4.858 vs 4.633)
     attacked = _train(attacker=True, factor=-1.0)
     refused = [e for e in attacked.state.events if e.kind == "bad_result"]
-    # each round's flip is refused by its check, a round later; the last round's before the end
+    # checked as it comes, every round: no result of the attacker's has ever counted
     assert [(e.worker, e.round) for e in refused] == [("evil", 1), ("evil", 2), ("evil", 3)]
     assert all("a result must lower it" in e.message for e in refused)
     assert [set(r.worker_ids) for r in attacked.state.history] == [{"honest0", "honest1"}] * 3
-    # round 1's step without the flip is the honest run's, to the bit, and so is its eval
-    # (of θ as the check left it); later rounds trained one round from the flipped step
-    losses = [[r.eval_loss for r in run.state.history] for run in (attacked, honest)]
-    assert losses[0][0] == losses[1][0], losses
-    final = {run: run.state.history[-1].eval_loss for run in (undefended, attacked, honest)}
-    assert final[attacked] < final[undefended], final
-    assert final[attacked] < 1.02 * final[honest], final  # measured: +1.0% (4.647, 4.603)
+    assert [r.eval_loss for r in attacked.state.history] == [
+        r.eval_loss for r in honest.state.history
+    ]
 
 
 STREAMING = dict(inner_steps=8, streaming_fragments=2, overlap_steps=2)

@@ -211,7 +211,8 @@ class _Engine:
     """A real `RoundEngine` of workers w0 and w1 (memory links, shards 0 and 1) whose results
     are checked by the real validator, each pass of it first waiting for `release`."""
 
-    def __init__(self, run, aggregate: str):
+    def __init__(self, run, aggregate: str, *, trusted: bool = True):
+        self.trusted = trusted
         config, workload, graphs, backend, theta, _ = run
         self.config = small_config(
             workers=2, inner_steps=STEPS, chunk_steps=1, warmup_steps=0, aggregate=aggregate
@@ -238,7 +239,10 @@ class _Engine:
 
     async def round(self, number: int, results: dict, checks: trio.Nursery) -> Round | None:
         """Round `number`, each worker sending `results[its id]` as soon as the round opens."""
-        self.links = self.links or [memory_link(f"w{i}", i, shard=i) for i in (0, 1)]
+        if not self.links:
+            self.links = [memory_link(f"w{i}", i, shard=i) for i in (0, 1)]
+            for link in self.links:  # results of theirs have counted: checked a round late
+                link.rounds.trusted = self.trusted
 
         async def send(worker_id: str, delta) -> None:
             while (current := self.open_rounds.of(0)) is None or current.number != number:
@@ -353,11 +357,31 @@ def test_a_refused_result_is_taken_out_of_its_step_exactly(run):
         np.testing.assert_array_equal(arrays[f"[0]{name}"], value, err_msg=name)
 
 
+def test_a_first_result_is_checked_before_it_counts(run):
+    """Until a result of a worker's has counted, its results are scored as they come, before
+    they are folded in (as every result was before checks ran a round late): an attacker
+    that flips from its first result never reaches a step."""
+    *_, theta, deltas = run
+    late = _Engine(run, "centered-clip", trusted=False)
+    late.release.set()
+
+    async def main() -> None:
+        async with trio.open_nursery() as checks:
+            first = await late.round(1, {"w0": deltas[0], "w1": _times(deltas[1], -1.0)}, checks)
+            assert first is not None and first.contributors == ["w0"]
+            await late.engine.settle()
+
+    trio.run(main)
+    assert late.refused_as_it_came == [(1, "w1")]
+    params, _ = _stepped(late.config, theta, [[deltas[0]]])
+    for name, value in params.items():
+        np.testing.assert_array_equal(late.engine.params[name], value, err_msg=name)
+
+
 def test_after_a_refusal_its_senders_results_are_checked_before_they_count(run):
     """A refused result puts its sender on probation (`results.note_refusal`): its next
-    results are scored as they come, before they are folded in, as every result was before
-    checks ran a round late. A worker that flips every result taints one round's step
-    (the round its first flip was folded in), not every round's."""
+    results are scored as they come, before they are folded in. A worker that flips once
+    it is trusted taints one round's step (the round its first flip was folded in)."""
     *_, theta, deltas = run
     late = _Engine(run, "centered-clip")
     late.release.set()

@@ -474,9 +474,12 @@ class RoundEngine:
                 links=current.connections or {},
                 state=self.state,
             )
-            self._pending[p] = check
             started_checks.append(check)
-            checks.start_soon(check.run)
+            if all(kept.checked for kept in current.kept):  # scored as they came: settled now
+                check.done.set()
+            else:
+                self._pending[p] = check
+                checks.start_soon(check.run)
         done = time.monotonic()
         async with trio.open_nursery() as nursery:
             for link in links:

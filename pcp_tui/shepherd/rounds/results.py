@@ -210,9 +210,11 @@ class Round:
         its turn (it is then not counted). The screens here are the cheap ones
         (names, shapes, finiteness, norms, token count); a validated round keeps
         the result (`kept`) for its loss-delta check, which runs after the round's
-        outer step, while the next round trains (`checks.py`); a result from a worker on
-        probation (one of its results was refused, none counted since) is scored before
-        it is folded in, as every result once was. The worker's connection
+        outer step, while the next round trains (`checks.py`); a worker's results are
+        scored before they are folded in, as every result once was, until one of them has
+        counted, and again on probation (one was refused, none counted since): an
+        attacker's step is then never folded in unchecked, unless it sent honest results
+        first. The worker's connection
         is paused while its result is screened and folded in: the shepherd reads
         nothing more from it meanwhile, and that silence is the shepherd's own.
         """
@@ -222,10 +224,10 @@ class Round:
         self.folding.add(worker_id)
         try:
             scored_against = None
-            # on probation (`note_refusal`): checked before it counts. Not paused: the view
-            # waits for the earlier fragments' steps, which an honest worker's result never
-            # waits for (it merged them before sending this one)
-            if self._view is not None and link is not None and link.rounds.unproven > 0:
+            # a first result, or one on probation (`note_refusal`): checked before it counts.
+            # Not paused: the view waits for the earlier fragments' steps, which an honest
+            # worker's result never waits for (it merged them before sending this one)
+            if self._view is not None and link is not None and self.suspect(link):
                 scored_against = await self._view()
             with link.paused() if link is not None else contextlib.nullcontext():
                 async with self._lock:
@@ -254,6 +256,12 @@ class Round:
         self.answered[worker_id] = trio.current_time()
         self.finish(worker_id)
         return True
+
+    @staticmethod
+    def suspect(link: WorkerLink) -> bool:
+        """Whether `link`'s results are checked before they count: none of its results has
+        counted yet, or one was refused since (probation)."""
+        return not link.rounds.trusted or link.rounds.unproven > 0
 
     def _screen_and_fold(
         self,

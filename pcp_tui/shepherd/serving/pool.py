@@ -113,6 +113,7 @@ class WorkerPool:
         for link in links:
             if link.worker_id in counted:
                 link.rounds.unproven = 0
+                link.rounds.trusted = True
                 link.view.reason = ""
         sitting_out.count_unproven(links, counted)
 
