@@ -30,9 +30,14 @@ workers trained from the uncorrected θ. With --compression, round r + 1's updat
 travels as its change from what the workers hold (the uncorrected θ), so it
 carries the correction to them.
 
+Only results of trusted workers go this way: until a result of a worker's has
+counted, and again after one is refused (probation), its results are scored as
+they come, before they are folded in, as every result once was
+(`results.Round.suspect`). An attacker's result then reaches a step unchecked
+only if it sent results that counted first, and then once before its probation.
 A refusal is reported (`bad_result`, probation: `results.note_refusal`) as the
-check ends, a round after the result came; the round's history entry loses the
-refused worker then (`RunState.uncounted`). A round whose every result a check
+check ends, a round after the result came; the round's history entry then counts
+only the results that passed (`RunState.recount`). A round whose every result a check
 refuses is not repeated: its step is undone and the run goes on. If round r's
 check still runs when round r + 1's fragment closes, the step waits for it:
 every result is checked, and the only stall left is a check longer than a whole
