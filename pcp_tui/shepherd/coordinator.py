@@ -40,6 +40,7 @@ from pcp_tui.shepherd.run.checkpoint_writer import CheckpointWriter
 from pcp_tui.shepherd.run.evaluation import HeldOutEval
 from pcp_tui.shepherd.run.events import (
     Done,
+    Event,
     Exported,
     Exporting,
     Failed,
@@ -462,7 +463,7 @@ class Shepherd:
         for verdict in self.engine.verdicts():
             self.pool.settled(verdict.counted)
             if why is None and verdict.uncounted and not verdict.counted:
-                refusals = [
+                refusals: list[Event] = [
                     e
                     for e in self.state.events
                     if isinstance(e, ResultRefused) and e.round == verdict.number
