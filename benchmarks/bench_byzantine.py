@@ -8,8 +8,13 @@ uses them (`shepherd/rounds/engine.py`, `shepherd/rounds/results.py`): the expor
 (each worker's `train_chunk` on its shard's sample streams, its AdamW state kept
 across rounds as a worker keeps it), `ResultScreen.check` (with the
 inner-optimizer bound), the aggregate, the loss-delta validator, and the outer
-step. Worker k is index k on shard k of `--workers` shards, as in a real run whose
-workers join in order. Attackers train honestly, then send instead:
+step. As in the engine, a round's results that pass the screen are folded in at
+once and checked after its outer step (`shepherd/rounds/checks.py`): the next
+round's workers train from that step, and a refusal leaves it (`checks.recompute`)
+before the next step. A worker's results are scored before they count until one
+has counted, and again after a refusal (its check taken to end before the next
+round's results come). Worker k is index k on shard k of `--workers` shards, as in
+a real run whose workers join in order. Attackers train honestly, then send instead:
 
 - ``sign flip``: −Δ.
 - ``scaled``: Δ scaled to just under the inner-optimizer bound (the most the
@@ -51,10 +56,13 @@ from pcp_tui.diloco.screening import BadResult, NormGuard, ResultScreen, global_
 from pcp_tui.diloco.validation import (
     AssignedBatches,
     Assignment,
+    Kept,
     LossDeltaValidator,
     eval_loss,
 )
+from pcp_tui.shepherd.rounds.checks import Before, recompute
 from pcp_tui.shepherd.rounds.engine import (
+    copy_tree,
     inner_optimizer,
     result_lr_sum,
     round_lr_sum,
@@ -178,6 +186,7 @@ class Simulation:
             batches = AssignedBatches.for_run(cfg, self.workload, self.chunk_steps)
             validator = LossDeltaValidator(self.score, batches)
         tokens = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
+        steps = cfg.inner.steps
         opt_states = {
             k: list(self.init_opt_state(tuple(params[n] for n in self.names)))
             for k in range(workers)
@@ -185,6 +194,9 @@ class Simulation:
         rng = np.random.default_rng(cfg.model.seed)
         refused = {"attacker": 0, "honest": 0}
         evals, validate_seconds = [], 0.0
+        correction = None  # the last round's check's, taken in before this round's step
+        # workers none of whose results has counted yet, or refused since: scored as they come
+        probation: set[int] = set(range(workers))
         for number in range(1, cfg.outer.rounds + 1):
             screen.bound = update_bound(cfg, params)
             screen.norms.begin_round()
@@ -192,9 +204,7 @@ class Simulation:
             screen.lr_sum = result_lr_sum(cfg, per_step, end=number * cfg.inner.steps)
             if isinstance(mean, CenteredClip):
                 mean.step_scale = round_lr_sum(cfg, number)
-            if validator is not None:
-                validator.begin(number, params)
-            mean.reset()
+            start = {n: v.copy() for n, v in params.items()}  # the workers' start: scored on
             results = {}
             for k in range(workers):
                 results[k], opt_states[k] = self._train(k, number, params, opt_states[k])
@@ -202,27 +212,67 @@ class Simulation:
             honest_results = [results[k] for k in range(workers) if k not in attacking]
             for k in attacking:
                 results[k] = scenario.attack(results[k], honest_results, screen.bound, rng)
+            if correction is not None:  # the last round's refusals leave its step now
+                params.update(correction.params)
+                outer.state = correction.outer_state
+                mean.load_state_arrays(correction.aggregate)
+            # the engine folds as results come, then again after a correction: the same sums
+            aggregate_state = {n: np.array(v) for n, v in mean.state_arrays().items()}
+            mean.reset()
+            kept = []  # checked after the step, as the engine does
             for k in range(workers):
                 who = "attacker" if k in attacking else "honest"
+                claim = Assignment(k, k, steps)
                 try:
                     screen.check(results[k], tokens)
-                    weight = float(tokens)
-                    if validator is not None:
-                        started = time.perf_counter()
-                        try:
-                            weight = validator.weigh(
-                                results[k], tokens, Assignment(k, k, cfg.inner.steps)
-                            )
-                        finally:
-                            validate_seconds += time.perf_counter() - started
+                    if validator is not None and k in probation:  # scored before it counts
+                        validator.score(results[k], tokens, claim, number=number, params=start)
                 except BadResult:
                     refused[who] += 1
                     continue
-                mean.add(results[k], weight)
+                mean.add(results[k], float(tokens), key=str(k))
+                kept.append(Kept(str(k), results[k], float(tokens), claim, k in probation))
+            correction = None
             if mean.contributors:
                 mean.finish()
+                before = Before(
+                    {n: params[n].copy() for n in params},
+                    copy_tree(outer.state) if outer.state is not None else None,
+                    aggregate_state,
+                    getattr(mean, "step_scale", 1.0),
+                )
                 outer.apply(params, mean.sums, mean.scale)
-            evals.append(self.evaluate(params, self.workload.eval_tokens))
+                if validator is not None:
+                    started = time.perf_counter()
+                    validator.begin(number, start)
+                    out = set()
+                    for result in kept:
+                        try:
+                            if not result.checked:
+                                validator.weigh(result.tensors, tokens, result.assignment)
+                            probation.discard(int(result.worker_id))  # it counts
+                        except BadResult:
+                            refused[
+                                "attacker" if int(result.worker_id) in attacking else "honest"
+                            ] += 1
+                            out.add(result.worker_id)
+                            probation.add(int(result.worker_id))
+                    validate_seconds += time.perf_counter() - started
+                    if out:
+                        counted = [r for r in kept if r.worker_id not in out]
+                        correction = recompute(
+                            before,
+                            counted,
+                            make_aggregate(kind, tuple(sorted(params))),
+                            OuterOptimizer(cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum),
+                        )
+            # the round's eval is of θ as its check leaves it
+            evals.append(
+                self.evaluate(
+                    {**params, **(correction.params if correction else {})},
+                    self.workload.eval_tokens,
+                )
+            )
         return Outcome(evals, refused, validate_seconds)
 
 

@@ -347,7 +347,7 @@ def _replay(shepherd: Shepherd, p: int, recorded: dict) -> None:
     for result, weight, key in recorded["results"]:
         clip.add(result, weight, key)
     assert clip.finish() == recorded["scales"] and clip.radius == recorded["radius"]
-    engine._step(p, 3, clip)  # the outer step; int8: the global value the workers form
+    engine._step(p, 3, clip, None, None)  # the outer step; int8: what the workers form
 
 
 def _decoded(body: protocol.Body, tensors: dict) -> protocol.Message:

@@ -232,9 +232,10 @@ class OuterConfig:
         "loss-delta",
         choices=("loss-delta", "off"),
         help="check each result by the loss change it causes on the batches it trained on "
-        "(two eval passes a result, or a fragment result, on the shepherd; refuses one that "
-        "lowers that loss no more than its reverse would, or blows it up; ignored with "
-        "--aggregate mean, which is DiLoCo's arithmetic)",
+        "(two passes of --validate-rows rows a result, or a fragment result, on the shepherd, "
+        "while the next round trains; refuses one that lowers that loss no more than its "
+        "reverse would, or blows it up, and takes it out of its round's step a round late; "
+        "ignored with --aggregate mean, which is DiLoCo's arithmetic)",
     )
     validate_rows: int = option(
         16,

@@ -259,6 +259,8 @@ class CenteredClip:
         """
         keys = {n: f"aggregate.center[{n!r}]" for n in self._names}
         if not all(key in arrays for key in keys.values()):
+            self.center, self.center_scale = None, 0.0
+            self._medians.clear()
             return
         self.center = {n: np.array(arrays[key], np.float32) for n, key in keys.items()}
         self._medians.clear()

@@ -30,16 +30,17 @@ honest one would pass this half; a vanishing result moves neither loss. A result
 that leaves its own batches' loss over `BLOW_UP` times higher (or non-finite) is
 refused whatever its reverse does (`Refusal.BLOWN_UP`: the inner training diverged,
 `shepherd/rounds/divergence.py` reads it). One that passes keeps its token weight.
-Refused, it never reaches the aggregate, so it cannot shrink a centered clip's
-radius either.
+The shepherd runs these checks after the round's outer step, while the next
+round trains, and takes a refused result out of its round's step then
+(`shepherd/rounds/checks.py`).
 
 Streaming DiLoCo scores each fragment's results with the fragment's own validator,
 the same way: Δ_f names fragment f's tensors only, and θ − Δ_f moves those alone.
 θ is what the worker held outside f's own progress when it sent Δ_f: fragment f's
 global value as it was sent (it changes only at f's own sync), the new global
 values of the fragments before f (the worker merged them before f's send point;
-the engine scores f's results once their outer steps are done) and the round's
-start for the later ones (read from a copy: outer steps write in place). Scored
+f's check starts once their outer steps are done) and the round's start for the
+later ones (all read from copies: outer steps write in place). Scored
 with the earlier fragments at the round's start instead, honest fragment results
 were refused (inner SGD at lr 0.1, the paper's mix at α = 0: 3 of 16 in 4 rounds;
 none so; docs/security.md has the rest). V_f is drawn from the worker's steps of
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -99,6 +101,18 @@ class Assignment:
     steps: int
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A result folded into its round before its check (`shepherd/rounds/checks.py`): its
+    sender, tensors, weight in the aggregate (its tokens) and what it trained on."""
+
+    worker_id: str
+    tensors: Mapping[str, np.ndarray]
+    weight: float
+    assignment: Assignment
+    checked: bool = False  # scored before it was folded in (its sender was on probation)
+
+
 class AssignedBatches:
     """R rows of the batches a worker trained on in a round, drawn as the worker draws them.
 
@@ -126,6 +140,7 @@ class AssignedBatches:
         self.rows, self.chunk_steps = rows, chunk_steps
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self._rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
+        self._drawing = threading.Lock()  # a Generator is not for two threads at once
 
     @classmethod
     def for_run(
@@ -156,7 +171,8 @@ class AssignedBatches:
         )
         steps = max(assignment.steps, 1)
         picked = np.linspace(0, steps - 1, self.rows).round().astype(int)
-        rows = self._rng.integers(self.batch_size, size=self.rows)
+        with self._drawing:  # a round's check thread and a probation's scoring may both draw
+            rows = self._rng.integers(self.batch_size, size=self.rows)
         chunks: dict[int, Any] = {}
         for step in picked:
             chunk = int(step) // self.chunk_steps
@@ -182,8 +198,8 @@ class AssignedBatches:
 class LossDeltaValidator:
     """Scores a round's results by the loss change they cause; refuses those that go nowhere.
 
-    `begin(number, params)` once a round, before its first result; then
-    `weigh(pseudo_gradient, tokens, assignment)` per result, before it is folded in.
+    `begin(number, params)` once a round's results are scored; then
+    `weigh(pseudo_gradient, tokens, assignment)` per result.
     """
 
     def __init__(
@@ -219,10 +235,25 @@ class LossDeltaValidator:
         batches while its reverse does at least as well, or blows that loss up."""
         if self._params is None:
             raise RuntimeError("LossDeltaValidator.begin must be called before a round's results")
-        batches = self._batches(assignment, self._number)
+        return self.score(
+            pseudo_gradient, tokens, assignment, number=self._number, params=self._params
+        )
+
+    def score(
+        self,
+        pseudo_gradient: Mapping[str, np.ndarray],
+        tokens: int,
+        assignment: Assignment,
+        *,
+        number: int,
+        params: Mapping[str, np.ndarray],
+    ) -> float:
+        """`weigh`, against round `number`'s `params` as given (no state of the validator's:
+        it may run beside a check of another round)."""
+        batches = self._batches(assignment, number)
         self.passes += 1
-        before = self._loss(self._params, batches)
-        after = self._moved(self._params, pseudo_gradient, -1, batches)
+        before = self._loss(params, batches)
+        after = self._moved(params, pseudo_gradient, -1, batches)
         if not math.isfinite(after) or after > BLOW_UP * abs(before):
             raise BadResult(
                 f"applied to the round's parameters it changes the loss on its own batches "
@@ -232,7 +263,7 @@ class LossDeltaValidator:
         tolerance = self.min_gain * abs(before)
         if before - after > tolerance:
             return float(tokens)
-        reverse = self._moved(self._params, pseudo_gradient, +1, batches)
+        reverse = self._moved(params, pseudo_gradient, +1, batches)
         if reverse - after > tolerance:  # downhill, overshooting: as an honest end point can
             return float(tokens)
         raise BadResult(

@@ -10,6 +10,7 @@ Connections (welcome, plan, results, liveness) are `pool.WorkerPool`'s business.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,7 +25,7 @@ from pcp_tui.backends import LoadedGraph, select_backend
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import tls
 from pcp_tui.diloco.validation import AssignedBatches, LossDeltaValidator, eval_loss
-from pcp_tui.shepherd.rounds import divergence
+from pcp_tui.shepherd.rounds import checks, divergence
 from pcp_tui.shepherd.rounds.engine import (
     RoundEngine,
     copy_tensors,
@@ -39,12 +40,14 @@ from pcp_tui.shepherd.run.checkpoint_writer import CheckpointWriter
 from pcp_tui.shepherd.run.evaluation import HeldOutEval
 from pcp_tui.shepherd.run.events import (
     Done,
+    Event,
     Exported,
     Exporting,
     Failed,
     Listening,
     NotResumable,
     Paused,
+    ResultRefused,
     Resumable,
     Resumed,
     ResumedFrom,
@@ -345,6 +348,10 @@ class Shepherd:
                 cfg.inner.steps,
                 record,
             )
+            saving = cfg.checkpoints.dir and number % cfg.checkpoints.every == 0
+            if why is None and record is not None and saving:
+                await self.engine.settle()  # a checkpoint holds checked rounds only
+            why = why or self._settled()
             if why is not None:  # repeating the round would diverge again: stop, say why
                 self._diverged = record is not None  # its parameters are not worth a checkpoint
                 kept = self._checkpointed if self._diverged else number - 1 or None
@@ -358,9 +365,15 @@ class Shepherd:
                     )
                 )
                 continue
-            if cfg.checkpoints.dir and number % cfg.checkpoints.every == 0:
+            if saving:
                 await self._checkpoint(number, nursery)
             number += 1
+        await self.engine.settle()  # the last rounds' checks: their refusals are taken out
+        if (why := self._settled()) is not None and not self._failure:
+            self._diverged = True
+            self.abort(
+                divergence.advice(why, self._checkpointed, cfg.inner.lr, cfg.checkpoints.dir)
+            )
         await self.evals.idle()  # the last checkpoint and the `done` event have its loss
         if (
             cfg.checkpoints.dir
@@ -429,19 +442,37 @@ class Shepherd:
     # -- one round ------------------------------------------------------------
 
     async def _run_round(self, number: int, nursery: trio.Nursery) -> RoundRecord | None:
-        """Round `number` (`engine.RoundEngine`), recorded; its eval started in `nursery`
-        (`HeldOutEval`), or awaited for the run's last round."""
-        current = await self.engine.run(number, self.pool.ready_links())
-        self.pool.count_unproven(() if current is None else current.contributors)
+        """Round `number` (`engine.RoundEngine`; its checks run in `nursery`), recorded; its
+        eval started in `nursery` (`HeldOutEval`: of θ as the round's checks leave it), or,
+        for the run's last round, awaited once its checks have ended."""
+        current = await self.engine.run(number, self.pool.ready_links(), nursery)
         if current is None:
             return None
         if number == self.config.outer.rounds:
+            await self.engine.settle()
             loss = await self.evals.final(number, self.params)
             return record_round(self.state, self.config, current, loss)
         record = record_round(self.state, self.config, current, None)
         if self.evals.due(number):
-            await self.evals.start(number, self.params, nursery)
+            settled = functools.partial(checks.corrected, current.checks)
+            await self.evals.start(number, self.params, nursery, settled)
         return record
+
+    def _settled(self) -> str | None:
+        """Take the rounds the engine has settled (`RoundEngine.verdicts`): their results
+        count (`WorkerPool.settled`). Returns why the run diverged if a round's every result
+        was refused late as diverging (its checks: `divergence.diverged`), else None."""
+        why = None
+        for verdict in self.engine.verdicts():
+            self.pool.settled(verdict.counted)
+            if why is None and verdict.uncounted and not verdict.counted:
+                refusals: list[Event] = [
+                    e
+                    for e in self.state.events
+                    if isinstance(e, ResultRefused) and e.round == verdict.number
+                ]
+                why = divergence.diverged(refusals, verdict.number, self.config.inner.steps, None)
+        return why
 
     def _eval_diverged(self, number: int, loss: float) -> None:
         """Round `number`'s eval, ended after the round, found the outer step diverged."""

@@ -11,6 +11,9 @@ and concurrently: the fragment's results are collected (`rounds.collect`:
 (`rounds.Round.add`), its outer step runs, and its new global value goes back
 to every worker of the round (with --compression as its change, encoded once).
 A fragment with no result keeps its global value and is sent back as it is.
+Where the run validates results (`--validate loss-delta`), each fragment's
+results are checked after its step, while the next round trains, and a
+refusal is taken out of that step before the next one (`checks.py`).
 
 `record_round` turns the round into the `RoundRecord` the history keeps. The
 run around the rounds (admission, the rounds loop, checkpoints, goodbye) is
@@ -27,6 +30,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+import jax
 import numpy as np
 import trio
 
@@ -46,6 +50,7 @@ from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.diloco.streaming import Fragments, Schedule, partition
 from pcp_tui.shepherd.rounds import sitting_out
+from pcp_tui.shepherd.rounds.checks import Before, Check, Correction, Verdict
 from pcp_tui.shepherd.rounds.pacing import StepPacing
 from pcp_tui.shepherd.rounds.results import OpenRounds, Round, collect
 from pcp_tui.shepherd.run.events import ResultClipped, RoundDone
@@ -211,6 +216,10 @@ class RoundEngine:
         self.in_sync: set[WorkerLink] = set()  # hold every fragment's current global value
         self.compression = config.outer.compression
         self.schedule = Schedule(config.inner.steps, len(self.fragments), config.inner.overlap)
+        # per fragment, the last round's loss-delta check, until the next step joins it
+        self._pending: list[Check | None] = [None] * len(self.fragments)
+        # rounds not yet settled, oldest first: (number, contributors, checks or None) (`verdicts`)
+        self._settling: list[tuple[int, list[str], list[Check] | None]] = []
 
     # -- checkpoints ------------------------------------------------------------
 
@@ -234,16 +243,27 @@ class RoundEngine:
 
     # -- a round ------------------------------------------------------------------
 
-    async def run(self, number: int, links: list[WorkerLink]) -> Round | None:
+    @property
+    def validating(self) -> bool:
+        """Whether the run checks results by loss-delta validation (`checks.py`)."""
+        return any(screen.validator is not None for screen in self.screens)
+
+    async def run(
+        self, number: int, links: list[WorkerLink], checks: trio.Nursery | None = None
+    ) -> Round | None:
         """Round `number` with the workers of `links`; the Round its record is made from, or
-        None without any result."""
+        None without any result. Its loss-delta checks run in `checks` (a nursery that
+        outlives the round: the run's) after the round's outer steps (`checks.py`)."""
         bound = await trio.to_thread.run_sync(update_bound, self.config, self.params)
         ids = [link.worker_id for link in links]
         connections = {link.worker_id: link for link in links}
         h = self.config.inner.steps
         steps = self.pacing.steps_for(ids, connections) if self.pacing else {}
-        views = await self._scored_against()
         stepped = [trio.Event() for _ in self.fragments]  # each fragment's outer step is done
+        copies = None
+        if self.validating:
+            assert checks is not None, "a validated round's checks need a nursery"
+            copies = RoundCopies(stepped, *await trio.to_thread.run_sync(self._round_copies))
         rounds = []
         for p, (aggregate, screen) in enumerate(zip(self.aggregates, self.screens, strict=True)):
             # fragment p's results cover the steps since its last send: they scale with
@@ -252,8 +272,6 @@ class RoundEngine:
             screen.norms.begin_round()  # the screen's baseline: earlier rounds' norms, as a set
             end = (number - 1) * h + self.schedule.send_step(p)
             screen.lr_sum = result_lr_sum(self.config, self.per_step, end=end)
-            if screen.validator is not None:  # scores results against θ as p's send finds it
-                screen.validator.begin(number, views[p])
             if isinstance(aggregate, CenteredClip):  # its radius scales the same way
                 aggregate.step_scale = await trio.to_thread.run_sync(screen.lr_sum, self.max_tokens)
             # each worker's steps of this round before fragment p's send: what it trained on
@@ -267,7 +285,7 @@ class RoundEngine:
                     connections=connections,
                     fragment=p,
                     send_steps=sends,
-                    after=stepped[:p],
+                    view=functools.partial(copies.view, p) if copies is not None else None,
                 )
             )
         started = time.monotonic()
@@ -279,6 +297,7 @@ class RoundEngine:
         # the roundStarts go out, and a roundStart still on its way when a fragment closes
         # is cancelled (its link ends: the worker would wait for that fragment's update)
         starts = RoundStarts(links, number)
+        started_checks: list[Check] = []
         try:
             async with trio.open_nursery() as nursery:
                 for link in links:
@@ -292,42 +311,92 @@ class RoundEngine:
                         failed,
                     )
                 for p in range(len(self.fragments)):
-                    nursery.start_soon(self._sync, p, rounds[p], links, starts, failed, stepped[p])
+                    sync = FragmentSync(rounds[p], links, starts, failed, stepped, copies)
+                    nursery.start_soon(self._sync, p, sync, checks, started_checks)
         finally:
             self._open.rounds = []
         self.in_sync = {link for link in links if link not in failed and not link.closed}
-        if not any(r.contributors for r in rounds):
+        contributors = list(dict.fromkeys(w for r in rounds for w in r.contributors))
+        self._settling.append((number, contributors, started_checks if copies else None))
+        if not contributors:
             return None
         summary = combined(number, rounds, started, at_start, self.per_step)
+        summary.checks = started_checks
         if self.pacing is not None:
             self.pacing.observe(summary)
         return summary
 
+    def _round_copies(self) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+        """θ as a validated round begins, and each aggregate's state: what its checks score
+        against and recompute from (copies: the outer steps write both in place)."""
+        start = copy_tensors(self.params)
+        return start, [copy_tensors(a.state_arrays()) for a in self.aggregates]
+
+    def verdicts(self) -> list[Verdict]:
+        """The rounds settled since the last call, oldest first. A round is settled as it
+        closes, or, where the run validates, once its checks have ended (by the next round's
+        outer steps, or `settle`); its history entry then counts only the results that
+        passed (`RunState.recount`)."""
+        settled = []
+        while self._settling:
+            number, contributors, checks = self._settling[0]
+            if checks is not None and not all(check.done.is_set() for check in checks):
+                break
+            self._settling.pop(0)
+            passed = set(contributors)
+            if checks is not None:
+                passed = {worker for check in checks for worker in check.counted}
+            counted = [w for w in contributors if w in passed]
+            uncounted = [w for w in contributors if w not in passed]
+            if checks is not None and any(check.refused for check in checks):
+                each = {check.fragment: len(check.counted) for check in checks}
+                fragments = len(self.fragments)
+                results = tuple(each.get(p, 0) for p in range(fragments)) if fragments > 1 else ()
+                self.state.recount(number, tuple(counted), results)
+            settled.append(Verdict(number, counted, uncounted))
+        return settled
+
+    async def settle(self) -> None:
+        """Wait for every check still running and take its correction into θ now (the run's
+        end, a checkpoint): the workers, which hold θ uncorrected, get all of it next round."""
+        for p in range(len(self.fragments)):
+            correction = await self._join(p)
+            if correction is not None:
+                await trio.to_thread.run_sync(self._correct, p, correction)
+                self.in_sync = set()
+
+    async def _join(self, p: int) -> Correction | None:
+        """Wait for the last round's check of fragment p; its correction, if it refused any
+        result (the aggregate's state is corrected here, before this round's step)."""
+        check, self._pending[p] = self._pending[p], None
+        if check is None:
+            return None
+        await check.done.wait()
+        correction = check.correction
+        if correction is not None:  # the aggregate's state as it would be without them
+            self.aggregates[p].load_state_arrays(correction.aggregate)
+        return correction
+
+    def _refold(self, current: Round) -> None:
+        """Fold `current`'s results again, in the order they came, into its aggregate as the
+        last round's correction left it (centered clip: its center and radius; a
+        coordinate-wise aggregate keeps nothing across rounds, the mean is not validated)."""
+        aggregate = current.mean
+        if isinstance(aggregate, CenteredClip):
+            aggregate.reset()
+            for kept in current.kept:
+                aggregate.add(kept.tensors, kept.weight, key=kept.worker_id)
+
+    def _correct(self, p: int, correction: Correction) -> None:
+        """Fragment p's tensors and outer state as its last step without the refused results
+        (they have not moved since that step: only p's own step writes them)."""
+        for name, value in correction.params.items():
+            np.copyto(self.params[name], value)
+        self.outer.parts[p].state = correction.outer_state
+
     def _schedule(self, steps: int) -> Schedule:
         """The schedule of a worker's round of `steps` inner steps (H_k under --adaptive-steps)."""
         return dataclasses.replace(self.schedule, inner_steps=steps)
-
-    async def _scored_against(self) -> list[Mapping[str, np.ndarray]]:
-        """Per fragment p, θ as validation scores p's results against: what a worker held
-        outside p's own progress when it sent them.
-
-        That is the round's start for fragments p and later (p's own changes only at
-        its own outer step, after its results), and the new global value for earlier
-        ones: a worker merges those before p's send point (`Round.after` waits for
-        their steps). The outer steps write `params` in place, over threads, and a
-        later fragment can step while p's results are still scored, so later
-        fragments are read from a copy made now: all but fragment 0's tensors, once a
-        round (none in plain rounds).
-        """
-        if all(screen.validator is None for screen in self.screens):
-            return [self.params] * len(self.fragments)
-        later = {n: self.params[n] for names in self.fragments[1:] for n in names}
-        start = await trio.to_thread.run_sync(copy_tensors, later)
-        views: list[Mapping[str, np.ndarray]] = []
-        for p in range(len(self.fragments)):
-            live = {n for names in self.fragments[: p + 1] for n in names}
-            views.append({n: v if n in live else start[n] for n, v in self.params.items()})
-        return views
 
     async def _start(
         self,
@@ -355,29 +424,62 @@ class RoundEngine:
     async def _sync(
         self,
         p: int,
-        current: Round,
-        links: list[WorkerLink],
-        starts: RoundStarts,
-        failed: set[WorkerLink],
-        stepped: trio.Event,
+        sync: FragmentSync,
+        checks: trio.Nursery | None,
+        started_checks: list[Check],
     ) -> None:
-        """Fragment p: collect its results, take its outer step (then set `stepped`), send
-        its global value back.
+        """Fragment p: collect its results, take its outer step (then set its `stepped`),
+        start its results' check, send its global value back.
 
-        `starts` (`RoundStarts`): a worker still taking its roundStart when the fragment
-        closes is a straggler, cut off; it would wait for this fragment's update.
+        The step first joins the last round's check of p (`checks.py`): the only wait
+        for validation on a round's path. A worker still taking its roundStart when the
+        fragment closes (`RoundStarts`) is a straggler, cut off; it would wait for this
+        fragment's update.
         """
+        current, links, failed = sync.round, sync.links, sync.failed
         sitting_out.sit_out(current, await collect(current, self.config.network, self.state))
-        failed.update(await starts.settle(current.contributors))
+        failed.update(await sync.starts.settle(current.contributors))
         await current.close()  # a result still being folded in finishes first
         collected = time.monotonic()
+        correction = await self._join(p)
         mean = None
         if current.contributors:
             mean = current.mean
+            if correction is not None:
+                await trio.to_thread.run_sync(self._refold, current)
             scales = await trio.to_thread.run_sync(mean.finish)
             self._say_clipped(current, scales)
-        update = await trio.to_thread.run_sync(self._step, p, current.number, mean)
-        stepped.set()
+        update, before = await trio.to_thread.run_sync(
+            self._step, p, current.number, mean, correction, sync.copies
+        )
+        sync.stepped[p].set()
+        if before is not None and sync.copies is not None and checks is not None:
+            validator = self.screens[p].validator
+            assert validator is not None, "a validated round has a validator for each fragment"
+            names = self.fragments[p]
+            check = Check(
+                current.number,
+                p,
+                current.kept,
+                validator,
+                functools.partial(sync.copies.view, p),
+                before,
+                aggregate=functools.partial(make_aggregate, self.config.outer.aggregate, names),
+                outer=functools.partial(
+                    OuterOptimizer,
+                    self.config.outer.optimizer,
+                    self.config.outer.lr,
+                    self.config.outer.momentum,
+                ),
+                links=current.connections or {},
+                state=self.state,
+            )
+            started_checks.append(check)
+            if all(kept.checked for kept in current.kept):  # scored as they came: settled now
+                check.done.set()
+            else:
+                self._pending[p] = check
+                checks.start_soon(check.run)
         done = time.monotonic()
         async with trio.open_nursery() as nursery:
             for link in links:
@@ -412,25 +514,88 @@ class RoundEngine:
                     )
                 )
 
-    def _step(self, p: int, number: int, mean: Aggregate | None) -> protocol.Encoded:
+    def _step(
+        self,
+        p: int,
+        number: int,
+        mean: Aggregate | None,
+        correction: Correction | None,
+        copies: RoundCopies | None,
+    ) -> tuple[protocol.Encoded, Before | None]:
         """Fragment p's outer step (if `mean` has results) and its update, encoded once for
-        every worker (in a thread: a model-sized copy and passes over the fragment).
+        every worker (in a thread: a model-sized copy and passes over the fragment); and,
+        in a validated round with results, what its check recomputes the step from.
 
-        With --compression the update travels as its change since the fragment's
-        last global value, encoded like the pseudo-gradients (the paper's
-        compressed outer exchange). The shepherd keeps old + decode(encode(change)),
-        the very float32 sum every worker forms, so both sides hold the same bits:
-        `protocol.encode_change` writes it over `params` as it encodes, chunk by
-        chunk (tests/test_encode_change.py checks the bits).
+        `correction` (the last round's check refused results) replaces p's tensors and
+        outer state first. With --compression the update travels as its change since
+        what the workers hold (the fragment's last global value as sent: before the
+        correction, which the change then carries), encoded like the pseudo-gradients
+        (the paper's compressed outer exchange). The shepherd keeps old +
+        decode(encode(change)), the very float32 sum every worker forms, so both sides
+        hold the same bits: `protocol.encode_change` writes it over `params` as it
+        encodes, chunk by chunk (tests/test_encode_change.py checks the bits).
         """
         own = {n: self.params[n] for n in self.fragments[p]}
         old = copy_tensors(own) if self.compression != "none" else {}
+        if correction is not None:
+            self._correct(p, correction)
+        before = None
         if mean is not None:
+            if copies is not None:
+                part = self.outer.parts[p]
+                before = Before(
+                    copy_tensors(own) if correction else {n: copies.start[n] for n in own},
+                    None if part.state is None else copy_tree(part.state),
+                    correction.aggregate if correction else copies.aggregates[p],
+                    mean.step_scale if isinstance(mean, CenteredClip) else 1.0,
+                )
             self.outer.apply(p, self.params, mean.sums, mean.scale)
         if not old:
-            return protocol.encode_once(protocol.FragmentUpdate(round=number, fragment=p), own)
-        body = protocol.FragmentUpdate(round=number, fragment=p, change=True)
-        return protocol.encode_change(body, own, old, quantization=self.compression)
+            update = protocol.encode_once(protocol.FragmentUpdate(round=number, fragment=p), own)
+        else:
+            body = protocol.FragmentUpdate(round=number, fragment=p, change=True)
+            update = protocol.encode_change(body, own, old, quantization=self.compression)
+        if copies is not None and p < len(self.fragments) - 1:  # the later fragments' checks
+            copies.new[p] = copy_tensors(own)
+        return update, before
+
+
+@dataclasses.dataclass
+class RoundCopies:
+    """What a validated round's checks read, copied as the round began (the outer steps write
+    θ and the aggregates in place): θ (`start`), each aggregate's state, and each fragment's
+    tensors after its step (`new`, for the later fragments' checks: streaming)."""
+
+    stepped: list[trio.Event]
+    start: dict[str, np.ndarray]
+    aggregates: list[dict[str, np.ndarray]]
+    new: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.new = [{} for _ in self.stepped]
+
+    async def view(self, p: int) -> dict[str, np.ndarray]:
+        """θ as a worker held it when it sent fragment p's result: the earlier fragments'
+        new global values (it merged them before p's send point), the round's start for the
+        rest (p's own changes only at its own step). Waits for the earlier steps."""
+        for q in range(p):
+            await self.stepped[q].wait()
+        view = dict(self.start)
+        for q in range(p):
+            view.update(self.new[q])
+        return view
+
+
+@dataclasses.dataclass
+class FragmentSync:
+    """What one fragment's sync of a round works with (`RoundEngine._sync`)."""
+
+    round: Round
+    links: list[WorkerLink]
+    starts: RoundStarts
+    failed: set[WorkerLink]
+    stepped: list[trio.Event]
+    copies: RoundCopies | None
 
 
 class RoundStarts:
@@ -493,6 +658,13 @@ def copy_tensors(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     pairs = [[copies[n], np.ascontiguousarray(v)] for n, v in tensors.items()]
     fused.over_chunks(_copy_chunk, pairs, ())
     return copies
+
+
+def copy_tree(tree):
+    """A copy of a pytree of arrays (an outer optimizer's state), as `copy_tensors` copies."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    copies = copy_tensors({str(i): np.asarray(leaf) for i, leaf in enumerate(leaves)})
+    return jax.tree_util.tree_unflatten(treedef, [copies[str(i)] for i in range(len(leaves))])
 
 
 def _copy_chunk(scratch, target: np.ndarray, source: np.ndarray) -> None:

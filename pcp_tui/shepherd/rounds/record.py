@@ -34,6 +34,9 @@ class WorkerRounds:
         # rounds since a result of its was refused, none counted since (0: none refused): it
         # is not waited for, and past `sitting_out.UNPROVEN_ROUNDS` its connection ends
         self.unproven = 0
+        # whether a result of its has counted (checked, where the run validates): until
+        # then, and on probation, its results are checked before they count (`Round.add`)
+        self.trusted = False
         self.results_taken = 0  # results screened and folded into a round (`slots`: a slot earned)
         # when each recent round's roundStart had all gone out, and how long its latest
         # result took from there, per fragment (the straggler window, `results.collect`)

@@ -6,7 +6,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,14 +14,16 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.config.service import NetworkConfig
+from pcp_tui.contract.connection import LINK_ERRORS
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, Refusal, ResultScreen
-from pcp_tui.diloco.validation import Assignment
-from pcp_tui.shepherd.run.events import RoundWaiting, Stragglers
+from pcp_tui.diloco.validation import Assignment, Kept
+from pcp_tui.shepherd.run.events import ResultRefused, RoundWaiting, Stragglers
 from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.state import RunState
 
 if TYPE_CHECKING:
+    from pcp_tui.shepherd.rounds.checks import Check
     from pcp_tui.shepherd.serving.connection import WorkerLink
 
 __all__ = [
@@ -30,7 +32,9 @@ __all__ = [
     "Round",
     "collect",
     "data_parallel_bytes",
+    "note_refusal",
     "straggler_window",
+    "tell_refused",
     "utilization",
 ]
 
@@ -73,6 +77,33 @@ def data_parallel_bytes(parameter_count: int, inner_steps: int, contributors: in
     return 2 * 4 * parameter_count * inner_steps * contributors
 
 
+def note_refusal(
+    state: RunState, link: WorkerLink, number: int, fragment: int, exc: BadResult
+) -> None:
+    """What a refused result of `link`'s (round `number`, `fragment`) does to its sender, as
+    the screen refuses it or its check, one round later: a `bad_result` event; it buys no
+    time of its own (`Round.usual_seconds`), and the rounds after it do not wait for it until
+    one of its results counts (`sitting_out.py`). The worker is told with `tell_refused`."""
+    link.rounds.answer_seconds.pop(fragment, None)
+    link.rounds.unproven = max(link.rounds.unproven, 1)
+    link.view.reason = f"result refused: {exc}"
+    state.emit(
+        ResultRefused(
+            f"refused worker {link.view.index}'s round {number} result: {exc}",
+            worker=link.worker_id,
+            round=number,
+            refusal=exc.refusal,
+        )
+    )
+
+
+async def tell_refused(link: WorkerLink, exc: BadResult) -> None:
+    """Tell the worker on `link` why its result was refused (a lost link is its own business:
+    the connection task reports it)."""
+    with contextlib.suppress(*LINK_ERRORS):
+        await link.send(protocol.Error(protocol.ErrorCode.BAD_RESULT, f"result refused: {exc}"))
+
+
 class OpenRounds:
     """The rounds results are folded into now: one per fragment while a round runs.
 
@@ -108,16 +139,19 @@ class Round:
         connections: Mapping[str, WorkerLink] | None = None,
         fragment: int = 0,
         send_steps: Mapping[str, int] | None = None,
-        after: Sequence[trio.Event] = (),
+        view: Callable[[], Awaitable[Mapping[str, np.ndarray]]] | None = None,
     ):
         self.number = number
         self.fragment = fragment  # the fragment this Round collects (plain DiLoCo: 0, the model)
         # worker id -> the inner steps of this round before its result for this fragment
         # leaves (the schedule's send step for its H_k): validation draws its batches there
         self.send_steps = dict(send_steps or {})
-        # the earlier fragments' outer steps: a result is scored once they are done (a worker
-        # merges their new values before it sends this fragment's; validation reads them)
-        self.after = tuple(after)
+        # the results folded in, in that order, for their loss-delta check (validated rounds)
+        self.kept: list[Kept] = []
+        # θ as the workers held it for this round's results (`RoundCopies.view`): a result
+        # from a worker on probation is scored against it before it is folded in
+        self._view = view
+        self.checks: list[Check] = []  # a round's summary: its checks, started after its steps
         self.grace = math.inf  # set as it closes: how long its stragglers may go quiet (`collect`)
         # worker id -> the connection its roundStart went to: only that one may answer
         self.connections = dict(connections) if connections is not None else None
@@ -163,37 +197,48 @@ class Round:
         """Whether `connection` is the one this round's roundStart for `worker_id` went to."""
         return self.connections is None or self.connections.get(worker_id) is connection
 
+    @property
+    def validated(self) -> bool:
+        """Whether this round's results are checked by loss-delta validation after it closes
+        (`shepherd/rounds/checks.py`): a result folded in counts only once its check passes."""
+        return self._screen is not None and self._screen.validator is not None
+
     async def add(self, worker_id: str, message: protocol.Message) -> bool:
         """Screen one result and fold it into the running mean (off the event loop if it is big).
 
         BadResult if it is refused; False if the round closed while it waited
-        its turn (it is then not counted). The worker's connection is paused meanwhile:
-        while the shepherd screens its result (validation runs the model: a minute for
-        GPT-2 124M on a CPU) it reads nothing more from that connection, heartbeats
-        included, and that silence is the shepherd's own.
+        its turn (it is then not counted). The screens here are the cheap ones
+        (names, shapes, finiteness, norms, token count); a validated round keeps
+        the result (`kept`) for its loss-delta check, which runs after the round's
+        outer step, while the next round trains (`checks.py`); a worker's results are
+        scored before they are folded in, as every result once was, until one of them has
+        counted, and again on probation (one was refused, none counted since): an
+        attacker's step is then never folded in unchecked, unless it sent honest results
+        first. The worker's connection
+        is paused while its result is screened and folded in: the shepherd reads
+        nothing more from it meanwhile, and that silence is the shepherd's own.
         """
         body = message.body
         assert isinstance(body, protocol.RoundResult), "the pool hands over results only"
         link = (self.connections or {}).get(worker_id)
-        validated = self._screen is not None and self._screen.validator is not None
         self.folding.add(worker_id)
         try:
-            # Not paused, nor holding the lock: an honest worker's result never waits here
-            # (it merged those steps' updates before it sent this one). A peer that sends it
-            # early waits on its own account: the watchdog ends it at the heartbeat timeout,
-            # and the round may close meanwhile (the result is then late).
-            for earlier in self.after if validated else ():
-                await earlier.wait()
+            scored_against = None
+            # a first result, or one on probation (`note_refusal`): checked before it counts.
+            # Not paused: the view waits for the earlier fragments' steps, which an honest
+            # worker's result never waits for (it merged them before sending this one)
+            if self._view is not None and link is not None and self.suspect(link):
+                scored_against = await self._view()
             with link.paused() if link is not None else contextlib.nullcontext():
                 async with self._lock:
                     if self._closed:
                         return False
                     small = sum(t.nbytes for t in message.tensors.values()) < INLINE_BYTES
-                    if small and not validated:  # validation runs the eval graph: in a thread
-                        tokens, losses = self._screen_and_fold(worker_id, message)
-                    else:
+                    if small and scored_against is None:
+                        tokens, losses = self._screen_and_fold(worker_id, message, None)
+                    else:  # big, or scored by the model
                         tokens, losses = await trio.to_thread.run_sync(
-                            self._screen_and_fold, worker_id, message
+                            self._screen_and_fold, worker_id, message, scored_against
                         )
                     self.contributors.append(worker_id)  # the order folded in (`Aggregate.finish`)
         finally:
@@ -212,8 +257,17 @@ class Round:
         self.finish(worker_id)
         return True
 
+    @staticmethod
+    def suspect(link: WorkerLink) -> bool:
+        """Whether `link`'s results are checked before they count: none of its results has
+        counted yet, or one was refused since (probation)."""
+        return not link.rounds.trusted or link.rounds.unproven > 0
+
     def _screen_and_fold(
-        self, worker_id: str, message: protocol.Message
+        self,
+        worker_id: str,
+        message: protocol.Message,
+        scored_against: Mapping[str, np.ndarray] | None,
     ) -> tuple[int, list[float]]:
         body = message.body
         assert isinstance(body, protocol.RoundResult) and self._screen is not None
@@ -224,12 +278,19 @@ class Round:
         losses = list(body.losses)
         if not all(math.isfinite(x) for x in losses):
             raise BadResult("reported losses hold NaN or Inf", Refusal.NON_FINITE)
-        weight = float(tokens)
-        if self._screen.validator is not None:  # BadResult unless it lowers the loss
+        weight = float(tokens)  # validation refuses a result or keeps its token weight
+        if self.validated:  # checked once the round's outer step is done (`checks.py`)
             view = (self.connections or {})[worker_id].view
             assert view.shard is not None, "a worker in a round trains a shard"
             claim = Assignment(view.index, view.shard, self.send_steps[worker_id])
-            weight = self._screen.validator.weigh(message.tensors, tokens, claim)
+            if scored_against is not None:  # BadResult unless it lowers the loss
+                validator = self._screen.validator
+                assert validator is not None
+                weight = validator.score(
+                    message.tensors, tokens, claim, number=self.number, params=scored_against
+                )
+            checked = scored_against is not None
+            self.kept.append(Kept(worker_id, message.tensors, weight, claim, checked))
         self.mean.add(message.tensors, weight, key=worker_id)
         return tokens, losses
 

@@ -8,13 +8,15 @@ entry when it arrives (`RunState.evaluated`: an `evaluated` event). While one
 eval still runs, the next round's is skipped (one `eval_skipped` warning per
 run names `--eval-every`). The run's last round is evaluated in full before
 the run ends, and so is any eval still running: its final eval loss is
-the same however long the evals took.
+the same however long the evals took. Where the run validates results after
+their round (`shepherd/rounds/checks.py`), the eval of round r waits for round
+r's checks and evaluates θ as they leave it (refused results taken out).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import numpy as np
 import trio
@@ -23,6 +25,7 @@ from pcp_tui.shepherd.run.events import EvalSkipped
 from pcp_tui.shepherd.run.state import RunState
 
 Evaluate = Callable[[Mapping[str, np.ndarray]], float]  # θ -> the mean held-out loss
+Settled = Callable[[], Awaitable[Mapping[str, np.ndarray]]]  # a round's corrected tensors
 
 
 class HeldOutEval:
@@ -61,10 +64,16 @@ class HeldOutEval:
         return await trio.to_thread.run_sync(self._evaluate, params)
 
     async def start(
-        self, number: int, params: Mapping[str, np.ndarray], nursery: trio.Nursery
+        self,
+        number: int,
+        params: Mapping[str, np.ndarray],
+        nursery: trio.Nursery,
+        settled: Settled | None = None,
     ) -> None:
         """Start round `number`'s eval in `nursery` on a copy of `params`, or skip it while
-        the previous one still runs. Returns once the copy is taken."""
+        the previous one still runs. Returns once the copy is taken. `settled()` gives the
+        tensors the round's loss-delta checks corrected, once they end
+        (`shepherd/rounds/checks.py`): the eval is of θ as they leave it."""
         if self._running is not None:
             self.skipped.append(number)
             if not self._warned:
@@ -81,16 +90,20 @@ class HeldOutEval:
             return
         snapshot = await trio.to_thread.run_sync(self._copy, params)
         self._running, self._running_round = trio.Event(), number
-        nursery.start_soon(self._run, number, snapshot)
+        nursery.start_soon(self._run, number, snapshot, settled)
 
     async def idle(self) -> None:
         """Wait until no eval is running (its loss attached to its round)."""
         if self._running is not None:
             await self._running.wait()
 
-    async def _run(self, number: int, snapshot: Mapping[str, np.ndarray]) -> None:
+    async def _run(
+        self, number: int, snapshot: dict[str, np.ndarray], settled: Settled | None
+    ) -> None:
         assert self._running is not None
         try:
+            if settled is not None:
+                snapshot.update(await settled())
             loss = await trio.to_thread.run_sync(self._evaluate, snapshot)
             self._state.evaluated(number, loss)
             if not math.isfinite(loss):

@@ -196,6 +196,23 @@ class RunState:
                 break
         self.emit(Evaluated(f"round {number}: eval loss {loss:.4f}", round=number, eval_loss=loss))
 
+    def recount(
+        self, number: int, worker_ids: tuple[str, ...], fragment_results: tuple[int, ...]
+    ) -> None:
+        """Round `number`'s history entry counts only `worker_ids` (`fragment_results` a
+        fragment): its checks refused the others' results after the round's own event
+        (`shepherd/rounds/checks.py`)."""
+        for index in range(len(self.history) - 1, -1, -1):
+            entry = self.history[index]
+            if entry.round == number:
+                self.history[index] = replace(
+                    entry,
+                    worker_ids=worker_ids,
+                    workers=len(worker_ids),
+                    fragment_results=fragment_results,
+                )
+                break
+
     def last_eval_loss(self) -> float | None:
         """The eval loss of the last round that was evaluated, by this shepherd or, after a
         --resume, by the run it continues (None: none was yet)."""

@@ -24,7 +24,7 @@ from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost
 from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.pacing import StepPacing
-from pcp_tui.shepherd.rounds.results import BadResult, OpenRounds
+from pcp_tui.shepherd.rounds.results import BadResult, OpenRounds, note_refusal, tell_refused
 from pcp_tui.shepherd.run.events import (
     Compiled,
     Internal,
@@ -33,7 +33,6 @@ from pcp_tui.shepherd.run.events import (
     Left,
     Lost,
     Rejoined,
-    ResultRefused,
     ShardAdopted,
     ShardOrphaned,
 )
@@ -105,9 +104,18 @@ class WorkerPool:
             if link.ready.is_set() and not link.closed and not link.rounds.behind
         ]
 
-    def count_unproven(self, counted: Collection[str]) -> None:
-        """A round closed with the results of `counted` (`sitting_out.count_unproven`)."""
-        sitting_out.count_unproven(list(self._links.values()), counted)
+    def settled(self, counted: Collection[str]) -> None:
+        """A round's results are settled: those of `counted` count (checked, where the run
+        validates: `RoundEngine.verdicts`). Their senders are waited for again, and a refusal
+        no longer describes them; every other worker on probation has gone one more round
+        without a counted result (`sitting_out.count_unproven`)."""
+        links = list(self._links.values())
+        for link in links:
+            if link.worker_id in counted:
+                link.rounds.unproven = 0
+                link.rounds.trusted = True
+                link.view.reason = ""
+        sitting_out.count_unproven(links, counted)
 
     def sitting_out_line(self) -> str:
         """The connected workers that sit rounds out, for a 'waiting' line; "" if none."""
@@ -519,23 +527,8 @@ class WorkerPool:
         except BadResult as exc:
             assert current is not None  # only a round's add refuses a result
             current.finish(link.worker_id)
-            # a result that did no work buys its sender no time (`rounds.usual_seconds`), and
-            # the rounds after it do not wait for it until one of its results counts
-            link.rounds.answer_seconds.pop(body.fragment, None)
-            link.rounds.unproven = max(link.rounds.unproven, 1)
-            view.reason = f"result refused: {exc}"
-            self.state.emit(
-                ResultRefused(
-                    f"refused worker {view.index}'s round {number} result: {exc}",
-                    worker=link.worker_id,
-                    round=number,
-                    refusal=exc.refusal,
-                )
-            )
-            with contextlib.suppress(*LINK_ERRORS):
-                await link.send(
-                    protocol.Error(protocol.ErrorCode.BAD_RESULT, f"result refused: {exc}")
-                )
+            note_refusal(self.state, link, number, body.fragment, exc)
+            await tell_refused(link, exc)
             return
         if not added:
             if self.pacing is not None:
@@ -551,5 +544,3 @@ class WorkerPool:
         link.rounds.took(body.fragment)
         view.state = WorkerState.IDLE
         view.step = view.total_steps
-        link.rounds.unproven = 0  # a counted result: waited for again
-        view.reason = ""  # an earlier refusal no longer describes this worker
