@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 29 on a 4-GPU host. Phases (arguments, in order): mesh, gpu, gpustream, cpu, cpuval.
+# Issue 29 on a 4-GPU host. Phases (arguments, in order): mesh, gpu, gpustream, cpu, cpuval,
+# cpu4, cpuval4.
 #   mesh:   bench_mesh.py --devices 4, data and fsdp, bf16 exchange (one 4-GPU worker vs four 1-GPU workers).
 #   gpu:    a GPU shepherd + one --devices all worker (fsdp), GPT-2 124M bf16, 16x1024 a GPU, H=300.
 #   gpustream: the same, Streaming DiLoCo (F=3, tau=40: each fragment's exchange overlaps 40 steps).
@@ -61,5 +62,7 @@ for phase in "$@"; do
     gpustream) real gpu cudnn gpustream 240 --rounds 5 --streaming-fragments 3 --overlap-steps 40 ;;
     cpu) real cpu xla cpu 240 --rounds 5 --validate off ;;
     cpuval) real cpu xla cpuval 300 --rounds 3 ;;
+    cpu4) real cpu xla cpu4 200 --rounds 4 --validate off ;;  # the pair after validation moved
+    cpuval4) real cpu xla cpuval4 240 --rounds 4 ;;           # off the rounds' path (16 rows)
   esac
 done
