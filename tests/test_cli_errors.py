@@ -218,8 +218,10 @@ def test_demo_whose_workers_cannot_start_fails_with_one_line():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_worker, signum):
+def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_worker):
+    """SIGINT; SIGTERM takes the same path (`SignalStop`), end to end in test_elastic's
+    `test_sigterm_then_resume_brings_the_same_workers_back`, which checks its line too."""
+    signum = signal.SIGINT
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     shepherd = background(
         *shepherd_args("--workers", "1", "--rounds", "1000"),
