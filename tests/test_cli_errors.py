@@ -218,8 +218,10 @@ def test_demo_whose_workers_cannot_start_fails_with_one_line():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_worker, signum):
+def test_a_signal_stops_a_headless_shepherd_cleanly(tmp_path, background, spawn_worker):
+    """SIGINT; SIGTERM takes the same path (`SignalStop`), end to end in test_elastic's
+    `test_sigterm_then_resume_brings_the_same_workers_back`, which checks its line too."""
+    signum = signal.SIGINT
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     shepherd = background(
         *shepherd_args("--workers", "1", "--rounds", "1000"),
@@ -432,38 +434,29 @@ def test_a_worker_refused_on_every_connect_gives_up_with_growing_waits(backgroun
 
 @pytest.mark.e2e
 def test_idle_workers_beat_at_the_runs_heartbeat_interval(tmp_path, background, spawn_worker):
-    """--heartbeat-seconds 0.25 --heartbeat-timeout 1.5: workers beat every 0.25 s, not 2 s."""
+    """--heartbeat-seconds 0.25 --heartbeat-timeout 1.5: workers beat every 0.25 s, not 2 s.
+
+    The shepherd and the first worker run with --log-level debug --log-file: what they
+    log goes to the files, connections and messages included."""
     metrics = tmp_path / "m.jsonl"
+    shepherd_log, worker_log = tmp_path / "shepherd.log", tmp_path / "worker.log"
     shepherd = background(
         *shepherd_args("--workers", "2", "--rounds", "1"),
         "--heartbeat-seconds", "0.25", "--heartbeat-timeout", "1.5", "--metrics", str(metrics),
+        "--log-level", "debug", "--log-file", str(shepherd_log),
     )  # fmt: skip
     port = shepherd.port()
-    spawn_worker(port, token=TOKEN)
+    worker = spawn_worker(port, "--log-level", "debug", "--log-file", str(worker_log), token=TOKEN)
     shepherd.wait_for(metrics, r'"event": "compiled"')
     # idle: the run waits for a second worker. Beats 2 s apart would be lost 1.5 s after one
     # (the watchdog looks every 0.375 s), so within 3 s of idling
     time.sleep(2 * 1.5)
     spawn_worker(port, token=TOKEN)
     assert shepherd.wait() == 0, shepherd.err.read_text()
+    assert worker.wait() == 0, worker.stdout.read()
     events = [json.loads(line).get("event") for line in metrics.read_text().splitlines()]
     assert "round" in events and "lost" not in events and "rejoined" not in events, events
 
-
-@pytest.mark.e2e
-def test_log_level_debug_logs_connections_and_messages_to_the_log_files(
-    tmp_path, background, spawn_worker
-):
-    shepherd_log, worker_log = tmp_path / "shepherd.log", tmp_path / "worker.log"
-    shepherd = background(
-        *shepherd_args("--workers", "1", "--rounds", "1"),
-        "--log-level", "debug", "--log-file", str(shepherd_log),
-    )  # fmt: skip
-    worker = spawn_worker(
-        shepherd.port(), "--log-level", "debug", "--log-file", str(worker_log), token=TOKEN
-    )
-    assert shepherd.wait() == 0, shepherd.err.read_text()
-    assert worker.wait() == 0, worker.stdout.read()
     assert "pcp_tui" not in shepherd.err.read_text()  # the log went to the file
     text = shepherd_log.read_text()
     for pattern in (

@@ -271,6 +271,12 @@ def test_sigterm_then_resume_brings_the_same_workers_back(tmp_path, spawn_worker
         assert first.finish() == 128 + signal.SIGTERM, first.output
     finally:
         first.kill()
+    # one line says why it stops, and no traceback (test_cli_errors checks SIGINT's the same)
+    said = [line for line in first.lines if line.startswith("pcp-tui:")]
+    assert len(said) == 1 and said[0].startswith(
+        "pcp-tui: SIGTERM: stopping after the current round"
+    ), said
+    assert "Traceback" not in first.output
     assert "the run can be resumed: pcp-tui shepherd --resume" in first.output
     stopped = checkpoint.load_latest(checkpoints)  # the stop wrote it: --checkpoint-every 100
     assert 1 <= stopped.round < 20

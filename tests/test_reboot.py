@@ -26,8 +26,11 @@ def test_a_restarted_worker_with_its_old_id_waits_out_the_old_connection(tmp_pat
         shepherd_command(
             port,
             *("--workers", "1", "--rounds", "500", "--inner-steps", "4"),
-            # longer than a worker takes to start here, with a loaded CI machine to spare
-            *("--heartbeat-timeout", "60"),
+            # the window in which the restarted worker must first knock (it hears "busy" only
+            # while the old connection is silent for less than this): a worker starts in 2-8 s
+            # here, on a loaded CI machine; the test waits this long (and the worker's next
+            # retry, its waits doubling) for the old connection to be dropped
+            *("--heartbeat-timeout", "25"),
         ),
     )
     old = new = None

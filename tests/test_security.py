@@ -95,6 +95,12 @@ async def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp
         f"{protocol.PROTOCOL_VERSION + 1}; upgrade pcp-tui on this shepherd" in mismatch.message
     )
 
+    # a real worker process with the wrong token: refused for good, it exits saying why
+    intruder = spawn_worker(shepherd.port, token="wrong")
+    assert intruder.wait() != 0
+    said = intruder.stdout.read()
+    assert "wrong or missing join token" in said and "not retrying" in said, said
+
     honest = spawn_worker(shepherd.port, token="test-token")
     assert shepherd.finish() == 0, shepherd.output
     assert honest.wait() == 0
@@ -104,6 +110,7 @@ async def test_only_a_worker_with_the_token_gets_in(shepherds, spawn_worker, tmp
         "authFailed",
         "authFailed",
         "versionMismatch",
+        "authFailed",  # the intruder process
     ]
     assert round_workers(tmp_path / "m") == [1, 1]
 
