@@ -487,3 +487,40 @@ def test_a_trusted_attacker_cannot_flip_in_every_other_round(run):
     late, tainted = _adaptive_attack(run, rounds=6)
     assert tainted == [1, 2], (tainted, late.refused_as_it_came)
     assert late.refused_as_it_came == []  # on probation it sent honest results
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a late-refused result stays in its sender's rounds_contributed and its shard's "
+    "trained tokens and rounds (record_round counts contributors before the check; "
+    "RunState.recount fixes only the history entry)",
+)
+def test_a_result_refused_late_is_not_counted_as_trained(run):
+    """Red team: w1's round 1 result is refused by the check a round late. The history entry
+    of round 1 then names w0 alone; its sender's count and its shard's progress should too."""
+    from pcp_tui.shepherd.rounds.engine import record_round
+    from pcp_tui.shepherd.run.ledger import ShardLedger
+
+    *_, deltas = run
+    late = _Engine(run, "centered-clip", straggler_factor=0)
+    late.release.set()
+    late.state.shards = ShardLedger(2)
+
+    async def main() -> None:
+        async with trio.open_nursery() as checks:
+            _links(late)
+            for link in late.links:
+                late.state.shards.assign(link.worker_id)
+            for number, w1 in ((1, _times(deltas[1], -1.0)), (2, deltas[1])):
+                current = await late.round(number, {"w0": deltas[0], "w1": w1}, checks)
+                assert current is not None
+                record_round(late.state, late.config, current, None)
+                late.engine.verdicts()
+            await late.engine.settle()
+            late.engine.verdicts()
+
+    trio.run(main)
+    assert [set(r.worker_ids) for r in late.state.history] == [{"w0"}, {"w0", "w1"}]
+    assert late.state.workers["w1"].rounds_contributed == 1
+    shards = late.state.shards.shards
+    assert (shards[0].rounds, shards[1].rounds) == (2, 1)
