@@ -464,7 +464,7 @@ class Shepherd:
         was refused late as diverging (its checks: `divergence.diverged`), else None."""
         why = None
         for verdict in self.engine.verdicts():
-            self.pool.settled(verdict.counted)
+            self.pool.settled(verdict)
             if why is None and verdict.uncounted and not verdict.counted:
                 refusals: list[Event] = [
                     e

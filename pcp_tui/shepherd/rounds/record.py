@@ -37,6 +37,9 @@ class WorkerRounds:
         # whether a result of its has counted (checked, where the run validates): until
         # then, and on probation, its results are checked before they count (`Round.add`)
         self.trusted = False
+        # results counted since its last refusal, and that refusal's round: after k refusals
+        # (`RunState.refusals`) it is trusted again only after 2^k of rounds after the last
+        self.counted, self.refused_round = 0, 0
         self.results_taken = 0  # results screened and folded into a round (`slots`: a slot earned)
         # when each recent round's roundStart had all gone out, and how long its latest
         # result took from there, per fragment (the straggler window, `results.collect`)

@@ -25,8 +25,10 @@ from collections.abc import Collection, Iterable
 
 import trio
 
+from pcp_tui.shepherd.rounds.checks import Verdict
 from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.rounds.results import Round
+from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.shepherd.serving.connection import WorkerLink
 
 # rounds a worker goes on after a refused result without one counted, the refusal's included
@@ -46,6 +48,25 @@ def sit_out(current: Round, worker_ids: list[str]) -> None:
             link.view.reason = (
                 f"late for round {current.number}: sits new rounds out until that result comes"
             )
+
+
+def settled(state: RunState, links: Iterable[WorkerLink], verdict: Verdict) -> None:
+    """Round `verdict.number`'s results are settled: those of `verdict.counted` count. Their
+    senders are waited for again; every other worker on probation has gone one more round
+    without a counted result (`count_unproven`). A sender refused k times (`RunState.
+    refusals`) is trusted (`results.Round.suspect`: its results folded in unchecked) once
+    2^k of its results have counted since its last refusal: an attacker that flips whenever
+    it is trusted taints 2 rounds' steps, then 2 more after 4 honest ones, 2 after 16...,
+    not two of every four rounds. A round before its last refusal (its verdict settles
+    late: checks run a round behind) does not count towards that."""
+    links = list(links)
+    for link in links:
+        rounds = link.rounds
+        if link.worker_id in verdict.counted and verdict.number > rounds.refused_round:
+            rounds.unproven, rounds.counted = 0, rounds.counted + 1
+            rounds.trusted = rounds.counted >= 2 ** state.refusals[link.worker_id]
+            link.view.reason = ""
+    count_unproven(links, verdict.counted)
 
 
 def count_unproven(links: Iterable[WorkerLink], counted: Collection[str]) -> None:

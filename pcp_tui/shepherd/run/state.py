@@ -141,6 +141,8 @@ class RunState:
         self.started_at = time.monotonic()
         self.finished_at: float | None = None
         self.workers: dict[str, WorkerView] = {}
+        # worker id -> results of its refused (a rejoin keeps them: `sitting_out.settled`)
+        self.refusals: collections.Counter[str] = collections.Counter()
         self.shards = ShardLedger(0)  # replaced by the shepherd with one for its data
         self.history: list[RoundRecord] = []
         # (global step, loss, worker index), one per progress message

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from functools import partial
 
 import trio
@@ -23,6 +23,7 @@ from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost
 from pcp_tui.shepherd.rounds import sitting_out
+from pcp_tui.shepherd.rounds.checks import Verdict
 from pcp_tui.shepherd.rounds.pacing import StepPacing
 from pcp_tui.shepherd.rounds.results import BadResult, OpenRounds, note_refusal, tell_refused
 from pcp_tui.shepherd.run.events import (
@@ -104,18 +105,9 @@ class WorkerPool:
             if link.ready.is_set() and not link.closed and not link.rounds.behind
         ]
 
-    def settled(self, counted: Collection[str]) -> None:
-        """A round's results are settled: those of `counted` count (checked, where the run
-        validates: `RoundEngine.verdicts`). Their senders are waited for again, and a refusal
-        no longer describes them; every other worker on probation has gone one more round
-        without a counted result (`sitting_out.count_unproven`)."""
-        links = list(self._links.values())
-        for link in links:
-            if link.worker_id in counted:
-                link.rounds.unproven = 0
-                link.rounds.trusted = True
-                link.view.reason = ""
-        sitting_out.count_unproven(links, counted)
+    def settled(self, verdict: Verdict) -> None:
+        """A round's results are settled (`RoundEngine.verdicts`): `sitting_out.settled`."""
+        sitting_out.settled(self.state, list(self._links.values()), verdict)
 
     def sitting_out_line(self) -> str:
         """The connected workers that sit rounds out, for a 'waiting' line; "" if none."""
