@@ -244,12 +244,17 @@ class Simulation:
                 outer.apply(params, mean.sums, mean.scale)
                 if validator is not None:
                     started = time.perf_counter()
-                    validator.begin(number, start)
                     out = set()
                     for result in kept:
                         try:
                             if not result.checked:
-                                validator.weigh(result.tensors, tokens, result.assignment)
+                                validator.score(
+                                    result.tensors,
+                                    tokens,
+                                    result.assignment,
+                                    number=number,
+                                    params=start,
+                                )
                             probation.discard(int(result.worker_id))  # it counts
                         except BadResult:
                             refused[

@@ -52,12 +52,11 @@ def test_the_validator_says_which_refusal_it_is():
     """What `diverged` reads comes from the validator as a kind, not as words."""
     before = {"w": np.zeros(1, np.float32)}
     validator = LossDeltaValidator(lambda p, b: 1.0 + float(p["w"][0]) ** 2, lambda a, n: None)
-    validator.begin(1, before)
     claim = Assignment(0, 0, 1)
     with pytest.raises(BadResult) as blown:
-        validator.weigh({"w": np.full(1, 2.0, np.float32)}, 1, claim)  # loss 1 → 5
+        validator.score({"w": np.full(1, 2.0, np.float32)}, 1, claim, number=1, params=before)
     with pytest.raises(BadResult) as flat:
-        validator.weigh({"w": np.full(1, 1e-6, np.float32)}, 1, claim)  # 1 → 1: nowhere
+        validator.score({"w": np.full(1, 1e-6, np.float32)}, 1, claim, number=1, params=before)
     assert (blown.value.refusal, flat.value.refusal) == (Refusal.BLOWN_UP, Refusal.NO_GAIN)
 
 

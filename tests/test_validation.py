@@ -56,7 +56,7 @@ def run():
 
 
 def _validator(run, watch=None) -> tuple[LossDeltaValidator, AssignedBatches]:
-    """A validator of round 1 from θ, with the real score graph; `watch()` before each pass."""
+    """A validator with the real score graph; `watch()` before each pass."""
     config, workload, graphs, backend, theta, _ = run
     batches = AssignedBatches(
         workload.shards,
@@ -73,9 +73,7 @@ def _validator(run, watch=None) -> tuple[LossDeltaValidator, AssignedBatches]:
             watch()
         return loss(params, batch)
 
-    validator = LossDeltaValidator(watched, batches)
-    validator.begin(1, theta)
-    return validator, batches
+    return LossDeltaValidator(watched, batches), batches
 
 
 def _times(delta, factor):
@@ -99,15 +97,20 @@ def test_the_rows_scored_are_ones_the_worker_trained_on_and_it_cannot_know_which
 
 
 def test_an_honest_result_counts_in_full_and_a_flipped_or_vanishing_one_is_refused(run):
-    *_, deltas = run
+    *_, theta, deltas = run
     validator, _ = _validator(run)
     claim = Assignment(index=0, shard=0, steps=STEPS)
     for attack in (_times(deltas[0], -1.0), _times(deltas[0], 1e-12)):
         with pytest.raises(BadResult, match="a result must lower it"):
-            validator.weigh(attack, 100, claim)
-    assert validator.weigh(deltas[0], 100, claim) == 100.0
+            validator.score(attack, 100, claim, number=1, params=theta)
+    assert validator.score(deltas[0], 100, claim, number=1, params=theta) == 100.0
     # another worker's honest result, scored on its own batches
-    assert validator.weigh(deltas[1], 100, Assignment(index=1, shard=1, steps=STEPS)) == 100.0
+    assert (
+        validator.score(
+            deltas[1], 100, Assignment(index=1, shard=1, steps=STEPS), number=1, params=theta
+        )
+        == 100.0
+    )
 
 
 def test_a_fragment_result_moves_its_own_tensors_only(run):
@@ -119,9 +122,9 @@ def test_a_fragment_result_moves_its_own_tensors_only(run):
     claim = Assignment(index=0, shard=0, steps=STEPS)
     for names in partition(shapes, 2):
         honest = {n: deltas[0][n] for n in names}
-        assert validator.weigh(honest, 100, claim) == 100.0
+        assert validator.score(honest, 100, claim, number=1, params=theta) == 100.0
         with pytest.raises(BadResult, match="a result must lower it"):
-            validator.weigh(_times(honest, -1.0), 100, claim)
+            validator.score(_times(honest, -1.0), 100, claim, number=1, params=theta)
 
 
 def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = None) -> list:
@@ -156,7 +159,6 @@ def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = Non
             team[workers] = (team.pop(0)[0], tuple(init(tuple(params[n] for n in names))))
         clip.step_scale = round_lr_sum(config, number)
         clip.reset()
-        validator.begin(number, params)
         for index, (shard, state) in sorted(team.items()):
             flat = tuple(params[n] for n in names)
             for chunk in range(STEPS // k):
@@ -177,7 +179,7 @@ def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = Non
             before = loss(params, scored_rows)
             after = loss({n: params[n] - delta[n] for n in names}, scored_rows)
             try:
-                clip.add(delta, validator.weigh(delta, 1, claim))
+                clip.add(delta, validator.score(delta, 1, claim, number=number, params=params))
                 scored.append((number, index, before, after, None))
             except BadResult as exc:
                 scored.append((number, index, before, after, exc.refusal))

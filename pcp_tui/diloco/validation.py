@@ -198,8 +198,9 @@ class AssignedBatches:
 class LossDeltaValidator:
     """Scores a round's results by the loss change they cause; refuses those that go nowhere.
 
-    `begin(number, params)` once a round's results are scored; then
-    `weigh(pseudo_gradient, tokens, assignment)` per result.
+    `score(pseudo_gradient, tokens, assignment, number=, params=)` per result, against the
+    parameters its round started from; it keeps no state of a round, so checks of two rounds
+    (or a probation's scoring beside a round's check) may run at once.
     """
 
     def __init__(
@@ -211,14 +212,7 @@ class LossDeltaValidator:
     ):
         self._loss, self._batches = loss, batches
         self.min_gain = min_gain
-        self._params: Mapping[str, np.ndarray] | None = None
-        self._number = 0
         self.passes = 0  # eval-graph calls made (two a result, three for one that lowers none)
-
-    def begin(self, number: int, params: Mapping[str, np.ndarray]) -> None:
-        """Round `number` starts from `params`, every tensor (read, never written, until the
-        round closes; a result moves the tensors it names)."""
-        self._number, self._params = number, params
 
     def _moved(self, params, pseudo_gradient, sign: int, batches) -> float:
         """The loss at θ + sign·Δ on `batches`, the tensors Δ does not name as θ has them."""
@@ -227,17 +221,6 @@ class LossDeltaValidator:
         moved.update({n: step(params[n], d, dtype=np.float32) for n, d in pseudo_gradient.items()})
         self.passes += 1
         return self._loss(moved, batches)
-
-    def weigh(
-        self, pseudo_gradient: Mapping[str, np.ndarray], tokens: int, assignment: Assignment
-    ) -> float:
-        """The result's weight in the mean: BadResult if it raises or keeps the loss on its own
-        batches while its reverse does at least as well, or blows that loss up."""
-        if self._params is None:
-            raise RuntimeError("LossDeltaValidator.begin must be called before a round's results")
-        return self.score(
-            pseudo_gradient, tokens, assignment, number=self._number, params=self._params
-        )
 
     def score(
         self,
@@ -248,8 +231,9 @@ class LossDeltaValidator:
         number: int,
         params: Mapping[str, np.ndarray],
     ) -> float:
-        """`weigh`, against round `number`'s `params` as given (no state of the validator's:
-        it may run beside a check of another round)."""
+        """The result's weight in the mean, scored against round `number`'s starting `params`
+        (every tensor; a result moves those it names): BadResult if it raises or keeps the
+        loss on its own batches while its reverse does at least as well, or blows it up."""
         batches = self._batches(assignment, number)
         self.passes += 1
         before = self._loss(params, batches)

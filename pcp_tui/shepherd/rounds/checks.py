@@ -186,13 +186,18 @@ class Check:
                 await tell_refused(link, exc)
 
     def _judge(self, params: Mapping[str, np.ndarray]) -> list[tuple[Kept, BadResult]]:
-        self._validator.begin(self.number, params)
         refused = []
         for kept in self.kept:
             if kept.checked:  # scored as it came (`Round.add`: its sender was on probation)
                 continue
             try:
-                self._validator.weigh(kept.tensors, int(kept.weight), kept.assignment)
+                self._validator.score(
+                    kept.tensors,
+                    int(kept.weight),
+                    kept.assignment,
+                    number=self.number,
+                    params=params,
+                )
             except BadResult as exc:
                 refused.append((kept, exc))
         return refused
