@@ -14,8 +14,10 @@ FAULTS, the registry, names each fault and its parameters (defaults in brackets)
   stall    --round [2] --seconds [10]: sleep SECONDS before training round ROUND
            (the round number the shepherd sends, from 1). Heartbeats go on, so
            only a round timeout or the operator can tell it from a slow machine.
-  slow     --factor [2]: every compiled chunk takes FACTOR times as long (it sleeps
-           the difference): a slower machine, for the adaptive rounds.
+  slow     --factor [2] --hold [0]: every compiled chunk takes FACTOR times as long (it
+           sleeps the difference): a slower machine, for the adaptive rounds. With
+           --hold R, round R waits (heartbeats on, no progress) until the process gets
+           SIGUSR1: a test's go, so the round misses its window whatever the load.
   pace     --seconds [0.5]: every compiled chunk takes at least SECONDS (it sleeps the
            rest): a slow machine whose pace does not depend on this one's load.
   nan      every value of every result it sends is NaN.
@@ -40,7 +42,9 @@ across reconnects.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,10 +91,18 @@ class Stall(Faults):
 
 
 class Slow(Faults):
-    """Every compiled chunk takes `factor` times as long: a slower machine (it sleeps the rest)."""
+    """Every compiled chunk takes `factor` times as long: a slower machine (it sleeps the rest).
+    Round `hold` (0: none) starts training only once SIGUSR1 has come."""
 
-    def __init__(self, *, factor: float):
-        self.factor = factor
+    def __init__(self, *, factor: float, hold: int):
+        self.factor, self.hold = factor, hold
+        self._go = threading.Event()
+        if hold:
+            signal.signal(signal.SIGUSR1, lambda signum, frame: self._go.set())
+
+    async def before_round(self, number: int) -> None:
+        while number == self.hold and not self._go.is_set():
+            await trio.sleep(0.05)
 
     def after_chunk(self, seconds: float) -> None:
         time.sleep((self.factor - 1) * seconds)
@@ -166,7 +178,10 @@ FAULTS: dict[str, Fault] = {
     ),
     "slow": Fault(
         "compute FACTOR times slower than this machine can (a slower machine)",
-        {"factor": Parameter(2.0, "how many times as long each compiled chunk takes")},
+        {
+            "factor": Parameter(2.0, "how many times as long each compiled chunk takes"),
+            "hold": Parameter(0, "the round that waits for SIGUSR1 (0: none)"),
+        },
         Slow,
     ),
     "pace": Fault(
