@@ -249,9 +249,7 @@ class _Engine:
     async def round(self, number: int, results: dict, checks: trio.Nursery) -> Round | None:
         """Round `number`, each worker sending `results[its id]` as soon as the round opens."""
         if not self.links:
-            self.links = [memory_link(f"w{i}", i, shard=i) for i in (0, 1)]
-            for link in self.links:  # results of theirs have counted: checked a round late
-                link.rounds.trusted = self.trusted
+            _links(self)
 
         async def send(worker_id: str, delta) -> None:
             while (current := self.open_rounds.of(0)) is None or current.number != number:
@@ -472,9 +470,9 @@ def _adaptive_attack(run, rounds: int) -> tuple[_Engine, list[int]]:
 
 def _links(late: _Engine) -> list:
     late.links = [memory_link(f"w{i}", i, shard=i) for i in (0, 1)]
-    for link in late.links:
+    for link in late.links:  # trusted: results of theirs have counted (checked a round late)
         link.rounds.trusted = late.trusted
-        late.state.workers[link.worker_id] = link.view  # its `result_clipped` names it
+        late.state.workers[link.worker_id] = link.view  # as the shepherd's table holds it
     return late.links
 
 
@@ -491,15 +489,10 @@ def test_a_trusted_attacker_cannot_flip_in_every_other_round(run):
     assert late.refused_as_it_came == []  # on probation it sent honest results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a late-refused result stays in its sender's rounds_contributed and its shard's "
-    "trained tokens and rounds (record_round counts contributors before the check; "
-    "RunState.recount fixes only the history entry)",
-)
 def test_a_result_refused_late_is_not_counted_as_trained(run):
     """Red team: w1's round 1 result is refused by the check a round late. The history entry
-    of round 1 then names w0 alone; its sender's count and its shard's progress should too."""
+    of round 1 then names w0 alone, and holds w0's tokens only; its sender's count and its
+    shard's progress count round 2 alone (results count once their round is settled)."""
     from pcp_tui.shepherd.rounds.engine import record_round
     from pcp_tui.shepherd.run.ledger import ShardLedger
 
@@ -522,7 +515,9 @@ def test_a_result_refused_late_is_not_counted_as_trained(run):
             late.engine.verdicts()
 
     trio.run(main)
-    assert [set(r.worker_ids) for r in late.state.history] == [{"w0"}, {"w0", "w1"}]
+    history = late.state.history
+    assert [set(r.worker_ids) for r in history] == [{"w0"}, {"w0", "w1"}]
+    assert history[0].tokens * 2 == history[1].tokens  # each result of each round: one shard's
     assert late.state.workers["w1"].rounds_contributed == 1
     shards = late.state.shards.shards
     assert (shards[0].rounds, shards[1].rounds) == (2, 1)

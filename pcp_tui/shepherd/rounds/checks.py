@@ -37,7 +37,7 @@ they come, before they are folded in, as every result once was
 only if it sent results that counted first, and then once before its probation.
 A refusal is reported (`bad_result`, probation: `results.note_refusal`) as the
 check ends, a round after the result came; the round's history entry then counts
-only the results that passed (`RunState.recount`). A round whose every result a check
+only the results that passed (`RunState.count`). A round whose every result a check
 refuses is not repeated: its step is undone and the run goes on. If round r's
 check still runs when round r + 1's fragment closes, the step waits for it:
 every result is checked, and the only stall left is a check longer than a whole

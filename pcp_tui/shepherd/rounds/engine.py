@@ -219,7 +219,8 @@ class RoundEngine:
         # per fragment, the last round's loss-delta check, until the next step joins it
         self._pending: list[Check | None] = [None] * len(self.fragments)
         # rounds not yet settled, oldest first: (number, contributors, checks or None) (`verdicts`)
-        self._settling: list[tuple[int, list[str], list[Check] | None]] = []
+        # (round, its contributors' tokens, its checks or None): rounds not yet counted
+        self._settling: list[tuple[int, dict[str, int], list[Check] | None]] = []
 
     # -- checkpoints ------------------------------------------------------------
 
@@ -317,11 +318,13 @@ class RoundEngine:
             self._open.rounds = []
         self.in_sync = {link for link in links if link not in failed and not link.closed}
         contributors = list(dict.fromkeys(w for r in rounds for w in r.contributors))
-        self._settling.append((number, contributors, started_checks if copies else None))
+        settling = started_checks if copies else None
         if not contributors:
+            self._settling.append((number, {}, settling))
             return None
         summary = combined(number, rounds, started, at_start, self.per_step)
         summary.checks = started_checks
+        self._settling.append((number, dict(summary.tokens_by_worker), settling))
         if self.pacing is not None:
             self.pacing.observe(summary)
         return summary
@@ -335,25 +338,26 @@ class RoundEngine:
     def verdicts(self) -> list[Verdict]:
         """The rounds settled since the last call, oldest first. A round is settled as it
         closes, or, where the run validates, once its checks have ended (by the next round's
-        outer steps, or `settle`); its history entry then counts only the results that
-        passed (`RunState.recount`)."""
+        outer steps, or `settle`); only then do its results count: towards their senders'
+        rounds and their shards' progress, and in its history entry (`RunState.count`)."""
         settled = []
         while self._settling:
-            number, contributors, checks = self._settling[0]
+            number, tokens, checks = self._settling[0]
             if checks is not None and not all(check.done.is_set() for check in checks):
                 break
             self._settling.pop(0)
-            passed = set(contributors)
+            passed = set(tokens)
             if checks is not None:
                 passed = {worker for check in checks for worker in check.counted}
-            counted = [w for w in contributors if w in passed]
-            uncounted = [w for w in contributors if w not in passed]
+            counted = [w for w in tokens if w in passed]
+            verdict = Verdict(number, counted, [w for w in tokens if w not in passed])
+            results = None
             if checks is not None and any(check.refused for check in checks):
                 each = {check.fragment: len(check.counted) for check in checks}
                 fragments = len(self.fragments)
                 results = tuple(each.get(p, 0) for p in range(fragments)) if fragments > 1 else ()
-                self.state.recount(number, tuple(counted), results)
-            settled.append(Verdict(number, counted, uncounted))
+            self.state.count(number, {w: tokens[w] for w in counted}, results)
+            settled.append(verdict)
         return settled
 
     async def settle(self) -> None:
@@ -707,7 +711,8 @@ def combined(
 def record_round(
     state: RunState, config: RunConfig, current: Round, eval_loss: float | None
 ) -> RoundRecord:
-    """Add round `current` to the history (and its workers' and shards' counts); emit `round`."""
+    """Add round `current` to the history; emit `round`. Its results count towards their
+    workers and shards once the round is settled (`RoundEngine.verdicts`)."""
     entry = current.record(
         eval_loss,
         state.bytes_sent,
@@ -715,11 +720,7 @@ def record_round(
         parameter_count=state.param_count,
         inner_steps=config.inner.steps,
     )
-    trained = set()
-    for worker_id in current.contributors:
-        state.workers[worker_id].rounds_contributed += 1
-        state.shards.trained(worker_id, current.tokens_by_worker[worker_id])
-        trained.add(state.workers[worker_id].shard)
+    trained = {state.workers[worker_id].shard for worker_id in current.contributors}
     untrained = tuple(s.index for s in state.shards.shards if s.index not in trained)
     entry = dataclasses.replace(entry, untrained_shards=untrained)
     state.history.append(entry)

@@ -10,7 +10,7 @@ import collections
 import enum
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -198,19 +198,26 @@ class RunState:
                 break
         self.emit(Evaluated(f"round {number}: eval loss {loss:.4f}", round=number, eval_loss=loss))
 
-    def recount(
-        self, number: int, worker_ids: tuple[str, ...], fragment_results: tuple[int, ...]
+    def count(
+        self, number: int, tokens: Mapping[str, int], fragment_results: tuple[int, ...] | None
     ) -> None:
-        """Round `number`'s history entry counts only `worker_ids` (`fragment_results` a
-        fragment): its checks refused the others' results after the round's own event
-        (`shepherd/rounds/checks.py`)."""
+        """Round `number` is settled: the results of the workers in `tokens` (id -> tokens
+        trained) count towards their rounds and their shards' progress. `fragment_results`
+        (() for a plain round), if not None: its checks refused results after the round's own
+        event (`shepherd/rounds/checks.py`), and its history entry counts only these."""
+        for worker_id, trained in tokens.items():
+            self.workers[worker_id].rounds_contributed += 1
+            self.shards.trained(worker_id, trained)
+        if fragment_results is None:
+            return
         for index in range(len(self.history) - 1, -1, -1):
             entry = self.history[index]
             if entry.round == number:
                 self.history[index] = replace(
                     entry,
-                    worker_ids=worker_ids,
-                    workers=len(worker_ids),
+                    worker_ids=tuple(tokens),
+                    workers=len(tokens),
+                    tokens=sum(tokens.values()),
                     fragment_results=fragment_results,
                 )
                 break
