@@ -558,6 +558,35 @@ def test_abbreviated_options_are_errors_not_guesses(args, message, cli):
     assert message in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["shepherd", "--inner-steps", "ten"],
+            "pcp-tui shepherd: error: argument --inner-steps: invalid int value: 'ten' "
+            "(see `pcp-tui shepherd --help`)",
+        ),
+        (
+            ["worker", "--no-reconnect"],
+            "pcp-tui worker: error: the following arguments are required: --connect "
+            "(see `pcp-tui worker --help`)",
+        ),
+        (
+            ["sheperd", "--workers", "2"],
+            "pcp-tui: error: unknown command 'sheperd'; did you mean shepherd? "
+            "(see `pcp-tui --help`)",
+        ),
+        (["wroker", "--connect", "127.0.0.1:9"], "unknown command 'wroker'; did you mean worker?"),
+        (["xyzzy"], "unknown command 'xyzzy'; commands: shepherd, demo, worker, keygen,"),
+    ],
+)
+def test_a_usage_error_is_one_line_not_the_usage(args, message, cli):
+    """argparse would print the command's whole usage (~50 lines for shepherd) above it."""
+    result = cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
 def _model_file(tmp_path: Path, old: str, new: str) -> str:
     text = (REPO / "examples" / "mlp_model.py").read_text()
     assert old in text
