@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,7 +30,7 @@ import pytest
 from pcp_tui.app.cli import main
 from pcp_tui.backends import BackendUnavailable, select_backend
 from pcp_tui.shepherd.run import checkpoint
-from pcp_tui.testing import child_pids, faulty_worker_command
+from pcp_tui.testing import child_pids, faulty_worker_command, free_port
 
 from .conftest import worker_env
 
@@ -676,6 +677,24 @@ def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path, cli):
     assert result.returncode == 2
     line = one_error_line(result)
     assert f"cannot write checkpoints to {blocker / 'ckpt'}" in line and "--checkpoint-dir" in line
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_quiet_worker_prints_its_error_and_no_warning(tmp_path, quiet, cli):
+    """Unheard (--no-reconnect), plain TCP, a compile cache it cannot make: two warnings
+    and the error; --quiet keeps the error alone, and logs only errors (no --log-level given)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = ["worker", "--connect", f"127.0.0.1:{free_port()}", "--token", "t", "--no-reconnect"]
+    args += ["--backend", "cpu", "--compile-cache", str(blocker / "cache")]
+    result = cli(*args, *(["--quiet"] if quiet else []))
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == (1 if quiet else 3), result.stderr
+    assert all(line.startswith("pcp-tui: warning: ") for line in lines[:-1]), result.stderr
+    assert lines[-1].startswith("pcp-tui: error: cannot reach 127.0.0.1:"), result.stderr
+    level = logging.getLogger("pcp_tui").level
+    assert level == (logging.ERROR if quiet else logging.WARNING)
 
 
 # -- 10. a worker without TLS against a TLS shepherd --------------------------------

@@ -279,8 +279,11 @@ def _main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     try:
         if getattr(args, "log_level", None):
             validate_section(LogConfig(level=args.log_level, file=args.log_file), "log")
+            level = args.log_level  # a worker's --quiet drops warnings, not a level asked for
+            if getattr(args, "quiet", False) and level == LogConfig().level and not args.log_file:
+                level = "error"
             try:
-                configure_logging(args.log_level, args.log_file)
+                configure_logging(level, args.log_file)
             except OSError as exc:
                 raise ConfigError(
                     f"cannot write --log-file {args.log_file} ({exc.strerror or exc})"

@@ -373,11 +373,11 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
     if site_config.num_processes > 1 and config.compute.devices != "all":
         return _fail("a site trains on every device of its processes: leave out --devices", 2)
     site = _join_site(config)  # before anything else of JAX (its rule)
-    if site.leads:
+    if site.leads and not output.quiet:  # --quiet: errors only (they come from _fail)
         _warn_if_unresolved(host, port, retrying=connection.reconnect)
         if not (connection.tls_ca or connection.tls_fingerprint or output.parent_fd is not None):
             print(PLAIN_TCP_WARNING.format(address=connection.connect), file=sys.stderr, flush=True)
-    _enable_compile_cache(config.compute.compile_cache)
+    _enable_compile_cache(config.compute.compile_cache, quiet=output.quiet)
     try:
         tls = ClientTLS.from_options(connection.tls_ca, connection.tls_fingerprint)
         trace = MessageTrace(output.trace) if output.trace else None
@@ -416,6 +416,7 @@ def _join_site(config: WorkerConfig) -> Site:
         site.num_processes,
         site.process_id,
         platform="cpu" if backend == "auto" else backend,
+        quiet=config.output.quiet,
     )
 
 
@@ -481,7 +482,7 @@ def _site_broken(process_id: int, error: BaseException) -> str:
     )
 
 
-def _enable_compile_cache(directory: str) -> None:
+def _enable_compile_cache(directory: str, *, quiet: bool) -> None:
     """Keep compiled graphs in `directory` ('' : none); a warning if it cannot be used."""
     if not directory:
         return
@@ -490,10 +491,11 @@ def _enable_compile_cache(directory: str) -> None:
     try:
         enable_compilation_cache(directory)
     except OSError as exc:
-        print(
-            f"pcp-tui: warning: no compile cache at {directory} ({exc.strerror})",
-            file=sys.stderr,
-        )
+        if not quiet:
+            print(
+                f"pcp-tui: warning: no compile cache at {directory} ({exc.strerror})",
+                file=sys.stderr,
+            )
 
 
 class ParentGone(Exception):
