@@ -31,6 +31,7 @@ from pcp_tui.app.cli import main
 from pcp_tui.backends import BackendUnavailable, select_backend
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.testing import child_pids, faulty_worker_command, free_port
+from pcp_tui.training.sharding import unmatched_rule
 
 from .conftest import worker_env
 
@@ -668,6 +669,23 @@ def test_data_that_is_not_text_or_not_tokens_is_refused(tmp_path, cli):
         assert result.returncode == 1, result.stderr
         line = one_error_line(result)
         assert line.startswith(f"pcp-tui: error: {message}") and "--data" in line, line
+
+
+def test_a_sharding_rule_that_matches_no_parameter_is_refused(tmp_path, cli):
+    """A typo in a pattern would silently leave the parameters it meant in the default layout."""
+    config = tmp_path / "run.toml"
+    config.write_text('[sharding]\nrules = { "wte" = "replicated", "h.*.mlpp.*" = "fsdp" }\n')
+    result = cli("shepherd", "--headless", "--port", "0", "--config", str(config), *SMALL)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert line.startswith(
+        "pcp-tui: error: [sharding] rule 'h.*.mlpp.*' = 'fsdp' matches no parameter of this "
+        "model; its 28 parameters include h.1.mlp.c_fc.w, "  # the closest first
+    ), line
+    assert line.endswith(", wte"), line  # ... then some from first to last
+    assert (
+        unmatched_rule([("wte", "replicated"), ("h.*.mlp.*", "fsdp")], ["wte", "h.0.mlp.w"]) is None
+    )
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path, cli):
