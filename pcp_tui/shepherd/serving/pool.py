@@ -429,7 +429,12 @@ class WorkerPool:
         cfg = self.config
         slot = link.view.shard  # from the ledger: a lost worker's shard goes to the next joiner
         graphs = await self.graphs.for_worker(link.platform, link.runtime, link.view.devices)
-        welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
+        welcome = protocol.Welcome(
+            link.view.index,
+            self.run_id,
+            cfg.network.heartbeat_seconds,
+            key_checked=bool(link.public_key),  # admitted under --worker-keys
+        )
         wanted = cfg.network.streams
         await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
         log.debug("worker %d: welcomed", link.view.index)
