@@ -13,10 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from pcp_tui.app.api import run_with_api
 from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop, clean_stop_plan
-from pcp_tui.app.local_run import run_with_local_workers
-from pcp_tui.app.preflight import preflight
 from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
@@ -79,6 +76,8 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
 
 def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
     """Preflight and prepare; an exit code (after a one-line reason) if that fails."""
+    from pcp_tui.app.preflight import preflight  # the operator API's: hypercorn, not for workers
+
     try:
         preflight(config)
         return prepare(config, shards=config.network.workers)
@@ -101,6 +100,8 @@ def run_shepherd(config: RunConfig, *, headless: bool) -> int:
         launched = _launch_dashboard(shepherd, metrics=metrics)
         if launched is not None:
             return launched
+    from pcp_tui.app.api import run_with_api  # hypercorn: only a shepherd serves the API
+
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
     return _run_headless(shepherd, metrics, partial(run_with_api, shepherd))
 
@@ -247,8 +248,9 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
         launched = _launch_dashboard(shepherd, spawn_workers=spawn, metrics=metrics)
         if launched is not None:
             return launched
-    shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
+    from pcp_tui.app.local_run import run_with_local_workers  # the operator API's: hypercorn
 
+    shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
     return _run_headless(shepherd, metrics, partial(run_with_local_workers, shepherd, spawn))
 
 
