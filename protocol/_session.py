@@ -71,6 +71,7 @@ class Welcome(Body):
     heartbeat_seconds: float = _finite(2.0)
     streams: int = 0  # > 1: connections to stripe the session over (protocol 4; 0, 1: one)
     session_key: bytes = field(default=b"", metadata={"bytes": 64})
+    key_checked: bool = False  # the hello's signature was checked (--worker-keys)
 
 
 @dataclass(frozen=True)

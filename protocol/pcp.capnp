@@ -139,6 +139,7 @@ struct Welcome {
   # connection then says how many carry the session from its next byte on (1: this one alone)
   streams @3 :UInt16;
   sessionKey @4 :Data;
+  keyChecked @5 :Bool;         # the shepherd checked the hello's signature (--worker-keys)
 }
 
 struct GraphInfo {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,7 +30,8 @@ import pytest
 from pcp_tui.app.cli import main
 from pcp_tui.backends import BackendUnavailable, select_backend
 from pcp_tui.shepherd.run import checkpoint
-from pcp_tui.testing import child_pids, faulty_worker_command
+from pcp_tui.testing import child_pids, faulty_worker_command, free_port
+from pcp_tui.training.sharding import unmatched_rule
 
 from .conftest import worker_env
 
@@ -558,6 +560,35 @@ def test_abbreviated_options_are_errors_not_guesses(args, message, cli):
     assert message in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["shepherd", "--inner-steps", "ten"],
+            "pcp-tui shepherd: error: argument --inner-steps: invalid int value: 'ten' "
+            "(see `pcp-tui shepherd --help`)",
+        ),
+        (
+            ["worker", "--no-reconnect"],
+            "pcp-tui worker: error: the following arguments are required: --connect "
+            "(see `pcp-tui worker --help`)",
+        ),
+        (
+            ["sheperd", "--workers", "2"],
+            "pcp-tui: error: unknown command 'sheperd'; did you mean shepherd? "
+            "(see `pcp-tui --help`)",
+        ),
+        (["wroker", "--connect", "127.0.0.1:9"], "unknown command 'wroker'; did you mean worker?"),
+        (["xyzzy"], "unknown command 'xyzzy'; commands: shepherd, demo, worker, keygen,"),
+    ],
+)
+def test_a_usage_error_is_one_line_not_the_usage(args, message, cli):
+    """argparse would print the command's whole usage (~50 lines for shepherd) above it."""
+    result = cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
 def _model_file(tmp_path: Path, old: str, new: str) -> str:
     text = (REPO / "examples" / "mlp_model.py").read_text()
     assert old in text
@@ -640,6 +671,23 @@ def test_data_that_is_not_text_or_not_tokens_is_refused(tmp_path, cli):
         assert line.startswith(f"pcp-tui: error: {message}") and "--data" in line, line
 
 
+def test_a_sharding_rule_that_matches_no_parameter_is_refused(tmp_path, cli):
+    """A typo in a pattern would silently leave the parameters it meant in the default layout."""
+    config = tmp_path / "run.toml"
+    config.write_text('[sharding]\nrules = { "wte" = "replicated", "h.*.mlpp.*" = "fsdp" }\n')
+    result = cli("shepherd", "--headless", "--port", "0", "--config", str(config), *SMALL)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert line.startswith(
+        "pcp-tui: error: [sharding] rule 'h.*.mlpp.*' = 'fsdp' matches no parameter of this "
+        "model; its 28 parameters include h.1.mlp.c_fc.w, "  # the closest first
+    ), line
+    assert line.endswith(", wte"), line  # ... then some from first to last
+    assert (
+        unmatched_rule([("wte", "replicated"), ("h.*.mlp.*", "fsdp")], ["wte", "h.0.mlp.w"]) is None
+    )
+
+
 def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path, cli):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -647,6 +695,24 @@ def test_an_unwritable_checkpoint_dir_is_refused_at_startup(tmp_path, cli):
     assert result.returncode == 2
     line = one_error_line(result)
     assert f"cannot write checkpoints to {blocker / 'ckpt'}" in line and "--checkpoint-dir" in line
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_quiet_worker_prints_its_error_and_no_warning(tmp_path, quiet, cli):
+    """Unheard (--no-reconnect), plain TCP, a compile cache it cannot make: two warnings
+    and the error; --quiet keeps the error alone, and logs only errors (no --log-level given)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = ["worker", "--connect", f"127.0.0.1:{free_port()}", "--token", "t", "--no-reconnect"]
+    args += ["--backend", "cpu", "--compile-cache", str(blocker / "cache")]
+    result = cli(*args, *(["--quiet"] if quiet else []))
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == (1 if quiet else 3), result.stderr
+    assert all(line.startswith("pcp-tui: warning: ") for line in lines[:-1]), result.stderr
+    assert lines[-1].startswith("pcp-tui: error: cannot reach 127.0.0.1:"), result.stderr
+    level = logging.getLogger("pcp_tui").level
+    assert level == (logging.ERROR if quiet else logging.WARNING)
 
 
 # -- 10. a worker without TLS against a TLS shepherd --------------------------------

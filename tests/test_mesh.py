@@ -23,11 +23,22 @@ from pcp_tui.app.cli import build_parser, worker_config_from
 from pcp_tui.app.config_file import load_config_file
 from pcp_tui.backends import BackendUnavailable, GraphError, JaxBackend
 from pcp_tui.config import ConfigError, RunConfig, ShardingConfig
+from pcp_tui.contract import auth
 from pcp_tui.protocol import _messages as wire
+from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.run.state import WorkerView
-from pcp_tui.testing import OutputProcess, WorkerProcesses, free_port, shepherd_command
+from pcp_tui.testing import (
+    OutputProcess,
+    WorkerProcesses,
+    connect_peer,
+    free_port,
+    shepherd_command,
+    small_config,
+    until,
+)
 from pcp_tui.testing import worker_env as base_env
+from pcp_tui.training.build import build_workload
 from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
 from pcp_tui.training.sharding import (
     MAX_PATTERN_CHARS,
@@ -113,6 +124,34 @@ def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
         JaxBackend("cpu", 1).load("train_chunk", two.train_chunk)
     with pytest.raises(BackendUnavailable, match="--devices 64: this host has"):
         JaxBackend("cpu", 64)
+
+
+async def test_a_worker_whose_devices_cannot_split_the_batch_is_refused_not_lost():
+    """It joined and the shepherd cannot serve it: the event and the log say refused and why
+    (a `lost` sent its operator looking at the network), and the worker is told the same."""
+    config = small_config(workers=1)  # batch size 4
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        stream, nonce = await connect_peer(port)
+        backend = protocol.BackendInfo(platform=protocol.Platform.CPU, device_count=3)
+        hello = protocol.WorkerHello(
+            supported_versions=protocol.SUPPORTED_VERSIONS,
+            worker_id="three",
+            proof=auth.proof("test-token", nonce, "three"),
+            backend=backend,
+        )
+        await stream.send(hello)
+        answer = (await stream.receive()).body
+        await until(lambda: shepherd.state.workers["three"].state in ("lost", "refused"))
+        nursery.cancel_scope.cancel()
+    why = "this run's batch size 4 does not split over a worker's 3 devices: restart that worker"
+    assert answer.code == protocol.ErrorCode.UNSUPPORTED_BACKEND and why in answer.message
+    kinds = [event.kind for event in shepherd.state.events]
+    assert "lost" not in kinds and kinds.count("worker_refused") == 1, kinds
+    [refused] = [event for event in shepherd.state.events if event.kind == "worker_refused"]
+    assert refused.message.startswith(f"worker 0 refused: {why}"), refused.message
+    assert shepherd.state.workers["three"].reason.startswith(why)
     parser = build_parser()
 
     def devices(text: str) -> int | None:

@@ -30,11 +30,18 @@ def test_every_public_name_resolves_and_nothing_generic_is_installed(tmp_path):
 
 
 @pytest.mark.e2e
-def test_importing_pcp_tui_loads_no_model_or_dashboard_code():
+def test_importing_pcp_tui_loads_no_model_or_dashboard_code_and_a_worker_no_operator_api():
     probe = (
         "import sys, pcp_tui, pcp_tui.worker.client;"
         "print(sorted(m for m in sys.modules if m.startswith(('pcp_tui.training.models',"
         " 'pcp_tui.training.corpus', 'pcp_tui.app.dashboard', 'textual'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    probe = (  # what `pcp-tui worker` loads: the operator API's server is the shepherd's
+        "import sys, pcp_tui.app.cli, pcp_tui.app.launch, pcp_tui.app.worker_view;"
+        "print(sorted(m for m in sys.modules if m.startswith(('hypercorn', 'prometheus_client',"
+        " 'pcp_tui.app.api'))))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

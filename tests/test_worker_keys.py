@@ -169,6 +169,23 @@ def test_keyed_workers_train_and_every_other_hello_is_refused_and_a_revoked_key_
     assert sorted(striped) == [f"worker {i}: session striped over 2 connections" for i in (0, 1)]
     [gone] = [e for e in shepherd.state.events if e.kind == "lost" and e.worker == "bob"]
     assert "was removed from --worker-keys" in gone.message
+    assert not [r for r in caplog.records if "does not check worker keys" in r.getMessage()]
+
+
+def test_a_worker_with_a_key_is_told_once_that_an_unkeyed_shepherd_does_not_check_it(
+    tmp_path, caplog
+):
+    """The token alone admits it there: its operator should not think the key protects it."""
+    caplog.set_level(logging.WARNING, logger="pcp_tui")
+    config = small_config(workers=1, rounds=1, inner_steps=5)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    run_shepherd(shepherd, lambda port: keyed_worker(tmp_path, port, "alice").run())
+    assert [r.worker_ids for r in shepherd.state.history] == [("alice",)]
+    said = [r.getMessage() for r in caplog.records if "worker keys" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        " does not check worker keys (no --worker-keys): this worker's --key is unused there; "
+        "the join token alone admitted it"
+    ), said
 
 
 def test_a_key_revoked_mid_round_takes_that_rounds_result_with_it(tmp_path):

@@ -99,8 +99,20 @@ def worker_config_from(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(**passed_values(args, WorkerConfig)).validate()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error is one line and where to look, not the whole usage.
+
+    `pcp-tui shepherd --inner-steps ten` otherwise prints the ~50-line usage of the
+    command above the one line that matters. Subcommands get this class too
+    (`add_subparsers` makes its parsers of the parent's type).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pcp-tui",
         description="Train across loosely connected machines (DiLoCo).",
         allow_abbrev=False,  # `--inner-step 5` must be an error, not a guess at --inner-steps
@@ -209,7 +221,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    command = next((word for word in argv if word in commands.choices), None)
+    first = next((word for word in argv if not word.startswith("-")), None)
+    if first is not None and first not in commands.choices:  # argparse 3.11 suggests nothing
+        close = difflib.get_close_matches(first, commands.choices, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"commands: {', '.join(commands.choices)}"
+        parser.error(f"unknown command {first!r}; {hint}")
+    command = first
     if command is not None:
         options = [o for a in commands.choices[command]._actions for o in a.option_strings]
         after = argv[argv.index(command) + 1 :]
@@ -262,8 +279,11 @@ def _main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     try:
         if getattr(args, "log_level", None):
             validate_section(LogConfig(level=args.log_level, file=args.log_file), "log")
+            level = args.log_level  # a worker's --quiet drops warnings, not a level asked for
+            if getattr(args, "quiet", False) and level == LogConfig().level and not args.log_file:
+                level = "error"
             try:
-                configure_logging(args.log_level, args.log_file)
+                configure_logging(level, args.log_file)
             except OSError as exc:
                 raise ConfigError(
                     f"cannot write --log-file {args.log_file} ({exc.strerror or exc})"

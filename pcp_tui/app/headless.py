@@ -30,6 +30,7 @@ _SHOWN = {
     "rejoined",
     "compiled",
     "lost",
+    "worker_refused",
     "left",
     "shard_orphaned",
     "shard_adopted",

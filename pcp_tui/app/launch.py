@@ -13,10 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from pcp_tui.app.api import run_with_api
 from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop, clean_stop_plan
-from pcp_tui.app.local_run import run_with_local_workers
-from pcp_tui.app.preflight import preflight
 from pcp_tui.app.tracking import open_sinks
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
@@ -79,6 +76,8 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
 
 def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
     """Preflight and prepare; an exit code (after a one-line reason) if that fails."""
+    from pcp_tui.app.preflight import preflight  # the operator API's: hypercorn, not for workers
+
     try:
         preflight(config)
         return prepare(config, shards=config.network.workers)
@@ -101,6 +100,8 @@ def run_shepherd(config: RunConfig, *, headless: bool) -> int:
         launched = _launch_dashboard(shepherd, metrics=metrics)
         if launched is not None:
             return launched
+    from pcp_tui.app.api import run_with_api  # hypercorn: only a shepherd serves the API
+
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
     return _run_headless(shepherd, metrics, partial(run_with_api, shepherd))
 
@@ -247,8 +248,9 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
         launched = _launch_dashboard(shepherd, spawn_workers=spawn, metrics=metrics)
         if launched is not None:
             return launched
-    shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
+    from pcp_tui.app.local_run import run_with_local_workers  # the operator API's: hypercorn
 
+    shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
     return _run_headless(shepherd, metrics, partial(run_with_local_workers, shepherd, spawn))
 
 
@@ -373,11 +375,11 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
     if site_config.num_processes > 1 and config.compute.devices != "all":
         return _fail("a site trains on every device of its processes: leave out --devices", 2)
     site = _join_site(config)  # before anything else of JAX (its rule)
-    if site.leads:
+    if site.leads and not output.quiet:  # --quiet: errors only (they come from _fail)
         _warn_if_unresolved(host, port, retrying=connection.reconnect)
         if not (connection.tls_ca or connection.tls_fingerprint or output.parent_fd is not None):
             print(PLAIN_TCP_WARNING.format(address=connection.connect), file=sys.stderr, flush=True)
-    _enable_compile_cache(config.compute.compile_cache)
+    _enable_compile_cache(config.compute.compile_cache, quiet=output.quiet)
     try:
         tls = ClientTLS.from_options(connection.tls_ca, connection.tls_fingerprint)
         trace = MessageTrace(output.trace) if output.trace else None
@@ -416,6 +418,7 @@ def _join_site(config: WorkerConfig) -> Site:
         site.num_processes,
         site.process_id,
         platform="cpu" if backend == "auto" else backend,
+        quiet=config.output.quiet,
     )
 
 
@@ -481,7 +484,7 @@ def _site_broken(process_id: int, error: BaseException) -> str:
     )
 
 
-def _enable_compile_cache(directory: str) -> None:
+def _enable_compile_cache(directory: str, *, quiet: bool) -> None:
     """Keep compiled graphs in `directory` ('' : none); a warning if it cannot be used."""
     if not directory:
         return
@@ -490,10 +493,11 @@ def _enable_compile_cache(directory: str) -> None:
     try:
         enable_compilation_cache(directory)
     except OSError as exc:
-        print(
-            f"pcp-tui: warning: no compile cache at {directory} ({exc.strerror})",
-            file=sys.stderr,
-        )
+        if not quiet:
+            print(
+                f"pcp-tui: warning: no compile cache at {directory} ({exc.strerror})",
+                file=sys.stderr,
+            )
 
 
 class ParentGone(Exception):

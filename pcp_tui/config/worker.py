@@ -202,7 +202,11 @@ class SiteConfig:
 class OutputConfig:
     """output: what the worker shows and records"""
 
-    quiet: bool = option(False, help="print only errors")
+    quiet: bool = option(
+        False,
+        help="print only errors: no status lines, no warnings (no TLS, ...); --log-level info "
+        "or debug and --log-file still log",
+    )
     trace: str | None = option(
         None,
         metavar="FILE",

@@ -24,6 +24,7 @@ one-device run up to the order of float sums).
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from collections.abc import Sequence
 
@@ -47,6 +48,21 @@ def param_layout(name: str, ndim: int, mode: str, rules: Sequence[tuple[str, str
         if fnmatch.fnmatchcase(name, pattern):
             return str(layout)
     return "fsdp" if mode == "fsdp" and ndim >= 2 else "replicated"
+
+
+def unmatched_rule(rules: Sequence[tuple[str, str]], names: Sequence[str]) -> str | None:
+    """Why a rule is a mistake: it matches none of the parameters `names` (a typo, another
+    model's names), naming a few of them, the closest first; None if every rule matches one."""
+    for pattern, layout in rules:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.5)
+            spread = [names[round(i * (len(names) - 1) / 5)] for i in range(6)]  # first to last
+            shown = list(dict.fromkeys([*close, *spread]))
+            return (
+                f"[sharding] rule {pattern!r} = {layout!r} matches no parameter of this model; "
+                f"its {len(names)} parameters include {', '.join(shown)}"
+            )
+    return None
 
 
 def split_axis(shape: Shape, devices: int) -> Axis:

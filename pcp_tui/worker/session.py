@@ -111,6 +111,7 @@ class Session:
         self.backend = backend  # what the hello describes
         # --key: every hello is signed with it (a shepherd with --worker-keys checks it)
         self.key = keys.load_private_key(connection.key) if connection.key else None
+        self._key_unused_said = False  # a shepherd without --worker-keys: said once
         self.site = site or Site.alone()  # its followers get what says what to compute
         self.worker_id = connection.worker_id or (
             f"{host_platform.node() or 'worker'}-{os.getpid()}-{secrets.token_hex(2)}"
@@ -291,6 +292,14 @@ class Session:
         log.info(
             "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
         )
+        if self.key is not None and not welcome.key_checked and not self._key_unused_said:
+            self._key_unused_said = True
+            log.warning(
+                "%s:%d does not check worker keys (no --worker-keys): this worker's --key is "
+                "unused there; the join token alone admitted it",
+                self.host,
+                self.port,
+            )
         self._enter_run(welcome.run_id)
         await self._to_site(welcome_message)
         self.status.update(worker_index=welcome.worker_index, message="admitted")

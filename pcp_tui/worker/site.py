@@ -204,13 +204,14 @@ def join_site(
     platform: str = "cpu",
     heartbeat_seconds: int = HEARTBEAT_SECONDS,
     bind_address: str | None = None,
+    quiet: bool = False,
 ) -> Site:
     """Start multi-controller JAX for this process of a site; its `Site`.
 
     Call it before any other JAX call of the process (JAX's rule). Process 0
     runs the coordination service, bound to `bind_address` (default: every
     interface, on the address's port) and warns once that it must stay on a
-    trusted LAN. On CPU the collectives go over Gloo.
+    trusted LAN (not when `quiet`: --quiet). On CPU the collectives go over Gloo.
     """
     import jax
     from jax.experimental import multihost_utils
@@ -220,7 +221,7 @@ def join_site(
             f"--process-id {process_id} is not one of the site's {process_count} processes "
             f"(0 to {process_count - 1})"
         )
-    if process_id == 0:
+    if process_id == 0 and not quiet:
         print(
             f"pcp-tui: warning: {TRUSTED_LAN.format(address=bind_address or coordinator_address)}",
             file=sys.stderr,

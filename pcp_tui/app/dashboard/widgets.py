@@ -273,6 +273,7 @@ class EventLog(RichLog):
     _BAD = {
         "lost",
         "refused",
+        "worker_refused",
         "failed",
         "bad_result",
         "stragglers",

@@ -200,7 +200,7 @@ def _clip_names(rows: dict[str, tuple[str, ...]], room: int) -> dict[str, tuple[
 
 
 def _worker_cells(w: WorkerView, now: float) -> tuple[str, ...]:
-    gone = w.state in ("lost", "left")
+    gone = w.state in ("lost", "refused", "left")
     total = w.total_steps
     step = f"{w.step:>{len(str(total))}}/{total}" if total else "-"
     backend = w.backend or "?"

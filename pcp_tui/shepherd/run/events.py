@@ -32,6 +32,7 @@ class EventKind(enum.StrEnum):
     WORKER_KEYS = "worker_keys"
     COMPILED = "compiled"
     LOST = "lost"
+    WORKER_REFUSED = "worker_refused"
     LEFT = "left"
     INTERNAL = "internal"
     SHARD_ADOPTED = "shard_adopted"
@@ -213,6 +214,14 @@ class Compiled(WorkerEvent):
 @dataclass(frozen=True, kw_only=True)
 class Lost(WorkerEvent):
     kind = EventKind.LOST
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerRefused(WorkerEvent):
+    """A worker that joined and that the shepherd cannot serve (its devices cannot split the
+    batch, its platform has no graphs): it is told why and dropped; not a lost link."""
+
+    kind = EventKind.WORKER_REFUSED
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,9 +27,9 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.backends import CUDNN_ATTENTION_CALLS, SOURCE_PLATFORM
-from pcp_tui.config import RunConfig
+from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.training.export import InnerOptimizer, TrainingGraphs, build_graphs
-from pcp_tui.training.sharding import LayoutError
+from pcp_tui.training.sharding import LayoutError, unmatched_rule
 from pcp_tui.training.workload import Workload
 
 # (platforms, devices, score rows) -> graphs
@@ -64,7 +64,11 @@ class GraphLibrary:
 
     @classmethod
     def for_run(cls, config: RunConfig, workload: Workload, inner: InnerOptimizer) -> GraphLibrary:
-        """The graphs of `workload` trained with `inner` as `config` says (chunk, attention)."""
+        """The graphs of `workload` trained with `inner` as `config` says (chunk, attention);
+        ConfigError for a `[sharding]` rule that names none of its parameters."""
+        problem = unmatched_rule(config.sharding.rules, list(workload.params))
+        if problem:
+            raise ConfigError(problem)
         cudnn = config.model.attention == "cudnn"
 
         def export(platforms: tuple[str, ...], devices: int, score_rows: int) -> TrainingGraphs:

@@ -36,6 +36,7 @@ from pcp_tui.shepherd.run.events import (
     Rejoined,
     ShardAdopted,
     ShardOrphaned,
+    WorkerRefused,
 )
 from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
@@ -149,6 +150,9 @@ class WorkerPool:
         ended: ConnectionLost | None = None
         try:
             await self._serve_worker(link)
+        except Unservable as exc:  # e.g. its --devices cannot split the batch: told why
+            ended = ConnectionLost(str(exc), code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value)
+            self._mark_gone(link, "refused", ended.reason)
         except (ConnectionLost, *LINK_ERRORS) as exc:
             ended = link.failure or lost(exc)  # a send past its deadline closed the link
             self._mark_gone(link, "lost", ended.reason)
@@ -386,7 +390,13 @@ class WorkerPool:
             link.view.state, link.view.reason = WorkerState(state), reason
             orphan = self.state.shards.release(link.worker_id)
             log.info("worker %d %s: %s", link.view.index, state, reason)
-            if state == "lost" and not self._stopping():
+            if state == "refused":
+                self.state.emit(
+                    WorkerRefused(
+                        f"worker {link.view.index} refused: {reason}", worker=link.worker_id
+                    )
+                )
+            elif state == "lost" and not self._stopping():
                 self.state.emit(
                     Lost(
                         f"worker {link.view.index} lost: {reason}",
@@ -414,16 +424,17 @@ class WorkerPool:
         self.wake()
 
     async def _serve_worker(self, link: WorkerLink) -> None:
-        """Welcome, plan, then the worker's messages until it leaves; raises ConnectionLost."""
+        """Welcome, plan, then the worker's messages until it leaves; raises ConnectionLost,
+        or Unservable before the welcome if no graphs fit its platform and devices."""
         cfg = self.config
         slot = link.view.shard  # from the ledger: a lost worker's shard goes to the next joiner
-        try:
-            graphs = await self.graphs.for_worker(link.platform, link.runtime, link.view.devices)
-        except Unservable as exc:
-            raise ConnectionLost(
-                str(exc), code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value
-            ) from None
-        welcome = protocol.Welcome(link.view.index, self.run_id, cfg.network.heartbeat_seconds)
+        graphs = await self.graphs.for_worker(link.platform, link.runtime, link.view.devices)
+        welcome = protocol.Welcome(
+            link.view.index,
+            self.run_id,
+            cfg.network.heartbeat_seconds,
+            key_checked=bool(link.public_key),  # admitted under --worker-keys
+        )
         wanted = cfg.network.streams
         await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
         log.debug("worker %d: welcomed", link.view.index)
