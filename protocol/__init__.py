@@ -35,6 +35,7 @@ from ._errors import (
     ConnectionClosed,
     FrameTooLarge,
     MalformedMessage,
+    NonFinite,
     ProtocolError,
     VersionMismatch,
 )
@@ -124,6 +125,7 @@ __all__ = [
     "FrameTooLarge",
     "Limits",
     "MalformedMessage",
+    "NonFinite",
     "Message",
     "MessageStream",
     "PayloadGate",

@@ -68,6 +68,11 @@ class MalformedMessage(ProtocolError):
     code = "malformed"
 
 
+class NonFinite(MalformedMessage):
+    """A number the message must hold finite (a loss, a time) is NaN or infinite: a diverged
+    worker's result, told apart from other malformed bytes by its type, never by its text."""
+
+
 class ConnectionClosed(ProtocolError):
     """The peer closed the connection (cleanly between frames, or mid-frame: the message says which)."""
 

@@ -63,8 +63,8 @@ class RoundResult(Body):
     after the round's last step. `tokens` is what the pseudo-gradient trained on
     (its weight in the mean); `losses`, `compute_seconds` and `inner_steps` cover
     the steps since the worker's previous result, so a run's results count each
-    step once. `losses` is bounded by the receiver's `Limits.max_losses`; whether
-    each loss is finite is the result screen's call (a refused result, not a broken peer).
+    step once. `losses` is bounded by the receiver's `Limits.max_losses`; a NaN loss
+    is refused at decode (`NonFinite`), which the shepherd reads as that worker diverging.
     """
 
     KIND: ClassVar[str] = "roundResult"

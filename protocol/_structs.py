@@ -16,7 +16,7 @@ import typing
 from typing import Any
 
 from ._enums import BY_WIRE_VALUE
-from ._errors import MalformedMessage
+from ._errors import MalformedMessage, NonFinite
 from ._fields import ID_CHARS
 
 
@@ -103,8 +103,10 @@ def _read_value(hint, raw, meta, limits, where: str):
     if hint is float:
         number = float(raw)
         if meta.get("finite") and not math.isfinite(number):
-            raise MalformedMessage(f"{where} is {number}; it must be a finite number")
+            raise NonFinite(f"{where} is {number}; it must be a finite number")
         low, high = meta.get("range", (-math.inf, math.inf))
+        if math.isnan(number) or (not math.isfinite(number) and not low <= number <= high):
+            raise NonFinite(f"{where} is {number}; it must be within [{low}, {high}]")
         if not low <= number <= high:
             raise MalformedMessage(f"{where} is {number}; it must be within [{low}, {high}]")
         return number

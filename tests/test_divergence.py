@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 
+from pcp_tui import protocol
 from pcp_tui.diloco.screening import BadResult, Refusal
 from pcp_tui.diloco.validation import Assignment, LossDeltaValidator
 from pcp_tui.shepherd.rounds.divergence import diverged
@@ -24,7 +25,7 @@ NAN_LOSS = "worker 0 lost: roundResult.losses[8] is nan; it must be within [-inf
 
 def test_every_result_non_finite_is_divergence():
     events = [
-        Lost(NAN_LOSS, worker="w0"),
+        Lost(NAN_LOSS, worker="w0", non_finite=True),
         ResultRefused(
             "... reported losses hold NaN or Inf", worker="w1", round=2, refusal=Refusal.NON_FINITE
         ),
@@ -60,9 +61,33 @@ def test_the_validator_says_which_refusal_it_is():
     assert (blown.value.refusal, flat.value.refusal) == (Refusal.BLOWN_UP, Refusal.NO_GAIN)
 
 
+def test_a_peers_own_words_are_not_divergence():
+    """A peer may end its connection with an `error` whose message reads like the decoder's
+    ("losses[0] is nan"). Matched as text, a hostile sole participant of a round ended the
+    whole run as diverged; only the decoder's refusal (`protocol.NonFinite`) marks it."""
+    said = Lost(
+        "worker 0 lost: the worker reported internal: roundResult.losses[0] is nan",
+        worker="w0",
+    )
+    assert diverged([said], 2, 10, None) is None
+
+
+def test_the_decoder_tells_a_non_finite_number_by_its_type():
+    """What sets `Lost.non_finite`: a NaN (or an infinity out of range) in a field that
+    must be finite raises `protocol.NonFinite`; other malformed numbers do not."""
+    result = protocol.RoundResult(round=1, tokens=8, losses=(2.0, float("nan")), inner_steps=2)
+    with pytest.raises(protocol.NonFinite, match=r"losses\[1\] is nan"):
+        protocol.decode(b"".join(protocol.encode(result)))
+    late = protocol.RoundResult(round=1, tokens=8, losses=(2.0, 2.0), inner_steps=2)
+    protocol.decode(b"".join(protocol.encode(late)))  # finite: taken
+
+
 def test_a_round_lost_for_another_reason_too_is_repeated_not_stopped():
     """One NaN worker and one worker whose link broke: that is not the model diverging."""
-    events = [Lost(NAN_LOSS, worker="w0"), Lost("worker 1 lost: connection reset", worker="w1")]
+    events = [
+        Lost(NAN_LOSS, worker="w0", non_finite=True),
+        Lost("worker 1 lost: connection reset", worker="w1"),
+    ]
     assert diverged(events, 2, 10, None) is None
     assert diverged([], 2, 10, None) is None  # no result and no failure: e.g. the run stopping
 
@@ -89,7 +114,9 @@ def test_a_non_finite_eval_loss_is_divergence_and_a_finite_one_is_not():
     assert (
         diverged([], 3, 10, _record(float("nan"))) == "round 3's outer step made the eval loss nan"
     )
-    one_nan: list[Event] = [Lost(NAN_LOSS, worker="w0")]  # one worker's NaN among healthy results
+    one_nan: list[Event] = [
+        Lost(NAN_LOSS, worker="w0", non_finite=True)
+    ]  # one worker's NaN among healthy results
     assert diverged(one_nan, 3, 10, _record(2.5)) is None
     assert diverged(one_nan, 3, 10, _record(None)) is None  # no eval this round
 

@@ -16,12 +16,12 @@ from collections.abc import Iterable
 
 from pcp_tui.diloco.screening import Refusal
 from pcp_tui.diloco.validation import BLOW_UP
-from pcp_tui.shepherd.run.events import Event, ResultRefused
+from pcp_tui.shepherd.run.events import Event, Lost, ResultRefused
 from pcp_tui.shepherd.run.history import RoundRecord
 
-# How the decoder reports a result it refused at its bound check ("worker 0 lost:
-# roundResult.losses[3] is nan; it must be within ..."): the connection ends, as a `lost` event
-_NON_FINITE = re.compile(r"\bis -?(nan|inf)\b", re.I)
+# Where the decoder's refusal of a non-finite loss (`Lost.non_finite`) names it ("worker 0
+# lost: roundResult.losses[3] is nan; ..."): read only from such an event, whose text is the
+# decoder's, not the peer's
 _STEP = re.compile(r"losses\[(\d+)\] is -?(nan|inf)", re.I)
 _FAILURES = ("lost", "bad_result")
 
@@ -53,7 +53,11 @@ def diverged(
     failures = [e for e in round_events if e.kind in _FAILURES]
     if not failures or not all(_diverging(e) for e in failures):
         return None
-    steps = [int(m.group(1)) + 1 for e in failures if (m := _STEP.search(e.message))]
+    steps = [
+        int(m.group(1)) + 1
+        for e in failures
+        if isinstance(e, Lost) and e.non_finite and (m := _STEP.search(e.message))
+    ]
     where = f" (first at inner step {min(steps)} of {inner_steps})" if steps else ""
     what = (
         "was non-finite"
@@ -64,9 +68,11 @@ def diverged(
 
 
 def _non_finite(event: Event) -> bool:
+    """A result refused as non-finite, or a connection ended for a NaN in its message: by
+    the event's kind, never its text (a peer's own error message may say "is nan")."""
     if isinstance(event, ResultRefused):
         return event.refusal is Refusal.NON_FINITE
-    return _NON_FINITE.search(event.message) is not None
+    return isinstance(event, Lost) and event.non_finite
 
 
 def _diverging(event: Event) -> bool:

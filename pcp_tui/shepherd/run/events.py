@@ -214,6 +214,9 @@ class Compiled(WorkerEvent):
 @dataclass(frozen=True, kw_only=True)
 class Lost(WorkerEvent):
     kind = EventKind.LOST
+    # its message held a NaN or infinite number it must not (`protocol.NonFinite`): a
+    # diverged worker, which `rounds/divergence.py` tells from a broken link by this
+    non_finite: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

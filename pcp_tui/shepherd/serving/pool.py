@@ -155,7 +155,8 @@ class WorkerPool:
             self._mark_gone(link, "refused", ended.reason)
         except (ConnectionLost, *LINK_ERRORS) as exc:
             ended = link.failure or lost(exc)  # a send past its deadline closed the link
-            self._mark_gone(link, "lost", ended.reason)
+            diverged = isinstance(exc, protocol.NonFinite)  # a NaN loss: `rounds/divergence.py`
+            self._mark_gone(link, "lost", ended.reason, non_finite=diverged)
         except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
             reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
             self.state.emit(Internal(f"worker {link.view.index}: {reason}", worker=link.worker_id))
@@ -381,7 +382,9 @@ class WorkerPool:
             )
         return link
 
-    def _mark_gone(self, link: WorkerLink, state: str, reason: str) -> None:
+    def _mark_gone(
+        self, link: WorkerLink, state: str, reason: str, *, non_finite: bool = False
+    ) -> None:
         ending = self.state.status.finished or self._stopping()
         if ending:
             state = WorkerState.LEFT  # the run is ending: a closing connection is expected
@@ -401,6 +404,7 @@ class WorkerPool:
                     Lost(
                         f"worker {link.view.index} lost: {reason}",
                         worker=link.worker_id,
+                        non_finite=non_finite,
                     )
                 )
             elif not ending:  # said goodbye mid-run (stopped by its operator): worth a line too
