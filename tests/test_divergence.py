@@ -6,10 +6,12 @@ for ever (413 repeats in 5 minutes).
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import numpy as np
 import pytest
+import trio
 
 from pcp_tui import protocol
 from pcp_tui.diloco.screening import BadResult, Refusal
@@ -18,7 +20,19 @@ from pcp_tui.shepherd.rounds.divergence import diverged
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.shepherd.run.events import Event, Lost, ResultRefused
 from pcp_tui.shepherd.run.history import RoundRecord
-from pcp_tui.testing import OutputProcess, free_port, shepherd_command, worker_command
+from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
+from pcp_tui.testing import (
+    OutputProcess,
+    free_port,
+    join_as,
+    run_shepherd,
+    shepherd_command,
+    until,
+    worker_command,
+)
+from pcp_tui.training.build import build_workload
+
+from .conftest import small_config
 
 NAN_LOSS = "worker 0 lost: roundResult.losses[8] is nan; it must be within [-inf, inf]"
 
@@ -80,6 +94,55 @@ def test_the_decoder_tells_a_non_finite_number_by_its_type():
         protocol.decode(b"".join(protocol.encode(result)))
     late = protocol.RoundResult(round=1, tokens=8, losses=(2.0, 2.0), inner_steps=2)
     protocol.decode(b"".join(protocol.encode(late)))  # finite: taken
+
+
+def test_a_nan_loss_marks_the_lost_event_and_a_peers_words_do_not():
+    """Over a real socket into a real shepherd: a peer whose `error` message reads like the
+    decoder's refusal of a NaN loss is lost (`non_finite` False), and its round is repeated;
+    a result whose losses hold a NaN is lost with `non_finite`, and as every result of its
+    round, that is the run diverging: it ends saying so. (Read as text, the first peer's
+    words ended the run.)"""
+    config = small_config(workers=1, rounds=1, inner_steps=2, chunk_steps=2, validate="off")
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+
+    async def peer(port: int, worker_id: str, answer) -> None:
+        stream, welcome = await join_as(port, worker_id)
+        assert welcome.kind == "welcome", welcome.body
+        plan = (await stream.receive()).body
+        await stream.send(protocol.Ready(compile_seconds=0.0))
+        start = await stream.receive()
+        while start.kind != "roundStart":
+            start = await stream.receive()
+        # the shepherd hangs up at the header of a result it refuses: maybe mid-send
+        with contextlib.suppress(protocol.ConnectionClosed, trio.BrokenResourceError):
+            await answer(stream, plan, start.body.round)
+            while True:
+                await stream.receive()
+
+    async def nan_loss(stream, plan, number: int) -> None:
+        names = plan.fragments[0].tensors
+        body = protocol.RoundResult(
+            round=number, tokens=8, losses=(2.0, float("nan")), inner_steps=2
+        )
+        await stream.send(body, {n: np.zeros_like(shepherd.params[n]) for n in names})
+
+    async def words(stream, plan, number: int) -> None:
+        said = "roundResult.losses[1] is nan; it must be within [-inf, inf]"
+        await stream.send(protocol.Error(protocol.ErrorCode.INTERNAL, said))
+
+    async def scenario(port: int) -> None:
+        await peer(port, "talker", words)
+        await until(lambda: any(e.kind == "round_repeated" for e in shepherd.state.events))
+        await peer(port, "nan", nan_loss)
+
+    with pytest.raises(ExceptionGroup) as ended:  # out of run_shepherd's nursery
+        run_shepherd(shepherd, scenario)
+    (failure,) = ended.value.exceptions
+    assert isinstance(failure, RunFailed), failure
+    assert "every result of round 1 was non-finite (first at inner step 2 of 2)" in str(failure)
+    lost = {e.worker: e for e in shepherd.state.events if isinstance(e, Lost)}
+    assert not lost["talker"].non_finite and "losses[1] is nan" in lost["talker"].message
+    assert lost["nan"].non_finite and "losses[1] is nan" in lost["nan"].message
 
 
 def test_a_round_lost_for_another_reason_too_is_repeated_not_stopped():

@@ -155,7 +155,8 @@ class WorkerPool:
             self._mark_gone(link, "refused", ended.reason)
         except (ConnectionLost, *LINK_ERRORS) as exc:
             ended = link.failure or lost(exc)  # a send past its deadline closed the link
-            diverged = isinstance(exc, protocol.NonFinite)  # a NaN loss: `rounds/divergence.py`
+            # a NaN loss (`rounds/divergence.py`): the decoder's error, as `lost` keeps it
+            diverged = isinstance(ended.__cause__, protocol.NonFinite)
             self._mark_gone(link, "lost", ended.reason, non_finite=diverged)
         except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
             reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
