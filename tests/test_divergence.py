@@ -16,11 +16,11 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.diloco.screening import BadResult, Refusal
 from pcp_tui.diloco.validation import Assignment, LossDeltaValidator
+from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.shepherd.rounds.divergence import diverged
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.shepherd.run.events import Event, Lost, ResultRefused
 from pcp_tui.shepherd.run.history import RoundRecord
-from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
 from pcp_tui.testing import (
     OutputProcess,
     free_port,
