@@ -9,7 +9,7 @@ def test_a_lost_workers_shard_goes_to_the_next_joiner_and_a_returning_worker_get
     ledger = ShardLedger(2)
     assert ledger.assign("a") == (0, False)
     assert ledger.assign("b") == (1, False)
-    ledger.trained("b", 100)
+    ledger.trained(1, 100)  # b's
     assert ledger.release("b") == 1 and ledger.orphaned() == [1]
     assert ledger.assign("c") == (1, True)  # adopted: b held it, nobody does now
     assert ledger.release("a") == 0
@@ -40,8 +40,8 @@ def test_progress_and_last_holders_survive_a_checkpoint():
     ledger = ShardLedger(3)
     for worker in ("a", "b", "c"):
         ledger.assign(worker)
-    ledger.trained("b", 64)
-    ledger.trained("b", 64)
+    ledger.trained(1, 64)  # b's
+    ledger.trained(1, 64)  # b's
     restored = ShardLedger(3)
     restored.restore(ledger.as_meta())
     assert [(s.rounds, s.tokens) for s in restored.shards] == [(0, 0), (2, 128), (0, 0)]

@@ -71,9 +71,8 @@ class ShardLedger:
         owners.remove(worker_id)
         return None if owners else shard
 
-    def trained(self, worker_id: str, tokens: int) -> None:
-        """Count one round's result of `worker_id` towards its shard."""
-        shard = self._last.get(worker_id)
+    def trained(self, shard: int | None, tokens: int) -> None:
+        """Count one round's result, trained on `shard` (None: none), towards that shard."""
         if shard is not None:
             self.shards[shard].rounds += 1
             self.shards[shard].tokens += tokens

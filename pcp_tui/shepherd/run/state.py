@@ -199,15 +199,21 @@ class RunState:
         self.emit(Evaluated(f"round {number}: eval loss {loss:.4f}", round=number, eval_loss=loss))
 
     def count(
-        self, number: int, tokens: Mapping[str, int], fragment_results: tuple[int, ...] | None
+        self,
+        number: int,
+        tokens: Mapping[str, int],
+        fragment_results: tuple[int, ...] | None,
+        *,
+        shards: Mapping[str, int | None],
     ) -> None:
         """Round `number` is settled: the results of the workers in `tokens` (id -> tokens
-        trained) count towards their rounds and their shards' progress. `fragment_results`
-        (() for a plain round), if not None: its checks refused results after the round's own
-        event (`shepherd/rounds/checks.py`), and its history entry counts only these."""
+        trained) count towards their rounds and the progress of the shards they trained
+        (`shards`: id -> shard, as the round ran). `fragment_results` (() for a plain round),
+        if not None: its checks refused results after the round's own event
+        (`shepherd/rounds/checks.py`), and its history entry counts only these."""
         for worker_id, trained in tokens.items():
             self.workers[worker_id].rounds_contributed += 1
-            self.shards.trained(worker_id, trained)
+            self.shards.trained(shards[worker_id], trained)
         if fragment_results is None:
             return
         for index in range(len(self.history) - 1, -1, -1):
