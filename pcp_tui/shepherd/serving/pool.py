@@ -341,6 +341,8 @@ class WorkerPool:
             hosts=hello.hosts,
             shard=shard,
             runtime=hello.runtime.value,
+            # its results that counted, before a reconnect too (`slots._earned`, the API)
+            rounds_contributed=old.rounds_contributed if old is not None else 0,
         )
         self.state.workers[hello.worker_id] = view
         security = self.config.security
