@@ -500,6 +500,7 @@ def test_a_result_refused_late_is_not_counted_as_trained(run):
     *_, deltas = run
     late = _Engine(run, "centered-clip", straggler_factor=0)
     late.release.set()
+    late.state.param_count = sum(v.size for v in late.engine.params.values())
 
     async def main() -> None:
         async with trio.open_nursery() as checks:
@@ -518,6 +519,12 @@ def test_a_result_refused_late_is_not_counted_as_trained(run):
     history = late.state.history
     assert [set(r.worker_ids) for r in history] == [{"w0"}, {"w0", "w1"}]
     assert history[0].tokens * 2 == history[1].tokens  # each result of each round: one shard's
+    # the rest of round 1's entry counts w0's result alone too (the API's /v1/history)
+    first = history[0]
+    assert first.tokens_per_second == first.tokens / first.round_seconds
+    assert first.untrained_shards == (1,)  # no result that counted trained w1's shard
+    assert list(first.worker_utilization) == ["w0"]
+    assert first.bytes_data_parallel * 2 == history[1].bytes_data_parallel > 0
     assert late.state.workers["w1"].rounds_contributed == 1
     shards = late.state.shards.shards
     assert (shards[0].rounds, shards[1].rounds) == (2, 1)
