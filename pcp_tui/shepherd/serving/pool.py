@@ -21,7 +21,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
-from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost
+from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost, shown
 from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.checks import Verdict
 from pcp_tui.shepherd.rounds.pacing import StepPacing
@@ -42,7 +42,7 @@ from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.serving import slots, striping
 from pcp_tui.shepherd.serving.admission import Admission, Admitted
-from pcp_tui.shepherd.serving.connection import WorkerLink, shown
+from pcp_tui.shepherd.serving.connection import WorkerLink
 from pcp_tui.shepherd.serving.uploads import (
     RESULTS_IN_MEMORY,
     ReceiverLoad,
