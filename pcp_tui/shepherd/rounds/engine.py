@@ -344,7 +344,8 @@ class RoundEngine:
         rounds and their shards' progress, and in its history entry (`RunState.count`)."""
         settled = []
         while self._settling:
-            number, tokens, checks = (s := self._settling[0]).number, s.tokens, s.checks
+            oldest = self._settling[0]
+            number, tokens, checks = oldest.number, oldest.tokens, oldest.checks
             if checks is not None and not all(check.done.is_set() for check in checks):
                 break
             self._settling.pop(0)
@@ -358,7 +359,7 @@ class RoundEngine:
                 each = {check.fragment: len(check.counted) for check in checks}
                 fragments = len(self.fragments)
                 results = tuple(each.get(p, 0) for p in range(fragments)) if fragments > 1 else ()
-            shards = {w: s.shards[w] for w in counted}
+            shards = {w: oldest.shards[w] for w in counted}
             self.state.count(number, {w: tokens[w] for w in counted}, results, shards=shards)
             settled.append(verdict)
         return settled
