@@ -390,7 +390,9 @@ class WorkerPool:
         if self._links.get(link.worker_id) is link:
             del self._links[link.worker_id]
             link.view.state, link.view.reason = WorkerState(state), reason
-            orphan = self.state.shards.release(link.worker_id)
+            shards = self.state.shards  # a refused worker never trained the shard it was given
+            gives_back = shards.withdraw if state == "refused" else shards.release
+            orphan = gives_back(link.worker_id)
             log.info("worker %d %s: %s", link.view.index, state, reason)
             if state == "refused":
                 self.state.emit(
