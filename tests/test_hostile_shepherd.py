@@ -18,6 +18,7 @@ what an attacker would:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -215,3 +216,50 @@ def test_plans_that_do_not_fit_their_graphs_are_refused_and_count_against_give_u
         in (errors[1])
     )
     assert output.count("no TLS: this worker trusts the network") == 1, output
+
+
+SCREEN_ESCAPES = "\x1b]0;owned\x07\x1b[2J\npcp-tui: admitted by a forged line"
+
+
+async def test_a_shepherds_texts_reach_the_worker_operator_escaped():
+    """Red team: a hostile shepherd's error (or goodbye) text is printed by the worker (its
+    final line, its status): raw, an escape sequence retitles or clears the operator's
+    terminal and a newline forges a line. The worker shows it escaped, as the shepherd
+    shows a worker's texts (`connection.shown`)."""
+    from pcp_tui.config import WorkerConfig
+    from pcp_tui.contract.connection import Refused
+    from pcp_tui.worker.client import Worker
+
+    async def answer_with(last: protocol.Body) -> str:
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        port = listener.socket.getsockname()[1]
+        settings = WorkerConfig(
+            connect=f"127.0.0.1:{port}", token="t", backend="cpu", reconnect=False
+        )
+
+        async def serve_one() -> None:
+            async with listener, await listener.accept() as raw:
+                stream = protocol.MessageStream(raw)
+                hello = protocol.Hello(supported_versions=protocol.SUPPORTED_VERSIONS, nonce=b"n")
+                await stream.send(hello)
+                assert (await stream.receive()).kind == "workerHello"
+                await stream.send(last)
+                with contextlib.suppress(*PEER_ERRORS):
+                    await stream.receive()
+
+        worker = Worker(settings)
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve_one)
+                try:
+                    await worker.run()
+                except Refused as exc:  # its last line (`launch._fail`)
+                    return str(exc)
+        return worker.status.message  # a goodbye: the run is over, its status says why
+
+    refused = await answer_with(protocol.Error(protocol.ErrorCode.AUTH_FAILED, SCREEN_ESCAPES))
+    over = await answer_with(protocol.Goodbye(SCREEN_ESCAPES))
+    assert "refused this worker" in refused and "ended the run" in over, (refused, over)
+    for text in (refused, over):
+        assert "\x1b" not in text and "\n" not in text and "\x07" not in text, repr(text)
+        assert "\\x1b]0;owned\\x07\\x1b[2J\\npcp-tui: admitted by a forged line" in text

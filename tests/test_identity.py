@@ -208,3 +208,39 @@ def test_a_worker_whose_id_is_held_retries_only_if_it_was_admitted_before():
     assert [r.worker_ids for r in shepherd.state.history] == [("w",), ("w",)]
     refused = [e.fields().get("code") for e in _kinds(shepherd, "refused")]
     assert refused[:2] == ["idInUse", "idInUse"], [e.message for e in _kinds(shepherd, "refused")]
+
+
+def test_a_reconnected_worker_keeps_the_rounds_it_contributed():
+    """Red team: a reconnect made a new table row with `rounds_contributed` 0: the API and
+    the `pcp_worker_rounds_contributed` counter went back to 0, and the slot rule that
+    spares a worker whose results counted before a reconnect (`slots._earned`) never held."""
+    from pcp_tui.config import WorkerConfig
+    from pcp_tui.testing import pause_after_round
+    from pcp_tui.worker.client import Worker
+
+    config = small_config(workers=1, rounds=3, inner_steps=5)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    pause_after_round(shepherd, 1)
+    counts = []
+
+    async def scenario(port):
+        as_w = WorkerConfig(
+            connect=f"127.0.0.1:{port}",
+            token="test-token",
+            backend="cpu",
+            worker_id="w",
+            reconnect=False,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(Worker(as_w).run)
+            await until(lambda: shepherd.state.status == "paused")
+            nursery.cancel_scope.cancel()  # the worker goes; it comes back as "w"
+        await until(lambda: shepherd.state.workers["w"].state in ("lost", "left"))
+        counts.append(shepherd.state.workers["w"].rounds_contributed)
+        shepherd.resume()
+        await Worker(as_w).run()
+
+    run_shepherd(shepherd, scenario)
+    assert [r.worker_ids for r in shepherd.state.history] == [("w",)] * 3
+    assert counts == [1]
+    assert shepherd.state.workers["w"].rounds_contributed == 3

@@ -9,7 +9,7 @@ def test_a_lost_workers_shard_goes_to_the_next_joiner_and_a_returning_worker_get
     ledger = ShardLedger(2)
     assert ledger.assign("a") == (0, False)
     assert ledger.assign("b") == (1, False)
-    ledger.trained("b", 100)
+    ledger.trained(1, 100)  # b's
     assert ledger.release("b") == 1 and ledger.orphaned() == [1]
     assert ledger.assign("c") == (1, True)  # adopted: b held it, nobody does now
     assert ledger.release("a") == 0
@@ -40,8 +40,8 @@ def test_progress_and_last_holders_survive_a_checkpoint():
     ledger = ShardLedger(3)
     for worker in ("a", "b", "c"):
         ledger.assign(worker)
-    ledger.trained("b", 64)
-    ledger.trained("b", 64)
+    ledger.trained(1, 64)  # b's
+    ledger.trained(1, 64)  # b's
     restored = ShardLedger(3)
     restored.restore(ledger.as_meta())
     assert [(s.rounds, s.tokens) for s in restored.shards] == [(0, 0), (2, 128), (0, 0)]
@@ -50,3 +50,21 @@ def test_progress_and_last_holders_survive_a_checkpoint():
     fewer = ShardLedger(2)
     fewer.restore(ledger.as_meta())  # c's shard 2 no longer exists: c gets a free one
     assert fewer.assign("c") == (0, True)  # a's, adopted
+
+
+def test_a_worker_refused_before_it_trained_gives_its_shard_back_as_if_never_held():
+    ledger = ShardLedger(2)
+    assert ledger.assign("r") == (0, False)
+    assert ledger.withdraw("r") is None  # it never trained shard 0: nothing is orphaned
+    assert ledger.assign("a") == (0, False)  # the first real worker takes nothing over
+    assert ledger.assign("b") == (1, False)
+    assert ledger.release("b") == 1
+    assert ledger.assign("b") == (1, False)
+    ledger.release("b")
+    assert ledger.assign("c") == (1, True)  # c adopts b's shard
+    assert ledger.assign("b") == (0, False)  # b, back on shard 0 beside a, is refused:
+    assert ledger.withdraw("b") is None
+    ledger.release("c")
+    assert ledger.assign("b") == (1, False)  # its own shard again, not an adoption
+    assert ledger.assign("b") == (1, False)  # a replaced connection, refused: it held it
+    assert ledger.withdraw("b") == 1

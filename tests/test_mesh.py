@@ -152,6 +152,39 @@ async def test_a_worker_whose_devices_cannot_split_the_batch_is_refused_not_lost
     [refused] = [event for event in shepherd.state.events if event.kind == "worker_refused"]
     assert refused.message.startswith(f"worker 0 refused: {why}"), refused.message
     assert shepherd.state.workers["three"].reason.startswith(why)
+
+
+async def test_a_refused_worker_leaves_no_mark_on_the_shard_ledger():
+    """Red team: a worker the shepherd cannot serve never trained a shard, though the pool
+    gives it one before it finds out (`_admit`, then `graphs.for_worker`). Its shard was
+    reported orphaned as it was refused, and the ledger kept it as that shard's last
+    holder, so the run's first real worker 'took over' a shard nobody had trained."""
+    config = small_config(workers=1)  # batch size 4
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+
+    async def join(port: int, worker_id: str, devices: int) -> protocol.Message:
+        stream, nonce = await connect_peer(port)
+        backend = protocol.BackendInfo(platform=protocol.Platform.CPU, device_count=devices)
+        hello = protocol.WorkerHello(
+            supported_versions=protocol.SUPPORTED_VERSIONS,
+            worker_id=worker_id,
+            proof=auth.proof("test-token", nonce, worker_id),
+            backend=backend,
+        )
+        await stream.send(hello)
+        answer = await stream.receive()
+        await stream.aclose()
+        return answer
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        assert (await join(port, "three", 3)).kind == "error"
+        await until(lambda: shepherd.state.workers["three"].state == "refused")
+        assert (await join(port, "one", 1)).kind == "welcome"
+        nursery.cancel_scope.cancel()
+    kinds = [event.kind for event in shepherd.state.events]
+    assert "worker_refused" in kinds and "joined" in kinds, kinds
+    assert "shard_orphaned" not in kinds and "shard_adopted" not in kinds, kinds
     parser = build_parser()
 
     def devices(text: str) -> int | None:

@@ -26,6 +26,7 @@ from pcp_tui.shepherd.rounds.checks import corrected
 from pcp_tui.shepherd.rounds.engine import RoundEngine, inner_optimizer, tokens_per_step
 from pcp_tui.shepherd.rounds.results import OpenRounds, Round
 from pcp_tui.shepherd.run.graphs import GraphLibrary
+from pcp_tui.shepherd.run.ledger import ShardLedger
 from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.testing import memory_link, worker_batches
 from pcp_tui.training.build import build_workload
@@ -227,6 +228,7 @@ class _Engine:
             **changes,
         )  # fmt: skip
         self.state = RunState(run_id="r", rounds_total=2, settings={})
+        self.state.shards = ShardLedger(2)  # w0's and w1's (`_links`)
         self.open_rounds = OpenRounds()
         self.engine = RoundEngine(
             self.config,
@@ -494,12 +496,11 @@ def test_a_result_refused_late_is_not_counted_as_trained(run):
     of round 1 then names w0 alone, and holds w0's tokens only; its sender's count and its
     shard's progress count round 2 alone (results count once their round is settled)."""
     from pcp_tui.shepherd.rounds.engine import record_round
-    from pcp_tui.shepherd.run.ledger import ShardLedger
 
     *_, deltas = run
     late = _Engine(run, "centered-clip", straggler_factor=0)
     late.release.set()
-    late.state.shards = ShardLedger(2)
+    late.state.param_count = sum(v.size for v in late.engine.params.values())
 
     async def main() -> None:
         async with trio.open_nursery() as checks:
@@ -518,6 +519,46 @@ def test_a_result_refused_late_is_not_counted_as_trained(run):
     history = late.state.history
     assert [set(r.worker_ids) for r in history] == [{"w0"}, {"w0", "w1"}]
     assert history[0].tokens * 2 == history[1].tokens  # each result of each round: one shard's
+    # the rest of round 1's entry counts w0's result alone too (the API's /v1/history)
+    first = history[0]
+    assert first.tokens_per_second == first.tokens / first.round_seconds
+    assert first.untrained_shards == (1,)  # no result that counted trained w1's shard
+    assert list(first.worker_utilization) == ["w0"]
+    assert first.bytes_data_parallel * 2 == history[1].bytes_data_parallel > 0
     assert late.state.workers["w1"].rounds_contributed == 1
     shards = late.state.shards.shards
     assert (shards[0].rounds, shards[1].rounds) == (2, 1)
+
+
+def test_a_result_counts_towards_the_shard_it_trained_whatever_its_sender_holds_at_the_verdict(
+    run,
+):
+    """Red team: results count once their round is settled, a round late under validation.
+    w1 trains shard 1 in round 1; before round 1's check ends it is lost, a newcomer w2
+    adopts shard 1 and w1 comes back on shard 0 (the pool's ledger moves, as `_mark_gone`
+    and `_admit` make them). Round 1's tokens were trained on shard 1: they count there."""
+    from pcp_tui.shepherd.rounds.engine import record_round
+
+    *_, deltas = run
+    late = _Engine(run, "centered-clip", straggler_factor=0)
+    ledger = late.state.shards
+
+    async def main() -> None:
+        async with trio.open_nursery() as checks:
+            _links(late)
+            for link in late.links:
+                ledger.assign(link.worker_id)
+            current = await late.round(1, {"w0": deltas[0], "w1": deltas[1]}, checks)
+            assert current is not None
+            record_round(late.state, late.config, current, None)
+            assert late.engine.verdicts() == []  # its check still waits
+            assert ledger.release("w1") == 1
+            assert ledger.assign("w2") == (1, True)
+            assert ledger.assign("w1") == (0, False)
+            late.release.set()
+            await late.engine.settle()
+            assert [sorted(v.counted) for v in late.engine.verdicts()] == [["w0", "w1"]]
+
+    trio.run(main)
+    tokens = late.state.history[0].tokens // 2
+    assert [(s.rounds, s.tokens) for s in ledger.shards] == [(1, tokens), (1, tokens)]

@@ -97,11 +97,25 @@ class RunResumable(ConnectionLost):
     """
 
 
+def shown(text: str) -> str:
+    """A peer's text, safe to print: control characters escaped as Python writes them.
+
+    A peer's texts reach the operator's terminal (a worker's in the shepherd's headless
+    log, a shepherd's errors and goodbyes in the worker's last line) and files; raw, an
+    escape sequence could clear the screen or retitle it, and a newline could forge a
+    whole log line. The ESC character becomes the four characters
+    `\\x1b`, a newline the two characters `\\n`.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def goodbye_ended(goodbye: protocol.Goodbye) -> ConnectionEnded:
     """What the shepherd's goodbye means: RunResumable when it says so, else RunOver."""
     if goodbye.resumable:
-        return RunResumable(f"the shepherd stopped ({goodbye.reason})")
-    return RunOver(goodbye.reason)
+        return RunResumable(f"the shepherd stopped ({shown(goodbye.reason)})")
+    return RunOver(shown(goodbye.reason))
 
 
 def lost(exc: BaseException) -> ConnectionLost:
@@ -117,14 +131,15 @@ def lost(exc: BaseException) -> ConnectionLost:
 
 def ended_by(error: protocol.Error, peer: str = "the shepherd") -> ConnectionEnded:
     """What an error message from the peer means: Refused if retrying cannot fix it."""
+    message = shown(error.message)
     if error.code == protocol.ErrorCode.ID_IN_USE:
-        return IdInUse(f"{peer} refused this worker ({error.code.value}): {error.message}")
+        return IdInUse(f"{peer} refused this worker ({error.code.value}): {message}")
     if error.code in _FINAL_ERRORS:
         return Refused(
-            f"{peer} refused this worker ({error.code.value}): {error.message}",
+            f"{peer} refused this worker ({error.code.value}): {message}",
             code=error.code.value,
         )
-    return ConnectionLost(f"{peer} reported an error ({error.code.value}): {error.message}")
+    return ConnectionLost(f"{peer} reported an error ({error.code.value}): {message}")
 
 
 class Connection:

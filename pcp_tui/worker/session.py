@@ -40,6 +40,7 @@ from pcp_tui.contract.connection import (
     ended_by,
     expect_hello,
     goodbye_ended,
+    shown,
 )
 from pcp_tui.contract.connection import expect as _expect
 from pcp_tui.contract.tls import ClientTLS, TLSRefused, shown_fingerprint
@@ -363,7 +364,7 @@ class Session:
                 raise goodbye_ended(body)
             elif isinstance(body, protocol.Error):
                 if body.code == protocol.ErrorCode.BAD_RESULT:
-                    self.status.update(message=f"shepherd refused a result: {body.message}")
+                    self.status.update(message=f"shepherd refused a result: {shown(body.message)}")
                     continue
                 raise ended_by(body)
 

@@ -218,9 +218,8 @@ class RoundEngine:
         self.schedule = Schedule(config.inner.steps, len(self.fragments), config.inner.overlap)
         # per fragment, the last round's loss-delta check, until the next step joins it
         self._pending: list[Check | None] = [None] * len(self.fragments)
-        # rounds not yet settled, oldest first: (number, contributors, checks or None) (`verdicts`)
-        # (round, its contributors' tokens, its checks or None): rounds not yet counted
-        self._settling: list[tuple[int, dict[str, int], list[Check] | None]] = []
+        # rounds not yet counted, oldest first (`verdicts`)
+        self._settling: list[Settling] = []
 
     # -- checkpoints ------------------------------------------------------------
 
@@ -318,13 +317,16 @@ class RoundEngine:
             self._open.rounds = []
         self.in_sync = {link for link in links if link not in failed and not link.closed}
         contributors = list(dict.fromkeys(w for r in rounds for w in r.contributors))
-        settling = started_checks if copies else None
+        settling = Settling(number, checks=started_checks if copies else None)
+        self._settling.append(settling)
         if not contributors:
-            self._settling.append((number, {}, settling))
             return None
         summary = combined(number, rounds, started, at_start, self.per_step)
         summary.checks = started_checks
-        self._settling.append((number, dict(summary.tokens_by_worker), settling))
+        settling.tokens = dict(summary.tokens_by_worker)
+        # the shard each result trained: its sender's by the verdict, a round later under
+        # validation, may be another (lost, a newcomer took its shard, back on another)
+        settling.shards = {w: connections[w].view.shard for w in contributors}
         if self.pacing is not None:
             self.pacing.observe(summary)
         return summary
@@ -342,7 +344,8 @@ class RoundEngine:
         rounds and their shards' progress, and in its history entry (`RunState.count`)."""
         settled = []
         while self._settling:
-            number, tokens, checks = self._settling[0]
+            oldest = self._settling[0]
+            number, tokens, checks = oldest.number, oldest.tokens, oldest.checks
             if checks is not None and not all(check.done.is_set() for check in checks):
                 break
             self._settling.pop(0)
@@ -356,7 +359,8 @@ class RoundEngine:
                 each = {check.fragment: len(check.counted) for check in checks}
                 fragments = len(self.fragments)
                 results = tuple(each.get(p, 0) for p in range(fragments)) if fragments > 1 else ()
-            self.state.count(number, {w: tokens[w] for w in counted}, results)
+            shards = {w: oldest.shards[w] for w in counted}
+            self.state.count(number, {w: tokens[w] for w in counted}, results, shards=shards)
             settled.append(verdict)
         return settled
 
@@ -562,6 +566,17 @@ class RoundEngine:
         if copies is not None and p < len(self.fragments) - 1:  # the later fragments' checks
             copies.new[p] = copy_tensors(own)
         return update, before
+
+
+@dataclasses.dataclass
+class Settling:
+    """A closed round not yet counted (`RoundEngine.verdicts`): its contributors' tokens, the
+    shard each trained (its link's, as the round ran), and its checks (None: not validated)."""
+
+    number: int
+    tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    shards: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    checks: list[Check] | None = None
 
 
 @dataclasses.dataclass

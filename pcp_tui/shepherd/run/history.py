@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -45,6 +45,25 @@ class RoundRecord:
         if self.bytes_exchanged <= 0 or self.bytes_data_parallel <= 0:
             return None
         return self.bytes_data_parallel / self.bytes_exchanged
+
+    def counting(self, tokens: Mapping[str, int], untrained_shards: tuple[int, ...]) -> RoundRecord:
+        """This round with only the results of `tokens`' workers (id -> tokens), the others
+        refused after it was recorded; `untrained_shards` as those results leave them."""
+        each = {w: u for w, u in self.worker_utilization.items() if w in tokens}
+        total = sum(tokens.values())
+        # data parallelism's bytes are linear in the contributors (`data_parallel_bytes`)
+        per_worker = self.bytes_data_parallel // self.workers if self.workers else 0
+        return replace(
+            self,
+            worker_ids=tuple(tokens),
+            workers=len(tokens),
+            tokens=total,
+            tokens_per_second=total / self.round_seconds if self.round_seconds > 0 else 0.0,
+            untrained_shards=untrained_shards,
+            utilization=sum(each.values()) / len(each) if each else 0.0,
+            worker_utilization=each,
+            bytes_data_parallel=per_worker * len(tokens),
+        )
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)

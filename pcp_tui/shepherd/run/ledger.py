@@ -31,6 +31,8 @@ class ShardLedger:
     def __init__(self, shard_count: int):
         self.shards = [Shard(index) for index in range(shard_count)]
         self._last: dict[str, int] = {}  # worker id -> the shard it held last
+        # worker id -> (its last shard, whether it held it) before its latest `assign`
+        self._before: dict[str, tuple[int | None, bool]] = {}
 
     def assign(self, worker_id: str) -> tuple[int, bool]:
         """The shard `worker_id` trains from now on, and whether it adopts an orphan.
@@ -40,9 +42,10 @@ class ShardLedger:
         getting back the shard it held itself last is no adoption, whoever held it before.
         """
         held = self.shard_of(worker_id)
+        previous = self._last.get(worker_id)
+        self._before[worker_id] = (previous, held is not None)
         if held is not None:
             return held, False
-        previous = self._last.get(worker_id)
         free = [s for s in self.shards if not s.owners]
         if previous is not None and not self.shards[previous].owners:
             chosen = self.shards[previous]
@@ -71,9 +74,25 @@ class ShardLedger:
         owners.remove(worker_id)
         return None if owners else shard
 
-    def trained(self, worker_id: str, tokens: int) -> None:
-        """Count one round's result of `worker_id` towards its shard."""
-        shard = self._last.get(worker_id)
+    def withdraw(self, worker_id: str) -> int | None:
+        """`worker_id` was refused before it trained (`worker_refused`): it gives back the shard
+        its latest `assign` gave it as if it had never held it, and the shard it held last
+        before stays its last (a newcomer given that shard takes nothing over). The shard it
+        leaves without a worker, if it held it before that `assign` (a replaced connection)."""
+        shard = self.shard_of(worker_id)
+        previous, held = self._before.pop(worker_id, (self._last.get(worker_id), True))
+        if shard is None:
+            return None
+        owners = self.shards[shard].owners
+        owners.remove(worker_id)
+        if previous is None:
+            del self._last[worker_id]
+        else:
+            self._last[worker_id] = previous
+        return shard if held and not owners else None
+
+    def trained(self, shard: int | None, tokens: int) -> None:
+        """Count one round's result, trained on `shard` (None: none), towards that shard."""
         if shard is not None:
             self.shards[shard].rounds += 1
             self.shards[shard].tokens += tokens

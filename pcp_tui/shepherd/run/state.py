@@ -199,27 +199,29 @@ class RunState:
         self.emit(Evaluated(f"round {number}: eval loss {loss:.4f}", round=number, eval_loss=loss))
 
     def count(
-        self, number: int, tokens: Mapping[str, int], fragment_results: tuple[int, ...] | None
+        self,
+        number: int,
+        tokens: Mapping[str, int],
+        fragment_results: tuple[int, ...] | None,
+        *,
+        shards: Mapping[str, int | None],
     ) -> None:
         """Round `number` is settled: the results of the workers in `tokens` (id -> tokens
-        trained) count towards their rounds and their shards' progress. `fragment_results`
-        (() for a plain round), if not None: its checks refused results after the round's own
-        event (`shepherd/rounds/checks.py`), and its history entry counts only these."""
-        for worker_id, trained in tokens.items():
+        trained) count towards their rounds and the progress of the shards they trained
+        (`shards`: id -> shard, as the round ran). `fragment_results` (() for a plain round),
+        if not None: its checks refused results after the round's own event
+        (`shepherd/rounds/checks.py`), and its history entry counts only these."""
+        for worker_id, its_tokens in tokens.items():
             self.workers[worker_id].rounds_contributed += 1
-            self.shards.trained(worker_id, trained)
+            self.shards.trained(shards[worker_id], its_tokens)
         if fragment_results is None:
             return
+        trained = {shards[worker_id] for worker_id in tokens}
+        untrained = tuple(s.index for s in self.shards.shards if s.index not in trained)
         for index in range(len(self.history) - 1, -1, -1):
-            entry = self.history[index]
-            if entry.round == number:
-                self.history[index] = replace(
-                    entry,
-                    worker_ids=tuple(tokens),
-                    workers=len(tokens),
-                    tokens=sum(tokens.values()),
-                    fragment_results=fragment_results,
-                )
+            if self.history[index].round == number:
+                entry = self.history[index].counting(tokens, untrained)
+                self.history[index] = replace(entry, fragment_results=fragment_results)
                 break
 
     def last_eval_loss(self) -> float | None:

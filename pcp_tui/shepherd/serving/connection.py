@@ -14,7 +14,13 @@ import trio
 
 from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
-from pcp_tui.contract.connection import LINK_ERRORS, Connection, ConnectionLost, Refused
+from pcp_tui.contract.connection import (
+    LINK_ERRORS,
+    Connection,
+    ConnectionLost,
+    Refused,
+    shown,
+)
 from pcp_tui.contract.plan import Stage
 from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.run.state import RunState, WorkerView
@@ -272,19 +278,6 @@ async def handshake(
         attach_proof=body.attach_proof,
         public_key=bytes(body.public_key) if keys is not None else b"",
     )
-
-
-def shown(text: str) -> str:
-    """A peer's text, safe to print: control characters escaped as Python writes them.
-
-    A worker's texts reach the operator's terminal (the headless log) and files;
-    raw, an escape sequence could clear the screen or retitle it, and a newline
-    could forge a whole log line. The ESC character becomes the four characters
-    `\\x1b`, a newline the two characters `\\n`.
-    """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _version_advice(exc: protocol.VersionMismatch) -> str:

@@ -21,7 +21,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
-from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost
+from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost, shown
 from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.checks import Verdict
 from pcp_tui.shepherd.rounds.pacing import StepPacing
@@ -42,7 +42,7 @@ from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.serving import slots, striping
 from pcp_tui.shepherd.serving.admission import Admission, Admitted
-from pcp_tui.shepherd.serving.connection import WorkerLink, shown
+from pcp_tui.shepherd.serving.connection import WorkerLink
 from pcp_tui.shepherd.serving.uploads import (
     RESULTS_IN_MEMORY,
     ReceiverLoad,
@@ -343,6 +343,8 @@ class WorkerPool:
             hosts=hello.hosts,
             shard=shard,
             runtime=hello.runtime.value,
+            # its results that counted, before a reconnect too (`slots._earned`, the API)
+            rounds_contributed=old.rounds_contributed if old is not None else 0,
         )
         self.state.workers[hello.worker_id] = view
         security = self.config.security
@@ -392,7 +394,9 @@ class WorkerPool:
         if self._links.get(link.worker_id) is link:
             del self._links[link.worker_id]
             link.view.state, link.view.reason = WorkerState(state), reason
-            orphan = self.state.shards.release(link.worker_id)
+            shards = self.state.shards  # a refused worker never trained the shard it was given
+            gives_back = shards.withdraw if state == "refused" else shards.release
+            orphan = gives_back(link.worker_id)
             log.info("worker %d %s: %s", link.view.index, state, reason)
             if state == "refused":
                 self.state.emit(
