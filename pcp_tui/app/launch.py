@@ -379,7 +379,8 @@ def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:
         _warn_if_unresolved(host, port, retrying=connection.reconnect)
         if not (connection.tls_ca or connection.tls_fingerprint or output.parent_fd is not None):
             print(PLAIN_TCP_WARNING.format(address=connection.connect), file=sys.stderr, flush=True)
-    _enable_compile_cache(config.compute.compile_cache, quiet=output.quiet)
+    if site.process_count == 1:  # a site compiles afresh on every process (worker/site.py)
+        _enable_compile_cache(config.compute.compile_cache, quiet=output.quiet)
     try:
         tls = ClientTLS.from_options(connection.tls_ca, connection.tls_fingerprint)
         trace = MessageTrace(output.trace) if output.trace else None

@@ -134,7 +134,8 @@ class ComputeConfig:
     compile_cache: str = option(
         factory=default_compile_cache,
         metavar="DIR",
-        help="keep compiled graphs here so a restart does not recompile ('' to disable)",
+        help="keep compiled graphs here so a restart does not recompile ('' to disable; "
+        "a site of several processes keeps none)",
     )
 
     @property

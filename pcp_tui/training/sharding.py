@@ -8,8 +8,8 @@ its devices by these rules:
   runs B/N rows and the gradients are averaged across devices before the
   optimizer step;
 - a parameter, and the optimizer state that has its shape, is either
-  replicated (a copy on every device: mode `data`, the default) or split on
-  one axis (`fsdp`: each device holds 1/N of it, gathers it whole for the
+  replicated (a copy on every device: mode `data`) or split on one axis
+  (`fsdp`, the default: each device holds 1/N of it, gathers it whole for the
   step and keeps 1/N of its gradient), chosen per parameter by name patterns:
 
     [sharding]

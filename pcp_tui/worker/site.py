@@ -28,6 +28,17 @@ ends, for any reason, tells the followers (`Site.end`), and the site exits as
 one: a lost shepherd is not retried by a site, whose processes may be mid-round
 at different points; restart the site's processes to rejoin.
 
+A site keeps no persistent compile cache (`--compile-cache`): its processes
+must run one executable, and JAX's cache would give them two. JAX writes it
+from process 0 only (and on CPU keys it by process), so only process 0 loads
+a cached executable while the others compile the graph afresh. Checked on JAX
+0.10.2, CPU: with an `fsdp` train_chunk exported for cpu, cuda and rocm (each
+all-gather a platform `conditional`, every collective on channel 1), process
+0's cached executable ran its all-gathers in another order than the followers'
+fresh one, and Gloo aborted both at the first chunk ("Received data size doesn't
+match expected size"), every time the cache was warm; compiled afresh on every
+process, the same graph trains. A site's restart compiles again.
+
 The coordination service has no authentication and no TLS in JAX's API
 (`jax.distributed.initialize` takes none): anyone who reaches its port can
 join the site or read what it shares (the message port's secret included). It
@@ -229,6 +240,8 @@ def join_site(
         )
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # every process compiles every graph afresh: all run one executable (the module docstring)
+    jax.config.update("jax_enable_compilation_cache", False)
     # JAX waits here for every process, unable to hear a signal, then ends the process with
     # its own fatal log line: say first what it waits for
     print(
