@@ -79,3 +79,12 @@ def test_event_notes_key_refusals_by_host_and_keep_the_latest_phase():
     )
     assert notes.refused == {"10.0.0.66": "version 2"}
     assert notes.phase == "waiting for 2 workers"
+
+
+def test_the_run_header_names_a_sharding_mode_only_other_than_the_default():
+    from pcp_tui.app.dashboard.widgets import _run_description
+
+    state = RunState(run_id="r", rounds_total=4, settings={"sharding": "fsdp"})
+    assert all("fsdp" not in details for _, details in _run_description(state))
+    state.settings["sharding"] = "data"
+    assert _run_description(state)[0][1].endswith(" · data")  # the longest wording

@@ -17,6 +17,7 @@ from pcp_tui.app.dashboard._format import compact_count, duration, short_bytes
 from pcp_tui.app.dashboard.loss_chart import LossChart
 from pcp_tui.app.dashboard.worker_table import WorkerTable
 from pcp_tui.app.headless import human_bytes
+from pcp_tui.config.run import ShardingConfig
 from pcp_tui.shepherd.run.events import Event, RoundDone
 from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.state import RunState, RunStatus
@@ -116,6 +117,9 @@ class RunHeader(Static):
         return line
 
 
+DEFAULT_SHARDING = ShardingConfig().mode  # the header names another mode only
+
+
 def _run_description(state: RunState) -> list[tuple[str, str]]:
     """(title, details) from the longest to the shortest wording."""
     s = state.settings
@@ -129,7 +133,7 @@ def _run_description(state: RunState) -> list[tuple[str, str]]:
     )
     compression = s.get("compression") or "none"
     compressed = "" if compression == "none" else f" · {compression}"
-    if s.get("sharding", "data") != "data":  # FSDP inside multi-device workers
+    if s.get("sharding", DEFAULT_SHARDING) != DEFAULT_SHARDING:  # inside multi-device workers
         compressed += f" · {s['sharding']}"
     run = f"run {state.run_id}"
     return [
