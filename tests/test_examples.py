@@ -67,7 +67,7 @@ def test_mlp_model_builds_and_its_loss_falls_with_plain_sgd():
 
 @pytest.mark.e2e
 def test_the_example_model_trains_well_with_the_readme_command(tmp_path):
-    """The README's command, default settings: the eval loss falls every round of the run.
+    """The README's command, default settings: the eval loss falls every evaluated round.
 
     It fell to 0.78 by round 4 and then rose every round to 0.84 (see the example's
     `init` and `synthetic_data` for why); now 1.65 at round 1, 0.51 at round 12.
@@ -86,7 +86,11 @@ def test_the_example_model_trains_well_with_the_readme_command(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     evals = [row["eval_loss"] for row in with_evals(rows)]
-    assert len(evals) == 12 and all(b < a for a, b in zip(evals, evals[1:], strict=False)), evals
+    # a round's eval runs beside the next round and is skipped while the last still runs (a
+    # loaded machine): each eval that ran is below the one before; the last one is awaited
+    done = [loss for loss in evals if loss is not None]
+    assert len(evals) == 12 and evals[-1] is not None, evals
+    assert all(b < a for a, b in zip(done, done[1:], strict=False)), evals
     assert evals[-1] < 0.55, evals
 
 

@@ -94,7 +94,7 @@ class Slow(Faults):
     """Every compiled chunk takes `factor` times as long: a slower machine (it sleeps the rest).
     Round `hold` (0: none) starts training only once SIGUSR1 has come."""
 
-    def __init__(self, *, factor: float, hold: int):
+    def __init__(self, *, factor: float, hold: int = 0):
         self.factor, self.hold = factor, hold
         self._go = threading.Event()
         if hold:
