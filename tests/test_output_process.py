@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from pcp_tui.testing import OutputProcess
+from pcp_tui.testing import OutputProcess, WorkerProcesses
 
 # prints one line, closes its output, then lives on until killed
 CLOSES_ITS_OUTPUT = (
@@ -40,3 +40,15 @@ def test_a_process_that_ends_ends_the_wait_with_its_last_lines_read():
         process.wait_for("never printed")
     assert "last words" in str(failure.value)
     assert process.finish() == 3
+
+
+@pytest.mark.e2e
+def test_a_worker_that_never_exits_fails_with_where_it_hangs():
+    """`WorkerProcesses.output` of a process that lives on past its timeout aborts it, and
+    the failure holds its output and its fault handler's stacks (`worker_env` turns it on)."""
+    hangs = "import time; print('done', flush=True)\ndef stuck():\n    time.sleep(600)\nstuck()"
+    with WorkerProcesses() as workers:
+        process = workers.start([sys.executable, "-c", hangs])
+        with pytest.raises(AssertionError, match="had not exited 2 s on") as failure:
+            workers.output(process, timeout=2)
+    assert "done" in str(failure.value) and "in stuck" in str(failure.value), failure.value

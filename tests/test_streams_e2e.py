@@ -52,7 +52,7 @@ def test_a_striped_run_trains_on_the_same_tokens_as_a_single_stream_run(tmp_path
             for shepherd, _, _ in runs.values():
                 assert shepherd.finish() == 0, shepherd.output
                 assert "run done after 2 rounds" in shepherd.output
-            outputs = {streams: worker.communicate()[0] for streams, worker in spawned.items()}
+            outputs = {streams: workers.output(worker) for streams, worker in spawned.items()}
             assert [worker.returncode for worker in spawned.values()] == [0, 0], outputs
     finally:
         for process in processes:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -170,6 +171,19 @@ class WorkerProcesses:
         )
         self.processes.append(process)
         return process
+
+    def output(self, process: subprocess.Popen, timeout: float = 240.0) -> str:
+        """Everything `process` printed, once it exits. One still running after `timeout`
+        seconds is aborted (its fault handler prints every thread's stack, `worker_env`) and
+        an AssertionError carries that output: a hung worker fails with where it hangs."""
+        try:
+            return process.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            printed = process.communicate(timeout=30)[0]
+            raise AssertionError(
+                f"the worker had not exited {timeout:g} s on; its output and stacks:\n{printed}"
+            ) from None
 
     def close(self) -> None:
         for process in self.processes:
