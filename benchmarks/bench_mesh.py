@@ -47,7 +47,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--batch-per-device", type=int, default=4)
     parser.add_argument("--chunk-steps", type=int, default=5)
     parser.add_argument("--chunks", type=int, default=4, help="timed chunks per side")
-    parser.add_argument("--sharding", default="data", choices=["data", "fsdp"])
+    parser.add_argument("--sharding", default="fsdp", choices=["data", "fsdp"])
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
     parser.add_argument(
