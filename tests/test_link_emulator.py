@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -214,6 +215,48 @@ async def test_real_sockets_through_the_emulator_and_a_cut_link():
     # a lower bound the emulator guarantees (it sleeps until then): both directions' delay
     # plus one serialization of the payload (the two directions overlap)
     assert elapsed >= len(payload) / 1_000_000 + 2 * 0.05
+
+
+async def test_bytes_a_peer_sent_before_it_closed_arrive_though_the_other_way_broke():
+    """A server says goodbye and closes while its client is still sending: on a link whose
+    downstream is slower than its upstream, the client's next bytes meet the closed server
+    (a write error) before the goodbye has arrived. A wire delivers what it carries: the
+    goodbye still arrives, then the end. (The emulator dropped it with the failed
+    direction, so a worker behind it missed its shepherd's goodbye and retried for ever.)"""
+    upstream, downstream = LinkProfile(delay=0.01), LinkProfile(delay=0.5)
+
+    async def says_goodbye(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.receive_some(100)  # the client is there
+            await stream.send_all(b"goodbye")
+
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            functools.partial(trio.serve_tcp, says_goodbye, 0, host="127.0.0.1")
+        )
+        target = ("127.0.0.1", server[0].socket.getsockname()[1])
+        proxy = await nursery.start(
+            LinkEmulator(target, upstream, downstream).serve,
+            await trio.open_tcp_listeners(0, host="127.0.0.1"),
+        )
+        client = await trio.open_tcp_stream("127.0.0.1", proxy[0].socket.getsockname()[1])
+        received = bytearray()
+
+        async def keep_sending() -> None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while True:  # heartbeats, as a worker sends them
+                    await client.send_all(b"beat")
+                    await trio.sleep(0.01)
+
+        async with trio.open_nursery() as io:
+            io.start_soon(keep_sending)
+            with contextlib.suppress(trio.BrokenResourceError):
+                while chunk := await client.receive_some(100):
+                    received.extend(chunk)
+            io.cancel_scope.cancel()
+        await client.aclose()
+        nursery.cancel_scope.cancel()
+    assert bytes(received) == b"goodbye"
 
 
 async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

@@ -155,17 +155,24 @@ class ShapedPipe:
                 await self._delivered.wait()
 
     async def run(self, source: trio.abc.ReceiveStream, sink: trio.abc.SendStream) -> None:
-        """Copy until `source` ends, then close `sink`'s sending side (or the whole stream)."""
+        """Copy until `source` ends, then close `sink`'s sending side (or the whole stream).
+
+        A `source` that breaks (a reset) ends the copy as its end would: what it sent before
+        is on the wire and still arrives. A `sink` that breaks raises: nothing more can."""
         send, receive = trio.open_memory_channel[tuple[float, bytes | bytearray]](
             self.profile.queue_chunks()
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write, receive, sink)
             async with send:
-                while chunk := await source.receive_some(await self._room()):
-                    self._in_flight += len(chunk)
-                    self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
-                    await send.send((self._delivery_time(trio.current_time(), len(chunk)), chunk))
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await self._read(source, send)
+
+    async def _read(self, source: trio.abc.ReceiveStream, send: trio.MemorySendChannel) -> None:
+        while chunk := await source.receive_some(await self._room()):
+            self._in_flight += len(chunk)
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+            await send.send((self._delivery_time(trio.current_time(), len(chunk)), chunk))
 
     async def _write(self, queue: trio.MemoryReceiveChannel, sink: trio.abc.SendStream) -> None:
         async with queue:
@@ -201,8 +208,13 @@ class LinkEmulator:
     async def handle(
         self, client: trio.SocketStream, *, wires: tuple[Wire, Wire] | None = None
     ) -> None:
-        """Proxy one connection; a failure on either side closes both, never the emulator.
-        `wires`: (upstream, downstream) shared with other connections, or None for own ones."""
+        """Proxy one connection until both directions end, never ending the emulator.
+
+        Each direction ends on its own: one whose far side broke stops, while the other
+        still delivers what its sender sent before (a wire carries the bytes on it whatever
+        happens behind them: a shepherd's goodbye reaches its worker though the worker's
+        next heartbeat met the closed shepherd). `wires`: (upstream, downstream) shared
+        with other connections, or None for own ones."""
         up_wire, down_wire = wires or (None, None)
         try:
             server = await trio.open_tcp_stream(*self.target)
@@ -210,18 +222,21 @@ class LinkEmulator:
             await trio.aclose_forcefully(client)
             return
         with trio.move_on_after(self.cut_after or math.inf):
-            try:
-                async with trio.open_nursery() as nursery:
-                    up = ShapedPipe(self.upstream, ack_delay=self.downstream.delay, wire=up_wire)
-                    down = ShapedPipe(
-                        self.downstream, ack_delay=self.upstream.delay, wire=down_wire
-                    )
-                    nursery.start_soon(up.run, client, server)
-                    nursery.start_soon(down.run, server, client)
-            except* (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # one side went away: close both below, like a router dropping the flow
+            async with trio.open_nursery() as nursery:
+                up = ShapedPipe(self.upstream, ack_delay=self.downstream.delay, wire=up_wire)
+                down = ShapedPipe(self.downstream, ack_delay=self.upstream.delay, wire=down_wire)
+                nursery.start_soon(_one_way, up, client, server)
+                nursery.start_soon(_one_way, down, server, client)
         await trio.aclose_forcefully(client)
         await trio.aclose_forcefully(server)
+
+
+async def _one_way(pipe: ShapedPipe, source: trio.SocketStream, sink: trio.SocketStream) -> None:
+    """One direction of a proxied connection, until its source ends or its sink breaks."""
+    try:
+        await pipe.run(source, sink)
+    except* (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # its far side went away: this direction is over, the other goes on
 
 
 def parse_window(text: str) -> float:
