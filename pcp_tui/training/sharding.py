@@ -52,9 +52,10 @@ def param_layout(name: str, ndim: int, mode: str, rules: Sequence[tuple[str, str
 
 def unmatched_rule(rules: Sequence[tuple[str, str]], names: Sequence[str]) -> str | None:
     """Why a rule is a mistake: it matches none of the parameters `names` (a typo, another
-    model's names), naming a few of them, the closest first; None if every rule matches one."""
+    model's names), naming a few of them, the closest first; None if every rule matches one
+    (or there is no parameter to match: nothing to split)."""
     for pattern, layout in rules:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+        if names and not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.5)
             spread = [names[round(i * (len(names) - 1) / 5)] for i in range(6)]  # first to last
             shown = list(dict.fromkeys([*close, *spread]))
