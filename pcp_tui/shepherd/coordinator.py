@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import functools
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import outcome
@@ -104,6 +105,7 @@ class Shepherd:
         self._paused = False
         self._resumed = trio.Event()
         self._eval: LoadedGraph | None = None  # the eval graph, once exported (`_export`)
+        self._device = threading.Lock()  # held by each model pass (`_one_at_a_time`)
         self._resumed_from: tuple[str, int] | None = None
         self._port = config.network.port
         self.start_round = 1
@@ -317,7 +319,7 @@ class Shepherd:
         if cfg.outer.validating:  # each result, each fragment's, scored on its own rows
             batches = AssignedBatches.for_run(cfg, self.workload, graphs.chunk_steps)
             scorer = backend.load("score_loss", graphs.score_loss, own=True)
-            loss = eval_loss(scorer.call, graphs.param_names)
+            loss = eval_loss(self._one_at_a_time(scorer.call), graphs.param_names)
             for screen in self.engine.screens:
                 screen.validator = LossDeltaValidator(loss, batches)
         return graphs
@@ -487,7 +489,23 @@ class Shepherd:
         params = params if params is not None else self.params
         assert self.graphs is not None and self._eval is not None, "evaluated once exported"
         flat = tuple(params[n] for n in self.graphs.param_names)
-        return float(self._eval.call(flat, self.workload.eval_tokens))
+        return float(self._one_at_a_time(self._eval.call)(flat, self.workload.eval_tokens))
+
+    def _one_at_a_time(self, call: Callable[..., Any]) -> Callable[..., float]:
+        """`call`, run and read under the shepherd's one device lock.
+
+        The eval and the loss-delta checks run in threads beside each other. On a GPU,
+        XLA captures CUDA graphs (a cuDNN attention graph on its first run, command
+        buffers), and a capture fails if another thread queues work on the device
+        meanwhile: a GPU shepherd's eval died with "capturing stream has unjoined work"
+        while a streaming round's checks ran. The device does one at a time anyway.
+        """
+
+        def run(*args: Any) -> float:
+            with self._device:
+                return float(call(*args))
+
+        return run
 
 
 def _saved_run_id(saved: checkpoint.Checkpoint | None) -> str | None:
