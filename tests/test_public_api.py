@@ -30,7 +30,7 @@ def test_every_public_name_resolves_and_nothing_generic_is_installed(tmp_path):
 
 
 @pytest.mark.e2e
-def test_importing_pcp_tui_loads_no_model_or_dashboard_code_and_a_worker_no_operator_api():
+def test_importing_pcp_tui_loads_no_model_or_dashboard_code_and_a_worker_no_shepherd():
     probe = (
         "import sys, pcp_tui, pcp_tui.worker.client;"
         "print(sorted(m for m in sys.modules if m.startswith(('pcp_tui.training.models',"
@@ -38,10 +38,11 @@ def test_importing_pcp_tui_loads_no_model_or_dashboard_code_and_a_worker_no_oper
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    probe = (  # what `pcp-tui worker` loads: the operator API's server is the shepherd's
-        "import sys, pcp_tui.app.cli, pcp_tui.app.launch, pcp_tui.app.worker_view;"
+    probe = (  # what `pcp-tui worker` loads: no operator API server, no shepherd
+        "import sys, pcp_tui.app.cli, pcp_tui.app.launch, pcp_tui.app.worker_view,"
+        " pcp_tui.worker.client;"
         "print(sorted(m for m in sys.modules if m.startswith(('hypercorn', 'prometheus_client',"
-        " 'pcp_tui.app.api'))))"
+        " 'pcp_tui.app.api', 'pcp_tui.app.headless', 'pcp_tui.shepherd'))))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -194,7 +194,7 @@ def _command(commands, name: str, **options) -> argparse.ArgumentParser:
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGHUP outside a run's own signal handling (see `headless.SignalStop`).
+    """SIGTERM or SIGHUP outside a run's own signal handling (see `signals.SignalStop`).
 
     The exit code is 128 + the signal's number: 143 for SIGTERM, 129 for SIGHUP.
     """

@@ -13,18 +13,14 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from pcp_tui.app.headless import HeadlessPrinter, MetricsWriter, SignalStop, clean_stop_plan
-from pcp_tui.app.tracking import open_sinks
+from pcp_tui.app.signals import SignalStop
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
 from pcp_tui.contract.auth import new_token
-from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
-from pcp_tui.shepherd.run.checkpoint import CheckpointError, CheckpointRefused, keep_token
-from pcp_tui.shepherd.serving.listening import open_files_for
-from pcp_tui.training.corpus import DataError, MissingData
-from pcp_tui.training.model_file import ModelFileError
 
-if TYPE_CHECKING:  # the worker loads on demand: `pcp-tui --help` stays fast
+if TYPE_CHECKING:  # each side loads its own on demand: a worker imports no shepherd
+    from pcp_tui.app.headless import MetricsWriter
+    from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.worker.client import Worker
     from pcp_tui.worker.rounds import Faults
     from pcp_tui.worker.site import Site
@@ -37,6 +33,11 @@ def _fail(reason: str, code: int = 1) -> int:
 
 def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | None]:
     """Build the workload and the shepherd, attach headless printer and metrics."""
+    from pcp_tui.app.headless import MetricsWriter
+    from pcp_tui.app.tracking import open_sinks
+    from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.shepherd.run.checkpoint import CheckpointError, keep_token
+    from pcp_tui.shepherd.serving.listening import open_files_for
     from pcp_tui.training.build import build_workload
 
     token = config.security.token or new_token()
@@ -77,6 +78,10 @@ def prepare(config: RunConfig, shards: int) -> tuple[Shepherd, MetricsWriter | N
 def _start(config: RunConfig) -> tuple[Shepherd, MetricsWriter | None] | int:
     """Preflight and prepare; an exit code (after a one-line reason) if that fails."""
     from pcp_tui.app.preflight import preflight  # the operator API's: hypercorn, not for workers
+    from pcp_tui.shepherd.coordinator import RunFailed
+    from pcp_tui.shepherd.run.checkpoint import CheckpointError, CheckpointRefused
+    from pcp_tui.training.corpus import DataError, MissingData
+    from pcp_tui.training.model_file import ModelFileError
 
     try:
         preflight(config)
@@ -101,6 +106,7 @@ def run_shepherd(config: RunConfig, *, headless: bool) -> int:
         if launched is not None:
             return launched
     from pcp_tui.app.api import run_with_api  # hypercorn: only a shepherd serves the API
+    from pcp_tui.app.headless import HeadlessPrinter
 
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
     return _run_headless(shepherd, metrics, partial(run_with_api, shepherd))
@@ -114,6 +120,10 @@ def _run_headless(
     A model file's loss first runs when the shepherd exports the graph, inside
     the run: its ModelFileError ends the run like a RunFailed, in one line.
     """
+    from pcp_tui.app.headless import clean_stop_plan
+    from pcp_tui.shepherd.coordinator import RunFailed
+    from pcp_tui.training.model_file import ModelFileError
+
     checkpoints = bool(shepherd.config.checkpoints.dir)
     stop = SignalStop(
         shepherd.request_stop,
@@ -248,6 +258,7 @@ def run_demo(config: RunConfig, *, headless: bool, backend: str = "cpu") -> int:
         launched = _launch_dashboard(shepherd, spawn_workers=spawn, metrics=metrics)
         if launched is not None:
             return launched
+    from pcp_tui.app.headless import HeadlessPrinter
     from pcp_tui.app.local_run import run_with_local_workers  # the operator API's: hypercorn
 
     shepherd.state.subscribe(HeadlessPrinter(shepherd.state))
