@@ -68,6 +68,7 @@ for phase in "$@"; do
     gpu) real gpu cudnn gpu 240 --rounds 5 ;;
     gpu8) real gpu cudnn gpu8 220 --rounds 4 --compression int8Block ;;
     gpustream4) real gpu cudnn gpustream4 220 --rounds 4 --streaming-fragments 3 --overlap-steps 40 ;;
+    gpustream3) real gpu cudnn gpustream3 170 --rounds 3 --streaming-fragments 3 --overlap-steps 40 ;;
     gpustream) real gpu cudnn gpustream 240 --rounds 5 --streaming-fragments 3 --overlap-steps 40 ;;
     cpu) real cpu xla cpu 240 --rounds 5 --validate off ;;
     cpuval) real cpu xla cpuval 300 --rounds 3 ;;

@@ -315,10 +315,15 @@ class Shepherd:
         graphs = self.library.export_main()
         backend = select_backend("auto", 1)
         self._eval = backend.load("eval_loss", graphs.eval_loss, own=True)
+        gpu = backend.info.platform != "cpu"
+        if gpu:
+            _first_call(self._eval, len(graphs.param_names))
         cfg = self.config
         if cfg.outer.validating:  # each result, each fragment's, scored on its own rows
             batches = AssignedBatches.for_run(cfg, self.workload, graphs.chunk_steps)
             scorer = backend.load("score_loss", graphs.score_loss, own=True)
+            if gpu:
+                _first_call(scorer, len(graphs.param_names))
             loss = eval_loss(self._one_at_a_time(scorer.call), graphs.param_names)
             for screen in self.engine.screens:
                 screen.validator = LossDeltaValidator(loss, batches)
@@ -494,11 +499,10 @@ class Shepherd:
     def _one_at_a_time(self, call: Callable[..., Any]) -> Callable[..., float]:
         """`call`, run and read under the shepherd's one device lock.
 
-        The eval and the loss-delta checks run in threads beside each other. On a GPU,
-        XLA captures CUDA graphs (a cuDNN attention graph on its first run, command
-        buffers), and a capture fails if another thread queues work on the device
-        meanwhile: a GPU shepherd's eval died with "capturing stream has unjoined work"
-        while a streaming round's checks ran. The device does one at a time anyway.
+        The eval and the loss-delta checks run in threads beside each other, and XLA
+        captures CUDA graphs on a GPU (command buffers), which fails if another thread
+        queues work on the device meanwhile (see `_first_call`). The device does one
+        at a time anyway.
         """
 
         def run(*args: Any) -> float:
@@ -506,6 +510,22 @@ class Shepherd:
                 return float(call(*args))
 
         return run
+
+
+def _first_call(graph: LoadedGraph, count: int) -> None:
+    """Run `graph` (of `count` parameters) once on zeros, before the run's threads share the device.
+
+    A cuDNN graph is deserialized on its executable's first run inside a CUDA
+    stream capture, which fails if another thread queues device work meanwhile: a
+    GPU shepherd's first eval died with "capturing stream has unjoined work" while
+    the outer step and a streaming round's checks ran beside it (4 x H100, GPT-2,
+    --attention cudnn). Its inputs are the graph's (parameters, batch) or
+    (parameters, batches), as `eval_loss` and `score_loss` take them; a batch of
+    several tensors (row datasets) is a tuple.
+    """
+    zeros = [np.zeros(a.shape, a.dtype) for a in graph.in_avals]
+    params, batch = zeros[:count], zeros[count:]
+    float(graph.call(tuple(params), batch[0] if len(batch) == 1 else tuple(batch)))
 
 
 def _saved_run_id(saved: checkpoint.Checkpoint | None) -> str | None:
