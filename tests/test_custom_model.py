@@ -182,3 +182,25 @@ def test_the_isolated_worker_cannot_import_the_model_file(tmp_path):
     )
     assert result.stdout.split() == ["None", "None"], result.stderr
     assert os.listdir(tmp_path) == ["site"]
+
+
+@pytest.mark.parametrize("model", ["tiny", MLP])
+def test_the_shepherds_first_call_feeds_its_eval_and_score_graphs_their_own_inputs(model):
+    """A GPU shepherd runs its eval and score graphs once on zeros before the run
+    (`coordinator._first_call`); the inputs it builds from each graph's avals must be the
+    (parameters, batch) that graph takes: one token array, or a tuple of row arrays."""
+    from pcp_tui.backends import select_backend
+    from pcp_tui.shepherd.coordinator import _first_call
+    from pcp_tui.shepherd.rounds.engine import inner_optimizer
+    from pcp_tui.shepherd.run.graphs import GraphLibrary
+
+    config = small_config(model=model, batch_size=8, inner_steps=4, chunk_steps=2)
+    assert config.outer.validating
+    workload = build_workload(config, shards=2)
+    graphs = GraphLibrary.for_run(config, workload, inner_optimizer(config)).export_main()
+    backend = select_backend("cpu", 1)
+    count = len(graphs.param_names)
+    for name in ("eval_loss", "score_loss"):
+        graph = backend.load(name, getattr(graphs, name), own=True)
+        assert len(graph.in_avals) > count + (model == MLP)  # rows: x and y, after the params
+        _first_call(graph, count)
