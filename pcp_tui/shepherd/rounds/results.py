@@ -346,6 +346,17 @@ class Round:
         link = (self.connections or {}).get(worker_id)
         return link is not None and link.rounds.unproven > 0
 
+    def stranger(self, worker_id: str) -> bool:
+        """Whether `worker_id`'s connection has shown nothing yet: no training progress, no
+        result. Once the quorum is in the round waits for it, as for an unproven one, only the
+        quorum's pace, without the floor: a peer that said ready at once and never trained
+        held every round it was sent the floor (60 s) while honest ones answered in 3. An
+        honest newcomer reports progress after its first chunk, and from then on is timed by
+        its own pace; one whose first chunk takes longer than factor times the quorum's whole
+        round sits that round out and trains the next (`sitting_out`)."""
+        link = (self.connections or {}).get(worker_id)
+        return link is not None and not link.rounds.shown_work
+
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
         is in: --min-upload-rate, not the straggler window, bounds the rest) or being folded in.
@@ -530,14 +541,14 @@ async def _until_overdue(
     whose roundStart is still on its way has not started its window. One whose last result
     was refused (`Round.unproven`) gets `probation` (factor times the quorum's time, no
     floor, nothing of its own): a peer that answered zeros at its window's end held every
-    round that long."""
+    round that long. So does one whose connection has shown nothing yet (`Round.stranger`)."""
     while not current.done.is_set():
         now = trio.current_time()
         due = []
         for worker in current.pending:
             delivered = current.delivered(worker)
             if delivered is not None and not current.receiving(worker):
-                if current.unproven(worker):  # its last result did no work
+                if current.unproven(worker) or current.stranger(worker):  # nothing shown
                     due.append(delivered + (window if probation is None else probation))
                     continue
                 own = min(current.usual_seconds(worker), factor * window)

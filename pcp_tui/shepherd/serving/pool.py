@@ -106,6 +106,28 @@ class WorkerPool:
             if link.ready.is_set() and not link.closed and not link.rounds.behind
         ]
 
+    async def compiling_ready(self) -> None:
+        """Wait until every connection compiling now is ready or gone, each at most the grace
+        (`slots.evictable_after`) from its welcome. The shepherd calls it before it repeats a
+        round that got no result: four token holders that said ready at once were that
+        repeat's only workers while the two honest newcomers that had just taken their
+        slots compiled for 2 s, and held it 45 s more. A compile that takes longer than the
+        grace is not waited for (the round goes on without it, as any round does); peers
+        that join later are not waited for, so none can stretch the wait."""
+        grace = slots.evictable_after(self.config.security.ready_timeout)
+        compiling = [link for link in self._links.values() if not link.ready.is_set()]
+        while not self._stopping():
+            now = trio.current_time()
+            deadlines = [
+                link.admitted_at + grace
+                for link in compiling
+                if not link.closed and not link.ready.is_set() and link.admitted_at + grace > now
+            ]
+            if not deadlines:
+                return
+            with trio.move_on_at(min(deadlines)):
+                await self.changed()
+
     def settled(self, verdict: Verdict) -> None:
         """A round's results are settled (`RoundEngine.verdicts`): `sitting_out.settled`."""
         sitting_out.settled(self.state, list(self._links.values()), verdict)
