@@ -348,14 +348,14 @@ class Round:
 
     def stranger(self, worker_id: str) -> bool:
         """Whether `worker_id`'s connection has shown nothing yet: no training progress, no
-        result. Once the quorum is in the round waits for it, as for an unproven one, only the
+        result timed (what would give it a time of its own, `usual_seconds`). Once the quorum is in the round waits for it, as for an unproven one, only the
         quorum's pace, without the floor: a peer that said ready at once and never trained
         held every round it was sent the floor (60 s) while honest ones answered in 3. An
         honest newcomer reports progress after its first chunk, and from then on is timed by
         its own pace; one whose first chunk takes longer than factor times the quorum's whole
         round sits that round out and trains the next (`sitting_out`)."""
         link = (self.connections or {}).get(worker_id)
-        return link is not None and not link.rounds.shown_work
+        return link is not None and link.rounds.progress is None and not link.rounds.answer_seconds
 
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
