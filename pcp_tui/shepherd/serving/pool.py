@@ -485,9 +485,39 @@ class WorkerPool:
                 or sitting_out.hung_reason(link.rounds)
                 or sitting_out.unproven_reason(link.rounds)
                 or slots.not_ready_reason(link, cfg.security.ready_timeout, trio.current_time())
+                or slots.holding_reason(
+                    link,
+                    slots.SlotRules.of(cfg).silent_seconds(self._links.values()),
+                    trio.current_time(),
+                    holds_a_round=self._holds_a_round(link),
+                )
             ),
         ):
             await self._receive_loop(link)
+
+    def _holds_a_round(self, link: WorkerLink) -> bool:
+        """Whether an open round waits for `link`'s result while another ready connection,
+        not sitting out, waits for a round it was not sent (`slots.holding_reason`)."""
+        rounds = self.open_rounds.rounds
+
+        def sent(other: WorkerLink) -> bool:
+            return any(
+                other.worker_id in r.participants and r.bound_to(other.worker_id, other)
+                for r in rounds
+            )
+
+        if not any(
+            link.worker_id in r.pending and r.bound_to(link.worker_id, link) for r in rounds
+        ):
+            return False
+        return any(
+            other is not link
+            and not other.closed
+            and other.ready.is_set()
+            and not other.rounds.behind
+            and not sent(other)
+            for other in self._links.values()
+        )
 
     async def _receive_loop(self, link: WorkerLink) -> None:
         while True:

@@ -81,6 +81,26 @@ def not_ready_reason(link: WorkerLink, ready_timeout: float, now: float) -> str:
     )
 
 
+def holding_reason(link: WorkerLink, silent: float, now: float, *, holds_a_round: bool) -> str:
+    """Why `link` loses its connection for holding a round it shows nothing for, or "".
+
+    `holds_a_round`: an open round waits for its result while a ready connection waits for
+    a round it is not in. Two token holders that said ready at once were round 1's only
+    workers at `--workers 2`; the honest workers found free slots (no newcomer waited in
+    line to move them out), and round 1 waited for them for ever. The bound is the one a
+    newcomer in line has (`_free_at`): `silent` (`SlotRules.silent_seconds`) from its first
+    roundStart, with nothing shown (no progress, no result) and nothing earned."""
+    first = link.rounds.first_delivered
+    if not holds_a_round or first is None or _earned(link) or link.rounds.shown_work:
+        return ""
+    if now < first + silent:
+        return ""
+    return (
+        f"no progress and no result {now - first:.0f} s after its first roundStart, while "
+        "its round waits for it and a ready worker waits for that round (it may join again)"
+    )
+
+
 @dataclass(frozen=True)
 class SlotRules:
     """The run's settings the slot rules read (`of` a RunConfig)."""
