@@ -44,6 +44,8 @@ class Link:
     """What `collect` reads of a `WorkerLink`: its real record in the rounds."""
 
     rounds: WorkerRounds = field(default_factory=WorkerRounds)
+    admitted_at: float = 0.0  # welcomed, and ready at once unless a test says otherwise
+    ready_at: float | None = 0.0
 
     def paused(self) -> contextlib.AbstractContextManager:
         """What `Round.add` holds while it screens a result (no watchdog here to pause)."""
@@ -279,7 +281,8 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
     """Issue 25, squatting at the defaults: token holders that said ready at once and never
     trained were sent every round beside the honest workers and held each for the floor
     (60 s) after the honest results came in 3 s. A connection that has shown nothing (no
-    progress, no result) is waited for factor x the quorum's time; once it reports progress
+    progress, no result) is waited for factor x the quorum's time, or factor x its own time
+    from welcome to ready if longer (below: 0, said ready at once); once it reports progress
     it is timed by its own pace (`b`: step 1 of 10 at 5 s projects 50 s, so 3 x 50), and one
     that has answered before keeps the floor (`d`)."""
 
@@ -303,6 +306,14 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
 
     closed, _, _ = run_round(window(3.0, 60.0), silent, participants=("a", "c"))
     assert closed == 6.0  # before: the floor, 60 s
+
+    async def slow_to_ready(current, links):
+        links["c"].ready_at = 5.0  # 5 s from its welcome to ready: its first chunk may take 3 x
+        await deliver(current, {"a": 0, "c": 0})
+        await answer(current, "a", 0.1)  # a fast answer (a liar's, say) does not cut it shorter
+
+    closed, _, _ = run_round(window(3.0, 60.0), slow_to_ready, participants=("a", "c"))
+    assert closed == 15.0
 
 
 def test_the_window_starts_at_the_quorum_and_scales_with_its_time():

@@ -346,16 +346,21 @@ class Round:
         link = (self.connections or {}).get(worker_id)
         return link is not None and link.rounds.unproven > 0
 
-    def stranger(self, worker_id: str) -> bool:
-        """Whether `worker_id`'s connection has shown nothing yet: no training progress, no
-        result timed (what would give it a time of its own, `usual_seconds`). Once the quorum is in the round waits for it, as for an unproven one, only the
-        quorum's pace, without the floor: a peer that said ready at once and never trained
-        held every round it was sent the floor (60 s) while honest ones answered in 3. An
-        honest newcomer reports progress after its first chunk, and from then on is timed by
-        its own pace; one whose first chunk takes longer than factor times the quorum's whole
-        round sits that round out and trains the next (`sitting_out`)."""
+    def stranger(self, worker_id: str) -> float | None:
+        """How long the round waits for `worker_id` once the quorum is in, at most, if its
+        connection has shown nothing yet (no training progress, no result timed: nothing that
+        gives it a time of its own, `usual_seconds`), else None: --straggler-factor times
+        what it took from its welcome to saying ready (plan download and compile; the
+        shepherd's clock), which covers an honest newcomer's first chunk (it then reports
+        progress and is timed by its own pace). Token holders that said ready at once and
+        never trained were sent every round beside the honest workers and held each for the
+        floor (60 s) while the honest ones answered in 3; a peer that delays saying ready to
+        buy time spends that time outside the rounds."""
         link = (self.connections or {}).get(worker_id)
-        return link is not None and link.rounds.progress is None and not link.rounds.answer_seconds
+        if link is None or link.rounds.progress is not None or link.rounds.answer_seconds:
+            return None
+        ready = link.ready_at - link.admitted_at if link.ready_at is not None else 0.0
+        return max(ready, 0.0)
 
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
@@ -541,15 +546,20 @@ async def _until_overdue(
     whose roundStart is still on its way has not started its window. One whose last result
     was refused (`Round.unproven`) gets `probation` (factor times the quorum's time, no
     floor, nothing of its own): a peer that answered zeros at its window's end held every
-    round that long. So does one whose connection has shown nothing yet (`Round.stranger`)."""
+    round that long. One whose connection has shown nothing yet gets that or factor times
+    its own welcome-to-ready time if longer, within the window (`Round.stranger`)."""
     while not current.done.is_set():
         now = trio.current_time()
         due = []
         for worker in current.pending:
             delivered = current.delivered(worker)
             if delivered is not None and not current.receiving(worker):
-                if current.unproven(worker) or current.stranger(worker):  # nothing shown
+                if current.unproven(worker):  # its last result did no work
                     due.append(delivered + (window if probation is None else probation))
+                    continue
+                joined = current.stranger(worker)
+                if joined is not None and probation is not None:  # nothing shown yet
+                    due.append(delivered + min(window, max(probation, factor * joined)))
                     continue
                 own = min(current.usual_seconds(worker), factor * window)
                 due.append(delivered + max(window, factor * own))
