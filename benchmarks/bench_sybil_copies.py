@@ -61,14 +61,19 @@ def main() -> None:
         ]
         flat = np.concatenate([c.reshape(-1, c.shape[-1]) for c in chunks])
         return flat[
-            np.random.default_rng(number * 100 + index).choice(
-                len(flat), min(ROWS, len(flat)), False
-            )
+            np.random.default_rng(number * 100 + index).choice(len(flat), ROWS, len(flat) < ROWS)
         ]
 
     def gain(params, delta, batch) -> float:
+        """Mean loss drop over `batch`, scored as validation scores: --validate-rows at a time."""
         moved = {n: params[n] - delta[n] for n in params}
-        return float(sim.score(params, batch[None]) - sim.score(moved, batch[None]))
+        size = cfg.outer.validate_rows
+        drops = [
+            sim.score(params, batch[i : i + size][None])
+            - sim.score(moved, batch[i : i + size][None])
+            for i in range(0, ROWS, size)
+        ]
+        return float(np.mean(drops))
 
     params = {n: np.array(p, np.float32) for n, p in sim.workload.params.items()}
     outer = OuterOptimizer(cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum)
