@@ -477,7 +477,9 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             f"{network.straggler_factor:g} times the quorum's time, at least "
             f"--straggler-min-seconds {network.straggler_min_seconds:g}; or factor times a "
             "worker's own time, from its latest result or its progress, if longer, up to "
-            "factor² times the window); --adaptive-steps gives slower workers fewer steps"
+            "factor² times the window; one whose last result was refused, or that has shown "
+            "nothing yet, factor times the quorum's time or its own time to ready, no floor); "
+            "--adaptive-steps gives slower workers fewer steps"
             if windowed
             else f"at --round-timeout {network.round_timeout:g} s"
         )
