@@ -13,15 +13,17 @@ has a run.
 With --ready the squatters say ready at once (nothing compiled), read every roundStart
 and never answer one (`shepherd/serving/slots.py`: a ready connection sent a round that
 shows nothing gives its slot up after the grace); --rounds and --ready-timeout are the
-shepherd's (default: 1 round, the CLI's --ready-timeout).
+shepherd's (default: 1 round, the CLI's --ready-timeout). With --fresh-ids a squatter
+that is put out joins again under a new worker id, so nothing kept by id can tell it.
 
     python benchmarks/bench_squatters.py [--squatters 4] [--limit 300] [--ready]
-        [--rounds 1] [--ready-timeout S]
+        [--fresh-ids] [--rounds 1] [--ready-timeout S]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -45,10 +47,13 @@ SHEPHERD = [
 PEER_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, protocol.ProtocolError, OSError)
 
 
-async def squat(port: int, worker_id: str, counts: dict, ready: bool = False) -> None:
+async def squat(
+    port: int, name: str, counts: dict, ready: bool = False, fresh: bool = False
+) -> None:
     """Join, take the plan, heartbeat, never say ready (`ready`: say it at once, and never
-    answer a round); join again whenever put out."""
-    while True:
+    answer a round); join again whenever put out (`fresh`: under a new worker id each time)."""
+    for attempt in itertools.count():
+        worker_id = f"{name}-{attempt}" if fresh else name
         try:
             stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
             async with stream.stream:
@@ -106,7 +111,9 @@ def run(squatters: int, args: argparse.Namespace) -> tuple[float | None, float |
             counts: dict = {}
             async with trio.open_nursery() as nursery:
                 for index in range(squatters):
-                    nursery.start_soon(squat, port, f"squatter-{index}", counts, args.ready)
+                    nursery.start_soon(
+                        squat, port, f"squatter-{index}", counts, args.ready, args.fresh_ids
+                    )
                 while counts.get("welcomed", 0) < squatters:
                     await trio.sleep(0.1)
                 started = time.monotonic()
@@ -143,6 +150,9 @@ def main() -> None:
     parser.add_argument("--squatters", type=int, default=4)
     parser.add_argument("--limit", type=float, default=300.0, help="seconds to give up after")
     parser.add_argument("--ready", action="store_true", help="squatters say ready at once")
+    parser.add_argument(
+        "--fresh-ids", action="store_true", help="squatters join again under a new id each time"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="the shepherd's --rounds")
     parser.add_argument("--ready-timeout", type=float, default=None, help="the shepherd's")
     args = parse_with_smoke(parser, squatters=1, limit=120.0)

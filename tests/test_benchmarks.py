@@ -46,6 +46,7 @@ EXPECTED = {
     "bench_stragglers": (r"^\| scenario \| rounds with an honest result \|", RATIO),
     "bench_streaming": (r"^\s+run\s+util\s+x plain", RATIO),
     "bench_squatters": (r"^squatters\s+both honest workers admitted", RATIO),
+    "bench_sybil_copies": (r"^round id  own: seen unseen", RATIO),
     "bench_streams": (r"^streams\s+seconds", RATIO),
     "bench_tensor_transfer": (r"^method\s+MB\s+wire MB", RATIO),
     "bench_wan": (r"^\s+link\s+round s", RATIO),

@@ -146,6 +146,37 @@ def test_a_ready_link_that_shows_nothing_after_its_round_starts_gives_its_slot_u
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_a_link_that_shows_nothing_holds_its_round_only_as_long_as_it_would_keep_its_slot():
+    """Two ids that said ready at once were round 1's only workers at --workers 2; the honest
+    workers found free slots, so no newcomer waited in line to move them out, and round 1
+    waited for them for ever. Now one that shows nothing loses its connection at the bound
+    a newcomer in line has (the grace, 45 s, from its first roundStart), once a ready worker
+    waits for the round it holds; not before, not without one waiting, and never one that
+    reported progress or whose result was taken."""
+
+    async def main() -> None:
+        squatter, talker, earned = _links(3)
+        for link in (squatter, talker, earned):
+            _ready(link)
+            _sent(link, 1)
+        talker.rounds.progressed(protocol.Progress(1, 1, 10, 1.0, 1.0, protocol.Phase.TRAINING))
+        earned.rounds.results_taken = 1
+        silent = RULES.silent_seconds([squatter, talker, earned])
+        assert silent == slots.EVICTABLE_AFTER
+
+        def reason(link: WorkerLink, holds: bool = True) -> str:
+            return slots.holding_reason(link, silent, trio.current_time(), holds_a_round=holds)
+
+        await trio.sleep_until(45 - 1e-6)
+        assert reason(squatter) == ""
+        await trio.sleep_until(45)
+        assert reason(squatter).startswith("no progress and no result 45 s after its first")
+        assert reason(squatter, holds=False) == ""  # nobody waits for its round
+        assert reason(talker) == reason(earned) == ""
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 def test_a_late_result_does_not_stretch_how_long_silent_squatters_keep_their_slots():
     """A hostile peer is sent round 1 with three silent squatters, reports progress (its
     slot: --ready-timeout from its roundStart) and sends a result just before that, long
@@ -208,18 +239,19 @@ async def _heartbeats(stream: protocol.MessageStream) -> None:
         return
 
 
-def _two_honest_beside_four(squat, spawn_worker) -> tuple[Shepherd, dict]:
-    """A `--workers 2` run (--ready-timeout 40) whose 4 slots `squat` peers take first; then
-    two honest worker processes start. The shepherd after the run, and what the peers saw."""
+def _two_honest_beside_four(squat, spawn_worker, squatters: int = 4) -> tuple[Shepherd, dict]:
+    """A `--workers 2` run (--ready-timeout 40) whose 4 slots `squat` peers take first (or
+    `squatters` of them); then two honest worker processes start. The shepherd after the
+    run, and what the peers saw."""
     config = small_config(workers=2, rounds=2, inner_steps=2, chunk_steps=2, ready_timeout=40)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     seen: dict = {}
 
     async def scenario(port):
         async with trio.open_nursery() as peers:
-            for index in range(4):
+            for index in range(squatters):
                 peers.start_soon(squat, port, f"squatter-{index}", seen)
-            await until(lambda: len(seen.get("welcomed", ())) >= 4)
+            await until(lambda: len(seen.get("welcomed", ())) >= squatters)
             started = time.monotonic()
             seen["honest"] = [spawn_worker(port, "--id", f"honest-{i}") for i in range(2)]
             await until(lambda: shepherd.state.status == "done", polls=6000)  # a hang guard
@@ -278,5 +310,21 @@ def test_four_squatters_that_say_ready_do_not_keep_two_honest_workers_out(spawn_
     shepherd, seen = _two_honest_beside_four(ready_squatter, spawn_worker)
     contributors = [(r.round, sorted(r.worker_ids)) for r in shepherd.state.history]
     assert contributors == [(1, ["honest-0", "honest-1"]), (2, ["honest-0", "honest-1"])]
+    codes = [process.wait(timeout=60) for process in seen["honest"]]
+    assert codes == [0, 0], [process.stdout.read()[-4000:] for process in seen["honest"]]
+
+
+@pytest.mark.e2e
+def test_two_ids_that_say_ready_do_not_hold_round_one_for_ever(spawn_worker):
+    """One token holder joins a `--workers 2` run as two ids that say ready at once and never
+    answer: they were round 1's only workers, and the honest workers, admitted to free slots
+    (nobody in line), waited for round 1 for ever. Now each loses its connection once it has
+    shown nothing for the grace (10 s at --ready-timeout 40) while the honest workers wait
+    for that round, and the honest workers train both rounds, alone."""
+    shepherd, seen = _two_honest_beside_four(ready_squatter, spawn_worker, squatters=2)
+    contributors = [(r.round, sorted(r.worker_ids)) for r in shepherd.state.history]
+    assert contributors == [(1, ["honest-0", "honest-1"]), (2, ["honest-0", "honest-1"])]
+    held = [e for e in shepherd.state.events if e.kind == "lost" and "round waits" in e.message]
+    assert {e.worker for e in held} >= {"squatter-0", "squatter-1"}, held
     codes = [process.wait(timeout=60) for process in seen["honest"]]
     assert codes == [0, 0], [process.stdout.read()[-4000:] for process in seen["honest"]]

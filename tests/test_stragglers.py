@@ -44,6 +44,8 @@ class Link:
     """What `collect` reads of a `WorkerLink`: its real record in the rounds."""
 
     rounds: WorkerRounds = field(default_factory=WorkerRounds)
+    admitted_at: float = 0.0  # welcomed, and ready at once unless a test says otherwise
+    ready_at: float | None = 0.0
 
     def paused(self) -> contextlib.AbstractContextManager:
         """What `Round.add` holds while it screens a result (no watchdog here to pause)."""
@@ -146,6 +148,7 @@ def test_a_worker_whose_last_result_was_refused_gets_the_quorums_pace_not_the_fl
         links["c"].rounds.unproven = 1
         links["c"].rounds.answer_seconds[0] = 500.0  # what it would buy, and its progress too:
         links["c"].rounds.progress = (current.number, 1, 500, 1.0)  # step 1 of 500 at 1 s
+        links["b"].rounds.answer_seconds[0] = 1.0  # it has answered before: no stranger
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 2.0)
 
@@ -266,10 +269,51 @@ def test_a_fragment_round_reads_the_times_of_its_own_fragment():
 def test_the_window_is_at_least_the_floor():
     async def script(current, links):
         await deliver(current, {"a": 0, "b": 0, "c": 0})
+        for worker in ("b", "c"):  # training: step 1 of 10 at 0.1 s
+            links[worker].rounds.progress = (current.number, 1, 10, 0.1)
         await answer(current, "a", 1.0)
 
     closed, _, _ = run_round(window(3.0, 5.0), script)
     assert closed == 5.0
+
+
+def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
+    """Issue 25, squatting at the defaults: token holders that said ready at once and never
+    trained were sent every round beside the honest workers and held each for the floor
+    (60 s) after the honest results came in 3 s. A connection that has shown nothing (no
+    progress, no result) is waited for factor x the quorum's time, or factor x its own time
+    from welcome to ready if longer (below: 0, said ready at once); once it reports progress
+    it is timed by its own pace (`b`: step 1 of 10 at 5 s projects 50 s, so 3 x 50), and one
+    that has answered before keeps the floor (`d`)."""
+
+    async def script(current, links):
+        links["d"].rounds.answer_seconds[0] = 1.0
+        await deliver(current, {"a": 0, "b": 0, "c": 0, "d": 0})
+        await answer(current, "a", 2.0)
+        await trio.sleep_until(5.0)
+        links["b"].rounds.progress = (current.number, 1, 10, 5.0)
+
+    closed, current, events = run_round(
+        window(3.0, 60.0), script, participants=("a", "b", "c", "d")
+    )
+    assert closed == 150.0  # c: 3 x 2 = 6 s; d: the floor, 60 s; b: 3 x its own 50 s
+    (stragglers,) = [e for e in events if e.kind == "stragglers"]
+    assert stragglers.workers == ["b", "c", "d"]
+
+    async def silent(current, links):
+        await deliver(current, {"a": 0, "c": 0})
+        await answer(current, "a", 2.0)
+
+    closed, _, _ = run_round(window(3.0, 60.0), silent, participants=("a", "c"))
+    assert closed == 6.0  # before: the floor, 60 s
+
+    async def slow_to_ready(current, links):
+        links["c"].ready_at = 5.0  # 5 s from its welcome to ready: its first chunk may take 3 x
+        await deliver(current, {"a": 0, "c": 0})
+        await answer(current, "a", 0.1)  # a fast answer (a liar's, say) does not cut it shorter
+
+    closed, _, _ = run_round(window(3.0, 60.0), slow_to_ready, participants=("a", "c"))
+    assert closed == 15.0
 
 
 def test_the_window_starts_at_the_quorum_and_scales_with_its_time():

@@ -371,6 +371,7 @@ class Shepherd:
                         round=number,
                     )
                 )
+                await self.pool.compiling_ready()  # newcomers that just took slots, too
                 continue
             if saving:
                 await self._checkpoint(number, nursery)

@@ -346,6 +346,22 @@ class Round:
         link = (self.connections or {}).get(worker_id)
         return link is not None and link.rounds.unproven > 0
 
+    def stranger(self, worker_id: str) -> float | None:
+        """How long the round waits for `worker_id` once the quorum is in, at most, if its
+        connection has shown nothing yet (no training progress, no result timed: nothing that
+        gives it a time of its own, `usual_seconds`), else None: --straggler-factor times
+        what it took from its welcome to saying ready (plan download and compile; the
+        shepherd's clock), which covers an honest newcomer's first chunk (it then reports
+        progress and is timed by its own pace). Token holders that said ready at once and
+        never trained were sent every round beside the honest workers and held each for the
+        floor (60 s) while the honest ones answered in 3; a peer that delays saying ready to
+        buy time spends that time outside the rounds."""
+        link = (self.connections or {}).get(worker_id)
+        if link is None or link.rounds.progress is not None or link.rounds.answer_seconds:
+            return None
+        ready = link.ready_at - link.admitted_at if link.ready_at is not None else 0.0
+        return max(ready, 0.0)
+
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
         is in: --min-upload-rate, not the straggler window, bounds the rest) or being folded in.
@@ -461,7 +477,9 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             f"{network.straggler_factor:g} times the quorum's time, at least "
             f"--straggler-min-seconds {network.straggler_min_seconds:g}; or factor times a "
             "worker's own time, from its latest result or its progress, if longer, up to "
-            "factor² times the window); --adaptive-steps gives slower workers fewer steps"
+            "factor² times the window; one whose last result was refused, or that has shown "
+            "nothing yet, factor times the quorum's time or its own time to ready, no floor); "
+            "--adaptive-steps gives slower workers fewer steps"
             if windowed
             else f"at --round-timeout {network.round_timeout:g} s"
         )
@@ -530,7 +548,8 @@ async def _until_overdue(
     whose roundStart is still on its way has not started its window. One whose last result
     was refused (`Round.unproven`) gets `probation` (factor times the quorum's time, no
     floor, nothing of its own): a peer that answered zeros at its window's end held every
-    round that long."""
+    round that long. One whose connection has shown nothing yet gets that or factor times
+    its own welcome-to-ready time if longer, within the window (`Round.stranger`)."""
     while not current.done.is_set():
         now = trio.current_time()
         due = []
@@ -539,6 +558,10 @@ async def _until_overdue(
             if delivered is not None and not current.receiving(worker):
                 if current.unproven(worker):  # its last result did no work
                     due.append(delivered + (window if probation is None else probation))
+                    continue
+                joined = current.stranger(worker)
+                if joined is not None and probation is not None:  # nothing shown yet
+                    due.append(delivered + min(window, max(probation, factor * joined)))
                     continue
                 own = min(current.usual_seconds(worker), factor * window)
                 due.append(delivered + max(window, factor * own))

@@ -106,6 +106,28 @@ class WorkerPool:
             if link.ready.is_set() and not link.closed and not link.rounds.behind
         ]
 
+    async def compiling_ready(self) -> None:
+        """Wait until every connection compiling now is ready or gone, each at most the grace
+        (`slots.evictable_after`) from its welcome. The shepherd calls it before it repeats a
+        round that got no result: four token holders that said ready at once were that
+        repeat's only workers while the two honest newcomers that had just taken their
+        slots compiled for 2 s, and held it 45 s more. A compile that takes longer than the
+        grace is not waited for (the round goes on without it, as any round does); peers
+        that join later are not waited for, so none can stretch the wait."""
+        grace = slots.evictable_after(self.config.security.ready_timeout)
+        compiling = [link for link in self._links.values() if not link.ready.is_set()]
+        while not self._stopping():
+            now = trio.current_time()
+            deadlines = [
+                link.admitted_at + grace
+                for link in compiling
+                if not link.closed and not link.ready.is_set() and link.admitted_at + grace > now
+            ]
+            if not deadlines:
+                return
+            with trio.move_on_at(min(deadlines)):
+                await self.changed()
+
     def settled(self, verdict: Verdict) -> None:
         """A round's results are settled (`RoundEngine.verdicts`): `sitting_out.settled`."""
         sitting_out.settled(self.state, list(self._links.values()), verdict)
@@ -463,9 +485,39 @@ class WorkerPool:
                 or sitting_out.hung_reason(link.rounds)
                 or sitting_out.unproven_reason(link.rounds)
                 or slots.not_ready_reason(link, cfg.security.ready_timeout, trio.current_time())
+                or slots.holding_reason(
+                    link,
+                    slots.SlotRules.of(cfg).silent_seconds(self._links.values()),
+                    trio.current_time(),
+                    holds_a_round=self._holds_a_round(link),
+                )
             ),
         ):
             await self._receive_loop(link)
+
+    def _holds_a_round(self, link: WorkerLink) -> bool:
+        """Whether an open round waits for `link`'s result while another ready connection,
+        not sitting out, waits for a round it was not sent (`slots.holding_reason`)."""
+        rounds = self.open_rounds.rounds
+
+        def sent(other: WorkerLink) -> bool:
+            return any(
+                other.worker_id in r.participants and r.bound_to(other.worker_id, other)
+                for r in rounds
+            )
+
+        if not any(
+            link.worker_id in r.pending and r.bound_to(link.worker_id, link) for r in rounds
+        ):
+            return False
+        return any(
+            other is not link
+            and not other.closed
+            and other.ready.is_set()
+            and not other.rounds.behind
+            and not sent(other)
+            for other in self._links.values()
+        )
 
     async def _receive_loop(self, link: WorkerLink) -> None:
         while True:

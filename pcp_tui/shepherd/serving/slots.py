@@ -37,19 +37,25 @@ heard `busy` on every retry. These rules bound that:
 - one whose result was taken into a round (screened and folded in; or its worker
   contributed before a reconnect) has earned its slot and is never moved.
 
-Worst case, every slot of a `--workers 2` run taken by peers that never answer and join
-again at once (so they also wait in line): one such peer holds an honest newcomer out,
-and holds each round it is sent, for at most `silent_seconds` from that round's start
-(the grace, 10 s at --ready-timeout 40 and 45 s at the defaults, unless the run's honest
-answers are slower than a quarter of it); four cost no more than one, as they come due
-together and each newcomer in line takes one slot. Measured (`bench_squatters.py
---ready --rounds 2`): the honest run ended 44.0 s after its workers started beside four
-(9.7 s without) at --ready-timeout 40, 139.0 s (14.5 s) at the defaults. A round with no
-newcomer in line waits for such a peer its straggler window (`rounds.results.collect`),
-at least --straggler-min-seconds; it then sits rounds out and ends as hung
-(`rounds.sitting_out`). A peer that reports progress it does not make keeps its slot
-longest: --ready-timeout from its first `roundStart` (the rounds bound what it holds
-them: `rounds.results`, `sitting_out`).
+A ready connection that has shown nothing and holds a round (the round waits for its
+result) while another ready connection waits for that round loses its connection at the
+same bound (`holding_reason`): two ids that said ready at once were round 1's only
+workers at `--workers 2`, the honest workers found free slots, nobody waited in line, and
+round 1 waited for them for ever. The rounds do their part: once the quorum is in, a
+round waits for one that has shown nothing only --straggler-factor times the quorum's time
+(`rounds.results.Round.stranger`), and a round repeated for want of any result waits for
+the newcomers compiling at that moment, each at most the grace (`WorkerPool.
+compiling_ready`): the squatters that rejoined and said ready at once were that repeat's
+only workers while the honest newcomers compiled for 2 s.
+
+Worst case, every slot of a `--workers 2` run taken by peers that say ready, never train
+and join again at once (under the same ids or new ones; no rule here reads an id): the
+grace for a slot, the honest workers' compile (at most the grace), then one round plus
+--straggler-factor times its quorum's time. Measured (`bench_squatters.py --ready
+--rounds 2`, the defaults): the honest run ended 52.7 s after its workers started beside
+four (11.5 s without; 183.8 s before these rules). A peer that reports progress it does
+not make keeps its slot longest: --ready-timeout from its first `roundStart` (the rounds
+bound what it holds them: `rounds.results`, `sitting_out`).
 
 Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 """
@@ -78,6 +84,26 @@ def not_ready_reason(link: WorkerLink, ready_timeout: float, now: float) -> str:
     return (
         f"not ready {waited:.0f} s after its welcome (--ready-timeout {ready_timeout:g} s): "
         "its slot goes to another worker"
+    )
+
+
+def holding_reason(link: WorkerLink, silent: float, now: float, *, holds_a_round: bool) -> str:
+    """Why `link` loses its connection for holding a round it shows nothing for, or "".
+
+    `holds_a_round`: an open round waits for its result while a ready connection waits for
+    a round it is not in. Two token holders that said ready at once were round 1's only
+    workers at `--workers 2`; the honest workers found free slots (no newcomer waited in
+    line to move them out), and round 1 waited for them for ever. The bound is the one a
+    newcomer in line has (`_free_at`): `silent` (`SlotRules.silent_seconds`) from its first
+    roundStart, with nothing shown (no progress, no result) and nothing earned."""
+    first = link.rounds.first_delivered
+    if not holds_a_round or first is None or _earned(link) or link.rounds.shown_work:
+        return ""
+    if now < first + silent:
+        return ""
+    return (
+        f"no progress and no result {now - first:.0f} s after its first roundStart, while "
+        "its round waits for it and a ready worker waits for that round (it may join again)"
     )
 
 
