@@ -243,13 +243,14 @@ def join_site(
     # every process compiles every graph afresh: all run one executable (the module docstring)
     jax.config.update("jax_enable_compilation_cache", False)
     # JAX waits here for every process, unable to hear a signal, then ends the process with
-    # its own fatal log line: say first what it waits for
-    print(
-        f"pcp-tui: waiting up to {JOIN_SECONDS} s for the site's {process_count} processes "
-        f"at {coordinator_address} (process 0 serves it; start every process of the site)",
-        file=sys.stderr,
-        flush=True,
-    )
+    # its own fatal log line: say first what it waits for (not under --quiet: errors only)
+    if not quiet:
+        print(
+            f"pcp-tui: waiting up to {JOIN_SECONDS} s for the site's {process_count} processes "
+            f"at {coordinator_address} (process 0 serves it; start every process of the site)",
+            file=sys.stderr,
+            flush=True,
+        )
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=process_count,
