@@ -200,8 +200,12 @@ async def test_64_chatty_workers_redraw_panels_per_refresh_tick_not_per_message(
                 return render_lines(crop)
 
             monkeypatch.setattr(panel, "render_lines", counted)
-        await pilot.pause()  # the first paint after mount
-        redraws.clear()
+        for _ in range(20):  # the first paint after mount, in as many passes as it takes
+            redraws.clear()  # (a loaded machine spread it over several pauses)
+            await pilot.pause()
+            if not redraws:
+                break
+        assert not redraws, f"the panels still redraw with nothing new: {redraws}"
 
         ticks, settled = 0, collections.Counter()
         for step in range(1, 51):
