@@ -22,6 +22,8 @@ from pcp_tui.testing._benchmarks import (
 )
 from pcp_tui.testing._inprocess import (
     heartbeat_until_hung_up,
+    local_worker,
+    local_workers,
     memory_link,
     pause_after_round,
     run_shepherd,
@@ -64,6 +66,8 @@ __all__ = [
     "ready_peer",
     "round_start",
     "heartbeat_until_hung_up",
+    "local_worker",
+    "local_workers",
     "memory_link",
     "QUICK_FLAGS",
     "read_metrics",

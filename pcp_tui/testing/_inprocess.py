@@ -28,6 +28,38 @@ def run_shepherd(shepherd: Any, scenario: Callable[[int], Any]) -> None:
     trio.run(main)
 
 
+def local_worker(port: int, worker_id: str | None = None, *, faults: Any = None, **options):
+    """A real `Worker` joining 127.0.0.1:`port` on the CPU backend, to run in this process.
+
+    The worker process's code from the socket on (handshake, plan, compile, train,
+    results; `faults` as in `pcp_tui.testing.faulty_worker.FAULTS[name].make(...)`), without
+    its start-up: for a test whose workers are only peers (`await worker.run()` in the
+    test's trio loop). `options`: more `WorkerConfig` options by their flat names.
+    """
+    from pcp_tui.config import WorkerConfig
+    from pcp_tui.worker.client import Worker
+
+    config = WorkerConfig(
+        connect=f"127.0.0.1:{port}",
+        token="test-token",
+        backend="cpu",
+        **({} if worker_id is None else {"worker_id": worker_id}),
+        **options,
+    )
+    return Worker(config, faults=faults)
+
+
+def local_workers(count: int) -> Callable[[int], Any]:
+    """A `run_shepherd` scenario: `count` `local_worker`s run until the shepherd ends them."""
+
+    async def scenario(port: int) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(count):
+                nursery.start_soon(local_worker(port).run)
+
+    return scenario
+
+
 async def until(predicate: Callable[[], bool], *, polls: int = 6000) -> None:
     """Wait for `predicate()` (polled every 50 ms, at most `polls` times: a bound, not a timing).
 
