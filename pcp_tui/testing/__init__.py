@@ -40,6 +40,7 @@ from pcp_tui.testing._peers import (
     round_start,
 )
 from pcp_tui.testing._processes import (
+    ONE_XLA_THREAD,
     QUICK_FLAGS,
     SMALL_RUN,
     OutputProcess,
@@ -69,6 +70,7 @@ __all__ = [
     "local_worker",
     "local_workers",
     "memory_link",
+    "ONE_XLA_THREAD",
     "QUICK_FLAGS",
     "read_metrics",
     "round_workers",
