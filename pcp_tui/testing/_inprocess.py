@@ -5,11 +5,14 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from pcp_tui import protocol
+
+if TYPE_CHECKING:
+    from pcp_tui.worker.client import Worker
 
 
 def run_shepherd(shepherd: Any, scenario: Callable[[int], Any]) -> None:
@@ -28,7 +31,9 @@ def run_shepherd(shepherd: Any, scenario: Callable[[int], Any]) -> None:
     trio.run(main)
 
 
-def local_worker(port: int, worker_id: str | None = None, *, faults: Any = None, **options):
+def local_worker(
+    port: int, worker_id: str | None = None, *, faults: Any = None, **options: Any
+) -> Worker:
     """A real `Worker` joining 127.0.0.1:`port` on the CPU backend, to run in this process.
 
     The worker process's code from the socket on (handshake, plan, compile, train,
