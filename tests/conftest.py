@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 
 from pcp_tui.testing import (
+    ONE_XLA_THREAD,
     ShepherdProcess,
     WorkerProcesses,
     small_config,
@@ -31,7 +32,17 @@ def pytest_configure(config: pytest.Config) -> None:
     directory: a graph compiled once in the run loads from disk in the next process,
     and a run starts cold, whatever earlier runs compiled. xdist's workers are started
     after this and inherit the controller's directory with its environment.
+
+    Every graph is kept, however fast it compiled: the suite's graphs are small (most
+    compile in 0.1-0.5 s, under JAX's and the worker's thresholds) and the same ones
+    compile in process after process. This process and its xdist workers run XLA on one
+    thread as the worker processes do (`worker_env`): XLA_FLAGS are part of a graph's
+    cache key, so the test processes and the workers share entries, and no process
+    starts a thread per core on a machine its neighbours share.
     """
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    os.environ.setdefault("XLA_FLAGS", ONE_XLA_THREAD)
     if hasattr(config, "workerinput"):
         return
     directory = tempfile.mkdtemp(prefix="pcp-tui-test-compile-cache-")

@@ -1,29 +1,24 @@
 """A token-holding worker that tampers with its pseudo-gradient cannot wreck the run.
 
-Real shepherd, real worker processes on 127.0.0.1; the attacker is
-pcp_tui.testing.faulty_worker (the real worker, its result scaled before sending):
-by 1e6 (refused by the inner-optimizer bound) or by −1 (a sign flip, within every
+Real shepherd, real workers (`Worker`, in this process) over TCP on 127.0.0.1; the
+attacker is the real worker with faulty_worker's "scale" fault (its result scaled before
+sending): by 1e6 (refused by the inner-optimizer bound) or by −1 (a sign flip, within every
 norm bound: refused by loss-delta validation, and shown to bite without it), in plain
 and in streaming rounds.
 """
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
 import trio
 
 from pcp_tui.diloco.screening import Refusal
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import faulty_worker_command
+from pcp_tui.testing import local_worker
+from pcp_tui.testing.faulty_worker import FAULTS
 from pcp_tui.training.build import build_workload
 
-from .conftest import small_config, worker_command, worker_env
-
-pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[1]
+from .conftest import small_config
 
 
 async def _joined(shepherd: Shepherd, worker_id: str, *, polls: int = 6000) -> None:
@@ -46,35 +41,17 @@ def _train(
         validate=validate,
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
-    processes: list[subprocess.Popen] = []
 
     async def main():
         async with trio.open_nursery() as nursery:
             port = await nursery.start(shepherd.run)
             for name in ("honest0", "honest1", *(["evil"] if attacker else [])):
-                command = worker_command(port, "--id", name, "--quiet")
-                if name == "evil":  # the same worker, its results times 1e6
-                    command = faulty_worker_command(
-                        port, "scale", "--id", name, "--quiet", factor=factor
-                    )
-                processes.append(
-                    subprocess.Popen(
-                        command,
-                        env=worker_env(),
-                        cwd=REPO,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                )
+                # the same worker, its results times `factor`
+                faults = FAULTS["scale"].make(factor=factor, results=0) if name == "evil" else None
+                nursery.start_soon(local_worker(port, name, faults=faults).run)
                 await _joined(shepherd, name)
 
-    try:
-        trio.run(main)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait(timeout=30)
+    trio.run(main)
     return shepherd
 
 

@@ -1,4 +1,5 @@
-"""Workers die, join late, straggle; the shepherd restarts. Real processes, real signals."""
+"""Workers die, join late, straggle; the shepherd restarts. Real processes, real signals
+(a straggler's stall needs neither: its workers run in the test's trio loop)."""
 
 from __future__ import annotations
 
@@ -20,22 +21,23 @@ from pcp_tui.testing import (
     OutputProcess,
     faulty_worker_command,
     free_port,
+    local_worker,
     pause_after_round,
     run_shepherd,
     shepherd_command,
     until,
 )
+from pcp_tui.testing.faulty_worker import FAULTS
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_env
-
-pytestmark = pytest.mark.e2e
 
 
 def _kinds(shepherd: Shepherd, kind: str) -> list:
     return [e for e in shepherd.state.events if e.kind == kind]
 
 
+@pytest.mark.e2e
 def test_kill_one_of_three_workers_mid_round(spawn_worker):
     config = small_config(workers=3, rounds=4, inner_steps=60, chunk_steps=10)
     shepherd = Shepherd(config, build_workload(config, shards=3))
@@ -69,6 +71,7 @@ def test_kill_one_of_three_workers_mid_round(spawn_worker):
     assert all(np.isfinite(p).all() for p in shepherd.params.values())
 
 
+@pytest.mark.e2e
 def test_late_worker_joins_at_the_next_round_boundary_and_one_that_leaves_is_told(spawn_worker):
     """A late joiner trains from the next round; a worker stopped by its operator (SIGTERM:
     it says goodbye, it is not lost) gets a headless line, and so does its orphaned shard."""
@@ -110,7 +113,7 @@ def test_late_worker_joins_at_the_next_round_boundary_and_one_that_leaves_is_tol
     assert lines.index(f"worker {early.index} left: the worker stopped") < at  # why, then what
 
 
-def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
+def test_straggler_past_round_timeout_is_dropped_not_mixed_in():
     """Round 2 closes at its timeout without the stalled worker; it sits round 3 out (it is
     still on round 2), its late result is dropped, and it trains again from the next round."""
     config = small_config(workers=2, rounds=6, inner_steps=10, round_timeout=2.0, min_workers=1)
@@ -118,20 +121,15 @@ def test_straggler_past_round_timeout_is_dropped_not_mixed_in(spawn_worker):
 
     async def scenario(port):
         pause_after_round(shepherd, 3)  # held until the late result is in
-        spawn_worker(port, "--id", "steady")
-        command = faulty_worker_command(port, "stall", "--id", "slow", round=2, seconds=5)
-        slow = subprocess.Popen(
-            command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-        )
-        try:
+        stall = FAULTS["stall"].make(round=2, seconds=5)  # heartbeats go on meanwhile
+        async with trio.open_nursery() as nursery:  # real workers in this process
+            nursery.start_soon(local_worker(port, "steady").run)
+            nursery.start_soon(local_worker(port, "slow", faults=stall).run)
             await until(
                 lambda: shepherd.state.status == "paused" and len(shepherd.state.history) == 3
             )
             await until(lambda: bool(_kinds(shepherd, "late_result")))
             shepherd.resume()
-            await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
-        finally:
-            await trio.to_thread.run_sync(slow.wait)
 
     run_shepherd(shepherd, scenario)
     history = shepherd.state.history
@@ -169,6 +167,7 @@ def _final_eval(metrics) -> float:
     return [r for r in rows if r["event"] == "round"][-1]["eval_loss"]
 
 
+@pytest.mark.e2e
 def test_shepherd_killed_and_resumed_equals_an_uninterrupted_run(tmp_path, spawn_worker):
     """SIGKILL after round 2's checkpoint, --resume, and the run ends where an uninterrupted one does.
 
@@ -246,6 +245,7 @@ def test_shepherd_killed_and_resumed_equals_an_uninterrupted_run(tmp_path, spawn
     assert _final_eval(metrics) == _final_eval(reference_metrics)
 
 
+@pytest.mark.e2e
 def test_sigterm_then_resume_brings_the_same_workers_back(tmp_path, spawn_worker):
     """SIGTERM: the round finishes, the checkpoint is written, the goodbye says "come back";
     the same two worker processes wait, rejoin the --resume'd shepherd on the same port,
@@ -322,6 +322,7 @@ async def test_a_cut_off_worker_gives_up_after_its_limit_instead_of_retrying_for
     assert worker.status.state == "connecting"
 
 
+@pytest.mark.e2e
 def test_a_lost_workers_shard_goes_to_the_next_worker_to_join(spawn_worker):
     """Kill B: its shard is orphaned, rounds report it untrained, and newcomer C trains it."""
     config = small_config(workers=2, rounds=5, inner_steps=10)

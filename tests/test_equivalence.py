@@ -1,6 +1,6 @@
 """DiLoCo with H=1, inner SGD and outer SGD at lr 1 is synchronous data parallelism.
 
-Two real worker processes train through real sockets; the shepherd's final
+Two real workers (`Worker`, in this process) train through real sockets; the shepherd's final
 parameters must equal the one-page DiLoCo of `pcp_tui.diloco.reference` on the
 same batches, and that must equal plain SGD on the union of the two workers'
 batches. This pins the token-weighted averaging and the outer step.
@@ -12,16 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from pcp_tui.diloco import reference
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import run_shepherd, worker_batches
+from pcp_tui.testing import local_workers, run_shepherd, worker_batches
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-
-pytestmark = pytest.mark.e2e
 
 LR = 0.5
 ROUNDS = 3
@@ -54,7 +51,7 @@ def _reference_diloco(workload, config) -> dict[str, np.ndarray]:
     )
 
 
-def test_two_workers_equal_synchronous_sgd(spawn_worker):
+def test_two_workers_equal_synchronous_sgd():
     config = small_config(
         rounds=ROUNDS,
         inner_steps=1,
@@ -72,7 +69,7 @@ def test_two_workers_equal_synchronous_sgd(spawn_worker):
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
 
-    run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
+    run_shepherd(shepherd, local_workers(2))
     assert [r.workers for r in shepherd.state.history] == [2] * ROUNDS
     expected = _reference_diloco(workload, config)
     synchronous = _synchronous_sgd(workload, config)

@@ -1,23 +1,21 @@
 """Streaming DiLoCo with elastic membership: a peer that lies about what it trained on.
 
-A live shepherd in this process, a real `pcp-tui worker`, and a peer that speaks the
-real protocol over 127.0.0.1 (handshake with the token's proof, then `MessageStream`).
+A live shepherd in this process, a real worker (`Worker`, in this process too), and a peer
+that speaks the real protocol over 127.0.0.1 (handshake with the token's proof, then
+`MessageStream`).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import trio
 
 from pcp_tui import protocol
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import join_as, pause_after_round, run_shepherd, until
+from pcp_tui.testing import join_as, local_worker, pause_after_round, run_shepherd, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
-
-pytestmark = pytest.mark.e2e
 
 H, FRAGMENTS, TOKENS_PER_STEP = 8, 2, 4 * 32  # inner steps; batch 4 x sequence 32
 
@@ -37,9 +35,7 @@ def _result(plan, params, round_number: int, fragment: int) -> tuple:
     return body, {n: np.zeros_like(params[n]) for n in names}
 
 
-def test_a_peer_that_joins_mid_round_cannot_slip_in_results_of_rounds_it_was_not_sent(
-    spawn_worker,
-):
+def test_a_peer_that_joins_mid_round_cannot_slip_in_results_of_rounds_it_was_not_sent():
     """It becomes ready during round 2 and at once sends a result for round 2's fragment 0
     (never given: its first roundStart is round 3's) and one for round 1 (before it joined):
     neither counts, and the connection ends at the first (no worker answers a round it was
@@ -94,11 +90,14 @@ def test_a_peer_that_joins_mid_round_cannot_slip_in_results_of_rounds_it_was_not
 
     async def scenario(port):
         pause_after_round(shepherd, 2)
-        spawn_worker(port, "--id", "honest")
-        await until(lambda: shepherd.state.round == 2)
-        plan = await liar(port)
-        await until(lambda: shepherd.state.status == "paused" and len(shepherd.state.history) == 2)
-        await participant(port, plan)
+        async with trio.open_nursery() as nursery:  # the honest worker: real, in this process
+            nursery.start_soon(local_worker(port, "honest").run)
+            await until(lambda: shepherd.state.round == 2)
+            plan = await liar(port)
+            await until(
+                lambda: shepherd.state.status == "paused" and len(shepherd.state.history) == 2
+            )
+            await participant(port, plan)
 
     run_shepherd(shepherd, scenario)
     events, history = shepherd.state.events, shepherd.state.history

@@ -3,7 +3,8 @@
 Unit tests for the speed estimate (smoothed over rounds, afresh on a new
 connection) and the step sizes; then a real worker and a real worker made three
 times slower (`faulty_worker slow`: every compiled chunk sleeps twice its own
-compute time), through real sockets, in plain DiLoCo and in Streaming DiLoCo
+compute time), through real sockets (both in this process, except where the
+test signals the slow one), in plain DiLoCo and in Streaming DiLoCo
 (against the one-page reference, given the steps the pacing chose).
 """
 
@@ -26,16 +27,19 @@ from pcp_tui.shepherd.rounds.pacing import SMOOTHING, SpeedEstimate, StepPacing
 from pcp_tui.shepherd.rounds.results import Round
 from pcp_tui.testing import (
     faulty_worker_command,
+    local_worker,
     pause_after_round,
     run_shepherd,
     until,
     worker_batches,
 )
+from pcp_tui.testing.faulty_worker import FAULTS
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_env
 
 H, CHUNK = 20, 5
+_slow = FAULTS["slow"].make  # every compiled chunk takes `factor` times as long
 
 
 def _measured(steps: dict, seconds: dict, connections: dict | None = None) -> Round:
@@ -130,25 +134,16 @@ class _NoMean:
         pass
 
 
-@pytest.mark.e2e
-async def test_a_slow_worker_trains_fewer_steps_and_still_counts(spawn_worker):
+async def test_a_slow_worker_trains_fewer_steps_and_still_counts():
     config = small_config(
         workers=2, rounds=3, inner_steps=H, chunk_steps=CHUNK, adaptive_steps=True
     )
     shepherd = Shepherd(config, build_workload(config, shards=2))
 
-    async with trio.open_nursery() as nursery:
+    async with trio.open_nursery() as nursery:  # ends with the run: its goodbye ends the workers
         port = await nursery.start(shepherd.run)
-        spawn_worker(port, "--id", "fast")
-        command = faulty_worker_command(port, "slow", "--id", "slow", factor=3.0)
-        slow = subprocess.Popen(
-            command, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-        )
-        try:
-            while not any(e.kind == "done" for e in shepherd.state.events):
-                await trio.sleep(0.05)
-        finally:
-            await trio.to_thread.run_sync(slow.wait)
+        nursery.start_soon(local_worker(port, "fast").run)
+        nursery.start_soon(local_worker(port, "slow", faults=_slow(factor=3.0)).run)
     history = shepherd.state.history
     full = H * config.data.batch_size * config.data.seq_len
     tokens = [r.tokens for r in history]
@@ -217,8 +212,7 @@ def test_a_worker_too_slow_for_the_window_is_measured_by_its_late_result(spawn_w
     assert shepherd.engine.pacing.speed("slow") < shepherd.engine.pacing.speed("fast")
 
 
-@pytest.mark.e2e
-def test_adaptive_streaming_scales_each_schedule_and_equals_the_reference(spawn_worker):
+def test_adaptive_streaming_scales_each_schedule_and_equals_the_reference():
     """--adaptive-steps with --streaming-fragments 2: a fast and a 3x slower real worker, inner
     SGD. The pacing sizes each round from the speeds it measured (recorded, not faked); each
     worker runs its fragment schedule scaled to its steps, and the shepherd's parameters equal
@@ -245,14 +239,10 @@ def test_adaptive_streaming_scales_each_schedule_and_equals_the_reference(spawn_
     given = _record_steps(shepherd.engine.pacing)
 
     async def scenario(port):
-        spawn_worker(port, "--id", "fast")
-        await until(lambda: "fast" in shepherd.state.workers)  # index 0: shard 0's stream
-        slow = faulty_worker_command(port, "slow", "--id", "slow", factor=3.0)
-        slow = subprocess.Popen(
-            slow, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-        )
-        await until(lambda: any(e.kind == "done" for e in shepherd.state.events))
-        await trio.to_thread.run_sync(slow.wait)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(local_worker(port, "fast").run)
+            await until(lambda: "fast" in shepherd.state.workers)  # index 0: shard 0's stream
+            nursery.start_soon(local_worker(port, "slow", faults=_slow(factor=3.0)).run)
 
     run_shepherd(shepherd, scenario)
     history = shepherd.state.history

@@ -1,6 +1,6 @@
 """Streaming DiLoCo: the partition and schedule, and a real 2-worker run against the one-page reference.
 
-The run trains two real worker processes through real sockets with F = 2,
+The run trains two real workers (`Worker`, in this process) through real sockets with F = 2,
 τ = 1, α = 0.5 and outer Nesterov (one optax state per fragment); the
 shepherd's final parameters must equal `reference.streaming_diloco` on the
 same batches. Both sides compute in float32 with the same operations, except
@@ -26,7 +26,13 @@ from pcp_tui.contract import plan as contract
 from pcp_tui.diloco import reference, streaming
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds.engine import inner_optimizer
-from pcp_tui.testing import pause_after_round, run_shepherd, until, worker_batches
+from pcp_tui.testing import (
+    local_workers,
+    pause_after_round,
+    run_shepherd,
+    until,
+    worker_batches,
+)
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.shards import sample_batches
 
@@ -141,9 +147,8 @@ ROUNDS = 2
 H = 4
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("merge", ["mix", "carry"])
-def test_two_workers_streaming_equal_the_reference(spawn_worker, merge):
+def test_two_workers_streaming_equal_the_reference(merge):
     config = small_config(
         rounds=ROUNDS,
         inner_steps=H,
@@ -164,7 +169,7 @@ def test_two_workers_streaming_equal_the_reference(spawn_worker, merge):
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
 
-    run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
+    run_shepherd(shepherd, local_workers(2))
     history = shepherd.state.history
     assert [r.fragment_results for r in history] == [(2, 2)] * ROUNDS
     tokens = float(H * config.data.batch_size * config.data.seq_len)
@@ -207,8 +212,7 @@ def chunk_batches(workload, config, slot: int, number: int, steps: int) -> list:
     return [batch for chunk in chunks for batch in chunk]
 
 
-@pytest.mark.e2e
-def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment(spawn_worker):
+def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment():
     """AdamW warming up over round 1 with F = 4, τ = 5, chunks of 5 and the mean: fragment 0's
     first result covers 5 steps at nearly zero learning rate, its later ones 40 steps at full
     rate. Norms compared as they were refused every later result of fragment 0 ("over 10x the
@@ -230,7 +234,7 @@ def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment
     workload = build_workload(config, shards=2)
     shepherd = Shepherd(config, workload)
 
-    run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
+    run_shepherd(shepherd, local_workers(2))
     events = [(e.kind, e.message) for e in shepherd.state.events]
     assert [r.fragment_results for r in shepherd.state.history] == [(2, 2, 2, 2)] * rounds, events
     assert not [e for e in shepherd.state.events if e.kind == "bad_result"]
@@ -257,8 +261,7 @@ def test_streaming_through_warm_up_equals_the_reference_and_syncs_every_fragment
         np.testing.assert_allclose(shepherd.params[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
-@pytest.mark.e2e
-def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_worker, tmp_path):
+def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(tmp_path):
     """F = 2, τ = 2, int8 pseudo-gradients, AdamW, centered clip: the loss falls, each round
     syncs both fragments from both workers, a result is about half the model; the checkpoint
     keeps each fragment's outer state and clip history, and a shepherd resumed from round 2's
@@ -281,7 +284,7 @@ def test_streaming_run_with_int8_trains_syncs_every_fragment_and_resumes(spawn_w
     shepherd = Shepherd(config, workload)
     rounds = [_record_rounds(clip) for clip in shepherd.engine.aggregates]
 
-    run_shepherd(shepherd, lambda port: [spawn_worker(port) for _ in range(2)])
+    run_shepherd(shepherd, local_workers(2))
     history = shepherd.state.history
     assert [r.fragment_results for r in history] == [(2, 2)] * 3
     assert history[-1].eval_loss < history[0].eval_loss < shepherd.evaluate(workload.params)
@@ -440,8 +443,7 @@ def test_streaming_survives_a_lost_worker_and_a_newcomer_starts_from_the_global_
     assert all(np.isfinite(p).all() for p in shepherd.params.values())
 
 
-@pytest.mark.e2e
-def test_a_worker_refuses_a_broken_fragment_update_and_the_run_goes_on(spawn_worker, monkeypatch):
+def test_a_worker_refuses_a_broken_fragment_update_and_the_run_goes_on(monkeypatch):
     """A shepherd that sends a fragment update holding NaN (tampered here, once) hears from the
     worker why it hung up ("fragmentUpdate refused: ..."), and the worker rejoins and finishes."""
     from pcp_tui.shepherd.rounds import engine
@@ -471,7 +473,7 @@ def test_a_worker_refuses_a_broken_fragment_update_and_the_run_goes_on(spawn_wor
         round_timeout=30,  # a worker that never says why would leave the round waiting
     )
     shepherd = Shepherd(config, build_workload(config, shards=1))
-    run_shepherd(shepherd, lambda port: [spawn_worker(port)])
+    run_shepherd(shepherd, local_workers(1))
     lost = [e.message for e in shepherd.state.events if e.kind == "lost"]
     assert tampered == [0]
     assert any("fragmentUpdate refused" in m and "NaN" in m for m in lost), lost

@@ -22,6 +22,8 @@ from pcp_tui.testing._benchmarks import (
 )
 from pcp_tui.testing._inprocess import (
     heartbeat_until_hung_up,
+    local_worker,
+    local_workers,
     memory_link,
     pause_after_round,
     run_shepherd,
@@ -38,6 +40,7 @@ from pcp_tui.testing._peers import (
     round_start,
 )
 from pcp_tui.testing._processes import (
+    ONE_XLA_THREAD,
     QUICK_FLAGS,
     SMALL_RUN,
     OutputProcess,
@@ -64,7 +67,10 @@ __all__ = [
     "ready_peer",
     "round_start",
     "heartbeat_until_hung_up",
+    "local_worker",
+    "local_workers",
     "memory_link",
+    "ONE_XLA_THREAD",
     "QUICK_FLAGS",
     "read_metrics",
     "round_workers",

@@ -5,11 +5,14 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from pcp_tui import protocol
+
+if TYPE_CHECKING:
+    from pcp_tui.worker.client import Worker
 
 
 def run_shepherd(shepherd: Any, scenario: Callable[[int], Any]) -> None:
@@ -26,6 +29,40 @@ def run_shepherd(shepherd: Any, scenario: Callable[[int], Any]) -> None:
                 await started
 
     trio.run(main)
+
+
+def local_worker(
+    port: int, worker_id: str | None = None, *, faults: Any = None, **options: Any
+) -> Worker:
+    """A real `Worker` joining 127.0.0.1:`port` on the CPU backend, to run in this process.
+
+    The worker process's code from the socket on (handshake, plan, compile, train,
+    results; `faults` as in `pcp_tui.testing.faulty_worker.FAULTS[name].make(...)`), without
+    its start-up: for a test whose workers are only peers (`await worker.run()` in the
+    test's trio loop). `options`: more `WorkerConfig` options by their flat names.
+    """
+    from pcp_tui.config import WorkerConfig
+    from pcp_tui.worker.client import Worker
+
+    config = WorkerConfig(
+        connect=f"127.0.0.1:{port}",
+        token="test-token",
+        backend="cpu",
+        **({} if worker_id is None else {"worker_id": worker_id}),
+        **options,
+    )
+    return Worker(config, faults=faults)
+
+
+def local_workers(count: int) -> Callable[[int], Any]:
+    """A `run_shepherd` scenario: `count` `local_worker`s run until the shepherd ends them."""
+
+    async def scenario(port: int) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(count):
+                nursery.start_soon(local_worker(port).run)
+
+    return scenario
 
 
 async def until(predicate: Callable[[], bool], *, polls: int = 6000) -> None:

@@ -61,6 +61,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+#: XLA_FLAGS for one XLA thread on the CPU (a worker beside others on a shared machine)
+ONE_XLA_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
 def worker_env() -> dict[str, str]:
     """This process's environment for a worker: one XLA thread each, unbuffered output, and
     Python's fault handler (a process that crashes or aborts prints every thread's stack).
@@ -69,7 +73,7 @@ def worker_env() -> dict[str, str]:
     limit each would start a thread per core and they would fight.
     """
     env = dict(os.environ)
-    env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    env.setdefault("XLA_FLAGS", ONE_XLA_THREAD)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"
     return env
