@@ -25,6 +25,7 @@ from pcp_tui.shepherd.serving.connection import WorkerLink
 from pcp_tui.testing import (
     PEER_ERRORS,
     connect_peer,
+    faulty_worker_command,
     memory_link,
     peer_hello,
     ready_peer,
@@ -328,3 +329,66 @@ def test_two_ids_that_say_ready_do_not_hold_round_one_for_ever(spawn_worker):
     assert {e.worker for e in held} >= {"squatter-0", "squatter-1"}, held
     codes = [process.wait(timeout=60) for process in seen["honest"]]
     assert codes == [0, 0], [process.stdout.read()[-4000:] for process in seen["honest"]]
+
+
+async def churner(port: int, shepherd: Shepherd, seen: dict) -> None:
+    """A token holder that keeps a ready id waiting for the round that runs: once a round has
+    gone out, it joins under a fresh id and says ready at once; a roundStart sent to it, or
+    the shepherd putting it out, and it leaves and does it again."""
+    for index in range(1000):
+        await until(lambda: shepherd.state.status == "training")
+        try:
+            stream = await ready_peer(port, f"churn-{index}")
+            async with stream.stream, trio.open_nursery() as alive:
+                alive.start_soon(_heartbeats, stream)
+                try:
+                    while (await stream.receive()).kind not in ("roundStart", "error"):
+                        pass
+                except PEER_ERRORS:
+                    pass
+                alive.cancel_scope.cancel()
+        except (*PEER_ERRORS, OSError, AssertionError):  # refused busy before a plan
+            pass
+        seen["churned"] = index + 1
+        await trio.sleep(0.1)
+
+
+@pytest.mark.e2e
+def test_a_churning_newcomer_does_not_starve_honest_workers_whose_first_chunk_is_slow(
+    spawn_worker,
+):
+    """Two honest workers whose one chunk a round takes 15 s (a slow machine: progress comes
+    only after a chunk) hold round 1 past the grace (10 s at --ready-timeout 40) with nothing
+    shown. A token holder that joins under a fresh id while a round runs and says ready at
+    once made them lose their connection for holding a round (`slots.holding_reason`); they
+    joined again, silent again on their new connection, and lost it again: round 1 never
+    ended (none in 180 s). Now they sit the round out until their late result shows their
+    work, keep their connections, and train the repeated round 1."""
+    config = small_config(workers=2, rounds=1, inner_steps=2, chunk_steps=2, ready_timeout=40)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    seen: dict = {}
+
+    async def scenario(port):
+        honest = [
+            faulty_worker_command(port, "pace", "--id", f"honest-{i}", seconds=15.0)
+            for i in range(2)
+        ]
+        seen["honest"] = [spawn_worker.__self__.start(c) for c in honest]
+        async with trio.open_nursery() as peers:
+            peers.start_soon(churner, port, shepherd, seen)
+            try:
+                await until(lambda: shepherd.state.status == "done", polls=3600)
+            finally:
+                held = [
+                    e.worker
+                    for e in shepherd.state.events
+                    if e.kind == "lost" and "round waits" in e.message
+                ]
+                print(f"churned {seen.get('churned')}, lost for holding a round: {held}")
+            peers.cancel_scope.cancel()
+
+    run_shepherd(shepherd, scenario)
+    (round_1,) = shepherd.state.history  # it ended, with an honest result or two
+    assert set(round_1.worker_ids) <= {"honest-0", "honest-1"} and round_1.worker_ids
+    lost = [e.worker for e in shepherd.state.events if e.kind == "lost"]
+    assert not [w for w in lost if w.startswith("honest")], lost

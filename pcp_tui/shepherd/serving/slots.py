@@ -88,7 +88,8 @@ def not_ready_reason(link: WorkerLink, ready_timeout: float, now: float) -> str:
 
 
 def holding_reason(link: WorkerLink, silent: float, now: float, *, holds_a_round: bool) -> str:
-    """Why `link` loses its connection for holding a round it shows nothing for, or "".
+    """Why `link` is taken out of a round it holds and shows nothing for, or "" (the pool
+    then lets it sit rounds out: `WorkerPool._release_when_holding`).
 
     `holds_a_round`: an open round waits for its result while a ready connection waits for
     a round it is not in. Two token holders that said ready at once were round 1's only
@@ -103,7 +104,7 @@ def holding_reason(link: WorkerLink, silent: float, now: float, *, holds_a_round
         return ""
     return (
         f"no progress and no result {now - first:.0f} s after its first roundStart, while "
-        "its round waits for it and a ready worker waits for that round (it may join again)"
+        "a ready worker waits for that round (it sits rounds out until that result comes)"
     )
 
 
