@@ -282,9 +282,7 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
     trained were sent every round beside the honest workers and held each for the floor
     (60 s) after the honest results came in 3 s. A connection that has shown nothing (no
     progress, no result) is waited for factor x the quorum's time, or factor x its own time
-    from welcome to ready if longer (below: 0, said ready at once), at most that of the
-    slowest to ready whose result counted (a peer that waits to say ready buys nothing);
-    once it reports progress
+    from welcome to ready if longer (below: 0, said ready at once); once it reports progress
     it is timed by its own pace (`b`: step 1 of 10 at 5 s projects 50 s, so 3 x 50), and one
     that has answered before keeps the floor (`d`)."""
 
@@ -310,22 +308,12 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
     assert closed == 6.0  # before: the floor, 60 s
 
     async def slow_to_ready(current, links):
-        links["a"].ready_at = 5.0  # the worker that answered compiled 5 s
-        links["c"].ready_at = 5.0  # so did c: its first chunk may take 3 x that
+        links["c"].ready_at = 5.0  # 5 s from its welcome to ready: its first chunk may take 3 x
         await deliver(current, {"a": 0, "c": 0})
-        await answer(current, "a", 0.1)  # a fast answer does not cut it shorter
+        await answer(current, "a", 0.1)  # a fast answer (a liar's, say) does not cut it shorter
 
     closed, _, _ = run_round(window(3.0, 60.0), slow_to_ready, participants=("a", "c"))
     assert closed == 15.0
-
-    async def delays_ready(current, links):
-        links["a"].ready_at = 5.0
-        links["c"].ready_at = 30.0  # waited 30 s before saying ready: free to it
-        await deliver(current, {"a": 0, "c": 0})
-        await answer(current, "a", 2.0)
-
-    closed, _, _ = run_round(window(3.0, 60.0), delays_ready, participants=("a", "c"))
-    assert closed == 15.0  # 3 x a's 5 s to ready; before: 3 x 30 s up to the floor, 60 s
 
 
 def test_the_window_starts_at_the_quorum_and_scales_with_its_time():

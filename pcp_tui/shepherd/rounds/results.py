@@ -107,11 +107,6 @@ async def tell_refused(link: WorkerLink, exc: BadResult) -> None:
         await link.send(protocol.Error(protocol.ErrorCode.BAD_RESULT, f"result refused: {exc}"))
 
 
-def _ready_seconds(link: WorkerLink) -> float:
-    """What `link` took from its welcome to saying ready (0.0 if it has not said it)."""
-    return max(link.ready_at - link.admitted_at, 0.0) if link.ready_at is not None else 0.0
-
-
 class OpenRounds:
     """The rounds results are folded into now: one per fragment while a round runs.
 
@@ -359,17 +354,13 @@ class Round:
         shepherd's clock), which covers an honest newcomer's first chunk (it then reports
         progress and is timed by its own pace). Token holders that said ready at once and
         never trained were sent every round beside the honest workers and held each for the
-        floor (60 s) while the honest ones answered in 3. That time is at most the slowest
-        welcome-to-ready time of the round's counted results' senders: waiting before it
-        says ready costs a peer nothing (its ids can take turns), and one that waited 30 s
-        held each round it joined the floor again."""
-        connections = self.connections or {}
-        link = connections.get(worker_id)
+        floor (60 s) while the honest ones answered in 3; a peer that delays saying ready to
+        buy time spends that time outside the rounds."""
+        link = (self.connections or {}).get(worker_id)
         if link is None or link.rounds.progress is not None or link.rounds.answer_seconds:
             return None
-        peers = (connections.get(w) for w in self.contributors)
-        slowest = max((_ready_seconds(peer) for peer in peers if peer is not None), default=0.0)
-        return min(_ready_seconds(link), slowest)
+        ready = link.ready_at - link.admitted_at if link.ready_at is not None else 0.0
+        return max(ready, 0.0)
 
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
