@@ -38,10 +38,12 @@ heard `busy` on every retry. These rules bound that:
   contributed before a reconnect) has earned its slot and is never moved.
 
 A ready connection that has shown nothing and holds a round (the round waits for its
-result) while another ready connection waits for that round loses its connection at the
-same bound (`holding_reason`): two ids that said ready at once were round 1's only
-workers at `--workers 2`, the honest workers found free slots, nobody waited in line, and
-round 1 waited for them for ever. The rounds do their part: once the quorum is in, a
+result) while another ready connection waits for that round is taken out of that round at
+the same bound and sits rounds out until its result comes (`holding_reason`; its
+connection stays: an honest worker whose first chunk outlasted the grace lost it, joined
+again silent, and lost it again while a token holder kept a fresh ready id waiting):
+two ids that said ready at once were round 1's only workers at `--workers 2`, the honest
+workers found free slots, nobody waited in line, and round 1 waited for them for ever. The rounds do their part: once the quorum is in, a
 round waits for one that has shown nothing only --straggler-factor times the quorum's time
 (`rounds.results.Round.stranger`), and a round repeated for want of any result waits for
 the newcomers compiling at that moment, each at most the grace (`WorkerPool.
@@ -88,7 +90,8 @@ def not_ready_reason(link: WorkerLink, ready_timeout: float, now: float) -> str:
 
 
 def holding_reason(link: WorkerLink, silent: float, now: float, *, holds_a_round: bool) -> str:
-    """Why `link` loses its connection for holding a round it shows nothing for, or "".
+    """Why `link` is taken out of a round it holds and shows nothing for, or "" (the pool
+    then lets it sit rounds out: `WorkerPool._release_when_holding`).
 
     `holds_a_round`: an open round waits for its result while a ready connection waits for
     a round it is not in. Two token holders that said ready at once were round 1's only
@@ -103,7 +106,7 @@ def holding_reason(link: WorkerLink, silent: float, now: float, *, holds_a_round
         return ""
     return (
         f"no progress and no result {now - first:.0f} s after its first roundStart, while "
-        "its round waits for it and a ready worker waits for that round (it may join again)"
+        "a ready worker waits for that round (it sits rounds out until that result comes)"
     )
 
 
