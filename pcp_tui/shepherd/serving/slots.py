@@ -39,11 +39,14 @@ heard `busy` on every retry. These rules bound that:
 
 A ready connection that has shown nothing and holds a round (the round waits for its
 result) while another ready connection waits for that round is taken out of that round at
-the same bound and sits rounds out until its result comes (`holding_reason`; its
+the same bound and sits rounds out until its result comes (`holding_reason`). Its
 connection stays: an honest worker whose first chunk outlasted the grace lost it, joined
-again silent, and lost it again while a token holder kept a fresh ready id waiting):
-two ids that said ready at once were round 1's only workers at `--workers 2`, the honest
-workers found free slots, nobody waited in line, and round 1 waited for them for ever. The rounds do their part: once the quorum is in, a
+again silent, and lost it again while a token holder kept a fresh ready id waiting. In a
+streaming run it still loses its connection (one taken out of its fragments' rounds sat
+out stuck waiting for their syncs), so there that starvation remains open. Two ids that
+said ready at once were round 1's only workers at `--workers 2`, the honest workers found
+free slots, nobody waited in line, and round 1 waited for them for ever: this rule ends
+that. The rounds do their part: once the quorum is in, a
 round waits for one that has shown nothing only --straggler-factor times the quorum's time
 (`rounds.results.Round.stranger`), and a round repeated for want of any result waits for
 the newcomers compiling at that moment, each at most the grace (`WorkerPool.
@@ -55,7 +58,8 @@ and join again at once (under the same ids or new ones; no rule here reads an id
 grace for a slot, the honest workers' compile (at most the grace), then one round plus
 --straggler-factor times its quorum's time. Measured (`bench_squatters.py --ready
 --rounds 2`, the defaults): the honest run ended 52.7 s after its workers started beside
-four (11.5 s without; 183.8 s before these rules). A peer that reports progress it does
+four (11.5 s without; 183.8 s before these rules), 56.4 s (8.9 s) once a silent holder
+sits rounds out instead of losing its connection. A peer that reports progress it does
 not make keeps its slot longest: --ready-timeout from its first `roundStart` (the rounds
 bound what it holds them: `rounds.results`, `sitting_out`).
 
