@@ -166,7 +166,9 @@ def test_a_link_that_shows_nothing_holds_its_round_only_as_long_as_it_would_keep
         assert silent == slots.EVICTABLE_AFTER
 
         def reason(link: WorkerLink, holds: bool = True) -> str:
-            return slots.holding_reason(link, silent, trio.current_time(), holds_a_round=holds)
+            return slots.holding_reason(
+                link, lambda: silent, trio.current_time(), holds_a_round=lambda: holds
+            )
 
         await trio.sleep_until(45 - 1e-6)
         assert reason(squatter) == ""

@@ -486,49 +486,43 @@ class WorkerPool:
                 or sitting_out.hung_reason(link.rounds)
                 or sitting_out.unproven_reason(link.rounds)
                 or slots.not_ready_reason(link, cfg.security.ready_timeout, trio.current_time())
-                or (self._holding(link) if len(self.fragments) > 1 else "")
+                or self._holding(link)
             ),
-        ) as tasks:
-            if len(self.fragments) == 1:
-                tasks.start_soon(self._release_when_holding, link)
+        ):
             await self._receive_loop(link)
 
     def _holding(self, link: WorkerLink) -> str:
-        """`slots.holding_reason` for `link` now. A streaming run ends its connection: a
-        worker taken out of its fragments' rounds waits for their syncs and sits out stuck
-        (up to 3 x --ready-timeout while it reports progress), worse than joining again."""
-        return slots.holding_reason(
-            link,
-            slots.SlotRules.of(self.config).silent_seconds(self._links.values()),
-            trio.current_time(),
-            holds_a_round=self._holds_a_round(link),
-        )
+        """`slots.holding_reason` for `link` now, asked by its watchdog.
 
-    async def _release_when_holding(self, link: WorkerLink) -> None:
-        """Take `link` out of the rounds it holds once `slots.holding_reason` says so: it sits
-        new rounds out until that round's result comes (`sitting_out`), at most
-        --ready-timeout without a sign of it. Its connection stays: an honest worker whose
-        first chunk takes longer than the grace lost its connection here, joined again,
-        silent again on the new one, and a token holder that kept a fresh ready id waiting
-        for each round held round 1 so for ever; now its late result shows its work and
-        it is in the next round. A peer that never trains holds no round past the grace
-        either way, and gives its slot to a newcomer in line as before (`slots._free_at`)."""
-        while True:
-            await trio.sleep(1.0)
-            reason = self._holding(link)
-            if not reason:
-                continue
-            for current in self.open_rounds.rounds:
-                if link.worker_id in current.pending and current.bound_to(link.worker_id, link):
-                    current.finish(link.worker_id)
-                    sitting_out.sit_out(current, [link.worker_id])
-                    self.state.emit(
-                        Stragglers(
-                            f"round {current.number} goes on without {link.worker_id}: {reason}",
-                            workers=[link.worker_id],
-                        )
+        A plain run takes the link out of the rounds it holds and lets it sit new rounds
+        out until that round's result comes (`sitting_out`), at most --ready-timeout
+        without a sign of it, and keeps its connection (""): an honest worker whose first
+        chunk outlasted the grace lost its connection here, joined again silent, and a token
+        holder that kept a fresh ready id waiting held round 1 so for ever. A peer that
+        never trains holds no round past the grace either way, and gives its slot to a
+        newcomer in line (`slots._free_at`). A streaming run ends the connection (the
+        reason): a worker taken out of its fragments' rounds waited for their syncs and
+        sat out stuck (up to 3 x --ready-timeout while it reports progress)."""
+        reason = slots.holding_reason(
+            link,
+            lambda: slots.SlotRules.of(self.config).silent_seconds(self._links.values()),
+            trio.current_time(),
+            holds_a_round=lambda: self._holds_a_round(link),
+        )
+        if not reason or len(self.fragments) > 1:
+            return reason
+        for current in self.open_rounds.rounds:
+            if link.worker_id in current.pending and current.bound_to(link.worker_id, link):
+                current.finish(link.worker_id)
+                sitting_out.sit_out(current, [link.worker_id])
+                self.state.emit(
+                    Stragglers(
+                        f"round {current.number} goes on without {link.worker_id}: {reason}",
+                        workers=[link.worker_id],
                     )
-            link.rounds.behind_grace = self.config.security.ready_timeout
+                )
+        link.rounds.behind_grace = self.config.security.ready_timeout
+        return ""
 
     def _holds_a_round(self, link: WorkerLink) -> bool:
         """Whether an open round waits for `link`'s result while another ready connection,

@@ -68,7 +68,7 @@ Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pcp_tui.config import RunConfig
@@ -93,20 +93,28 @@ def not_ready_reason(link: WorkerLink, ready_timeout: float, now: float) -> str:
     )
 
 
-def holding_reason(link: WorkerLink, silent: float, now: float, *, holds_a_round: bool) -> str:
+def holding_reason(
+    link: WorkerLink,
+    silent: Callable[[], float],
+    now: float,
+    *,
+    holds_a_round: Callable[[], bool],
+) -> str:
     """Why `link` is taken out of a round it holds and shows nothing for, or "" (the pool
-    then lets it sit rounds out: `WorkerPool._release_when_holding`).
+    then lets it sit rounds out: `WorkerPool._holding`).
 
-    `holds_a_round`: an open round waits for its result while a ready connection waits for
-    a round it is not in. Two token holders that said ready at once were round 1's only
+    `holds_a_round()`: an open round waits for its result while a ready connection waits
+    for a round it is not in. Two token holders that said ready at once were round 1's only
     workers at `--workers 2`; the honest workers found free slots (no newcomer waited in
     line to move them out), and round 1 waited for them for ever. The bound is the one a
-    newcomer in line has (`_free_at`): `silent` (`SlotRules.silent_seconds`) from its first
-    roundStart, with nothing shown (no progress, no result) and nothing earned."""
+    newcomer in line has (`_free_at`): `silent()` (`SlotRules.silent_seconds`) from its
+    first roundStart, with nothing shown (no progress, no result) and nothing earned. Both
+    callables read every link, so they are asked only once the link's own state allows it
+    (the watchdog asks each link every second)."""
     first = link.rounds.first_delivered
-    if not holds_a_round or first is None or _earned(link) or link.rounds.shown_work:
+    if first is None or _earned(link) or link.rounds.shown_work:
         return ""
-    if now < first + silent:
+    if now < first + silent() or not holds_a_round():
         return ""
     return (
         f"no progress and no result {now - first:.0f} s after its first roundStart, while "
