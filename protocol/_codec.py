@@ -136,6 +136,18 @@ class Encoded:
         """Bytes this message takes on the wire."""
         return sum(memoryview(buffer).nbytes for buffer in self.buffers)
 
+    def with_body(self, body: Body) -> Encoded:
+        """The same tensors under another body (each worker's roundStart): a new envelope,
+        the very same payload buffers, so a relay repeats them instead of carrying them again
+        (`pcp_tui/contract/channels.py`)."""
+        check_body(body, "none")
+        return Encoded(
+            body,
+            self.specs,
+            (_build_frame(body, list(self.specs), PROTOCOL_VERSION), *self.buffers[1:]),
+            self.tensors,
+        )
+
     @property
     def decoded_bytes(self) -> int:
         """Bytes of its tensors as decoded (float32 for a quantized float32 tensor)."""

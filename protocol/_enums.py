@@ -94,6 +94,18 @@ class ErrorCode(enum.StrEnum):
     ID_IN_USE = "idInUse"  # another live connection holds this worker id
 
 
+class RelayOp(enum.StrEnum):
+    """What a relay frame does to its channel (`RelayFrame`, `pcp_tui/contract/channels.py`)."""
+
+    OPEN = "open"
+    DATA = "data"
+    CLOSE = "close"
+    CREDIT = "credit"
+    KEEP = "keep"
+    REPEAT = "repeat"
+    FORGET = "forget"
+
+
 # Python enum -> its schema enum; checked below so that the two never drift apart.
 _SCHEMA_ENUMS: dict[type[enum.Enum], Any] = {
     Platform: SCHEMA.Platform,
@@ -105,6 +117,7 @@ _SCHEMA_ENUMS: dict[type[enum.Enum], Any] = {
     ParamLayout: SCHEMA.ParamLayout,
     Quantization: SCHEMA.Quantization,
     ErrorCode: SCHEMA.ErrorCode,
+    RelayOp: SCHEMA.RelayOp,
 }
 BY_WIRE_VALUE: dict[type[enum.Enum], dict[int, enum.Enum]] = {}
 for _python, _schema_enum in _SCHEMA_ENUMS.items():

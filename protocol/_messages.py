@@ -28,6 +28,7 @@ from ._enums import (
     Phase,
     Platform,
     Quantization,
+    RelayOp,
     Runtime,
     ShardingMode,
 )
@@ -40,7 +41,16 @@ from ._rounds import (
     RoundStart,
     WorkerStats,
 )
-from ._session import BackendInfo, Error, Goodbye, Heartbeat, Hello, Welcome, WorkerHello
+from ._session import (
+    BackendInfo,
+    Error,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    RelayFrame,
+    Welcome,
+    WorkerHello,
+)
 from ._structs import camel, read, write
 
 BODY_TYPES: dict[str, type] = {
@@ -58,6 +68,7 @@ BODY_TYPES: dict[str, type] = {
         Error,
         Goodbye,
         FragmentUpdate,
+        RelayFrame,
     )
 }
 
@@ -85,6 +96,8 @@ __all__ = [
     "Progress",
     "Quantization",
     "Ready",
+    "RelayFrame",
+    "RelayOp",
     "RoundResult",
     "RoundStart",
     "Runtime",

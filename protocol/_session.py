@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ._enums import ErrorCode, Platform, Runtime
+from ._enums import ErrorCode, Platform, RelayOp, Runtime
 from ._fields import REASON_CHARS, Body, _finite, _items, _text
 
 MAX_SITE_PROCESSES = 1024  # hosts a site's hello may name
@@ -59,6 +59,7 @@ class WorkerHello(Body):
     attach_proof: bytes = field(default=b"", metadata={"bytes": 64})
     public_key: bytes = field(default=b"", metadata={"bytes": 32})  # --worker-keys: its key
     signature: bytes = field(default=b"", metadata={"bytes": 64})  # and its Ed25519 signature
+    relay: bool = False  # a relay, which carries its workers' connections once welcomed
 
 
 @dataclass(frozen=True)
@@ -102,3 +103,14 @@ class Goodbye(Body):
     KIND: ClassVar[str] = "goodbye"
     reason: str = _text(REASON_CHARS)
     resumable: bool = False
+
+
+@dataclass(frozen=True)
+class RelayFrame(Body):
+    """relay <-> shepherd: one step of one worker's channel (`RelayOp`); data rides as a tensor."""
+
+    KIND: ClassVar[str] = "relayFrame"
+    channel: int = 0
+    op: RelayOp = RelayOp.OPEN
+    value: int = 0
+    text: str = _text(REASON_CHARS)

@@ -21,6 +21,7 @@ struct Envelope {
     error @11 :Error;
     goodbye @12 :Goodbye;
     fragmentUpdate @13 :FragmentUpdate;
+    relayFrame @14 :RelayFrame;
   }
 }
 
@@ -128,6 +129,9 @@ struct WorkerHello {
   # || nonce || 0x00 || workerId || 0x00 || attachIndex in decimal (pcp_tui/contract/keys.py)
   publicKey @8 :Data;
   signature @9 :Data;
+  # a relay (`pcp-tui relay`), not a worker: once welcomed, the connection carries its
+  # workers' connections as channels (RelayFrame); workerId is the relay's name
+  relay @10 :Bool;
 }
 
 struct Welcome {
@@ -281,4 +285,26 @@ struct Goodbye {
   # the shepherd stopped before the run's end with a checkpoint to resume from: a worker that
   # reads it reconnects (to `pcp-tui shepherd --resume`) instead of exiting.
   resumable @1 :Bool;
+}
+
+# relay <-> shepherd, after the relay's welcome: every message on the connection is a
+# relayFrame. A channel is one worker's connection to the relay, carried byte for byte (the
+# worker and the shepherd speak PCP through it as over TCP); a data or keep frame's bytes
+# ride as one uint8 tensor. Each side may send a channel at most the bytes the other granted
+# it (credit), so one slow reader never stalls the others.
+enum RelayOp {
+  open @0;    # relay -> shepherd: a worker connected; `text` is its address
+  data @1;    # the channel's next bytes
+  close @2;   # the channel ended; `text` says why
+  credit @3;  # the receiver takes `value` more bytes of the channel
+  keep @4;    # shepherd -> relay: data, and keep it as buffer `value`
+  repeat @5;  # shepherd -> relay: the channel's next bytes are those of kept buffer `value`
+  forget @6;  # shepherd -> relay: buffer `value` is not repeated again
+}
+
+struct RelayFrame {
+  channel @0 :UInt32;
+  op @1 :RelayOp;
+  value @2 :UInt64;
+  text @3 :Text;
 }

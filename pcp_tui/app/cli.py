@@ -18,6 +18,7 @@ from pcp_tui.app.config_file import load_config_file
 from pcp_tui.app.options_cli import add_flags, passed_values
 from pcp_tui.config import ConfigError, LogConfig, RunConfig, WorkerConfig
 from pcp_tui.config.options import validate_section
+from pcp_tui.config.relay import RelayConfig
 from pcp_tui.config.worker import BACKENDS
 
 if TYPE_CHECKING:  # the worker loads on demand: `pcp-tui --help` stays fast
@@ -143,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = _command(commands, "worker", help="join a shepherd and train")
     add_flags(worker, WorkerConfig, WorkerConfig())
+    relay = _command(
+        commands,
+        "relay",
+        help="carry a site's workers to a shepherd (started with --relays) over one link",
+    )
+    add_flags(relay, RelayConfig, RelayConfig())
     keygen = _command(
         commands, "keygen", help="make a worker's key: its line goes in a shepherd's --worker-keys"
     )
@@ -319,6 +326,10 @@ def _dispatch(args: argparse.Namespace, faults: Faults | None = None) -> int:
         return plot.run(args)
     if args.command == "keygen":
         return _keygen(args)
+    if args.command == "relay":
+        from pcp_tui.app.launch import run_relay
+
+        return run_relay(RelayConfig(**passed_values(args, RelayConfig)).validate())
     if args.command == "worker":
         from pcp_tui.app.launch import run_worker
 

@@ -16,6 +16,7 @@ import trio
 from pcp_tui.app.signals import SignalStop
 from pcp_tui.backends import BackendUnavailable
 from pcp_tui.config import ConfigError, RunConfig, WorkerConfig
+from pcp_tui.config.relay import RelayConfig
 from pcp_tui.contract.auth import new_token
 
 if TYPE_CHECKING:  # each side loads its own on demand: a worker imports no shepherd
@@ -359,6 +360,38 @@ PLAIN_TCP_WARNING = (
     "at {address} or sits on the path); pass --tls-fingerprint from the shepherd's join "
     "command to train only for that shepherd"
 )
+
+
+def run_relay(config: RelayConfig) -> int:
+    """Carry workers to the shepherd at `config.connection.connect` until the run ends."""
+    from pcp_tui.contract.connection import ConnectionLost, Refused
+    from pcp_tui.contract.tls import ClientTLS, ServerTLS
+    from pcp_tui.relay import Relay
+    from pcp_tui.shepherd.serving.listening import CannotListen
+
+    connection, listen = config.connection, config.listen
+    token = connection.token or os.environ.get("PCP_TOKEN")
+    if not token:
+        return _fail("no join token: pass --token (the shepherd's) or set PCP_TOKEN")
+    try:
+        client_tls = ClientTLS.from_options(connection.tls_ca, connection.tls_fingerprint)
+        server_tls = (
+            ServerTLS.from_files(listen.tls_cert, listen.tls_key)
+            if listen.tls_cert and listen.tls_key
+            else None
+        )
+        relay = Relay(config, token=token, server_tls=server_tls, client_tls=client_tls)
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc), 2)
+    try:
+        trio.run(relay.run)
+    except CannotListen as exc:
+        return _fail(str(exc), 2)
+    except Refused as exc:
+        return _fail(f"{exc}", 1)
+    except ConnectionLost as exc:
+        return _fail(f"gave up: {exc}", 1)
+    return 0
 
 
 def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:

@@ -66,6 +66,13 @@ class NetworkConfig:
         help="TCP connections each worker's session is striped over (1: one, as before); "
         "one stream moves at most its window per round trip, so long fat links need several",
     )
+    relays: int = option(
+        0,
+        at_least=0,
+        help="relays (pcp-tui relay) that may connect with the token, each carrying its "
+        "workers' connections over one link (0: none; a relay sees its workers' bytes, so "
+        "allow only relays you run)",
+    )
 
     def check(self) -> None:
         if self.heartbeat_timeout < HEARTBEATS_PER_TIMEOUT * self.heartbeat_seconds:

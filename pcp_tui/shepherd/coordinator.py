@@ -227,7 +227,7 @@ class Shepherd:
         )
         self.state.emit(Exported(f"graphs exported in {seconds:.1f} s", seconds=seconds))
         try:
-            listeners, port = await open_listeners(cfg.network)
+            listeners, port = await open_listeners(cfg.network.host, cfg.network.port)
         except CannotListen as exc:
             raise RunFailed(str(exc)) from None
         self._port = port  # a --port 0 run resumes on the port its workers know

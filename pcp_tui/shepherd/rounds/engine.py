@@ -419,11 +419,10 @@ class RoundEngine:
         through `starts` (`RoundStarts`: a closing fragment cancels it there)."""
         continued = link in self.in_sync
         body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
-        tensors = {} if continued else self.params
         link.view.state, link.view.round, link.view.step = WorkerState.SYNCING, number, 0
         link.rounds.claims.ask(steps)  # what its results may claim (`shepherd/rounds/claims.py`)
         try:
-            await starts.send(link, body, tensors)
+            await starts.send(link, body, {} if continued else self.params)
         except CONNECTION_ERRORS:
             failed.add(link)
             for current in rounds:  # the connection task reports the loss
@@ -624,14 +623,24 @@ class RoundStarts:
         self._scopes = {link: trio.CancelScope() for link in links}
         self._ended = {link: trio.Event() for link in links}
         self.number = number
+        self._parameters: protocol.Encoded | None = None
 
     async def send(
         self, link: WorkerLink, body: protocol.RoundStart, tensors: Mapping[str, np.ndarray]
     ) -> None:
-        """Send `link` its roundStart (CONNECTION_ERRORS as `WorkerLink.send` raises them)."""
+        """Send `link` its roundStart (CONNECTION_ERRORS as `WorkerLink.send` raises them).
+
+        The parameters are encoded once for the round and each worker's start carries the
+        same payload buffers: a relay gets them once for all of its workers
+        (`contract.channels`)."""
         try:
             with self._scopes[link]:
-                await link.send(body, tensors)
+                if not tensors:
+                    await link.send(body)
+                    return
+                if self._parameters is None:
+                    self._parameters = protocol.encode_once(body, tensors)
+                await link.send_encoded(self._parameters.with_body(body))
         finally:
             self._ended[link].set()
 
@@ -735,9 +744,11 @@ def record_round(
         parameter_count=state.param_count,
         inner_steps=config.inner.steps,
     )
-    trained = {state.workers[worker_id].shard for worker_id in current.contributors}
+    views = [state.workers[worker_id] for worker_id in current.contributors]
+    trained = {view.shard for view in views}
     untrained = tuple(s.index for s in state.shards.shards if s.index not in trained)
-    entry = dataclasses.replace(entry, untrained_shards=untrained)
+    relays = len({view.via for view in views if view.via})
+    entry = dataclasses.replace(entry, untrained_shards=untrained, relays=relays)
     state.history.append(entry)
     state.emit(RoundDone(f"round {current.number} done", record=entry))
     return entry

@@ -28,6 +28,8 @@ class EventKind(enum.StrEnum):
     WAITING = "waiting"
     JOINED = "joined"
     REJOINED = "rejoined"
+    RELAY_JOINED = "relay_joined"
+    RELAY_LEFT = "relay_left"
     REFUSED = "refused"
     WORKER_KEYS = "worker_keys"
     COMPILED = "compiled"
@@ -204,6 +206,20 @@ class Joined(WorkerEvent):
 @dataclass(frozen=True, kw_only=True)
 class Rejoined(Joined):
     kind = EventKind.REJOINED
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayJoined(Event):
+    """A relay connected (`pcp-tui relay`); its workers join through it, each on its own."""
+
+    kind = EventKind.RELAY_JOINED
+    relay: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayLeft(Event):
+    kind = EventKind.RELAY_LEFT
+    relay: str
 
 
 @dataclass(frozen=True, kw_only=True)

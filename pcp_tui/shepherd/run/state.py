@@ -82,6 +82,7 @@ class WorkerView:
     devices: int = 1  # devices it trains on as one worker (pcp-tui worker --devices), all hosts
     processes: int = 1  # a site: its processes (multi-controller JAX, one a host)
     hosts: tuple[str, ...] = ()  # a site: its processes' hosts, process 0's first
+    via: str = ""  # the relay it joined through (`pcp-tui relay`); "": it dialled the shepherd
     compile_seconds: float | None = None
     # its own statistics, from its latest progress message (WorkerStats)
     steps_trained: int = 0  # inner steps since the worker process started
@@ -108,6 +109,7 @@ class WorkerView:
             "processes": self.processes,
             "hosts": list(self.hosts) or [self.host],
             "shard": self.shard,
+            "via": self.via or None,
             "compile_seconds": self.compile_seconds,
             "steps_trained": self.steps_trained,
             "tokens_trained": self.tokens_trained,

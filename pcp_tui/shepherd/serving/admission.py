@@ -187,9 +187,15 @@ class Admission:
     def pending(self) -> int:
         return sum(self._pending.values())
 
-    async def admit(self, raw: trio.abc.Stream) -> Admitted | None:
-        """Handshake with a fresh connection; None (connection closed, refusal logged) if it fails."""
-        peer = peer_name(raw)
+    async def admit(
+        self, raw: trio.abc.Stream, *, peer: str | None = None, tls: bool = True
+    ) -> Admitted | None:
+        """Handshake with a fresh connection; None (connection closed, refusal logged) if it fails.
+
+        `peer`: who it is, where the stream cannot say (a relay's channel: the relay's name
+        and the worker's address); `tls`: False where the stream is inside TLS already.
+        """
+        peer = peer or peer_name(raw)
         host = peer.rpartition(":")[0] or peer
         if self._pending[host] >= self.max_per_host or self.pending >= self.max_pending:
             busy = (
@@ -206,7 +212,7 @@ class Admission:
         transport: trio.abc.Stream = raw
         deadline = trio.current_time() + self.timeout
         try:
-            if self._tls is not None:
+            if self._tls is not None and tls:
                 opened = await self._open_tls(self._tls, raw, deadline)
                 if isinstance(opened, str):
                     await self._refuse_plain_peer(raw, host, peer, opened)
@@ -231,7 +237,9 @@ class Admission:
             self.refusals.refused(
                 host,
                 peer,
-                _drop_reason(exc, self.timeout, transport is not raw or self._tls is None),
+                _drop_reason(
+                    exc, self.timeout, transport is not raw or self._tls is None or not tls
+                ),
                 verb="dropped",
             )
             if isinstance(exc, protocol.ProtocolError) and not isinstance(

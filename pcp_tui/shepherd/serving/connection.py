@@ -51,6 +51,7 @@ class Hello:
     attach_index: int = 0  # > 0: an extra connection for the worker's striped session
     attach_proof: bytes = b""
     public_key: bytes = b""  # --worker-keys: the key it was admitted with (revocable)
+    relay: bool = False  # a relay (`pcp-tui relay`): its link carries its workers' connections
 
 
 class SendTooSlow(trio.BrokenResourceError):
@@ -277,6 +278,7 @@ async def handshake(
         attach_index=body.attach_index,
         attach_proof=body.attach_proof,
         public_key=bytes(body.public_key) if keys is not None else b"",
+        relay=body.relay,
     )
 
 

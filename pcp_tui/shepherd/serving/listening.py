@@ -14,7 +14,6 @@ import socket
 
 import trio
 
-from pcp_tui.config.service import NetworkConfig
 from pcp_tui.contract.tls import ServerTLS
 
 EVERYWHERE = ("0.0.0.0", "::", "")  # hosts that mean "every interface of this machine"
@@ -26,15 +25,15 @@ class CannotListen(OSError):
     """The shepherd cannot listen where it was told; the message says what to pick instead."""
 
 
-async def open_listeners(network: NetworkConfig) -> tuple[list[trio.SocketListener], int]:
-    """(the listeners on `network.host:network.port`, the port they got); CannotListen."""
+async def open_listeners(host: str, port: int) -> tuple[list[trio.SocketListener], int]:
+    """(the listeners on `host:port`, the port they got); CannotListen."""
     try:
-        listeners = await trio.open_tcp_listeners(network.port, host=network.host)
+        listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
-        where = f"{network.host}:{network.port}"
+        where = f"{host}:{port}"
         if exc.errno == errno.EADDRNOTAVAIL:
             raise CannotListen(
-                f"cannot listen on {where}: {network.host} is not an address of "
+                f"cannot listen on {where}: {host} is not an address of "
                 "this machine; use one of its addresses or 0.0.0.0"
             ) from None
         raise CannotListen(

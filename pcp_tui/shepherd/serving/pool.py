@@ -21,6 +21,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import plan as contract
+from pcp_tui.contract.channels import Channel
 from pcp_tui.contract.connection import CLOSE_SECONDS, LINK_ERRORS, ConnectionLost, lost, shown
 from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.checks import Verdict
@@ -43,7 +44,8 @@ from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.serving import slots, striping
 from pcp_tui.shepherd.serving.admission import Admission, Admitted
-from pcp_tui.shepherd.serving.connection import WorkerLink
+from pcp_tui.shepherd.serving.connection import Hello, WorkerLink
+from pcp_tui.shepherd.serving.relays import Relays
 from pcp_tui.shepherd.serving.uploads import (
     RESULTS_IN_MEMORY,
     ReceiverLoad,
@@ -93,6 +95,8 @@ class WorkerPool:
         self.load = ReceiverLoad()  # the shepherd's own load, which uploads are not blamed for
         self._slot_line = trio.Lock()  # newcomers waiting for a connection slot (`_wait_for_slot`)
         self._slot_waiters = 0
+        # --relays: each relay's workers are served here as channels of its link
+        self.relays = Relays(config, state, run_id=run_id, serve_channel=self._serve_relayed)
 
     def remember(self, indices: dict[str, int]) -> None:
         """Give returning workers the index they had before a restart (shards: the ledger)."""
@@ -152,13 +156,26 @@ class WorkerPool:
             for link in list(self._links.values()):
                 link.view.state, link.view.reason = WorkerState.LEFT, reason
                 nursery.start_soon(partial(link.close, reason, resumable=resumable))
+        await self.relays.goodbye_all(reason, resumable=resumable)
 
     # -- one connection -------------------------------------------------------
 
-    async def serve(self, raw: trio.SocketStream) -> None:
-        """Serve one connection until it ends; never raises for what the peer does."""
-        admitted = await self.admission.admit(raw)  # TLS, token, limits; logs and closes refusals
+    async def serve(self, raw: trio.abc.Stream, *, via: str = "") -> None:
+        """Serve one connection until it ends; never raises for what the peer does.
+
+        `via`: the relay whose channel `raw` is (`relays.py`): its link has TLS already.
+        """
+        peer = f"{via}/{raw.peer}" if isinstance(raw, Channel) else None
+        # TLS, token, limits; logs and closes refusals
+        admitted = await self.admission.admit(raw, peer=peer, tls=not via)
         if admitted is None:
+            return
+        if admitted.hello.relay:
+            if via:
+                why = "a relay connects to the shepherd itself, not through another relay"
+                await self._refuse(admitted, protocol.ErrorCode.AUTH_FAILED, why)
+            else:
+                await self.relays.serve(admitted)
             return
         if admitted.hello.attach_index:  # an extra connection of a session (--streams)
             await self._attach(admitted)
@@ -169,7 +186,7 @@ class WorkerPool:
         if refusal is not None:
             await self._refuse(admitted, *refusal)
             return
-        link = self._admit(admitted.stream, admitted.hello, admitted.peer)
+        link = self._admit(admitted.stream, admitted.hello, admitted.peer, via)
         ended: ConnectionLost | None = None
         try:
             await self._serve_worker(link)
@@ -346,7 +363,12 @@ class WorkerPool:
         # its handler returns, so this one returns when the session has ended
         await link.ended.wait()
 
-    def _admit(self, stream: protocol.MessageStream, hello, peer: str) -> WorkerLink:
+    async def _serve_relayed(self, channel: Channel, relay: str) -> None:
+        await self.serve(channel, via=relay)
+
+    def _admit(
+        self, stream: protocol.MessageStream, hello: Hello, peer: str, via: str = ""
+    ) -> WorkerLink:
         old = self.state.workers.get(hello.worker_id)
         if old is not None:
             index = old.index
@@ -366,6 +388,7 @@ class WorkerPool:
             hosts=hello.hosts,
             shard=shard,
             runtime=hello.runtime.value,
+            via=via,
             # its results that counted, before a reconnect too (`slots._earned`, the API)
             rounds_contributed=old.rounds_contributed if old is not None else 0,
         )
@@ -467,7 +490,7 @@ class WorkerPool:
             cfg.network.heartbeat_seconds,
             key_checked=bool(link.public_key),  # admitted under --worker-keys
         )
-        wanted = cfg.network.streams
+        wanted = 1 if link.view.via else cfg.network.streams  # a relay's link is one connection
         await striping.welcome(link, welcome, wanted, wait=cfg.security.handshake_timeout)
         log.debug("worker %d: welcomed", link.view.index)
         link.view.state = WorkerState.COMPILING

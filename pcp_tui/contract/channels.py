@@ -1,0 +1,408 @@
+"""Many connections over one: a relay's workers as channels of its link to the shepherd.
+
+A relay (`pcp-tui relay`) accepts workers and carries each one's connection to
+the shepherd as a channel of its own single connection there, byte for byte:
+the worker and the shepherd speak PCP end to end (the handshake's proof, the
+plan, the rounds), so the shepherd admits, plans and times each worker exactly
+as it does one that dialled it directly. Both ends of the link run `Channels`:
+the relay opens a channel per worker (`open`), the shepherd serves each one it
+is offered (`accepted`) as it serves a socket (`Channel` is a trio stream).
+
+Every frame is a PCP `relayFrame` message (`protocol.RelayOp` says what it
+does); a frame's bytes ride as one uint8 tensor.
+
+- **Flow control per channel.** A side sends a channel's data only as far as the
+  other side granted (`credit`, `WINDOW` bytes to start, renewed as its reader
+  takes them), so a worker whose reader is slow, or a shepherd pausing one
+  worker's connection while it folds that worker's result, holds up its own
+  channel and never the link: the link's reader hands a frame to its channel's
+  buffer without waiting, and no buffer grows past its window.
+- **One copy of what the shepherd sends to many.** A message encoded once and
+  written to many workers (a round's parameters, a fragment's update:
+  `protocol.Encoded`) goes to the relay once: the shepherd sends a big buffer's
+  bytes the first time (`keep`) and, to each further channel, only its number
+  (`repeat`); the relay writes the kept bytes into that channel. Buffers are
+  recognised by identity, which an `Encoded` guarantees unchanged until sent;
+  the relay holds at most `KEEP_BYTES`, the shepherd telling it what to drop
+  (`forget`). A repeat is not charged to the channel's credit: its bytes are
+  the kept buffer's, not a copy.
+
+What the peer sends that breaks these rules (an unknown channel or buffer, data
+past the window, a relay opening channels to a relay) ends the link with a
+`ProtocolError`; every channel then ends as a lost connection does.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import time
+
+import numpy as np
+import trio
+
+from pcp_tui import protocol
+
+WINDOW = 4 * 2**20  # bytes a side may send a channel before the other grants more
+PIECE_BYTES = 2**20  # the most bytes one frame carries
+KEEP_MIN_BYTES = 2**20  # buffers this big or bigger are kept for repeats
+KEEP_BYTES = 4 * 2**30  # the most kept bytes the relay holds for the shepherd
+MAX_CHANNELS = 2**16  # channels open on one link at once
+
+Op = protocol.RelayOp
+FRAME_LIMITS = protocol.Limits(
+    max_message_bytes=8 * 1024,
+    max_tensors=1,
+    max_tensor_bytes=PIECE_BYTES,
+    max_total_tensor_bytes=PIECE_BYTES,
+)
+
+
+class Channel(trio.abc.Stream):
+    """One worker's connection carried over a relay's link; a trio stream of its bytes.
+
+    `peer`: the worker's address as the relay saw it. Receives end (b"") when
+    the other side closes the channel or the link ends; sends then raise
+    `trio.BrokenResourceError`.
+    """
+
+    def __init__(self, channels: Channels, number: int, peer: str):
+        self._channels, self.number, self.peer = channels, number, peer
+        self._buffer: collections.deque[tuple[memoryview, bool]] = collections.deque()
+        self._buffered = 0  # bytes of `_buffer` charged to the window (repeats are not)
+        self._taken = 0  # bytes taken since credit was last granted
+        self._credit = WINDOW  # bytes this side may still send
+        self._arrived = trio.Event()
+        self._credited = trio.Event()
+        self.ended: str | None = None  # why the channel ended (peer's close, link lost)
+        self._closed = False
+        self._send_lock = trio.Lock()
+
+    # -- reading ----------------------------------------------------------------------
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        while not self._buffer:
+            if self._closed:
+                raise trio.ClosedResourceError("this channel was closed")
+            if self.ended is not None:
+                return b""
+            self._arrived = trio.Event()
+            await self._arrived.wait()
+        first, counted = self._buffer[0]
+        size = first.nbytes if max_bytes is None else min(first.nbytes, max_bytes)
+        data = bytes(first[:size])
+        if size == first.nbytes:
+            self._buffer.popleft()
+        else:
+            self._buffer[0] = (first[size:], counted)
+        await self._took(size, counted=counted)
+        return data
+
+    async def _took(self, nbytes: int, *, counted: bool) -> None:
+        if not counted:
+            return
+        self._buffered -= nbytes
+        self._taken += nbytes
+        if self._taken >= WINDOW // 2 and self.ended is None:
+            granted, self._taken = self._taken, 0
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._channels.send_frame(Op.CREDIT, self.number, granted)
+
+    def deliver(self, data: memoryview, *, counted: bool) -> None:
+        """Bytes for the reader (the link's reader calls this; it never waits).
+
+        `counted`: charged to the window (data, keep); ProtocolError past it.
+        """
+        if counted:
+            if self._buffered + data.nbytes > WINDOW:
+                raise protocol.MalformedMessage(
+                    f"channel {self.number}: {self._buffered + data.nbytes} bytes unread, "
+                    f"more than the {WINDOW} granted"
+                )
+            self._buffered += data.nbytes
+        if data.nbytes:
+            self._buffer.append((data, counted))
+            self._arrived.set()
+
+    # -- writing ----------------------------------------------------------------------
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        async with self._send_lock:
+            self._check_open()
+            if view.nbytes >= KEEP_MIN_BYTES and self._channels.keeps:
+                await self._channels.send_kept(self, data, view)
+                return
+            while view.nbytes:
+                while self._credit <= 0:
+                    self._check_open()
+                    self._credited = trio.Event()
+                    await self._credited.wait()
+                self._check_open()
+                size = min(view.nbytes, self._credit, PIECE_BYTES)
+                await self._channels.send_frame(Op.DATA, self.number, 0, view[:size])
+                self._credit -= size
+                view = view[size:]
+
+    def credit(self, nbytes: int) -> None:
+        self._credit += nbytes
+        self._credited.set()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        while self._credit <= 0 and self.ended is None:
+            self._credited = trio.Event()
+            await self._credited.wait()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("this channel was closed")
+        if self.ended is not None:
+            raise trio.BrokenResourceError(f"channel ended: {self.ended}")
+
+    # -- ending -----------------------------------------------------------------------
+
+    def end(self, why: str) -> None:
+        """The other side (or the link) ended it: reads drain what arrived, then b""."""
+        if self.ended is None:
+            self.ended = why
+        self._arrived.set()
+        self._credited.set()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        was_open = self.ended is None
+        self.end("closed by this side")
+        self._channels.forget_channel(self.number)
+        if was_open:
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(5),
+                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+            ):
+                await self._channels.send_frame(Op.CLOSE, self.number, 0, text="closed")
+        await trio.lowlevel.checkpoint()
+
+
+class _Kept:
+    """A buffer the shepherd sent the relay to keep: its number there, once all sent."""
+
+    def __init__(self, owner: object, number: int, nbytes: int):
+        self.owner, self.number, self.nbytes = owner, number, nbytes
+        self.complete = False
+        self.done = trio.Event()
+
+
+class Channels:
+    """Both ends of a relay's link: its channels, their frames, the kept buffers.
+
+    `accepts`: this end takes channels the other opens (the shepherd's); they
+    come out of `accepted`. `keeps`: this end sends big buffers once and repeats
+    them (the shepherd's, to the relay). Run `run` (the link's reader) in a task.
+    """
+
+    def __init__(self, link: protocol.MessageStream, *, accepts: bool, keeps: bool):
+        self.link = link
+        link.limits = FRAME_LIMITS
+        self.accepts, self.keeps = accepts, keeps
+        self.channels: dict[int, Channel] = {}
+        self._highest = 0  # the highest channel number seen: below it, a closed one's
+        opened_send, self.accepted = trio.open_memory_channel[Channel](math.inf)
+        self._opened = opened_send
+        # the shepherd's: id(buffer) -> what it is kept as, least recently repeated first
+        self._kept_out: collections.OrderedDict[int, _Kept] = collections.OrderedDict()
+        self._kept_out_bytes = 0
+        self._next_kept = 1
+        self._kept_in: dict[int, list[memoryview]] = {}  # the relay's: number -> its pieces
+        self._kept_in_bytes = 0
+        self.bytes_repeated = 0  # bytes not sent again thanks to repeats (sender side)
+        self.ended: str | None = None
+        self.goodbye: protocol.Goodbye | None = None  # the shepherd's, ending the link
+
+    async def open(self, peer: str) -> Channel:
+        """A new channel for a worker connected from `peer` (the relay's end)."""
+        if self.ended is not None:
+            raise trio.BrokenResourceError(f"the link ended: {self.ended}")
+        self._highest += 1
+        channel = self.channels[self._highest] = Channel(self, self._highest, peer)
+        await self.send_frame(Op.OPEN, channel.number, 0, text=peer)
+        return channel
+
+    async def send_frame(
+        self, op: Op, number: int, value: int, data: memoryview | None = None, *, text: str = ""
+    ) -> None:
+        tensors = {"bytes": np.frombuffer(data, np.uint8)} if data is not None else None
+        body = protocol.RelayFrame(channel=number, op=op, value=value, text=text[:1024])
+        await self.link.send_encoded(protocol.encode_once(body, tensors))
+
+    async def send_kept(self, channel: Channel, owner: object, view: memoryview) -> None:
+        """`view` (the bytes of `owner`) to `channel`: kept the first time, repeated after.
+
+        Sends of one buffer to several channels at once (a round's starts) wait for the
+        first to have kept it; if that one fails part-way, the next keeps it again.
+        """
+        while True:
+            kept = self._kept_out.get(id(owner))
+            if kept is None or kept.owner is not owner:
+                break
+            await kept.done.wait()
+            if kept.complete:
+                self._kept_out.move_to_end(id(owner))
+                await self.send_frame(Op.REPEAT, channel.number, kept.number)
+                self.bytes_repeated += view.nbytes
+                return
+        kept = _Kept(owner, self._next_kept, view.nbytes)
+        self._next_kept += 1
+        self._kept_out[id(owner)] = kept
+        try:
+            for start in range(0, view.nbytes, PIECE_BYTES):
+                piece = view[start : start + PIECE_BYTES]
+                await self.send_frame(Op.KEEP, channel.number, kept.number, piece)
+            kept.complete = True
+        finally:
+            kept.done.set()
+            if not kept.complete:
+                del self._kept_out[id(owner)]
+        self._kept_out_bytes += view.nbytes
+        while self._kept_out_bytes > KEEP_BYTES and len(self._kept_out) > 1:
+            _, old = self._kept_out.popitem(last=False)
+            self._kept_out_bytes -= old.nbytes
+            await self.send_frame(Op.FORGET, 0, old.number)
+
+    async def say_goodbye(self, reason: str, *, resumable: bool = False) -> None:
+        """The shepherd's last word on the link (the run is over, or stopped to be resumed)."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.link.send(protocol.Goodbye(reason[:1024], resumable=resumable))
+
+    def forget_channel(self, number: int) -> None:
+        self.channels.pop(number, None)
+
+    async def run(self, heartbeat_seconds: float = math.inf, timeout: float = math.inf) -> None:
+        """Read the link's frames until it ends; every channel ends with it.
+
+        Sends an empty credit every `heartbeat_seconds` and ends the link after
+        `timeout` seconds without a byte from the other side (a relay's workers may
+        all be quiet, its machine gone). ProtocolError for a peer that broke the rules.
+        """
+        broke: protocol.ProtocolError | None = None
+        async with trio.open_nursery() as nursery:
+            if heartbeat_seconds < math.inf:
+                nursery.start_soon(self._keep_alive, heartbeat_seconds, timeout)
+            try:
+                await self._read()
+            except protocol.ProtocolError as exc:
+                broke = exc
+                self.end(f"the other side broke the protocol: {exc}")
+            finally:
+                nursery.cancel_scope.cancel()
+        if broke is not None:
+            raise broke
+
+    async def _read(self) -> None:
+        why = "the link ended"
+        try:
+            while True:
+                try:
+                    message = await self.link.receive()
+                except protocol.ConnectionClosed as exc:
+                    why = f"the link closed ({exc})"
+                    return
+                if isinstance(message.body, protocol.Goodbye):
+                    self.goodbye = message.body
+                    why = f"the other side said goodbye ({message.body.reason})"
+                    return
+                self._take(message.body_as(protocol.RelayFrame), _bytes_of(message))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            why = f"the link broke ({exc})"
+        finally:
+            self.end(why)
+
+    async def _keep_alive(self, interval: float, timeout: float) -> None:
+        while self.ended is None:
+            silent = time.monotonic() - self.link.last_activity
+            if silent > timeout:
+                self.end(f"the link was silent for {silent:.0f} s")
+                await trio.aclose_forcefully(self.link.stream)
+                return
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.send_frame(Op.CREDIT, 0, 0)
+            await trio.sleep(interval)
+
+    def end(self, why: str) -> None:
+        if self.ended is not None:
+            return
+        self.ended = why
+        for channel in list(self.channels.values()):
+            channel.end(why)
+        self._opened.close()
+        self._kept_in.clear()
+
+    def _take(self, frame: protocol.RelayFrame, data: memoryview | None) -> None:
+        op, number = frame.op, frame.channel
+        if (data is not None) != (op in (Op.DATA, Op.KEEP)):
+            raise protocol.MalformedMessage(
+                f"a {op.value} frame carries bytes only if data or keep"
+            )
+        if op is Op.OPEN:
+            self._accept(number, frame.text)
+            return
+        if op is Op.CREDIT and number == 0:
+            return  # the other side's keep-alive
+        if op is Op.FORGET:
+            pieces = None if self.keeps else self._kept_in.pop(frame.value, None)
+            if pieces is None:
+                raise protocol.MalformedMessage(f"forget of unknown buffer {frame.value}")
+            self._kept_in_bytes -= sum(piece.nbytes for piece in pieces)
+            return
+        if op in (Op.KEEP, Op.REPEAT) and self.keeps:
+            raise protocol.MalformedMessage(f"only the shepherd sends {op.value} frames")
+        if op is Op.KEEP:
+            assert data is not None
+            self._kept_in_bytes += data.nbytes
+            if self._kept_in_bytes > KEEP_BYTES + PIECE_BYTES:
+                raise protocol.MalformedMessage(f"more than {KEEP_BYTES} bytes to keep")
+            self._kept_in.setdefault(frame.value, []).append(data)
+        channel = self.channels.get(number)
+        if channel is None:
+            if not 0 < number <= self._highest:
+                raise protocol.MalformedMessage(f"a {op.value} frame for unknown channel {number}")
+            return  # a channel this side closed already: its last frames were on their way
+        if op is Op.DATA or op is Op.KEEP:
+            assert data is not None
+            channel.deliver(data, counted=op is Op.DATA)
+        elif op is Op.REPEAT:
+            pieces = self._kept_in.get(frame.value)
+            if pieces is None:
+                raise protocol.MalformedMessage(f"repeat of unknown buffer {frame.value}")
+            for piece in pieces:
+                channel.deliver(piece, counted=False)
+        elif op is Op.CREDIT:
+            channel.credit(frame.value)
+        elif op is Op.CLOSE:
+            channel.end(frame.text or "closed by the other side")
+            self.channels.pop(number, None)
+
+    def _accept(self, number: int, peer: str) -> None:
+        if not self.accepts:
+            raise protocol.MalformedMessage("only a relay opens channels")
+        if number != self._highest + 1:
+            raise protocol.MalformedMessage(
+                f"channel {number} opened out of order (expected {self._highest + 1})"
+            )
+        if len(self.channels) >= MAX_CHANNELS:
+            raise protocol.MalformedMessage(f"more than {MAX_CHANNELS} channels open at once")
+        self._highest = number
+        channel = self.channels[number] = Channel(self, number, peer)
+        self._opened.send_nowait(channel)
+
+
+def _bytes_of(message: protocol.Message) -> memoryview | None:
+    """A frame's bytes (its one uint8 tensor `bytes`), or None; MalformedMessage otherwise."""
+    if not message.tensors:
+        return None
+    data = message.tensors.get("bytes")
+    if len(message.tensors) != 1 or data is None or data.dtype != np.uint8 or data.ndim != 1:
+        raise protocol.MalformedMessage("a relay frame carries one 1-D uint8 tensor, `bytes`")
+    return data.data

@@ -1,0 +1,221 @@
+"""`pcp-tui relay`: workers join a relay, which carries them to the shepherd over one link.
+
+    pcp-tui shepherd --workers 64 --relays 4 ...
+    pcp-tui relay --connect SHEPHERD:8080 --token T --port 8081   # on each site's gateway
+    pcp-tui worker --connect RELAY:8081 --token T                   # on the site's machines
+
+The relay joins the shepherd as a worker does (the token's proof, --key under
+--worker-keys, TLS with --tls-ca / --tls-fingerprint) and says it is a relay.
+Each worker that connects to it becomes a channel of that one link
+(`contract.channels`), carried byte for byte: the worker and the shepherd speak
+PCP end to end, so the shepherd admits, plans and times each worker as if it had
+dialled directly, and the worker checks the shepherd's hello and plan as it
+always does. What a relay saves is the shepherd's network and sockets: one
+connection per site instead of one per worker, and a round's parameters and
+each fragment's update cross the shepherd's link once and are repeated to the
+site's workers here.
+
+A worker that connects while the relay has no link to the shepherd is closed at
+once and retries (its --give-up-after); when the link is lost every worker's
+connection ends, as a lost shepherd connection does, and the relay reconnects
+within its own --give-up-after. The shepherd's goodbye at the end of the run
+ends the relay (exit 0), unless the run can be resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import sys
+from functools import partial
+
+import trio
+
+from pcp_tui import __version__, protocol
+from pcp_tui.config.relay import RelayConfig
+from pcp_tui.contract import auth, keys
+from pcp_tui.contract.channels import PIECE_BYTES, Channel, Channels
+from pcp_tui.contract.connection import (
+    LINK_ERRORS,
+    ConnectionLost,
+    Refused,
+    RunOver,
+    expect,
+    expect_hello,
+    goodbye_ended,
+)
+from pcp_tui.contract.tls import ClientTLS, ServerTLS, TLSRefused, shown_fingerprint
+from pcp_tui.shepherd.serving.admission import peer_name
+from pcp_tui.shepherd.serving.listening import advertised, open_files_for, open_listeners
+from pcp_tui.worker.reconnect import Reconnect
+
+log = logging.getLogger(__name__)
+TLS_SECONDS = 10.0  # a worker's TLS handshake with the relay
+
+
+class Relay:
+    """One relay process: its listeners, its link to the shepherd, the workers it carries."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        *,
+        token: str,
+        server_tls: ServerTLS | None = None,
+        client_tls: ClientTLS | None = None,
+        say=None,
+    ):
+        connection = config.connection
+        self.config, self.token = config, token
+        self.host, self.port = connection.address
+        self.name = connection.worker_id or f"relay-{platform.node() or 'host'}"
+        self.key = keys.load_private_key(connection.key) if connection.key else None
+        self.server_tls, self.client_tls = server_tls, client_tls
+        self.say = say or (lambda line: print(f"pcp-tui relay: {line}", file=sys.stderr))
+        self.channels: Channels | None = None  # the link to the shepherd, while there is one
+        self.carried = 0  # workers' connections carried now
+        self.listening_port = 0
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve workers until the shepherd ends the run; ConnectionLost once --give-up-after
+        passes without a link, Refused if the shepherd will not take this relay."""
+        listen = self.config.listen
+        warning = open_files_for(listen.max_workers, 1)
+        if warning:
+            self.say(f"warning: {warning}")
+        listeners, self.listening_port = await open_listeners(listen.host, listen.port)
+        task_status.started(self.listening_port)
+        connection = self.config.connection
+        reconnect = Reconnect(
+            give_up_after=connection.give_up_after,
+            retry=connection.reconnect,
+            on_wait=lambda why, seconds: self.say(f"{why}; retrying in {seconds:.1f} s"),
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(trio.serve_listeners, self._carry, listeners))
+            lost = False
+            while not await reconnect.run(self._link, rejoin=lost):
+                lost = True
+            nursery.cancel_scope.cancel()
+
+    # -- the link to the shepherd ---------------------------------------------------------
+
+    async def _link(self, deadline: float) -> bool:
+        """One link to the shepherd: True when the run is over, False when it was lost."""
+        where = f"{self.host}:{self.port}"
+        stream = await self._open(deadline)
+        messages = protocol.MessageStream(stream)
+        try:
+            with trio.fail_at(deadline):
+                welcome = await self._join(messages, where)
+        except trio.TooSlowError:
+            await trio.aclose_forcefully(stream)
+            raise ConnectionLost(f"no welcome from {where} in time") from None
+        except (ConnectionLost, Refused):
+            await trio.aclose_forcefully(stream)
+            raise
+        except (*LINK_ERRORS, protocol.ProtocolError) as exc:
+            await trio.aclose_forcefully(stream)
+            raise ConnectionLost(f"connection to {where} lost ({exc})") from None
+        listen = self.config.listen
+        shown = advertised(listen.host)
+        self.say(
+            f"relay {self.name} joined the shepherd at {where}; workers join with: pcp-tui "
+            f"worker --connect {shown}:{self.listening_port} --token <TOKEN>"
+            + (" --tls-fingerprint <THIS RELAY'S>" if self.server_tls else "")
+        )
+        channels = self.channels = Channels(messages, accepts=False, keeps=False)
+        interval = max(welcome.heartbeat_seconds, 0.5)
+        try:
+            await channels.run(interval, max(10 * interval, 10.0))
+        except protocol.ProtocolError as exc:
+            self.say(f"the shepherd broke the relay protocol ({exc}); reconnecting")
+        finally:
+            self.channels = None
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+        if channels.goodbye is not None:
+            ended = goodbye_ended(channels.goodbye)
+            if isinstance(ended, RunOver):
+                self.say(f"the shepherd ended the run ({ended}); exiting")
+                return True
+            self.say(f"the shepherd stopped ({ended}); reconnecting")
+        else:
+            self.say(f"link to the shepherd lost ({channels.ended}); reconnecting")
+        return False
+
+    async def _open(self, deadline: float) -> trio.abc.Stream:
+        where = f"{self.host}:{self.port}"
+        try:
+            with trio.fail_at(deadline):
+                tcp = await trio.open_tcp_stream(self.host, self.port)
+                if self.client_tls is None:
+                    return tcp
+                return await self.client_tls.connect(tcp, self.host)
+        except TLSRefused as exc:
+            raise Refused(str(exc)) from None
+        except (OSError, trio.TooSlowError) as exc:
+            raise ConnectionLost(f"cannot reach the shepherd at {where} ({exc})") from None
+
+    async def _join(self, stream: protocol.MessageStream, where: str) -> protocol.Welcome:
+        """The relay's handshake: the shepherd's hello, the relay's, the welcome."""
+        hello = (await expect_hello(stream, where)).body_as(protocol.Hello)
+        channel = shown_fingerprint(stream.stream)
+        await stream.send(
+            protocol.WorkerHello(
+                supported_versions=protocol.SUPPORTED_VERSIONS,
+                worker_id=self.name,
+                hostname=platform.node()[: protocol.ID_CHARS],
+                proof=auth.proof(self.token, hello.nonce, self.name),
+                software=f"pcp-tui {__version__}",
+                public_key=keys.public_bytes(self.key) if self.key else b"",
+                signature=(
+                    keys.sign_hello(self.key, hello.nonce, self.name, 0, channel)
+                    if self.key
+                    else b""
+                ),
+                relay=True,
+            )
+        )
+        return (await expect(stream, "welcome")).body_as(protocol.Welcome)
+
+    # -- one worker ------------------------------------------------------------------------
+
+    async def _carry(self, raw: trio.SocketStream) -> None:
+        """Carry one worker's connection to the shepherd until either side ends it."""
+        channels, peer = self.channels, peer_name(raw)
+        if channels is None or self.carried >= self.config.listen.max_workers:
+            why = "no link to the shepherd" if channels is None else "--max-workers reached"
+            log.info("closed %s at once: %s", peer, why)
+            await trio.aclose_forcefully(raw)  # the worker retries within its --give-up-after
+            return
+        self.carried += 1
+        stream: trio.abc.Stream = raw
+        channel: Channel | None = None
+        try:
+            if self.server_tls is not None:
+                with trio.fail_after(TLS_SECONDS):
+                    stream = await self.server_tls.accept(raw)
+            channel = await channels.open(peer)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_pump, stream, channel, nursery.cancel_scope)
+                nursery.start_soon(_pump, channel, stream, nursery.cancel_scope)
+        except (*LINK_ERRORS, trio.TooSlowError) as exc:
+            log.info("worker %s: %s", peer, exc)
+        finally:
+            self.carried -= 1
+            with trio.CancelScope(shield=True):
+                if channel is not None:
+                    await channel.aclose()
+                await trio.aclose_forcefully(stream)
+
+
+async def _pump(source: trio.abc.Stream, sink: trio.abc.Stream, done: trio.CancelScope) -> None:
+    """Copy `source`'s bytes to `sink` until either ends; then end the other direction too."""
+    try:
+        while data := await source.receive_some(PIECE_BYTES):
+            await sink.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        done.cancel()

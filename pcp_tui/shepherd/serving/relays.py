@@ -1,0 +1,120 @@
+"""Relays at the shepherd: a relay's workers arrive as channels of its one link.
+
+A relay (`pcp-tui relay`, `pcp_tui/relay.py`) passes admission as a worker does
+(TLS, the join token, --worker-keys: its id is its name) with `relay` set in its
+hello. Once welcomed, its connection carries its workers' connections as
+channels (`contract.channels`), and the shepherd serves each channel exactly as
+it serves a socket (`WorkerPool.serve`): the worker's own handshake, its plan,
+its rounds, its watchdogs. What the relay changes is what crosses the shepherd's
+network: a round's parameters and each fragment's update go to the relay once
+and are repeated to its workers there. The shepherd takes --relays relays at
+once; more, or any while it is 0, are refused with a line that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.config import RunConfig
+from pcp_tui.contract.channels import Channel, Channels
+from pcp_tui.shepherd.run.events import RelayJoined, RelayLeft
+from pcp_tui.shepherd.run.state import RunState
+from pcp_tui.shepherd.serving.admission import Admitted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RelayView:
+    """One relay as the dashboard and the API show it."""
+
+    name: str
+    peer: str
+    channels: Channels = field(repr=False)
+
+    @property
+    def workers(self) -> int:
+        return len(self.channels.channels)
+
+
+class Relays:
+    """The relays connected now; `serve` runs one until its link ends."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        state: RunState,
+        *,
+        run_id: str,
+        serve_channel: Callable[[Channel, str], Awaitable[None]],
+    ):
+        self.config, self.state, self.run_id = config, state, run_id
+        self.serve_channel = serve_channel  # the pool's: one worker's connection
+        self.live: dict[str, RelayView] = {}
+
+    def refusal(self, name: str) -> tuple[protocol.ErrorCode, str] | None:
+        """(code, why) if relay `name` may not connect now; busy ones retry, others do not."""
+        allowed = self.config.network.relays
+        if not allowed:
+            why = "this shepherd takes no relays: start it with --relays N to allow N"
+            return protocol.ErrorCode.AUTH_FAILED, why
+        if name in self.live:
+            why = f"relay {name!r} is connected already: start the relay with another --id"
+            return protocol.ErrorCode.ID_IN_USE, why
+        if len(self.live) >= allowed:
+            why = f"{len(self.live)} relays are connected, the most --relays {allowed} allows"
+            return protocol.ErrorCode.BUSY, why
+        return None
+
+    async def goodbye_all(self, reason: str, *, resumable: bool = False) -> None:
+        """Tell every relay the run is over (or stopped to be resumed)."""
+        async with trio.open_nursery() as nursery:
+            for view in list(self.live.values()):
+                nursery.start_soon(partial(view.channels.say_goodbye, reason, resumable=resumable))
+
+    async def serve(self, admitted: Admitted) -> None:
+        """Welcome the relay on `admitted`, then serve its channels until its link ends."""
+        name, stream = admitted.hello.worker_id, admitted.stream
+        refused = self.refusal(name)
+        if refused is not None:
+            log.warning("relay %s from %s refused: %s", name, admitted.peer, refused[1])
+            with trio.move_on_after(5):
+                await stream.send_error(*refused)
+            await trio.aclose_forcefully(stream.stream)
+            return
+        network = self.config.network
+        await stream.send(protocol.Welcome(0, self.run_id, network.heartbeat_seconds))
+        channels = Channels(stream, accepts=True, keeps=True)
+        view = self.live[name] = RelayView(name, admitted.peer, channels)
+        self.state.emit(RelayJoined(f"relay {name} joined from {admitted.peer}", relay=name))
+        why = "its link ended"
+        try:
+            async with trio.open_nursery() as nursery:  # its workers' connections end with it
+                nursery.start_soon(self._accept, channels, name, nursery)
+                try:
+                    await channels.run(network.heartbeat_seconds, network.heartbeat_timeout)
+                    why = channels.ended or why
+                except protocol.ProtocolError as exc:
+                    why = f"it broke the protocol ({exc})"
+                    with trio.move_on_after(1):
+                        await stream.send_error(exc.code, str(exc))
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(stream.stream)
+        finally:
+            del self.live[name]
+            self.state.emit(
+                RelayLeft(
+                    f"relay {name} left ({why}); its {view.workers} worker(s) reconnect",
+                    relay=name,
+                )
+            )
+
+    async def _accept(self, channels: Channels, name: str, nursery: trio.Nursery) -> None:
+        async for channel in channels.accepted:
+            nursery.start_soon(self.serve_channel, channel, name)
