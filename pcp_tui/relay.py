@@ -37,6 +37,7 @@ from pcp_tui.contract import auth, keys
 from pcp_tui.contract.channels import PIECE_BYTES, Channel, Channels
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
+    ConnectionEnded,
     ConnectionLost,
     Refused,
     RunOver,
@@ -91,12 +92,18 @@ class Relay:
             retry=connection.reconnect,
             on_wait=lambda why, seconds: self.say(f"{why}; retrying in {seconds:.1f} s"),
         )
+        ended: ConnectionEnded | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(trio.serve_listeners, self._carry, listeners))
             lost = False
-            while not await reconnect.run(self._link, rejoin=lost):
-                lost = True
+            try:
+                while not await reconnect.run(self._link, rejoin=lost):
+                    lost = True
+            except (ConnectionLost, Refused) as exc:  # raised bare, not in the nursery's group
+                ended = exc
             nursery.cancel_scope.cancel()
+        if ended is not None:
+            raise ended
 
     # -- the link to the shepherd ---------------------------------------------------------
 

@@ -46,7 +46,9 @@ from pcp_tui import protocol
 
 WINDOW = 4 * 2**20  # bytes a side may send a channel before the other grants more
 PIECE_BYTES = 2**20  # the most bytes one frame carries
-KEEP_MIN_BYTES = 2**20  # buffers this big or bigger are kept for repeats
+KEEP_MIN_BYTES = (
+    64 * 1024
+)  # buffers this big or bigger are kept for repeats (`_stream`'s smaller ones are joined per send)
 KEEP_BYTES = 4 * 2**30  # the most kept bytes the relay holds for the shepherd
 MAX_CHANNELS = 2**16  # channels open on one link at once
 

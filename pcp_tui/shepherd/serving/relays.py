@@ -57,6 +57,18 @@ class Relays:
         self.config, self.state, self.run_id = config, state, run_id
         self.serve_channel = serve_channel  # the pool's: one worker's connection
         self.live: dict[str, RelayView] = {}
+        self._sent_before = self._received_before = 0  # by relays' links that ended
+
+    @property
+    def sent(self) -> int:
+        """Bytes written to relays' links, the ended ones' too: what crossed the network."""
+        return self._sent_before + sum(v.channels.link.bytes_sent for v in self.live.values())
+
+    @property
+    def received(self) -> int:
+        return self._received_before + sum(
+            v.channels.link.bytes_received for v in self.live.values()
+        )
 
     def refusal(self, name: str) -> tuple[protocol.ErrorCode, str] | None:
         """(code, why) if relay `name` may not connect now; busy ones retry, others do not."""
@@ -108,6 +120,8 @@ class Relays:
                     await trio.aclose_forcefully(stream.stream)
         finally:
             del self.live[name]
+            self._sent_before += stream.bytes_sent
+            self._received_before += stream.bytes_received
             self.state.emit(
                 RelayLeft(
                     f"relay {name} left ({why}); its {view.workers} worker(s) reconnect",

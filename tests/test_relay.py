@@ -1,0 +1,173 @@
+"""`pcp-tui relay`: a site's workers reach the shepherd as channels of one link.
+
+The claims: a run through a relay is the flat run (same shards, same batches, the
+same losses bit for bit), with the shepherd's parameters and updates crossing its
+link once for all of the relay's workers; one channel's slow reader stalls no
+other; a relay that breaks the framing ends its link, not the run; and a shepherd
+takes relays only when its operator says so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from pcp_tui import protocol
+from pcp_tui.config.relay import RelayConfig
+from pcp_tui.contract.channels import WINDOW, Channels
+from pcp_tui.contract.connection import Refused
+from pcp_tui.relay import Relay
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.testing import local_worker, until
+from pcp_tui.training.build import build_workload
+
+from .conftest import small_config
+
+
+def _relay(port: int, **options) -> Relay:
+    config = RelayConfig(
+        connect=f"127.0.0.1:{port}", host="127.0.0.1", port=0, worker_id="site-a", **options
+    )
+    return Relay(config, token="test-token", say=lambda line: None)
+
+
+async def _run(relays: int) -> tuple[Shepherd, Relay | None]:
+    """A 2-worker run of 3 rounds whose workers join in order, through a relay if `relays`."""
+    config = small_config(workers=2, rounds=3, relays=relays)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    relay = None
+    async with trio.open_nursery() as nursery:  # ends with the run: its goodbye ends them all
+        port = await nursery.start(shepherd.run)
+        if relays:
+            relay = _relay(port)
+            port = await nursery.start(relay.run)
+            await until(lambda: bool(shepherd.pool.relays.live))
+        for name in ("a", "b"):
+            nursery.start_soon(local_worker(port, name).run)
+            await until(lambda name=name: name in shepherd.state.workers)
+    return shepherd, relay
+
+
+async def test_a_run_through_a_relay_is_the_flat_run_and_sends_each_round_once():
+    flat, _ = await _run(relays=0)
+    tree, relay = await _run(relays=1)
+    assert relay is not None
+
+    losses = [(r.train_loss, r.eval_loss) for r in flat.state.history]
+    assert [(r.train_loss, r.eval_loss) for r in tree.state.history] == losses
+    assert [r.relays for r in tree.state.history] == [1, 1, 1]
+    assert [r.relays for r in flat.state.history] == [0, 0, 0]
+    assert {v.worker_id: (v.shard, v.via) for v in tree.state.workers.values()} == {
+        "a": (0, "site-a"),
+        "b": (1, "site-a"),
+    }
+    assert tree.state.workers["a"].stats_json()["via"] == "site-a"
+    # what the shepherd wrote for its workers, against what crossed its one link to the relay
+    link = tree.pool.relays.sent
+    params = 4 * tree.state.param_count
+    assert tree.state.bytes_sent > 2 * 3 * params  # each worker was sent θ each round (and more)
+    # the workers' bytes, less one of the two copies of every round's θ and update
+    assert tree.state.bytes_sent - link >= 3 * params, (tree.state.bytes_sent, link)
+
+
+async def _linked() -> tuple[Channels, Channels, trio.Nursery]:
+    """(the relay's end, the shepherd's end) of a real TCP link on 127.0.0.1."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    relay_side = await trio.open_tcp_stream("127.0.0.1", port)
+    shepherd_side = await listeners[0].accept()
+    await listeners[0].aclose()
+    relay = Channels(protocol.MessageStream(relay_side), accepts=False, keeps=False)
+    shepherd = Channels(protocol.MessageStream(shepherd_side), accepts=True, keeps=True)
+    return relay, shepherd
+
+
+async def _read(channel, nbytes: int) -> bytes:
+    data = bytearray()
+    while len(data) < nbytes:
+        chunk = await channel.receive_some(1 << 20)
+        assert chunk, f"channel ended after {len(data)} of {nbytes} bytes"
+        data += chunk
+    return bytes(data)
+
+
+async def test_a_channel_nobody_reads_holds_up_only_itself():
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        nursery.start_soon(shepherd.run)
+        stuck, flowing = await relay.open("10.0.0.1:1"), await relay.open("10.0.0.2:2")
+        unread = await shepherd.accepted.receive()
+        read = await shepherd.accepted.receive()
+        assert (unread.peer, read.peer) == ("10.0.0.1:1", "10.0.0.2:2")
+
+        async def stuck_sender():  # blocks once the window is full, until the link ends
+            with pytest.raises(trio.BrokenResourceError, match="link"):
+                await stuck.send_all(bytes(5 * WINDOW))
+
+        nursery.start_soon(stuck_sender)
+        payload = bytes(range(256)) * 40_000  # 10 MB, more than two windows
+        nursery.start_soon(flowing.send_all, payload)
+        assert await _read(read, len(payload)) == payload
+        assert unread._buffered <= WINDOW  # what the stuck channel holds at the shepherd
+        await relay.link.aclose()  # the link ends: every channel ends with it
+        assert await _read(unread, unread._buffered) is not None
+        assert await unread.receive_some() == b""
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_buffer_sent_to_many_channels_crosses_the_link_once():
+    relay, shepherd = await _linked()
+    update = protocol.encode_once(
+        protocol.FragmentUpdate(round=1), {"w": np.arange(2**21, dtype="f4")}
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        nursery.start_soon(shepherd.run)
+        ends = [await relay.open(f"10.0.0.{i}:1") for i in range(4)]
+        served = [await shepherd.accepted.receive() for _ in ends]
+        streams = [protocol.MessageStream(channel) for channel in served]
+        async with trio.open_nursery() as senders:  # at once, as a round's starts go out
+            for stream in streams:
+                senders.start_soon(stream.send_encoded, update)
+        for end in ends:
+            message = await protocol.MessageStream(end).receive()
+            assert message.body == update.body
+            assert (message.tensors["w"] == update.tensors["w"]).all()
+        sent = shepherd.link.bytes_sent
+        assert sent < 1.05 * update.wire_bytes, (sent, update.wire_bytes)
+        assert shepherd.bytes_repeated == 3 * update.tensors["w"].nbytes
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("op", "channel", "why"),
+    [
+        (protocol.RelayOp.DATA, 7, "unknown channel 7"),
+        (protocol.RelayOp.KEEP, 1, "only the shepherd sends keep"),
+        (protocol.RelayOp.OPEN, 5, "opened out of order"),
+    ],
+)
+async def test_a_relay_that_breaks_the_framing_ends_its_link_and_its_channels(op, channel, why):
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        await relay.open("10.0.0.1:1")
+        data = memoryview(b"x" * 16) if op is not protocol.RelayOp.OPEN else None
+        await relay.send_frame(op, channel, 1, data)
+        with pytest.raises(protocol.ProtocolError, match=why):
+            await shepherd.run()
+        served = await shepherd.accepted.receive()
+        assert await served.receive_some() == b""  # the link's end is its channels' end
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_shepherd_takes_relays_only_with_relays():
+    config = small_config(workers=2, rounds=1)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        with pytest.raises(Refused, match="start it with --relays N"):
+            await _relay(port, give_up_after=5.0).run()
+        nursery.cancel_scope.cancel()
