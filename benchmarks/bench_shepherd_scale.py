@@ -10,6 +10,13 @@ the streaming token-weighted mean and the outer step.
     python benchmarks/bench_shepherd_scale.py [--workers 1 8 64 256] [--rounds 4] [--model tiny]
     python benchmarks/bench_shepherd_scale.py --param-shapes gpt2 --workers 1 2 --rounds 5
     python benchmarks/bench_shepherd_scale.py --smoke
+    python benchmarks/bench_shepherd_scale.py --workers 256 1024 --relays 32
+
+With `--relays R`, each N runs twice: flat, and with the fakes spread over R
+`pcp-tui relay` processes (fake i joins relay i mod R). The shepherd's bytes per
+round are then what crossed its own sockets (flat: its workers', through relays:
+its relays' links), printed for both with the last line
+`ratio_root_bytes_flat_vs_tree=<x>` (the largest N's).
 
 Prints per N: median round seconds, the shepherd process's CPU seconds per
 round (its own work, less sensitive than wall time to a loaded machine), MB
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from functools import partial
@@ -43,7 +51,7 @@ from pcp_tui import protocol
 from pcp_tui.config import RunConfig
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import LINK_ERRORS
-from pcp_tui.testing import parse_with_smoke
+from pcp_tui.testing import free_port, parse_with_smoke
 
 FAKE_PROCESSES = 4  # the fakes run in this many processes
 
@@ -136,10 +144,11 @@ async def answer_rounds(stream: protocol.MessageStream, plan, tokens: int, index
         await stream.send(result, pseudo_gradient)
 
 
-async def fake_workers(port: int, first: int, count: int) -> None:
+async def fake_workers(ports: list[int], first: int, count: int) -> None:
+    """Fakes `first` .. `first + count - 1`; fake i joins `ports[i % len(ports)]`."""
     async with trio.open_nursery() as nursery:
         for i in range(first, first + count):
-            nursery.start_soon(fake_worker, port, i)
+            nursery.start_soon(fake_worker, ports[i % len(ports)], i)
 
 
 def with_param_shapes(workload, preset: str):
@@ -163,7 +172,7 @@ def with_param_shapes(workload, preset: str):
     return dataclasses.replace(workload, name=f"{preset}-shapes", params=params, loss_fn=loss_fn)
 
 
-async def one_size(count: int, args: argparse.Namespace) -> dict:
+async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dict:
     from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.training.build import build_workload
 
@@ -187,17 +196,22 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
         data_max_bytes=2**20,
         max_handshakes_per_host=max(count, 8),
         max_handshakes=max(count, 64),
+        relays=relays,
     )
     workload = build_workload(config, shards=count)
     if args.param_shapes:
         workload = with_param_shapes(workload, args.param_shapes)
     shepherd = Shepherd(config, workload)
     cpu_at_round: list[float] = []  # this process's CPU seconds when each round ended
+    root_bytes: list[int] = []  # bytes through the shepherd's sockets when each round ended
     lost: list[str] = []  # why workers were dropped: a fake behaves, so none should be
 
     def note(event) -> None:
         if event.kind == "round":
             cpu_at_round.append(time.process_time())
+            tree = shepherd.pool.relays
+            flat = shepherd.state.bytes_sent + shepherd.state.bytes_received
+            root_bytes.append(tree.sent + tree.received if relays else flat)
         elif event.kind == "lost":
             lost.append(event.message)
             print(f"  {event.message}", file=sys.stderr, flush=True)
@@ -205,12 +219,30 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
     shepherd.state.subscribe(note)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
+        ports = [port]
+        if relays:
+            ports = [free_port() for _ in range(relays)]
+            for r, relay_port in enumerate(ports):
+                command = [
+                    sys.executable,
+                    "-m",
+                    "pcp_tui",
+                    "relay",
+                    "--connect",
+                    f"127.0.0.1:{port}",
+                ]
+                command += ["--token", "bench", "--id", f"relay-{r}", "--host", "127.0.0.1"]
+                command += ["--port", str(relay_port), "--give-up-after", "60"]
+                nursery.start_soon(partial(trio.run_process, command, stderr=subprocess.DEVNULL))
+            while len(shepherd.pool.relays.live) < relays:
+                await trio.sleep(0.1)
         # several processes, as real workers have CPUs of their own: one process decoding
         # every fake's round start was the slowest "worker" (silent for the heartbeat timeout)
         processes = min(count, FAKE_PROCESSES)
         for p in range(processes):
             first, last = p * count // processes, (p + 1) * count // processes
-            command = [sys.executable, __file__, "--fake", str(port), str(first), str(last - first)]
+            command = [sys.executable, __file__, "--fake", str(first), str(last - first)]
+            command += [str(port) for port in ports]
             nursery.start_soon(partial(trio.run_process, command))
     history = shepherd.state.history[1:]  # round 1 also compiles the outer step
     seconds = float(np.median([r.round_seconds for r in history]))
@@ -218,6 +250,8 @@ async def one_size(count: int, args: argparse.Namespace) -> dict:
     moved = float(np.median([r.bytes_sent + r.bytes_received for r in history]))
     return {
         "workers": count,
+        "relays": relays,
+        "root_mb_per_round": float(np.median(np.diff(root_bytes))) / 1e6,
         "round_seconds": seconds,
         "shepherd_cpu_seconds": cpu,
         "mb_moved": moved / 1e6,
@@ -238,43 +272,57 @@ def main() -> None:
         "--param-shapes", choices=["tiny", "small", "gpt2"], help="stand-in model of these shapes"
     )
     parser.add_argument("--reference-round-seconds", type=float, default=6.0)
-    parser.add_argument("--fake", nargs=3, type=int, help=argparse.SUPPRESS)
-    args = parse_with_smoke(parser, workers=[1, 4], rounds=3)
+    parser.add_argument(
+        "--relays", type=int, default=0, help="also run each N through this many relays"
+    )
+    parser.add_argument("--fake", nargs="+", type=int, help=argparse.SUPPRESS)
+    args = parse_with_smoke(parser, workers=[1, 4], rounds=3, relays=2)
     if args.fake:
-        trio.run(fake_workers, *args.fake)
+        first, count, *ports = args.fake
+        trio.run(fake_workers, ports, first, count)
         return
     rows = []
     for count in args.workers:
-        started = time.perf_counter()
-        rows.append(trio.run(one_size, count, args))
-        print(
-            f"  {count} workers measured in {time.perf_counter() - started:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        for relays in (0, args.relays) if args.relays else (0,):
+            started = time.perf_counter()
+            rows.append(trio.run(one_size, count, args, relays))
+            print(
+                f"  {count} workers, {relays} relays measured in "
+                f"{time.perf_counter() - started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     model = f"{args.param_shapes}-shapes" if args.param_shapes else args.model
     print(
         f"\nshepherd scale  model={model} ({rows[0]['params']:,} params), protocol-level workers, 127.0.0.1"
     )
     print(
-        f"{'workers':>8}{'round s':>10}{'CPU s':>8}{'MB moved':>11}{'s per GB':>10}"
+        f"{'workers':>8}{'relays':>7}{'round s':>10}{'CPU s':>8}{'MB moved':>11}"
+        f"{'root MB':>9}{'s per GB':>10}"
         f"{'of a ' + str(args.reference_round_seconds) + ' s round':>20}{'fewest':>8}{'lost':>6}"
     )
     for r in rows:
         print(
-            f"{r['workers']:>8}{r['round_seconds']:>10.3f}{r['shepherd_cpu_seconds']:>8.3f}"
-            f"{r['mb_moved']:>11.1f}{r['seconds_per_gb']:>10.3f}"
+            f"{r['workers']:>8}{r['relays']:>7}{r['round_seconds']:>10.3f}"
+            f"{r['shepherd_cpu_seconds']:>8.3f}{r['mb_moved']:>11.1f}{r['root_mb_per_round']:>9.1f}"
+            f"{r['seconds_per_gb']:>10.3f}"
             f"{r['round_seconds'] / args.reference_round_seconds:>20.1%}"
             f"{r['fewest_workers']:>8}{r['lost']:>6}"
         )
         if r["lost"]:
             print(f"    first loss: {r['lost_example']}")
     print(json.dumps(rows))
-    first, last = rows[0], rows[-1]
+    flat = [r for r in rows if not r["relays"]]
+    first, last = flat[0], flat[-1]
     print(
         f"ratio_round_seconds_{last['workers']}_vs_{first['workers']}="
         f"{last['round_seconds'] / first['round_seconds']:.3f}"
     )
+    if args.relays:
+        tree = rows[-1]
+        print(
+            f"ratio_root_bytes_flat_vs_tree={last['root_mb_per_round'] / tree['root_mb_per_round']:.3f}"
+        )
 
 
 if __name__ == "__main__":
