@@ -218,8 +218,14 @@ def _worker_cells(w: WorkerView, now: float) -> tuple[str, ...]:
         "-" if gone or not w.memory_in_use else compact_bytes(w.memory_in_use),
         "-" if gone else _ago(now - w.last_heard),
         f"{compact_bytes(w.bytes_out)}/{compact_bytes(w.bytes_in)}",
-        clip(w.host if w.processes <= 1 else f"{w.host} +{w.processes - 1}", 28),
+        clip(_where(w), 28),
     )
+
+
+def _where(w: WorkerView) -> str:
+    """Its host (a site's: +its other processes), and the relay it came through."""
+    host = w.host if w.processes <= 1 else f"{w.host} +{w.processes - 1}"
+    return f"{host} via {w.via}" if w.via else host
 
 
 def _ago(seconds: float) -> str:
