@@ -19,7 +19,7 @@ from pcp_tui.contract.channels import WINDOW, Channels
 from pcp_tui.contract.connection import Refused
 from pcp_tui.relay import Relay
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import local_worker, until
+from pcp_tui.testing import local_worker, pause_after_round, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -171,3 +171,43 @@ async def test_a_shepherd_takes_relays_only_with_relays():
         with pytest.raises(Refused, match="start it with --relays N"):
             await _relay(port, give_up_after=5.0).run()
         nursery.cancel_scope.cancel()
+
+
+async def test_workers_whose_relay_dies_go_on_through_the_next_address():
+    """Both workers join through the relay, listing the shepherd after it (`--connect
+    RELAY,SHEPHERD`); the relay dies after round 1 and they finish the run direct, from their
+    own shards, each result counted once."""
+    config = small_config(workers=2, rounds=4, relays=1)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    pause_after_round(shepherd, 1)  # held there until both are back
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        relay, relay_scope = _relay(port), trio.CancelScope()
+
+        async def relay_until_killed(task_status=trio.TASK_STATUS_IGNORED):
+            with relay_scope:
+                await relay.run(task_status=task_status)
+
+        relay_port = await nursery.start(relay_until_killed)
+        await until(lambda: bool(shepherd.pool.relays.live))
+        for name in ("a", "b"):
+            connect = f"127.0.0.1:{relay_port},127.0.0.1:{port}"
+            nursery.start_soon(local_worker(port, name, connect=connect).run)
+            await until(lambda name=name: name in shepherd.state.workers)
+        await until(lambda: shepherd.state.status == "paused" and len(shepherd.state.history))
+        relay_scope.cancel()  # its listener and its link close at once, as a killed process's do
+
+        def direct() -> set[str]:
+            return {link.worker_id for link in shepherd.pool.ready_links() if not link.view.via}
+
+        await until(lambda: direct() == {"a", "b"})
+        shepherd.resume()
+
+    history = shepherd.state.history
+    assert [(r.workers, r.relays) for r in history] == [(2, 1)] + [(2, 0)] * 3
+    assert {v.worker_id: (v.shard, v.via) for v in shepherd.state.workers.values()} == {
+        "a": (0, ""),
+        "b": (1, ""),
+    }
+    full = config.inner.steps * config.data.batch_size * config.data.seq_len
+    assert [r.tokens for r in history] == [2 * full] * 4  # each result counted once

@@ -54,7 +54,14 @@ def parse_connect(text: str) -> tuple[str, int]:
 class ConnectionConfig:
     """connection: which shepherd to join, how to prove it, and how long to keep trying"""
 
-    connect: str = option("", required=True, metavar="HOST:PORT", help="the shepherd's address")
+    connect: str = option(
+        "",
+        required=True,
+        metavar="HOST:PORT",
+        help="the shepherd's address, or a relay's (pcp-tui relay); several, comma-separated "
+        "(e.g. a relay's, then the shepherd's): each try after a failed or lost connection "
+        "goes to the next",
+    )
     token: str | None = option(None, help="join token the shepherd printed (default: $PCP_TOKEN)")
     worker_id: str | None = option(
         None, flag="id", help="stable worker id (default: host-pid-random)"
@@ -93,11 +100,16 @@ class ConnectionConfig:
 
     @property
     def address(self) -> tuple[str, int]:
-        """(host, port) of --connect; ConfigError says what is wrong with it and how to fix it."""
-        return parse_connect(self.connect)
+        """(host, port) of --connect (its first); ConfigError says what is wrong and how to fix it."""
+        return self.addresses[0]
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """Every (host, port) of --connect, in order."""
+        return [parse_connect(text.strip()) for text in self.connect.split(",")]
 
     def check(self) -> None:
-        self.address  # noqa: B018 (parsing is the check)
+        self.addresses  # noqa: B018 (parsing is the check)
 
 
 @dataclass(frozen=True)

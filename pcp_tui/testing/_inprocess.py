@@ -44,13 +44,9 @@ def local_worker(
     from pcp_tui.config import WorkerConfig
     from pcp_tui.worker.client import Worker
 
-    config = WorkerConfig(
-        connect=f"127.0.0.1:{port}",
-        token="test-token",
-        backend="cpu",
-        **({} if worker_id is None else {"worker_id": worker_id}),
-        **options,
-    )
+    settings: dict[str, Any] = {"connect": f"127.0.0.1:{port}", "token": "test-token"}
+    settings.update(backend="cpu", **({} if worker_id is None else {"worker_id": worker_id}))
+    config = WorkerConfig(**{**settings, **options})  # `options` may say where (`connect`)
     return Worker(config, faults=faults)
 
 

@@ -103,10 +103,12 @@ class Session:
         """A session with `config.connection`'s settings, for a worker that runs `backend`;
         `site`: the processes it speaks for (process 0 of it: `worker/site.py`), else itself."""
         connection = config.connection
-        host, port = connection.address
+        # --connect: where to try, in turn: after a failed or lost connection, the next
+        self.addresses = connection.addresses
+        self._at = 0
         if not connection.token:
             raise ValueError("a worker needs the run's join token (WorkerConfig.token)")
-        self.host, self.port, self.token = host, port, connection.token
+        self.token = connection.token
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
         self.backend = backend  # what the hello describes
@@ -123,9 +125,17 @@ class Session:
             retry=connection.reconnect,
             on_wait=self._show_wait,
         )
-        self.status = WorkerStatus(shepherd=f"{host}:{port}")
+        self.status = WorkerStatus(shepherd=f"{self.host}:{self.port}")
         self.heartbeat_seconds = 2.0  # the welcome says the run's interval
         self.heartbeat_timeout = 30.0
+
+    @property
+    def host(self) -> str:
+        return self.addresses[self._at][0]
+
+    @property
+    def port(self) -> int:
+        return self.addresses[self._at][1]
 
     async def run(self) -> None:
         """Train until the shepherd says goodbye. Raises Refused on a final refusal.
@@ -147,7 +157,11 @@ class Session:
         retried twice a second for ever. Losses before ready are retried within the budget,
         with its growing waits; a loss after ready starts a fresh one (see `run`).
         """
-        stream = await self._connect(deadline)
+        try:
+            stream = await self._connect(deadline)
+        except ConnectionLost:
+            self._next_address()
+            raise
         messages = protocol.MessageStream(stream)
         if self.trace is not None:
             messages.observer = self.trace.observer(f"{self.host}:{self.port}")
@@ -175,13 +189,25 @@ class Session:
                     raise ConnectionLost(str(exc)) from exc
                 self.status.update(state="connecting", message=str(exc))
                 done = False
+            if not done:
+                self._next_address()
             if not done and not exc.ready:  # welcomed, then failed: no fresh budget for that
                 raise ConnectionLost(f"{exc}, before this worker was ready") from exc
             return done
+        except ConnectionLost:  # before the welcome: the next address, if there is one
+            self._next_address()
+            raise
         finally:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
                 await trio.aclose_forcefully(messages.stream)  # all of them, when striped
+
+    def _next_address(self) -> None:
+        """Try the next --connect address (a relay's, the shepherd's) on the next attempt."""
+        if len(self.addresses) > 1:
+            self._at = (self._at + 1) % len(self.addresses)
+            self.status.update(shepherd=f"{self.host}:{self.port}")
+            log.info("next try: %s:%d", self.host, self.port)
 
     def _shepherd_stopped(self, stopped: RunResumable) -> bool:
         """The shepherd stopped before the run's end and can resume it: True (done) only
