@@ -579,7 +579,7 @@ def test_abbreviated_options_are_errors_not_guesses(args, message, cli):
             "(see `pcp-tui --help`)",
         ),
         (["wroker", "--connect", "127.0.0.1:9"], "unknown command 'wroker'; did you mean worker?"),
-        (["xyzzy"], "unknown command 'xyzzy'; commands: shepherd, demo, worker, keygen,"),
+        (["xyzzy"], "unknown command 'xyzzy'; commands: shepherd, demo, worker, relay, keygen,"),
     ],
 )
 def test_a_usage_error_is_one_line_not_the_usage(args, message, cli):

@@ -138,6 +138,10 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
         protocol.FragmentUpdate(round=3, fragment=1, change=True),
         dict(list(PARAMS.items())[1:]),
     ),
+    "relayFrame": (
+        protocol.RelayFrame(channel=12, op=protocol.RelayOp.KEEP, value=3, text=""),
+        {"bytes": np.arange(256, dtype=np.uint8)},
+    ),
 }
 
 
