@@ -114,3 +114,5 @@ class RelayFrame(Body):
     op: RelayOp = RelayOp.OPEN
     value: int = 0
     text: str = _text(REASON_CHARS)
+    kept: tuple[int, ...] = _items(4096)  # data, repeat: kept buffers whose bytes go in
+    kept_at: tuple[int, ...] = _items(4096)  # where each goes: after this many of its own bytes

@@ -88,9 +88,16 @@ class MessageStream:
         """
         total = message.wire_bytes
         async with self._send_lock:
-            for chunk in _coalesce(message.buffers):
-                await self.stream.send_all(chunk)
-                self.bytes_sent += memoryview(chunk).nbytes
+            # a transport that takes a message's buffers at once (a relay's channel) frames
+            # them together; any other is written buffer by buffer
+            send_parts = getattr(self.stream, "send_parts", None)
+            if send_parts is not None:
+                await send_parts(list(_coalesce(message.buffers)))
+                self.bytes_sent += total
+            else:
+                for chunk in _coalesce(message.buffers):
+                    await self.stream.send_all(chunk)
+                    self.bytes_sent += memoryview(chunk).nbytes
         if self.observer is not None:
             self.observer("sent", Message(message.body, dict(message.tensors), wire_bytes=total))
         return total

@@ -294,11 +294,11 @@ struct Goodbye {
 # it (credit), so one slow reader never stalls the others.
 enum RelayOp {
   open @0;    # relay -> shepherd: a worker connected; `text` is its address
-  data @1;    # the channel's next bytes
+  data @1;    # the channel's next bytes, then those of the kept buffers `kept` names
   close @2;   # the channel ended; `text` says why
   credit @3;  # the receiver takes `value` more bytes of the channel
   keep @4;    # shepherd -> relay: data, and keep it as buffer `value`
-  repeat @5;  # shepherd -> relay: the channel's next bytes are those of kept buffer `value`
+  repeat @5;  # shepherd -> relay: the channel's next bytes are those of the kept buffers `kept`
   forget @6;  # shepherd -> relay: buffer `value` is not repeated again
 }
 
@@ -307,4 +307,6 @@ struct RelayFrame {
   op @1 :RelayOp;
   value @2 :UInt64;
   text @3 :Text;
+  kept @4 :List(UInt64);    # data, repeat: kept buffers whose bytes go in (the shepherd's only)
+  keptAt @5 :List(UInt64);  # where each goes: after this many of the frame's own bytes
 }

@@ -130,22 +130,68 @@ class Channel(trio.abc.Stream):
     # -- writing ----------------------------------------------------------------------
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data).cast("B")
+        await self.send_parts([data])
+
+    async def send_parts(self, parts: list[bytes | bytearray | memoryview]) -> None:
+        """Send `parts` in order in as few frames as it takes: one message's buffers
+        (`protocol.MessageStream.send_encoded`). A big one the relay holds already goes as its
+        number and place among the frame's bytes, so a round start (its header, its small
+        tensors, the number of every big one) is one frame."""
+        channels = self._channels
         async with self._send_lock:
             self._check_open()
-            if view.nbytes >= KEEP_MIN_BYTES and self._channels.keeps:
-                await self._channels.send_kept(self, data, view)
-                return
-            while view.nbytes:
-                while self._credit <= 0:
-                    self._check_open()
-                    self._credited = trio.Event()
-                    await self._credited.wait()
+            data = bytearray()  # small parts not sent yet
+            kept: list[tuple[int, int]] = []  # (where in `data`, kept number) to go in
+            for part in parts:
+                view = memoryview(part).cast("B")
+                if channels.keeps and view.nbytes >= KEEP_MIN_BYTES:
+                    held, ours = await channels.claim(part, view.nbytes)
+                    if not ours:  # the relay holds it: its number goes in
+                        kept.append((len(data), held.number))
+                        continue
+                    await self._send_data(data, kept)
+                    data, kept = bytearray(), []
+                    await channels.send_kept(self, held, view)
+                elif view.nbytes >= PIECE_BYTES:
+                    await self._send_data(data, kept)
+                    await self._send_data(view, [])
+                    data, kept = bytearray(), []
+                else:
+                    data += view
+            await self._send_data(data, kept)
+
+    async def _send_data(self, data: bytes | bytearray | memoryview, kept: list) -> None:
+        """`data` within the credit granted, in pieces, each naming the kept buffers that go
+        among its bytes (`kept`: (offset in `data`, number), in order)."""
+        view = memoryview(data).cast("B")
+        if not view.nbytes:
+            if kept:
+                numbers = [number for _, number in kept]
+                await self._channels.send_frame(
+                    Op.REPEAT, self.number, 0, kept=numbers, kept_at=[0] * len(numbers)
+                )
+            return
+        start = 0
+        while start < view.nbytes:
+            while self._credit <= 0:
                 self._check_open()
-                size = min(view.nbytes, self._credit, PIECE_BYTES)
-                await self._channels.send_frame(Op.DATA, self.number, 0, view[:size])
-                self._credit -= size
-                view = view[size:]
+                self._credited = trio.Event()
+                await self._credited.wait()
+            self._check_open()
+            size = min(view.nbytes - start, self._credit, PIECE_BYTES)
+            end = start + size
+            # each kept buffer goes with the piece whose bytes it follows (at 0: the first)
+            here = [(at, n) for at, n in kept if start < at <= end or at == start == 0]
+            await self._channels.send_frame(
+                Op.DATA,
+                self.number,
+                0,
+                view[start:end],
+                kept=[n for _, n in here],
+                kept_at=[at - start for at, _ in here],
+            )
+            self._credit -= size
+            start = end
 
     def credit(self, nbytes: int) -> None:
         self._credit += nbytes
@@ -233,31 +279,43 @@ class Channels:
         return channel
 
     async def send_frame(
-        self, op: Op, number: int, value: int, data: memoryview | None = None, *, text: str = ""
+        self,
+        op: Op,
+        number: int,
+        value: int,
+        data: memoryview | None = None,
+        *,
+        text: str = "",
+        kept: list[int] | tuple[int, ...] = (),
+        kept_at: list[int] | tuple[int, ...] = (),
     ) -> None:
         tensors = {"bytes": np.frombuffer(data, np.uint8)} if data is not None else None
-        body = protocol.RelayFrame(channel=number, op=op, value=value, text=text[:1024])
+        body = protocol.RelayFrame(number, op, value, text[:1024], tuple(kept), tuple(kept_at))
         await self.link.send_encoded(protocol.encode_once(body, tensors))
 
-    async def send_kept(self, channel: Channel, owner: object, view: memoryview) -> None:
-        """`view` (the bytes of `owner`) to `channel`: kept the first time, repeated after.
-
-        Sends of one buffer to several channels at once (a round's starts) wait for the
-        first to have kept it; if that one fails part-way, the next keeps it again.
-        """
+    async def claim(self, owner: object, nbytes: int) -> tuple[_Kept, bool]:
+        """(what the relay keeps `owner`'s bytes as, whether the caller is to send them): a
+        buffer another channel is sending waits for that send; one nobody sent is claimed
+        here, before anything else runs, so one channel keeps it and the others repeat it."""
         while True:
             kept = self._kept_out.get(id(owner))
             if kept is None or kept.owner is not owner:
-                break
+                kept = self._kept_out[id(owner)] = _Kept(owner, self._next_kept, nbytes)
+                self._next_kept += 1
+                return kept, True
             await kept.done.wait()
             if kept.complete:
                 self._kept_out.move_to_end(id(owner))
-                await self.send_frame(Op.REPEAT, channel.number, kept.number)
-                self.bytes_repeated += view.nbytes
-                return
-        kept = _Kept(owner, self._next_kept, view.nbytes)
-        self._next_kept += 1
-        self._kept_out[id(owner)] = kept
+                self.bytes_repeated += nbytes
+                return kept, False
+
+    async def send_kept(self, channel: Channel, kept: _Kept, view: memoryview) -> None:
+        """`view` (the buffer `claim` gave this channel) to `channel`, and kept at the relay.
+
+        Other channels' sends of it wait for this one (`claim`); if it fails part-way, the
+        next of them keeps it again.
+        """
+        owner = kept.owner
         try:
             for start in range(0, view.nbytes, PIECE_BYTES):
                 piece = view[start : start + PIECE_BYTES]
@@ -358,7 +416,7 @@ class Channels:
                 raise protocol.MalformedMessage(f"forget of unknown buffer {frame.value}")
             self._kept_in_bytes -= sum(piece.nbytes for piece in pieces)
             return
-        if op in (Op.KEEP, Op.REPEAT) and self.keeps:
+        if (op in (Op.KEEP, Op.REPEAT) or frame.kept) and self.keeps:
             raise protocol.MalformedMessage(f"only the shepherd sends {op.value} frames")
         if op is Op.KEEP:
             assert data is not None
@@ -371,20 +429,34 @@ class Channels:
             if not 0 < number <= self._highest:
                 raise protocol.MalformedMessage(f"a {op.value} frame for unknown channel {number}")
             return  # a channel this side closed already: its last frames were on their way
-        if op is Op.DATA or op is Op.KEEP:
+        if op is Op.KEEP:
             assert data is not None
-            channel.deliver(data, counted=op is Op.DATA)
-        elif op is Op.REPEAT:
-            pieces = self._kept_in.get(frame.value)
-            if pieces is None:
-                raise protocol.MalformedMessage(f"repeat of unknown buffer {frame.value}")
-            for piece in pieces:
-                channel.deliver(piece, counted=False)
+            channel.deliver(data, counted=False)
+        elif op is Op.DATA or op is Op.REPEAT:
+            self._deliver(channel, data if data is not None else memoryview(b""), frame)
         elif op is Op.CREDIT:
             channel.credit(frame.value)
         elif op is Op.CLOSE:
             channel.end(frame.text or "closed by the other side")
             self.channels.pop(number, None)
+
+    def _deliver(self, channel: Channel, data: memoryview, frame: protocol.RelayFrame) -> None:
+        """A data or repeat frame's bytes, with the kept buffers it names in their places."""
+        at = frame.kept_at
+        if len(at) != len(frame.kept) or any(
+            not b <= a <= data.nbytes for b, a in zip((0, *at), at, strict=False)
+        ):
+            raise protocol.MalformedMessage("a frame's kept buffers are not in order within it")
+        start = 0
+        for offset, number in zip(at, frame.kept, strict=True):
+            pieces = self._kept_in.get(number)
+            if pieces is None:
+                raise protocol.MalformedMessage(f"repeat of unknown buffer {number}")
+            channel.deliver(data[start:offset], counted=True)
+            for piece in pieces:
+                channel.deliver(piece, counted=False)
+            start = offset
+        channel.deliver(data[start:], counted=True)
 
     def _accept(self, number: int, peer: str) -> None:
         if not self.accepts:
