@@ -182,6 +182,7 @@ class Relay:
                     else b""
                 ),
                 relay=True,
+                relay_fingerprint=self.server_tls.fingerprint if self.server_tls else "",
             )
         )
         return (await expect(stream, "welcome")).body_as(protocol.Welcome)

@@ -60,6 +60,7 @@ class WorkerHello(Body):
     public_key: bytes = field(default=b"", metadata={"bytes": 32})  # --worker-keys: its key
     signature: bytes = field(default=b"", metadata={"bytes": 64})  # and its Ed25519 signature
     relay: bool = False  # a relay, which carries its workers' connections once welcomed
+    relay_fingerprint: str = _text()  # a relay: its workers' TLS certificate's ("" none)
 
 
 @dataclass(frozen=True)

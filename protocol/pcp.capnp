@@ -132,6 +132,9 @@ struct WorkerHello {
   # a relay (`pcp-tui relay`), not a worker: once welcomed, the connection carries its
   # workers' connections as channels (RelayFrame); workerId is the relay's name
   relay @10 :Bool;
+  # a relay: the SHA-256 fingerprint of the certificate its workers see ("": they connect
+  # over plain TCP); their --worker-keys signatures cover it, not the shepherd's
+  relayFingerprint @11 :Text;
 }
 
 struct Welcome {

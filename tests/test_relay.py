@@ -15,11 +15,13 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.config.relay import RelayConfig
+from pcp_tui.contract import keys
 from pcp_tui.contract.channels import WINDOW, Channels
 from pcp_tui.contract.connection import Refused
+from pcp_tui.contract.tls import ClientTLS, ServerTLS
 from pcp_tui.relay import Relay
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import local_worker, pause_after_round, until
+from pcp_tui.testing import local_worker, pause_after_round, self_signed_certificate, until
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -211,3 +213,37 @@ async def test_workers_whose_relay_dies_go_on_through_the_next_address():
     }
     full = config.inner.steps * config.data.batch_size * config.data.seq_len
     assert [r.tokens for r in history] == [2 * full] * 4  # each result counted once
+
+
+@pytest.mark.e2e  # openssl makes the relay's certificate
+async def test_a_keyed_worker_joins_through_a_tls_relay(tmp_path):
+    """Under --worker-keys a worker signs the certificate it sees, the relay's: the relay
+    (keyed itself) names it in its hello and the shepherd checks the signature over it."""
+    issued, private = tmp_path / "workers.keys", {}
+    for name in ("alice", "site-a"):  # the relay joins with a key of its own, too
+        key, private[name] = keys.generate(), str(tmp_path / f"{name}.key")
+        keys.write_private_key(key, private[name])
+        with issued.open("a") as lines:
+            lines.write(keys.public_line(key, name) + "\n")
+    cert, cert_key = self_signed_certificate(tmp_path)
+    server_tls = ServerTLS.from_files(str(cert), str(cert_key))
+    config = small_config(workers=1, rounds=1, relays=1, worker_keys=str(issued))
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        relay = _relay(port, key=private["site-a"])
+        relay.server_tls = server_tls
+        relay_port = await nursery.start(relay.run)
+        await until(lambda: bool(shepherd.pool.relays.live))
+        worker = local_worker(
+            relay_port,
+            "alice",
+            key=private["alice"],
+            tls_fingerprint=server_tls.fingerprint,
+            reconnect=False,
+        )
+        worker.tls = ClientTLS.from_options(pinned=server_tls.fingerprint)
+        nursery.start_soon(worker.run)
+    [record] = shepherd.state.history
+    assert (record.worker_ids, record.relays) == (("alice",), 1)
+    assert shepherd.state.workers["alice"].via == "site-a"

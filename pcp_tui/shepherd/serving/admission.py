@@ -188,12 +188,18 @@ class Admission:
         return sum(self._pending.values())
 
     async def admit(
-        self, raw: trio.abc.Stream, *, peer: str | None = None, tls: bool = True
+        self,
+        raw: trio.abc.Stream,
+        *,
+        peer: str | None = None,
+        tls: bool = True,
+        channel: str | None = None,
     ) -> Admitted | None:
         """Handshake with a fresh connection; None (connection closed, refusal logged) if it fails.
 
         `peer`: who it is, where the stream cannot say (a relay's channel: the relay's name
-        and the worker's address); `tls`: False where the stream is inside TLS already.
+        and the worker's address); `tls`: False where the stream is inside TLS already;
+        `channel`: the certificate the worker saw, where not this shepherd's (a relay's).
         """
         peer = peer or peer_name(raw)
         host = peer.rpartition(":")[0] or peer
@@ -222,7 +228,11 @@ class Admission:
                 stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
                 stream.observer = self.trace.observer(peer) if self.trace else None
                 hello = await handshake(
-                    stream, token=self._token, run_id=self._run_id, keys=self.worker_keys
+                    stream,
+                    token=self._token,
+                    run_id=self._run_id,
+                    keys=self.worker_keys,
+                    channel=channel,
                 )
         except Refused as exc:
             self.refusals.refused(host, peer, exc.reason, code=exc.code)

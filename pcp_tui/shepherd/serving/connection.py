@@ -52,6 +52,7 @@ class Hello:
     attach_proof: bytes = b""
     public_key: bytes = b""  # --worker-keys: the key it was admitted with (revocable)
     relay: bool = False  # a relay (`pcp-tui relay`): its link carries its workers' connections
+    relay_fingerprint: str = ""  # a relay: the certificate its workers see (their keys sign it)
 
 
 class SendTooSlow(trio.BrokenResourceError):
@@ -204,6 +205,7 @@ async def handshake(
     token: str,
     run_id: str,
     keys: WorkerKeys | None = None,
+    channel: str | None = None,
 ) -> Hello:
     """Challenge the peer: it must answer with HMAC(token, nonce, id), and with `keys`
     (--worker-keys) also sign the same nonce and id with a key issued to that id.
@@ -248,7 +250,7 @@ async def handshake(
             f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
         )
         raise Refused(reason, code="authFailed")
-    unsigned = keys.refusal(body, nonce) if keys is not None else None
+    unsigned = keys.refusal(body, nonce, channel) if keys is not None else None
     if unsigned is not None:
         await stream.send_error("authFailed", unsigned)
         raise Refused(unsigned, code="authFailed")
@@ -279,6 +281,7 @@ async def handshake(
         attach_proof=body.attach_proof,
         public_key=bytes(body.public_key) if keys is not None else b"",
         relay=body.relay,
+        relay_fingerprint=shown(body.relay_fingerprint),
     )
 
 

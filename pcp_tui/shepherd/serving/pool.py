@@ -166,8 +166,11 @@ class WorkerPool:
         `via`: the relay whose channel `raw` is (`relays.py`): its link has TLS already.
         """
         peer = f"{via}/{raw.peer}" if isinstance(raw, Channel) else None
-        # TLS, token, limits; logs and closes refusals
-        admitted = await self.admission.admit(raw, peer=peer, tls=not via)
+        relay = self.relays.live.get(via) if via else None
+        # TLS, token, limits; logs and closes refusals; a relay's worker signs its certificate
+        admitted = await self.admission.admit(
+            raw, peer=peer, tls=not via, channel=relay.fingerprint if relay else None
+        )
         if admitted is None:
             return
         if admitted.hello.relay:

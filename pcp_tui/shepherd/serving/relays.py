@@ -37,6 +37,7 @@ class RelayView:
     name: str
     peer: str
     channels: Channels = field(repr=False)
+    fingerprint: str = ""  # the certificate its workers see (their key signatures cover it)
 
     @property
     def workers(self) -> int:
@@ -103,7 +104,8 @@ class Relays:
         network = self.config.network
         await stream.send(protocol.Welcome(0, self.run_id, network.heartbeat_seconds))
         channels = Channels(stream, accepts=True, keeps=True)
-        view = self.live[name] = RelayView(name, admitted.peer, channels)
+        fingerprint = admitted.hello.relay_fingerprint
+        view = self.live[name] = RelayView(name, admitted.peer, channels, fingerprint)
         self.state.emit(RelayJoined(f"relay {name} joined from {admitted.peer}", relay=name))
         why = "its link ended"
         try:

@@ -85,9 +85,12 @@ class WorkerKeys:
         )
         return self._names
 
-    def refusal(self, hello: protocol.WorkerHello, nonce: bytes) -> str | None:
+    def refusal(
+        self, hello: protocol.WorkerHello, nonce: bytes, channel: str | None = None
+    ) -> str | None:
         """Why `hello` (on the connection whose challenge is `nonce`) may not join; None if its
-        key is issued to its worker id and signed this connection's challenge."""
+        key is issued to its worker id and signed this connection's challenge. `channel`: the
+        certificate fingerprint the worker saw where it is not this shepherd's (a relay's)."""
         if not hello.public_key or not hello.signature:
             return _NO_KEY
         public = bytes(hello.public_key)
@@ -104,7 +107,12 @@ class WorkerKeys:
                 f"joins as one id; start the worker with --id {name}"
             )
         if not keys.verify_hello(
-            public, hello.signature, nonce, hello.worker_id, hello.attach_index, self.channel
+            public,
+            hello.signature,
+            nonce,
+            hello.worker_id,
+            hello.attach_index,
+            self.channel if channel is None else channel,
         ):
             return (
                 f"the hello's signature is not key {shown}'s over this connection's challenge "
