@@ -41,7 +41,7 @@ EXPECTED = {
     "bench_quality": (r"^\| run \| rounds \| tokens \|", RATIO),
     "bench_resume_clip": (r"^aggregate\s+run\s+eval loss per round", RATIO),
     "bench_shepherd_eval": (r"^\s+eval batches\s+validate\s+busy", RATIO),
-    "bench_shepherd_scale": (r"^\s+workers\s+round s", RATIO),
+    "bench_shepherd_scale": (r"^\s+workers\s+relays\s+round s", RATIO),
     "bench_site_messages": (r"^method\s+MB/s", RATIO),
     "bench_stragglers": (r"^\| scenario \| rounds with an honest result \|", RATIO),
     "bench_streaming": (r"^\s+run\s+util\s+x plain", RATIO),
