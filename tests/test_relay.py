@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from pcp_tui import protocol
 from pcp_tui.config.relay import RelayConfig
@@ -170,4 +171,70 @@ async def test_a_shepherd_takes_relays_only_with_relays():
         port = await nursery.start(shepherd.run)
         with pytest.raises(Refused, match="start it with --relays N"):
             await _relay(port, give_up_after=5.0).run()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_send_cancelled_mid_frame_leaves_the_link_whole():
+    """A worker's send cut off (its deadline, a closing fragment) while the link's socket is
+    full must not cut a frame in half: the link carries every other channel on."""
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shepherd.run)
+        await relay.open("10.0.0.1:1")  # the slow worker's
+        other = await relay.open("10.0.0.2:2")
+        to_slow, to_other = await shepherd.accepted.receive(), await shepherd.accepted.receive()
+        # the relay's reader is not running yet: the shepherd's writes fill the link's socket
+        async with trio.open_nursery() as senders:
+            senders.start_soon(to_slow.send_all, bytes(64 * 2**20))
+            await trio.testing.wait_all_tasks_blocked()
+            senders.cancel_scope.cancel()  # the slow worker's send is cut off, mid-frame
+            nursery.start_soon(relay.run)  # raises ProtocolError if the link is garbled
+        await to_other.send_all(b"still whole")
+        assert await _read(other, len(b"still whole")) == b"still whole"
+        nursery.cancel_scope.cancel()
+
+
+def _kept_budget(monkeypatch, nbytes: int) -> None:
+    from pcp_tui.contract import channels
+
+    monkeypatch.setattr(channels, "KEEP_BYTES", nbytes)
+
+
+async def test_kept_buffers_stay_within_what_the_relay_holds(monkeypatch):
+    """The shepherd forgets old buffers before it keeps a new one, so the relay never holds
+    more than KEEP_BYTES; a buffer bigger than that goes as plain data, never kept."""
+    _kept_budget(monkeypatch, 3 * 2**20)
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        nursery.start_soon(shepherd.run)
+        end = await relay.open("10.0.0.1:1")
+        served = await shepherd.accepted.receive()
+        rng = np.random.default_rng(0)
+        sent = [rng.bytes(size) for size in (5 * 2**19, 5 * 2**19, 7 * 2**20, 5 * 2**19)]
+        for data in sent:
+            nursery.start_soon(served.send_all, data)
+            assert await _read(end, len(data)) == data
+            assert relay._kept_in_bytes <= 3 * 2**20
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_keep_cut_off_part_way_is_forgotten_at_the_relay(monkeypatch):
+    """A keep cancelled between its pieces leaves nothing at the relay the shepherd does not
+    count: else the relay's count creeps up to KEEP_BYTES and it ends the link."""
+    _kept_budget(monkeypatch, 40 * 2**20)
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shepherd.run)
+        await relay.open("10.0.0.1:1")
+        served = await shepherd.accepted.receive()
+        async with trio.open_nursery() as senders:  # the link's socket fills, then a cut
+            senders.start_soon(served.send_all, bytes(32 * 2**20))  # kept, in 32 pieces
+            await trio.testing.wait_all_tasks_blocked()
+            senders.cancel_scope.cancel()
+            nursery.start_soon(relay.run)
+        data = bytes(range(256)) * 8192  # 2 MiB, kept
+        nursery.start_soon(served.send_all, data)
+        await trio.testing.wait_all_tasks_blocked()
+        assert relay._kept_in_bytes == shepherd._kept_out_bytes == len(data)
         nursery.cancel_scope.cancel()

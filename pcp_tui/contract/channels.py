@@ -133,8 +133,8 @@ class Channel(trio.abc.Stream):
         view = memoryview(data).cast("B")
         async with self._send_lock:
             self._check_open()
-            if view.nbytes >= KEEP_MIN_BYTES and self._channels.keeps:
-                await self._channels.send_kept(self, data, view)
+            keep = view.nbytes >= KEEP_MIN_BYTES and self._channels.keeps
+            if keep and await self._channels.send_kept(self, data, view):
                 return
             while view.nbytes:
                 while self._credit <= 0:
@@ -222,6 +222,8 @@ class Channels:
         self.bytes_repeated = 0  # bytes not sent again thanks to repeats (sender side)
         self.ended: str | None = None
         self.goodbye: protocol.Goodbye | None = None  # the shepherd's, ending the link
+        self._writing = trio.Lock()  # one frame at a time, each whole (`send_frame`)
+        self.stall_seconds = math.inf  # a frame the link takes nothing of this long ends it
 
     async def open(self, peer: str) -> Channel:
         """A new channel for a worker connected from `peer` (the relay's end)."""
@@ -235,43 +237,79 @@ class Channels:
     async def send_frame(
         self, op: Op, number: int, value: int, data: memoryview | None = None, *, text: str = ""
     ) -> None:
+        """One frame, whole: a send cancelled mid-frame (a worker's send deadline, a closing
+        fragment) would garble the link for every channel, so a cancel takes effect only
+        before the frame's turn or after its last byte; a frame the link takes no byte of for
+        `stall_seconds` ends the link (BrokenResourceError)."""
         tensors = {"bytes": np.frombuffer(data, np.uint8)} if data is not None else None
         body = protocol.RelayFrame(channel=number, op=op, value=value, text=text[:1024])
-        await self.link.send_encoded(protocol.encode_once(body, tensors))
+        message = protocol.encode_once(body, tensors)
+        async with self._writing:  # waiting for its turn can be cancelled
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(self.stall_seconds) as stalled:
+                    await self.link.send_encoded(message)
+                if stalled.cancelled_caught:
+                    why = f"the link took no frame for {self.stall_seconds:.0f} s"
+                    self.end(why)
+                    await trio.aclose_forcefully(self.link.stream)
+                    raise trio.BrokenResourceError(why)
 
-    async def send_kept(self, channel: Channel, owner: object, view: memoryview) -> None:
-        """`view` (the bytes of `owner`) to `channel`: kept the first time, repeated after.
+    async def send_kept(self, channel: Channel, owner: object, view: memoryview) -> bool:
+        """`view` (the bytes of `owner`) to `channel`: kept the first time, repeated after;
+        False (nothing sent) where it cannot be kept: bigger than the relay holds.
 
         Sends of one buffer to several channels at once (a round's starts) wait for the
-        first to have kept it; if that one fails part-way, the next keeps it again.
+        first to have kept it; if that one fails part-way, the relay forgets its pieces and
+        the next keeps it again. Old buffers are forgotten before a new one is kept, so the
+        relay never holds more than KEEP_BYTES.
         """
         while True:
             kept = self._kept_out.get(id(owner))
             if kept is None or kept.owner is not owner:
                 break
             await kept.done.wait()
-            if kept.complete:
+            if kept.complete and self._kept_out.get(id(owner)) is kept:
                 self._kept_out.move_to_end(id(owner))
                 await self.send_frame(Op.REPEAT, channel.number, kept.number)
                 self.bytes_repeated += view.nbytes
-                return
+                return True
+        if not await self._make_room(view.nbytes):
+            return False
         kept = _Kept(owner, self._next_kept, view.nbytes)
         self._next_kept += 1
         self._kept_out[id(owner)] = kept
+        self._kept_out_bytes += view.nbytes
+        pieces = 0
         try:
             for start in range(0, view.nbytes, PIECE_BYTES):
                 piece = view[start : start + PIECE_BYTES]
                 await self.send_frame(Op.KEEP, channel.number, kept.number, piece)
+                pieces += 1
             kept.complete = True
         finally:
             kept.done.set()
             if not kept.complete:
                 del self._kept_out[id(owner)]
-        self._kept_out_bytes += view.nbytes
-        while self._kept_out_bytes > KEEP_BYTES and len(self._kept_out) > 1:
-            _, old = self._kept_out.popitem(last=False)
+                self._kept_out_bytes -= view.nbytes
+                if pieces and self.ended is None:  # the relay holds its first pieces
+                    with (
+                        trio.CancelScope(shield=True),
+                        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+                    ):
+                        await self.send_frame(Op.FORGET, 0, kept.number)
+        return True
+
+    async def _make_room(self, nbytes: int) -> bool:
+        """Forget the least recently repeated buffers until `nbytes` more fit in KEEP_BYTES;
+        False if they cannot (buffers still being kept hold the rest)."""
+        while self._kept_out_bytes + nbytes > KEEP_BYTES:
+            old = next((kept for kept in self._kept_out.values() if kept.complete), None)
+            if old is None:
+                return False
+            del self._kept_out[id(old.owner)]
             self._kept_out_bytes -= old.nbytes
             await self.send_frame(Op.FORGET, 0, old.number)
+        return True
 
     async def say_goodbye(self, reason: str, *, resumable: bool = False) -> None:
         """The shepherd's last word on the link (the run is over, or stopped to be resumed)."""
@@ -289,6 +327,7 @@ class Channels:
         all be quiet, its machine gone). ProtocolError for a peer that broke the rules.
         """
         broke: protocol.ProtocolError | None = None
+        self.stall_seconds = timeout
         async with trio.open_nursery() as nursery:
             if heartbeat_seconds < math.inf:
                 nursery.start_soon(self._keep_alive, heartbeat_seconds, timeout)
