@@ -297,8 +297,9 @@ enum RelayOp {
   data @1;    # the channel's next bytes
   close @2;   # the channel ended; `text` says why
   credit @3;  # the receiver takes `value` more bytes of the channel
-  keep @4;    # shepherd -> relay: data, and keep it as buffer `value`
-  repeat @5;  # shepherd -> relay: the channel's next bytes are those of kept buffer `value`
+  keep @4;    # shepherd -> relay, channel 0: the next bytes of buffer `value`, to keep
+  repeat @5;  # shepherd -> relay: the channel's next bytes are those of kept buffer `value`,
+              # charged to its credit (sent once any is left)
   forget @6;  # shepherd -> relay: buffer `value` is not repeated again
 }
 

@@ -238,3 +238,29 @@ async def test_a_keep_cut_off_part_way_is_forgotten_at_the_relay(monkeypatch):
         await trio.testing.wait_all_tasks_blocked()
         assert relay._kept_in_bytes == shepherd._kept_out_bytes == len(data)
         nursery.cancel_scope.cancel()
+
+
+async def test_big_buffers_for_a_worker_that_does_not_read_wait_for_its_credit():
+    """Kept and repeated buffers are charged to their channel's credit as data is. They were
+    not: the shepherd's sends of big buffers to a worker that never read went through at
+    once (its send deadline never applied) and the relay buffered them without bound."""
+    relay, shepherd = await _linked()
+    buffers = [np.random.default_rng(i).bytes(2**20) for i in range(16)]
+    sent = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        nursery.start_soon(shepherd.run)
+        end = await relay.open("10.0.0.1:1")
+        served = await shepherd.accepted.receive()
+
+        async def sender():
+            for data in buffers:
+                await served.send_all(data)
+                sent.append(data)
+
+        nursery.start_soon(sender)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(sent) < len(buffers)
+        assert end._buffered <= WINDOW + 2**20  # a window and the repeat sent into its last byte
+        assert await _read(end, 16 * 2**20) == b"".join(buffers)  # the rest, as it is read
+        nursery.cancel_scope.cancel()

@@ -20,12 +20,14 @@ does); a frame's bytes ride as one uint8 tensor.
 - **One copy of what the shepherd sends to many.** A message encoded once and
   written to many workers (a round's parameters, a fragment's update:
   `protocol.Encoded`) goes to the relay once: the shepherd sends a big buffer's
-  bytes the first time (`keep`) and, to each further channel, only its number
-  (`repeat`); the relay writes the kept bytes into that channel. Buffers are
-  recognised by identity, which an `Encoded` guarantees unchanged until sent;
-  the relay holds at most `KEEP_BYTES`, the shepherd telling it what to drop
-  (`forget`). A repeat is not charged to the channel's credit: its bytes are
-  the kept buffer's, not a copy.
+  bytes the first time to be kept (`keep`, on no channel: channel 0) and, to every
+  channel it is for, only its number (`repeat`); the relay writes the kept bytes
+  into that channel. Buffers are recognised by identity, which an `Encoded`
+  guarantees unchanged until sent; the relay holds at most `KEEP_BYTES`, the
+  shepherd telling it what to drop (`forget`) before it keeps more. A repeat is
+  charged to its channel's credit as data is, but sent whole once any credit is
+  left (its bytes are the kept buffer's, not a copy): a worker that reads slowly
+  holds up its own sends and no one else's.
 
 What the peer sends that breaks these rules (an unknown channel or buffer, data
 past the window, a relay opening channels to a relay) ends the link with a
@@ -71,8 +73,8 @@ class Channel(trio.abc.Stream):
 
     def __init__(self, channels: Channels, number: int, peer: str):
         self._channels, self.number, self.peer = channels, number, peer
-        self._buffer: collections.deque[tuple[memoryview, bool]] = collections.deque()
-        self._buffered = 0  # bytes of `_buffer` charged to the window (repeats are not)
+        self._buffer: collections.deque[memoryview] = collections.deque()
+        self._buffered = 0  # bytes in `_buffer`, all charged to the window
         self._taken = 0  # bytes taken since credit was last granted
         self._credit = WINDOW  # bytes this side may still send
         self._arrived = trio.Event()
@@ -91,19 +93,17 @@ class Channel(trio.abc.Stream):
                 return b""
             self._arrived = trio.Event()
             await self._arrived.wait()
-        first, counted = self._buffer[0]
+        first = self._buffer[0]
         size = first.nbytes if max_bytes is None else min(first.nbytes, max_bytes)
         data = bytes(first[:size])
         if size == first.nbytes:
             self._buffer.popleft()
         else:
-            self._buffer[0] = (first[size:], counted)
-        await self._took(size, counted=counted)
+            self._buffer[0] = first[size:]
+        await self._took(size)
         return data
 
-    async def _took(self, nbytes: int, *, counted: bool) -> None:
-        if not counted:
-            return
+    async def _took(self, nbytes: int) -> None:
         self._buffered -= nbytes
         self._taken += nbytes
         if self._taken >= WINDOW // 2 and self.ended is None:
@@ -111,21 +111,19 @@ class Channel(trio.abc.Stream):
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._channels.send_frame(Op.CREDIT, self.number, granted)
 
-    def deliver(self, data: memoryview, *, counted: bool) -> None:
-        """Bytes for the reader (the link's reader calls this; it never waits).
-
-        `counted`: charged to the window (data, keep); ProtocolError past it.
-        """
-        if counted:
-            if self._buffered + data.nbytes > WINDOW:
-                raise protocol.MalformedMessage(
-                    f"channel {self.number}: {self._buffered + data.nbytes} bytes unread, "
-                    f"more than the {WINDOW} granted"
-                )
-            self._buffered += data.nbytes
-        if data.nbytes:
-            self._buffer.append((data, counted))
-            self._arrived.set()
+    def deliver(self, pieces: list[memoryview], *, repeat: bool = False) -> None:
+        """Bytes for the reader (the link's reader calls this; it never waits), charged to
+        the window: data up to it, a repeat (a kept buffer, any size) only while some of it
+        is left, as its sender waits for credit; MalformedMessage past that."""
+        nbytes = sum(piece.nbytes for piece in pieces)
+        if self._buffered >= WINDOW if repeat else self._buffered + nbytes > WINDOW:
+            raise protocol.MalformedMessage(
+                f"channel {self.number}: {self._buffered + nbytes} bytes unread, "
+                f"more than the {WINDOW} granted"
+            )
+        self._buffered += nbytes
+        self._buffer.extend(piece for piece in pieces if piece.nbytes)
+        self._arrived.set()
 
     # -- writing ----------------------------------------------------------------------
 
@@ -137,15 +135,20 @@ class Channel(trio.abc.Stream):
             if keep and await self._channels.send_kept(self, data, view):
                 return
             while view.nbytes:
-                while self._credit <= 0:
-                    self._check_open()
-                    self._credited = trio.Event()
-                    await self._credited.wait()
-                self._check_open()
+                await self._await_credit()
                 size = min(view.nbytes, self._credit, PIECE_BYTES)
                 await self._channels.send_frame(Op.DATA, self.number, 0, view[:size])
                 self._credit -= size
                 view = view[size:]
+
+    async def _await_credit(self) -> None:
+        """Until the other side has room for more of this channel (BrokenResourceError if
+        the channel ends first)."""
+        while self._credit <= 0:
+            self._check_open()
+            self._credited = trio.Event()
+            await self._credited.wait()
+        self._check_open()
 
     def credit(self, nbytes: int) -> None:
         self._credit += nbytes
@@ -194,6 +197,7 @@ class _Kept:
     def __init__(self, owner: object, number: int, nbytes: int):
         self.owner, self.number, self.nbytes = owner, number, nbytes
         self.complete = False
+        self.users = 0  # repeats of it waiting for their channel's credit: not forgotten
         self.done = trio.Event()
 
 
@@ -255,13 +259,29 @@ class Channels:
                     raise trio.BrokenResourceError(why)
 
     async def send_kept(self, channel: Channel, owner: object, view: memoryview) -> bool:
-        """`view` (the bytes of `owner`) to `channel`: kept the first time, repeated after;
-        False (nothing sent) where it cannot be kept: bigger than the relay holds.
+        """`view` (the bytes of `owner`) to `channel`: the buffer kept at the relay (its
+        bytes cross the link the first time only), then repeated into the channel once its
+        credit allows; False (nothing sent) where it cannot be kept: bigger than the relay
+        holds."""
+        kept = await self._keep(owner, view)
+        if kept is None:
+            return False
+        kept.users += 1  # no checkpoint since `_keep` saw it kept: it is not forgotten
+        try:
+            await channel._await_credit()
+            await self.send_frame(Op.REPEAT, channel.number, kept.number)
+            channel._credit -= view.nbytes
+        finally:
+            kept.users -= 1
+        return True
+
+    async def _keep(self, owner: object, view: memoryview) -> _Kept | None:
+        """`owner`'s buffer as kept at the relay, sent there now unless it is already.
 
         Sends of one buffer to several channels at once (a round's starts) wait for the
         first to have kept it; if that one fails part-way, the relay forgets its pieces and
         the next keeps it again. Old buffers are forgotten before a new one is kept, so the
-        relay never holds more than KEEP_BYTES.
+        relay never holds more than KEEP_BYTES; None where it cannot be kept.
         """
         while True:
             kept = self._kept_out.get(id(owner))
@@ -270,11 +290,10 @@ class Channels:
             await kept.done.wait()
             if kept.complete and self._kept_out.get(id(owner)) is kept:
                 self._kept_out.move_to_end(id(owner))
-                await self.send_frame(Op.REPEAT, channel.number, kept.number)
                 self.bytes_repeated += view.nbytes
-                return True
+                return kept
         if not await self._make_room(view.nbytes):
-            return False
+            return None
         kept = _Kept(owner, self._next_kept, view.nbytes)
         self._next_kept += 1
         self._kept_out[id(owner)] = kept
@@ -283,7 +302,7 @@ class Channels:
         try:
             for start in range(0, view.nbytes, PIECE_BYTES):
                 piece = view[start : start + PIECE_BYTES]
-                await self.send_frame(Op.KEEP, channel.number, kept.number, piece)
+                await self.send_frame(Op.KEEP, 0, kept.number, piece)
                 pieces += 1
             kept.complete = True
         finally:
@@ -297,13 +316,16 @@ class Channels:
                         contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
                     ):
                         await self.send_frame(Op.FORGET, 0, kept.number)
-        return True
+        return kept
 
     async def _make_room(self, nbytes: int) -> bool:
         """Forget the least recently repeated buffers until `nbytes` more fit in KEEP_BYTES;
         False if they cannot (buffers still being kept hold the rest)."""
         while self._kept_out_bytes + nbytes > KEEP_BYTES:
-            old = next((kept for kept in self._kept_out.values() if kept.complete), None)
+            old = next(
+                (kept for kept in self._kept_out.values() if kept.complete and not kept.users),
+                None,
+            )
             if old is None:
                 return False
             del self._kept_out[id(old.owner)]
@@ -401,24 +423,26 @@ class Channels:
             raise protocol.MalformedMessage(f"only the shepherd sends {op.value} frames")
         if op is Op.KEEP:
             assert data is not None
+            if number != 0:
+                raise protocol.MalformedMessage(f"a keep frame for channel {number}, not 0")
             self._kept_in_bytes += data.nbytes
-            if self._kept_in_bytes > KEEP_BYTES + PIECE_BYTES:
+            if self._kept_in_bytes > KEEP_BYTES:
                 raise protocol.MalformedMessage(f"more than {KEEP_BYTES} bytes to keep")
             self._kept_in.setdefault(frame.value, []).append(data)
+            return
         channel = self.channels.get(number)
         if channel is None:
             if not 0 < number <= self._highest:
                 raise protocol.MalformedMessage(f"a {op.value} frame for unknown channel {number}")
             return  # a channel this side closed already: its last frames were on their way
-        if op is Op.DATA or op is Op.KEEP:
+        if op is Op.DATA:
             assert data is not None
-            channel.deliver(data, counted=op is Op.DATA)
+            channel.deliver([data])
         elif op is Op.REPEAT:
             pieces = self._kept_in.get(frame.value)
             if pieces is None:
                 raise protocol.MalformedMessage(f"repeat of unknown buffer {frame.value}")
-            for piece in pieces:
-                channel.deliver(piece, counted=False)
+            channel.deliver(pieces, repeat=True)
         elif op is Op.CREDIT:
             channel.credit(frame.value)
         elif op is Op.CLOSE:
