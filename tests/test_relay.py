@@ -9,6 +9,8 @@ takes relays only when its operator says so.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import trio
@@ -264,3 +266,26 @@ async def test_big_buffers_for_a_worker_that_does_not_read_wait_for_its_credit()
         assert end._buffered <= WINDOW + 2**20  # a window and the repeat sent into its last byte
         assert await _read(end, 16 * 2**20) == b"".join(buffers)  # the rest, as it is read
         nursery.cancel_scope.cancel()
+
+
+async def test_a_relay_whose_old_link_hangs_half_open_gets_back_in():
+    """A relay back (restarted, or past a partition) while its old link still hangs open at
+    the shepherd, silent: told to retry, as a worker is, not refused for good (its name
+    was "in use" by that dead link, so the relay exited and its site was gone)."""
+    config = small_config(workers=1, rounds=1, relays=1, heartbeat_timeout=3.0)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        stale = await trio.open_tcp_stream("127.0.0.1", port)  # welcomed, then never heard
+        await _relay(port)._join(protocol.MessageStream(stale), "the shepherd")
+        await until(lambda: "site-a" in shepherd.pool.relays.live)
+        old = shepherd.pool.relays.live["site-a"].channels.link
+        await until(
+            lambda: time.monotonic() - old.last_activity > 2 * config.network.heartbeat_seconds
+        )
+        relay = _relay(port, give_up_after=60.0)
+        relay_port = await nursery.start(relay.run)
+        nursery.start_soon(local_worker(relay_port, "a").run)
+        await until(lambda: len(shepherd.state.history) == 1)
+        await stale.aclose()
+    assert shepherd.state.workers["a"].via == "site-a"
