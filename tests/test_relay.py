@@ -289,3 +289,14 @@ async def test_a_relay_whose_old_link_hangs_half_open_gets_back_in():
         await until(lambda: len(shepherd.state.history) == 1)
         await stale.aclose()
     assert shepherd.state.workers["a"].via == "site-a"
+
+
+async def test_a_channel_address_that_is_not_printable_ends_the_link():
+    """The address a relay names for its worker reaches the shepherd's log, events and
+    dashboard: an escape sequence there (clear the screen, forge a log line) is refused."""
+    relay, shepherd = await _linked()
+    await relay.send_frame(protocol.RelayOp.OPEN, 1, 0, text="10.0.0.1:1\x1b[2J\nrefused nobody")
+    await relay.link.aclose()
+    with pytest.raises(protocol.ProtocolError, match="printable"):
+        await shepherd.run()
+    assert not shepherd.channels

@@ -456,6 +456,8 @@ class Channels:
             raise protocol.MalformedMessage(
                 f"channel {number} opened out of order (expected {self._highest + 1})"
             )
+        if not peer.isprintable():  # it reaches logs, events and the dashboard
+            raise protocol.MalformedMessage(f"channel {number}'s address is not printable text")
         if len(self.channels) >= MAX_CHANNELS:
             raise protocol.MalformedMessage(f"more than {MAX_CHANNELS} channels open at once")
         self._highest = number
