@@ -300,3 +300,24 @@ async def test_a_channel_address_that_is_not_printable_ends_the_link():
     with pytest.raises(protocol.ProtocolError, match="printable"):
         await shepherd.run()
     assert not shepherd.channels
+
+
+async def test_a_relay_that_reads_nothing_cannot_hold_up_the_shepherds_goodbye(autojump_clock):
+    """The run's end says goodbye to every relay; one whose link takes nothing more (a hostile
+    relay, a wedged machine) is cut off after GOODBYE_SECONDS, as a worker is, instead of
+    keeping the shepherd from exiting."""
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shepherd.run)
+        await relay.open("10.0.0.1:1")
+        served = await shepherd.accepted.receive()
+
+        async def stuck_sender():  # the relay reads nothing: a big buffer fills the link
+            with pytest.raises(trio.BrokenResourceError, match="goodbye"):
+                await served.send_all(bytes(64 * 2**20))
+
+        nursery.start_soon(stuck_sender)
+        await trio.testing.wait_all_tasks_blocked()
+        await shepherd.say_goodbye("run finished")
+        assert shepherd.ended is not None
+        nursery.cancel_scope.cancel()

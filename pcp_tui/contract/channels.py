@@ -53,6 +53,7 @@ KEEP_MIN_BYTES = (
 )  # buffers this big or bigger are kept for repeats (`_stream`'s smaller ones are joined per send)
 KEEP_BYTES = 4 * 2**30  # the most kept bytes the relay holds for the shepherd
 MAX_CHANNELS = 2**16  # channels open on one link at once
+GOODBYE_SECONDS = 2.0  # the run's end waits this long for a link to take its goodbye
 
 Op = protocol.RelayOp
 FRAME_LIMITS = protocol.Limits(
@@ -251,7 +252,10 @@ class Channels:
         async with self._writing:  # waiting for its turn can be cancelled
             with trio.CancelScope(shield=True):
                 with trio.move_on_after(self.stall_seconds) as stalled:
-                    await self.link.send_encoded(message)
+                    try:
+                        await self.link.send_encoded(message)
+                    except trio.ClosedResourceError:  # this side closed the link: it is gone
+                        raise trio.BrokenResourceError(f"the link ended: {self.ended}") from None
                 if stalled.cancelled_caught:
                     why = f"the link took no frame for {self.stall_seconds:.0f} s"
                     self.end(why)
@@ -334,9 +338,16 @@ class Channels:
         return True
 
     async def say_goodbye(self, reason: str, *, resumable: bool = False) -> None:
-        """The shepherd's last word on the link (the run is over, or stopped to be resumed)."""
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        """The shepherd's last word on the link (the run is over, or stopped to be resumed);
+        a link that takes it not within GOODBYE_SECONDS is closed instead."""
+        with (
+            trio.move_on_after(GOODBYE_SECONDS) as late,
+            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+        ):
             await self.link.send(protocol.Goodbye(reason[:1024], resumable=resumable))
+        if late.cancelled_caught:
+            self.end(f"the other side took no goodbye in {GOODBYE_SECONDS:g} s")
+            await trio.aclose_forcefully(self.link.stream)
 
     def forget_channel(self, number: int) -> None:
         self.channels.pop(number, None)
