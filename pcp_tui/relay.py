@@ -39,6 +39,7 @@ from pcp_tui.contract.connection import (
     LINK_ERRORS,
     ConnectionEnded,
     ConnectionLost,
+    IdInUse,
     Refused,
     RunOver,
     expect,
@@ -76,6 +77,7 @@ class Relay:
         self.channels: Channels | None = None  # the link to the shepherd, while there is one
         self.carried = 0  # workers' connections carried now
         self.listening_port = 0
+        self.joined = False  # welcomed by the shepherd once: an idInUse after is its old link
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve workers until the shepherd ends the run; ConnectionLost once --give-up-after
@@ -118,12 +120,18 @@ class Relay:
         except trio.TooSlowError:
             await trio.aclose_forcefully(stream)
             raise ConnectionLost(f"no welcome from {where} in time") from None
+        except IdInUse as exc:  # its own old link, if it was welcomed before; else a twin
+            await trio.aclose_forcefully(stream)
+            if not self.joined:
+                raise
+            raise ConnectionLost(str(exc)) from None
         except (ConnectionLost, Refused):
             await trio.aclose_forcefully(stream)
             raise
         except (*LINK_ERRORS, protocol.ProtocolError) as exc:
             await trio.aclose_forcefully(stream)
             raise ConnectionLost(f"connection to {where} lost ({exc})") from None
+        self.joined = True
         listen = self.config.listen
         shown = advertised(listen.host)
         self.say(

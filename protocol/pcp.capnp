@@ -294,13 +294,14 @@ struct Goodbye {
 # relayFrame. A channel is one worker's connection to the relay, carried byte for byte (the
 # worker and the shepherd speak PCP through it as over TCP); a data or keep frame's bytes
 # ride as one uint8 tensor. Each side may send a channel at most the bytes the other granted
-# it (credit), so one slow reader never stalls the others.
+# it (credit), so one slow reader never stalls the others: a frame goes once some credit is
+# left, its own bytes within it, the kept buffers it names charged after.
 enum RelayOp {
   open @0;    # relay -> shepherd: a worker connected; `text` is its address
-  data @1;    # the channel's next bytes, then those of the kept buffers `kept` names
+  data @1;    # the channel's next bytes, with the kept buffers `kept` names at their places
   close @2;   # the channel ended; `text` says why
   credit @3;  # the receiver takes `value` more bytes of the channel
-  keep @4;    # shepherd -> relay: data, and keep it as buffer `value`
+  keep @4;    # shepherd -> relay, channel 0: the next bytes of buffer `value`, to keep
   repeat @5;  # shepherd -> relay: the channel's next bytes are those of the kept buffers `kept`
   forget @6;  # shepherd -> relay: buffer `value` is not repeated again
 }

@@ -9,9 +9,12 @@ takes relays only when its operator says so.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from pcp_tui import protocol
 from pcp_tui.config.relay import RelayConfig
@@ -247,3 +250,150 @@ async def test_a_keyed_worker_joins_through_a_tls_relay(tmp_path):
     [record] = shepherd.state.history
     assert (record.worker_ids, record.relays) == (("alice",), 1)
     assert shepherd.state.workers["alice"].via == "site-a"
+
+
+async def test_a_send_cancelled_mid_frame_leaves_the_link_whole():
+    """A worker's send cut off (its deadline, a closing fragment) while the link's socket is
+    full must not cut a frame in half: the link carries every other channel on."""
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shepherd.run)
+        await relay.open("10.0.0.1:1")  # the slow worker's
+        other = await relay.open("10.0.0.2:2")
+        to_slow, to_other = await shepherd.accepted.receive(), await shepherd.accepted.receive()
+        # the relay's reader is not running yet: the shepherd's writes fill the link's socket
+        async with trio.open_nursery() as senders:
+            senders.start_soon(to_slow.send_all, bytes(64 * 2**20))
+            await trio.testing.wait_all_tasks_blocked()
+            senders.cancel_scope.cancel()  # the slow worker's send is cut off, mid-frame
+            nursery.start_soon(relay.run)  # raises ProtocolError if the link is garbled
+        await to_other.send_all(b"still whole")
+        assert await _read(other, len(b"still whole")) == b"still whole"
+        nursery.cancel_scope.cancel()
+
+
+def _kept_budget(monkeypatch, nbytes: int) -> None:
+    from pcp_tui.contract import channels
+
+    monkeypatch.setattr(channels, "KEEP_BYTES", nbytes)
+
+
+async def test_kept_buffers_stay_within_what_the_relay_holds(monkeypatch):
+    """The shepherd forgets old buffers before it keeps a new one, so the relay never holds
+    more than KEEP_BYTES; a buffer bigger than that goes as plain data, never kept."""
+    _kept_budget(monkeypatch, 3 * 2**20)
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        nursery.start_soon(shepherd.run)
+        end = await relay.open("10.0.0.1:1")
+        served = await shepherd.accepted.receive()
+        rng = np.random.default_rng(0)
+        sent = [rng.bytes(size) for size in (5 * 2**19, 5 * 2**19, 7 * 2**20, 5 * 2**19)]
+        for data in sent:
+            nursery.start_soon(served.send_all, data)
+            assert await _read(end, len(data)) == data
+            assert relay._kept_in_bytes <= 3 * 2**20
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_keep_cut_off_part_way_is_forgotten_at_the_relay(monkeypatch):
+    """A keep cancelled between its pieces leaves nothing at the relay the shepherd does not
+    count: else the relay's count creeps up to KEEP_BYTES and it ends the link."""
+    _kept_budget(monkeypatch, 40 * 2**20)
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shepherd.run)
+        await relay.open("10.0.0.1:1")
+        served = await shepherd.accepted.receive()
+        async with trio.open_nursery() as senders:  # the link's socket fills, then a cut
+            senders.start_soon(served.send_all, bytes(32 * 2**20))  # kept, in 32 pieces
+            await trio.testing.wait_all_tasks_blocked()
+            senders.cancel_scope.cancel()
+            nursery.start_soon(relay.run)
+        data = bytes(range(256)) * 8192  # 2 MiB, kept
+        nursery.start_soon(served.send_all, data)
+        await trio.testing.wait_all_tasks_blocked()
+        assert relay._kept_in_bytes == shepherd._kept_out_bytes == len(data)
+        nursery.cancel_scope.cancel()
+
+
+async def test_big_buffers_for_a_worker_that_does_not_read_wait_for_its_credit():
+    """Kept and repeated buffers are charged to their channel's credit as data is. They were
+    not: the shepherd's sends of big buffers to a worker that never read went through at
+    once (its send deadline never applied) and the relay buffered them without bound."""
+    relay, shepherd = await _linked()
+    buffers = [np.random.default_rng(i).bytes(2**20) for i in range(16)]
+    sent = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        nursery.start_soon(shepherd.run)
+        end = await relay.open("10.0.0.1:1")
+        served = await shepherd.accepted.receive()
+
+        async def sender():
+            for data in buffers:
+                await served.send_all(data)
+                sent.append(data)
+
+        nursery.start_soon(sender)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(sent) < len(buffers)
+        assert end._buffered <= WINDOW + 2**20  # a window and the repeat sent into its last byte
+        assert await _read(end, 16 * 2**20) == b"".join(buffers)  # the rest, as it is read
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_relay_whose_old_link_hangs_half_open_gets_back_in():
+    """A relay back (restarted, or past a partition) while its old link still hangs open at
+    the shepherd, silent: told to retry, as a worker is, not refused for good (its name
+    was "in use" by that dead link, so the relay exited and its site was gone)."""
+    config = small_config(workers=1, rounds=1, relays=1, heartbeat_timeout=3.0)
+    shepherd = Shepherd(config, build_workload(config, shards=1))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        stale = await trio.open_tcp_stream("127.0.0.1", port)  # welcomed, then never heard
+        await _relay(port)._join(protocol.MessageStream(stale), "the shepherd")
+        await until(lambda: "site-a" in shepherd.pool.relays.live)
+        old = shepherd.pool.relays.live["site-a"].channels.link
+        await until(
+            lambda: time.monotonic() - old.last_activity > 2 * config.network.heartbeat_seconds
+        )
+        relay = _relay(port, give_up_after=60.0)
+        relay_port = await nursery.start(relay.run)
+        nursery.start_soon(local_worker(relay_port, "a").run)
+        await until(lambda: len(shepherd.state.history) == 1)
+        await stale.aclose()
+    assert shepherd.state.workers["a"].via == "site-a"
+
+
+async def test_a_channel_address_that_is_not_printable_ends_the_link():
+    """The address a relay names for its worker reaches the shepherd's log, events and
+    dashboard: an escape sequence there (clear the screen, forge a log line) is refused."""
+    relay, shepherd = await _linked()
+    await relay.send_frame(protocol.RelayOp.OPEN, 1, 0, text="10.0.0.1:1\x1b[2J\nrefused nobody")
+    await relay.link.aclose()
+    with pytest.raises(protocol.ProtocolError, match="printable"):
+        await shepherd.run()
+    assert not shepherd.channels
+
+
+async def test_a_relay_that_reads_nothing_cannot_hold_up_the_shepherds_goodbye(autojump_clock):
+    """The run's end says goodbye to every relay; one whose link takes nothing more (a hostile
+    relay, a wedged machine) is cut off after GOODBYE_SECONDS, as a worker is, instead of
+    keeping the shepherd from exiting."""
+    relay, shepherd = await _linked()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shepherd.run)
+        await relay.open("10.0.0.1:1")
+        served = await shepherd.accepted.receive()
+
+        async def stuck_sender():  # the relay reads nothing: a big buffer fills the link
+            with pytest.raises(trio.BrokenResourceError, match="goodbye"):
+                await served.send_all(bytes(64 * 2**20))
+
+        nursery.start_soon(stuck_sender)
+        await trio.testing.wait_all_tasks_blocked()
+        await shepherd.say_goodbye("run finished")
+        assert shepherd.ended is not None
+        nursery.cancel_scope.cancel()

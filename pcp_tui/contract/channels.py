@@ -20,12 +20,14 @@ does); a frame's bytes ride as one uint8 tensor.
 - **One copy of what the shepherd sends to many.** A message encoded once and
   written to many workers (a round's parameters, a fragment's update:
   `protocol.Encoded`) goes to the relay once: the shepherd sends a big buffer's
-  bytes the first time (`keep`) and, to each further channel, only its number
-  (`repeat`); the relay writes the kept bytes into that channel. Buffers are
-  recognised by identity, which an `Encoded` guarantees unchanged until sent;
-  the relay holds at most `KEEP_BYTES`, the shepherd telling it what to drop
-  (`forget`). A repeat is not charged to the channel's credit: its bytes are
-  the kept buffer's, not a copy.
+  bytes the first time to be kept (`keep`, on no channel: channel 0) and, to every
+  channel it is for, only its number (`repeat`); the relay writes the kept bytes
+  into that channel. Buffers are recognised by identity, which an `Encoded`
+  guarantees unchanged until sent; the relay holds at most `KEEP_BYTES`, the
+  shepherd telling it what to drop (`forget`) before it keeps more. A repeat is
+  charged to its channel's credit as data is, but sent whole once any credit is
+  left (its bytes are the kept buffer's, not a copy): a worker that reads slowly
+  holds up its own sends and no one else's.
 
 What the peer sends that breaks these rules (an unknown channel or buffer, data
 past the window, a relay opening channels to a relay) ends the link with a
@@ -51,6 +53,7 @@ KEEP_MIN_BYTES = (
 )  # buffers this big or bigger are kept for repeats (`_stream`'s smaller ones are joined per send)
 KEEP_BYTES = 4 * 2**30  # the most kept bytes the relay holds for the shepherd
 MAX_CHANNELS = 2**16  # channels open on one link at once
+GOODBYE_SECONDS = 2.0  # the run's end waits this long for a link to take its goodbye
 
 Op = protocol.RelayOp
 FRAME_LIMITS = protocol.Limits(
@@ -71,8 +74,8 @@ class Channel(trio.abc.Stream):
 
     def __init__(self, channels: Channels, number: int, peer: str):
         self._channels, self.number, self.peer = channels, number, peer
-        self._buffer: collections.deque[tuple[memoryview, bool]] = collections.deque()
-        self._buffered = 0  # bytes of `_buffer` charged to the window (repeats are not)
+        self._buffer: collections.deque[memoryview] = collections.deque()
+        self._buffered = 0  # bytes in `_buffer`, all charged to the window
         self._taken = 0  # bytes taken since credit was last granted
         self._credit = WINDOW  # bytes this side may still send
         self._arrived = trio.Event()
@@ -91,19 +94,17 @@ class Channel(trio.abc.Stream):
                 return b""
             self._arrived = trio.Event()
             await self._arrived.wait()
-        first, counted = self._buffer[0]
+        first = self._buffer[0]
         size = first.nbytes if max_bytes is None else min(first.nbytes, max_bytes)
         data = bytes(first[:size])
         if size == first.nbytes:
             self._buffer.popleft()
         else:
-            self._buffer[0] = (first[size:], counted)
-        await self._took(size, counted=counted)
+            self._buffer[0] = first[size:]
+        await self._took(size)
         return data
 
-    async def _took(self, nbytes: int, *, counted: bool) -> None:
-        if not counted:
-            return
+    async def _took(self, nbytes: int) -> None:
         self._buffered -= nbytes
         self._taken += nbytes
         if self._taken >= WINDOW // 2 and self.ended is None:
@@ -111,21 +112,20 @@ class Channel(trio.abc.Stream):
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._channels.send_frame(Op.CREDIT, self.number, granted)
 
-    def deliver(self, data: memoryview, *, counted: bool) -> None:
-        """Bytes for the reader (the link's reader calls this; it never waits).
-
-        `counted`: charged to the window (data, keep); ProtocolError past it.
-        """
-        if counted:
-            if self._buffered + data.nbytes > WINDOW:
-                raise protocol.MalformedMessage(
-                    f"channel {self.number}: {self._buffered + data.nbytes} bytes unread, "
-                    f"more than the {WINDOW} granted"
-                )
-            self._buffered += data.nbytes
-        if data.nbytes:
-            self._buffer.append((data, counted))
-            self._arrived.set()
+    def deliver(self, pieces: list[memoryview], *, own: int, kept: bool) -> None:
+        """One frame's bytes for the reader (the link's reader calls this; it never waits),
+        charged to the window: the frame's own bytes (`own`) within what is left of it, kept
+        buffers' (`kept`: any size) only while some of it is left, as their sender waits for
+        credit before each frame; MalformedMessage past that."""
+        nbytes = sum(piece.nbytes for piece in pieces)
+        if self._buffered + own > WINDOW or (kept and self._buffered >= WINDOW):
+            raise protocol.MalformedMessage(
+                f"channel {self.number}: {self._buffered + nbytes} bytes unread, "
+                f"more than the {WINDOW} granted"
+            )
+        self._buffered += nbytes
+        self._buffer.extend(piece for piece in pieces if piece.nbytes)
+        self._arrived.set()
 
     # -- writing ----------------------------------------------------------------------
 
@@ -134,64 +134,73 @@ class Channel(trio.abc.Stream):
 
     async def send_parts(self, parts: list[bytes | bytearray | memoryview]) -> None:
         """Send `parts` in order in as few frames as it takes: one message's buffers
-        (`protocol.MessageStream.send_encoded`). A big one the relay holds already goes as its
-        number and place among the frame's bytes, so a round start (its header, its small
-        tensors, the number of every big one) is one frame."""
+        (`protocol.MessageStream.send_encoded`). A big one is kept at the relay (its bytes
+        cross the link once) and goes into the frame as its number, at its place among the
+        frame's own bytes: a round start (its header, its small tensors, every big one's
+        number) is one frame."""
         channels = self._channels
         async with self._send_lock:
             self._check_open()
             data = bytearray()  # small parts not sent yet
-            kept: list[tuple[int, int]] = []  # (where in `data`, kept number) to go in
-            for part in parts:
-                view = memoryview(part).cast("B")
-                if channels.keeps and view.nbytes >= KEEP_MIN_BYTES:
-                    held, ours = await channels.claim(part, view.nbytes)
-                    if not ours:  # the relay holds it: its number goes in
-                        kept.append((len(data), held.number))
-                        continue
-                    await self._send_data(data, kept)
-                    data, kept = bytearray(), []
-                    await channels.send_kept(self, held, view)
-                elif view.nbytes >= PIECE_BYTES:
-                    await self._send_data(data, kept)
-                    await self._send_data(view, [])
-                    data, kept = bytearray(), []
-                else:
-                    data += view
-            await self._send_data(data, kept)
+            kept: list[tuple[int, _Kept]] = []  # (where in `data`, kept buffer) to go in
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    held = None
+                    if channels.keeps and view.nbytes >= KEEP_MIN_BYTES:
+                        held = await channels.keep(part, view)
+                    if held is not None:
+                        held.users += 1  # not forgotten before its frame is sent
+                        kept.append((len(data), held))
+                    elif view.nbytes >= PIECE_BYTES:  # big, and not kept: as it is, no copy
+                        await self._send_data(data, kept)
+                        data, kept = bytearray(), self._sent(kept)
+                        await self._send_data(view, [])
+                    else:
+                        data += view
+                await self._send_data(data, kept)
+            finally:
+                self._sent(kept)
 
-    async def _send_data(self, data: bytes | bytearray | memoryview, kept: list) -> None:
-        """`data` within the credit granted, in pieces, each naming the kept buffers that go
-        among its bytes (`kept`: (offset in `data`, number), in order)."""
+    @staticmethod
+    def _sent(kept: list[tuple[int, _Kept]]) -> list[tuple[int, _Kept]]:
+        for _, held in kept:
+            held.users -= 1
+        return []
+
+    async def _send_data(
+        self, data: bytes | bytearray | memoryview, kept: list[tuple[int, _Kept]]
+    ) -> None:
+        """`data` and the kept buffers that go among it (`kept`: (offset in `data`, buffer),
+        in order), in frames sent once some credit is left, each within it for its own bytes;
+        the kept buffers' bytes are charged after them."""
         view = memoryview(data).cast("B")
-        if not view.nbytes:
-            if kept:
-                numbers = [number for _, number in kept]
-                await self._channels.send_frame(
-                    Op.REPEAT, self.number, 0, kept=numbers, kept_at=[0] * len(numbers)
-                )
-            return
-        start = 0
-        while start < view.nbytes:
-            while self._credit <= 0:
-                self._check_open()
-                self._credited = trio.Event()
-                await self._credited.wait()
-            self._check_open()
-            size = min(view.nbytes - start, self._credit, PIECE_BYTES)
-            end = start + size
-            # each kept buffer goes with the piece whose bytes it follows (at 0: the first)
-            here = [(at, n) for at, n in kept if start < at <= end or at == start == 0]
+        start, first = 0, True
+        while (first and kept) or start < view.nbytes:
+            first = False
+            await self._await_credit()
+            end = start + min(view.nbytes - start, self._credit, PIECE_BYTES)
+            # each kept buffer goes with the frame whose bytes it follows (at 0: the first)
+            here = [(at, held) for at, held in kept if start < at <= end or at == start == 0]
             await self._channels.send_frame(
-                Op.DATA,
+                Op.DATA if end > start else Op.REPEAT,
                 self.number,
                 0,
-                view[start:end],
-                kept=[n for _, n in here],
+                view[start:end] if end > start else None,
+                kept=[held.number for _, held in here],
                 kept_at=[at - start for at, _ in here],
             )
-            self._credit -= size
+            self._credit -= end - start + sum(held.nbytes for _, held in here)
             start = end
+
+    async def _await_credit(self) -> None:
+        """Until the other side has room for more of this channel (BrokenResourceError if
+        the channel ends first)."""
+        while self._credit <= 0:
+            self._check_open()
+            self._credited = trio.Event()
+            await self._credited.wait()
+        self._check_open()
 
     def credit(self, nbytes: int) -> None:
         self._credit += nbytes
@@ -240,6 +249,7 @@ class _Kept:
     def __init__(self, owner: object, number: int, nbytes: int):
         self.owner, self.number, self.nbytes = owner, number, nbytes
         self.complete = False
+        self.users = 0  # repeats of it waiting for their channel's credit: not forgotten
         self.done = trio.Event()
 
 
@@ -268,6 +278,8 @@ class Channels:
         self.bytes_repeated = 0  # bytes not sent again thanks to repeats (sender side)
         self.ended: str | None = None
         self.goodbye: protocol.Goodbye | None = None  # the shepherd's, ending the link
+        self._writing = trio.Lock()  # one frame at a time, each whole (`send_frame`)
+        self.stall_seconds = math.inf  # a frame the link takes nothing of this long ends it
 
     async def open(self, peer: str) -> Channel:
         """A new channel for a worker connected from `peer` (the relay's end)."""
@@ -289,52 +301,98 @@ class Channels:
         kept: list[int] | tuple[int, ...] = (),
         kept_at: list[int] | tuple[int, ...] = (),
     ) -> None:
+        """One frame, whole: a send cancelled mid-frame (a worker's send deadline, a closing
+        fragment) would garble the link for every channel, so a cancel takes effect only
+        before the frame's turn or after its last byte; a frame the link takes no byte of for
+        `stall_seconds` ends the link (BrokenResourceError)."""
         tensors = {"bytes": np.frombuffer(data, np.uint8)} if data is not None else None
         body = protocol.RelayFrame(number, op, value, text[:1024], tuple(kept), tuple(kept_at))
-        await self.link.send_encoded(protocol.encode_once(body, tensors))
+        message = protocol.encode_once(body, tensors)
+        async with self._writing:  # waiting for its turn can be cancelled
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(self.stall_seconds) as stalled:
+                    try:
+                        await self.link.send_encoded(message)
+                    except trio.ClosedResourceError:  # this side closed the link: it is gone
+                        raise trio.BrokenResourceError(f"the link ended: {self.ended}") from None
+                if stalled.cancelled_caught:
+                    why = f"the link took no frame for {self.stall_seconds:.0f} s"
+                    self.end(why)
+                    await trio.aclose_forcefully(self.link.stream)
+                    raise trio.BrokenResourceError(why)
 
-    async def claim(self, owner: object, nbytes: int) -> tuple[_Kept, bool]:
-        """(what the relay keeps `owner`'s bytes as, whether the caller is to send them): a
-        buffer another channel is sending waits for that send; one nobody sent is claimed
-        here, before anything else runs, so one channel keeps it and the others repeat it."""
+    async def keep(self, owner: object, view: memoryview) -> _Kept | None:
+        """`owner`'s buffer as kept at the relay, sent there now unless it is already.
+
+        Sends of one buffer to several channels at once (a round's starts) wait for the
+        first to have kept it (claimed before anything awaits); if that one fails part-way,
+        the relay forgets its pieces and the next keeps it again. Old buffers are forgotten
+        before a new one is kept, so the relay never holds more than KEEP_BYTES; None where
+        it cannot be kept (bigger than that, or the rest is in use).
+        """
         while True:
             kept = self._kept_out.get(id(owner))
             if kept is None or kept.owner is not owner:
-                kept = self._kept_out[id(owner)] = _Kept(owner, self._next_kept, nbytes)
-                self._next_kept += 1
-                return kept, True
+                break
             await kept.done.wait()
-            if kept.complete:
+            if kept.complete and self._kept_out.get(id(owner)) is kept:
                 self._kept_out.move_to_end(id(owner))
-                self.bytes_repeated += nbytes
-                return kept, False
-
-    async def send_kept(self, channel: Channel, kept: _Kept, view: memoryview) -> None:
-        """`view` (the buffer `claim` gave this channel) to `channel`, and kept at the relay.
-
-        Other channels' sends of it wait for this one (`claim`); if it fails part-way, the
-        next of them keeps it again.
-        """
-        owner = kept.owner
+                self.bytes_repeated += view.nbytes
+                return kept
+        if view.nbytes > KEEP_BYTES:
+            return None
+        kept = _Kept(owner, self._next_kept, view.nbytes)  # claimed: others wait for it
+        self._next_kept += 1
+        self._kept_out[id(owner)] = kept
+        self._kept_out_bytes += view.nbytes
+        pieces = 0
         try:
+            if not await self._make_room():
+                return None
             for start in range(0, view.nbytes, PIECE_BYTES):
                 piece = view[start : start + PIECE_BYTES]
-                await self.send_frame(Op.KEEP, channel.number, kept.number, piece)
+                await self.send_frame(Op.KEEP, 0, kept.number, piece)
+                pieces += 1
             kept.complete = True
         finally:
             kept.done.set()
             if not kept.complete:
                 del self._kept_out[id(owner)]
-        self._kept_out_bytes += view.nbytes
-        while self._kept_out_bytes > KEEP_BYTES and len(self._kept_out) > 1:
-            _, old = self._kept_out.popitem(last=False)
+                self._kept_out_bytes -= view.nbytes
+                if pieces and self.ended is None:  # the relay holds its first pieces
+                    with (
+                        trio.CancelScope(shield=True),
+                        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+                    ):
+                        await self.send_frame(Op.FORGET, 0, kept.number)
+        return kept
+
+    async def _make_room(self) -> bool:
+        """Forget the least recently repeated buffers until those kept fit in KEEP_BYTES;
+        False if they cannot (buffers being kept or waiting for their frames hold the rest)."""
+        while self._kept_out_bytes > KEEP_BYTES:
+            old = next(
+                (kept for kept in self._kept_out.values() if kept.complete and not kept.users),
+                None,
+            )
+            if old is None:
+                return False
+            del self._kept_out[id(old.owner)]
             self._kept_out_bytes -= old.nbytes
             await self.send_frame(Op.FORGET, 0, old.number)
+        return True
 
     async def say_goodbye(self, reason: str, *, resumable: bool = False) -> None:
-        """The shepherd's last word on the link (the run is over, or stopped to be resumed)."""
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        """The shepherd's last word on the link (the run is over, or stopped to be resumed);
+        a link that takes it not within GOODBYE_SECONDS is closed instead."""
+        with (
+            trio.move_on_after(GOODBYE_SECONDS) as late,
+            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+        ):
             await self.link.send(protocol.Goodbye(reason[:1024], resumable=resumable))
+        if late.cancelled_caught:
+            self.end(f"the other side took no goodbye in {GOODBYE_SECONDS:g} s")
+            await trio.aclose_forcefully(self.link.stream)
 
     def forget_channel(self, number: int) -> None:
         self.channels.pop(number, None)
@@ -347,6 +405,7 @@ class Channels:
         all be quiet, its machine gone). ProtocolError for a peer that broke the rules.
         """
         broke: protocol.ProtocolError | None = None
+        self.stall_seconds = timeout
         async with trio.open_nursery() as nursery:
             if heartbeat_seconds < math.inf:
                 nursery.start_soon(self._keep_alive, heartbeat_seconds, timeout)
@@ -420,19 +479,19 @@ class Channels:
             raise protocol.MalformedMessage(f"only the shepherd sends {op.value} frames")
         if op is Op.KEEP:
             assert data is not None
+            if number != 0:
+                raise protocol.MalformedMessage(f"a keep frame for channel {number}, not 0")
             self._kept_in_bytes += data.nbytes
-            if self._kept_in_bytes > KEEP_BYTES + PIECE_BYTES:
+            if self._kept_in_bytes > KEEP_BYTES:
                 raise protocol.MalformedMessage(f"more than {KEEP_BYTES} bytes to keep")
             self._kept_in.setdefault(frame.value, []).append(data)
+            return
         channel = self.channels.get(number)
         if channel is None:
             if not 0 < number <= self._highest:
                 raise protocol.MalformedMessage(f"a {op.value} frame for unknown channel {number}")
             return  # a channel this side closed already: its last frames were on their way
-        if op is Op.KEEP:
-            assert data is not None
-            channel.deliver(data, counted=False)
-        elif op is Op.DATA or op is Op.REPEAT:
+        if op is Op.DATA or op is Op.REPEAT:
             self._deliver(channel, data if data is not None else memoryview(b""), frame)
         elif op is Op.CREDIT:
             channel.credit(frame.value)
@@ -447,16 +506,15 @@ class Channels:
             not b <= a <= data.nbytes for b, a in zip((0, *at), at, strict=False)
         ):
             raise protocol.MalformedMessage("a frame's kept buffers are not in order within it")
-        start = 0
+        pieces, start = [], 0
         for offset, number in zip(at, frame.kept, strict=True):
-            pieces = self._kept_in.get(number)
-            if pieces is None:
+            kept = self._kept_in.get(number)
+            if kept is None:
                 raise protocol.MalformedMessage(f"repeat of unknown buffer {number}")
-            channel.deliver(data[start:offset], counted=True)
-            for piece in pieces:
-                channel.deliver(piece, counted=False)
+            pieces += [data[start:offset], *kept]
             start = offset
-        channel.deliver(data[start:], counted=True)
+        pieces.append(data[start:])
+        channel.deliver(pieces, own=data.nbytes, kept=bool(frame.kept))
 
     def _accept(self, number: int, peer: str) -> None:
         if not self.accepts:
@@ -465,6 +523,8 @@ class Channels:
             raise protocol.MalformedMessage(
                 f"channel {number} opened out of order (expected {self._highest + 1})"
             )
+        if not peer.isprintable():  # it reaches logs, events and the dashboard
+            raise protocol.MalformedMessage(f"channel {number}'s address is not printable text")
         if len(self.channels) >= MAX_CHANNELS:
             raise protocol.MalformedMessage(f"more than {MAX_CHANNELS} channels open at once")
         self._highest = number

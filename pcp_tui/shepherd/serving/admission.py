@@ -45,6 +45,10 @@ ADMITTED_LIMITS = protocol.Limits()
 _TLS_HANDSHAKE_RECORD = b"\x16"
 _FIRST_BYTES = 16 * 1024
 log = logging.getLogger(__name__)  # every refusal, for --log-level info (events are rate-limited)
+
+# Heartbeats a connection may miss before a newcomer with its id (a worker's, a relay's) is
+# told to retry (busy) rather than refused for good (idInUse): a live twin misses none.
+MISSED_BEATS = 2
 TLS_ONLY = (
     "this shepherd speaks TLS only: join with the --tls-fingerprint/--tls-ca from its join command"
 )

@@ -43,7 +43,7 @@ from pcp_tui.shepherd.run.events import (
 from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.serving import slots, striping
-from pcp_tui.shepherd.serving.admission import Admission, Admitted
+from pcp_tui.shepherd.serving.admission import MISSED_BEATS, Admission, Admitted
 from pcp_tui.shepherd.serving.connection import Hello, WorkerLink
 from pcp_tui.shepherd.serving.relays import Relays
 from pcp_tui.shepherd.serving.uploads import (
@@ -56,10 +56,6 @@ from pcp_tui.shepherd.serving.worker_plan import bind_to_plan, worker_plan
 from pcp_tui.training.workload import Workload
 
 log = logging.getLogger(__name__)  # connection-level diagnostics; RunState has the run's events
-
-# Heartbeats a connection may miss before a newcomer with its worker id is told to retry
-# (busy) rather than refused for good (idInUse): a live twin misses none.
-MISSED_BEATS = 2
 
 
 class WorkerPool:
