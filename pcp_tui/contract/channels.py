@@ -28,6 +28,12 @@ does); a frame's bytes ride as one uint8 tensor.
   charged to its channel's credit as data is, but sent whole once any credit is
   left (its bytes are the kept buffer's, not a copy): a worker that reads slowly
   holds up its own sends and no one else's.
+- **One frame per message, each whole.** A message's buffers go together
+  (`Channel.send_parts`): its small bytes in one data frame that names each kept
+  buffer at its place among them, so a round start is one frame, not one per
+  tensor. A frame is written whole or not at all: a send cut off mid-frame (a
+  worker's send deadline, a closing fragment) would garble the link for every
+  channel, so a cancel takes effect between frames only.
 
 What the peer sends that breaks these rules (an unknown channel or buffer, data
 past the window, a relay opening channels to a relay) ends the link with a
@@ -48,9 +54,8 @@ from pcp_tui import protocol
 
 WINDOW = 4 * 2**20  # bytes a side may send a channel before the other grants more
 PIECE_BYTES = 2**20  # the most bytes one frame carries
-KEEP_MIN_BYTES = (
-    64 * 1024
-)  # buffers this big or bigger are kept for repeats (`_stream`'s smaller ones are joined per send)
+# buffers this big or bigger are kept for repeats (`_stream` joins smaller ones per send)
+KEEP_MIN_BYTES = 64 * 1024
 KEEP_BYTES = 4 * 2**30  # the most kept bytes the relay holds for the shepherd
 MAX_CHANNELS = 2**16  # channels open on one link at once
 GOODBYE_SECONDS = 2.0  # the run's end waits this long for a link to take its goodbye
@@ -108,9 +113,10 @@ class Channel(trio.abc.Stream):
         self._buffered -= nbytes
         self._taken += nbytes
         if self._taken >= WINDOW // 2 and self.ended is None:
-            granted, self._taken = self._taken, 0
+            granted = self._taken
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._channels.send_frame(Op.CREDIT, self.number, granted)
+            self._taken -= granted  # only once sent: a read cancelled here grants it next time
 
     def deliver(self, pieces: list[memoryview], *, own: int, kept: bool) -> None:
         """One frame's bytes for the reader (the link's reader calls this; it never waits),
