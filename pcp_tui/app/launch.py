@@ -388,9 +388,9 @@ def run_relay(config: RelayConfig) -> int:
     except CannotListen as exc:
         return _fail(str(exc), 2)
     except Refused as exc:
-        return _fail(f"{exc}", 1)
+        return _fail(f"{exc} (not retrying)", 1)
     except ConnectionLost as exc:
-        return _fail(f"gave up: {exc}", 1)
+        return _fail(str(exc), 1)
     return 0
 
 
