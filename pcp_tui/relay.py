@@ -15,8 +15,8 @@ connection per site instead of one per worker, and a round's parameters and
 each fragment's update cross the shepherd's link once and are repeated to the
 site's workers here.
 
-A worker that connects while the relay has no link to the shepherd is closed at
-once and retries (its --give-up-after); when the link is lost every worker's
+A worker that connects while the relay has no link to the shepherd is told so
+(busy) and retries (its --give-up-after); when the link is lost every worker's
 connection ends, as a lost shepherd connection does, and the relay reconnects
 within its own --give-up-after. The shepherd's goodbye at the end of the run
 ends the relay (exit 0), unless the run can be resumed.
@@ -49,7 +49,7 @@ from pcp_tui.contract.connection import (
 from pcp_tui.contract.tls import ClientTLS, ServerTLS, TLSRefused, shown_fingerprint
 from pcp_tui.shepherd.serving.admission import peer_name
 from pcp_tui.shepherd.serving.listening import advertised, open_files_for, open_listeners
-from pcp_tui.worker.reconnect import Reconnect
+from pcp_tui.worker.reconnect import Reconnect, connect_failure
 
 log = logging.getLogger(__name__)
 TLS_SECONDS = 10.0  # a worker's TLS handshake with the relay
@@ -170,7 +170,8 @@ class Relay:
         except TLSRefused as exc:
             raise Refused(str(exc)) from None
         except (OSError, trio.TooSlowError) as exc:
-            raise ConnectionLost(f"cannot reach the shepherd at {where} ({exc})") from None
+            why = "timed out" if isinstance(exc, trio.TooSlowError) else connect_failure(exc)
+            raise ConnectionLost(f"cannot reach the shepherd at {where} ({why})") from None
 
     async def _join(self, stream: protocol.MessageStream, where: str) -> protocol.Welcome:
         """The relay's handshake: the shepherd's hello, the relay's, the welcome."""
@@ -193,7 +194,7 @@ class Relay:
                 relay_fingerprint=self.server_tls.fingerprint if self.server_tls else "",
             )
         )
-        return (await expect(stream, "welcome")).body_as(protocol.Welcome)
+        return (await expect(stream, "welcome", who="relay")).body_as(protocol.Welcome)
 
     # -- one worker ------------------------------------------------------------------------
 
@@ -201,9 +202,13 @@ class Relay:
         """Carry one worker's connection to the shepherd until either side ends it."""
         channels, peer = self.channels, peer_name(raw)
         if channels is None or self.carried >= self.config.listen.max_workers:
-            why = "no link to the shepherd" if channels is None else "--max-workers reached"
-            log.info("closed %s at once: %s", peer, why)
-            await trio.aclose_forcefully(raw)  # the worker retries within its --give-up-after
+            why = (
+                f"relay {self.name} has no link to its shepherd (yet)"
+                if channels is None
+                else f"relay {self.name} carries its --max-workers already"
+            )
+            log.info("turned %s away: %s", peer, why)
+            await self._turn_away(raw, why)  # the worker retries within its --give-up-after
             return
         self.carried += 1
         stream: trio.abc.Stream = raw
@@ -224,6 +229,20 @@ class Relay:
                 if channel is not None:
                     await channel.aclose()
                 await trio.aclose_forcefully(stream)
+
+    async def _turn_away(self, raw: trio.SocketStream, why: str) -> None:
+        """Tell a worker why this relay cannot carry it now (busy: it retries), then close."""
+        stream: trio.abc.Stream = raw
+        with trio.move_on_after(TLS_SECONDS):
+            try:
+                if self.server_tls is not None:
+                    stream = await self.server_tls.accept(raw)
+                await protocol.MessageStream(stream).send_error(
+                    protocol.ErrorCode.BUSY, f"{why}: retrying"
+                )
+            except LINK_ERRORS as exc:
+                log.info("worker %s: %s", peer_name(raw), exc)
+        await trio.aclose_forcefully(stream)
 
 
 async def _pump(source: trio.abc.Stream, sink: trio.abc.Stream, done: trio.CancelScope) -> None:

@@ -405,6 +405,22 @@ def test_sigterm_ends_a_worker_with_a_line_and_143(background):
 
 
 @pytest.mark.e2e
+def test_sigterm_ends_a_relay_with_a_line_and_143(background):
+    """It once went down in a page of trio tracebacks: a handler raising inside trio.run."""
+    with socket.socket() as closed:  # nobody listens: the relay retries with back-off
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    relay = background(
+        "relay", "--connect", f"127.0.0.1:{port}", "--token", "t", "--host", "127.0.0.1",
+        "--port", "0",
+    )  # fmt: skip
+    relay.wait_for(relay.err, r"no shepherd listens on that port \(yet\)\); retrying in")
+    relay.process.send_signal(signal.SIGTERM)
+    assert relay.wait() == 143
+    assert one_error_line(relay.err.read_text()) == "pcp-tui: SIGTERM: stopping at once"
+
+
+@pytest.mark.e2e
 def test_a_worker_refused_on_every_connect_gives_up_with_growing_waits(background):
     """--give-up-after counts from the last welcome, not the last TCP connect."""
     with socket.socket() as refusing:  # accepts, then hangs up at once: never a welcome

@@ -17,14 +17,21 @@ import trio
 import trio.testing
 
 from pcp_tui import protocol
+from pcp_tui.config.options import ConfigError
 from pcp_tui.config.relay import RelayConfig
 from pcp_tui.contract import keys
 from pcp_tui.contract.channels import WINDOW, Channels
-from pcp_tui.contract.connection import Refused
+from pcp_tui.contract.connection import ConnectionLost, Refused, expect_hello
 from pcp_tui.contract.tls import ClientTLS, ServerTLS
 from pcp_tui.relay import Relay
 from pcp_tui.shepherd.coordinator import Shepherd
-from pcp_tui.testing import local_worker, pause_after_round, self_signed_certificate, until
+from pcp_tui.testing import (
+    free_port,
+    local_worker,
+    pause_after_round,
+    self_signed_certificate,
+    until,
+)
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config
@@ -173,8 +180,29 @@ async def test_a_shepherd_takes_relays_only_with_relays():
     shepherd = Shepherd(config, build_workload(config, shards=2))
     async with trio.open_nursery() as nursery:
         port = await nursery.start(shepherd.run)
-        with pytest.raises(Refused, match="start it with --relays N"):
+        with pytest.raises(Refused, match="refused this relay .*start it with --relays N"):
             await _relay(port, give_up_after=5.0).run()
+        nursery.cancel_scope.cancel()
+
+
+def test_a_relay_takes_one_shepherd_address():
+    """A worker's --connect takes a list to fail over along; a relay would use its first."""
+    with pytest.raises(ConfigError, match="a relay joins one shepherd: pass its HOST:PORT only"):
+        RelayConfig(connect="127.0.0.1:8080,127.0.0.1:8081").validate()
+
+
+async def test_a_worker_at_a_relay_not_yet_joined_is_told_why():
+    relay = _relay(free_port(), give_up_after=60.0)  # no shepherd listens there
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(relay.run)
+        where = f"127.0.0.1:{port}"
+        stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
+        with pytest.raises(
+            ConnectionLost,
+            match=f"{where} reported an error \\(busy\\): relay "
+            "site-a has no link to its shepherd \\(yet\\): retrying",
+        ):
+            await expect_hello(stream, where)
         nursery.cancel_scope.cancel()
 
 

@@ -25,6 +25,8 @@ _SHOWN = {
     "waiting",
     "joined",
     "rejoined",
+    "relay_joined",
+    "relay_left",
     "compiled",
     "lost",
     "worker_refused",

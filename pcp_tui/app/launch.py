@@ -383,15 +383,15 @@ def run_relay(config: RelayConfig) -> int:
         relay = Relay(config, token=token, server_tls=server_tls, client_tls=client_tls)
     except (ValueError, OSError) as exc:
         return _fail(str(exc), 2)
-    try:
-        trio.run(relay.run)
-    except CannotListen as exc:
-        return _fail(str(exc), 2)
-    except Refused as exc:
-        return _fail(f"{exc}", 1)
-    except ConnectionLost as exc:
-        return _fail(f"gave up: {exc}", 1)
-    return 0
+    stop = SignalStop()  # the first SIGINT/SIGTERM ends the relay; the shepherd sees it leave
+    ended = _run_with_signals(stop, relay.run, (CannotListen, Refused, ConnectionLost))
+    if isinstance(ended, CannotListen):
+        return _fail(str(ended), 2)
+    if isinstance(ended, Refused):
+        return _fail(f"{ended} (not retrying)")
+    if ended is not None:
+        return _fail(str(ended))
+    return stop.exit_code or 0
 
 
 def run_worker(config: WorkerConfig, *, faults: Faults | None = None) -> int:

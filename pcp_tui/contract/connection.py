@@ -129,14 +129,17 @@ def lost(exc: BaseException) -> ConnectionLost:
     return error
 
 
-def ended_by(error: protocol.Error, peer: str = "the shepherd") -> ConnectionEnded:
-    """What an error message from the peer means: Refused if retrying cannot fix it."""
+def ended_by(
+    error: protocol.Error, peer: str = "the shepherd", who: str = "worker"
+) -> ConnectionEnded:
+    """What an error message from the peer means: Refused if retrying cannot fix it.
+    `who`: what this side is, as the refusal names it (a worker, a relay)."""
     message = shown(error.message)
     if error.code == protocol.ErrorCode.ID_IN_USE:
-        return IdInUse(f"{peer} refused this worker ({error.code.value}): {message}")
+        return IdInUse(f"{peer} refused this {who} ({error.code.value}): {message}")
     if error.code in _FINAL_ERRORS:
         return Refused(
-            f"{peer} refused this worker ({error.code.value}): {message}",
+            f"{peer} refused this {who} ({error.code.value}): {message}",
             code=error.code.value,
         )
     return ConnectionLost(f"{peer} reported an error ({error.code.value}): {message}")
@@ -370,7 +373,7 @@ async def expect_hello(stream: protocol.MessageStream, address: str) -> protocol
     hint = "is --connect the address in the shepherd's join command?"
     with trio.move_on_after(HELLO_SECONDS):
         try:
-            return await expect(stream, "hello")
+            return await expect(stream, "hello", peer=address)  # a relay's error comes here
         except (protocol.FrameTooLarge, protocol.MalformedMessage) as exc:
             raise ConnectionLost(f"{address} does not speak PCP ({exc}): {hint}") from None
         except protocol.ConnectionClosed:
@@ -381,14 +384,21 @@ async def expect_hello(stream: protocol.MessageStream, address: str) -> protocol
     raise ConnectionLost(f"no hello from {address} in {HELLO_SECONDS:.0f} s: {hint}")
 
 
-async def expect(stream: protocol.MessageStream | Connection, kind: str) -> protocol.Message:
+async def expect(
+    stream: protocol.MessageStream | Connection,
+    kind: str,
+    *,
+    who: str = "worker",
+    peer: str = "the shepherd",
+) -> protocol.Message:
     """The next message from the shepherd, which must be a `kind`: an error or goodbye instead
-    says why not (Refused, ConnectionLost or RunOver), anything else is a MalformedMessage."""
+    says why not (Refused, ConnectionLost or RunOver), anything else is a MalformedMessage.
+    `who`: what this side is, `peer` who sent the error, as a refusal names them."""
     message = await stream.receive()
     if message.kind == kind:
         return message
     if isinstance(message.body, protocol.Error):
-        raise ended_by(message.body)
+        raise ended_by(message.body, peer, who)
     if isinstance(message.body, protocol.Goodbye):
         raise goodbye_ended(message.body)
     raise protocol.MalformedMessage(f"expected {kind} from the shepherd, got {message.kind}")

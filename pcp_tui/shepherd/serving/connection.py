@@ -247,7 +247,8 @@ async def handshake(
         reason = "wrong or missing join token"
         await stream.send_error(
             "authFailed",
-            f"{reason}: start the worker with the --token the shepherd printed (or PCP_TOKEN)",
+            f"{reason}: start the {'relay' if body.relay else 'worker'} with the --token the "
+            "shepherd printed (or PCP_TOKEN)",
         )
         raise Refused(reason, code="authFailed")
     unsigned = keys.refusal(body, nonce, channel) if keys is not None else None

@@ -60,6 +60,7 @@ class Relays:
         self.serve_channel = serve_channel  # the pool's: one worker's connection
         self.live: dict[str, RelayView] = {}
         self._sent_before = self._received_before = 0  # by relays' links that ended
+        self._said_goodbye = False  # the run is over (or stopped): a relay leaving is its end
 
     @property
     def sent(self) -> int:
@@ -98,6 +99,7 @@ class Relays:
 
     async def goodbye_all(self, reason: str, *, resumable: bool = False) -> None:
         """Tell every relay the run is over (or stopped to be resumed)."""
+        self._said_goodbye = True
         async with trio.open_nursery() as nursery:
             for view in list(self.live.values()):
                 nursery.start_soon(partial(view.channels.say_goodbye, reason, resumable=resumable))
@@ -116,7 +118,7 @@ class Relays:
         await stream.send(protocol.Welcome(0, self.run_id, network.heartbeat_seconds))
         channels = Channels(stream, accepts=True, keeps=True)
         fingerprint = admitted.hello.relay_fingerprint
-        view = self.live[name] = RelayView(name, admitted.peer, channels, fingerprint)
+        self.live[name] = RelayView(name, admitted.peer, channels, fingerprint)
         self.state.emit(RelayJoined(f"relay {name} joined from {admitted.peer}", relay=name))
         why = "its link ended"
         try:
@@ -135,12 +137,11 @@ class Relays:
             del self.live[name]
             self._sent_before += stream.bytes_sent
             self._received_before += stream.bytes_received
-            self.state.emit(
-                RelayLeft(
-                    f"relay {name} left ({why}); its {view.workers} worker(s) reconnect",
-                    relay=name,
-                )
-            )
+            if self._said_goodbye:
+                left = f"relay {name} left: told the run is over"
+            else:
+                left = f"relay {name} left ({why}); its workers reconnect"
+            self.state.emit(RelayLeft(left, relay=name))
 
     async def _accept(self, channels: Channels, name: str, nursery: trio.Nursery) -> None:
         async for channel in channels.accepted:
