@@ -31,9 +31,9 @@ from functools import partial
 
 import trio
 
-from pcp_tui import __version__, protocol
+from pcp_tui import protocol
 from pcp_tui.config.relay import RelayConfig
-from pcp_tui.contract import auth, keys
+from pcp_tui.contract import keys
 from pcp_tui.contract.channels import PIECE_BYTES, Channel, Channels
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
@@ -46,10 +46,10 @@ from pcp_tui.contract.connection import (
     expect_hello,
     goodbye_ended,
 )
-from pcp_tui.contract.tls import ClientTLS, ServerTLS, TLSRefused, shown_fingerprint
+from pcp_tui.contract.tls import ClientTLS, ServerTLS, shown_fingerprint
 from pcp_tui.shepherd.serving.admission import peer_name
 from pcp_tui.shepherd.serving.listening import advertised, open_files_for, open_listeners
-from pcp_tui.worker.reconnect import Reconnect, connect_failure
+from pcp_tui.worker.reconnect import Reconnect, dial
 
 log = logging.getLogger(__name__)
 TLS_SECONDS = 10.0  # a worker's TLS handshake with the relay
@@ -112,7 +112,7 @@ class Relay:
     async def _link(self, deadline: float) -> bool:
         """One link to the shepherd: True when the run is over, False when it was lost."""
         where = f"{self.host}:{self.port}"
-        stream = await self._open(deadline)
+        stream = await dial(self.host, self.port, self.client_tls, deadline)
         messages = protocol.MessageStream(stream)
         try:
             with trio.fail_at(deadline):
@@ -159,37 +159,16 @@ class Relay:
             self.say(f"link to the shepherd lost ({channels.ended}); reconnecting")
         return False
 
-    async def _open(self, deadline: float) -> trio.abc.Stream:
-        where = f"{self.host}:{self.port}"
-        try:
-            with trio.fail_at(deadline):
-                tcp = await trio.open_tcp_stream(self.host, self.port)
-                if self.client_tls is None:
-                    return tcp
-                return await self.client_tls.connect(tcp, self.host)
-        except TLSRefused as exc:
-            raise Refused(str(exc)) from None
-        except (OSError, trio.TooSlowError) as exc:
-            why = "timed out" if isinstance(exc, trio.TooSlowError) else connect_failure(exc)
-            raise ConnectionLost(f"cannot reach the shepherd at {where} ({why})") from None
-
     async def _join(self, stream: protocol.MessageStream, where: str) -> protocol.Welcome:
         """The relay's handshake: the shepherd's hello, the relay's, the welcome."""
         hello = (await expect_hello(stream, where)).body_as(protocol.Hello)
-        channel = shown_fingerprint(stream.stream)
         await stream.send(
-            protocol.WorkerHello(
-                supported_versions=protocol.SUPPORTED_VERSIONS,
-                worker_id=self.name,
-                hostname=platform.node()[: protocol.ID_CHARS],
-                proof=auth.proof(self.token, hello.nonce, self.name),
-                software=f"pcp-tui {__version__}",
-                public_key=keys.public_bytes(self.key) if self.key else b"",
-                signature=(
-                    keys.sign_hello(self.key, hello.nonce, self.name, 0, channel)
-                    if self.key
-                    else b""
-                ),
+            keys.signed_hello(
+                self.token,
+                self.key,
+                hello.nonce,
+                self.name,
+                channel=shown_fingerprint(stream.stream),
                 relay=True,
                 relay_fingerprint=self.server_tls.fingerprint if self.server_tls else "",
             )

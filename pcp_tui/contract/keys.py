@@ -21,13 +21,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import platform
 from dataclasses import dataclass
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from pcp_tui import __version__, protocol
 from pcp_tui.config import ConfigError
+from pcp_tui.contract import auth
 
 KEY_TYPE = "ssh-ed25519"
 PUBLIC_KEY_BYTES = 32
@@ -210,3 +214,34 @@ def _parse_line(words: list[str]) -> tuple[bytes, str] | str:
     if len(public) != PUBLIC_KEY_BYTES:
         return f"the key is not an {KEY_TYPE} public key"
     return public, name
+
+
+def signed_hello(
+    token: str,
+    key: Ed25519PrivateKey | None,
+    nonce: bytes,
+    worker_id: str,
+    *,
+    channel: str,
+    attach_index: int = 0,
+    session_key: bytes = b"",
+    **fields: Any,
+) -> protocol.WorkerHello:
+    """The hello of `worker_id` (a worker's, or a relay's with `relay=True`) on a connection
+    whose challenge is `nonce` and whose shepherd showed the certificate `channel` ("": plain
+    TCP): the token's proof, with `key` its signature, with `attach_index` the proof that it
+    belongs to the session of `session_key`; `fields`: the rest of the message."""
+    return protocol.WorkerHello(
+        supported_versions=protocol.SUPPORTED_VERSIONS,
+        worker_id=worker_id,
+        hostname=platform.node()[: protocol.ID_CHARS],
+        proof=auth.proof(token, nonce, worker_id),
+        software=f"pcp-tui {__version__}",
+        attach_index=attach_index,
+        attach_proof=(
+            auth.attach_proof(session_key, nonce, worker_id, attach_index) if attach_index else b""
+        ),
+        public_key=public_bytes(key) if key else b"",
+        signature=sign_hello(key, nonce, worker_id, attach_index, channel) if key else b"",
+        **fields,
+    )

@@ -26,13 +26,15 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import tenacity
 import trio
 
-from pcp_tui.contract.connection import ConnectionLost
+from pcp_tui.contract.connection import ConnectionLost, Refused
+from pcp_tui.contract.tls import ClientTLS, TLSRefused
 
 FIRST_WAIT = 1.0  # seconds, at most, before the second attempt; doubles after each failure
 LAST_TRY_SECONDS = 2.0  # the least time an attempt gets to connect and be welcomed
@@ -122,6 +124,25 @@ class Reconnect:
                 f"{last}; gave up after {trio.current_time() - started:.0f} s of retrying "
                 f"without getting in ({why}; --give-up-after sets the limit)"
             ) from last
+
+
+async def dial(host: str, port: int, tls: ClientTLS | None, deadline: float) -> trio.abc.Stream:
+    """A TCP (or TLS) stream to the shepherd at `host:port` by `deadline`, for a worker or a
+    relay; ConnectionLost saying why not (worth retrying), Refused for a certificate that
+    cannot be trusted."""
+    try:
+        with trio.fail_at(deadline):
+            tcp = await trio.open_tcp_stream(host, port)
+            return tcp if tls is None else await tls.connect(tcp, host)
+    except TLSRefused as exc:
+        raise Refused(str(exc)) from None
+    except socket.gaierror as exc:
+        raise ConnectionLost(
+            f"the shepherd's name {host!r} did not resolve ({exc.strerror})"
+        ) from None
+    except (OSError, trio.TooSlowError) as exc:
+        why = "timed out" if isinstance(exc, trio.TooSlowError) else connect_failure(exc)
+        raise ConnectionLost(f"cannot reach {host}:{port} ({why})") from None
 
 
 def connect_failure(exc: OSError) -> str:

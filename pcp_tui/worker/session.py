@@ -16,17 +16,16 @@ import logging
 import os
 import platform as host_platform
 import secrets
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
 import trio
 
-from pcp_tui import __version__, protocol
+from pcp_tui import protocol
 from pcp_tui.backends import Backend
 from pcp_tui.config import WorkerConfig
-from pcp_tui.contract import auth, keys
+from pcp_tui.contract import keys
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
@@ -43,10 +42,10 @@ from pcp_tui.contract.connection import (
     shown,
 )
 from pcp_tui.contract.connection import expect as _expect
-from pcp_tui.contract.tls import ClientTLS, TLSRefused, shown_fingerprint
+from pcp_tui.contract.tls import ClientTLS, shown_fingerprint
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.worker import striping
-from pcp_tui.worker.reconnect import Reconnect, connect_failure
+from pcp_tui.worker.reconnect import Reconnect, dial
 from pcp_tui.worker.site import Site
 
 MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may set
@@ -229,20 +228,8 @@ class Session:
         self.status.update(state="connecting", message=f"to {self.host}:{self.port}")
         return await self._open(deadline)
 
-    async def _open(self, deadline: float) -> trio.abc.Stream:
-        try:
-            with trio.fail_at(deadline):
-                tcp = await trio.open_tcp_stream(self.host, self.port)
-                return tcp if self.tls is None else await self.tls.connect(tcp, self.host)
-        except TLSRefused as exc:
-            raise Refused(str(exc)) from None
-        except socket.gaierror as exc:
-            raise ConnectionLost(
-                f"the shepherd's name {self.host!r} did not resolve ({exc.strerror})"
-            ) from None
-        except (OSError, trio.TooSlowError) as exc:
-            why = "timed out" if isinstance(exc, trio.TooSlowError) else connect_failure(exc)
-            raise ConnectionLost(f"cannot reach {self.host}:{self.port} ({why})") from None
+    async def _open(self, deadline: float) -> trio.abc.Stream:  # striping's extra connections too
+        return await dial(self.host, self.port, self.tls, deadline)
 
     async def _join(self, stream: protocol.MessageStream, deadline: float) -> None:
         """The handshake, until the welcome; ConnectionLost to retry, Refused if final."""
@@ -351,25 +338,15 @@ class Session:
             process_count=self.site.process_count,
             hostnames=tuple(h[: protocol.ID_CHARS] for h in self.site.hostnames),
         )
-        return protocol.WorkerHello(
-            supported_versions=protocol.SUPPORTED_VERSIONS,
-            worker_id=self.worker_id,
-            hostname=host_platform.node()[: protocol.ID_CHARS],
-            backend=backend,
-            proof=auth.proof(self.token, nonce, self.worker_id),
-            software=f"pcp-tui {__version__}",
+        return keys.signed_hello(
+            self.token,
+            self.key,
+            nonce,
+            self.worker_id,
+            channel=channel,
             attach_index=attach_index,
-            attach_proof=(
-                auth.attach_proof(session_key, nonce, self.worker_id, attach_index)
-                if attach_index
-                else b""
-            ),
-            public_key=keys.public_bytes(self.key) if self.key else b"",
-            signature=(
-                keys.sign_hello(self.key, nonce, self.worker_id, attach_index, channel)
-                if self.key
-                else b""
-            ),
+            session_key=session_key,
+            backend=backend,
         )
 
     async def _receive_loop(self, connection: Connection, rounds: trio.MemorySendChannel) -> None:

@@ -21,6 +21,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.config import ConfigError, RunConfig
+from pcp_tui.config.service import NetworkConfig
 from pcp_tui.contract.connection import Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
@@ -126,6 +127,28 @@ class RefusalLog:
                 self._roll()
         finally:
             self.flush()
+
+
+def held(
+    what: str, who: str, holder: str, silent: float, network: NetworkConfig, *, paused: bool = False
+) -> tuple[protocol.ErrorCode, str]:
+    """Why a newcomer may not take `what` (a worker's id, a relay's name) that a connection from
+    `holder` holds, silent for `silent` s: while it is heard from (or `paused`: busy on its own
+    behalf), for good (idInUse: a twin); once its heartbeats stopped, retryable (busy): likely
+    this very `who`, restarted (a reboot, a partition) while its old connection hangs
+    half-open, which is dropped once its silence reaches --heartbeat-timeout."""
+    timeout = network.heartbeat_timeout
+    if not paused and MISSED_BEATS * network.heartbeat_seconds < silent:
+        return protocol.ErrorCode.BUSY, (
+            f"{what} is still held by an earlier connection from {holder}, silent for "
+            f"{silent:.0f} s; it is let in once that connection has been silent for "
+            f"{timeout:g} s (--heartbeat-timeout): retrying"
+        )
+    return protocol.ErrorCode.ID_IN_USE, (
+        f"{what} is in use by a live connection from {holder}; start this {who} with another "
+        f"--id, or stop the other one (a reconnect is let in once the old connection has been "
+        f"silent for {timeout:g} s)"
+    )
 
 
 @dataclass

@@ -43,7 +43,7 @@ from pcp_tui.shepherd.run.events import (
 from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.serving import slots, striping
-from pcp_tui.shepherd.serving.admission import MISSED_BEATS, Admission, Admitted
+from pcp_tui.shepherd.serving.admission import Admission, Admitted, held
 from pcp_tui.shepherd.serving.connection import Hello, WorkerLink
 from pcp_tui.shepherd.serving.relays import Relays
 from pcp_tui.shepherd.serving.uploads import (
@@ -222,29 +222,16 @@ class WorkerPool:
         that is not ready loses its slot after a while (`slots`).
         """
         previous = self._links.get(worker_id)
-        network = self.config.network
-        timeout = network.heartbeat_timeout
-        cap = self.config.worker_connections
         if previous is None or previous.closed:
-            return self._busy(previous, cap)
-        silent = previous.silent_for()
-        if not previous.is_paused and MISSED_BEATS * network.heartbeat_seconds < silent:
-            # its heartbeats stopped: likely this very worker, restarted (a reboot, a partition)
-            # while its old connection hangs half-open. Retryable (busy), not final: it gets
-            # in once the old connection's silence reaches the timeout and it is dropped.
-            return protocol.ErrorCode.BUSY, (
-                f"worker id {worker_id!r} is still held by an earlier connection from "
-                f"{previous.view.host}, silent for {silent:.0f} s; it is let in once that "
-                f"connection has been silent for {timeout:g} s (--heartbeat-timeout): retrying"
-            )
-        if previous.is_paused or silent <= timeout:
-            return protocol.ErrorCode.ID_IN_USE, (
-                f"worker id {worker_id!r} is in use by a live connection from "
-                f"{previous.view.host}; start this worker with another --id, or stop the "
-                f"other one (a reconnect is let in once the old connection has been silent "
-                f"for {timeout:g} s)"
-            )
-        return self._busy(previous, cap)
+            return self._busy(previous, self.config.worker_connections)
+        return held(
+            f"worker id {worker_id!r}",
+            "worker",
+            previous.view.host,
+            previous.silent_for(),
+            self.config.network,
+            paused=previous.is_paused,
+        )
 
     def _busy(self, previous: WorkerLink | None, cap: int) -> tuple[protocol.ErrorCode, str] | None:
         """(busy, why) when the admitted connections, `previous` (being replaced) aside, are

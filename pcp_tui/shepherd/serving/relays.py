@@ -26,7 +26,7 @@ from pcp_tui.config import RunConfig
 from pcp_tui.contract.channels import Channel, Channels
 from pcp_tui.shepherd.run.events import RelayJoined, RelayLeft
 from pcp_tui.shepherd.run.state import RunState
-from pcp_tui.shepherd.serving.admission import MISSED_BEATS, Admitted
+from pcp_tui.shepherd.serving.admission import Admitted, held
 
 log = logging.getLogger(__name__)
 
@@ -80,18 +80,9 @@ class Relays:
             why = "this shepherd takes no relays: start it with --relays N to allow N"
             return protocol.ErrorCode.AUTH_FAILED, why
         if name in self.live:
-            network = self.config.network
-            silent = time.monotonic() - self.live[name].channels.link.last_activity
-            if silent > MISSED_BEATS * network.heartbeat_seconds:
-                # likely this very relay, back while its old link hangs half-open: retryable
-                why = (
-                    f"relay {name!r} is still held by an earlier link, silent for {silent:.0f} s;"
-                    f" it is let in once that link has been silent for "
-                    f"{network.heartbeat_timeout:g} s (--heartbeat-timeout): retrying"
-                )
-                return protocol.ErrorCode.BUSY, why
-            why = f"relay {name!r} is connected already: start the relay with another --id"
-            return protocol.ErrorCode.ID_IN_USE, why
+            view = self.live[name]
+            silent = time.monotonic() - view.channels.link.last_activity
+            return held(f"relay {name!r}", "relay", view.peer, silent, self.config.network)
         if len(self.live) >= allowed:
             why = f"{len(self.live)} relays are connected, the most --relays {allowed} allows"
             return protocol.ErrorCode.BUSY, why
