@@ -23,7 +23,11 @@ a real run whose workers join in order. Attackers train honestly, then send inst
 - ``ALIE``: "a little is enough" (Baruch et al. 2019): mean − z·std over the
   round's honest results, per coordinate, z from the worker count (it knows them:
   the strongest colluder).
-- ``tiny, 3 of 5 ids``: one token holder joins as 3 of 5 ids and sends 1e-12·Δ.
+- ``..., 3 of 5 ids``: one token holder joins as 3 of 5 ids, from one address, and
+  sends 1e-12·Δ (``tiny``), −Δ, or ALIE's vector with f = 3 from each. Their rows
+  are printed twice: as they weigh by id (``--weight-per id``: each id its tokens)
+  and by address (the default in an open run: the holder's ids share one id's
+  weight, `RoundEngine._shares`).
 
 Defences: ``mean`` (DiLoCo's token-weighted mean), ``centered-clip`` (the
 default before loss-delta validation), ``clip+validate`` (today's default:
@@ -69,6 +73,7 @@ from pcp_tui.shepherd.rounds.engine import (
     tokens_per_step,
     update_bound,
 )
+from pcp_tui.shepherd.rounds.results import weight_shares
 from pcp_tui.shepherd.run.graphs import GraphLibrary
 from pcp_tui.training import shards
 from pcp_tui.training.build import build_workload
@@ -96,16 +101,22 @@ def random_direction(own: Params, honest: list[Params], bound: float, rng) -> Pa
     return {n: v * factor for n, v in noise.items()}
 
 
-def alie(own: Params, honest: list[Params], bound: float, rng) -> Params:
-    """Baruch et al. 2019: z_max = Φ⁻¹((n − s) / n), s = ⌊n/2 + 1⌋ − f, with f attackers of n."""
-    n, f = len(honest) + 1, 1
-    s = math.floor(n / 2 + 1) - f
+def alie(own: Params, honest: list[Params], bound: float, rng, colluders: int = 1) -> Params:
+    """Baruch et al. 2019: z_max = Φ⁻¹((n − s) / n), s = ⌊n/2 + 1⌋ − f, with f attackers of n
+    (s at least 1: f past half of n leaves the formula's z infinite)."""
+    n, f = len(honest) + colluders, colluders
+    s = max(math.floor(n / 2 + 1) - f, 1)
     z = NormalDist().inv_cdf((n - s) / n)
     out = {}
     for name in own:
         stacked = np.stack([h[name] for h in honest])
         out[name] = (stacked.mean(0) - z * stacked.std(0)).astype(np.float32)
     return out
+
+
+def alie_3(own: Params, honest: list[Params], bound: float, rng) -> Params:
+    """ALIE by 3 colluding ids (one holder's): each sends the same vector."""
+    return alie(own, honest, bound, rng, colluders=3)
 
 
 def tiny(own: Params, honest: list[Params], bound: float, rng) -> Params:
@@ -119,6 +130,8 @@ class Scenario:
     attackers: tuple[int, ...]  # indices that attack
     attack: Attack | None
     shards: int
+    # the attackers are one token holder's ids, from one address (the others one each)
+    holder: bool = False
 
 
 SCENARIOS = [
@@ -130,7 +143,9 @@ SCENARIOS = [
     Scenario("random direction, 1 of 5", 5, (4,), random_direction, 5),
     Scenario("ALIE, 1 of 3", 3, (2,), alie, 3),
     Scenario("ALIE, 1 of 5", 5, (4,), alie, 5),
-    Scenario("tiny 1e-12, 3 of 5 ids", 5, (2, 3, 4), tiny, 5),
+    Scenario("tiny 1e-12, 3 of 5 ids", 5, (2, 3, 4), tiny, 5, holder=True),
+    Scenario("sign flip, 3 of 5 ids", 5, (2, 3, 4), sign_flip, 5, holder=True),
+    Scenario("ALIE, 3 of 5 ids", 5, (2, 3, 4), alie_3, 5, holder=True),
 ]
 
 
@@ -168,8 +183,11 @@ class Simulation:
         trained = {n: np.asarray(v) for n, v in zip(self.names, flat, strict=True)}
         return {n: params[n] - trained[n] for n in self.names}, list(opt_state)
 
-    def run(self, scenario: Scenario, defence: str, honest: bool, workers: int) -> Outcome:
-        """Final eval loss of `workers` ids (the attackers honest if `honest`) under `defence`."""
+    def run(
+        self, scenario: Scenario, defence: str, honest: bool, workers: int, per: str = "address"
+    ) -> Outcome:
+        """Final eval loss of `workers` ids (the attackers honest if `honest`) under `defence`,
+        with `--weight-per` `per` (a holder's ids share one address; the others one each)."""
         cfg = self.config
         params = {n: np.array(p, np.float32) for n, p in self.workload.params.items()}
         outer = OuterOptimizer(cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum)
@@ -186,6 +204,11 @@ class Simulation:
             batches = AssignedBatches.for_run(cfg, self.workload, self.chunk_steps)
             validator = LossDeltaValidator(self.score, batches)
         tokens = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
+        networks = {
+            str(k): "holder" if scenario.holder and k in scenario.attackers else f"own {k}"
+            for k in range(workers)
+        }
+        shares = weight_shares(networks) if per == "address" else {}
         steps = cfg.inner.steps
         opt_states = {
             k: list(self.init_opt_state(tuple(params[n] for n in self.names)))
@@ -230,8 +253,9 @@ class Simulation:
                 except BadResult:
                     refused[who] += 1
                     continue
-                mean.add(results[k], float(tokens), key=str(k))
-                kept.append(Kept(str(k), results[k], float(tokens), claim, k in probation))
+                weight = tokens * shares.get(str(k), 1.0)  # as `Round` weighs it
+                mean.add(results[k], weight, key=str(k))
+                kept.append(Kept(str(k), results[k], weight, claim, k in probation))
             correction = None
             if mean.contributors:
                 mean.finish()
@@ -325,8 +349,8 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.inner_steps = 2, 2
     chosen = SCENARIOS  # in --only's order, if given
-    if args.smoke:  # every attack and the Sybil run once, on one shard count: one compile
-        chosen = [s for s in SCENARIOS if s.shards == 5]
+    if args.smoke:  # every attack once (a holder's ids: tiny's), on one shard count: one compile
+        chosen = [s for s in SCENARIOS if s.shards == 5 and not (s.holder and s.attack != tiny)]
     if args.only:
         chosen = [s for o in args.only for s in SCENARIOS if s.label.startswith(o)]
     simulations: dict[int, Simulation] = {}
@@ -350,15 +374,19 @@ def main() -> None:
             if key not in controls:
                 controls[key] = sim.run(scenario, defence, True, workers)
             control = controls[key]
-            attacked = sim.run(scenario, defence, False, scenario.workers)
-            change = attacked.final / control.final - 1
-            worst[defence] = max(worst.get(defence, -math.inf), abs(change))
-            print(
-                f"| {scenario.label} | {defence} | {attacked.final:.3f} | {control.final:.3f}"
-                f"{' (ids absent)' if sybil else ''} | {change:+.1%} "
-                f"| {attacked.refused['attacker']} / {attacked.refused['honest']} |",
-                flush=True,
-            )
+            # one holder's ids: also as they weigh by id (--weight-per id), undefended
+            for per in ("id", "address") if scenario.holder else ("address",):
+                attacked = sim.run(scenario, defence, False, scenario.workers, per)
+                change = attacked.final / control.final - 1
+                if per == "address":
+                    worst[defence] = max(worst.get(defence, -math.inf), abs(change))
+                print(
+                    f"| {scenario.label} | {defence}{', weight per id' if per == 'id' else ''} "
+                    f"| {attacked.final:.3f} | {control.final:.3f}"
+                    f"{' (ids absent)' if sybil else ''} | {change:+.1%} "
+                    f"| {attacked.refused['attacker']} / {attacked.refused['honest']} |",
+                    flush=True,
+                )
     shard_counts = sorted({s.shards for s in chosen})
     for shard_count in shard_counts:
         cost = [

@@ -112,7 +112,8 @@ class Relay:
     async def _link(self, deadline: float) -> bool:
         """One link to the shepherd: True when the run is over, False when it was lost."""
         where = f"{self.host}:{self.port}"
-        stream = await dial(self.host, self.port, self.client_tls, deadline)
+        source = self.config.connection.source_address
+        stream = await dial(self.host, self.port, self.client_tls, deadline, source)
         messages = protocol.MessageStream(stream)
         try:
             with trio.fail_at(deadline):

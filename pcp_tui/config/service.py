@@ -116,6 +116,16 @@ class SecurityConfig:
         "remove a line to revoke it: the file is re-read when it changes, and that worker "
         "leaves before the next round (default: anyone with the token)",
     )
+    weight_per: str = option(
+        "address",
+        choices=("address", "id"),
+        help="what one share of the aggregate's weight belongs to in an open run (no "
+        "--worker-keys): address, the ids that connect from one address (an IPv6 /64, a "
+        "relayed worker's own) share one id's weight, so a token holder gains none by "
+        "joining as many ids; id, every id weighs its own tokens (for runs whose token "
+        "holders are all trusted: ids on one machine then count in full). With "
+        "--worker-keys every key is one id",
+    )
     handshake_timeout: float = option(
         10.0,
         above=0,

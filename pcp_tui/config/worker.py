@@ -91,6 +91,12 @@ class ConnectionConfig:
         help="connect over TLS, trusting the shepherd's certificate if this CA signed it "
         "(with --tls-fingerprint too, the certificate must pass both)",
     )
+    source_address: str | None = option(
+        None,
+        metavar="ADDRESS",
+        help="the local address to connect from (a machine with several; default: the one "
+        "the route to the shepherd picks)",
+    )
     tls_fingerprint: str | None = option(
         None,
         metavar="SHA256",

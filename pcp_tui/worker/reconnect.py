@@ -23,6 +23,7 @@ doubling range, which lets a later wait be shorter than an earlier one.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import random
@@ -126,13 +127,17 @@ class Reconnect:
             ) from last
 
 
-async def dial(host: str, port: int, tls: ClientTLS | None, deadline: float) -> trio.abc.Stream:
-    """A TCP (or TLS) stream to the shepherd at `host:port` by `deadline`, for a worker or a
-    relay; ConnectionLost saying why not (worth retrying), Refused for a certificate that
-    cannot be trusted."""
+async def dial(
+    host: str, port: int, tls: ClientTLS | None, deadline: float, source: str | None = None
+) -> trio.abc.Stream:
+    """A TCP (or TLS) stream to the shepherd at `host:port` by `deadline`, from local address
+    `source` if given, for a worker or a relay; ConnectionLost saying why not (worth
+    retrying), Refused for a certificate that cannot be trusted."""
+    if source is not None:
+        _check_source(source)
     try:
         with trio.fail_at(deadline):
-            tcp = await trio.open_tcp_stream(host, port)
+            tcp = await trio.open_tcp_stream(host, port, local_address=source)
             return tcp if tls is None else await tls.connect(tcp, host)
     except TLSRefused as exc:
         raise Refused(str(exc)) from None
@@ -143,6 +148,21 @@ async def dial(host: str, port: int, tls: ClientTLS | None, deadline: float) -> 
     except (OSError, trio.TooSlowError) as exc:
         why = "timed out" if isinstance(exc, trio.TooSlowError) else connect_failure(exc)
         raise ConnectionLost(f"cannot reach {host}:{port} ({why})") from None
+
+
+def _check_source(source: str) -> None:
+    """Refused unless `source` (--source-address) is an address of this machine."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(source).version == 6 else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((source, 0))
+    except ValueError:
+        raise Refused(f"--source-address {source!r} is not an IP address") from None
+    except OSError as exc:
+        raise Refused(
+            f"--source-address {source} is not an address of this machine ({exc.strerror}): "
+            "name one that `ip addr` lists, or leave it out"
+        ) from None
 
 
 def connect_failure(exc: OSError) -> str:

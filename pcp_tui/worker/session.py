@@ -110,6 +110,7 @@ class Session:
         self.token = connection.token
         self.trace = trace  # --trace: every message to and from the shepherd
         self.tls = tls  # None: plain TCP
+        self.source = connection.source_address  # the local address it dials from
         self.backend = backend  # what the hello describes
         # --key: every hello is signed with it (a shepherd with --worker-keys checks it)
         self.key = keys.load_private_key(connection.key) if connection.key else None
@@ -229,7 +230,7 @@ class Session:
         return await self._open(deadline)
 
     async def _open(self, deadline: float) -> trio.abc.Stream:  # striping's extra connections too
-        return await dial(self.host, self.port, self.tls, deadline)
+        return await dial(self.host, self.port, self.tls, deadline, self.source)
 
     async def _join(self, stream: protocol.MessageStream, deadline: float) -> None:
         """The handshake, until the welcome; ConnectionLost to retry, Refused if final."""

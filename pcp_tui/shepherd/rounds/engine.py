@@ -23,12 +23,13 @@ each result into the `OpenRounds` this engine opens.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -52,7 +53,7 @@ from pcp_tui.diloco.streaming import Fragments, Schedule, partition
 from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.checks import Before, Check, Correction, Verdict
 from pcp_tui.shepherd.rounds.pacing import StepPacing
-from pcp_tui.shepherd.rounds.results import OpenRounds, Round, collect
+from pcp_tui.shepherd.rounds.results import OpenRounds, Round, collect, weight_shares
 from pcp_tui.shepherd.run.events import ResultClipped, RoundDone
 from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.state import RunState, WorkerState
@@ -220,6 +221,7 @@ class RoundEngine:
         self._pending: list[Check | None] = [None] * len(self.fragments)
         # rounds not yet counted, oldest first (`verdicts`)
         self._settling: list[Settling] = []
+        self._networks: collections.Counter[str] = collections.Counter()  # ids a network, logged
 
     # -- checkpoints ------------------------------------------------------------
 
@@ -257,6 +259,7 @@ class RoundEngine:
         bound = await trio.to_thread.run_sync(update_bound, self.config, self.params)
         ids = [link.worker_id for link in links]
         connections = {link.worker_id: link for link in links}
+        shares = self._shares(links)
         h = self.config.inner.steps
         steps = self.pacing.steps_for(ids, connections) if self.pacing else {}
         stepped = [trio.Event() for _ in self.fragments]  # each fragment's outer step is done
@@ -285,6 +288,7 @@ class RoundEngine:
                     connections=connections,
                     fragment=p,
                     send_steps=sends,
+                    shares=shares,
                     view=functools.partial(copies.view, p) if copies is not None else None,
                 )
             )
@@ -401,6 +405,24 @@ class RoundEngine:
         for name, value in correction.params.items():
             np.copyto(self.params[name], value)
         self.outer.parts[p].state = correction.outer_state
+
+    def _shares(self, links: Sequence[WorkerLink]) -> dict[str, float]:
+        """Each worker's share of its tokens' weight this round (`weight_shares`), under
+        `--weight-per address` in an open run; logs the networks whose ids share one."""
+        security = self.config.security
+        if security.weight_per != "address" or security.worker_keys:
+            return {}
+        networks = {link.worker_id: link.view.network for link in links}
+        counts = collections.Counter(networks.values())
+        if counts != self._networks and len(set(counts.values())) > 1:
+            fewest = min(counts.values())
+            for network, ids in sorted(counts.items()):
+                if ids > fewest:
+                    log.info(
+                        "%d ids from %s weigh as %d (--weight-per address)", ids, network, fewest
+                    )
+        self._networks = counts
+        return weight_shares(networks)
 
     def _schedule(self, steps: int) -> Schedule:
         """The schedule of a worker's round of `steps` inner steps (H_k under --adaptive-steps)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import statistics
@@ -129,6 +130,18 @@ class OpenRounds:
                 current.finish(worker_id)
 
 
+def weight_shares(networks: Mapping[str, str]) -> dict[str, float]:
+    """Worker id -> the share of its tokens' weight its result gets, for workers whose ids map
+    to the network they connected from (`--weight-per address`): the k ids of one network
+    each get k_min / k, k_min the fewest ids any network sends, so every network weighs what
+    k_min ids weigh and a token holder gains nothing by joining as more ids. Only shares
+    under 1 are listed: none where every network sends as many ids (one machine's run, or
+    an id each), so such a run folds exactly as by ids."""
+    counts = collections.Counter(networks.values())
+    fewest = min(counts.values(), default=1)
+    return {w: fewest / counts[n] for w, n in networks.items() if counts[n] > fewest}
+
+
 class Round:
     """Collects results for one round number (one fragment's); late or foreign ones are refused."""
 
@@ -142,6 +155,7 @@ class Round:
         connections: Mapping[str, WorkerLink] | None = None,
         fragment: int = 0,
         send_steps: Mapping[str, int] | None = None,
+        shares: Mapping[str, float] | None = None,
         view: Callable[[], Awaitable[Mapping[str, np.ndarray]]] | None = None,
     ):
         self.number = number
@@ -149,6 +163,9 @@ class Round:
         # worker id -> the inner steps of this round before its result for this fragment
         # leaves (the schedule's send step for its H_k): validation draws its batches there
         self.send_steps = dict(send_steps or {})
+        # worker id -> the share of its tokens' weight its result gets (`RoundEngine._shares`:
+        # ids of one network share one weight); 1.0 where absent
+        self.shares = dict(shares or {})
         # the results folded in, in that order, for their loss-delta check (validated rounds)
         self.kept: list[Kept] = []
         # θ as the workers held it for this round's results (`RoundCopies.view`): a result
@@ -281,7 +298,8 @@ class Round:
         losses = list(body.losses)
         if not all(math.isfinite(x) for x in losses):
             raise BadResult("reported losses hold NaN or Inf", Refusal.NON_FINITE)
-        weight = float(tokens)  # validation refuses a result or keeps its token weight
+        share = self.shares.get(worker_id, 1.0)  # of its tokens' weight (`RoundEngine._shares`)
+        weight = tokens * share  # validation refuses a result or keeps this weight
         if self.validated:  # checked once the round's outer step is done (`checks.py`)
             view = (self.connections or {})[worker_id].view
             assert view.shard is not None, "a worker in a round trains a shard"
@@ -289,7 +307,7 @@ class Round:
             if scored_against is not None:  # BadResult unless it lowers the loss
                 validator = self._screen.validator
                 assert validator is not None
-                weight = validator.score(
+                weight = share * validator.score(
                     message.tensors, tokens, claim, number=self.number, params=scored_against
                 )
             checked = scored_against is not None

@@ -83,6 +83,7 @@ class WorkerView:
     processes: int = 1  # a site: its processes (multi-controller JAX, one a host)
     hosts: tuple[str, ...] = ()  # a site: its processes' hosts, process 0's first
     via: str = ""  # the relay it joined through (`pcp-tui relay`); "": it dialled the shepherd
+    network: str = ""  # the address it connected from (IPv6: its /64): --weight-per address
     compile_seconds: float | None = None
     # its own statistics, from its latest progress message (WorkerStats)
     steps_trained: int = 0  # inner steps since the worker process started
@@ -110,6 +111,7 @@ class WorkerView:
             "hosts": list(self.hosts) or [self.host],
             "shard": self.shard,
             "via": self.via or None,
+            "network": self.network or None,  # --weight-per address: its ids share one weight
             "compile_seconds": self.compile_seconds,
             "steps_trained": self.steps_trained,
             "tokens_trained": self.tokens_trained,

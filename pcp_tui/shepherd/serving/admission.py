@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -350,6 +351,23 @@ def peer_name(stream: trio.abc.Stream) -> str:
     except OSError:
         return "unknown peer"
     return f"{host}:{port}"
+
+
+def network_of(peer: str) -> str:
+    """The network one share of weight belongs to under `--weight-per address`: a peer's
+    IPv4 address, or its IPv6 /64 (what one subscriber is given); `peer` is `peer_name`'s
+    "host:port", a relayed worker's "relay/host:port" (the address the relay saw)."""
+    peer = peer.rpartition("/")[2]
+    host = peer.rpartition(":")[0] or peer
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # "unknown peer": a group of its own kind
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _open_trace(path: str | None) -> MessageTrace | None:

@@ -43,7 +43,7 @@ from pcp_tui.shepherd.run.events import (
 from pcp_tui.shepherd.run.graphs import GraphLibrary, Unservable
 from pcp_tui.shepherd.run.state import RunState, WorkerState, WorkerView
 from pcp_tui.shepherd.serving import slots, striping
-from pcp_tui.shepherd.serving.admission import Admission, Admitted, held
+from pcp_tui.shepherd.serving.admission import Admission, Admitted, held, network_of
 from pcp_tui.shepherd.serving.connection import Hello, WorkerLink
 from pcp_tui.shepherd.serving.relays import Relays
 from pcp_tui.shepherd.serving.uploads import (
@@ -375,6 +375,7 @@ class WorkerPool:
             shard=shard,
             runtime=hello.runtime.value,
             via=via,
+            network=network_of(peer),
             # its results that counted, before a reconnect too (`slots._earned`, the API)
             rounds_contributed=old.rounds_contributed if old is not None else 0,
         )

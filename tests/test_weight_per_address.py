@@ -1,0 +1,73 @@
+"""In an open run, the ids that connect from one address share one id's weight.
+
+`--weight-per address` (the default without `--worker-keys`): a token holder who joins
+as k ids from one address gets what the fewest ids of any address get. Real shepherd and
+real workers (`Worker`, in this process) over TCP on 127.0.0.1, each dialling from its own
+loopback address (`--source-address`), real JAX; the weights are read from the round's
+own fold (centered clip's partial: one entry per result folded in).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+
+from pcp_tui.shepherd.coordinator import Shepherd
+from pcp_tui.shepherd.rounds.results import weight_shares
+from pcp_tui.testing import local_worker, until
+from pcp_tui.training.build import build_workload
+
+from .conftest import small_config
+
+SOURCES = {"alone": "127.0.0.2", "twin-1": "127.0.0.3", "twin-2": "127.0.0.3"}
+
+
+def _run(weight_per: str) -> Shepherd:
+    config = small_config(
+        rounds=2, inner_steps=4, chunk_steps=2, workers=3, weight_per=weight_per
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=3))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(shepherd.run)
+            for worker_id, source in SOURCES.items():  # joined in this order: shards 0, 1, 2
+                worker = local_worker(port, worker_id, source_address=source)
+                nursery.start_soon(worker.run)
+                await until(lambda w=worker_id: w in shepherd.state.workers)
+
+    trio.run(main)
+    return shepherd
+
+
+@pytest.mark.parametrize("weight_per", ["address", "id"])
+def test_ids_from_one_address_weigh_as_one(weight_per):
+    shepherd = _run(weight_per)
+    assert {w: v.network for w, v in shepherd.state.workers.items()} == SOURCES
+    assert [len(r.worker_ids) for r in shepherd.state.history] == [3, 3]
+    tokens = 4 * 4 * 32  # a result: inner steps x batch x sequence
+    folded = shepherd.engine.aggregates[0].partial.results  # the last round's results
+    weights = {w: entry.weight for w, entry in folded.items()}
+    if weight_per == "address":  # the twins' address weighs what the other one does
+        assert weights == {"alone": tokens, "twin-1": tokens / 2, "twin-2": tokens / 2}
+    else:
+        assert weights == dict.fromkeys(SOURCES, tokens)
+    # the ledger counts every id's tokens whatever its weight
+    assert shepherd.state.history[-1].tokens == 3 * tokens
+
+
+def test_every_network_weighs_what_its_fewest_ids_weigh():
+    rng = random.Random(0)
+    for _ in range(200):
+        networks = {f"w{i}": f"10.0.0.{rng.randrange(4)}" for i in range(rng.randrange(1, 12))}
+        shares = weight_shares(networks)
+        counts = {n: list(networks.values()).count(n) for n in set(networks.values())}
+        fewest = min(counts.values())
+        for network, ids in counts.items():
+            total = sum(shares.get(w, 1.0) for w, n in networks.items() if n == network)
+            assert total == pytest.approx(fewest, rel=1e-15)
+        # a share is listed only below 1: none at all where every network sends as many ids
+        assert all(share < 1 for share in shares.values())
+        assert (shares == {}) == (len(set(counts.values())) == 1)
