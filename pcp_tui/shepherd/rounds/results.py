@@ -86,6 +86,7 @@ def note_refusal(
     one of its results counts (`sitting_out.py`). The worker is told with `tell_refused`."""
     link.rounds.answer_seconds.pop(fragment, None)
     link.rounds.unproven = max(link.rounds.unproven, 1)
+    link.rounds.missed = True  # its work vouches for its slot no more (`slots`)
     state.refusals[link.worker_id] += 1  # trust comes back slower each time (`settled`)
     link.rounds.trusted, link.rounds.counted = False, 0
     link.rounds.refused_round = max(link.rounds.refused_round, number)

@@ -526,6 +526,7 @@ class WorkerPool:
             lambda: slots.SlotRules.of(self.config).silent_seconds(self._links.values()),
             trio.current_time(),
             holds_a_round=lambda: self._holds_a_round(link),
+            ready_timeout=self.config.security.ready_timeout,
         )
         if not reason or len(self.fragments) > 1:
             return reason

@@ -68,6 +68,7 @@ Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -99,6 +100,7 @@ def holding_reason(
     now: float,
     *,
     holds_a_round: Callable[[], bool],
+    ready_timeout: float,
 ) -> str:
     """Why `link` is taken out of a round it holds and shows nothing for, or "" (the pool
     then lets it sit rounds out: `WorkerPool._holding`).
@@ -108,18 +110,38 @@ def holding_reason(
     workers at `--workers 2`; the honest workers found free slots (no newcomer waited in
     line to move them out), and round 1 waited for them for ever. The bound is the one a
     newcomer in line has (`_free_at`): `silent()` (`SlotRules.silent_seconds`) from its
-    first roundStart, with nothing shown (no progress, no result) and nothing earned. Both
-    callables read every link, so they are asked only once the link's own state allows it
-    (the watchdog asks each link every second)."""
+    first roundStart with nothing earned, longer while its progress keeps its promise
+    (`kept`). Both callables read every link, so they are asked only once the link's own
+    state allows it (the watchdog asks each link every second)."""
     first = link.rounds.first_delivered
-    if first is None or _earned(link) or link.rounds.shown_work:
+    if first is None or _earned(link) or now < first + kept(link, silent, ready_timeout):
         return ""
-    if now < first + silent() or not holds_a_round():
+    if not holds_a_round():
         return ""
+    what = "no result taken" if link.rounds.shown_work else "no progress and no result"
     return (
-        f"no progress and no result {now - first:.0f} s after its first roundStart, while "
-        "a ready worker waits for that round (it sits rounds out until that result comes)"
+        f"{what} {now - first:.0f} s after its first roundStart, while a ready worker waits "
+        "for that round (it sits rounds out until that result comes)"
     )
+
+
+def kept(link: WorkerLink, silent: Callable[[], float], ready_timeout: float) -> float:
+    """Seconds from its first roundStart a ready connection, nothing of it taken into a
+    round, keeps its slot from a newcomer (and holds a round while a ready worker waits):
+    `silent()` (`SlotRules.silent_seconds`), or while its progress keeps its promise and no
+    round has closed without its result (`WorkerRounds.vouched_until`) if longer, at most
+    --ready-timeout. Progress that never becomes a result buys no more than the promise it
+    made: a peer that reported "step 1 of H" and never answered kept its slot --ready-timeout
+    from its first roundStart (and a round it alone was sent, for ever). One that sent a
+    result (late, or being checked into a round) is not taken out of a round (inf): honest
+    workers whose first chunk outlasted the grace sat out, sent it late, and would lose the
+    repeated round again while a token holder kept a fresh ready id waiting."""
+    first = link.rounds.first_delivered
+    assert first is not None, "asked of a connection that was sent a round"
+    vouched = link.rounds.vouched_until()
+    if vouched == math.inf:  # it sent a result: not moved out of a round (`_free_at` caps it)
+        return math.inf
+    return max(silent(), min(vouched - first, ready_timeout))
 
 
 @dataclass(frozen=True)
@@ -167,9 +189,9 @@ def _free_at(link: WorkerLink, rules: SlotRules, silent: float, needed: bool) ->
     first = link.rounds.first_delivered
     if first is None:  # ready, waiting for its first round
         return link.ready_at + silent if needed and link.ready_at is not None else None
-    if link.rounds.shown_work:  # progress or a result, none taken yet
-        return first + rules.ready_timeout
-    return first + silent
+    return first + min(
+        kept(link, lambda: silent, rules.ready_timeout), max(rules.ready_timeout, silent)
+    )
 
 
 def _due(
