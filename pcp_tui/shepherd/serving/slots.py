@@ -27,9 +27,11 @@ heard `busy` on every retry. These rules bound that:
   An honest worker's first round shows progress or a result within that: its peers'
   pace times the factor the straggler window gives it too, and, before any result, the
   grace (its first chunk, not its compile: that came before ready). One
-  that has shown progress or a result, none of it taken into a round, keeps its slot
-  for --ready-timeout from its first `roundStart` (the straggler window, `sitting_out`
-  and the unproven rule bound what it holds a round meanwhile);
+  that has reported progress, none of it taken into a round, keeps it longer only while
+  that progress keeps its promise (`kept`: twice the round it projects, at most
+  --ready-timeout from its first `roundStart`) and no round has closed without its
+  result; one that sent a result (late, or being checked) keeps it --ready-timeout (the
+  straggler window, `sitting_out` and the unproven rule bound what it holds a round);
 - a ready connection not yet sent a round waits for the next one and is not moved,
   unless fewer than --workers open connections have been sent a round or earned their
   slot: then the run needs its slot, and it keeps it `silent_seconds` from saying ready
@@ -60,8 +62,10 @@ grace for a slot, the honest workers' compile (at most the grace), then one roun
 --rounds 2`, the defaults): the honest run ended 52.7 s after its workers started beside
 four (11.5 s without; 183.8 s before these rules), 56.4 s (8.9 s) once a silent holder
 sits rounds out instead of losing its connection. A peer that reports progress it does
-not make keeps its slot longest: --ready-timeout from its first `roundStart` (the rounds
-bound what it holds them: `rounds.results`, `sitting_out`).
+not make kept its slot --ready-timeout from its first `roundStart`, and two such ids that
+were round 1's only workers held it for ever; now its promise, at most --ready-timeout,
+and once a round closed without its result (its straggler window) no longer than one
+that showed nothing.
 
 Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 """
