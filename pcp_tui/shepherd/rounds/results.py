@@ -355,13 +355,16 @@ class Round:
         shepherd's clock), which covers an honest newcomer's first chunk (it then reports
         progress and is timed by its own pace). Token holders that said ready at once and
         never trained were sent every round beside the honest workers and held each for the
-        floor (60 s) while the honest ones answered in 3; a peer that delays saying ready to
-        buy time spends that time outside the rounds."""
+        floor (60 s) while the honest ones answered in 3. That time counts for the first
+        round the connection is sent only (0 after, and in a repeat of it): a peer that
+        delayed saying ready and never trained bought it back in every round it joined."""
         link = (self.connections or {}).get(worker_id)
         if link is None or link.rounds.progress is not None or link.rounds.answer_seconds:
             return None
-        ready = link.ready_at - link.admitted_at if link.ready_at is not None else 0.0
-        return max(ready, 0.0)
+        first, delivered = link.rounds.first_delivered, self.delivered(worker_id)
+        if link.ready_at is None or (None not in (first, delivered) and first < delivered):
+            return 0.0
+        return max(link.ready_at - link.admitted_at, 0.0)
 
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
