@@ -482,7 +482,8 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             f"--straggler-min-seconds {network.straggler_min_seconds:g}; or factor times a "
             "worker's own time, from its latest result or its progress, if longer, up to "
             "factor² times the window; one whose last result was refused, or that has shown "
-            "nothing yet, factor times the quorum's time or its own time to ready, no floor); "
+            "nothing yet, factor times the quorum's time or, in its first round, its own "
+            "time to ready, no floor); "
             "--adaptive-steps gives slower workers fewer steps"
             if windowed
             else f"at --round-timeout {network.round_timeout:g} s"
@@ -553,7 +554,8 @@ async def _until_overdue(
     was refused (`Round.unproven`) gets `probation` (factor times the quorum's time, no
     floor, nothing of its own): a peer that answered zeros at its window's end held every
     round that long. One whose connection has shown nothing yet gets that or factor times
-    its own welcome-to-ready time if longer, within the window (`Round.stranger`)."""
+    its own welcome-to-ready time if longer in its first round, within the window
+    (`Round.stranger`)."""
     while not current.done.is_set():
         now = trio.current_time()
         due = []
