@@ -363,3 +363,6 @@ async def test_a_failing_write_is_an_event_and_the_run_goes_on(tmp_path, monkeyp
     for number in (1, 3):
         saved = checkpoint.load_latest(tmp_path / f"round-{number:06d}")
         assert shepherd.evaluate(saved.params) == shepherd.state.history[number - 1].eval_loss
+        # and its meta says that loss, of that round (it said the round before's)
+        assert saved.meta["eval_loss"] == shepherd.state.history[number - 1].eval_loss
+        assert saved.meta["eval_round"] == number

@@ -14,6 +14,8 @@ import numpy as np
 import trio
 
 from pcp_tui.shepherd.rounds.engine import copy_tensors
+from pcp_tui.shepherd.run import checkpoint
+from pcp_tui.shepherd.run.checkpoint_writer import CheckpointWriter
 from pcp_tui.shepherd.run.evaluation import HeldOutEval
 from pcp_tui.shepherd.run.events import EventKind
 from pcp_tui.shepherd.run.state import RoundRecord, RunState
@@ -100,3 +102,38 @@ async def test_a_non_finite_eval_that_ends_after_its_round_is_reported_as_diverg
         await evals.start(2, {"w": np.ones(2, np.float32)}, nursery)
     assert len(told) == 1 and told[0][0] == 2 and math.isnan(told[0][1])
     assert math.isnan(state.history[0].eval_loss)
+
+
+async def test_a_checkpoint_records_the_eval_of_the_parameters_it_saves(tmp_path):
+    """Its meta's eval_loss lagged a round: the meta was taken as the checkpoint was asked
+    for, while that round's eval still ran, so round k's checkpoint said round k-1's loss
+    (round 1's said null). The write now waits for the eval, off the round's path: a
+    second checkpoint asked for meanwhile stops the wait (the round never waits for an
+    eval), and `eval_round` says whose loss it wrote."""
+    state = RunState(run_id="r", rounds_total=4, settings={})
+    evaluate = HeldEval()
+    evals = _evals(state, evaluate)
+    writer = CheckpointWriter(str(tmp_path), state)
+    params = {"w": np.ones(4, np.float32)}
+
+    def snapshot():
+        return copy_tensors(params), {}
+
+    async with trio.open_nursery() as nursery:
+        for number in (1, 2):  # round 2's checkpoint is asked for while round 1's eval runs
+            state.history.append(_record(number))
+            await evals.start(number, params, nursery)
+            await writer.save(number, {}, snapshot, nursery, evals.idle)
+            params["w"] += 1
+        evaluate.release.set()
+        await writer.idle()
+        state.history.append(_record(3))
+        await evals.start(3, params, nursery)  # no checkpoint after it: this write waits
+        await writer.save(3, {}, snapshot, nursery, evals.idle)
+        await writer.idle()
+    meta = {n: checkpoint.load_latest(tmp_path / f"round-{n:06d}").meta for n in (1, 2, 3)}
+    assert [(meta[n]["eval_round"], meta[n]["eval_loss"]) for n in (1, 2, 3)] == [
+        (None, None),  # its eval had not ended when round 2's checkpoint was asked for
+        (1, 4.0),  # round 2's eval was skipped (round 1's ran): the newest, named
+        (3, 12.0),  # the parameters it saved
+    ]

@@ -97,8 +97,8 @@ def test_a_ready_link_that_shows_nothing_after_its_round_starts_gives_its_slot_u
     in the order they got it. An honest worker whose result was taken is never moved; once
     it answered round 2 in 20 s, a silent link keeps its slot 4 x 20 = 80 s (the slowest
     answer times --straggler-factor: what an honest newcomer as slow needs), and one that
-    reported progress --ready-timeout from its first roundStart. A ready link not sent a
-    round is moved only while fewer than --workers links were sent a round or earned."""
+    reported progress while that progress keeps its promise (`kept`). A ready link not sent
+    a round is moved only while fewer than --workers links were sent a round or earned."""
 
     async def main() -> None:
         squatters = _links(4)
@@ -123,6 +123,7 @@ def test_a_ready_link_that_shows_nothing_after_its_round_starts_gives_its_slot_u
             _ready(link)
         for link in (honest, silent, talker):
             _sent(link, 2)
+        await trio.sleep_until(110)  # "step 1 of 10" 10 s in: 100 s a round, promised by 300
         talker.rounds.progressed(protocol.Progress(2, 1, 10, 1.0, 1.0, protocol.Phase.TRAINING))
         assert talker.rounds.shown_work and not silent.rounds.shown_work
         await trio.sleep_until(120)
@@ -138,7 +139,7 @@ def test_a_ready_link_that_shows_nothing_after_its_round_starts_gives_its_slot_u
         await trio.sleep_until(180)
         assert slots.slot_to_take(links, trio.current_time(), RULES) is silent
         silent.closed = True
-        assert slots.next_to_free(links, RULES) == 100 + 600  # the talker: --ready-timeout
+        assert slots.next_to_free(links, RULES) == 100 + 200  # the talker: its promise
         talker.closed = True  # one of 2 working: the run needs `waiting`'s slot
         assert slots.next_to_free(links, RULES) == 100 + 80
         waiting.view.rounds_contributed = 1  # it contributed before a reconnect: earned
@@ -152,37 +153,77 @@ def test_a_link_that_shows_nothing_holds_its_round_only_as_long_as_it_would_keep
     workers found free slots, so no newcomer waited in line to move them out, and round 1
     waited for them for ever. Now one that shows nothing is taken out of its round at the
     bound a newcomer in line has (the grace, 45 s, from its first roundStart), once a ready
-    worker waits for the round it holds; not before, not without one waiting, and never one that
-    reported progress or whose result was taken."""
+    worker waits for the round it holds; not before, not without one waiting, and never one
+    whose result was taken. One that reported progress and never answers is taken out once
+    that progress has not kept its promise (before, never: round 1 held for ever)."""
 
     async def main() -> None:
         squatter, talker, earned = _links(3)
         for link in (squatter, talker, earned):
             _ready(link)
             _sent(link, 1)
-        talker.rounds.progressed(protocol.Progress(1, 1, 10, 1.0, 1.0, protocol.Phase.TRAINING))
         earned.rounds.results_taken = 1
         silent = RULES.silent_seconds([squatter, talker, earned])
         assert silent == slots.EVICTABLE_AFTER
 
         def reason(link: WorkerLink, holds: bool = True) -> str:
             return slots.holding_reason(
-                link, lambda: silent, trio.current_time(), holds_a_round=lambda: holds
+                link,
+                lambda: silent,
+                trio.current_time(),
+                holds_a_round=lambda: holds,
+                ready_timeout=RULES.ready_timeout,
             )
 
+        await trio.sleep_until(6)  # "step 1 of 10" 6 s in: 60 s a round, promised by 120 s
+        talker.rounds.progressed(protocol.Progress(1, 1, 10, 1.0, 1.0, protocol.Phase.TRAINING))
         await trio.sleep_until(45 - 1e-6)
         assert reason(squatter) == ""
         await trio.sleep_until(45)
         assert reason(squatter).startswith("no progress and no result 45 s after its first")
         assert reason(squatter, holds=False) == ""  # nobody waits for its round
         assert reason(talker) == reason(earned) == ""
+        await trio.sleep_until(120 - 1e-6)
+        assert reason(talker) == ""
+        await trio.sleep_until(120)
+        assert reason(talker).startswith("no result taken 120 s after its first roundStart")
+        assert reason(earned) == ""
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_progress_that_never_becomes_a_result_keeps_a_slot_only_while_it_keeps_its_promise():
+    """A peer sent round 1 at 0 s reports "step 1 of 10" at 3 s (30 s a round) and never
+    answers. It kept its slot from a newcomer --ready-timeout (600 s) from its roundStart;
+    now while its progress keeps its promise (PROMISE_SLACK x 30 s: 60 s), or the grace if
+    longer. Reports that push the promise out buy at most --ready-timeout; once a round
+    closes without its result it keeps its slot only the grace from its first roundStart,
+    as a peer that showed nothing, until that result comes."""
+
+    async def main() -> None:
+        liar, silent = _links(2)
+        for link in (liar, silent):
+            _ready(link)
+            _sent(link, 1)
+        await trio.sleep_until(3)
+        liar.rounds.progressed(protocol.Progress(1, 1, 10, 1.0, 1.0, protocol.Phase.TRAINING))
+        assert slots.next_to_free([liar], RULES) == 60
+        assert slots.next_to_free([silent], RULES) == 45
+        await trio.sleep_until(44)  # "step 1 of 10" again: 440 s a round, capped
+        liar.rounds.progressed(protocol.Progress(1, 1, 10, 1.0, 1.0, protocol.Phase.TRAINING))
+        assert slots.next_to_free([liar], RULES) == 600
+        liar.rounds.missed = True  # round 1 closed without it (`sitting_out.sit_out`)
+        assert slots.next_to_free([liar], RULES) == 45
+        assert slots.slot_to_take([liar], trio.current_time(), RULES) is None
+        await trio.sleep_until(45)
+        assert slots.slot_to_take([liar], trio.current_time(), RULES) is liar
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_a_late_result_does_not_stretch_how_long_silent_squatters_keep_their_slots():
     """A hostile peer is sent round 1 with three silent squatters, reports progress (its
-    slot: --ready-timeout from its roundStart) and sends a result just before that, long
+    slot: --ready-timeout from its roundStart, now its promise's 60 s) and sends a result, long
     after the round closed: dropped as late, but its time was measured. It made the silent
     squatters keep their slots --straggler-factor x 590 s (2360 s) instead of the grace;
     only a result taken into a round measures the run's pace now."""
@@ -192,6 +233,7 @@ def test_a_late_result_does_not_stretch_how_long_silent_squatters_keep_their_slo
         for link in (stretcher, *silent):
             _ready(link)
             _sent(link, 1)
+        await trio.sleep_until(3)
         stretcher.rounds.progressed(protocol.Progress(1, 1, 10, 1.0, 1.0, protocol.Phase.TRAINING))
         await trio.sleep_until(590)
         stretcher.rounds.answered(1, 0)  # what the pool does for every result, late ones too
@@ -333,6 +375,55 @@ def test_two_ids_that_say_ready_do_not_hold_round_one_for_ever(spawn_worker):
     assert {w for r in history for w in r.worker_ids} == {"honest-0", "honest-1"}
     held = [e for e in shepherd.state.events if e.kind == "stragglers" and "goes on" in e.message]
     assert {w for e in held for w in e.workers} >= {"squatter-0", "squatter-1"}, held
+    codes = [process.wait(timeout=60) for process in seen["honest"]]
+    assert codes == [0, 0], [process.stdout.read()[-4000:] for process in seen["honest"]]
+
+
+async def progress_squatter(port: int, worker_id: str, seen: dict) -> None:
+    """As `ready_squatter`, but 1 s after each roundStart it reports "step 1 of H" (a round
+    it projects at H s) and then never answers."""
+    while True:
+        try:
+            stream = await ready_peer(port, worker_id)
+            async with stream.stream, trio.open_nursery() as alive:
+                seen.setdefault("welcomed", []).append(worker_id)
+                alive.start_soon(_heartbeats, stream)
+                try:
+                    while (message := await stream.receive()).kind != "error":
+                        if message.kind == "roundStart":
+                            await trio.sleep(1)
+                            start = message.body
+                            phase = protocol.Phase.TRAINING
+                            await stream.send(
+                                protocol.Progress(
+                                    start.round, 1, start.inner_steps, 5.0, 1.0, phase
+                                )
+                            )
+                    seen.setdefault("put out", []).append(message.body)
+                except PEER_ERRORS:
+                    pass
+                alive.cancel_scope.cancel()
+        except (*PEER_ERRORS, OSError, AssertionError):  # refused busy before a plan
+            pass
+        await trio.sleep(0.1)
+
+
+@pytest.mark.e2e
+def test_two_ids_that_report_progress_and_never_answer_do_not_hold_round_one_for_ever(
+    spawn_worker,
+):
+    """The same two ids, each reporting "step 1 of 2" 1 s into round 1 and never answering:
+    progress exempted them from the rule above, so round 1 (only theirs; no window closes a
+    round before its first result) waited for them for ever while the honest workers waited
+    for it. Now progress vouches for a connection only while it keeps its promise (2 x 2 s
+    here, less than the grace: 10 s), and the honest workers train both rounds, alone."""
+    shepherd, seen = _two_honest_beside_four(progress_squatter, spawn_worker, squatters=2)
+    history = shepherd.state.history
+    assert [r.round for r in history] == [1, 2]
+    assert {w for r in history for w in r.worker_ids} == {"honest-0", "honest-1"}
+    held = [e for e in shepherd.state.events if e.kind == "stragglers" and "goes on" in e.message]
+    assert {w for e in held for w in e.workers} >= {"squatter-0", "squatter-1"}, held
+    assert all("no result taken" in e.message for e in held), held
     codes = [process.wait(timeout=60) for process in seen["honest"]]
     assert codes == [0, 0], [process.stdout.read()[-4000:] for process in seen["honest"]]
 

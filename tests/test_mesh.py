@@ -128,7 +128,8 @@ def test_devices_that_cannot_run_the_plan_say_which_option_to_change():
 
 async def test_a_worker_whose_devices_cannot_split_the_batch_is_refused_not_lost():
     """It joined and the shepherd cannot serve it: the event and the log say refused and why
-    (a `lost` sent its operator looking at the network), and the worker is told the same."""
+    (a `lost` sent its operator looking at the network), and the worker is told the same.
+    It never joined the run: no `joined` line before the refusal (there was one)."""
     config = small_config(workers=1)  # batch size 4
     shepherd = Shepherd(config, build_workload(config, shards=1))
     async with trio.open_nursery() as nursery:
@@ -149,6 +150,7 @@ async def test_a_worker_whose_devices_cannot_split_the_batch_is_refused_not_lost
     assert answer.code == protocol.ErrorCode.UNSUPPORTED_BACKEND and why in answer.message
     kinds = [event.kind for event in shepherd.state.events]
     assert "lost" not in kinds and kinds.count("worker_refused") == 1, kinds
+    assert "joined" not in kinds and "shard_adopted" not in kinds, kinds
     [refused] = [event for event in shepherd.state.events if event.kind == "worker_refused"]
     assert refused.message.startswith(f"worker 0 refused: {why}"), refused.message
     assert shepherd.state.workers["three"].reason.startswith(why)

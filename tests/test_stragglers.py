@@ -315,6 +315,17 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
     closed, _, _ = run_round(window(3.0, 60.0), slow_to_ready, participants=("a", "c"))
     assert closed == 15.0
 
+    async def slow_to_ready_again(current, links):
+        """Its first round was an earlier one (at 0 s; it showed nothing there either): its
+        welcome-to-ready time bought it 3 x 5 s in that round only, not in every round."""
+        links["c"].ready_at = 5.0
+        links["c"].rounds.delivered(0)
+        await deliver(current, {"a": 2.0, "c": 2.0})
+        await answer(current, "a", 2.5)
+
+    closed, _, _ = run_round(window(3.0, 60.0), slow_to_ready_again, participants=("a", "c"))
+    assert closed == 2.0 + 3 * 0.5  # the quorum's pace; before: 2 + 3 x 5
+
 
 def test_the_window_starts_at_the_quorum_and_scales_with_its_time():
     async def script(current, links):

@@ -166,7 +166,7 @@ class Shepherd:
         self._checkpointed = saved.round
         self.pool.remember({str(k): int(v) for k, v in saved.meta.get("workers", {}).items()})
         self.state.shards.restore(saved.meta.get("shard_ledger", {}))
-        self.state.resumed_eval_loss = saved.meta.get("eval_loss")
+        self.state.resumed_eval = (saved.meta.get("eval_round"), saved.meta.get("eval_loss"))
         self._resumed_from = (str(saved.path), saved.round)  # announced when the run starts
 
     # -- commands (safe to call from the dashboard) -------------------------
@@ -427,11 +427,10 @@ class Shepherd:
             "data_positions": {"seed": self.config.model.seed, "next_round": number + 1},
             "workers": {worker_id: view.index for worker_id, view in self.state.workers.items()},
             "shard_ledger": self.state.shards.as_meta(),
-            # the newest known: an earlier round's while this round's eval runs (`HeldOutEval`)
-            "eval_loss": self.state.last_eval_loss(),
         }
         self._checkpointed = number
-        await self._checkpoints.save(number, meta, self._snapshot, nursery)
+        # its eval_loss: this round's, once its eval (`HeldOutEval`) ends, off the round's path
+        await self._checkpoints.save(number, meta, self._snapshot, nursery, self.evals.idle)
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """θ and the outer state, copied over the outer step's threads (on the next round's

@@ -41,6 +41,11 @@ class WorkerRounds:
         # (`RunState.refusals`) it is trusted again only after 2^k of rounds after the last
         self.counted, self.refused_round = 0, 0
         self.results_taken = 0  # results screened and folded into a round (`slots`: a slot earned)
+        # a round closed without its result (`sitting_out.sit_out`; until that result comes)
+        # or refused one: what it showed (progress, a result) did not become a result within
+        # its window, and vouches for it no more (`vouched_until`)
+        self.missed = False
+        self.results_sent = 0  # results it sent on this connection, a repeated round's too
         # when each recent round's roundStart had all gone out, and how long its latest
         # result took from there, per fragment (the straggler window, `results.collect`)
         self.delivered_at: dict[int, float] = {}
@@ -65,6 +70,26 @@ class WorkerRounds:
         """Whether it reported training progress or sent a result (counted, late or refused)
         on this connection (`slots`: one that shows nothing keeps its slot less long)."""
         return self.progress is not None or bool(self._results)
+
+    def vouched_until(self) -> float:
+        """Until when (trio's clock) its shown work vouches for it (`slots`): its latest
+        progress report's promise (PROMISE_SLACK times the round's time it projects, from that
+        roundStart's delivery); -inf without one, or once a round closed without its result
+        or refused one (`missed`); inf once it sent a result (slots caps that at
+        --ready-timeout, as before). A peer that reported "step 1 of H" and never answered
+        kept its slot --ready-timeout from its first roundStart, and held a round only such
+        peers were sent for ever (no window closes a round before its first result)."""
+        if self.missed:
+            return -math.inf
+        if self.results_sent:  # being checked into a round, or late (it did come)
+            return math.inf
+        if self.progress is None:
+            return -math.inf
+        number, step, steps, when = self.progress
+        delivered = self.delivered_at.get(number)
+        if delivered is None:
+            return -math.inf
+        return delivered + PROMISE_SLACK * max(when - delivered, 0.0) * steps / step
 
     @property
     def sent_a_round(self) -> bool:
@@ -112,6 +137,7 @@ class WorkerRounds:
                 "result once; this peer is not a pcp-tui worker, or a broken one"
             )
         self._results.add((body.round, fragment))
+        self.results_sent += 1
 
     def answered(self, number: int, fragment: int) -> None:
         """A result for round `number` (of `fragment`) came in, counted or late: remember

@@ -87,6 +87,7 @@ def note_refusal(
     one of its results counts (`sitting_out.py`). The worker is told with `tell_refused`."""
     link.rounds.answer_seconds.pop(fragment, None)
     link.rounds.unproven = max(link.rounds.unproven, 1)
+    link.rounds.missed = True  # its work vouches for its slot no more (`slots`)
     state.refusals[link.worker_id] += 1  # trust comes back slower each time (`settled`)
     link.rounds.trusted, link.rounds.counted = False, 0
     link.rounds.refused_round = max(link.rounds.refused_round, number)
@@ -372,13 +373,16 @@ class Round:
         shepherd's clock), which covers an honest newcomer's first chunk (it then reports
         progress and is timed by its own pace). Token holders that said ready at once and
         never trained were sent every round beside the honest workers and held each for the
-        floor (60 s) while the honest ones answered in 3; a peer that delays saying ready to
-        buy time spends that time outside the rounds."""
+        floor (60 s) while the honest ones answered in 3. That time counts for the first
+        round the connection is sent only (0 after, and in a repeat of it): a peer that
+        delayed saying ready and never trained bought it back in every round it joined."""
         link = (self.connections or {}).get(worker_id)
         if link is None or link.rounds.progress is not None or link.rounds.answer_seconds:
             return None
-        ready = link.ready_at - link.admitted_at if link.ready_at is not None else 0.0
-        return max(ready, 0.0)
+        first, delivered = link.rounds.first_delivered, self.delivered(worker_id)
+        if link.ready_at is None or (None not in (first, delivered) and first < delivered):
+            return 0.0
+        return max(link.ready_at - link.admitted_at, 0.0)
 
     def receiving(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s is arriving on its round's connection (its header
@@ -496,7 +500,8 @@ async def collect(current: Round, network: NetworkConfig, state: RunState) -> li
             f"--straggler-min-seconds {network.straggler_min_seconds:g}; or factor times a "
             "worker's own time, from its latest result or its progress, if longer, up to "
             "factor² times the window; one whose last result was refused, or that has shown "
-            "nothing yet, factor times the quorum's time or its own time to ready, no floor); "
+            "nothing yet, factor times the quorum's time or, in its first round, its own "
+            "time to ready, no floor); "
             "--adaptive-steps gives slower workers fewer steps"
             if windowed
             else f"at --round-timeout {network.round_timeout:g} s"
@@ -567,7 +572,8 @@ async def _until_overdue(
     was refused (`Round.unproven`) gets `probation` (factor times the quorum's time, no
     floor, nothing of its own): a peer that answered zeros at its window's end held every
     round that long. One whose connection has shown nothing yet gets that or factor times
-    its own welcome-to-ready time if longer, within the window (`Round.stranger`)."""
+    its own welcome-to-ready time if longer in its first round, within the window
+    (`Round.stranger`)."""
     while not current.done.is_set():
         now = trio.current_time()
         due = []

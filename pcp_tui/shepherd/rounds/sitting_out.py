@@ -44,6 +44,7 @@ def sit_out(current: Round, worker_ids: list[str]) -> None:
         link = (current.connections or {}).get(worker_id)
         if isinstance(link, WorkerLink) and not link.closed:
             link.rounds.behind = current.number
+            link.rounds.missed = True  # its work vouches for its slot no more (`slots`)
             link.rounds.behind_since, link.rounds.behind_grace = trio.current_time(), current.grace
             link.view.reason = (
                 f"late for round {current.number}: sits new rounds out until that result comes"
@@ -93,6 +94,7 @@ def caught_up(link: WorkerLink, number: int) -> bool:
     """A result for round `number` came from `link`: whether it sat out and is now back."""
     if link.rounds.behind and number >= link.rounds.behind:
         link.rounds.behind = 0
+        link.rounds.missed = False  # its work came, late: it vouches for it again (`slots`)
         link.view.reason = ""
         return True
     return False

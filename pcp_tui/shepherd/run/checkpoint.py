@@ -450,6 +450,12 @@ def _check_meta(path: Path, meta: dict[str, Any]) -> None:
             meta.get("eval_loss"),
         ),
         (
+            "eval_round",  # the round whose parameters eval_loss is of
+            f"be a round 0..{round_number} or null",
+            lambda v: v is None or _is_count(v, round_number + 1),
+            meta.get("eval_round"),
+        ),
+        (
             "files",
             'map file names to {"bytes": n, "crc32": n}',
             lambda v: (

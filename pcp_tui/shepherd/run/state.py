@@ -141,7 +141,8 @@ class RunState:
         self.status = RunStatus.STARTING
         self.round = 0
         self.first_round = 1  # the first this shepherd runs: after --resume, the checkpoint's + 1
-        self.resumed_eval_loss: float | None = None  # the checkpoint's, until this run evaluates
+        # the checkpoint's (round, eval loss) (None: not said), until this run evaluates
+        self.resumed_eval: tuple[int | None, float | None] = (None, None)
         self.started_at = time.monotonic()
         self.finished_at: float | None = None
         self.workers: dict[str, WorkerView] = {}
@@ -231,10 +232,15 @@ class RunState:
     def last_eval_loss(self) -> float | None:
         """The eval loss of the last round that was evaluated, by this shepherd or, after a
         --resume, by the run it continues (None: none was yet)."""
+        return self.eval_at(None)[1]
+
+    def eval_at(self, number: int | None) -> tuple[int | None, float | None]:
+        """(round, eval loss) of the last round up to `number` (None: any) that was evaluated,
+        as `last_eval_loss`; the round is None where a checkpoint resumed from did not say."""
         for entry in reversed(self.history):
-            if entry.eval_loss is not None:
-                return entry.eval_loss
-        return self.resumed_eval_loss
+            if entry.eval_loss is not None and (number is None or entry.round <= number):
+                return entry.round, entry.eval_loss
+        return self.resumed_eval
 
     def active_workers(self) -> list[WorkerView]:
         return [w for w in self.workers.values() if w.state not in ("lost", "refused", "left")]

@@ -185,10 +185,10 @@ class WorkerPool:
         if refusal is not None:
             await self._refuse(admitted, *refusal)
             return
-        link = self._admit(admitted.stream, admitted.hello, admitted.peer, via)
+        link, joined = self._admit(admitted.stream, admitted.hello, admitted.peer, via)
         ended: ConnectionLost | None = None
         try:
-            await self._serve_worker(link)
+            await self._serve_worker(link, joined)
         except Unservable as exc:  # e.g. its --devices cannot split the batch: told why
             ended = ConnectionLost(str(exc), code=protocol.ErrorCode.UNSUPPORTED_BACKEND.value)
             self._mark_gone(link, "refused", ended.reason)
@@ -354,7 +354,9 @@ class WorkerPool:
 
     def _admit(
         self, stream: protocol.MessageStream, hello: Hello, peer: str, via: str = ""
-    ) -> WorkerLink:
+    ) -> tuple[WorkerLink, Callable[[], None]]:
+        """The worker's link and view, and what tells the run it joined: called once the
+        shepherd knows it can serve it (`_serve_worker`), so a refused one never joined."""
         old = self.state.workers.get(hello.worker_id)
         if old is not None:
             index = old.index
@@ -397,26 +399,31 @@ class WorkerPool:
             previous.closed = True
         self._links[hello.worker_id] = link
         verb = "rejoined" if old is not None else "joined"
-        log.info("worker %d (%s, %s) %s from %s", index, hello.worker_id, hello.backend, verb, peer)
-        self.state.emit(
-            (Rejoined if old is not None else Joined)(
-                f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
-                worker=hello.worker_id,
-                shard=shard,
-                platform=hello.platform.value,
-                devices=hello.devices,
-                processes=hello.processes,
+
+        def announce() -> None:
+            log.info(
+                "worker %d (%s, %s) %s from %s", index, hello.worker_id, hello.backend, verb, peer
             )
-        )
-        if adopted:
             self.state.emit(
-                ShardAdopted(
-                    f"worker {index} ({hello.worker_id}) took over untrained shard {shard}",
+                (Rejoined if old is not None else Joined)(
+                    f"worker {index} ({hello.worker_id}, {hello.backend}) {verb} from {peer}",
                     worker=hello.worker_id,
                     shard=shard,
+                    platform=hello.platform.value,
+                    devices=hello.devices,
+                    processes=hello.processes,
                 )
             )
-        return link
+            if adopted:
+                self.state.emit(
+                    ShardAdopted(
+                        f"worker {index} ({hello.worker_id}) took over untrained shard {shard}",
+                        worker=hello.worker_id,
+                        shard=shard,
+                    )
+                )
+
+        return link, announce
 
     def _mark_gone(
         self, link: WorkerLink, state: str, reason: str, *, non_finite: bool = False
@@ -465,12 +472,14 @@ class WorkerPool:
         self.open_rounds.finish(link.worker_id, link)
         self.wake()
 
-    async def _serve_worker(self, link: WorkerLink) -> None:
+    async def _serve_worker(self, link: WorkerLink, joined: Callable[[], None]) -> None:
         """Welcome, plan, then the worker's messages until it leaves; raises ConnectionLost,
-        or Unservable before the welcome if no graphs fit its platform and devices."""
+        or Unservable before the welcome (and before `joined`, its `joined` event) if no
+        graphs fit its platform and devices."""
         cfg = self.config
         slot = link.view.shard  # from the ledger: a lost worker's shard goes to the next joiner
         graphs = await self.graphs.for_worker(link.platform, link.runtime, link.view.devices)
+        joined()
         welcome = protocol.Welcome(
             link.view.index,
             self.run_id,
@@ -518,6 +527,7 @@ class WorkerPool:
             lambda: slots.SlotRules.of(self.config).silent_seconds(self._links.values()),
             trio.current_time(),
             holds_a_round=lambda: self._holds_a_round(link),
+            ready_timeout=self.config.security.ready_timeout,
         )
         if not reason or len(self.fragments) > 1:
             return reason

@@ -27,9 +27,11 @@ heard `busy` on every retry. These rules bound that:
   An honest worker's first round shows progress or a result within that: its peers'
   pace times the factor the straggler window gives it too, and, before any result, the
   grace (its first chunk, not its compile: that came before ready). One
-  that has shown progress or a result, none of it taken into a round, keeps its slot
-  for --ready-timeout from its first `roundStart` (the straggler window, `sitting_out`
-  and the unproven rule bound what it holds a round meanwhile);
+  that has reported progress, none of it taken into a round, keeps it longer only while
+  that progress keeps its promise (`kept`: twice the round it projects, at most
+  --ready-timeout from its first `roundStart`) and no round has closed without its
+  result; one that sent a result (late, or being checked) keeps it --ready-timeout (the
+  straggler window, `sitting_out` and the unproven rule bound what it holds a round);
 - a ready connection not yet sent a round waits for the next one and is not moved,
   unless fewer than --workers open connections have been sent a round or earned their
   slot: then the run needs its slot, and it keeps it `silent_seconds` from saying ready
@@ -60,14 +62,17 @@ grace for a slot, the honest workers' compile (at most the grace), then one roun
 --rounds 2`, the defaults): the honest run ended 52.7 s after its workers started beside
 four (11.5 s without; 183.8 s before these rules), 56.4 s (8.9 s) once a silent holder
 sits rounds out instead of losing its connection. A peer that reports progress it does
-not make keeps its slot longest: --ready-timeout from its first `roundStart` (the rounds
-bound what it holds them: `rounds.results`, `sitting_out`).
+not make kept its slot --ready-timeout from its first `roundStart`, and two such ids that
+were round 1's only workers held it for ever; now its promise, at most --ready-timeout,
+and once a round closed without its result (its straggler window) no longer than one
+that showed nothing.
 
 Times are trio's clock (`trio.current_time`), as the link's `admitted_at` is.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -99,6 +104,7 @@ def holding_reason(
     now: float,
     *,
     holds_a_round: Callable[[], bool],
+    ready_timeout: float,
 ) -> str:
     """Why `link` is taken out of a round it holds and shows nothing for, or "" (the pool
     then lets it sit rounds out: `WorkerPool._holding`).
@@ -108,18 +114,38 @@ def holding_reason(
     workers at `--workers 2`; the honest workers found free slots (no newcomer waited in
     line to move them out), and round 1 waited for them for ever. The bound is the one a
     newcomer in line has (`_free_at`): `silent()` (`SlotRules.silent_seconds`) from its
-    first roundStart, with nothing shown (no progress, no result) and nothing earned. Both
-    callables read every link, so they are asked only once the link's own state allows it
-    (the watchdog asks each link every second)."""
+    first roundStart with nothing earned, longer while its progress keeps its promise
+    (`kept`). Both callables read every link, so they are asked only once the link's own
+    state allows it (the watchdog asks each link every second)."""
     first = link.rounds.first_delivered
-    if first is None or _earned(link) or link.rounds.shown_work:
+    if first is None or _earned(link) or now < first + kept(link, silent, ready_timeout):
         return ""
-    if now < first + silent() or not holds_a_round():
+    if not holds_a_round():
         return ""
+    what = "no result taken" if link.rounds.shown_work else "no progress and no result"
     return (
-        f"no progress and no result {now - first:.0f} s after its first roundStart, while "
-        "a ready worker waits for that round (it sits rounds out until that result comes)"
+        f"{what} {now - first:.0f} s after its first roundStart, while a ready worker waits "
+        "for that round (it sits rounds out until that result comes)"
     )
+
+
+def kept(link: WorkerLink, silent: Callable[[], float], ready_timeout: float) -> float:
+    """Seconds from its first roundStart a ready connection, nothing of it taken into a
+    round, keeps its slot from a newcomer (and holds a round while a ready worker waits):
+    `silent()` (`SlotRules.silent_seconds`), or while its progress keeps its promise and no
+    round has closed without its result (`WorkerRounds.vouched_until`) if longer, at most
+    --ready-timeout. Progress that never becomes a result buys no more than the promise it
+    made: a peer that reported "step 1 of H" and never answered kept its slot --ready-timeout
+    from its first roundStart (and a round it alone was sent, for ever). One that sent a
+    result (late, or being checked into a round) is not taken out of a round (inf): honest
+    workers whose first chunk outlasted the grace sat out, sent it late, and would lose the
+    repeated round again while a token holder kept a fresh ready id waiting."""
+    first = link.rounds.first_delivered
+    assert first is not None, "asked of a connection that was sent a round"
+    vouched = link.rounds.vouched_until()
+    if vouched == math.inf:  # it sent a result: not moved out of a round (`_free_at` caps it)
+        return math.inf
+    return max(silent(), min(vouched - first, ready_timeout))
 
 
 @dataclass(frozen=True)
@@ -167,9 +193,9 @@ def _free_at(link: WorkerLink, rules: SlotRules, silent: float, needed: bool) ->
     first = link.rounds.first_delivered
     if first is None:  # ready, waiting for its first round
         return link.ready_at + silent if needed and link.ready_at is not None else None
-    if link.rounds.shown_work:  # progress or a result, none taken yet
-        return first + rules.ready_timeout
-    return first + silent
+    return first + min(
+        kept(link, lambda: silent, rules.ready_timeout), max(rules.ready_timeout, silent)
+    )
 
 
 def _due(
