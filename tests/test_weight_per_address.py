@@ -25,9 +25,7 @@ SOURCES = {"alone": "127.0.0.2", "twin-1": "127.0.0.3", "twin-2": "127.0.0.3"}
 
 
 def _run(weight_per: str) -> Shepherd:
-    config = small_config(
-        rounds=2, inner_steps=4, chunk_steps=2, workers=3, weight_per=weight_per
-    )
+    config = small_config(rounds=2, inner_steps=4, chunk_steps=2, workers=3, weight_per=weight_per)
     shepherd = Shepherd(config, build_workload(config, shards=3))
 
     async def main():
@@ -65,7 +63,7 @@ def test_every_network_weighs_what_its_fewest_ids_weigh():
         shares = weight_shares(networks)
         counts = {n: list(networks.values()).count(n) for n in set(networks.values())}
         fewest = min(counts.values())
-        for network, ids in counts.items():
+        for network in counts:
             total = sum(shares.get(w, 1.0) for w, n in networks.items() if n == network)
             assert total == pytest.approx(fewest, rel=1e-15)
         # a share is listed only below 1: none at all where every network sends as many ids

@@ -380,7 +380,8 @@ class Round:
         if link is None or link.rounds.progress is not None or link.rounds.answer_seconds:
             return None
         first, delivered = link.rounds.first_delivered, self.delivered(worker_id)
-        if link.ready_at is None or (None not in (first, delivered) and first < delivered):
+        later = first is not None and delivered is not None and first < delivered
+        if link.ready_at is None or later:
             return 0.0
         return max(link.ready_at - link.admitted_at, 0.0)
 
