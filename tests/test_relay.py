@@ -183,6 +183,9 @@ async def test_a_shepherd_takes_relays_only_with_relays():
         with pytest.raises(Refused, match="refused this relay .*start it with --relays N"):
             await _relay(port, give_up_after=5.0).run()
         nursery.cancel_scope.cancel()
+    # the operator sees it as any refusal (dashboard, headless, metrics), not a bare log line
+    (refused,) = [e for e in shepherd.state.events if e.kind == "refused"]
+    assert "start it with --relays N" in refused.message and refused.code == "authFailed"
 
 
 def test_a_relay_takes_one_shepherd_address():

@@ -170,9 +170,16 @@ class WorkerPool:
         if admitted is None:
             return
         if admitted.hello.relay:
-            if via:
-                why = "a relay connects to the shepherd itself, not through another relay"
-                await self._refuse(admitted, protocol.ErrorCode.AUTH_FAILED, why)
+            refused = (
+                (
+                    protocol.ErrorCode.AUTH_FAILED,
+                    "a relay connects to the shepherd itself, not through another relay",
+                )
+                if via
+                else self.relays.refusal(admitted.hello.worker_id)
+            )
+            if refused is not None:  # shown as any refusal is (a `refused` event)
+                await self._refuse(admitted, *refused)
             else:
                 await self.relays.serve(admitted)
             return

@@ -13,7 +13,6 @@ once; more, or any while it is 0, are refused with a line that says so.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,8 +26,6 @@ from pcp_tui.contract.channels import Channel, Channels
 from pcp_tui.shepherd.run.events import RelayJoined, RelayLeft
 from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.shepherd.serving.admission import Admitted, held
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,15 +93,9 @@ class Relays:
                 nursery.start_soon(partial(view.channels.say_goodbye, reason, resumable=resumable))
 
     async def serve(self, admitted: Admitted) -> None:
-        """Welcome the relay on `admitted`, then serve its channels until its link ends."""
+        """Welcome the relay on `admitted` (`refusal` said it may connect), then serve its
+        channels until its link ends."""
         name, stream = admitted.hello.worker_id, admitted.stream
-        refused = self.refusal(name)
-        if refused is not None:
-            log.warning("relay %s from %s refused: %s", name, admitted.peer, refused[1])
-            with trio.move_on_after(5):
-                await stream.send_error(*refused)
-            await trio.aclose_forcefully(stream.stream)
-            return
         network = self.config.network
         await stream.send(protocol.Welcome(0, self.run_id, network.heartbeat_seconds))
         channels = Channels(stream, accepts=True, keeps=True)
