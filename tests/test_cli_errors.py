@@ -29,8 +29,17 @@ import pytest
 
 from pcp_tui.app.cli import main
 from pcp_tui.backends import BackendUnavailable, select_backend
+from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.run import checkpoint
-from pcp_tui.testing import child_pids, faulty_worker_command, free_port
+from pcp_tui.testing import (
+    child_pids,
+    faulty_worker_command,
+    free_port,
+    local_workers,
+    run_shepherd,
+    small_config,
+)
+from pcp_tui.training.build import build_workload
 from pcp_tui.training.sharding import unmatched_rule
 
 from .conftest import worker_env
@@ -797,24 +806,18 @@ def test_bracketed_ipv6_is_an_address_and_an_unknown_name_is_named():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A 1-round tiny GPT-2 checkpoint and a 2-round MLP checkpoint, by real demo runs."""
+    """A 1-round tiny GPT-2 checkpoint and a 2-round MLP checkpoint, by real runs in this
+    process: the shepherd a demo runs, and one real worker over TCP (`local_workers`)."""
     root = tmp_path_factory.mktemp("runs")
-    for name, flags in {
-        "gpt": ["--rounds", "1", *SMALL],
-        "mlp": ["--rounds", "2", "--model", "examples/mlp_model.py", "--batch-size", "32"],
+    for name, options in {
+        "gpt": dict(rounds=1, data_max_bytes=200_000),
+        "mlp": dict(rounds=2, model="examples/mlp_model.py", batch_size=32),
     }.items():
-        result = pcp(
-            "demo",
-            "--headless",
-            "--workers",
-            "1",
-            "--inner-steps",
-            "2",
-            *flags,
-            "--checkpoint-dir",
-            str(root / name),
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
+        config = small_config(workers=1, inner_steps=2, checkpoint_dir=str(root / name), **options)
+        with contextlib.chdir(REPO):  # the model file's path is the repository's
+            shepherd = Shepherd(config, build_workload(config, shards=1))
+            run_shepherd(shepherd, local_workers(1))
+        assert shepherd.state.status == "done", shepherd.state.events
     return root
 
 
@@ -865,7 +868,7 @@ def test_resume_with_another_model_names_the_model_not_the_data(runs, cli):
 def test_resume_keeps_checkpointing_into_the_resume_dir(tmp_path, runs, background, spawn_worker):
     resumed = tmp_path / "gpt"
     shutil.copytree(runs / "gpt", resumed)
-    shepherd = background(  # the demo's other options come from the checkpoint
+    shepherd = background(  # the first run's other options come from the checkpoint
         *("shepherd", "--port", "0", "--token", TOKEN),
         *("--workers", "1", "--rounds", "2", "--resume", str(resumed)),
     )

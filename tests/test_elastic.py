@@ -39,7 +39,8 @@ def _kinds(shepherd: Shepherd, kind: str) -> list:
 
 @pytest.mark.e2e
 def test_kill_one_of_three_workers_mid_round(spawn_worker):
-    config = small_config(workers=3, rounds=4, inner_steps=60, chunk_steps=10)
+    # rounds of 20 steps: the victim holds round 2 by its fault (stalled), not by its length
+    config = small_config(workers=3, rounds=4, inner_steps=20, chunk_steps=10)
     shepherd = Shepherd(config, build_workload(config, shards=3))
     killed_at: list[float] = []
 
@@ -254,7 +255,9 @@ def test_sigterm_then_resume_brings_the_same_workers_back(tmp_path, spawn_worker
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
     command = shepherd_command(
         port,
-        *("--workers", "2", "--rounds", "20", "--inner-steps", "4"),
+        # SIGTERM once round 1 is printed stops it after round 1 or 2: the rest is slack for
+        # a loaded machine, and the run the workers come back to finish
+        *("--workers", "2", "--rounds", "10", "--inner-steps", "4"),
         *("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "100"),
         *("--metrics", str(metrics)),
     )
@@ -279,7 +282,7 @@ def test_sigterm_then_resume_brings_the_same_workers_back(tmp_path, spawn_worker
     assert "Traceback" not in first.output
     assert "the run can be resumed: pcp-tui shepherd --resume" in first.output
     stopped = checkpoint.load_latest(checkpoints)  # the stop wrote it: --checkpoint-every 100
-    assert 1 <= stopped.round < 20
+    assert 1 <= stopped.round < 10
     assert all(worker.poll() is None for worker in workers)  # told to come back, not to leave
     second = subprocess.run(
         [*command, "--resume", str(checkpoints)],
@@ -292,12 +295,12 @@ def test_sigterm_then_resume_brings_the_same_workers_back(tmp_path, spawn_worker
     for worker in workers:
         assert worker.wait(timeout=60) == 0, worker.stdout.read()
     finished = checkpoint.load_latest(checkpoints)
-    assert finished.round == 20 and finished.meta["run_id"] == stopped.meta["run_id"]
+    assert finished.round == 10 and finished.meta["run_id"] == stopped.meta["run_id"]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     resumed = [r for r in rows if r["event"] == "resumed_from"]
     assert len(resumed) == 1 and resumed[0]["round"] == stopped.round
     after = [r["round"] for r in rows[rows.index(resumed[0]) :] if r["event"] == "round"]
-    assert after == list(range(stopped.round + 1, 21))  # continues from the checkpoint
+    assert after == list(range(stopped.round + 1, 11))  # continues from the checkpoint
     assert all(r["workers"] == 2 for r in rows if r["event"] == "round")
     run_id = stopped.meta["run_id"]
     for log in logs:

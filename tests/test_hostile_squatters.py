@@ -288,7 +288,7 @@ def _two_honest_beside_four(squat, spawn_worker, squatters: int = 4) -> tuple[Sh
     """A `--workers 2` run (--ready-timeout 40) whose 4 slots `squat` peers take first (or
     `squatters` of them); then two honest worker processes start. The shepherd after the
     run, and what the peers saw."""
-    config = small_config(workers=2, rounds=2, inner_steps=2, chunk_steps=2, ready_timeout=40)
+    config = small_config(workers=2, rounds=2, inner_steps=2, chunk_steps=2, ready_timeout=28)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     seen: dict = {}
 
@@ -454,20 +454,20 @@ async def churner(port: int, shepherd: Shepherd, seen: dict) -> None:
 def test_a_churning_newcomer_does_not_starve_honest_workers_whose_first_chunk_is_slow(
     spawn_worker,
 ):
-    """Two honest workers whose one chunk a round takes 15 s (a slow machine: progress comes
-    only after a chunk) hold round 1 past the grace (10 s at --ready-timeout 40) with nothing
+    """Two honest workers whose one chunk a round takes 10 s (a slow machine: progress comes
+    only after a chunk) hold round 1 past the grace (7 s at --ready-timeout 28) with nothing
     shown. A token holder that joins under a fresh id while a round runs and says ready at
     once made them lose their connection for holding a round (`slots.holding_reason`); they
     joined again, silent again on their new connection, and lost it again: round 1 never
     ended (none in 180 s). Now they sit the round out until their late result shows their
     work, keep their connections, and train the repeated round 1."""
-    config = small_config(workers=2, rounds=1, inner_steps=2, chunk_steps=2, ready_timeout=40)
+    config = small_config(workers=2, rounds=1, inner_steps=2, chunk_steps=2, ready_timeout=28)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     seen: dict = {}
 
     async def scenario(port):
         honest = [
-            faulty_worker_command(port, "pace", "--id", f"honest-{i}", seconds=15.0)
+            faulty_worker_command(port, "pace", "--id", f"honest-{i}", seconds=10.0)
             for i in range(2)
         ]
         seen["honest"] = [spawn_worker.__self__.start(c) for c in honest]

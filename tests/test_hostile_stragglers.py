@@ -196,7 +196,10 @@ def test_progress_without_results_loses_the_round_then_the_shard():
     pace times --straggler-factor (not the 60 s floor, not its projection), and after
     `UNPROVEN_ROUNDS` rounds with nothing counted its connection ends and its shard is
     orphaned for the next worker. The honest worker is in every round."""
-    config = small_config(workers=2, rounds=10, inner_steps=4, chunk_steps=1)
+    # round 1 refuses the drag's zeros, rounds 2-4 go without a result of its counted, and
+    # it is lost (its shard orphaned) once round 4 settles (the watchdog polls every second,
+    # the steady worker's rounds take one at least): rounds 5-7 are slack
+    config = small_config(workers=2, rounds=7, inner_steps=4, chunk_steps=1)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     state = shepherd.state
 
@@ -225,8 +228,8 @@ def test_progress_without_results_loses_the_round_then_the_shard():
     assert lost, "\n".join(f"{k}: {m}" for k, m in shown)
     assert "no result counted in 3 rounds since one was refused" in lost[0].message
     orphaned = [e for e in state.events if e.kind == "shard_orphaned"]
-    # under load the ten rounds last long enough for the drag to come back and lose its shard
+    # under load the rounds may last long enough for the drag to come back and lose its shard
     # again: each time it is the drag's
     assert orphaned and {e.worker for e in orphaned} == {"drag"}, [e.worker for e in orphaned]
     assert all("steady" in r.worker_ids for r in state.history)
-    assert len(state.history) == 10
+    assert len(state.history) == 7

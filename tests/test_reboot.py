@@ -29,8 +29,9 @@ def test_a_restarted_worker_with_its_old_id_waits_out_the_old_connection(tmp_pat
             # the window in which the restarted worker must first knock (it hears "busy" only
             # while the old connection is silent for less than this): a worker starts in 2-8 s
             # here, on a loaded CI machine; the test waits this long (and the worker's next
-            # retry, its waits doubling) for the old connection to be dropped
-            *("--heartbeat-timeout", "25"),
+            # retry, its waits doubling: about twice as long again at worst) for the old
+            # connection to be dropped. Beats 0.25 s apart: missed after 0.5 s, see below
+            *("--heartbeat-seconds", "0.25", "--heartbeat-timeout", "12"),
         ),
     )
     old = new = None
@@ -39,9 +40,9 @@ def test_a_restarted_worker_with_its_old_id_waits_out_the_old_connection(tmp_pat
         old = OutputProcess(worker_command(port, "--id", "w0"))
         shepherd.wait_for(r"^round +1/")
         old.process.send_signal(signal.SIGSTOP)  # the machine goes down, its socket stays open
-        # its heartbeats must be seen missing (2 beats of 0.5 s) before the new one asks; a
+        # its heartbeats must be seen missing (2 beats of 0.25 s) before the new one asks; a
         # worker that starts faster than that would hear "in use" from a live-looking twin
-        time.sleep(2.0)
+        time.sleep(1.0)
         new = OutputProcess(worker_command(port, "--id", "w0"))
         new.wait_for(
             r"\(busy\): worker id .w0. is still held by an earlier connection from .*, silent for"
