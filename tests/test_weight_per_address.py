@@ -14,6 +14,8 @@ import random
 import pytest
 import trio
 
+from pcp_tui.config.relay import RelayConfig
+from pcp_tui.relay import Relay
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds.results import weight_shares
 from pcp_tui.testing import local_worker, until
@@ -69,3 +71,50 @@ def test_every_network_weighs_what_its_fewest_ids_weigh():
         # a share is listed only below 1: none at all where every network sends as many ids
         assert all(share < 1 for share in shares.values())
         assert (shares == {}) == (len(set(counts.values())) == 1)
+
+
+async def test_a_relay_cannot_name_its_workers_addresses(monkeypatch):
+    """A relay is any token holder's to run (`--relays N` takes the token): the address it
+    reports for a worker is its word, not a socket's. A holder's relay that reported one of
+    its ids as an honest worker's address (halving that worker's weight) and another as an
+    address of its own making (a full weight) gained 1.5 ids' weight over one honest id's
+    0.5; its workers are weighed by the relay's own address, the one its link comes from."""
+    import pcp_tui.relay
+
+    forged = {"127.0.0.5": "127.0.0.2:40000", "127.0.0.6": "10.9.9.9:40000"}  # what it says
+    real = pcp_tui.relay.peer_name
+    monkeypatch.setattr(
+        pcp_tui.relay, "peer_name", lambda raw: forged.get(real(raw).split(":")[0], real(raw))
+    )
+    config = small_config(rounds=2, inner_steps=4, chunk_steps=2, workers=3, relays=1)
+    shepherd = Shepherd(config, build_workload(config, shards=3))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        relay_config = RelayConfig(
+            connect=f"127.0.0.1:{port}",
+            host="127.0.0.1",
+            port=0,
+            worker_id="holder-relay",
+            source_address="127.0.0.3",
+        )
+        relay = Relay(relay_config, token="test-token", say=lambda line: None)
+        relay_port = await nursery.start(relay.run)
+        await until(lambda: bool(shepherd.pool.relays.live))
+        joins = [("honest", port, "127.0.0.2"), ("x1", relay_port, "127.0.0.5")]
+        joins.append(("x2", relay_port, "127.0.0.6"))
+        for worker_id, to, source in joins:
+            nursery.start_soon(local_worker(to, worker_id, source_address=source).run)
+            await until(lambda w=worker_id: w in shepherd.state.workers)
+    views = shepherd.state.workers
+    assert {w: v.network for w, v in views.items()} == {
+        "honest": "127.0.0.2",
+        "x1": "127.0.0.3",
+        "x2": "127.0.0.3",
+    }
+    tokens = 4 * 4 * 32
+    folded = shepherd.engine.aggregates[0].partial.results
+    assert {w: e.weight for w, e in folded.items()} == {
+        "honest": tokens,
+        "x1": tokens / 2,
+        "x2": tokens / 2,
+    }
