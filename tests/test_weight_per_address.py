@@ -15,11 +15,13 @@ import pytest
 import trio
 
 from pcp_tui.config.relay import RelayConfig
+from pcp_tui.contract.connection import Refused
 from pcp_tui.relay import Relay
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds.results import weight_shares
 from pcp_tui.testing import local_worker, until
 from pcp_tui.training.build import build_workload
+from pcp_tui.worker.reconnect import dial
 
 from .conftest import small_config
 
@@ -118,3 +120,25 @@ async def test_a_relay_cannot_name_its_workers_addresses(monkeypatch):
         "x1": tokens / 2,
         "x2": tokens / 2,
     }
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        # an IPv6 source for an IPv4 shepherd was retried until --give-up-after, each try
+        # "cannot reach 127.0.0.1:PORT (all attempts to connect to 127.0.0.1:PORT failed)"
+        ("::1", "--source-address ::1 is IPv6 and the shepherd's address 127.0.0.1 is IPv4"),
+        ("localhost", "--source-address 'localhost' is not an IP address: name one that"),
+        ("203.0.113.7", "--source-address 203.0.113.7 is not an address of this machine"),
+    ],
+)
+async def test_a_source_address_that_cannot_work_is_refused_at_once_with_what_to_do(source, says):
+    """A real listener on 127.0.0.1: a --source-address it cannot be reached from is final
+    (Refused, not a retried ConnectionLost), in one line that says what to name instead."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with pytest.raises(Refused) as refused:
+        await dial("127.0.0.1", port, None, trio.current_time() + 30, source)
+    assert str(refused.value).startswith(says)
+    assert "or leave it out" in str(refused.value)
+    await listeners[0].aclose()
