@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import trio
 
 from pcp_tui.config.relay import RelayConfig
 from pcp_tui.contract.connection import Refused
+from pcp_tui.diloco import aggregate
+from pcp_tui.diloco.aggregate import CoordinateWise
 from pcp_tui.relay import Relay
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds.results import weight_shares
 from pcp_tui.testing import local_worker, until
+from pcp_tui.testing.faulty_worker import FAULTS
 from pcp_tui.training.build import build_workload
 from pcp_tui.worker.reconnect import dial
 
@@ -142,3 +146,54 @@ async def test_a_source_address_that_cannot_work_is_refused_at_once_with_what_to
     assert str(refused.value).startswith(says)
     assert "or leave it out" in str(refused.value)
     await listeners[0].aclose()
+
+
+async def test_a_coordinate_wise_median_weighs_an_address_as_one(monkeypatch):
+    """--aggregate median ignores token counts, and ignored the address rule with them: a
+    holder's 3 of 5 ids from one address, flipping their results, were 3 of the 5 values
+    each coordinate's median took (the run by address was the run by id to the bit). Now
+    each of its ids weighs 1/3: the median is that of the 5 results with each honest one
+    counted 3 times and each of the holder's once (9 values, no tie). Real workers, real
+    TCP; the results the aggregate is handed are recorded on their way in."""
+    seen: list[dict[str, np.ndarray]] = []
+    add = CoordinateWise.add
+
+    def recorded(self, pseudo_gradient, weight, key="", **share):
+        seen.append({n: np.array(v) for n, v in pseudo_gradient.items()} | {"": key})
+        return add(self, pseudo_gradient, weight, key, **share)
+
+    monkeypatch.setattr(CoordinateWise, "add", recorded)
+    sources = {"a": "127.0.0.2", "h1": "127.0.0.3", "h2": "127.0.0.3", "h3": "127.0.0.3"}
+    sources["b"] = "127.0.0.4"
+    config = small_config(
+        rounds=1, inner_steps=4, chunk_steps=2, workers=5, aggregate="median", validate="off"
+    )
+    shepherd = Shepherd(config, build_workload(config, shards=5))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        for worker_id, source in sources.items():
+            flip = FAULTS["scale"].make(factor=-1.0, results=0) if worker_id[0] == "h" else None
+            worker = local_worker(port, worker_id, source_address=source, faults=flip)
+            nursery.start_soon(worker.run)
+            await until(lambda w=worker_id: w in shepherd.state.workers)
+    assert sorted(r[""] for r in seen) == sorted(sources)
+    median = shepherd.engine.aggregates[0].sums
+    for name, value in median.items():
+        rows = [r[name] for r in seen for _ in range(1 if r[""][0] == "h" else 3)]
+        np.testing.assert_array_equal(value, np.median(np.stack(rows), axis=0))
+
+
+def test_a_weighted_trimmed_mean_drops_its_share_of_the_weight_at_each_end():
+    """Four values weighing 1, 1, 1/2, 1/2 (total 3), 0.2 of it cut at each end (0.6): the
+    lowest keeps 0.4 of its 1, the next all of its 1, the third 0.4 of its 1/2, the
+    highest (the holder's outlier) none: the weight kept runs from 0.6 to 2.4."""
+    stacked = np.array([[10.0], [2.0], [3.0], [1.0]], np.float32)
+    weights = np.array([0.5, 1.0, 0.5, 1.0])
+    expected = (1.0 * 0.4 + 2.0 * 1.0 + 3.0 * 0.4) / 1.8
+    got = aggregate._weighted(stacked, weights, 0.2, "trimmed-mean")
+    assert got[0] == np.float32(expected)
+    # equal weights: np.median, and the plain trimmed mean's int(0.2 x 5) = 1 cut each end
+    five = np.array([[4.0], [1.0], [9.0], [2.0], [7.0]], np.float32)
+    assert aggregate._weighted(five, np.ones(5), 0.2, "median")[0] == 4.0
+    assert aggregate._weighted(five[:4], np.ones(4), 0.0, "median")[0] == 3.0
+    assert aggregate._weighted(five, np.ones(5), 0.2, "trimmed-mean")[0] == np.float32(13 / 3)
