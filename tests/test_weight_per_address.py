@@ -197,3 +197,15 @@ def test_a_weighted_trimmed_mean_drops_its_share_of_the_weight_at_each_end():
     assert aggregate._weighted(five, np.ones(5), 0.2, "median")[0] == 4.0
     assert aggregate._weighted(five[:4], np.ones(4), 0.0, "median")[0] == 3.0
     assert aggregate._weighted(five, np.ones(5), 0.2, "trimmed-mean")[0] == np.float32(13 / 3)
+
+
+@pytest.mark.parametrize("kind", ["median", "trimmed-mean"])
+def test_a_weighted_statistic_taken_in_chunks_is_the_one_taken_whole(monkeypatch, kind):
+    """Coordinates are taken `WEIGHTED_CHUNK` at a time (bounded scratch memory): a chunk of
+    3 over a 7 x 2 tensor is the whole tensor's answer, bit for bit."""
+    stacked = np.random.default_rng(0).standard_normal((5, 7, 2)).astype(np.float32)
+    weights = np.array([1.0, 1 / 3, 1 / 3, 1 / 3, 1.0])
+    whole = aggregate._weighted(stacked, weights, 0.2, kind)
+    monkeypatch.setattr(aggregate, "WEIGHTED_CHUNK", 3)
+    np.testing.assert_array_equal(aggregate._weighted(stacked, weights, 0.2, kind), whole)
+    assert whole.shape == (7, 2) and whole.dtype == np.float32

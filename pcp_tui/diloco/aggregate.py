@@ -38,6 +38,7 @@ from pcp_tui.diloco.partial import Partial, distance
 CLIP_FACTOR = 2.0  # clip radius: this many times the median distance of recent results
 CLIP_ROUNDS = 3  # rounds whose median distances the radius is the median of
 TRIM = 0.2  # trimmed mean: the fraction of results dropped at each end, per coordinate
+WEIGHTED_CHUNK = 2**16  # coordinates a weighted median or trimmed mean takes at a time
 BOUND_MARGIN = 1.01  # float32 rounding of θ − θ_k on top of the exact bound
 
 
@@ -359,7 +360,17 @@ def _weighted(stacked: np.ndarray, weights: np.ndarray, trim: float, kind: str) 
     weight (the mean of two where half falls between them), the trimmed mean drops `trim`
     of the total weight at each end (a value cut part way counts in part). With equal
     weights they are `np.median` and the mean of all but the int(trim x k) lowest and
-    highest values."""
+    highest values. Taken `WEIGHTED_CHUNK` coordinates at a time: its sort order and sums
+    are float64 and int64, several times the results' own size if taken whole."""
+    flat = stacked.reshape(len(stacked), -1)
+    out = np.empty(flat.shape[1], np.float32)
+    for start in range(0, flat.shape[1], WEIGHTED_CHUNK):
+        part = flat[:, start : start + WEIGHTED_CHUNK]
+        out[start : start + part.shape[1]] = _weighted_part(part, weights, trim, kind)
+    return out.reshape(stacked.shape[1:])
+
+
+def _weighted_part(stacked: np.ndarray, weights: np.ndarray, trim: float, kind: str) -> np.ndarray:
     order = np.argsort(stacked, axis=0, kind="stable")
     values = np.take_along_axis(stacked, order, axis=0).astype(np.float64)
     upper = np.cumsum(weights[order], axis=0)  # each sorted value's weight ends here
@@ -370,11 +381,11 @@ def _weighted(stacked: np.ndarray, weights: np.ndarray, trim: float, kind: str) 
         low = np.take_along_axis(values, at, axis=0)[0]
         high = np.take_along_axis(values, np.minimum(at + 1, len(weights) - 1), axis=0)[0]
         tie = np.take_along_axis(upper, at, axis=0)[0] == half
-        return np.where(tie, (low + high) / 2, low).astype(np.float32)
+        return np.where(tie, (low + high) / 2, low)
     cut = trim * total
     lower = upper - weights[order]
     kept = np.clip(np.minimum(upper, total - cut) - np.maximum(lower, cut), 0.0, None)
-    return ((values * kept).sum(axis=0) / kept.sum(axis=0)).astype(np.float32)
+    return (values * kept).sum(axis=0) / kept.sum(axis=0)
 
 
 Aggregate = PseudoGradientMean | CenteredClip | CoordinateWise
