@@ -120,8 +120,8 @@ class SecurityConfig:
         "address",
         choices=("address", "id"),
         help="what one share of the aggregate's weight belongs to in an open run (no "
-        "--worker-keys): address, the ids that connect from one address (an IPv6 /64, a "
-        "relayed worker's own) share one id's weight, so a token holder gains none by "
+        "--worker-keys): address, the ids that connect from one address (an IPv6 /64; a "
+        "relayed worker's is its relay's) share one id's weight, so a token holder gains none by "
         "joining as many ids; id, every id weighs its own tokens (for runs whose token "
         "holders are all trusted: ids on one machine then count in full). With "
         "--worker-keys every key is one id",

@@ -38,6 +38,7 @@ from pcp_tui.diloco.partial import Partial, distance
 CLIP_FACTOR = 2.0  # clip radius: this many times the median distance of recent results
 CLIP_ROUNDS = 3  # rounds whose median distances the radius is the median of
 TRIM = 0.2  # trimmed mean: the fraction of results dropped at each end, per coordinate
+WEIGHTED_CHUNK = 2**16  # coordinates a weighted median or trimmed mean takes at a time
 BOUND_MARGIN = 1.01  # float32 rounding of θ − θ_k on top of the exact bound
 
 
@@ -174,9 +175,16 @@ class CenteredClip:
             raise ValueError("the round is closed: a late result does not count")
         self._scale_center()
 
-    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float, key: str = "") -> None:
+    def add(
+        self,
+        pseudo_gradient: Mapping[str, np.ndarray],
+        weight: float,
+        key: str = "",
+        share: float = 1.0,
+    ) -> None:
         """Fold one result in (or hold it, in a round without history). `key` names it (a
-        second result of one key is refused), by default its place in the round."""
+        second result of one key is refused), by default its place in the round; its
+        `weight` holds its `share` (`CoordinateWise.add`) already."""
         if weight <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         self._open()
@@ -278,7 +286,10 @@ class CoordinateWise:
 
     Holds each result until the round ends: k model-sized float32 copies for k
     results (token counts are not used: a count is a claim, and a weighted median
-    would let the largest claim win).
+    would let the largest claim win). Each result weighs its share of its address's
+    weight (`--weight-per address`, `rounds/results.weight_shares`): without that a
+    token holder's 3 of 5 ids from one address were 3 of the 5 values every coordinate's
+    median took, whatever the address rule said.
     """
 
     def __init__(self, names: tuple[str, ...], kind: str, trim: float = TRIM):
@@ -286,19 +297,27 @@ class CoordinateWise:
             raise ValueError(f"unknown coordinate-wise aggregate {kind!r}")
         self._names, self.kind, self._trim = names, kind, trim
         self._results: list[dict[str, np.ndarray]] = []
+        self._shares: list[float] = []
         self._aggregate: dict[str, np.ndarray] = {}
         self.contributors = 0
 
     def reset(self) -> None:
-        self._results = []
+        self._results, self._shares = [], []
         self.contributors = 0
 
-    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float, key: str = "") -> None:
-        """Hold a copy of the result until the round closes (its key is not needed: the round
-        takes one result a worker)."""
-        if weight <= 0:
+    def add(
+        self,
+        pseudo_gradient: Mapping[str, np.ndarray],
+        weight: float,
+        key: str = "",
+        share: float = 1.0,
+    ) -> None:
+        """Hold a copy of the result until the round closes, weighing `share` (its key is not
+        needed: the round takes one result a worker; its token `weight` is not used)."""
+        if weight <= 0 or share <= 0:
             raise ValueError("a pseudo-gradient needs a positive weight (tokens)")
         self._results.append({n: np.array(pseudo_gradient[n], np.float32) for n in self._names})
+        self._shares.append(share)
         self.contributors += 1
 
     def finish(self) -> list[float]:
@@ -307,14 +326,17 @@ class CoordinateWise:
             raise ValueError("no pseudo-gradient was added")
         count = len(self._results)
         cut = int(self._trim * count) if self.kind == "trimmed-mean" else 0
+        shares = np.array(self._shares)
         for name in self._names:
             stacked = np.stack([result[name] for result in self._results])
-            if self.kind == "median":
+            if np.any(shares != shares[0]):  # ids of one address share one weight
+                self._aggregate[name] = _weighted(stacked, shares, cut / count, self.kind)
+            elif self.kind == "median":
                 self._aggregate[name] = np.median(stacked, axis=0).astype(np.float32)
             else:
                 ordered = np.sort(stacked, axis=0)[cut : count - cut]
                 self._aggregate[name] = ordered.mean(axis=0, dtype=np.float32)
-        self._results = []
+        self._results, self._shares = [], []
         return []
 
     @property
@@ -330,6 +352,40 @@ class CoordinateWise:
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Nothing to restore: each round stands alone."""
+
+
+def _weighted(stacked: np.ndarray, weights: np.ndarray, trim: float, kind: str) -> np.ndarray:
+    """Per coordinate of `stacked` (one result a row), the median or trimmed mean of its
+    values, each value weighing its row's weight: the median is the value at half the total
+    weight (the mean of two where half falls between them), the trimmed mean drops `trim`
+    of the total weight at each end (a value cut part way counts in part). With equal
+    weights they are `np.median` and the mean of all but the int(trim x k) lowest and
+    highest values. Taken `WEIGHTED_CHUNK` coordinates at a time: its sort order and sums
+    are float64 and int64, several times the results' own size if taken whole."""
+    flat = stacked.reshape(len(stacked), -1)
+    out = np.empty(flat.shape[1], np.float32)
+    for start in range(0, flat.shape[1], WEIGHTED_CHUNK):
+        part = flat[:, start : start + WEIGHTED_CHUNK]
+        out[start : start + part.shape[1]] = _weighted_part(part, weights, trim, kind)
+    return out.reshape(stacked.shape[1:])
+
+
+def _weighted_part(stacked: np.ndarray, weights: np.ndarray, trim: float, kind: str) -> np.ndarray:
+    order = np.argsort(stacked, axis=0, kind="stable")
+    values = np.take_along_axis(stacked, order, axis=0).astype(np.float64)
+    upper = np.cumsum(weights[order], axis=0)  # each sorted value's weight ends here
+    total = float(weights.sum())
+    if kind == "median":
+        half = total / 2
+        at = np.argmax(upper >= half, axis=0)[None]
+        low = np.take_along_axis(values, at, axis=0)[0]
+        high = np.take_along_axis(values, np.minimum(at + 1, len(weights) - 1), axis=0)[0]
+        tie = np.take_along_axis(upper, at, axis=0)[0] == half
+        return np.where(tie, (low + high) / 2, low)
+    cut = trim * total
+    lower = upper - weights[order]
+    kept = np.clip(np.minimum(upper, total - cut) - np.maximum(lower, cut), 0.0, None)
+    return (values * kept).sum(axis=0) / kept.sum(axis=0)
 
 
 Aggregate = PseudoGradientMean | CenteredClip | CoordinateWise

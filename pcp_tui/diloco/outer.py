@@ -57,9 +57,16 @@ class PseudoGradientMean:
         """Forget the pseudo-gradients added so far (the buffers stay)."""
         self.partial = Partial(self._names, measure=False, buffers=self._sum, threads=self.threads)
 
-    def add(self, pseudo_gradient: Mapping[str, np.ndarray], weight: float, key: str = "") -> None:
-        """Fold one result in with weight `weight` (its tokens); `key` names it (a second
-        result of one key is refused), by default its place in the round."""
+    def add(
+        self,
+        pseudo_gradient: Mapping[str, np.ndarray],
+        weight: float,
+        key: str = "",
+        share: float = 1.0,
+    ) -> None:
+        """Fold one result in with weight `weight` (its tokens, times its `share`: that is in
+        it already); `key` names it (a second result of one key is refused), by default its
+        place in the round."""
         self.partial.threads = self.threads
         self.partial.add(key or f"#{len(self.partial.results)}", pseudo_gradient, weight)
 

@@ -104,13 +104,14 @@ class Assignment:
 @dataclass(frozen=True)
 class Kept:
     """A result folded into its round before its check (`shepherd/rounds/checks.py`): its
-    sender, tensors, weight in the aggregate (its tokens) and what it trained on."""
+    sender, tensors, weight in the aggregate (its tokens x its share) and what it trained on."""
 
     worker_id: str
     tensors: Mapping[str, np.ndarray]
     weight: float
     assignment: Assignment
     checked: bool = False  # scored before it was folded in (its sender was on probation)
+    share: float = 1.0  # of its address's weight (`--weight-per address`): `Aggregate.add`
 
 
 class AssignedBatches:

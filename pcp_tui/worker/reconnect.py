@@ -23,6 +23,7 @@ doubling range, which lets a later wait be shorter than an earlier one.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -134,7 +135,7 @@ async def dial(
     `source` if given, for a worker or a relay; ConnectionLost saying why not (worth
     retrying), Refused for a certificate that cannot be trusted."""
     if source is not None:
-        _check_source(source)
+        _check_source(source, host)
     try:
         with trio.fail_at(deadline):
             tcp = await trio.open_tcp_stream(host, port, local_address=source)
@@ -150,14 +151,25 @@ async def dial(
         raise ConnectionLost(f"cannot reach {host}:{port} ({why})") from None
 
 
-def _check_source(source: str) -> None:
-    """Refused unless `source` (--source-address) is an address of this machine."""
+def _check_source(source: str, host: str) -> None:
+    """Refused unless `source` (--source-address) is an address of this machine, of the
+    shepherd's family where `host` is an address (a name may resolve to either)."""
     try:
-        family = socket.AF_INET6 if ipaddress.ip_address(source).version == 6 else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind((source, 0))
+        version = ipaddress.ip_address(source).version
     except ValueError:
-        raise Refused(f"--source-address {source!r} is not an IP address") from None
+        raise Refused(
+            f"--source-address {source!r} is not an IP address: name one that `ip addr` "
+            "lists, or leave it out"
+        ) from None
+    with contextlib.suppress(ValueError):  # a name: trio tries its addresses of that family
+        if (target := ipaddress.ip_address(host).version) != version:
+            raise Refused(
+                f"--source-address {source} is IPv{version} and the shepherd's address {host} "
+                f"is IPv{target}: name an IPv{target} address of this machine, or leave it out"
+            )
+    try:
+        with socket.socket(socket.AF_INET6 if version == 6 else socket.AF_INET) as probe:
+            probe.bind((source, 0))
     except OSError as exc:
         raise Refused(
             f"--source-address {source} is not an address of this machine ({exc.strerror}): "

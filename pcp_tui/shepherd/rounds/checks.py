@@ -121,7 +121,7 @@ def recompute(
         aggregate.step_scale = before.step_scale
     aggregate.reset()
     for kept in counted:
-        aggregate.add(kept.tensors, kept.weight, key=kept.worker_id)
+        aggregate.add(kept.tensors, kept.weight, key=kept.worker_id, share=kept.share)
     aggregate.finish()
     outer.apply(params, aggregate.sums, aggregate.scale)
     return Correction(params, outer.state, aggregate.state_arrays())

@@ -397,7 +397,7 @@ class RoundEngine:
         if isinstance(aggregate, CenteredClip):
             aggregate.reset()
             for kept in current.kept:
-                aggregate.add(kept.tensors, kept.weight, key=kept.worker_id)
+                aggregate.add(kept.tensors, kept.weight, key=kept.worker_id, share=kept.share)
 
     def _correct(self, p: int, correction: Correction) -> None:
         """Fragment p's tensors and outer state as its last step without the refused results

@@ -312,8 +312,8 @@ class Round:
                     message.tensors, tokens, claim, number=self.number, params=scored_against
                 )
             checked = scored_against is not None
-            self.kept.append(Kept(worker_id, message.tensors, weight, claim, checked))
-        self.mean.add(message.tensors, weight, key=worker_id)
+            self.kept.append(Kept(worker_id, message.tensors, weight, claim, checked, share))
+        self.mean.add(message.tensors, weight, key=worker_id, share=share)
         return tokens, losses
 
     async def close(self) -> None:

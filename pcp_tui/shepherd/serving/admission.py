@@ -356,8 +356,7 @@ def peer_name(stream: trio.abc.Stream) -> str:
 def network_of(peer: str) -> str:
     """The network one share of weight belongs to under `--weight-per address`: a peer's
     IPv4 address, or its IPv6 /64 (what one subscriber is given); `peer` is `peer_name`'s
-    "host:port", a relayed worker's "relay/host:port" (the address the relay saw)."""
-    peer = peer.rpartition("/")[2]
+    "host:port" (for a relayed worker, its relay's: what a relay reports is its word)."""
     host = peer.rpartition(":")[0] or peer
     try:
         address = ipaddress.ip_address(host)

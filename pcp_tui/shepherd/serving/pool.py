@@ -384,7 +384,9 @@ class WorkerPool:
             shard=shard,
             runtime=hello.runtime.value,
             via=via,
-            network=network_of(peer),
+            # a relay's word for its worker's address is any token holder's to forge: its
+            # workers weigh by the address its own link comes from, as behind a NAT
+            network=network_of(self.relays.live[via].peer if via else peer),
             # its results that counted, before a reconnect too (`slots._earned`, the API)
             rounds_contributed=old.rounds_contributed if old is not None else 0,
         )
