@@ -75,6 +75,9 @@ async def test_a_run_through_a_relay_is_the_flat_run_and_sends_each_round_once()
         "b": (1, "site-a"),
     }
     assert tree.state.workers["a"].stats_json()["via"] == "site-a"
+    # an open run weighs a relay's workers as one address (`--weight-per address`): said once
+    (joined,) = [e.message for e in tree.state.events if e.kind == "relay_joined"]
+    assert "share one address's weight" in joined and "--weight-per id" in joined
     # what the shepherd wrote for its workers, against what crossed its one link to the relay
     link = tree.pool.relays.sent
     params = 4 * tree.state.param_count

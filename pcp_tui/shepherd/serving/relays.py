@@ -101,7 +101,14 @@ class Relays:
         channels = Channels(stream, accepts=True, keeps=True)
         fingerprint = admitted.hello.relay_fingerprint
         self.live[name] = RelayView(name, admitted.peer, channels, fingerprint)
-        self.state.emit(RelayJoined(f"relay {name} joined from {admitted.peer}", relay=name))
+        joined = f"relay {name} joined from {admitted.peer}"
+        security = self.config.security
+        if security.weight_per == "address" and not security.worker_keys:
+            joined += (  # the addresses a relay reports are its word (any token holder's)
+                "; its workers share one address's weight (--weight-per address): for a "
+                "site's own relay, weigh them by id (--weight-per id, or --worker-keys)"
+            )
+        self.state.emit(RelayJoined(joined, relay=name))
         why = "its link ended"
         try:
             async with trio.open_nursery() as nursery:  # its workers' connections end with it
