@@ -4,10 +4,11 @@ A round that closes without a worker (`rounds.collect`: its straggler window or
 --round-timeout) leaves it still on that round: sending it the next one would
 only make that round wait out its window again. So it sits new rounds out
 (`WorkerPool.ready_links` skips it) until a result of its for that round, or a
-later one, comes in (`caught_up`), late or not. One that shows no sign of that
-round for long enough counts as hung (`hung_reason`, a rule the connection's
-watchdog applies), and its connection ends: progress reports put that off, up to
-`SIT_OUT_GRACES` graces in all.
+later one, comes in (`caught_up`; streaming: its last fragment's), late or not.
+Meanwhile it still gets that round's fragment updates, so it ends the round as it
+would have. One that shows no sign of that round for long enough counts as hung
+(`hung_reason`, a rule the connection's watchdog applies), and its connection
+ends: progress reports put that off, up to `SIT_OUT_GRACES` graces in all.
 
 A worker whose result was refused (it did no work: zeros, a flip) is waited for
 by the rounds after it only --straggler-factor times the quorum's time, without
@@ -90,9 +91,17 @@ def unproven_reason(rounds: WorkerRounds) -> str:
     )
 
 
-def caught_up(link: WorkerLink, number: int) -> bool:
-    """A result for round `number` came from `link`: whether it sat out and is now back."""
-    if link.rounds.behind and number >= link.rounds.behind:
+def caught_up(link: WorkerLink, number: int, fragment: int) -> bool:
+    """A result for round `number`, `fragment`, came from `link`: whether it sat out and is
+    now back. It is back with its result of the plan's last fragment (plain DiLoCo: its one)
+    for the round it sits out, or a later one: its round ends there, on the worker too. A
+    streaming worker taken back with its first fragment's result was sent the repeat of
+    that round (the same number) while it still trained the old one, whose later fragment
+    results were then taken as the repeat's: scored against the repeat's parameters and
+    refused, or waiting there for the repeat's first fragment, which the worker had not
+    trained yet, while the shepherd read nothing more from it (silent, lost)."""
+    last = link.rounds.claims.fragments - 1
+    if link.rounds.behind and number >= link.rounds.behind and fragment == last:
         link.rounds.behind = 0
         link.rounds.missed = False  # its work came, late: it vouches for it again (`slots`)
         link.view.reason = ""

@@ -520,17 +520,18 @@ class WorkerPool:
             await self._receive_loop(link)
 
     def _holding(self, link: WorkerLink) -> str:
-        """`slots.holding_reason` for `link` now, asked by its watchdog.
+        """`slots.holding_reason` for `link` now, asked by its watchdog: "" always.
 
-        A plain run takes the link out of the rounds it holds and lets it sit new rounds
-        out until that round's result comes (`sitting_out`), at most --ready-timeout
-        without a sign of it, and keeps its connection (""): an honest worker whose first
-        chunk outlasted the grace lost its connection here, joined again silent, and a token
-        holder that kept a fresh ready id waiting held round 1 so for ever. A peer that
-        never trains holds no round past the grace either way, and gives its slot to a
-        newcomer in line (`slots._free_at`). A streaming run ends the connection (the
-        reason): a worker taken out of its fragments' rounds waited for their syncs and
-        sat out stuck (up to 3 x --ready-timeout while it reports progress)."""
+        A link that holds a round past its bound is taken out of the fragments' rounds it
+        holds and sits new rounds out until that round's result comes (`sitting_out`: its
+        last fragment's), at most --ready-timeout without a sign of it; it keeps its
+        connection. An honest worker whose first chunk outlasted the grace lost its
+        connection here, joined again silent, and a token holder that kept a fresh ready id
+        waiting held round 1 so for ever. A streaming worker trains the round on: the
+        fragment updates still come to it (`RoundEngine._sync` sends them to every worker
+        the round was sent), its late results are dropped, and its last one brings it
+        back. A peer that never trains holds no round past the grace either way, and gives
+        its slot to a newcomer in line (`slots._free_at`)."""
         reason = slots.holding_reason(
             link,
             lambda: slots.SlotRules.of(self.config).silent_seconds(self._links.values()),
@@ -538,18 +539,23 @@ class WorkerPool:
             holds_a_round=lambda: self._holds_a_round(link),
             ready_timeout=self.config.security.ready_timeout,
         )
-        if not reason or len(self.fragments) > 1:
-            return reason
-        for current in self.open_rounds.rounds:
-            if link.worker_id in current.pending and current.bound_to(link.worker_id, link):
-                current.finish(link.worker_id)
-                sitting_out.sit_out(current, [link.worker_id])
-                self.state.emit(
-                    Stragglers(
-                        f"round {current.number} goes on without {link.worker_id}: {reason}",
-                        workers=[link.worker_id],
-                    )
+        if not reason:
+            return ""
+        held = [
+            current
+            for current in self.open_rounds.rounds
+            if link.worker_id in current.pending and current.bound_to(link.worker_id, link)
+        ]
+        for current in held:
+            current.finish(link.worker_id)
+            sitting_out.sit_out(current, [link.worker_id])
+        if held:
+            self.state.emit(
+                Stragglers(
+                    f"round {held[0].number} goes on without {link.worker_id}: {reason}",
+                    workers=[link.worker_id],
                 )
+            )
         link.rounds.behind_grace = self.config.security.ready_timeout
         return ""
 
@@ -637,7 +643,7 @@ class WorkerPool:
         if revoked := self._revoked(link):  # revoked mid-round: not its round's result either
             raise ConnectionLost(revoked, code=protocol.ErrorCode.AUTH_FAILED.value)
         link.rounds.claims.check(body)  # more steps, tokens or seconds than asked: ends it too
-        if sitting_out.caught_up(link, number):
+        if sitting_out.caught_up(link, number, body.fragment):
             self.wake()
         link.rounds.answered(number, body.fragment)
         try:
