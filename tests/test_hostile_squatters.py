@@ -451,17 +451,34 @@ async def churner(port: int, shepherd: Shepherd, seen: dict) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize(
+    "rounds",
+    [
+        dict(inner_steps=2, chunk_steps=2),
+        # fragment 0's result covers steps 0-1: one of step 0 alone is zero (the warm-up's
+        # learning rate starts at 0), and validation refuses it
+        dict(inner_steps=4, chunk_steps=2, streaming_fragments=2, overlap_steps=0),
+    ],
+    ids=["plain", "streaming"],
+)
 def test_a_churning_newcomer_does_not_starve_honest_workers_whose_first_chunk_is_slow(
-    spawn_worker,
+    spawn_worker, rounds
 ):
-    """Two honest workers whose one chunk a round takes 10 s (a slow machine: progress comes
-    only after a chunk) hold round 1 past the grace (7 s at --ready-timeout 28) with nothing
+    """Two honest workers whose one chunk takes 10 s (a slow machine: progress comes only
+    after a chunk) hold round 1 past the grace (7 s at --ready-timeout 28) with nothing
     shown. A token holder that joins under a fresh id while a round runs and says ready at
     once made them lose their connection for holding a round (`slots.holding_reason`); they
     joined again, silent again on their new connection, and lost it again: round 1 never
     ended (none in 180 s). Now they sit the round out until their late result shows their
-    work, keep their connections, and train the repeated round 1."""
-    config = small_config(workers=2, rounds=1, inner_steps=2, chunk_steps=2, ready_timeout=28)
+    work, keep their connections, and train the repeated round 1.
+
+    Streaming (two fragments, a chunk each): they train the round on, with its fragment
+    updates, and are back with their last fragment's late result. Back with their first
+    fragment's, they were sent the repeat of round 1 while still training the old one, and
+    the old one's second fragment result was taken as the repeat's: refused, or waiting
+    there for the repeat's first fragment while the shepherd read nothing more from them
+    (lost, silent)."""
+    config = small_config(workers=2, rounds=1, ready_timeout=28, **rounds)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     seen: dict = {}
 
@@ -485,6 +502,12 @@ def test_a_churning_newcomer_does_not_starve_honest_workers_whose_first_chunk_is
             peers.cancel_scope.cancel()
 
     run_shepherd(shepherd, scenario)
+    taken_out = [
+        e.message
+        for e in shepherd.state.events
+        if e.kind == "stragglers" and "goes on without honest" in e.message
+    ]
+    assert taken_out, "no honest worker was taken out of round 1: the case this test is for"
     (round_1,) = shepherd.state.history  # it ended, with an honest result or two
     assert set(round_1.worker_ids) <= {"honest-0", "honest-1"} and round_1.worker_ids
     lost = [e.worker for e in shepherd.state.events if e.kind == "lost"]
