@@ -41,19 +41,17 @@ heard `busy` on every retry. These rules bound that:
 
 A ready connection that has shown nothing and holds a round (the round waits for its
 result) while another ready connection waits for that round is taken out of that round at
-the same bound and sits rounds out until its result comes (`holding_reason`). Its
-connection stays: an honest worker whose first chunk outlasted the grace lost it, joined
-again silent, and lost it again while a token holder kept a fresh ready id waiting. In a
-streaming run it still loses its connection (one taken out of its fragments' rounds sat
-out stuck waiting for their syncs), so there that starvation remains open. Two ids that
-said ready at once were round 1's only workers at `--workers 2`, the honest workers found
-free slots, nobody waited in line, and round 1 waited for them for ever: this rule ends
-that. The rounds do their part: once the quorum is in, a
-round waits for one that has shown nothing only --straggler-factor times the quorum's time
-(`rounds.results.Round.stranger`), and a round repeated for want of any result waits for
-the newcomers compiling at that moment, each at most the grace (`WorkerPool.
-compiling_ready`): the squatters that rejoined and said ready at once were that repeat's
-only workers while the honest newcomers compiled for 2 s.
+the same bound and sits rounds out until its result comes (`holding_reason`; streaming:
+its last fragment's, `sitting_out.caught_up`). Its connection stays: an honest worker whose
+first chunk outlasted the grace lost it, joined again silent, and lost it again while a
+token holder kept a fresh ready id waiting. Two ids that said ready at once were round 1's
+only workers at `--workers 2`, the honest workers found free slots, nobody waited in line,
+and round 1 waited for them for ever: this rule ends that. The rounds do their part: once
+the quorum is in, a round waits for one that has shown nothing only --straggler-factor
+times the quorum's time (`rounds.results.Round.stranger`), and a round repeated for want of
+any result waits for the newcomers compiling at that moment, each at most the grace
+(`WorkerPool.compiling_ready`): the squatters that rejoined and said ready at once were that
+repeat's only workers while the honest newcomers compiled for 2 s.
 
 Worst case, every slot of a `--workers 2` run taken by peers that say ready, never train
 and join again at once (under the same ids or new ones; no rule here reads an id): the
