@@ -27,11 +27,18 @@ from pcp_tui.diloco.outer import PseudoGradientMean
 from pcp_tui.diloco.screening import ResultScreen
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.shepherd.rounds import results
+from pcp_tui.shepherd.rounds.claims import ResultClaims
 from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.rounds.results import Round, collect
-from pcp_tui.shepherd.rounds.sitting_out import hung_reason
+from pcp_tui.shepherd.rounds.sitting_out import caught_up, hung_reason
 from pcp_tui.shepherd.run.state import RunState
-from pcp_tui.testing import faulty_worker_command, pause_after_round, run_shepherd, until
+from pcp_tui.testing import (
+    faulty_worker_command,
+    memory_link,
+    pause_after_round,
+    run_shepherd,
+    until,
+)
 from pcp_tui.training.build import build_workload
 
 from .conftest import small_config, worker_env
@@ -494,3 +501,19 @@ async def test_progress_puts_a_hang_off_for_three_graces_at_most(autojump_clock)
     reason = hung_reason(link.rounds)
     assert reason.startswith("no result for round 2 in 30 s since its round closed"), reason
     assert "its shard goes to the next worker to join" in reason
+
+
+async def test_a_streaming_worker_sitting_out_is_back_with_its_last_fragments_result():
+    """Issue 25: a streaming worker sitting out round 1 was back with its first fragment's late
+    result and was sent the repeat of round 1 while it still trained the old one; the old
+    one's second fragment result was then taken as the repeat's. It is back with its last
+    fragment's (plain DiLoCo: its one result)."""
+    streaming = memory_link("streaming")
+    streaming.rounds.claims = ResultClaims(tokens_per_step=8, fragments=2)  # `bind_to_plan`
+    streaming.rounds.behind, streaming.rounds.missed = 1, True
+    assert not caught_up(streaming, 1, 0) and streaming.rounds.behind == 1
+    assert caught_up(streaming, 1, 1)
+    assert streaming.rounds.behind == 0 and not streaming.rounds.missed
+    plain = memory_link("plain")
+    plain.rounds.behind = 1
+    assert caught_up(plain, 1, 0) and plain.rounds.behind == 0
