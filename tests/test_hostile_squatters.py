@@ -464,8 +464,8 @@ async def churner(port: int, shepherd: Shepherd, seen: dict) -> None:
 def test_a_churning_newcomer_does_not_starve_honest_workers_whose_first_chunk_is_slow(
     spawn_worker, rounds
 ):
-    """Two honest workers whose one chunk takes 10 s (a slow machine: progress comes only
-    after a chunk) hold round 1 past the grace (7 s at --ready-timeout 28) with nothing
+    """Two honest workers whose one chunk takes 13 s (a slow machine: progress comes only
+    after a chunk) hold round 1 past the grace (10 s at --ready-timeout 40) with nothing
     shown. A token holder that joins under a fresh id while a round runs and says ready at
     once made them lose their connection for holding a round (`slots.holding_reason`); they
     joined again, silent again on their new connection, and lost it again: round 1 never
@@ -478,13 +478,14 @@ def test_a_churning_newcomer_does_not_starve_honest_workers_whose_first_chunk_is
     the old one's second fragment result was taken as the repeat's: refused, or waiting
     there for the repeat's first fragment while the shepherd read nothing more from them
     (lost, silent)."""
-    config = small_config(workers=2, rounds=1, ready_timeout=28, **rounds)
+    # --ready-timeout bounds the compile too: 25 s here with the two variants side by side
+    config = small_config(workers=2, rounds=1, ready_timeout=40, **rounds)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     seen: dict = {}
 
     async def scenario(port):
         honest = [
-            faulty_worker_command(port, "pace", "--id", f"honest-{i}", seconds=10.0)
+            faulty_worker_command(port, "pace", "--id", f"honest-{i}", seconds=13.0)
             for i in range(2)
         ]
         seen["honest"] = [spawn_worker.__self__.start(c) for c in honest]
