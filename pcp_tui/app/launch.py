@@ -357,8 +357,8 @@ def _cpu_threads_env(workers: int) -> dict[str, str]:
 # Said once by a worker started without TLS (a demo's own local workers are not told).
 PLAIN_TCP_WARNING = (
     "pcp-tui: warning: no TLS: this worker trusts the network (it trains for whoever answers "
-    "at {address} or sits on the path); pass --tls-fingerprint from the shepherd's join "
-    "command to train only for that shepherd"
+    "at {address} or sits on the path); to train only for your shepherd, start it with "
+    "--tls-cert and --tls-key and join with the --tls-fingerprint its join command then prints"
 )
 
 

@@ -148,7 +148,8 @@ async def dial(
         ) from None
     except (OSError, trio.TooSlowError) as exc:
         why = "timed out" if isinstance(exc, trio.TooSlowError) else connect_failure(exc)
-        raise ConnectionLost(f"cannot reach {host}:{port} ({why})") from None
+        where = f" from --source-address {source}" if source is not None else ""
+        raise ConnectionLost(f"cannot reach {host}:{port}{where} ({why})") from None
 
 
 def _check_source(source: str, host: str) -> None:
