@@ -91,17 +91,17 @@ class ConnectionConfig:
         help="connect over TLS, trusting the shepherd's certificate if this CA signed it "
         "(with --tls-fingerprint too, the certificate must pass both)",
     )
-    source_address: str | None = option(
-        None,
-        metavar="ADDRESS",
-        help="the local address to connect from (a machine with several; default: the one "
-        "the route to the shepherd picks)",
-    )
     tls_fingerprint: str | None = option(
         None,
         metavar="SHA256",
         help="connect over TLS, trusting only the shepherd certificate with this SHA-256 "
         "(printed in its join command; with --tls-ca too, the certificate must pass both)",
+    )
+    source_address: str | None = option(
+        None,
+        metavar="ADDRESS",
+        help="the local address to connect from (a machine with several; default: the one "
+        "the route to the shepherd picks)",
     )
 
     @property
