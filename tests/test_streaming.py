@@ -326,10 +326,10 @@ def _record_rounds(clip) -> list[dict]:
         rounds.append({"before": before, "results": []})
         reset()
 
-    def recording_add(pseudo_gradient, weight, key=""):
+    def recording_add(pseudo_gradient, weight, key="", share=1.0):
         copy = {n: np.array(v, np.float32, copy=True) for n, v in pseudo_gradient.items()}
         rounds[-1]["results"].append((copy, weight, key))
-        add(pseudo_gradient, weight, key)
+        add(pseudo_gradient, weight, key, share)
 
     def recording_finish():
         scales = finish()
