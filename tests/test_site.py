@@ -209,14 +209,15 @@ def _chunks(processes: int, mode: str) -> list[dict]:
 def test_a_site_of_2_processes_trains_as_one_process_of_4_devices(mode):
     """Not bit-equal, as tight as float32 allows: the site's all-reduce (Gloo, across the
     processes) adds the devices' gradients in another order than one process's. Measured:
-    losses within 1.1e-7 relative (float32's epsilon is 1.2e-7); pseudo-gradients (the first
+    losses within 1 float32 ulp on one host and 2 on an AVX-512 AMD EPYC (the reduction
+    order differs by CPU); pseudo-gradients (the first
     64 values of each tensor) within 1.04e-6 (data) and 8.6e-7 (fsdp) relative L2: θ0 - θ
     keeps the last bits of θ (~2e-9 at 0.02) against values of ~5e-3."""
     [one] = _chunks(1, mode)
     first, second = _chunks(2, mode)
     assert first == second  # the processes of a site hold the same values
     for alone, in_site in zip(one["losses"], first["losses"], strict=True):
-        assert abs(alone - in_site) <= 1.2e-7 * abs(alone)
+        assert abs(alone - in_site) <= 4 * np.spacing(np.float32(alone))
     alone, in_site = (np.concatenate(run["pseudo_gradient"]) for run in (one, first))
     apart = np.linalg.norm(in_site - alone) / np.linalg.norm(alone)
     assert apart <= 2e-6, apart
