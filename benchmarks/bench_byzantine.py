@@ -47,7 +47,7 @@ import argparse
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
@@ -63,7 +63,6 @@ from pcp_tui.diloco.validation import (
     Kept,
     LossDeltaValidator,
     eval_loss,
-    shrunk,
 )
 from pcp_tui.shepherd.rounds.checks import Before, recompute
 from pcp_tui.shepherd.rounds.engine import (
@@ -217,7 +216,6 @@ class Simulation:
         }
         rng = np.random.default_rng(cfg.model.seed)
         refused = {"attacker": 0, "honest": 0}
-        shrinks = {"attacker": 0, "honest": 0}  # results taken at less than themselves
         evals, validate_seconds = [], 0.0
         correction = None  # the last round's check's, taken in before this round's step
         # workers none of whose results has counted yet, or refused since: scored as they come
@@ -251,9 +249,7 @@ class Simulation:
                 try:
                     screen.check(results[k], tokens)
                     if validator is not None and k in probation:  # scored before it counts
-                        scale = validator.score(results[k], claim, number=number, params=start)
-                        results[k] = dict(shrunk(results[k], scale))
-                        shrinks[who] += scale != 1
+                        validator.score(results[k], tokens, claim, number=number, params=start)
                 except BadResult:
                     refused[who] += 1
                     continue
@@ -272,31 +268,27 @@ class Simulation:
                 outer.apply(params, mean.sums, mean.scale)
                 if validator is not None:
                     started = time.perf_counter()
-                    out, scales = set(), {}
+                    out = set()
                     for result in kept:
-                        who = "attacker" if int(result.worker_id) in attacking else "honest"
                         try:
                             if not result.checked:
-                                scale = validator.score(
-                                    result.tensors, result.assignment, number=number, params=start
+                                validator.score(
+                                    result.tensors,
+                                    tokens,
+                                    result.assignment,
+                                    number=number,
+                                    params=start,
                                 )
-                                if scale != 1:
-                                    scales[result.worker_id] = scale
-                                    shrinks[who] += 1
                             probation.discard(int(result.worker_id))  # it counts
                         except BadResult:
-                            refused[who] += 1
+                            refused[
+                                "attacker" if int(result.worker_id) in attacking else "honest"
+                            ] += 1
                             out.add(result.worker_id)
                             probation.add(int(result.worker_id))
                     validate_seconds += time.perf_counter() - started
-                    if out or scales:
-                        counted = [
-                            replace(r, tensors=shrunk(r.tensors, scales[r.worker_id]))
-                            if r.worker_id in scales
-                            else r
-                            for r in kept
-                            if r.worker_id not in out
-                        ]
+                    if out:
+                        counted = [r for r in kept if r.worker_id not in out]
                         correction = recompute(
                             before,
                             counted,
@@ -310,18 +302,14 @@ class Simulation:
                     self.workload.eval_tokens,
                 )
             )
-        return Outcome(
-            evals, refused, shrinks, validate_seconds, validator.passes if validator else 0
-        )
+        return Outcome(evals, refused, validate_seconds)
 
 
 @dataclass
 class Outcome:
     evals: list[float]
     refused: dict[str, int]
-    shrunk: dict[str, int]
     validate_seconds: float
-    passes: int  # the validator's eval-graph calls
 
     @property
     def final(self) -> float:
@@ -368,10 +356,9 @@ def main() -> None:
     simulations: dict[int, Simulation] = {}
     controls: dict[tuple[int, int, str], Outcome] = {}  # (shards, workers, defence)
     print(
-        "| attack | defence | final eval | honest control | change | refused: attacker / honest "
-        "| shrunk: attacker / honest | passes |"
+        "| attack | defence | final eval | honest control | change | refused: attacker / honest |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     worst: dict[str, float] = {}
     for scenario in chosen:
         if scenario.shards not in simulations:
@@ -397,9 +384,7 @@ def main() -> None:
                     f"| {scenario.label} | {defence}{', weight per id' if per == 'id' else ''} "
                     f"| {attacked.final:.3f} | {control.final:.3f}"
                     f"{' (ids absent)' if sybil else ''} | {change:+.1%} "
-                    f"| {attacked.refused['attacker']} / {attacked.refused['honest']} "
-                    f"| {attacked.shrunk['attacker']} / {attacked.shrunk['honest']} "
-                    f"(control {control.shrunk['honest']}) | {attacked.passes} |",
+                    f"| {attacked.refused['attacker']} / {attacked.refused['honest']} |",
                     flush=True,
                 )
     shard_counts = sorted({s.shards for s in chosen})

@@ -69,9 +69,9 @@ def test_the_validator_says_which_refusal_it_is():
     validator = LossDeltaValidator(lambda p, b: 1.0 + float(p["w"][0]) ** 2, lambda a, n: None)
     claim = Assignment(0, 0, 1)
     with pytest.raises(BadResult) as blown:
-        validator.score({"w": np.full(1, 2.0, np.float32)}, claim, number=1, params=before)
+        validator.score({"w": np.full(1, 2.0, np.float32)}, 1, claim, number=1, params=before)
     with pytest.raises(BadResult) as flat:
-        validator.score({"w": np.full(1, 1e-6, np.float32)}, claim, number=1, params=before)
+        validator.score({"w": np.full(1, 1e-6, np.float32)}, 1, claim, number=1, params=before)
     assert (blown.value.refusal, flat.value.refusal) == (Refusal.BLOWN_UP, Refusal.NO_GAIN)
 
 

@@ -21,7 +21,6 @@ from pcp_tui.diloco.validation import (
     Assignment,
     LossDeltaValidator,
     eval_loss,
-    shrunk,
 )
 from pcp_tui.shepherd.rounds.checks import corrected
 from pcp_tui.shepherd.rounds.engine import RoundEngine, inner_optimizer, tokens_per_step
@@ -104,14 +103,14 @@ def test_an_honest_result_counts_in_full_and_a_flipped_or_vanishing_one_is_refus
     claim = Assignment(index=0, shard=0, steps=STEPS)
     for attack in (_times(deltas[0], -1.0), _times(deltas[0], 1e-12)):
         with pytest.raises(BadResult, match="a result must lower it"):
-            validator.score(attack, claim, number=1, params=theta)
-    assert validator.score(deltas[0], claim, number=1, params=theta) == 1.0
+            validator.score(attack, 100, claim, number=1, params=theta)
+    assert validator.score(deltas[0], 100, claim, number=1, params=theta) == 100.0
     # another worker's honest result, scored on its own batches
     assert (
         validator.score(
-            deltas[1], Assignment(index=1, shard=1, steps=STEPS), number=1, params=theta
+            deltas[1], 100, Assignment(index=1, shard=1, steps=STEPS), number=1, params=theta
         )
-        == 1.0
+        == 100.0
     )
 
 
@@ -124,9 +123,9 @@ def test_a_fragment_result_moves_its_own_tensors_only(run):
     claim = Assignment(index=0, shard=0, steps=STEPS)
     for names in partition(shapes, 2):
         honest = {n: deltas[0][n] for n in names}
-        assert validator.score(honest, claim, number=1, params=theta) == 1.0
+        assert validator.score(honest, 100, claim, number=1, params=theta) == 100.0
         with pytest.raises(BadResult, match="a result must lower it"):
-            validator.score(_times(honest, -1.0), claim, number=1, params=theta)
+            validator.score(_times(honest, -1.0), 100, claim, number=1, params=theta)
 
 
 def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = None) -> list:
@@ -181,11 +180,10 @@ def _honest_run(seed: int, workers: int, rounds: int, adopt_at: int | None = Non
             before = loss(params, scored_rows)
             after = loss({n: params[n] - delta[n] for n in names}, scored_rows)
             try:
-                scale = validator.score(delta, claim, number=number, params=params)
-                clip.add(shrunk(delta, scale), 1)
-                scored.append((number, index, before, after, None, scale))
+                clip.add(delta, validator.score(delta, 1, claim, number=number, params=params))
+                scored.append((number, index, before, after, None))
             except BadResult as exc:
-                scored.append((number, index, before, after, exc.refusal, 0.0))
+                scored.append((number, index, before, after, exc.refusal))
         clip.finish()
         outer.apply(params, clip.sums, clip.scale)
     return scored
@@ -205,8 +203,7 @@ def test_no_honest_result_is_refused():
     scored = _honest_run(seed=0, workers=2, rounds=10, adopt_at=9)
     assert [s for s in scored if s[4] is not None] == []
     raised = [s[:2] for s in scored if s[3] > s[2]]  # what the old rule refused
-    # on the rows drawn from seed 0 (both on whole batches); (10, 2) after round 8's shrinks
-    assert raised == [(8, 0), (10, 2)], scored
+    assert raised == [(8, 0)], scored  # on the rows drawn from seed 0 (both on whole batches)
     assert {s[1] for s in scored if s[0] >= 9} == {1, 2}
 
 

@@ -69,7 +69,7 @@ import secrets
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -86,20 +86,9 @@ if TYPE_CHECKING:
 MIN_GAIN = 1e-5
 # a result that leaves its own batches' loss this many times higher diverged (`Refusal.BLOWN_UP`)
 BLOW_UP = 2.0
-# halvings a result may take on its shard's unseen rows, to 1/64 of it: Δ sent at 0.95 of the
-# inner-optimizer bound was 4-15x the honest Δ it was made of (the CLI's settings, 6 rounds)
-MAX_HALVINGS = 6
 
 #: (params, batches [N, ...] as the eval graph takes them) → mean loss
 Loss = Callable[[Mapping[str, np.ndarray], Any], float]
-
-
-class Rows(Protocol):
-    """What a validator scores on (`AssignedBatches`): a result's trained rows, and unseen ones."""
-
-    def __call__(self, assignment: Assignment, number: int) -> Any: ...
-
-    def unseen(self, assignment: Assignment) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -206,69 +195,46 @@ class AssignedBatches:
             for k in range(len(shard))
         )
 
-    def unseen(self, assignment: Assignment) -> Any:
-        """[1, R, ...] rows of the assignment's shard from a sample stream of round 0 (rounds are
-        numbered from 1) and a chunk the shepherd draws: the worker trained on no batch of
-        that stream, and cannot know which rows it holds."""
-        shard = self._shards[assignment.shard]
-        kind = (
-            protocol.BatchKind.WINDOWS if isinstance(shard, np.ndarray) else protocol.BatchKind.ROWS
-        )
-        with self._drawing:
-            chunk = int(self._rng.integers(2**62))
-        return shards.sample_shard(
-            kind,
-            shard,
-            steps=1,
-            batch_size=self.rows,
-            seq_len=self.seq_len,
-            seed=self.seed,
-            stream=(assignment.index, 0, chunk),
-        )
-
 
 class LossDeltaValidator:
-    """Scores a round's results by the loss change they cause; refuses those that go nowhere,
-    and takes one that overshoots on unseen rows of its shard at the scale those rows support.
+    """Scores a round's results by the loss change they cause; refuses those that go nowhere.
 
-    `score(pseudo_gradient, assignment, number=, params=)` per result, against the
+    `score(pseudo_gradient, tokens, assignment, number=, params=)` per result, against the
     parameters its round started from; it keeps no state of a round, so checks of two rounds
     (or a probation's scoring beside a round's check) may run at once.
     """
 
-    def __init__(self, loss: Loss, batches: Rows, *, min_gain: float = MIN_GAIN):
+    def __init__(
+        self,
+        loss: Loss,
+        batches: Callable[[Assignment, int], Any],
+        *,
+        min_gain: float = MIN_GAIN,
+    ):
         self._loss, self._batches = loss, batches
         self.min_gain = min_gain
-        # eval-graph calls made: five a result (θ and θ − Δ on its rows; θ, θ − Δ and θ − Δ/2 on
-        # unseen ones), one more for one that lowers none, one more for each further halving
-        self.passes = 0
+        self.passes = 0  # eval-graph calls made (two a result, three for one that lowers none)
 
-    def _moved(self, params, pseudo_gradient, sign: float, batches) -> float:
+    def _moved(self, params, pseudo_gradient, sign: int, batches) -> float:
         """The loss at θ + sign·Δ on `batches`, the tensors Δ does not name as θ has them."""
-        factor = np.float32(abs(sign))
         step = np.add if sign > 0 else np.subtract
         moved = dict(params)
-        moved.update(
-            {
-                n: step(params[n], d if factor == 1 else d * factor, dtype=np.float32)
-                for n, d in pseudo_gradient.items()
-            }
-        )
+        moved.update({n: step(params[n], d, dtype=np.float32) for n, d in pseudo_gradient.items()})
         self.passes += 1
         return self._loss(moved, batches)
 
     def score(
         self,
         pseudo_gradient: Mapping[str, np.ndarray],
+        tokens: int,
         assignment: Assignment,
         *,
         number: int,
         params: Mapping[str, np.ndarray],
     ) -> float:
-        """The factor the result is taken at (1, or a power of a half), scored against round
-        `number`'s starting `params` (every tensor; a result moves those it names): BadResult
-        if it raises or keeps the loss on its own batches while its reverse does at least as
-        well, or blows it up."""
+        """The result's weight in the mean, scored against round `number`'s starting `params`
+        (every tensor; a result moves those it names): BadResult if it raises or keeps the
+        loss on its own batches while its reverse does at least as well, or blows it up."""
         batches = self._batches(assignment, number)
         self.passes += 1
         before = self._loss(params, batches)
@@ -280,44 +246,18 @@ class LossDeltaValidator:
                 Refusal.BLOWN_UP,
             )
         tolerance = self.min_gain * abs(before)
-        if before - after <= tolerance:
-            reverse = self._moved(params, pseudo_gradient, +1, batches)
-            if reverse - after <= tolerance:  # not downhill (an honest end point can overshoot)
-                raise BadResult(
-                    f"applied to the round's parameters it changes the loss on its own batches "
-                    f"from {before:.4g} to {after:.4g}, and its reverse to {reverse:.4g}; a "
-                    f"result must lower it, or at least do better than its reverse, by over "
-                    f"{self.min_gain:g} of it",
-                    Refusal.NO_GAIN,
-                )
-        return self._supported(pseudo_gradient, params, self._batches.unseen(assignment))
-
-    def _supported(self, pseudo_gradient, params, unseen) -> float:
-        """The scale of 1, 1/2, ..., 2^-MAX_HALVINGS at which the result lowers the loss on
-        `unseen` rows most, halving from 1 until a scale lowers it below θ's and its half
-        does no better (by over `min_gain` of it); 1 where none lowers it below θ's (its own
-        rows vouched for its direction) and for an honest result, whose half does worse."""
-        start = self._loss(params, unseen)
-        self.passes += 1
-        tolerance = self.min_gain * abs(start)
-        scale = best = 1.0
-        at = lowest = self._moved(params, pseudo_gradient, -1, unseen)
-        for _ in range(MAX_HALVINGS):
-            half = self._moved(params, pseudo_gradient, -scale / 2, unseen)
-            if at < start - tolerance and not half < at - tolerance:
-                break  # downhill at this scale, and less does no better
-            scale, at = scale / 2, half
-            if at < lowest - tolerance:
-                best, lowest = scale, at
-        return best if lowest < start - tolerance else 1.0
-
-
-def shrunk(pseudo_gradient: Mapping[str, np.ndarray], scale: float) -> Mapping[str, np.ndarray]:
-    """The result taken at `scale` (`LossDeltaValidator.score`): itself at 1."""
-    if scale == 1:
-        return pseudo_gradient
-    factor = np.float32(scale)
-    return {n: d * factor for n, d in pseudo_gradient.items()}
+        if before - after > tolerance:
+            return float(tokens)
+        reverse = self._moved(params, pseudo_gradient, +1, batches)
+        if reverse - after > tolerance:  # downhill, overshooting: as an honest end point can
+            return float(tokens)
+        raise BadResult(
+            f"applied to the round's parameters it changes the loss on its own batches "
+            f"from {before:.4g} to {after:.4g}, and its reverse to {reverse:.4g}; a result "
+            f"must lower it, or at least do better than its reverse, by over "
+            f"{self.min_gain:g} of it",
+            Refusal.NO_GAIN,
+        )
 
 
 def eval_loss(graph_call: Callable[..., Any], names: tuple[str, ...]) -> Loss:

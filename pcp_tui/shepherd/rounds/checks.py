@@ -53,7 +53,6 @@ three model-sized copies a round, taken over the outer step's threads.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,7 +63,7 @@ import trio
 from pcp_tui.diloco.aggregate import Aggregate, CenteredClip
 from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import BadResult
-from pcp_tui.diloco.validation import Kept, LossDeltaValidator, shrunk
+from pcp_tui.diloco.validation import Kept, LossDeltaValidator
 from pcp_tui.shepherd.rounds.results import note_refusal, tell_refused
 from pcp_tui.shepherd.run.state import RunState
 
@@ -156,7 +155,6 @@ class Check:
         self._aggregate, self._outer = aggregate, outer
         self._links, self._state = links, state
         self.refused: list[tuple[Kept, BadResult]] = []
-        self.scales: dict[str, float] = {}  # a result taken at less than itself: its factor
         self.correction: Correction | None = None
         self.done = trio.Event()
 
@@ -167,20 +165,13 @@ class Check:
         return [kept.worker_id for kept in self.kept if kept.worker_id not in refused]
 
     async def run(self) -> None:
-        """Score every kept result; recompute the step without the refused ones and with the
-        shrunk ones at their scale; report the refused ones."""
+        """Score every kept result; recompute the step without the refused ones; report them."""
         try:
             params = await self._view()
             self.refused = await trio.to_thread.run_sync(self._judge, params)
-            if self.refused or self.scales:
+            if self.refused:
                 refused = {kept.worker_id for kept, _ in self.refused}
-                counted = [
-                    dataclasses.replace(kept, tensors=shrunk(kept.tensors, scale))
-                    if (scale := self.scales.get(kept.worker_id)) is not None
-                    else kept
-                    for kept in self.kept
-                    if kept.worker_id not in refused
-                ]
+                counted = [kept for kept in self.kept if kept.worker_id not in refused]
                 self.correction = await trio.to_thread.run_sync(
                     recompute, self._before, counted, self._aggregate(), self._outer()
                 )
@@ -200,14 +191,15 @@ class Check:
             if kept.checked:  # scored as it came (`Round.add`: its sender was on probation)
                 continue
             try:
-                scale = self._validator.score(
-                    kept.tensors, kept.assignment, number=self.number, params=params
+                self._validator.score(
+                    kept.tensors,
+                    int(kept.weight),
+                    kept.assignment,
+                    number=self.number,
+                    params=params,
                 )
             except BadResult as exc:
                 refused.append((kept, exc))
-                continue
-            if scale != 1:
-                self.scales[kept.worker_id] = scale
         return refused
 
 

@@ -18,7 +18,7 @@ from pcp_tui.config.service import NetworkConfig
 from pcp_tui.contract.connection import LINK_ERRORS
 from pcp_tui.diloco.aggregate import Aggregate
 from pcp_tui.diloco.screening import BadResult, Refusal, ResultScreen
-from pcp_tui.diloco.validation import Assignment, Kept, shrunk
+from pcp_tui.diloco.validation import Assignment, Kept
 from pcp_tui.shepherd.run.events import ResultRefused, RoundWaiting, Stragglers
 from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.state import RunState
@@ -301,7 +301,6 @@ class Round:
             raise BadResult("reported losses hold NaN or Inf", Refusal.NON_FINITE)
         share = self.shares.get(worker_id, 1.0)  # of its tokens' weight (`RoundEngine._shares`)
         weight = tokens * share  # validation refuses a result or keeps this weight
-        tensors: Mapping[str, np.ndarray] = message.tensors
         if self.validated:  # checked once the round's outer step is done (`checks.py`)
             view = (self.connections or {})[worker_id].view
             assert view.shard is not None, "a worker in a round trains a shard"
@@ -309,11 +308,12 @@ class Round:
             if scored_against is not None:  # BadResult unless it lowers the loss
                 validator = self._screen.validator
                 assert validator is not None
-                scale = validator.score(tensors, claim, number=self.number, params=scored_against)
-                tensors = shrunk(tensors, scale)  # at the scale its shard's unseen rows support
+                weight = share * validator.score(
+                    message.tensors, tokens, claim, number=self.number, params=scored_against
+                )
             checked = scored_against is not None
-            self.kept.append(Kept(worker_id, tensors, weight, claim, checked, share))
-        self.mean.add(tensors, weight, key=worker_id, share=share)
+            self.kept.append(Kept(worker_id, message.tensors, weight, claim, checked, share))
+        self.mean.add(message.tensors, weight, key=worker_id, share=share)
         return tokens, losses
 
     async def close(self) -> None:
