@@ -38,6 +38,7 @@ EXPECTED = {
     "bench_mesh": (r"^worker\(s\)\s+tokens/s", RATIO),
     "bench_mixed_speeds": (r"^\s+run rounds fast util", RATIO),
     "bench_outer_step": (r"^\| M values \| k \| results \|", RATIO),
+    "bench_overshoot": (r"^round worker c rows \| L at s", RATIO),
     "bench_quality": (r"^\| run \| rounds \| tokens \|", RATIO),
     "bench_resume_clip": (r"^aggregate\s+run\s+eval loss per round", RATIO),
     "bench_shepherd_eval": (r"^\s+eval batches\s+validate\s+busy", RATIO),

@@ -52,6 +52,10 @@ refusing gains under a tenth of it) were tried and taken out: in a run that conv
 (the MLP example) honest gains shrink more than tenfold within a few rounds, and
 honest results were refused against the earlier, larger ones; and an overscaled
 update that overfits its own batches raised the reference itself.
+Scoring also on unseen rows of the worker's shard, and taking a result at the scale they
+support, was measured against Δ scaled to the inner-optimizer bound and not kept: in the
+warm-up rounds the larger step lowers the loss on every row, and a check one round late
+lets the first overscaled step in (docs/security.md, `benchmarks/bench_overshoot.py`).
 
 Cost, on the shepherd's device: two passes of the exported `score_loss` graph over
 R = --validate-rows rows (θ and θ − Δ_k on V_k) per result, plus one
