@@ -11,6 +11,13 @@ the streaming token-weighted mean and the outer step.
     python benchmarks/bench_shepherd_scale.py --param-shapes gpt2 --workers 1 2 --rounds 5
     python benchmarks/bench_shepherd_scale.py --smoke
     python benchmarks/bench_shepherd_scale.py --workers 256 1024 --relays 32
+    python benchmarks/bench_shepherd_scale.py --simulated --workers 1000 4000 10000
+
+`--simulated` runs the fakes in the shepherd's own process over in-memory links on trio's
+virtual clock (`pcp_tui.testing.simulate`): the real round code with thousands of workers,
+each round's seeming training 30 s, and a stand-in model of a few parameters. It prints the
+shepherd's CPU seconds per round and per worker, whose ratio across N says whether a
+round's work grows faster than the number of workers.
 
 With `--relays R`, each N runs twice: flat, and with the fakes spread over R
 `pcp-tui relay` processes (fake i joins relay i mod R). The shepherd's bytes per
@@ -47,108 +54,34 @@ from functools import partial
 import numpy as np
 import trio
 
-from pcp_tui import protocol
 from pcp_tui.config import RunConfig
-from pcp_tui.contract import auth
-from pcp_tui.contract.connection import LINK_ERRORS
-from pcp_tui.testing import free_port, parse_with_smoke
+from pcp_tui.testing import (
+    fake_worker,
+    free_port,
+    parse_with_smoke,
+    pseudo_gradient,
+    simulate,
+    stand_in_shepherd,
+)
 
 FAKE_PROCESSES = 4  # the fakes run in this many processes
 
 
-async def fake_worker(port: int, index: int) -> None:
-    """One fake; a link the shepherd ends ends it (the shepherd counts it as lost)."""
-    try:
-        await fake_session(port, index)
-    except* LINK_ERRORS:
-        pass
-
-
-async def fake_session(port: int, index: int) -> None:
-    raw = await trio.open_tcp_stream("127.0.0.1", port)
-    stream = protocol.MessageStream(raw)
-    hello = await stream.receive()
-    worker_id = f"fake-{index}"
-    await stream.send(
-        protocol.WorkerHello(
-            supported_versions=protocol.SUPPORTED_VERSIONS,
-            worker_id=worker_id,
-            hostname="bench",
-            backend=protocol.BackendInfo(device_kind="cpu", device_count=1),
-            proof=auth.proof("bench", hello.body.nonce, worker_id),
-            software="bench",
-        )
-    )
-    welcome = (await stream.receive()).body
-    plan = (await stream.receive()).body
-    tokens = plan.inner_steps * plan.batch_size * plan.tokens_per_row
-    await stream.send(protocol.Ready(compile_seconds=0.0))
-    async with trio.open_nursery() as nursery:  # heartbeats, as a real worker sends them
-        nursery.start_soon(heartbeats, stream, welcome.heartbeat_seconds)
-        await answer_rounds(stream, plan, tokens, index)
-        nursery.cancel_scope.cancel()
-
-
-async def heartbeats(stream: protocol.MessageStream, seconds: float) -> None:
-    while True:
-        await trio.sleep(seconds)
-        await stream.send(protocol.Heartbeat(time.time()))
-
-
-PSEUDO_GRADIENTS = 4  # distinct results per fake process (drawing one per fake stalled it)
-_drawn: dict[tuple, dict[str, np.ndarray]] = {}
-
-
-async def _pseudo_gradient(shapes: tuple, seed: int) -> dict[str, np.ndarray]:
-    """A small random result of `shapes`, drawn once per process and seed, in a thread: drawn
-    on the event loop for each of 64 fakes it kept every fake of the process from sending a
-    heartbeat for longer than the heartbeat timeout, as no real worker does."""
-    key = (shapes, seed)
-    if key not in _drawn:
-
-        def draw() -> dict[str, np.ndarray]:
-            rng = np.random.default_rng(seed)
-            return {
-                n: rng.standard_normal(shape, dtype=np.float32) * np.float32(1e-4)
-                for n, shape in shapes
-            }
-
-        result = await trio.to_thread.run_sync(draw)
-        _drawn.setdefault(key, result)
-    return _drawn[key]
-
-
-async def answer_rounds(stream: protocol.MessageStream, plan, tokens: int, index: int) -> None:
-    """Answer every roundStart at once: a progress report of the whole round, then the result."""
-    pseudo_gradient = None
-    while True:
-        message = await stream.receive()
-        if message.kind == "goodbye":
-            return
-        if message.kind != "roundStart":
-            continue
-        number, steps = message.body.round, message.body.inner_steps or plan.inner_steps
-        if pseudo_gradient is None:
-            shapes = tuple((n, t.shape) for n, t in message.tensors.items())
-            pseudo_gradient = await _pseudo_gradient(shapes, index % PSEUDO_GRADIENTS)
-        progress = protocol.Progress(
-            round=number, step=steps, total_steps=steps, loss=1.0, phase=protocol.Phase.TRAINING
-        )
-        await stream.send(progress)
-        result = protocol.RoundResult(
-            round=number,
-            tokens=tokens,
-            losses=(1.0,) * plan.inner_steps,
-            inner_steps=plan.inner_steps,
-        )
-        await stream.send(result, pseudo_gradient)
+async def _drawn(shapes: tuple, seed: int) -> dict[str, np.ndarray]:
+    """A fake's result, drawn in a thread: drawn on the event loop for each of 64 fakes it
+    kept every fake of the process from sending a heartbeat for longer than the heartbeat
+    timeout, as no real worker does."""
+    return await trio.to_thread.run_sync(pseudo_gradient, shapes, seed)
 
 
 async def fake_workers(ports: list[int], first: int, count: int) -> None:
-    """Fakes `first` .. `first + count - 1`; fake i joins `ports[i % len(ports)]`."""
+    """Fakes `first` .. `first + count - 1` (`pcp_tui.testing.fake_worker`); fake i joins
+    `ports[i % len(ports)]`. A link the shepherd ends ends its fake (it counts it as lost)."""
     async with trio.open_nursery() as nursery:
         for i in range(first, first + count):
-            nursery.start_soon(fake_worker, ports[i % len(ports)], i)
+            port = ports[i % len(ports)]
+            dial = partial(trio.open_tcp_stream, "127.0.0.1", port)
+            nursery.start_soon(partial(fake_worker, dial, i, token="bench", drawn=_drawn))
 
 
 def with_param_shapes(workload, preset: str):
@@ -263,6 +196,49 @@ async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dic
     }
 
 
+def simulated(counts: list[int], rounds: int) -> None:
+    """`--simulated`: CPU seconds per round of the real shepherd with N fakes, virtual time."""
+    rows = []
+    for count in counts:
+        shepherd = stand_in_shepherd(count, rounds)
+        cpu_at_round: list[float] = []
+        shepherd.state.subscribe(
+            lambda e, marks=cpu_at_round: (
+                marks.append(time.process_time()) if e.kind == "round" else None
+            )
+        )
+        started = time.perf_counter()
+        run = simulate(shepherd, count, train_seconds=30.0)
+        history = shepherd.state.history
+        cpu = float(np.median(np.diff(cpu_at_round)))  # round 1 also compiles the outer step
+        rows.append(
+            {
+                "workers": count,
+                "cpu_per_round": cpu,
+                "cpu_per_worker_ms": 1e3 * cpu / count,
+                "round_virtual_s": float(np.median([r.round_seconds for r in history[1:]])),
+                "fewest": min(r.workers for r in history),
+                "lost": len(run.lost),
+                "wall_s": time.perf_counter() - started,
+            }
+        )
+        print(f"  {count} simulated workers in {rows[-1]['wall_s']:.0f} s", file=sys.stderr)
+    print("\nshepherd scale, simulated (virtual clock, in-memory links, 30 s rounds)")
+    print(
+        f"{'workers':>8}{'CPU s/round':>13}{'ms/worker':>11}{'round s':>9}{'fewest':>8}{'lost':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['workers']:>8}{r['cpu_per_round']:>13.3f}{r['cpu_per_worker_ms']:>11.3f}"
+            f"{r['round_virtual_s']:>9.2f}{r['fewest']:>8}{r['lost']:>6}"
+        )
+    first, last = rows[0], rows[-1]
+    print(
+        f"ratio_cpu_per_worker_{last['workers']}_vs_{first['workers']}="
+        f"{last['cpu_per_worker_ms'] / first['cpu_per_worker_ms']:.3f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -275,8 +251,14 @@ def main() -> None:
     parser.add_argument(
         "--relays", type=int, default=0, help="also run each N through this many relays"
     )
+    parser.add_argument(
+        "--simulated", action="store_true", help="fakes in this process, on a virtual clock"
+    )
     parser.add_argument("--fake", nargs="+", type=int, help=argparse.SUPPRESS)
     args = parse_with_smoke(parser, workers=[1, 4], rounds=3, relays=2)
+    if args.simulated:
+        simulated(args.workers, args.rounds)
+        return
     if args.fake:
         first, count, *ports = args.fake
         trio.run(fake_workers, ports, first, count)

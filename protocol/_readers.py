@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -55,15 +56,16 @@ class StreamReader:
     current frame, which tells a clean close between frames from a truncation.
     """
 
-    def __init__(self, stream: trio.abc.Stream):
+    def __init__(self, stream: trio.abc.Stream, clock: Callable[[], float] = time.monotonic):
         self._stream = stream
+        self._clock = clock
         self._socket: trio.socket.SocketType | None = None
         if isinstance(stream, trio.SocketStream) and hasattr(os, "readv"):
             self._socket = stream.socket
         self._pending = bytearray()
         self.frame_consumed = 0
         self.frame_started: float | None = None  # when the current frame's first bytes were taken
-        self.last_activity = time.monotonic()  # when bytes last arrived, mid-frame included
+        self.last_activity = clock()  # when bytes last arrived, mid-frame included
 
     def start_frame(self) -> None:
         self.frame_consumed = 0
@@ -81,7 +83,7 @@ class StreamReader:
         data = bytes(self._pending[:nbytes])
         del self._pending[:nbytes]
         if self.frame_started is None:
-            self.frame_started = time.monotonic()
+            self.frame_started = self._clock()
         self.frame_consumed += nbytes
         return data
 
@@ -107,7 +109,7 @@ class StreamReader:
             chunk = await self._stream.receive_some(max_bytes)
         except trio.BrokenResourceError as exc:
             raise ConnectionClosed(f"connection lost: {exc.__cause__ or exc}") from exc
-        self.last_activity = time.monotonic()
+        self.last_activity = self._clock()
         return chunk
 
     async def _receive_into(self, out: memoryview) -> int:
@@ -128,7 +130,7 @@ class StreamReader:
                 raise trio.ClosedResourceError("this MessageStream's socket was closed")
             try:
                 got = os.readv(fd, [out])
-                self.last_activity = time.monotonic()
+                self.last_activity = self._clock()
                 return got
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self._socket)

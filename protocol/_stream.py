@@ -10,6 +10,7 @@ connections (`stripe`, see `_striped`).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -43,9 +44,17 @@ class MessageStream:
     every later receive raises ConnectionClosed: close it and reconnect.
     """
 
-    def __init__(self, stream: trio.abc.Stream, limits: Limits = Limits()):  # noqa: B008
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        limits: Limits = Limits(),  # noqa: B008
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`clock`: what `last_activity` and `partial_message` read (a virtual one in tests)."""
         self.stream = stream
         self.limits = limits
+        self.clock = clock
         # what this connection's peer may send, checked before payloads (see HeaderCheck)
         self.check_header: HeaderCheck | None = None
         # called with ("sent" | "received", message) after each whole message (a trace, say)
@@ -55,7 +64,7 @@ class MessageStream:
         self.decode_threads = THREADS
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._reader = StreamReader(stream)
+        self._reader = StreamReader(stream, clock)
         self._send_lock = trio.Lock()
         self._receiving = False
         self._broken: str | None = None
@@ -152,7 +161,7 @@ class MessageStream:
         transports = [stream._unread() for stream in streams]
         activity = self._reader.last_activity
         self.stream = StripedStream(transports, piece_bytes=piece_bytes)
-        self._reader = StreamReader(self.stream)
+        self._reader = StreamReader(self.stream, self.clock)
         self._reader.last_activity = activity
 
     def _unread(self) -> trio.abc.Stream:
@@ -167,7 +176,7 @@ class MessageStream:
 
     @property
     def last_activity(self) -> float:
-        """`time.monotonic()` when bytes last arrived, also in the middle of a message.
+        """The clock's time when bytes last arrived, also in the middle of a message.
 
         A peer sending a 500 MB message over a slow link is silent in whole
         messages for minutes, but not in bytes: liveness checks read this.
@@ -176,7 +185,7 @@ class MessageStream:
 
     @property
     def partial_message(self) -> tuple[float, int] | None:
-        """(`time.monotonic()` when its first bytes were taken, bytes taken so far) of the
+        """(the clock's time when its first bytes were taken, bytes taken so far) of the
         message being received; None between messages.
 
         Lets a receiver require a minimum rate of a message in progress: a peer

@@ -12,11 +12,12 @@ from pcp_tui.shepherd.run.state import WorkerView
 from pcp_tui.shepherd.serving.uploads import ResultSlot
 
 
-class _Link:  # what a slot touches on a WorkerLink: its view, its record, and `paused`
+class _Link:  # what a slot touches on a WorkerLink: its view, its record, `paused`, its upload clock
     def __init__(self, name: str):
         self.view = WorkerView(worker_id=name, index=0, host="h", backend="cpu")
         self.rounds = WorkerRounds()
         self.is_paused = False
+        self.upload_since = 0.0
 
     @contextlib.contextmanager
     def paused(self):

@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
-import time
-
 import trio
+import trio.testing
 
 from pcp_tui.shepherd.serving.uploads import FLOOR_SHARE, PEER_UPLOADS, TICK_SECONDS, ReceiverLoad
 
 
 def test_seconds_the_event_loop_was_blocked_count_as_the_receivers():
+    """On trio's clock, as the shepherd reads it: the clock jumps `blocked` seconds while no
+    task runs (the loop busy with one piece of work), and the ticker wakes that late."""
     load = ReceiverLoad()
     blocked = 0.5
+    clock = trio.testing.MockClock(autojump_threshold=0)
 
     async def main():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(load.run)
-            await trio.sleep(2 * TICK_SECONDS)
-            since = time.monotonic()
-            time.sleep(blocked)  # the loop runs nothing else: no upload is read meanwhile
+            await trio.sleep(2.5 * TICK_SECONDS)  # mid-tick: the ticker sleeps until 3 ticks
+            since = trio.current_time()
+            clock.jump(blocked)  # the loop runs nothing else: no upload is read meanwhile
             await trio.sleep(2 * TICK_SECONDS)  # the ticker wakes late, and says so
             nursery.cancel_scope.cancel()
         return since
 
-    since = trio.run(main)
-    # the blocked time but the tick it began in (a loaded machine only adds to it)
-    assert load.busy_since(since) >= blocked - TICK_SECONDS
-    assert load.busy_since(time.monotonic() + 1) == 0.0  # nothing is busy in the future
+    since = trio.run(main, clock=clock)
+    # all of it but the part of the tick the ticker slept anyway (from 2 ticks to 3)
+    assert load.busy_since(since) == (since + blocked) - 2 * TICK_SECONDS - TICK_SECONDS
+    assert load.busy_since(since + blocked + 1) == 0.0  # nothing is busy in the future
 
 
 def test_the_rate_bound_follows_what_the_latest_uploads_show_down_to_a_floor():

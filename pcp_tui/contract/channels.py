@@ -45,7 +45,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-import time
 
 import numpy as np
 import trio
@@ -446,7 +445,7 @@ class Channels:
 
     async def _keep_alive(self, interval: float, timeout: float) -> None:
         while self.ended is None:
-            silent = time.monotonic() - self.link.last_activity
+            silent = self.link.clock() - self.link.last_activity
             if silent > timeout:
                 self.end(f"the link was silent for {silent:.0f} s")
                 await trio.aclose_forcefully(self.link.stream)

@@ -207,11 +207,17 @@ class Shepherd:
 
     # -- the run ------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> RunState:
+    async def run(
+        self,
+        *,
+        listeners: list[trio.abc.Listener[trio.abc.Stream]] | None = None,
+        task_status=trio.TASK_STATUS_IGNORED,
+    ) -> RunState:
         """Listen, train for `config.outer.rounds` rounds, say goodbye. Raises RunFailed.
 
         The services around a run (the operator API: `app.api.run_with_api`) are the
-        host's; this is the run itself.
+        host's; this is the run itself. `listeners`: where workers connect, instead of
+        TCP on --host:--port (a simulated network: `pcp_tui.testing.SimulatedNetwork`).
         """
         cfg = self.config
         if self._resumed_from:
@@ -226,10 +232,13 @@ class Shepherd:
             ),
         )
         self.state.emit(Exported(f"graphs exported in {seconds:.1f} s", seconds=seconds))
-        try:
-            listeners, port = await open_listeners(cfg.network.host, cfg.network.port)
-        except CannotListen as exc:
-            raise RunFailed(str(exc)) from None
+        port = cfg.network.port
+        if listeners is None:
+            try:
+                sockets, port = await open_listeners(cfg.network.host, cfg.network.port)
+            except CannotListen as exc:
+                raise RunFailed(str(exc)) from None
+            listeners = list(sockets)
         self._port = port  # a --port 0 run resumes on the port its workers know
         self.state.address = f"{advertised(cfg.network.host)}:{port}"
         self.state.join_command = join_command(

@@ -2,7 +2,9 @@
 
 What the test suite, the benchmarks and a user's own integration tests would
 otherwise each write again (as trio ships `trio.testing`). Everything here
-starts real processes and real sockets on 127.0.0.1; nothing is mocked.
+starts real processes and real sockets on 127.0.0.1, or (`SimulatedNetwork`) runs the real
+shepherd against protocol-level fake workers over in-memory links on trio's clock; nothing
+of the shepherd is mocked.
 
     with WorkerProcesses() as workers:
         workers.spawn(port, "--id", "w0")
@@ -57,6 +59,13 @@ from pcp_tui.testing._processes import (
     worker_command,
     worker_env,
 )
+from pcp_tui.testing._simulation import (
+    SimulatedNetwork,
+    fake_worker,
+    pseudo_gradient,
+    simulate,
+    stand_in_shepherd,
+)
 
 __all__ = [
     "PEER_ERRORS",
@@ -94,4 +103,9 @@ __all__ = [
     "worker_batches",
     "worker_command",
     "worker_env",
+    "SimulatedNetwork",
+    "fake_worker",
+    "pseudo_gradient",
+    "simulate",
+    "stand_in_shepherd",
 ]

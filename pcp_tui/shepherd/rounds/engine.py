@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -268,6 +267,7 @@ class RoundEngine:
             assert checks is not None, "a validated round's checks need a nursery"
             copies = RoundCopies(stepped, *await trio.to_thread.run_sync(self._round_copies))
         rounds = []
+        opened = trio.current_time()
         for p, (aggregate, screen) in enumerate(zip(self.aggregates, self.screens, strict=True)):
             # fragment p's results cover the steps since its last send: they scale with
             # their Σ lr (round 1: the (p + 1) H / F - τ steps of warm-up's start)
@@ -290,9 +290,10 @@ class RoundEngine:
                     send_steps=sends,
                     shares=shares,
                     view=functools.partial(copies.view, p) if copies is not None else None,
+                    started=opened,
                 )
             )
-        started = time.monotonic()
+        started = trio.current_time()
         at_start = (self.state.bytes_sent, self.state.bytes_received)
         self._open.rounds = rounds
         self.state.round = number
@@ -469,7 +470,7 @@ class RoundEngine:
         sitting_out.sit_out(current, await collect(current, self.config.network, self.state))
         failed.update(await sync.starts.settle(current.contributors))
         await current.close()  # a result still being folded in finishes first
-        collected = time.monotonic()
+        collected = trio.current_time()
         correction = await self._join(p)
         mean = None
         if current.contributors:
@@ -509,7 +510,7 @@ class RoundEngine:
             else:
                 self._pending[p] = check
                 checks.start_soon(check.run)
-        done = time.monotonic()
+        done = trio.current_time()
         async with trio.open_nursery() as nursery:
             for link in links:
                 if link not in failed:
@@ -521,7 +522,7 @@ class RoundEngine:
             p,
             collected - current.started,
             done - collected,
-            time.monotonic() - done,
+            trio.current_time() - done,
         )
 
     def _say_clipped(self, current: Round, scales: list[float]) -> None:

@@ -6,7 +6,6 @@ import collections
 import contextlib
 import math
 import statistics
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -158,6 +157,7 @@ class Round:
         send_steps: Mapping[str, int] | None = None,
         shares: Mapping[str, float] | None = None,
         view: Callable[[], Awaitable[Mapping[str, np.ndarray]]] | None = None,
+        started: float = 0.0,
     ):
         self.number = number
         self.fragment = fragment  # the fragment this Round collects (plain DiLoCo: 0, the model)
@@ -181,7 +181,7 @@ class Round:
         self.mean = mean  # the run's buffers, emptied for this round
         self.mean.reset()
         self._screen = screen
-        self.started = time.monotonic()
+        self.started = started  # trio's clock as it opened (the engine's; 0 in unit tests)
         self.losses: list[float] = []
         self.tokens = 0
         self.bytes_saved = 0  # float32 bytes the results would have taken, minus their wire bytes
@@ -273,7 +273,7 @@ class Round:
         )
         self.losses.extend(losses)
         self.compute_seconds[worker_id] = body.compute_seconds
-        self.arrivals[worker_id] = time.monotonic() - self.started
+        self.arrivals[worker_id] = trio.current_time() - self.started
         self.answered[worker_id] = trio.current_time()
         self.finish(worker_id)
         return True
@@ -411,7 +411,7 @@ class Round:
         from `started` to now unless given (tests give it to check exact values).
         """
         if seconds is None:
-            seconds = time.monotonic() - self.started
+            seconds = trio.current_time() - self.started
         compute, communication, straggler = self.timings(seconds)
         contributed = {w: self.compute_seconds[w] for w in self.contributors}
         run_utilization, worker_utilization = utilization(contributed, seconds)

@@ -253,7 +253,7 @@ class Admission:
                     return None
                 transport = opened
             with trio.fail_at(deadline):
-                stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS)
+                stream = protocol.MessageStream(transport, PRE_AUTH_LIMITS, clock=trio.current_time)
                 stream.observer = self.trace.observer(peer) if self.trace else None
                 hello = await handshake(
                     stream,

@@ -88,7 +88,10 @@ class WorkerLink(Connection):
         send_grace: float = math.inf,
         load: ReceiverLoad | None = None,
     ):
-        super().__init__(stream, "shepherd", log=log, name=f"worker {view.index}: ")
+        # trio's clock, as every deadline of the shepherd's (a virtual one in a simulation)
+        super().__init__(
+            stream, "shepherd", log=log, name=f"worker {view.index}: ", clock=trio.current_time
+        )
         self.view = view
         self.platform = platform
         self.runtime = runtime  # with platform: which export this worker's plan carries
@@ -106,6 +109,9 @@ class WorkerLink(Connection):
         self.attachments: Attachments | None = None
         self.progress = ProgressRate()  # progress messages beyond a few a second are dropped
         self.public_key = b""  # --worker-keys: the key it joined with (`WorkerPool.drop_revoked`)
+        # trio's clock when the upload-rate clock last started: a whole message came in, or a
+        # result got its memory slot (`uploads.upload_too_slow`; bytes of a message do not)
+        self.upload_since = trio.current_time()
 
     async def send(self, body: protocol.Body, tensors=None, **options) -> int:
         """`Connection.send` within the link's deadline; SendTooSlow (link closed) past it.
@@ -183,7 +189,7 @@ class WorkerLink(Connection):
         silent = super().silent_for()
         if self.load is None or silent <= 0:
             return silent
-        return max(silent - self.load.busy_since(time.monotonic() - silent), 0.0)
+        return max(silent - self.load.busy_since(trio.current_time() - silent), 0.0)
 
     @property
     def worker_id(self) -> str:
@@ -196,7 +202,8 @@ class WorkerLink(Connection):
     def on_received(self, message: protocol.Message) -> None:
         self.view.bytes_in += message.wire_bytes
         self._state.bytes_received += message.wire_bytes
-        self.view.last_heard = time.monotonic()
+        self.view.last_heard = time.monotonic()  # shown (the dashboard's clock)
+        self.upload_since = trio.current_time()
 
 
 async def handshake(

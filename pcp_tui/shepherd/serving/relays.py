@@ -13,7 +13,6 @@ once; more, or any while it is 0, are refused with a line that says so.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -78,7 +77,8 @@ class Relays:
             return protocol.ErrorCode.AUTH_FAILED, why
         if name in self.live:
             view = self.live[name]
-            silent = time.monotonic() - view.channels.link.last_activity
+            link = view.channels.link
+            silent = link.clock() - link.last_activity
             return held(f"relay {name!r}", "relay", view.peer, silent, self.config.network)
         if len(self.live) >= allowed:
             why = f"{len(self.live)} relays are connected, the most --relays {allowed} allows"

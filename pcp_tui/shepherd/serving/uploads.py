@@ -14,7 +14,6 @@ import collections
 import contextlib
 import math
 import statistics
-import time
 from collections.abc import Iterator
 
 import trio
@@ -60,13 +59,13 @@ class ReceiverLoad:
         self.busy_total = 0.0  # seconds the loop was busy, since this started
         self._marks: collections.deque[tuple[float, float]] = collections.deque(
             maxlen=int(LOAD_SECONDS / TICK_SECONDS)
-        )  # (time.monotonic(), busy_total then), one per tick
+        )  # (trio.current_time(), busy_total then), one per tick
         self._deadlines: set[trio.CancelScope] = set()  # sends whose deadline the load moves
         # bytes/s of the latest result uploads, from their slot to their last byte
         self.upload_rates: collections.deque[float] = collections.deque(maxlen=UPLOAD_RATES)
 
     def uploaded(self, nbytes: int, since: float, until: float) -> None:
-        """A result upload of `nbytes` ran from `since` to `until` (`time.monotonic()`)."""
+        """A result upload of `nbytes` ran from `since` to `until` (`trio.current_time()`)."""
         seconds = until - since - self.busy_since(since)
         if nbytes > 0 and seconds > 0:
             self.upload_rates.append(nbytes / seconds)
@@ -82,9 +81,9 @@ class ReceiverLoad:
     async def run(self) -> None:
         """Sample the load until cancelled (the shepherd's nursery runs it)."""
         while True:
-            before = time.monotonic()
+            before = trio.current_time()
             await trio.sleep(TICK_SECONDS)
-            now = time.monotonic()
+            now = trio.current_time()
             busy = max(now - before - TICK_SECONDS, 0.0)
             self.busy_total += busy
             self._marks.append((now, self.busy_total))
@@ -102,7 +101,7 @@ class ReceiverLoad:
             self._deadlines.discard(scope)
 
     def busy_since(self, since: float) -> float:
-        """Seconds the loop was busy since `since` (`time.monotonic()`), to the tick."""
+        """Seconds the loop was busy since `since` (`trio.current_time()`), to the tick."""
         index = bisect.bisect_left(self._marks, (since, -math.inf))
         if index >= len(self._marks):
             return 0.0
@@ -116,7 +115,7 @@ def upload_too_slow(link: WorkerLink, config: RunConfig, load: ReceiverLoad | No
     After --upload-grace seconds a message must average --min-upload-rate, so an
     upload of n bytes has grace + n / rate seconds at most: trickling bytes keeps a
     connection active, not alive. The clock starts again when a result gets its
-    memory slot (`view.last_heard` is set then), as waiting for one is not slowness,
+    memory slot (`upload_since` is set then), as waiting for one is not slowness,
     and it does not run while the shepherd itself was too busy to read (`load`): a
     congested shepherd must not drop honest workers for its own load. Where the latest
     uploads all ran under the option's rate, the bound is a share of theirs
@@ -127,8 +126,8 @@ def upload_too_slow(link: WorkerLink, config: RunConfig, load: ReceiverLoad | No
     if partial is None:
         return ""
     started, received = partial
-    since = max(started, link.view.last_heard)
-    elapsed = time.monotonic() - since
+    since = max(started, link.upload_since)
+    elapsed = trio.current_time() - since
     busy = load.busy_since(since) if load is not None else 0.0
     rate, grace = config.security.min_upload_rate, config.security.upload_grace
     required = load.required_rate(rate) if load is not None else rate
@@ -165,9 +164,9 @@ class ResultSlot:
             with self._link.paused():  # waiting for a slot is neither silence nor slowness
                 await self._slots.acquire()
         finally:
-            self._link.view.last_heard = time.monotonic()  # the upload-rate clock starts now
+            self._link.upload_since = trio.current_time()  # the upload-rate clock starts now
         self._held = True
-        self._since, self._bytes_before = self._link.view.last_heard, self._link.view.bytes_in
+        self._since, self._bytes_before = self._link.upload_since, self._link.view.bytes_in
 
     def release(self) -> None:
         """After the message was handled (a result folded in, or refused): free the slot."""
@@ -178,5 +177,5 @@ class ResultSlot:
             view = self._link.view  # its last byte came when it was last heard
             if self._load is not None and view.bytes_in > self._bytes_before:
                 self._load.uploaded(
-                    view.bytes_in - self._bytes_before, self._since, view.last_heard
+                    view.bytes_in - self._bytes_before, self._since, self._link.upload_since
                 )
