@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +55,54 @@ def enable_compilation_cache(path: str | os.PathLike) -> None:
     # JAX's own variable wins: the test suite keeps every graph (most compile in < 0.5 s)
     least = os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(least))
+
+
+#: the longest a graph's compile waits for another process compiling the same graph
+COMPILE_WAIT_SECONDS = 300.0
+
+
+def _compile_lock_path(serialized: bytes) -> str | None:
+    """The file whose lock a process holds while it compiles `serialized` into the on-disk
+    cache; None without a persistent cache (a site's processes keep none)."""
+    import jax
+
+    directory = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if not directory or not getattr(jax.config, "jax_enable_compilation_cache", False):
+        return None
+    return os.path.join(directory, f"compiling-{hashlib.sha256(serialized).hexdigest()[:32]}.lock")
+
+
+@contextlib.contextmanager
+def _compiling_alone(serialized: bytes) -> Iterator[None]:
+    """Compile as the only process of this host compiling `serialized` into the on-disk cache.
+
+    Workers started together (one per GPU, or a test's two) each compiled the same graph cold,
+    at once: N times the work of one compile. A process that finds another compiling it waits
+    (a file lock, released by the kernel however its holder ends; at most
+    COMPILE_WAIT_SECONDS, for a holder stopped mid-compile), and its own compile is then a
+    cache hit. Threads of one process wait for each other too (each opens the file anew).
+    """
+    path = _compile_lock_path(serialized)
+    try:
+        lock = open(path, "a") if path is not None else None  # noqa: SIM115 (closed below)
+    except OSError:  # a cache this process cannot write to: nothing to wait for
+        lock = None
+    if lock is None:
+        yield
+        return
+    with lock:
+        deadline = time.monotonic() + COMPILE_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # compile anyway
+                    break
+                time.sleep(0.05)
+            except OSError:  # a file system without locks: compile anyway
+                break
+        yield  # closing the file releases the lock
 
 
 class JaxBackend(Backend):
@@ -189,7 +241,7 @@ class JaxBackend(Backend):
             input_axes = tuple(_split_axis(at) for at in ins)
         args, kwargs = jax.tree.unflatten(exported.in_tree, specs)
         try:
-            with jax.default_device(self._device):
+            with _compiling_alone(serialized), jax.default_device(self._device):
                 compiled = jitted.lower(*args, **kwargs).compile()
         except Exception as exc:  # XLA reports unsupported ops etc. with many types
             raise GraphError(f"graph {name!r} does not compile on {self._platform}: {exc}") from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import re
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 
 from pcp_tui.backends import GraphError, select_backend
 from pcp_tui.backends._iree import serial_scatters
+from pcp_tui.backends._jax import _compile_lock_path, _compiling_alone
 from pcp_tui.training.build import build_workload
 from pcp_tui.training.export import InnerOptimizer, build_graphs
 from pcp_tui.training.shards import sample_batches
@@ -169,3 +171,25 @@ def test_an_unrolled_chunk_has_no_loop_and_the_same_steps(workload):
         train = backend.load("train_chunk", graphs.train_chunk)
         results.append(np.asarray(train.call(flat, init.call(flat), batches, np.int32(0))[2]))
     np.testing.assert_array_equal(results[1], results[0])
+
+
+def test_one_process_at_a_time_compiles_a_graph_into_the_cache():
+    """Workers started together each compiled the same graph cold, at once. While one compiles
+    a graph into the on-disk cache (this test run's, tests/conftest.py), that graph's lock is
+    held: another process waits for it, then loads the executable from the cache. Another
+    graph's lock is free meanwhile, and the lock is free again once the compile is over."""
+
+    def held(graph: bytes) -> bool:
+        """Whether another process would wait to compile `graph` now."""
+        path = _compile_lock_path(graph)
+        assert path is not None
+        with open(path, "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+
+    with _compiling_alone(b"graph a"):
+        assert held(b"graph a") and not held(b"graph b")
+    assert not held(b"graph a")
