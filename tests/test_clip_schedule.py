@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from pcp_tui.diloco.aggregate import CenteredClip
-from pcp_tui.shepherd.rounds.engine import round_lr_sum
+from pcp_tui.shepherd.rounds.engine import result_lr_sum, round_lr_sum
 from pcp_tui.testing import small_config
 
 
@@ -37,3 +37,14 @@ def test_centered_clip_leaves_honest_results_alone_as_the_learning_rate_falls():
             clip.add({"w": clip.step_scale * (direction + noise)}, 1.0)
         scales.append(clip.finish())
     assert scales[2] == [1.0, 1.0, 1.0], scales
+
+
+def test_a_rounds_learning_rate_sum_counts_every_step_of_a_constant_schedule():
+    """Inner SGD without warm-up has a constant schedule, which optax returns once however
+    many steps it is asked about: a round of H steps summed to one step's rate, so results of
+    2 and of 10 steps (--adaptive-steps) scaled their norms and clip radius alike."""
+    config = small_config(inner_steps=10, warmup_steps=0, inner_lr=2e-3, inner_optimizer="sgd")
+    rate = 2e-3  # optax's constant, as given
+    assert round_lr_sum(config, 1) == round_lr_sum(config, 2) == float(np.sum(np.full(10, rate)))
+    covered = result_lr_sum(config, 8, end=10)  # a result of 2 steps' tokens
+    assert covered(2 * 8) == float(np.sum(np.full(2, rate)))

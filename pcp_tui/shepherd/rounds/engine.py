@@ -109,8 +109,9 @@ def result_lr_sum(config: RunConfig, per_step: int, *, end: int) -> Callable[[in
 
     @functools.lru_cache(maxsize=16)
     def covered(tokens: int) -> float:
-        steps = max(tokens // per_step, 1)
-        return float(np.sum(schedule(np.arange(max(end - steps, 0), end))))
+        steps = np.arange(max(end - max(tokens // per_step, 1), 0), end)
+        # a constant schedule returns one rate whatever it is asked: one per step
+        return float(np.sum(np.broadcast_to(schedule(steps), steps.shape)))
 
     return covered
 
