@@ -44,6 +44,23 @@ async def test_heartbeats_go_out_on_the_negotiated_interval(autojump_clock):
     assert beats == [2.5, 5.0, 7.5, 10.0]
 
 
+async def test_a_broken_link_met_by_a_task_the_body_started_ends_it_as_lost(autojump_clock):
+    """A worker's result goes out from a task of the round (its exchange), not the body: a
+    shepherd killed as the send began broke the pipe there, the error came out of the
+    nursery as an exception group that nothing caught, and the worker exited with a
+    traceback instead of reconnecting (the elastic kill-and-resume test waited for it)."""
+    connection, _, theirs = _pair()
+    await theirs.aclose()  # the peer is gone
+
+    async def send_a_result():
+        await connection.send(protocol.Heartbeat(0.0))  # any message: the pipe is broken
+
+    with pytest.raises(ConnectionLost):
+        async with connection.alive(heartbeat_seconds=1.0, timeout=100.0) as tasks:
+            tasks.start_soon(send_a_result)
+            await trio.sleep_forever()
+
+
 async def test_the_watchdog_ends_a_silent_connection_after_the_timeout_and_not_while_paused(
     autojump_clock,
 ):

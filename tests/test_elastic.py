@@ -181,8 +181,11 @@ def test_shepherd_killed_and_resumed_equals_an_uninterrupted_run(tmp_path, spawn
     port = free_port()
     sgd = ("--inner-optimizer", "sgd", "--inner-lr", "0.3")
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    # more rounds than it can finish before the kill, however late the kill (a run that had
+    # ended sent its workers home, and the resumed one waited for them for ever); inner SGD's
+    # learning rate is constant, so the number of rounds changes nothing a round computes
     first = subprocess.Popen(
-        _shepherd_command(port, checkpoints, metrics, *sgd),
+        _shepherd_command(port, checkpoints, metrics, *sgd, "--rounds", "1000"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -198,7 +201,9 @@ def test_shepherd_killed_and_resumed_equals_an_uninterrupted_run(tmp_path, spawn
         first.send_signal(signal.SIGKILL)
         first.wait()
         second = subprocess.run(
-            _shepherd_command(port, checkpoints, metrics, *sgd, "--resume", str(checkpoints)),
+            _shepherd_command(
+                port, checkpoints, metrics, *sgd, "--resume", str(checkpoints), "--rounds", "5"
+            ),
             capture_output=True,
             text=True,
             timeout=600,

@@ -129,6 +129,12 @@ def lost(exc: BaseException) -> ConnectionLost:
     return error
 
 
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first exception inside `group`, however deeply nested."""
+    first = group.exceptions[0]
+    return _first(first) if isinstance(first, BaseExceptionGroup) else first
+
+
 def ended_by(
     error: protocol.Error, peer: str = "the shepherd", who: str = "worker"
 ) -> ConnectionEnded:
@@ -272,22 +278,33 @@ class Connection:
         this raises ConnectionLost with code `timeout`. A `LINK_ERRORS` error from
         the body comes out as ConnectionLost too; other errors pass unchanged (not
         wrapped in an exception group). The body may start tasks of its own in the
-        nursery it gets: they end with it.
+        nursery it gets: they end with it, and theirs come out as a group, but one of
+        link errors alone (a result's send that met a shepherd gone) as ConnectionLost.
         """
         ended: Exception | None = None
         watchdog: list[str] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._heartbeats, heartbeat_seconds)
-            nursery.start_soon(self._watchdog, timeout, too_slow, nursery.cancel_scope, watchdog)
-            if isinstance(self.stream.stream, protocol.StripedStream):  # --streams K
-                nursery.start_soon(_watch_idle_connections, self.stream.stream, heartbeat_seconds)
-            try:
-                yield nursery
-            except LINK_ERRORS as exc:
-                ended = lost(exc)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the nursery
-                ended = exc
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeats, heartbeat_seconds)
+                nursery.start_soon(
+                    self._watchdog, timeout, too_slow, nursery.cancel_scope, watchdog
+                )
+                if isinstance(self.stream.stream, protocol.StripedStream):  # --streams K
+                    nursery.start_soon(
+                        _watch_idle_connections, self.stream.stream, heartbeat_seconds
+                    )
+                try:
+                    yield nursery
+                except LINK_ERRORS as exc:
+                    ended = lost(exc)
+                except Exception as exc:  # noqa: BLE001 - re-raised below, outside the nursery
+                    ended = exc
+                nursery.cancel_scope.cancel()
+        except ExceptionGroup as group:  # a task the body started: its send met a broken link
+            broken, other = group.split(LINK_ERRORS)
+            if other is not None or broken is None:
+                raise
+            raise lost(_first(broken)) from None
         if ended is not None:
             raise ended
         if watchdog:
