@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import time
@@ -11,6 +10,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; each process compiles on its own
+    fcntl = None  # type: ignore[assignment]
 
 from ._base import (
     Axis,
@@ -87,7 +91,7 @@ def _compiling_alone(serialized: bytes) -> Iterator[None]:
         lock = open(path, "a") if path is not None else None  # noqa: SIM115 (closed below)
     except OSError:  # a cache this process cannot write to: nothing to wait for
         lock = None
-    if lock is None:
+    if lock is None or fcntl is None:
         yield
         return
     with lock:
