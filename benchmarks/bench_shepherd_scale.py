@@ -44,7 +44,6 @@ model, so only the shapes matter, and the graphs export in seconds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from pcp_tui.testing import (
     parse_with_smoke,
     pseudo_gradient,
     simulate,
+    stand_in,
     stand_in_shepherd,
 )
 
@@ -85,24 +85,14 @@ async def fake_workers(ports: list[int], first: int, count: int) -> None:
 
 
 def with_param_shapes(workload, preset: str):
-    """`workload` with the parameter shapes of a GPT-2 preset and a loss that only touches them."""
+    """`workload` with the parameter shapes of a GPT-2 preset (`pcp_tui.testing.stand_in`)."""
     import jax
-    import jax.numpy as jnp
 
     from pcp_tui.training.models import gpt2
 
     config = gpt2.PRESETS[preset]
     shapes = jax.eval_shape(lambda: gpt2.init(config, jax.random.PRNGKey(0)))
-    rng = np.random.default_rng(0)
-    params = {
-        n: (rng.standard_normal(s.shape, dtype=np.float32) * np.float32(0.02))
-        for n, s in shapes.items()
-    }
-
-    def loss_fn(p, tokens):
-        return sum(jnp.mean(v) for v in p.values()) + jnp.mean(tokens.astype(jnp.float32))
-
-    return dataclasses.replace(workload, name=f"{preset}-shapes", params=params, loss_fn=loss_fn)
+    return stand_in(workload, {n: s.shape for n, s in shapes.items()}, f"{preset}-shapes")
 
 
 async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dict:

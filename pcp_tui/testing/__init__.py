@@ -64,6 +64,7 @@ from pcp_tui.testing._simulation import (
     fake_worker,
     pseudo_gradient,
     simulate,
+    stand_in,
     stand_in_shepherd,
 )
 
@@ -107,5 +108,6 @@ __all__ = [
     "fake_worker",
     "pseudo_gradient",
     "simulate",
+    "stand_in",
     "stand_in_shepherd",
 ]

@@ -17,7 +17,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,6 +31,7 @@ from pcp_tui.worker.reconnect import Reconnect
 
 if TYPE_CHECKING:
     from pcp_tui.shepherd.coordinator import Shepherd
+    from pcp_tui.training.workload import Workload
 
 STAND_IN_SHAPES = {"w": (64, 16), "b": (16,)}  # the bytes are not the point of a simulation
 
@@ -71,17 +72,18 @@ class SimulatedNetwork(trio.abc.Listener[trio.abc.Stream]):
         """A new link from `host` to the shepherd: the fake's end (BrokenResourceError once
         the shepherd stopped listening)."""
         ours, theirs = trio.testing.memory_stream_pair()
-        theirs.socket = _Address(host, next(self._ports))  # type: ignore[attr-defined]
-        await self._incoming.send(_Link(theirs, self))
+        await self._incoming.send(_Link(theirs, self, _Address(host, next(self._ports))))
         return _Link(ours, self)
 
 
 class _Link(trio.abc.Stream):
     """One end of a simulated link: writes take latency + bytes / rate on trio's clock."""
 
-    def __init__(self, stream: trio.StapledStream, network: SimulatedNetwork):
+    def __init__(
+        self, stream: trio.StapledStream, network: SimulatedNetwork, peer: _Address | None = None
+    ):
         self._stream, self._network = stream, network
-        self.socket = getattr(stream, "socket", None)
+        self.socket = peer  # the shepherd's end: who dialled (`admission.peer_name`)
 
     async def send_all(self, data) -> None:
         network = self._network
@@ -215,10 +217,26 @@ async def _answer_rounds(
         await stream.send(body, result)
 
 
-def stand_in_shepherd(workers: int, rounds: int, *, train_seconds: float = 0.0) -> Shepherd:
+def stand_in(workload: Workload, shapes: Mapping[str, tuple[int, ...]], name: str = "") -> Workload:
+    """`workload` with parameters of `shapes` (drawn at 0.02 scale, seed 0) and a loss that
+    only touches them: what a run of protocol-level fakes needs, whose graphs nobody runs."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    params = {
+        n: rng.standard_normal(s, dtype=np.float32) * np.float32(0.02) for n, s in shapes.items()
+    }
+
+    def loss_fn(p, tokens):
+        return sum(jnp.mean(v) for v in p.values()) + jnp.mean(tokens.astype(jnp.float32))
+
+    return dataclasses.replace(workload, name=name or workload.name, params=params, loss_fn=loss_fn)
+
+
+def stand_in_shepherd(workers: int, rounds: int) -> Shepherd:
     """A shepherd of `SMALL_RUN`'s settings for `workers` fakes, its model's parameters the
-    few of `STAND_IN_SHAPES` (the graphs export in seconds; fakes never run them), with
-    validation and the held-out eval off: the fakes' results are random."""
+    few of `STAND_IN_SHAPES` (the graphs export in seconds), with validation and the
+    held-out eval off: the fakes' results are random."""
     from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.testing._processes import small_config
     from pcp_tui.training.build import build_workload
@@ -235,17 +253,7 @@ def stand_in_shepherd(workers: int, rounds: int, *, train_seconds: float = 0.0) 
         data_max_bytes=2**20,
         heartbeat_seconds=2.0,
     )
-    workload = build_workload(config, shards=workers)
-    rng = np.random.default_rng(0)
-    params = {
-        n: rng.standard_normal(s).astype(np.float32) * np.float32(0.02)
-        for n, s in STAND_IN_SHAPES.items()
-    }
-
-    def loss_fn(p, tokens):
-        return sum(v.mean() for v in p.values()) + tokens.mean() * 0.0
-
-    return Shepherd(config, dataclasses.replace(workload, params=params, loss_fn=loss_fn))
+    return Shepherd(config, stand_in(build_workload(config, shards=workers), STAND_IN_SHAPES))
 
 
 @dataclasses.dataclass

@@ -294,7 +294,6 @@ class RoundEngine:
                     started=opened,
                 )
             )
-        started = trio.current_time()
         at_start = (self.state.bytes_sent, self.state.bytes_received)
         self._open.rounds = rounds
         self.state.round = number
@@ -327,7 +326,7 @@ class RoundEngine:
         self._settling.append(settling)
         if not contributors:
             return None
-        summary = combined(number, rounds, started, at_start, self.per_step)
+        summary = combined(number, rounds, opened, at_start, self.per_step)
         summary.checks = started_checks
         settling.tokens = dict(summary.tokens_by_worker)
         # the shard each result trained: its sender's by the verdict, a round later under
