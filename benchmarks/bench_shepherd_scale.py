@@ -186,47 +186,72 @@ async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dic
     }
 
 
-def simulated(counts: list[int], rounds: int) -> None:
-    """`--simulated`: CPU seconds per round of the real shepherd with N fakes, virtual time."""
+def simulated(counts: list[int], rounds: int, relays: int) -> None:
+    """`--simulated`: the real shepherd's CPU seconds and bytes per round with N fakes (and
+    through `relays` relays), in virtual time."""
     rows = []
     for count in counts:
-        shepherd = stand_in_shepherd(count, rounds)
-        cpu_at_round: list[float] = []
-        shepherd.state.subscribe(
-            lambda e, marks=cpu_at_round: (
-                marks.append(time.process_time()) if e.kind == "round" else None
+        for tree in (0, relays) if relays else (0,):
+            # the caps as the real-socket runs set them: every fake joins where it dials
+            # (at the default 64 handshakes at once, a relay's workers turned away at the
+            # root fail over to it directly, as `--connect RELAY,SHEPHERD` workers do)
+            shepherd = stand_in_shepherd(
+                count, rounds, relays=tree, max_handshakes=count, max_handshakes_per_host=count
             )
-        )
-        started = time.perf_counter()
-        run = simulate(shepherd, count, train_seconds=30.0)
-        history = shepherd.state.history
-        cpu = float(np.median(np.diff(cpu_at_round)))  # round 1 also compiles the outer step
-        rows.append(
-            {
-                "workers": count,
-                "cpu_per_round": cpu,
-                "cpu_per_worker_ms": 1e3 * cpu / count,
-                "round_virtual_s": float(np.median([r.round_seconds for r in history[1:]])),
-                "fewest": min(r.workers for r in history),
-                "lost": len(run.lost),
-                "wall_s": time.perf_counter() - started,
-            }
-        )
-        print(f"  {count} simulated workers in {rows[-1]['wall_s']:.0f} s", file=sys.stderr)
+            cpu_at_round: list[float] = []  # the shepherd's CPU seconds as each round ended
+            root_bytes: list[int] = []  # through its links: its relays' and direct workers'
+            relayed: list[int] = []  # workers carried by relays as each round ended
+
+            def note(cpu, moved, shepherd=shepherd, marks=(cpu_at_round, root_bytes, relayed)):
+                marks[0].append(cpu["shepherd"] + cpu["threads"])
+                marks[1].append(moved)
+                marks[2].append(sum(v.workers for v in shepherd.pool.relays.live.values()))
+
+            started = time.perf_counter()
+            run = simulate(shepherd, count, relays=tree, train_seconds=30.0, on_round=note)
+            history = shepherd.state.history
+            cpu = float(np.median(np.diff(cpu_at_round)))  # round 1 also compiles the outer step
+            rows.append(
+                {
+                    "workers": count,
+                    "relays": tree,
+                    "relayed": min(relayed),
+                    "cpu_per_round": cpu,
+                    "cpu_per_worker_ms": 1e3 * cpu / count,
+                    "root_mb_per_round": float(np.median(np.diff(root_bytes))) / 1e6,
+                    "round_virtual_s": float(np.median([r.round_seconds for r in history[1:]])),
+                    "fewest": min(r.workers for r in history),
+                    "lost": len(run.lost),
+                    "wall_s": time.perf_counter() - started,
+                }
+            )
+            print(
+                f"  {count} simulated workers, {tree} relays, in {rows[-1]['wall_s']:.0f} s",
+                file=sys.stderr,
+            )
     print("\nshepherd scale, simulated (virtual clock, in-memory links, 30 s rounds)")
     print(
-        f"{'workers':>8}{'CPU s/round':>13}{'ms/worker':>11}{'round s':>9}{'fewest':>8}{'lost':>6}"
+        f"{'workers':>8}{'relays':>7}{'relayed':>8}{'CPU s/round':>13}{'ms/worker':>11}{'root MB':>9}"
+        f"{'round s':>9}{'fewest':>8}{'lost':>6}{'wall s':>8}"
     )
     for r in rows:
         print(
-            f"{r['workers']:>8}{r['cpu_per_round']:>13.3f}{r['cpu_per_worker_ms']:>11.3f}"
-            f"{r['round_virtual_s']:>9.2f}{r['fewest']:>8}{r['lost']:>6}"
+            f"{r['workers']:>8}{r['relays']:>7}{r['relayed']:>8}{r['cpu_per_round']:>13.3f}"
+            f"{r['cpu_per_worker_ms']:>11.3f}{r['root_mb_per_round']:>9.2f}"
+            f"{r['round_virtual_s']:>9.2f}{r['fewest']:>8}{r['lost']:>6}{r['wall_s']:>8.0f}"
         )
-    first, last = rows[0], rows[-1]
+    flat = [r for r in rows if not r["relays"]]
+    first, last = flat[0], flat[-1]
     print(
         f"ratio_cpu_per_worker_{last['workers']}_vs_{first['workers']}="
         f"{last['cpu_per_worker_ms'] / first['cpu_per_worker_ms']:.3f}"
     )
+    if relays:
+        tree = rows[-1]
+        print(
+            "ratio_root_bytes_flat_vs_tree="
+            f"{last['root_mb_per_round'] / tree['root_mb_per_round']:.3f}"
+        )
 
 
 def main() -> None:
@@ -247,7 +272,7 @@ def main() -> None:
     parser.add_argument("--fake", nargs="+", type=int, help=argparse.SUPPRESS)
     args = parse_with_smoke(parser, workers=[1, 4], rounds=3, relays=2)
     if args.simulated:
-        simulated(args.workers, args.rounds)
+        simulated(args.workers, args.rounds, args.relays)
         return
     if args.fake:
         first, count, *ports = args.fake

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import platform
 import sys
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 import trio
@@ -79,14 +80,30 @@ class Relay:
         self.listening_port = 0
         self.joined = False  # welcomed by the shepherd once: an idInUse after is its old link
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _dial(self, deadline: float) -> trio.abc.Stream:
+        """A new stream to the shepherd (TCP, TLS if set) by `deadline` (`run`'s `dial`)."""
+        source = self.config.connection.source_address
+        return await dial(self.host, self.port, self.client_tls, deadline, source)
+
+    async def run(
+        self,
+        *,
+        listeners: Sequence[trio.abc.Listener[trio.abc.Stream]] | None = None,
+        dial: Callable[[float], Awaitable[trio.abc.Stream]] | None = None,
+        task_status=trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Serve workers until the shepherd ends the run; ConnectionLost once --give-up-after
-        passes without a link, Refused if the shepherd will not take this relay."""
+        passes without a link, Refused if the shepherd will not take this relay.
+
+        `listeners`: where workers connect, instead of TCP on --host/--port; `dial(deadline)`:
+        a new stream to the shepherd, instead of TCP (and TLS) to --connect (both for
+        `pcp_tui.testing.simulate`'s in-memory links)."""
         listen = self.config.listen
-        warning = open_files_for(listen.max_workers, 1)
-        if warning:
-            self.say(f"warning: {warning}")
-        listeners, self.listening_port = await open_listeners(listen.host, listen.port)
+        if listeners is None:
+            warning = open_files_for(listen.max_workers, 1)
+            if warning:
+                self.say(f"warning: {warning}")
+            listeners, self.listening_port = await open_listeners(listen.host, listen.port)
         task_status.started(self.listening_port)
         connection = self.config.connection
         reconnect = Reconnect(
@@ -96,10 +113,10 @@ class Relay:
         )
         ended: ConnectionEnded | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(trio.serve_listeners, self._carry, listeners))
+            nursery.start_soon(partial(trio.serve_listeners, self._carry, list(listeners)))
             lost = False
             try:
-                while not await reconnect.run(self._link, rejoin=lost):
+                while not await reconnect.run(partial(self._link, dial or self._dial), rejoin=lost):
                     lost = True
             except (ConnectionLost, Refused) as exc:  # raised bare, not in the nursery's group
                 ended = exc
@@ -109,12 +126,14 @@ class Relay:
 
     # -- the link to the shepherd ---------------------------------------------------------
 
-    async def _link(self, deadline: float) -> bool:
+    async def _link(
+        self, dial: Callable[[float], Awaitable[trio.abc.Stream]], deadline: float
+    ) -> bool:
         """One link to the shepherd: True when the run is over, False when it was lost."""
         where = f"{self.host}:{self.port}"
-        source = self.config.connection.source_address
-        stream = await dial(self.host, self.port, self.client_tls, deadline, source)
-        messages = protocol.MessageStream(stream)
+        stream = await dial(deadline)
+        # trio's clock, as the shepherd's links: a silent link is timed in virtual time too
+        messages = protocol.MessageStream(stream, clock=trio.current_time)
         try:
             with trio.fail_at(deadline):
                 welcome = await self._join(messages, where)
@@ -178,7 +197,7 @@ class Relay:
 
     # -- one worker ------------------------------------------------------------------------
 
-    async def _carry(self, raw: trio.SocketStream) -> None:
+    async def _carry(self, raw: trio.abc.Stream) -> None:
         """Carry one worker's connection to the shepherd until either side ends it."""
         channels, peer = self.channels, peer_name(raw)
         if channels is None or self.carried >= self.config.listen.max_workers:
@@ -210,7 +229,7 @@ class Relay:
                     await channel.aclose()
                 await trio.aclose_forcefully(stream)
 
-    async def _turn_away(self, raw: trio.SocketStream, why: str) -> None:
+    async def _turn_away(self, raw: trio.abc.Stream, why: str) -> None:
         """Tell a worker why this relay cannot carry it now (busy: it retries), then close."""
         stream: trio.abc.Stream = raw
         with trio.move_on_after(TLS_SECONDS):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from pcp_tui.shepherd.run.events import RoundDone
 from pcp_tui.testing import simulate, stand_in_shepherd
 
 pytestmark = pytest.mark.slow
@@ -46,4 +47,41 @@ def test_a_reconnect_storm_of_a_third_of_a_thousand_workers_is_back_the_next_rou
     assert history[3].workers == WORKERS
     assert len(run.lost) == STORMY
     assert all(e.count("dropped") == 1 for i, e in run.ends.items() if i % 3 == 0)
+    assert all(e[-1] == "goodbye" for e in run.ends.values())
+
+
+RELAYS, SITE_WORKERS = 8, 400
+
+
+@pytest.fixture(scope="module")
+def relayed():
+    """400 fakes through 8 real relays (fake i joins relay i mod 8, the shepherd next, as
+    `--connect RELAY,SHEPHERD` does), 4 rounds; relay 0 is killed as round 2 ends. Also
+    returns how many workers relay 0 carried then."""
+    shepherd = stand_in_shepherd(SITE_WORKERS, rounds=4, relays=RELAYS)
+    carried: list[int] = []
+
+    def note(event) -> None:  # before the kill: `simulate` subscribes after this
+        if isinstance(event, RoundDone) and event.record.round == 2:
+            carried.append(shepherd.pool.relays.live["relay-0"].workers)
+
+    shepherd.state.subscribe(note)
+    run = simulate(shepherd, SITE_WORKERS, relays=RELAYS, train_seconds=5.0, relay_down_after=2)
+    return shepherd, run, carried[0]
+
+
+def test_a_relay_killed_mid_run_loses_its_workers_once_and_they_fail_over(relayed):
+    """Rounds 1 and 2 count every worker, through all 8 relays. Relay 0 dies as round 3
+    starts: each worker it carried is lost once and joins the shepherd directly; round 4
+    counts all 400 again through the 7 relays left and the shepherd, and no result counts
+    twice (each round's tokens are its workers' tokens, each worker id once)."""
+    shepherd, run, carried = relayed
+    history = shepherd.state.history
+    assert [(r.workers, r.relays) for r in history[:2]] == [(SITE_WORKERS, RELAYS)] * 2
+    assert carried > 0 and len(run.lost) == carried
+    assert (history[3].workers, history[3].relays) == (SITE_WORKERS, RELAYS - 1)
+    per_worker = history[0].tokens // SITE_WORKERS
+    for record in history:
+        assert len(set(record.worker_ids)) == record.workers
+        assert record.tokens == record.workers * per_worker
     assert all(e[-1] == "goodbye" for e in run.ends.values())

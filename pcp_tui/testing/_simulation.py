@@ -12,12 +12,12 @@ reconnect storms, takes seconds: the real round code, in virtual time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-import functools
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,6 +25,7 @@ import trio
 import trio.testing
 
 from pcp_tui import protocol
+from pcp_tui.config.relay import RelayConfig
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost
 from pcp_tui.worker.reconnect import Reconnect
@@ -59,6 +60,7 @@ class SimulatedNetwork(trio.abc.Listener[trio.abc.Stream]):
 
     def __init__(self, *, latency: float = 0.0, bytes_per_second: float = math.inf):
         self.latency, self.bytes_per_second = latency, bytes_per_second
+        self.moved = 0  # bytes written on its links, both ways: what crossed the listener's NIC
         self._incoming, self._accepting = trio.open_memory_channel[trio.abc.Stream](math.inf)
         self._ports = itertools.count(1024)
 
@@ -87,6 +89,7 @@ class _Link(trio.abc.Stream):
 
     async def send_all(self, data) -> None:
         network = self._network
+        network.moved += len(data)
         delay = network.latency + len(data) / network.bytes_per_second
         if delay > 0:
             await trio.sleep(delay)
@@ -148,6 +151,9 @@ async def fake_worker(
 async def _session(raw: trio.abc.Stream, index: int, token: str, drawn, train_seconds) -> str:
     stream = protocol.MessageStream(raw)
     hello = await stream.receive()
+    if hello.kind == "error":  # a relay without its link yet, a full shepherd: busy
+        refusal = hello.body_as(protocol.Error)
+        return f"{refusal.code.value}: {refusal.message}"
     worker_id = f"fake-{index}"
     await stream.send(
         protocol.WorkerHello(
@@ -233,10 +239,10 @@ def stand_in(workload: Workload, shapes: Mapping[str, tuple[int, ...]], name: st
     return dataclasses.replace(workload, name=name or workload.name, params=params, loss_fn=loss_fn)
 
 
-def stand_in_shepherd(workers: int, rounds: int) -> Shepherd:
+def stand_in_shepherd(workers: int, rounds: int, **changes) -> Shepherd:
     """A shepherd of `SMALL_RUN`'s settings for `workers` fakes, its model's parameters the
-    few of `STAND_IN_SHAPES` (the graphs export in seconds), with validation and the
-    held-out eval off: the fakes' results are random."""
+    few of `STAND_IN_SHAPES` (the graphs export in seconds), with validation and the held-out
+    eval off (the fakes' results are random); `changes`: other `RunConfig` fields (relays=)."""
     from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.testing._processes import small_config
     from pcp_tui.training.build import build_workload
@@ -252,27 +258,108 @@ def stand_in_shepherd(workers: int, rounds: int) -> Shepherd:
         eval_batches=1,
         data_max_bytes=2**20,
         heartbeat_seconds=2.0,
+        **changes,
     )
     return Shepherd(config, stand_in(build_workload(config, shards=workers), STAND_IN_SHAPES))
+
+
+class CpuByPart(trio.abc.Instrument):
+    """CPU seconds of each part of one trio run (the shepherd, the relays, the fakes), where
+    they all share one thread: each task step's thread time goes to the part whose `mark`ed
+    task it descends from ("other": trio's own). CPU spent off the loop's thread (a fold or
+    the outer step in `trio.to_thread`, XLA's own threads) is "threads": in a simulation only
+    the shepherd computes there."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = collections.defaultdict(float)
+        self._part: dict[object, str] = {}  # task -> its part, while it runs
+        self._started = 0.0
+        self._process = self._thread = 0.0  # at the run's start
+
+    def mark(self, part: str) -> None:
+        """The calling task, and every task it starts from now on, is `part`."""
+        self._part[trio.lowlevel.current_task()] = part
+
+    def seconds(self) -> dict[str, float]:
+        """Each part's CPU seconds so far (asked on the loop's thread)."""
+        threads = time.process_time() - self._process - (time.thread_time() - self._thread)
+        return {**self._seconds, "threads": threads}
+
+    def _of(self, task: trio.lowlevel.Task) -> str:
+        part = self._part.get(task)
+        if part is None:
+            nursery = task.parent_nursery
+            part = self._of(nursery.parent_task) if nursery is not None else "other"
+            self._part[task] = part
+        return part
+
+    def before_run(self) -> None:
+        self._process, self._thread = time.process_time(), time.thread_time()
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._started = time.thread_time()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._seconds[self._of(task)] += time.thread_time() - self._started
+
+    def task_exited(self, task: trio.lowlevel.Task) -> None:
+        self._part.pop(task, None)
+
+
+@contextlib.contextmanager
+def _time_stands_still_in_threads() -> Iterator[None]:
+    """Virtual time does not pass while a `trio.to_thread.run_sync` call computes.
+
+    `MockClock`'s autojump takes a task waiting for a thread as blocked and jumps to the next
+    deadline at once, again and again until the thread returns: a second of real folding or
+    compiling became hours of virtual heartbeats, timeouts and progress reports. While a
+    thread runs, a system task waits in `wait_all_tasks_blocked`, which holds the autojump
+    (trio's documented rule); it ends as the thread returns.
+    """
+    real = trio.to_thread.run_sync
+
+    async def run_sync(*args, **kwargs):
+        computing = trio.CancelScope()
+
+        async def hold() -> None:
+            with computing:
+                await trio.testing.wait_all_tasks_blocked(math.inf)
+
+        trio.lowlevel.spawn_system_task(hold)
+        try:
+            return await real(*args, **kwargs)
+        finally:
+            computing.cancel()
+
+    trio.to_thread.run_sync = run_sync  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        trio.to_thread.run_sync = real
 
 
 @dataclasses.dataclass
 class Simulated:
     """What a simulated run left: each fake's link ends in order ("goodbye" last, if the run
-    said it to that fake), and the shepherd's `lost` events."""
+    said it to that fake), the shepherd's `lost` events, and the CPU seconds of each part
+    (`CpuByPart`: "shepherd", "relays", "fakes")."""
 
     ends: dict[int, list[str]]
     lost: list[str]
+    cpu: dict[str, float]
 
 
 def simulate(
     shepherd: Shepherd,
     workers: int,
     *,
+    relays: int = 0,
     train_seconds: float = 0.0,
     storm_after: int | None = None,
+    relay_down_after: int | None = None,
     latency: float = 0.005,
     clock: trio.abc.Clock | None = None,
+    on_round: Callable[[Mapping[str, float], int], None] | None = None,
 ) -> Simulated:
     """Run `shepherd` with `workers` fakes on `SimulatedNetwork`, on trio's virtual clock.
 
@@ -280,18 +367,50 @@ def simulate(
     dials again as a real worker does (`Reconnect`: waits from 0.5-1 s, doubling to 15-30
     s); `train_seconds` is each round's seeming training. `storm_after`: once that many
     rounds are done, every third fake drops its link at once (a site's switch rebooting)
-    and rejoins as a worker that lost its connection does. Returns when the run ends.
+    and rejoins as a worker that lost its connection does.
+
+    `relays`: that many real `Relay`s (the shepherd's --relays at least as many) each dial
+    the shepherd from 172.16.0.r, and fake i joins relay i mod R, as a worker started with
+    `--connect RELAY,SHEPHERD` does: after a failed or lost link it tries the next address.
+    `relay_down_after`: once that many rounds are done, relay 0 is killed mid-round (its
+    fakes fail over to the shepherd). `on_round(cpu, moved)`: called as each round ends, with
+    each part's CPU seconds and the bytes through the shepherd's links (its relays' and its
+    direct workers') so far.
+    Returns when the run ends.
     """
+    from pcp_tui.relay import Relay
+
     network = SimulatedNetwork(latency=latency)
     ends: dict[int, list[str]] = collections.defaultdict(list)
     lost: list[str] = []
-    storm = trio.Event()
-    shepherd.state.subscribe(lambda e: lost.append(e.message) if e.kind == "lost" else None)
+    storm, relay_down = trio.Event(), trio.Event()
+    cpu = CpuByPart()
+
+    def note(event) -> None:
+        if event.kind == "lost":
+            lost.append(event.message)
+        elif event.kind == "round":
+            done = len(shepherd.state.history)
+            if done == storm_after:
+                storm.set()
+            if done == relay_down_after:
+                relay_down.set()
+            if on_round is not None:
+                on_round(cpu.seconds(), network.moved)
+
+    shepherd.state.subscribe(note)
     token = shepherd.token
+    sites = [SimulatedNetwork(latency=latency) for _ in range(relays)]
 
     async def fake(index: int, storm: trio.Event | None) -> None:
+        cpu.mark("fakes")
         policy = Reconnect(give_up_after=3600.0)
-        dial = functools.partial(network.dial, _address(index))
+        host = _address(index)
+        addresses = [network] if not sites else [sites[index % len(sites)], network]
+        tries = itertools.count()
+
+        async def dial() -> trio.abc.Stream:  # the next address after each try, as a worker
+            return await addresses[next(tries) % len(addresses)].dial(host)
 
         async def attempt(deadline: float) -> None:
             ended = await fake_worker(dial, index, token=token, train_seconds=train_seconds)
@@ -313,24 +432,60 @@ def simulate(
         if not ends[index] or ends[index][-1] != "goodbye":
             await policy.run(attempt, rejoin=bool(ends[index]))
 
+    async def relay(index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        cpu.mark("relays")
+        site = Relay(
+            RelayConfig(connect="shepherd:8080", worker_id=f"relay-{index}", give_up_after=3600.0),
+            token=token,
+            say=lambda line: None,
+        )
+
+        async def dial(deadline: float) -> trio.abc.Stream:
+            try:
+                return await network.dial(f"172.16.{index >> 8 & 255}.{index & 255}")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise ConnectionLost("the shepherd is not listening") from None
+
+        async with trio.open_nursery() as nursery:
+
+            async def kill() -> None:  # as a process killed: every link ends, nobody listens
+                await relay_down.wait()
+                await sites[index].aclose()
+                nursery.cancel_scope.cancel()
+
+            async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                await site.run(listeners=[sites[index]], dial=dial, task_status=task_status)
+                nursery.cancel_scope.cancel()
+
+            if index == 0 and relay_down_after is not None:
+                nursery.start_soon(kill)
+            await nursery.start(serve)
+            task_status.started()
+
     async def main() -> None:
         async with trio.open_nursery() as nursery:
 
             async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                cpu.mark("shepherd")
                 await shepherd.run(listeners=[network], task_status=task_status)
-                nursery.cancel_scope.cancel()  # the fakes still backing off, too
+                nursery.cancel_scope.cancel()  # the fakes still backing off, and the relays
 
             await nursery.start(run)
+            for r in range(relays):
+                await nursery.start(relay, r)
+            while len(shepherd.pool.relays.live) < relays:  # the fakes join through them
+                await trio.sleep(0.1)
             for i in range(workers):
                 stormy = storm_after is not None and i % 3 == 0
                 nursery.start_soon(fake, i, storm if stormy else None)
-            if storm_after is not None:
-                while len(shepherd.state.history) < storm_after:
-                    await trio.sleep(0.5)
-                storm.set()
 
-    trio.run(main, clock=clock or trio.testing.MockClock(autojump_threshold=0))
-    return Simulated(dict(ends), lost)
+    with _time_stands_still_in_threads():
+        trio.run(
+            main,
+            clock=clock or trio.testing.MockClock(autojump_threshold=0),
+            instruments=[cpu],
+        )
+    return Simulated(dict(ends), lost, cpu.seconds())
 
 
 def _address(index: int) -> str:

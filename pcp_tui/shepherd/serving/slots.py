@@ -116,7 +116,14 @@ def holding_reason(
     (`kept`). Both callables read every link, so they are asked only once the link's own
     state allows it (the watchdog asks each link every second)."""
     first = link.rounds.first_delivered
-    if first is None or _earned(link) or now < first + kept(link, silent, ready_timeout):
+    if first is None or _earned(link):
+        return ""
+    # `silent()` is at least the grace: below the bound that needs no other link, nothing
+    # reads every link (each link's watchdog asked it every second, so round 1 of N workers
+    # cost N² steps: a quarter of a 4,000-worker run's CPU)
+    if now < first + kept(link, lambda: evictable_after(ready_timeout), ready_timeout):
+        return ""
+    if now < first + kept(link, silent, ready_timeout):
         return ""
     if not holds_a_round():
         return ""
