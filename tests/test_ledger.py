@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from pcp_tui.shepherd.run.ledger import ShardLedger
 
 
@@ -68,3 +71,74 @@ def test_a_worker_refused_before_it_trained_gives_its_shard_back_as_if_never_hel
     assert ledger.assign("b") == (1, False)  # its own shard again, not an adoption
     assert ledger.assign("b") == (1, False)  # a replaced connection, refused: it held it
     assert ledger.withdraw("b") == 1
+
+
+class _Oracle:
+    """The ledger's rules read off whole lists each time (as it was written before it kept
+    indexes): what `ShardLedger` must decide, join by join."""
+
+    def __init__(self, shards: int):
+        self.owners: list[list[str]] = [[] for _ in range(shards)]
+        self.last: dict[str, int] = {}
+        self.before: dict[str, tuple[int | None, bool]] = {}
+
+    def shard_of(self, worker: str) -> int | None:
+        return next((i for i, owners in enumerate(self.owners) if worker in owners), None)
+
+    def assign(self, worker: str) -> tuple[int, bool]:
+        held, previous = self.shard_of(worker), self.last.get(worker)
+        self.before[worker] = (previous, held is not None)
+        if held is not None:
+            return held, False
+        free = [i for i, owners in enumerate(self.owners) if not owners]
+        if previous is not None and not self.owners[previous]:
+            chosen = previous
+        elif free:
+            chosen = free[0]
+        else:
+            chosen = min(range(len(self.owners)), key=lambda i: (len(self.owners[i]), i))
+        adopted = (
+            chosen != previous
+            and not self.owners[chosen]
+            and any(i == chosen and w != worker for w, i in self.last.items())
+        )
+        self.owners[chosen].append(worker)
+        self.last[worker] = chosen
+        return chosen, adopted
+
+    def release(self, worker: str) -> int | None:
+        shard = self.shard_of(worker)
+        if shard is None:
+            return None
+        self.owners[shard].remove(worker)
+        return None if self.owners[shard] else shard
+
+    def withdraw(self, worker: str) -> int | None:
+        shard = self.shard_of(worker)
+        previous, held = self.before.pop(worker, (self.last.get(worker), True))
+        if shard is None:
+            return None
+        self.owners[shard].remove(worker)
+        if previous is None:
+            del self.last[worker]
+        else:
+            self.last[worker] = previous
+        return shard if held and not self.owners[shard] else None
+
+
+@given(
+    shards=st.integers(1, 6),
+    steps=st.lists(
+        st.tuples(st.sampled_from(["assign", "release", "withdraw"]), st.integers(0, 9)),
+        max_size=60,
+    ),
+)
+def test_the_ledger_decides_every_join_and_leave_as_the_rules_read_off_whole_lists(shards, steps):
+    """Joins, leaves and refusals in any order, workers coming back, more workers than shards:
+    each shard given, adoption, orphan and checkpointed last holder is the oracle's."""
+    ledger, oracle = ShardLedger(shards), _Oracle(shards)
+    for op, worker in steps:
+        name = f"w{worker}"
+        assert getattr(ledger, op)(name) == getattr(oracle, op)(name), (op, name)
+        assert ledger.orphaned() == [i for i, o in enumerate(oracle.owners) if not o]
+        assert ledger.as_meta()["last_shard"] == oracle.last

@@ -115,7 +115,8 @@ class CenteredClip:
         self._sum: dict[str, np.ndarray] = {}  # the partial's buffers, kept from round to round
         self.threads = fused.THREADS  # threads of each fold and of the close
         self._medians: collections.deque[float] = collections.deque(maxlen=rounds)
-        self._held: list[tuple[str, dict[str, np.ndarray], float, float]] = []
+        # key -> (result, weight, distance): a round's results without a radius yet
+        self._held: dict[str, tuple[dict[str, np.ndarray], float, float]] = {}
         self.center: dict[str, np.ndarray] | None = None
         self.center_scale = 0.0  # the step_scale of the round the center comes from (0: unknown)
         self.radius = math.inf
@@ -126,7 +127,7 @@ class CenteredClip:
 
     @property
     def total_weight(self) -> float:
-        return self.partial.weight + sum(weight for _, _, weight, _ in self._held)
+        return self.partial.weight + sum(weight for _, weight, _ in self._held.values())
 
     @property
     def contributors(self) -> int:
@@ -134,7 +135,7 @@ class CenteredClip:
 
     def reset(self) -> None:
         """Start a round: its radius comes from the distances of earlier rounds."""
-        self._held, self._centered, self._closed = [], False, False
+        self._held, self._centered, self._closed = {}, False, False
         self.radius = self._radius(self._medians) if self._medians else math.inf
         self.partial = self._partial(self._sum)
 
@@ -190,10 +191,10 @@ class CenteredClip:
         self._open()
         key = key or f"#{self.contributors}"
         if not self._medians:
-            if key in self.partial.results or any(key == k for k, *_ in self._held):
+            if key in self.partial.results or key in self._held:
                 raise ValueError(f"result {key!r} is already folded into this round")
             result = {n: np.array(pseudo_gradient[n], np.float32) for n in self._names}
-            self._held.append((key, result, weight, distance(result, self.center)))
+            self._held[key] = (result, weight, distance(result, self.center))
             return
         self.partial.threads = self.threads
         self.partial.add(key, pseudo_gradient, weight)
@@ -219,11 +220,11 @@ class CenteredClip:
         self._closed = True
         if self._held:
             per_scale = self.step_scale if self.step_scale > 0 else math.inf
-            self.radius = self._radius([gap / per_scale for *_, gap in self._held])
+            self.radius = self._radius([gap / per_scale for *_, gap in self._held.values()])
             self.partial = self._partial(self._sum)
-            for key, result, weight, gap in self._held:
+            for key, (result, weight, gap) in self._held.items():
                 self.partial.add(key, result, weight, gap=gap)
-            self._held = []
+            self._held = {}
         if not self.partial.results:
             raise ValueError("no pseudo-gradient was added")
         sums = self.partial.sums

@@ -577,21 +577,42 @@ async def _until_overdue(
     (`Round.stranger`)."""
     while not current.done.is_set():
         now = trio.current_time()
-        due = []
+        waiting: list[str] = []  # not overdue yet: no window started, uploading, or due later
+        wake = math.inf
         for worker in current.pending:
-            delivered = current.delivered(worker)
-            if delivered is not None and not current.receiving(worker):
-                if current.unproven(worker):  # its last result did no work
-                    due.append(delivered + (window if probation is None else probation))
-                    continue
-                joined = current.stranger(worker)
-                if joined is not None and probation is not None:  # nothing shown yet
-                    due.append(delivered + min(window, max(probation, factor * joined)))
-                    continue
-                own = min(current.usual_seconds(worker), factor * window)
-                due.append(delivered + max(window, factor * own))
-        if len(due) == len(current.pending) and all(d <= now for d in due):
+            due = _due(current, worker, window, factor, probation)
+            if due is None:
+                waiting.append(worker)
+                wake = min(wake, now + RECHECK_SECONDS)
+            elif due > now:
+                waiting.append(worker)
+                wake = min(wake, due)
+        if not waiting:
             return
-        later = [d for d in due if d > now]
-        recheck = now + RECHECK_SECONDS if len(due) < len(current.pending) else math.inf
-        await current.changed(min([*later, recheck]))
+        # Only a waiting worker's leaving, or the clock, can make every pending worker
+        # overdue: until then a result's arrival does not look at every pending worker again
+        # (each arrival did, so a round of N results took N² steps).
+        gone = 0
+        while not current.done.is_set() and trio.current_time() < wake:
+            while gone < len(waiting) and waiting[gone] not in current.pending:
+                gone += 1
+            if gone == len(waiting):
+                break
+            await current.changed(wake)
+
+
+def _due(
+    current: Round, worker: str, window: float, factor: float, probation: float | None
+) -> float | None:
+    """When `worker`'s window in `current` ends (`_until_overdue`), or None while its
+    roundStart is on its way or its result is arriving."""
+    delivered = current.delivered(worker)
+    if delivered is None or current.receiving(worker):
+        return None
+    if current.unproven(worker):  # its last result did no work
+        return delivered + (window if probation is None else probation)
+    joined = current.stranger(worker)
+    if joined is not None and probation is not None:  # nothing shown yet
+        return delivered + min(window, max(probation, factor * joined))
+    own = min(current.usual_seconds(worker), factor * window)
+    return delivered + max(window, factor * own)

@@ -11,6 +11,8 @@ is kept per shard, so a report can say which part of the data fell behind.
 
 from __future__ import annotations
 
+import collections
+import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,11 @@ class ShardLedger:
         self._last: dict[str, int] = {}  # worker id -> the shard it held last
         # worker id -> (its last shard, whether it held it) before its latest `assign`
         self._before: dict[str, tuple[int | None, bool]] = {}
+        self._holds: dict[str, int] = {}  # worker id -> the shard it holds now (`shard_of`)
+        # shards that may have no owner (a heap; ones taken since are skipped) and how many
+        # workers held each last: a join looks at neither list whole (N joins were N² steps)
+        self._free = list(range(shard_count))
+        self._last_holders: collections.Counter[int] = collections.Counter()
 
     def assign(self, worker_id: str) -> tuple[int, bool]:
         """The shard `worker_id` trains from now on, and whether it adopts an orphan.
@@ -46,23 +53,22 @@ class ShardLedger:
         self._before[worker_id] = (previous, held is not None)
         if held is not None:
             return held, False
-        free = [s for s in self.shards if not s.owners]
+        free = self._first_free()
         if previous is not None and not self.shards[previous].owners:
             chosen = self.shards[previous]
-        elif free:
-            chosen = free[0]
+        elif free is not None:
+            chosen = free
         else:
             chosen = min(self.shards, key=lambda s: (len(s.owners), s.index))
+        # another worker held it last (this one's last is `previous`, not it)
         adopted = (
             chosen.index != previous
             and not chosen.owners
-            and any(
-                index == chosen.index and worker != worker_id
-                for worker, index in self._last.items()
-            )
+            and bool(self._last_holders[chosen.index])
         )
         chosen.owners.append(worker_id)
-        self._last[worker_id] = chosen.index
+        self._holds[worker_id] = chosen.index
+        self._held_last(worker_id, chosen.index)
         return chosen.index, adopted
 
     def release(self, worker_id: str) -> int | None:
@@ -72,6 +78,9 @@ class ShardLedger:
             return None
         owners = self.shards[shard].owners
         owners.remove(worker_id)
+        del self._holds[worker_id]
+        if not owners:
+            heapq.heappush(self._free, shard)
         return None if owners else shard
 
     def withdraw(self, worker_id: str) -> int | None:
@@ -85,10 +94,10 @@ class ShardLedger:
             return None
         owners = self.shards[shard].owners
         owners.remove(worker_id)
-        if previous is None:
-            del self._last[worker_id]
-        else:
-            self._last[worker_id] = previous
+        del self._holds[worker_id]
+        if not owners:
+            heapq.heappush(self._free, shard)
+        self._held_last(worker_id, previous)
         return shard if held and not owners else None
 
     def trained(self, shard: int | None, tokens: int) -> None:
@@ -98,10 +107,24 @@ class ShardLedger:
             self.shards[shard].tokens += tokens
 
     def shard_of(self, worker_id: str) -> int | None:
-        for shard in self.shards:
-            if worker_id in shard.owners:
-                return shard.index
-        return None
+        return self._holds.get(worker_id)
+
+    def _first_free(self) -> Shard | None:
+        """The lowest shard nobody holds, or None."""
+        while self._free and self.shards[self._free[0]].owners:
+            heapq.heappop(self._free)
+        return self.shards[self._free[0]] if self._free else None
+
+    def _held_last(self, worker_id: str, shard: int | None) -> None:
+        """`worker_id` held `shard` last (None: nothing)."""
+        old = self._last.get(worker_id)
+        if old is not None:
+            self._last_holders[old] -= 1
+        if shard is None:
+            self._last.pop(worker_id, None)
+        else:
+            self._last[worker_id] = shard
+            self._last_holders[shard] += 1
 
     def orphaned(self) -> list[int]:
         """Shards no live worker trains."""
@@ -126,3 +149,4 @@ class ShardLedger:
             for worker, index in meta.get("last_shard", {}).items()
             if 0 <= int(index) < len(self.shards)
         }
+        self._last_holders = collections.Counter(self._last.values())

@@ -243,6 +243,8 @@ class WorkerPool:
     def _busy(self, previous: WorkerLink | None, cap: int) -> tuple[protocol.ErrorCode, str] | None:
         """(busy, why) when the admitted connections, `previous` (being replaced) aside, are
         at --max-worker-connections; else None."""
+        if len(self._links) < cap:  # the count below is of every link (a join's N)
+            return None
         live = sum(1 for link in self._links.values() if not link.closed and link is not previous)
         if live >= cap:
             return protocol.ErrorCode.BUSY, (
