@@ -192,12 +192,7 @@ def simulated(counts: list[int], rounds: int, relays: int) -> None:
     rows = []
     for count in counts:
         for tree in (0, relays) if relays else (0,):
-            # the caps as the real-socket runs set them: every fake joins where it dials
-            # (at the default 64 handshakes at once, a relay's workers turned away at the
-            # root fail over to it directly, as `--connect RELAY,SHEPHERD` workers do)
-            shepherd = stand_in_shepherd(
-                count, rounds, relays=tree, max_handshakes=count, max_handshakes_per_host=count
-            )
+            shepherd = stand_in_shepherd(count, rounds, relays=tree)
             cpu_at_round: list[float] = []  # the shepherd's CPU seconds as each round ended
             root_bytes: list[int] = []  # through its links: its relays' and direct workers'
             relayed: list[int] = []  # workers carried by relays as each round ended

@@ -15,8 +15,10 @@ connection per site instead of one per worker, and a round's parameters and
 each fragment's update cross the shepherd's link once and are repeated to the
 site's workers here.
 
-A worker that connects while the relay has no link to the shepherd is told so
-(busy) and retries (its --give-up-after); when the link is lost every worker's
+A worker that connects while the relay has no link to the shepherd (or carries its
+--max-workers) is told so (unavailable) and tries its next --connect address, or this
+one again within its --give-up-after; one the shepherd is too busy to take now (its
+handshake cap) is told busy, and tries this relay again, not the shepherd directly; when the link is lost every worker's
 connection ends, as a lost shepherd connection does, and the relay reconnects
 within its own --give-up-after. The shepherd's goodbye at the end of the run
 ends the relay (exit 0), unless the run can be resumed.
@@ -207,7 +209,7 @@ class Relay:
                 else f"relay {self.name} carries its --max-workers already"
             )
             log.info("turned %s away: %s", peer, why)
-            await self._turn_away(raw, why)  # the worker retries within its --give-up-after
+            await self._turn_away(raw, why)  # the worker tries its next --connect address
             return
         self.carried += 1
         stream: trio.abc.Stream = raw
@@ -230,14 +232,15 @@ class Relay:
                 await trio.aclose_forcefully(stream)
 
     async def _turn_away(self, raw: trio.abc.Stream, why: str) -> None:
-        """Tell a worker why this relay cannot carry it now (busy: it retries), then close."""
+        """Tell a worker why this relay cannot carry it now (unavailable: it tries its next
+        --connect address, or this one again within its --give-up-after), then close."""
         stream: trio.abc.Stream = raw
         with trio.move_on_after(TLS_SECONDS):
             try:
                 if self.server_tls is not None:
                     stream = await self.server_tls.accept(raw)
                 await protocol.MessageStream(stream).send_error(
-                    protocol.ErrorCode.BUSY, f"{why}: retrying"
+                    protocol.ErrorCode.UNAVAILABLE, f"{why}: retrying"
                 )
             except LINK_ERRORS as exc:
                 log.info("worker %s: %s", peer_name(raw), exc)

@@ -92,6 +92,7 @@ class ErrorCode(enum.StrEnum):
     BUSY = "busy"
     UNSUPPORTED_BACKEND = "unsupportedBackend"
     ID_IN_USE = "idInUse"  # another live connection holds this worker id
+    UNAVAILABLE = "unavailable"  # a relay that cannot carry a worker now: the next address
 
 
 class RelayOp(enum.StrEnum):

@@ -276,6 +276,7 @@ enum ErrorCode {
   busy @9;
   unsupportedBackend @10;
   idInUse @11;  # another live connection holds this worker id: final, start with another --id
+  unavailable @12;  # a relay that cannot carry a worker now (no link, full): try the next address
 }
 
 struct Error {

@@ -9,6 +9,8 @@ takes relays only when its operator says so.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import trio
@@ -203,7 +205,7 @@ async def test_a_worker_at_a_relay_not_yet_joined_is_told_why():
         stream = protocol.MessageStream(await trio.open_tcp_stream("127.0.0.1", port))
         with pytest.raises(
             ConnectionLost,
-            match=f"{where} reported an error \\(busy\\): relay "
+            match=f"{where} reported an error \\(unavailable\\): relay "
             "site-a has no link to its shepherd \\(yet\\): retrying",
         ):
             await expect_hello(stream, where)
@@ -427,3 +429,37 @@ async def test_a_relay_that_reads_nothing_cannot_hold_up_the_shepherds_goodbye(a
         await shepherd.say_goodbye("run finished")
         assert shepherd.ended is not None
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("code", "order"),
+    [
+        (protocol.ErrorCode.BUSY, ["relay", "relay", "relay"]),
+        (protocol.ErrorCode.UNAVAILABLE, ["relay", "shepherd", "relay"]),
+    ],
+)
+async def test_a_worker_told_busy_tries_its_relay_again_and_one_told_unavailable_moves_on(
+    code, order
+):
+    """`--connect RELAY,SHEPHERD`: a relay that answers `busy` (the shepherd behind it cannot
+    take the worker yet) is dialled again, not the shepherd directly, which is as busy; one
+    that answers `unavailable` (no link, full) sends the worker to the next address, and
+    round again. Both addresses answer over real sockets on 127.0.0.1 to a real `Worker`."""
+    dialled: list[str] = []
+
+    async def answer(name: str, error: protocol.ErrorCode, stream: trio.SocketStream) -> None:
+        dialled.append(name)
+        await protocol.MessageStream(stream).send_error(error, "not now")
+        await stream.aclose()
+
+    relay = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    shepherd = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    ports = [listeners[0].socket.getsockname()[1] for listeners in (relay, shepherd)]
+    worker = local_worker(0, connect=",".join(f"127.0.0.1:{port}" for port in ports))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, partial(answer, "relay", code), relay)
+        nursery.start_soon(trio.serve_listeners, partial(answer, "shepherd", code), shepherd)
+        nursery.start_soon(worker.run)
+        await until(lambda: len(dialled) >= len(order))
+        nursery.cancel_scope.cancel()
+    assert dialled[: len(order)] == order

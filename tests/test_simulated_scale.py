@@ -57,29 +57,41 @@ RELAYS, SITE_WORKERS = 8, 400
 def relayed():
     """400 fakes through 8 real relays (fake i joins relay i mod 8, the shepherd next, as
     `--connect RELAY,SHEPHERD` does), 4 rounds; relay 0 is killed as round 2 ends. Also
-    returns how many workers relay 0 carried then."""
+    returns how many workers were behind relays as each round ended."""
     shepherd = stand_in_shepherd(SITE_WORKERS, rounds=4, relays=RELAYS)
-    carried: list[int] = []
+    relayed: list[int] = []
 
     def note(event) -> None:  # before the kill: `simulate` subscribes after this
-        if isinstance(event, RoundDone) and event.record.round == 2:
-            carried.append(shepherd.pool.relays.live["relay-0"].workers)
+        if isinstance(event, RoundDone):
+            relayed.append(sum(v.workers for v in shepherd.pool.relays.live.values()))
 
     shepherd.state.subscribe(note)
     run = simulate(shepherd, SITE_WORKERS, relays=RELAYS, train_seconds=5.0, relay_down_after=2)
-    return shepherd, run, carried[0]
+    return shepherd, run, relayed
+
+
+def test_workers_that_dial_their_relays_at_once_all_stay_behind_them(relayed):
+    """All 400 dial their relays at once, past the shepherd's 64 unfinished handshakes: the
+    ones it cannot take yet are told busy and try their relay again (not the shepherd
+    directly, which had left 64 of 1,024 behind 32 relays), so rounds 1 and 2 count every
+    worker, every one through a relay."""
+    shepherd, _, behind = relayed
+    history = shepherd.state.history
+    assert [(r.workers, r.relays) for r in history[:2]] == [(SITE_WORKERS, RELAYS)] * 2
+    assert behind[:2] == [SITE_WORKERS] * 2
 
 
 def test_a_relay_killed_mid_run_loses_its_workers_once_and_they_fail_over(relayed):
-    """Rounds 1 and 2 count every worker, through all 8 relays. Relay 0 dies as round 3
-    starts: each worker it carried is lost once and joins the shepherd directly; round 4
-    counts all 400 again through the 7 relays left and the shepherd, and no result counts
-    twice (each round's tokens are its workers' tokens, each worker id once)."""
-    shepherd, run, carried = relayed
+    """Relay 0 dies as round 3 starts: each of its 50 workers is lost once and joins the
+    shepherd directly; round 4 counts all 400 again through the 7 relays left and the
+    shepherd, and no result counts twice (each round's tokens are its workers' tokens,
+    each worker id once)."""
+    shepherd, run, behind = relayed
     history = shepherd.state.history
-    assert [(r.workers, r.relays) for r in history[:2]] == [(SITE_WORKERS, RELAYS)] * 2
-    assert carried > 0 and len(run.lost) == carried
+    carried = SITE_WORKERS // RELAYS
+    assert len(run.lost) == carried
     assert (history[3].workers, history[3].relays) == (SITE_WORKERS, RELAYS - 1)
+    assert behind[3] == SITE_WORKERS - carried
     per_worker = history[0].tokens // SITE_WORKERS
     for record in history:
         assert len(set(record.worker_ids)) == record.workers

@@ -85,6 +85,13 @@ class ConnectionLost(ConnectionEnded):
     """
 
 
+class Busy(ConnectionLost):
+    """The peer answered and asked to be tried again later (`busy`): a worker retries the same
+    address. Behind a relay that is the shepherd's answer, and the next address (the
+    shepherd itself) would be as busy: 1,000 workers that dialled their relays at once
+    met the shepherd's handshake cap and fell over to it directly, and the tree was gone."""
+
+
 class RunOver(ConnectionEnded):
     """The shepherd said goodbye: the run is finished."""
 
@@ -148,7 +155,8 @@ def ended_by(
             f"{peer} refused this {who} ({error.code.value}): {message}",
             code=error.code.value,
         )
-    return ConnectionLost(f"{peer} reported an error ({error.code.value}): {message}")
+    lost = Busy if error.code == protocol.ErrorCode.BUSY else ConnectionLost
+    return lost(f"{peer} reported an error ({error.code.value}): {message}")
 
 
 class Connection:

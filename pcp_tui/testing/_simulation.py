@@ -407,15 +407,18 @@ def simulate(
         policy = Reconnect(give_up_after=3600.0)
         host = _address(index)
         addresses = [network] if not sites else [sites[index % len(sites)], network]
-        tries = itertools.count()
+        at = 0
 
-        async def dial() -> trio.abc.Stream:  # the next address after each try, as a worker
-            return await addresses[next(tries) % len(addresses)].dial(host)
+        async def dial() -> trio.abc.Stream:
+            return await addresses[at % len(addresses)].dial(host)
 
         async def attempt(deadline: float) -> None:
+            nonlocal at
             ended = await fake_worker(dial, index, token=token, train_seconds=train_seconds)
             ends[index].append(ended)
             if ended != "goodbye":
+                if not ended.startswith("busy"):  # as a worker: the same address if busy
+                    at += 1
                 raise ConnectionLost(ended)
 
         if storm is not None:

@@ -29,6 +29,7 @@ from pcp_tui.contract import keys
 from pcp_tui.contract import plan as contract
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
+    Busy,
     Connection,
     ConnectionEnded,
     ConnectionLost,
@@ -194,6 +195,8 @@ class Session:
             if not done and not exc.ready:  # welcomed, then failed: no fresh budget for that
                 raise ConnectionLost(f"{exc}, before this worker was ready") from exc
             return done
+        except Busy:  # it answered: the same address again (`Busy`)
+            raise
         except ConnectionLost:  # before the welcome: the next address, if there is one
             self._next_address()
             raise
@@ -247,6 +250,8 @@ class Session:
             raise ConnectionLost(str(exc)) from None
         except protocol.VersionMismatch as exc:
             raise Refused(str(exc)) from None
+        except Busy:
+            raise
         except (ConnectionLost, *LINK_ERRORS) as exc:
             raise ConnectionLost(f"connection lost ({exc})") from None
 

@@ -23,7 +23,7 @@ import trio
 from pcp_tui import protocol
 from pcp_tui.config import ConfigError, RunConfig
 from pcp_tui.config.service import NetworkConfig
-from pcp_tui.contract.connection import Refused
+from pcp_tui.contract.connection import LINK_ERRORS, Refused
 from pcp_tui.contract.tls import ServerTLS
 from pcp_tui.contract.trace import MessageTrace
 from pcp_tui.shepherd.run.events import PeerRefused, WorkerKeysRead
@@ -226,8 +226,8 @@ class Admission:
         """Handshake with a fresh connection; None (connection closed, refusal logged) if it fails.
 
         `peer`: who it is, where the stream cannot say (a relay's channel: the relay's name
-        and the worker's address); `tls`: False where the stream is inside TLS already;
-        `channel`: the certificate the worker saw, where not this shepherd's (a relay's).
+        and the worker's address); `tls`: False for a relay's channel (inside the relay's
+        link, TLS or not); `channel`: the certificate the worker saw, where not this shepherd's (a relay's).
         """
         peer = peer or peer_name(raw)
         host = peer.rpartition(":")[0] or peer
@@ -237,9 +237,10 @@ class Admission:
                 if self._pending[host] >= self.max_per_host
                 else f"{self.pending} in all"
             )
-            self.refusals.refused(
-                host, peer, f"too many unfinished handshakes ({busy})", verb="closed", code="busy"
-            )
+            why = f"too many unfinished handshakes ({busy})"
+            self.refusals.refused(host, peer, why, verb="closed", code="busy")
+            if not tls:  # a relay's channel: told, so its worker retries the relay (`Busy`)
+                await _tell_busy(raw, f"the shepherd has {why}: retrying")
             await trio.aclose_forcefully(raw)
             return None
         self._pending[host] += 1
@@ -340,6 +341,15 @@ async def _close(stream: trio.abc.Stream) -> None:
     """Close without waiting on the peer (a TLS close_notify to a full buffer would)."""
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
         await trio.aclose_forcefully(stream)
+
+
+async def _tell_busy(stream: trio.abc.Stream, why: str) -> None:
+    """Say `busy` on a relay's channel (its link's frames are cheap; a flood of sockets is
+    closed unanswered): the worker's relay is up, and the worker tries it again rather than
+    the shepherd itself, which is as busy."""
+    with trio.move_on_after(1.0):
+        with contextlib.suppress(*LINK_ERRORS):
+            await protocol.MessageStream(stream).send_error(protocol.ErrorCode.BUSY, why)
 
 
 def peer_name(stream: trio.abc.Stream) -> str:
