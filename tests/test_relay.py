@@ -33,6 +33,7 @@ from pcp_tui.testing import (
     until,
 )
 from pcp_tui.training.build import build_workload
+from pcp_tui.worker.session import BUSY_TRIES
 
 from .conftest import small_config
 
@@ -434,7 +435,7 @@ async def test_a_relay_that_reads_nothing_cannot_hold_up_the_shepherds_goodbye(a
 @pytest.mark.parametrize(
     ("code", "order"),
     [
-        (protocol.ErrorCode.BUSY, ["relay", "relay", "relay"]),
+        (protocol.ErrorCode.BUSY, ["relay"] * BUSY_TRIES + ["shepherd"]),
         (protocol.ErrorCode.UNAVAILABLE, ["relay", "shepherd", "relay"]),
     ],
 )
@@ -442,8 +443,8 @@ async def test_a_worker_told_busy_tries_its_relay_again_and_one_told_unavailable
     code, order
 ):
     """`--connect RELAY,SHEPHERD`: a relay that answers `busy` (the shepherd behind it cannot
-    take the worker yet) is dialled again, not the shepherd directly, which is as busy; one
-    that answers `unavailable` (no link, full) sends the worker to the next address, and
+    take the worker yet) is dialled again, not the shepherd directly, which is as busy, up to
+    `BUSY_TRIES` times in a row (one that says busy for ever holds nobody); one that answers `unavailable` (no link, full) sends the worker to the next address, and
     round again. Both addresses answer over real sockets on 127.0.0.1 to a real `Worker`."""
     dialled: list[str] = []
 

@@ -29,6 +29,7 @@ from pcp_tui.config.relay import RelayConfig
 from pcp_tui.contract import auth
 from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost
 from pcp_tui.worker.reconnect import Reconnect
+from pcp_tui.worker.session import BUSY_TRIES
 
 if TYPE_CHECKING:
     from pcp_tui.shepherd.coordinator import Shepherd
@@ -407,18 +408,19 @@ def simulate(
         policy = Reconnect(give_up_after=3600.0)
         host = _address(index)
         addresses = [network] if not sites else [sites[index % len(sites)], network]
-        at = 0
+        at = busy = 0
 
         async def dial() -> trio.abc.Stream:
             return await addresses[at % len(addresses)].dial(host)
 
         async def attempt(deadline: float) -> None:
-            nonlocal at
+            nonlocal at, busy
             ended = await fake_worker(dial, index, token=token, train_seconds=train_seconds)
             ends[index].append(ended)
-            if ended != "goodbye":
-                if not ended.startswith("busy"):  # as a worker: the same address if busy
-                    at += 1
+            if ended != "goodbye":  # as a worker: the same address if busy, a few times
+                busy = busy + 1 if ended.startswith("busy") else BUSY_TRIES
+                if busy >= BUSY_TRIES:
+                    at, busy = at + 1, 0
                 raise ConnectionLost(ended)
 
         if storm is not None:

@@ -55,6 +55,12 @@ MIN_HEARTBEAT_SECONDS, MAX_HEARTBEAT_SECONDS = 0.05, 60.0  # what a welcome may 
 log = logging.getLogger("pcp_tui.worker.client")
 
 
+# `busy` answers in a row after which a worker tries its next --connect address: a relay
+# whose shepherd is busy is tried again (the shepherd directly is as busy), but one that
+# says busy for ever (broken, or hostile) holds its workers no longer than this
+BUSY_TRIES = 3
+
+
 class CannotRun(Refused):
     """This worker cannot compile or run the plan's graphs: it tells the shepherd and leaves.
 
@@ -106,6 +112,7 @@ class Session:
         # --connect: where to try, in turn: after a failed or lost connection, the next
         self.addresses = connection.addresses
         self._at = 0
+        self._busy = 0  # `busy` answers in a row from this address (`BUSY_TRIES`)
         if not connection.token:
             raise ValueError("a worker needs the run's join token (WorkerConfig.token)")
         self.token = connection.token
@@ -195,7 +202,10 @@ class Session:
             if not done and not exc.ready:  # welcomed, then failed: no fresh budget for that
                 raise ConnectionLost(f"{exc}, before this worker was ready") from exc
             return done
-        except Busy:  # it answered: the same address again (`Busy`)
+        except Busy:  # it answered: the same address again (`Busy`), a few times
+            self._busy += 1
+            if self._busy >= BUSY_TRIES:  # one that says busy for ever holds no worker
+                self._next_address()
             raise
         except ConnectionLost:  # before the welcome: the next address, if there is one
             self._next_address()
@@ -207,6 +217,7 @@ class Session:
 
     def _next_address(self) -> None:
         """Try the next --connect address (a relay's, the shepherd's) on the next attempt."""
+        self._busy = 0
         if len(self.addresses) > 1:
             self._at = (self._at + 1) % len(self.addresses)
             self.status.update(shepherd=f"{self.host}:{self.port}")
