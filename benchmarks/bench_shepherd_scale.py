@@ -16,8 +16,10 @@ the streaming token-weighted mean and the outer step.
 `--simulated` runs the fakes in the shepherd's own process over in-memory links on trio's
 virtual clock (`pcp_tui.testing.simulate`): the real round code with thousands of workers,
 each round's seeming training 30 s, and a stand-in model of a few parameters. It prints the
-shepherd's CPU seconds per round and per worker, whose ratio across N says whether a
-round's work grows faster than the number of workers.
+shepherd's CPU seconds per round and per worker (its own: `pcp_tui.testing.CpuByPart`),
+whose ratio across N says whether a round's work grows faster than the number of workers;
+with `--relays R` each N also runs through R real relays in the same loop, and "root MB" is
+what crossed the shepherd's links either way.
 
 With `--relays R`, each N runs twice: flat, and with the fakes spread over R
 `pcp-tui relay` processes (fake i joins relay i mod R). The shepherd's bytes per

@@ -43,6 +43,7 @@ EXPECTED = {
     "bench_resume_clip": (r"^aggregate\s+run\s+eval loss per round", RATIO),
     "bench_shepherd_eval": (r"^\s+eval batches\s+validate\s+busy", RATIO),
     "bench_shepherd_scale": (r"^\s+workers\s+relays\s+round s", RATIO),
+    "bench_shepherd_scale --simulated": (r"^\s+workers\s+relays\s+relayed\s+CPU s", RATIO),
     "bench_site_messages": (r"^method\s+MB/s", RATIO),
     "bench_stragglers": (r"^\| scenario \| rounds with an honest result \|", RATIO),
     "bench_streaming": (r"^\s+run\s+util\s+x plain", RATIO),
@@ -57,21 +58,29 @@ EXPECTED = {
 }
 
 
-def _param(path: Path):
+#: a benchmark's other modes, each smoked too (its EXPECTED key: "name --flag")
+MODES = {"bench_shepherd_scale": ["--simulated"]}
+
+
+def _params():
     marks = [pytest.mark.bench, pytest.mark.e2e]  # each runs as a process of its own
-    return pytest.param(path, marks=marks, id=path.stem)
+    for path in BENCHMARKS:
+        for mode in ["", *MODES.get(path.stem, [])]:
+            name = f"{path.stem} {mode}".strip()
+            yield pytest.param(path, mode, marks=marks, id=name.replace(" --", "-"))
 
 
-@pytest.mark.parametrize("path", [_param(path) for path in BENCHMARKS])
-def test_smoke(path: Path, tmp_path: Path) -> None:
-    assert path.stem in EXPECTED, (
-        f"{path.name}: add its table's first line and its ratio line to EXPECTED in {__file__}"
+@pytest.mark.parametrize(("path", "mode"), _params())
+def test_smoke(path: Path, mode: str, tmp_path: Path) -> None:
+    name = f"{path.stem} {mode}".strip()
+    assert name in EXPECTED, (
+        f"{name}: add its table's first line and its ratio line to EXPECTED in {__file__}"
     )
-    table, ratio = EXPECTED[path.stem]
+    table, ratio = EXPECTED[name]
     env = worker_env()
     env.pop("PYTHONPATH", None)
     done = subprocess.run(
-        [sys.executable, str(path), "--smoke"],
+        [sys.executable, str(path), "--smoke", *mode.split()],
         cwd=tmp_path,
         env=env,
         capture_output=True,

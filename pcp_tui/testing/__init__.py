@@ -60,6 +60,7 @@ from pcp_tui.testing._processes import (
     worker_env,
 )
 from pcp_tui.testing._simulation import (
+    CpuByPart,
     SimulatedNetwork,
     fake_worker,
     pseudo_gradient,
@@ -108,6 +109,7 @@ __all__ = [
     "fake_worker",
     "pseudo_gradient",
     "simulate",
+    "CpuByPart",
     "stand_in",
     "stand_in_shepherd",
 ]
