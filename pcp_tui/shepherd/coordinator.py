@@ -448,7 +448,7 @@ class Shepherd:
 
     async def _wait_for_workers(self, count: int, message: str) -> None:
         announced = False
-        while self._stop_reason is None and len(self.pool.ready_links()) < count:
+        while self._stop_reason is None and not self.pool.has_ready(count):
             if not announced:
                 late = self.pool.sitting_out_line()  # connected, but owing an old round's result
                 self.state.emit(Waiting(f"{message}; {late}" if late else message))

@@ -107,6 +107,11 @@ class WorkerPool:
             if link.ready.is_set() and not link.closed and not link.rounds.behind
         ]
 
+    def has_ready(self, count: int) -> bool:
+        """Whether `count` links are ready for a round (`ready_links`); while fewer links are
+        open than that, without looking at each (a run's first N joins were N² looks)."""
+        return len(self._links) >= count and len(self.ready_links()) >= count
+
     async def compiling_ready(self) -> None:
         """Wait until every connection compiling now is ready or gone, each at most the grace
         (`slots.evictable_after`) from its welcome. The shepherd calls it before it repeats a
