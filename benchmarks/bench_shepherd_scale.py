@@ -228,7 +228,8 @@ def simulated(counts: list[int], rounds: int, relays: int) -> None:
             )
     print("\nshepherd scale, simulated (virtual clock, in-memory links, 30 s rounds)")
     print(
-        f"{'workers':>8}{'relays':>7}{'relayed':>8}{'CPU s/round':>13}{'ms/worker':>11}{'root MB':>9}"
+        f"{'workers':>8}{'relays':>7}{'relayed':>8}{'CPU s/round':>13}{'ms/worker':>11}"
+        f"{'root MB':>9}"
         f"{'round s':>9}{'fewest':>8}{'lost':>6}{'wall s':>8}"
     )
     for r in rows:

@@ -18,10 +18,10 @@ site's workers here.
 A worker that connects while the relay has no link to the shepherd (or carries its
 --max-workers) is told so (unavailable) and tries its next --connect address, or this
 one again within its --give-up-after; one the shepherd is too busy to take now (its
-handshake cap) is told busy, and tries this relay again, not the shepherd directly; when the link is lost every worker's
-connection ends, as a lost shepherd connection does, and the relay reconnects
-within its own --give-up-after. The shepherd's goodbye at the end of the run
-ends the relay (exit 0), unless the run can be resumed.
+handshake cap) is told busy, and tries this relay again, not the shepherd directly.
+When the link is lost every worker's connection ends, as a lost shepherd connection
+does, and the relay reconnects within its own --give-up-after. The shepherd's goodbye
+at the end of the run ends the relay (exit 0), unless the run can be resumed.
 """
 
 from __future__ import annotations

@@ -444,8 +444,8 @@ async def test_a_worker_told_busy_tries_its_relay_again_and_one_told_unavailable
 ):
     """`--connect RELAY,SHEPHERD`: a relay that answers `busy` (the shepherd behind it cannot
     take the worker yet) is dialled again, not the shepherd directly, which is as busy, up to
-    `BUSY_TRIES` times in a row (one that says busy for ever holds nobody); one that answers `unavailable` (no link, full) sends the worker to the next address, and
-    round again. Both addresses answer over real sockets on 127.0.0.1 to a real `Worker`."""
+    `BUSY_TRIES` times in a row (one that says busy for ever holds nobody); one that answers
+    `unavailable` (no link, full) sends the worker to the next address, and round again. Both addresses answer over real sockets on 127.0.0.1 to a real `Worker`."""
     dialled: list[str] = []
 
     async def answer(name: str, error: protocol.ErrorCode, stream: trio.SocketStream) -> None:

@@ -3,8 +3,8 @@
 A fake does the real handshake (HMAC), takes the real plan, says ready at once, heartbeats
 as a real worker does, and answers every roundStart (at once, or after a seeming training
 time) with a progress report and a small finite pseudo-gradient of the round's shapes: no
-compute, so what a round costs is the shepherd's. `benchmarks/bench_shepherd_scale.py` runs them over TCP in processes of
-their own; `SimulatedNetwork` runs them in the shepherd's own trio loop over in-memory
+compute, so what a round costs is the shepherd's. `benchmarks/bench_shepherd_scale.py`
+runs them over TCP in processes of their own; `SimulatedNetwork` runs them in the shepherd's own trio loop over in-memory
 links, so that on `trio.testing.MockClock` a run of 1,000 or more of them, with churn and
 reconnect storms, takes seconds: the real round code, in virtual time.
 """

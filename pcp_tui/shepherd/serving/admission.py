@@ -227,7 +227,8 @@ class Admission:
 
         `peer`: who it is, where the stream cannot say (a relay's channel: the relay's name
         and the worker's address); `tls`: False for a relay's channel (inside the relay's
-        link, TLS or not); `channel`: the certificate the worker saw, where not this shepherd's (a relay's).
+        link, TLS or not); `channel`: the certificate the worker saw, where not this
+        shepherd's (a relay's).
         """
         peer = peer or peer_name(raw)
         host = peer.rpartition(":")[0] or peer
