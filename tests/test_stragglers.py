@@ -31,7 +31,7 @@ from pcp_tui.shepherd.rounds.claims import ResultClaims
 from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.rounds.results import Round, collect
 from pcp_tui.shepherd.rounds.sitting_out import caught_up, hung_reason
-from pcp_tui.shepherd.run.state import RunState
+from pcp_tui.shepherd.run.state import RunState, WorkerView
 from pcp_tui.testing import (
     faulty_worker_command,
     memory_link,
@@ -53,6 +53,8 @@ class Link:
     rounds: WorkerRounds = field(default_factory=WorkerRounds)
     admitted_at: float = 0.0  # welcomed, and ready at once unless a test says otherwise
     ready_at: float | None = 0.0
+    worker_id: str = ""
+    view: WorkerView = field(default_factory=lambda: WorkerView("w", 0, "127.0.0.1"))
 
     def paused(self) -> contextlib.AbstractContextManager:
         """What `Round.add` holds while it screens a result (no watchdog here to pause)."""
@@ -173,6 +175,48 @@ def test_a_worker_whose_last_result_was_refused_gets_the_quorums_pace_not_the_fl
 
     closed, current, _ = run_round(window(3.0, 60.0), without_b, participants=("a", "c"))
     assert closed == 6.0  # before: 3 x 500 (its projection), at most 3² x 60 = 540 s
+
+
+def test_a_refusal_during_the_wait_puts_the_refused_worker_on_probation_at_once():
+    """Red team on the straggler wait that looks again only once a waiting worker leaves or
+    the clock reaches the earliest due time: a validated round's check refuses a worker's
+    previous result while the next round waits (`checks.py`, one round later). Its window
+    there is the probation (3 x 2 s) from then on; when b answers at 10 s nobody else is left
+    to wait for, and the round closes then, as it did when every leave made it look again.
+    Before, it waited on to b's old due time (the floor, 60 s), and a worker whose zeros were
+    just refused held the round 50 s more."""
+    network = window(3.0, 60.0)
+    state = RunState(run_id="test", rounds_total=1, settings={})
+    links = {w: Link(worker_id=w) for w in ("a", "b", "c")}
+    links["b"].rounds.answer_seconds[0] = 1.0  # answered before: the floor, no stranger
+    links["c"].rounds.answer_seconds[0] = 40.0  # its own time: 3 x 40 s
+    opened = results.OpenRounds()
+    current = Round(
+        1,
+        list(links),
+        PseudoGradientMean(tuple(SHAPES)),
+        ResultScreen(SHAPES, max_tokens=100),
+        connections=links,
+    )
+    opened.rounds = [current]
+
+    async def script():
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 2.0)
+        await trio.sleep_until(3.0)  # the check of c's previous result refuses it
+        refused = results.BadResult("no gain")
+        results.note_refusal(state, links["c"], 0, 0, refused, opened)
+        await answer(current, "b", 10.0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(script)
+            late = await collect(current, network, state)
+            nursery.cancel_scope.cancel()
+        return trio.current_time(), late
+
+    closed, late = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (closed, late) == (10.0, ["c"])
 
 
 def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():

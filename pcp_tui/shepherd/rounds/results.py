@@ -78,12 +78,18 @@ def data_parallel_bytes(parameter_count: int, inner_steps: int, contributors: in
 
 
 def note_refusal(
-    state: RunState, link: WorkerLink, number: int, fragment: int, exc: BadResult
+    state: RunState,
+    link: WorkerLink,
+    number: int,
+    fragment: int,
+    exc: BadResult,
+    open_rounds: OpenRounds,
 ) -> None:
     """What a refused result of `link`'s (round `number`, `fragment`) does to its sender, as
     the screen refuses it or its check, one round later: a `bad_result` event; it buys no
     time of its own (`Round.usual_seconds`), and the rounds after it do not wait for it until
-    one of its results counts (`sitting_out.py`). The worker is told with `tell_refused`."""
+    one of its results counts (`sitting_out.py`), the ones open now (`open_rounds`) included.
+    The worker is told with `tell_refused`."""
     link.rounds.answer_seconds.pop(fragment, None)
     link.rounds.unproven = max(link.rounds.unproven, 1)
     link.rounds.missed = True  # its work vouches for its slot no more (`slots`)
@@ -99,6 +105,7 @@ def note_refusal(
             refusal=exc.refusal,
         )
     )
+    open_rounds.reconsider(link.worker_id)
 
 
 async def tell_refused(link: WorkerLink, exc: BadResult) -> None:
@@ -128,6 +135,13 @@ class OpenRounds:
         for current in self.rounds:
             if current.bound_to(worker_id, connection):  # not a replaced connection's successor
                 current.finish(worker_id)
+
+    def reconsider(self, worker_id: str) -> None:
+        """`worker_id`'s window may be shorter now (a result of its was refused): every open
+        round it is pending in looks at its pending workers again (`_until_overdue`)."""
+        for current in self.rounds:
+            if worker_id in current.pending:
+                current.reconsider()
 
 
 def weight_shares(networks: Mapping[str, str]) -> dict[str, float]:
@@ -199,6 +213,8 @@ class Round:
         self.bytes_at_start = (0, 0)
         self.done = trio.Event()
         self._changed = trio.Event()  # set (and renewed) whenever a worker leaves `pending`
+        # a pending worker's window was cut since the straggler wait last looked (`reconsider`)
+        self.reconsidered = False
         self._lock = trio.Lock()  # one result is screened and folded in at a time
         self._closed = False
 
@@ -326,6 +342,12 @@ class Round:
         self.pending.discard(worker_id)
         if not self.pending:
             self.done.set()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def reconsider(self) -> None:
+        """A pending worker's window may be shorter now: the straggler wait looks again."""
+        self.reconsidered = True
         self._changed.set()
         self._changed = trio.Event()
 
@@ -576,7 +598,7 @@ async def _until_overdue(
     its own welcome-to-ready time if longer in its first round, within the window
     (`Round.stranger`)."""
     while not current.done.is_set():
-        now = trio.current_time()
+        now, current.reconsidered = trio.current_time(), False
         waiting: list[str] = []  # not overdue yet: no window started, uploading, or due later
         wake = math.inf
         for worker in current.pending:
@@ -589,14 +611,15 @@ async def _until_overdue(
                 wake = min(wake, due)
         if not waiting:
             return
-        # Only a waiting worker's leaving, or the clock, can make every pending worker
-        # overdue: until then a result's arrival does not look at every pending worker again
-        # (each arrival did, so a round of N results took N² steps).
+        # Only a waiting worker's leaving, the clock, or a refusal that cuts a waiting one's
+        # window (`Round.reconsider`) can make every pending worker overdue: until then a
+        # result's arrival does not look at every pending worker again (each arrival did, so
+        # a round of N results took N² steps).
         gone = 0
         while not current.done.is_set() and trio.current_time() < wake:
             while gone < len(waiting) and waiting[gone] not in current.pending:
                 gone += 1
-            if gone == len(waiting):
+            if gone == len(waiting) or current.reconsidered:
                 break
             await current.changed(wake)
 

@@ -657,7 +657,7 @@ class WorkerPool:
         except BadResult as exc:
             assert current is not None  # only a round's add refuses a result
             current.finish(link.worker_id)
-            note_refusal(self.state, link, number, body.fragment, exc)
+            note_refusal(self.state, link, number, body.fragment, exc, self.open_rounds)
             await tell_refused(link, exc)
             return
         if not added:
