@@ -219,6 +219,53 @@ def test_a_refusal_during_the_wait_puts_the_refused_worker_on_probation_at_once(
     assert (closed, late) == (10.0, ["c"])
 
 
+def test_progress_that_shortens_a_workers_own_time_shortens_its_window_at_once():
+    """Red team on the same wait: c's first report (step 1 of 100, 1 s in) projects 100 s, so
+    its window is 2 x 60 s (its own time, up to factor x the window); 6 s in it is at step 60,
+    which projects 10 s: its window is the round's 30 s from then on. b, whose last result
+    was refused, is overdue at 2 s and its late result lands at 8 s. Looking again at every
+    leave closed the round at 30 s; looking only when a waiting worker leaves or the earliest
+    due time comes, at 120 s. A progress report now has its sender's window looked at again
+    (itself, not every pending worker: progress comes a few times a second from each)."""
+    network = window(2.0, 30.0)
+    state = RunState(run_id="test", rounds_total=1, settings={})
+    links = {w: Link(worker_id=w) for w in ("a", "b", "c")}
+    links["b"].rounds.unproven = 1  # the quorum's pace, no floor: 2 x 1 s
+    opened = results.OpenRounds()
+    current = Round(
+        1,
+        list(links),
+        PseudoGradientMean(tuple(SHAPES)),
+        ResultScreen(SHAPES, max_tokens=100),
+        connections=links,
+    )
+    opened.rounds = [current]
+
+    def progress(step: int) -> None:
+        training = protocol.Progress(1, step, 100, 3.0, 1.0, protocol.Phase.TRAINING)
+        links["c"].rounds.progressed(training)
+        opened.reconsider("c")
+
+    async def script():
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await trio.sleep_until(1.0)
+        progress(1)
+        await answer(current, "a", 1.0)
+        await trio.sleep_until(6.0)
+        progress(60)
+        await answer(current, "b", 8.0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(script)
+            late = await collect(current, network, state)
+            nursery.cancel_scope.cancel()
+        return trio.current_time(), late
+
+    closed, late = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (closed, late) == (30.0, ["c"])
+
+
 def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     """A peer answering at once (a liar, or a far smaller model of speed) makes the round's
     window the floor; c's own latest result took 8 s, so it keeps 3 x 8 s."""

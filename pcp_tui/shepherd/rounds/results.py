@@ -137,11 +137,11 @@ class OpenRounds:
                 current.finish(worker_id)
 
     def reconsider(self, worker_id: str) -> None:
-        """`worker_id`'s window may be shorter now (a result of its was refused): every open
-        round it is pending in looks at its pending workers again (`_until_overdue`)."""
+        """`worker_id`'s window may be shorter now (a result of its was refused, or it reported
+        progress): every open round it is pending in looks at it again (`_until_overdue`)."""
         for current in self.rounds:
             if worker_id in current.pending:
-                current.reconsider()
+                current.reconsider(worker_id)
 
 
 def weight_shares(networks: Mapping[str, str]) -> dict[str, float]:
@@ -213,8 +213,8 @@ class Round:
         self.bytes_at_start = (0, 0)
         self.done = trio.Event()
         self._changed = trio.Event()  # set (and renewed) whenever a worker leaves `pending`
-        # a pending worker's window was cut since the straggler wait last looked (`reconsider`)
-        self.reconsidered = False
+        # pending workers whose windows may be shorter since the straggler wait last looked
+        self.reconsidered: set[str] = set()
         self._lock = trio.Lock()  # one result is screened and folded in at a time
         self._closed = False
 
@@ -345,9 +345,9 @@ class Round:
         self._changed.set()
         self._changed = trio.Event()
 
-    def reconsider(self) -> None:
-        """A pending worker's window may be shorter now: the straggler wait looks again."""
-        self.reconsidered = True
+    def reconsider(self, worker_id: str) -> None:
+        """`worker_id`'s window may be shorter now: the straggler wait looks at it again."""
+        self.reconsidered.add(worker_id)
         self._changed.set()
         self._changed = trio.Event()
 
@@ -357,7 +357,8 @@ class Round:
             await self._changed.wait()
 
     async def changed(self, deadline: float) -> None:
-        """Return when a worker leaves `pending`, or at `deadline` (trio's clock)."""
+        """Return when a worker leaves `pending` or is `reconsider`ed, or at `deadline`
+        (trio's clock)."""
         with trio.move_on_at(deadline):
             await self._changed.wait()
 
@@ -598,7 +599,8 @@ async def _until_overdue(
     its own welcome-to-ready time if longer in its first round, within the window
     (`Round.stranger`)."""
     while not current.done.is_set():
-        now, current.reconsidered = trio.current_time(), False
+        now = trio.current_time()
+        current.reconsidered.clear()  # each pending worker is looked at now
         waiting: list[str] = []  # not overdue yet: no window started, uploading, or due later
         wake = math.inf
         for worker in current.pending:
@@ -611,16 +613,23 @@ async def _until_overdue(
                 wake = min(wake, due)
         if not waiting:
             return
-        # Only a waiting worker's leaving, the clock, or a refusal that cuts a waiting one's
-        # window (`Round.reconsider`) can make every pending worker overdue: until then a
-        # result's arrival does not look at every pending worker again (each arrival did, so
-        # a round of N results took N² steps).
+        # Only a waiting worker's leaving, or the clock, can make every pending worker
+        # overdue: until then a result's arrival does not look at every pending worker again
+        # (each arrival did, so a round of N results took N² steps). A worker whose window
+        # may have shortened (a refusal, its progress: `Round.reconsider`) is looked at alone
+        # and can bring the clock's time forward.
         gone = 0
         while not current.done.is_set() and trio.current_time() < wake:
             while gone < len(waiting) and waiting[gone] not in current.pending:
                 gone += 1
-            if gone == len(waiting) or current.reconsidered:
+            if gone == len(waiting):
                 break
+            if current.reconsidered:
+                worker = current.reconsidered.pop()
+                if worker in current.pending:
+                    due = _due(current, worker, window, factor, probation)
+                    wake = min(wake, math.inf if due is None else due)
+                continue
             await current.changed(wake)
 
 

@@ -616,6 +616,7 @@ class WorkerPool:
             if link.progress.admit():  # beyond a few a second: dropped; a flood ends the link
                 self._on_progress(view, body)
                 link.rounds.progressed(body)  # a time of its own for the straggler window
+                self.open_rounds.reconsider(link.worker_id)  # maybe a shorter one
         elif isinstance(body, protocol.RoundResult):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):
