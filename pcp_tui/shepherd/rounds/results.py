@@ -618,15 +618,15 @@ async def _until_overdue(
         # (each arrival did, so a round of N results took N² steps). A worker whose window
         # may have shortened (a refusal, its progress: `Round.reconsider`) is looked at alone
         # and can bring the clock's time forward.
-        gone = 0
+        gone, waits = 0, set(waiting)
         while not current.done.is_set() and trio.current_time() < wake:
             while gone < len(waiting) and waiting[gone] not in current.pending:
                 gone += 1
             if gone == len(waiting):
                 break
-            if current.reconsidered:
+            if current.reconsidered:  # an overdue one's progress changes nothing here
                 worker = current.reconsidered.pop()
-                if worker in current.pending:
+                if worker in waits and worker in current.pending:
                     due = _due(current, worker, window, factor, probation)
                     wake = min(wake, math.inf if due is None else due)
                 continue
