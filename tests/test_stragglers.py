@@ -266,6 +266,22 @@ def test_progress_that_shortens_a_workers_own_time_shortens_its_window_at_once()
     assert (closed, late) == (30.0, ["c"])
 
 
+def test_a_projection_whose_promise_is_broken_buys_no_more_of_the_window():
+    """Red team: a peer that reports "step 1 of 10" 1 s in (10 s projected) and then only
+    heartbeats has factor (4) x 10 s of its own while its projection holds; it holds only
+    until PROMISE_SLACK (2) x 10 s have passed (`WorkerRounds.projected_seconds`: a promise
+    not kept buys nothing more). The straggler wait did not look again then, and the round
+    waited for it to 40 s: factor x the projection, where the promise rule gives 20 s."""
+
+    async def script(current, links):
+        await deliver(current, {"a": 0, "c": 0})
+        links["c"].rounds.progress = (current.number, 1, 10, 1.0)
+        await answer(current, "a", 1.0)
+
+    closed, current, _ = run_round(window(4.0, 5.0), script, participants=("a", "c"))
+    assert closed == 20.0  # the round's window, 5 s, long past once the promise is broken
+
+
 def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     """A peer answering at once (a liar, or a far smaller model of speed) makes the round's
     window the floor; c's own latest result took 8 s, so it keeps 3 x 8 s."""
@@ -303,6 +319,8 @@ def test_a_workers_own_time_counts_up_to_factor_times_the_window(own, closes, so
         await answer(current, "b", 1.0)
 
     closed, current, events = run_round(window(3.0, 5.0), script)
+    if source == "progress" and own < 15:  # its one report's promise breaks at 2 x own first
+        closes = 2 * own
     assert closed == closes  # the round's window is max(5, 3 x 0.5) = 5 s; c's, 3 x min(own, 15)
     assert [e.workers for e in events if e.kind == "stragglers"] == [["c"]]
 
@@ -381,7 +399,8 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
     (60 s) after the honest results came in 3 s. A connection that has shown nothing (no
     progress, no result) is waited for factor x the quorum's time, or factor x its own time
     from welcome to ready if longer (below: 0, said ready at once); once it reports progress
-    it is timed by its own pace (`b`: step 1 of 10 at 5 s projects 50 s, so 3 x 50), and one
+    it is timed by its own pace (`b`: step 1 of 10 at 5 s projects 50 s, so 3 x 50 while that
+    promise holds: 2 x 50), and one
     that has answered before keeps the floor (`d`)."""
 
     async def script(current, links):
@@ -394,7 +413,9 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
     closed, current, events = run_round(
         window(3.0, 60.0), script, participants=("a", "b", "c", "d")
     )
-    assert closed == 150.0  # c: 3 x 2 = 6 s; d: the floor, 60 s; b: 3 x its own 50 s
+    # c: 3 x 2 = 6 s; d: the floor, 60 s; b: 3 x its own 50 s, until that promise breaks
+    # (2 x 50 s: it reported nothing more)
+    assert closed == 100.0
     (stragglers,) = [e for e in events if e.kind == "stragglers"]
     assert stragglers.workers == ["b", "c", "d"]
 

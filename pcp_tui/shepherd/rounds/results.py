@@ -381,6 +381,12 @@ class Round:
             link.rounds.projected_seconds(self.number),
         )
 
+    def promise_ends(self, worker_id: str) -> float:
+        """When `worker_id`'s progress projection for this round stops counting towards its
+        own time (`WorkerRounds.promise_ends`: a promise not kept), or inf."""
+        link = (self.connections or {}).get(worker_id)
+        return math.inf if link is None else link.rounds.promise_ends(self.number)
+
     def unproven(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s was refused and none counted since (`WorkerLink.
         unproven`): once the quorum is in, the round waits for it no longer than for the
@@ -610,14 +616,14 @@ async def _until_overdue(
                 wake = min(wake, now + RECHECK_SECONDS)
             elif due > now:
                 waiting.append(worker)
-                wake = min(wake, due)
+                wake = min(wake, due, current.promise_ends(worker))
         if not waiting:
             return
         # Only a waiting worker's leaving, or the clock, can make every pending worker
         # overdue: until then a result's arrival does not look at every pending worker again
         # (each arrival did, so a round of N results took N² steps). A worker whose window
         # may have shortened (a refusal, its progress: `Round.reconsider`) is looked at alone
-        # and can bring the clock's time forward.
+        # and can bring the clock's time forward; so can a broken promise (its projection).
         gone, waits = 0, set(waiting)
         while not current.done.is_set() and trio.current_time() < wake:
             while gone < len(waiting) and waiting[gone] not in current.pending:
@@ -628,7 +634,8 @@ async def _until_overdue(
                 worker = current.reconsidered.pop()
                 if worker in waits and worker in current.pending:
                     due = _due(current, worker, window, factor, probation)
-                    wake = min(wake, math.inf if due is None else due)
+                    if due is not None:
+                        wake = min(wake, due, current.promise_ends(worker))
                 continue
             await current.changed(wake)
 
