@@ -31,7 +31,7 @@ from pcp_tui.shepherd.rounds.claims import ResultClaims
 from pcp_tui.shepherd.rounds.record import WorkerRounds
 from pcp_tui.shepherd.rounds.results import Round, collect
 from pcp_tui.shepherd.rounds.sitting_out import caught_up, hung_reason
-from pcp_tui.shepherd.run.state import RunState
+from pcp_tui.shepherd.run.state import RunState, WorkerView
 from pcp_tui.testing import (
     faulty_worker_command,
     memory_link,
@@ -53,6 +53,8 @@ class Link:
     rounds: WorkerRounds = field(default_factory=WorkerRounds)
     admitted_at: float = 0.0  # welcomed, and ready at once unless a test says otherwise
     ready_at: float | None = 0.0
+    worker_id: str = ""
+    view: WorkerView = field(default_factory=lambda: WorkerView("w", 0, "127.0.0.1"))
 
     def paused(self) -> contextlib.AbstractContextManager:
         """What `Round.add` holds while it screens a result (no watchdog here to pause)."""
@@ -175,6 +177,111 @@ def test_a_worker_whose_last_result_was_refused_gets_the_quorums_pace_not_the_fl
     assert closed == 6.0  # before: 3 x 500 (its projection), at most 3² x 60 = 540 s
 
 
+def test_a_refusal_during_the_wait_puts_the_refused_worker_on_probation_at_once():
+    """Red team on the straggler wait that looks again only once a waiting worker leaves or
+    the clock reaches the earliest due time: a validated round's check refuses a worker's
+    previous result while the next round waits (`checks.py`, one round later). Its window
+    there is the probation (3 x 2 s) from then on; when b answers at 10 s nobody else is left
+    to wait for, and the round closes then, as it did when every leave made it look again.
+    Before, it waited on to b's old due time (the floor, 60 s), and a worker whose zeros were
+    just refused held the round 50 s more."""
+    network = window(3.0, 60.0)
+    state = RunState(run_id="test", rounds_total=1, settings={})
+    links = {w: Link(worker_id=w) for w in ("a", "b", "c")}
+    links["b"].rounds.answer_seconds[0] = 1.0  # answered before: the floor, no stranger
+    links["c"].rounds.answer_seconds[0] = 40.0  # its own time: 3 x 40 s
+    opened = results.OpenRounds()
+    current = Round(
+        1,
+        list(links),
+        PseudoGradientMean(tuple(SHAPES)),
+        ResultScreen(SHAPES, max_tokens=100),
+        connections=links,
+    )
+    opened.rounds = [current]
+
+    async def script():
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await answer(current, "a", 2.0)
+        await trio.sleep_until(3.0)  # the check of c's previous result refuses it
+        refused = results.BadResult("no gain")
+        results.note_refusal(state, links["c"], 0, 0, refused, opened)
+        await answer(current, "b", 10.0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(script)
+            late = await collect(current, network, state)
+            nursery.cancel_scope.cancel()
+        return trio.current_time(), late
+
+    closed, late = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (closed, late) == (10.0, ["c"])
+
+
+def test_progress_that_shortens_a_workers_own_time_shortens_its_window_at_once():
+    """Red team on the same wait: c's first report (step 1 of 100, 1 s in) projects 100 s, so
+    its window is 2 x 60 s (its own time, up to factor x the window); 6 s in it is at step 60,
+    which projects 10 s: its window is the round's 30 s from then on. b, whose last result
+    was refused, is overdue at 2 s and its late result lands at 8 s. Looking again at every
+    leave closed the round at 30 s; looking only when a waiting worker leaves or the earliest
+    due time comes, at 120 s. A progress report now has its sender's window looked at again
+    (itself, not every pending worker: progress comes a few times a second from each)."""
+    network = window(2.0, 30.0)
+    state = RunState(run_id="test", rounds_total=1, settings={})
+    links = {w: Link(worker_id=w) for w in ("a", "b", "c")}
+    links["b"].rounds.unproven = 1  # the quorum's pace, no floor: 2 x 1 s
+    opened = results.OpenRounds()
+    current = Round(
+        1,
+        list(links),
+        PseudoGradientMean(tuple(SHAPES)),
+        ResultScreen(SHAPES, max_tokens=100),
+        connections=links,
+    )
+    opened.rounds = [current]
+
+    def progress(step: int) -> None:
+        training = protocol.Progress(1, step, 100, 3.0, 1.0, protocol.Phase.TRAINING)
+        links["c"].rounds.progressed(training)
+        opened.reconsider("c")
+
+    async def script():
+        await deliver(current, {"a": 0, "b": 0, "c": 0})
+        await trio.sleep_until(1.0)
+        progress(1)
+        await answer(current, "a", 1.0)
+        await trio.sleep_until(6.0)
+        progress(60)
+        await answer(current, "b", 8.0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(script)
+            late = await collect(current, network, state)
+            nursery.cancel_scope.cancel()
+        return trio.current_time(), late
+
+    closed, late = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (closed, late) == (30.0, ["c"])
+
+
+def test_a_projection_whose_promise_is_broken_buys_no_more_of_the_window():
+    """Red team: a peer that reports "step 1 of 10" 1 s in (10 s projected) and then only
+    heartbeats has factor (4) x 10 s of its own while its projection holds; it holds only
+    until PROMISE_SLACK (2) x 10 s have passed (`WorkerRounds.projected_seconds`: a promise
+    not kept buys nothing more). The straggler wait did not look again then, and the round
+    waited for it to 40 s: factor x the projection, where the promise rule gives 20 s."""
+
+    async def script(current, links):
+        await deliver(current, {"a": 0, "c": 0})
+        links["c"].rounds.progress = (current.number, 1, 10, 1.0)
+        await answer(current, "a", 1.0)
+
+    closed, current, _ = run_round(window(4.0, 5.0), script, participants=("a", "c"))
+    assert closed == 20.0  # the round's window, 5 s, long past once the promise is broken
+
+
 def test_a_worker_whose_own_results_take_longer_keeps_its_own_window():
     """A peer answering at once (a liar, or a far smaller model of speed) makes the round's
     window the floor; c's own latest result took 8 s, so it keeps 3 x 8 s."""
@@ -212,6 +319,8 @@ def test_a_workers_own_time_counts_up_to_factor_times_the_window(own, closes, so
         await answer(current, "b", 1.0)
 
     closed, current, events = run_round(window(3.0, 5.0), script)
+    if source == "progress" and own < 15:  # its one report's promise breaks at 2 x own first
+        closes = 2 * own
     assert closed == closes  # the round's window is max(5, 3 x 0.5) = 5 s; c's, 3 x min(own, 15)
     assert [e.workers for e in events if e.kind == "stragglers"] == [["c"]]
 
@@ -290,7 +399,8 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
     (60 s) after the honest results came in 3 s. A connection that has shown nothing (no
     progress, no result) is waited for factor x the quorum's time, or factor x its own time
     from welcome to ready if longer (below: 0, said ready at once); once it reports progress
-    it is timed by its own pace (`b`: step 1 of 10 at 5 s projects 50 s, so 3 x 50), and one
+    it is timed by its own pace (`b`: step 1 of 10 at 5 s projects 50 s, so 3 x 50 while that
+    promise holds: 2 x 50), and one
     that has answered before keeps the floor (`d`)."""
 
     async def script(current, links):
@@ -303,7 +413,9 @@ def test_a_worker_that_has_shown_nothing_gets_the_quorums_pace_not_the_floor():
     closed, current, events = run_round(
         window(3.0, 60.0), script, participants=("a", "b", "c", "d")
     )
-    assert closed == 150.0  # c: 3 x 2 = 6 s; d: the floor, 60 s; b: 3 x its own 50 s
+    # c: 3 x 2 = 6 s; d: the floor, 60 s; b: 3 x its own 50 s, until that promise breaks
+    # (2 x 50 s: it reported nothing more)
+    assert closed == 100.0
     (stragglers,) = [e for e in events if e.kind == "stragglers"]
     assert stragglers.workers == ["b", "c", "d"]
 

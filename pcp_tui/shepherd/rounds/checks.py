@@ -64,7 +64,7 @@ from pcp_tui.diloco.aggregate import Aggregate, CenteredClip
 from pcp_tui.diloco.outer import OuterOptimizer
 from pcp_tui.diloco.screening import BadResult
 from pcp_tui.diloco.validation import Kept, LossDeltaValidator
-from pcp_tui.shepherd.rounds.results import note_refusal, tell_refused
+from pcp_tui.shepherd.rounds.results import OpenRounds, note_refusal, tell_refused
 from pcp_tui.shepherd.run.state import RunState
 
 if TYPE_CHECKING:
@@ -132,7 +132,8 @@ class Check:
 
     `view()` is θ as the workers held it for this fragment's results (waits for the
     earlier fragments' steps); `before` what the round's step is recomputed from;
-    `aggregate()` and `outer()` make fresh ones of the run's kinds. `done` is set once
+    `aggregate()` and `outer()` make fresh ones of the run's kinds; a refusal cuts its
+    sender's window in the rounds open now (`open_rounds`). `done` is set once
     the check has ended, its refusals noted and its `correction` (if any) made.
     """
 
@@ -149,11 +150,12 @@ class Check:
         outer: Callable[[], OuterOptimizer],
         links: Mapping[str, WorkerLink],
         state: RunState,
+        open_rounds: OpenRounds,
     ):
         self.number, self.fragment, self.kept = number, fragment, tuple(kept)
         self._validator, self._view, self._before = validator, view, before
         self._aggregate, self._outer = aggregate, outer
-        self._links, self._state = links, state
+        self._links, self._state, self._open = links, state, open_rounds
         self.refused: list[tuple[Kept, BadResult]] = []
         self.correction: Correction | None = None
         self.done = trio.Event()
@@ -177,7 +179,7 @@ class Check:
                 )
             for kept, exc in self.refused:
                 if (link := self._links.get(kept.worker_id)) is not None:
-                    note_refusal(self._state, link, self.number, self.fragment, exc)
+                    note_refusal(self._state, link, self.number, self.fragment, exc, self._open)
         finally:
             self.done.set()
             self._before = None  # type: ignore[assignment]  # its copies are not needed now

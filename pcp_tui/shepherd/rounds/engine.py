@@ -503,6 +503,7 @@ class RoundEngine:
                 ),
                 links=current.connections or {},
                 state=self.state,
+                open_rounds=self._open,
             )
             started_checks.append(check)
             if all(kept.checked for kept in current.kept):  # scored as they came: settled now

@@ -164,13 +164,25 @@ class WorkerRounds:
         projection is a promise, and one not kept buys nothing more (a peer that reported
         "step 1 of H" and then nothing held round 1 for factor² windows). What the worker
         says: `results` bounds what it may buy."""
+        projected, _ = self._promise(number)
+        return projected
+
+    def promise_ends(self, number: int) -> float:
+        """When (trio's clock) round `number`'s projection stops counting (`projected_seconds`),
+        or inf without one that counts now: the straggler wait looks at its worker again then."""
+        _, ends = self._promise(number)
+        return ends
+
+    def _promise(self, number: int) -> tuple[float, float]:
+        """(`projected_seconds`, `promise_ends`) of round `number`."""
         delivered = self.delivered_at.get(number)
         if self.progress is None or delivered is None:
-            return 0.0
+            return 0.0, math.inf
         round_number, step, steps, when = self.progress
         if round_number != number:
-            return 0.0
+            return 0.0, math.inf
         projected = max(when - delivered, 0.0) * steps / step
-        if trio.current_time() - delivered > PROMISE_SLACK * projected:
-            return 0.0
-        return projected
+        ends = delivered + PROMISE_SLACK * projected
+        if trio.current_time() >= ends:
+            return 0.0, math.inf
+        return projected, ends

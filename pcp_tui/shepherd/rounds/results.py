@@ -78,12 +78,18 @@ def data_parallel_bytes(parameter_count: int, inner_steps: int, contributors: in
 
 
 def note_refusal(
-    state: RunState, link: WorkerLink, number: int, fragment: int, exc: BadResult
+    state: RunState,
+    link: WorkerLink,
+    number: int,
+    fragment: int,
+    exc: BadResult,
+    open_rounds: OpenRounds,
 ) -> None:
     """What a refused result of `link`'s (round `number`, `fragment`) does to its sender, as
     the screen refuses it or its check, one round later: a `bad_result` event; it buys no
     time of its own (`Round.usual_seconds`), and the rounds after it do not wait for it until
-    one of its results counts (`sitting_out.py`). The worker is told with `tell_refused`."""
+    one of its results counts (`sitting_out.py`), the ones open now (`open_rounds`) included.
+    The worker is told with `tell_refused`."""
     link.rounds.answer_seconds.pop(fragment, None)
     link.rounds.unproven = max(link.rounds.unproven, 1)
     link.rounds.missed = True  # its work vouches for its slot no more (`slots`)
@@ -99,6 +105,7 @@ def note_refusal(
             refusal=exc.refusal,
         )
     )
+    open_rounds.reconsider(link.worker_id)
 
 
 async def tell_refused(link: WorkerLink, exc: BadResult) -> None:
@@ -128,6 +135,13 @@ class OpenRounds:
         for current in self.rounds:
             if current.bound_to(worker_id, connection):  # not a replaced connection's successor
                 current.finish(worker_id)
+
+    def reconsider(self, worker_id: str) -> None:
+        """`worker_id`'s window may be shorter now (a result of its was refused, or it reported
+        progress): every open round it is pending in looks at it again (`_until_overdue`)."""
+        for current in self.rounds:
+            if worker_id in current.pending:
+                current.reconsider(worker_id)
 
 
 def weight_shares(networks: Mapping[str, str]) -> dict[str, float]:
@@ -199,6 +213,8 @@ class Round:
         self.bytes_at_start = (0, 0)
         self.done = trio.Event()
         self._changed = trio.Event()  # set (and renewed) whenever a worker leaves `pending`
+        # pending workers whose windows may be shorter since the straggler wait last looked
+        self.reconsidered: set[str] = set()
         self._lock = trio.Lock()  # one result is screened and folded in at a time
         self._closed = False
 
@@ -329,13 +345,20 @@ class Round:
         self._changed.set()
         self._changed = trio.Event()
 
+    def reconsider(self, worker_id: str) -> None:
+        """`worker_id`'s window may be shorter now: the straggler wait looks at it again."""
+        self.reconsidered.add(worker_id)
+        self._changed.set()
+        self._changed = trio.Event()
+
     async def results(self, count: int) -> None:
         """Return once `count` results are folded in, or nobody is pending."""
         while len(self.contributors) < count and not self.done.is_set():
             await self._changed.wait()
 
     async def changed(self, deadline: float) -> None:
-        """Return when a worker leaves `pending`, or at `deadline` (trio's clock)."""
+        """Return when a worker leaves `pending` or is `reconsider`ed, or at `deadline`
+        (trio's clock)."""
         with trio.move_on_at(deadline):
             await self._changed.wait()
 
@@ -357,6 +380,12 @@ class Round:
             link.rounds.answer_seconds.get(self.fragment, 0.0),
             link.rounds.projected_seconds(self.number),
         )
+
+    def promise_ends(self, worker_id: str) -> float:
+        """When `worker_id`'s progress projection for this round stops counting towards its
+        own time (`WorkerRounds.promise_ends`: a promise not kept), or inf."""
+        link = (self.connections or {}).get(worker_id)
+        return math.inf if link is None else link.rounds.promise_ends(self.number)
 
     def unproven(self, worker_id: str) -> bool:
         """Whether a result of `worker_id`'s was refused and none counted since (`WorkerLink.
@@ -577,6 +606,7 @@ async def _until_overdue(
     (`Round.stranger`)."""
     while not current.done.is_set():
         now = trio.current_time()
+        current.reconsidered.clear()  # each pending worker is looked at now
         waiting: list[str] = []  # not overdue yet: no window started, uploading, or due later
         wake = math.inf
         for worker in current.pending:
@@ -586,18 +616,27 @@ async def _until_overdue(
                 wake = min(wake, now + RECHECK_SECONDS)
             elif due > now:
                 waiting.append(worker)
-                wake = min(wake, due)
+                wake = min(wake, due, current.promise_ends(worker))
         if not waiting:
             return
         # Only a waiting worker's leaving, or the clock, can make every pending worker
         # overdue: until then a result's arrival does not look at every pending worker again
-        # (each arrival did, so a round of N results took N² steps).
-        gone = 0
+        # (each arrival did, so a round of N results took N² steps). A worker whose window
+        # may have shortened (a refusal, its progress: `Round.reconsider`) is looked at alone
+        # and can bring the clock's time forward; so can a broken promise (its projection).
+        gone, waits = 0, set(waiting)
         while not current.done.is_set() and trio.current_time() < wake:
             while gone < len(waiting) and waiting[gone] not in current.pending:
                 gone += 1
             if gone == len(waiting):
                 break
+            if current.reconsidered:  # an overdue one's progress changes nothing here
+                worker = current.reconsidered.pop()
+                if worker in waits and worker in current.pending:
+                    due = _due(current, worker, window, factor, probation)
+                    if due is not None:
+                        wake = min(wake, due, current.promise_ends(worker))
+                continue
             await current.changed(wake)
 
 

@@ -36,9 +36,11 @@ class ShardLedger:
         # worker id -> (its last shard, whether it held it) before its latest `assign`
         self._before: dict[str, tuple[int | None, bool]] = {}
         self._holds: dict[str, int] = {}  # worker id -> the shard it holds now (`shard_of`)
-        # shards that may have no owner (a heap; ones taken since are skipped) and how many
-        # workers held each last: a join looks at neither list whole (N joins were N² steps)
+        # shards that may have no owner (a heap, each shard in it once: `_in_free`; ones taken
+        # since are skipped) and how many workers held each last: a join looks at neither
+        # list whole (N joins were N² steps)
         self._free = list(range(shard_count))
+        self._in_free = set(self._free)
         self._last_holders: collections.Counter[int] = collections.Counter()
 
     def assign(self, worker_id: str) -> tuple[int, bool]:
@@ -80,7 +82,7 @@ class ShardLedger:
         owners.remove(worker_id)
         del self._holds[worker_id]
         if not owners:
-            heapq.heappush(self._free, shard)
+            self._freed(shard)
         return None if owners else shard
 
     def withdraw(self, worker_id: str) -> int | None:
@@ -96,7 +98,7 @@ class ShardLedger:
         owners.remove(worker_id)
         del self._holds[worker_id]
         if not owners:
-            heapq.heappush(self._free, shard)
+            self._freed(shard)
         self._held_last(worker_id, previous)
         return shard if held and not owners else None
 
@@ -112,8 +114,16 @@ class ShardLedger:
     def _first_free(self) -> Shard | None:
         """The lowest shard nobody holds, or None."""
         while self._free and self.shards[self._free[0]].owners:
-            heapq.heappop(self._free)
+            self._in_free.discard(heapq.heappop(self._free))
         return self.shards[self._free[0]] if self._free else None
+
+    def _freed(self, shard: int) -> None:
+        """`shard` has no owner now: in the heap, unless it is there already (a worker that
+        got its own shard back while a lower one was free left it there: each reconnect
+        held one more copy)."""
+        if shard not in self._in_free:
+            self._in_free.add(shard)
+            heapq.heappush(self._free, shard)
 
     def _held_last(self, worker_id: str, shard: int | None) -> None:
         """`worker_id` held `shard` last (None: nothing)."""

@@ -621,6 +621,7 @@ class WorkerPool:
             if link.progress.admit():  # beyond a few a second: dropped; a flood ends the link
                 self._on_progress(view, body)
                 link.rounds.progressed(body)  # a time of its own for the straggler window
+                self.open_rounds.reconsider(link.worker_id)  # maybe a shorter one
         elif isinstance(body, protocol.RoundResult):
             await self._on_result(link, message)
         elif isinstance(body, protocol.Goodbye):
@@ -662,7 +663,7 @@ class WorkerPool:
         except BadResult as exc:
             assert current is not None  # only a round's add refuses a result
             current.finish(link.worker_id)
-            note_refusal(self.state, link, number, body.fragment, exc)
+            note_refusal(self.state, link, number, body.fragment, exc, self.open_rounds)
             await tell_refused(link, exc)
             return
         if not added:
