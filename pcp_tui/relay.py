@@ -87,7 +87,7 @@ class Relay:
         """The command its workers join with: this relay, then the shepherd to fail over to
         when it dies (`--connect RELAY,SHEPHERD`). Under TLS the relay's certificate is not the
         shepherd's, and one worker trusts one: the shepherd is then left out."""
-        relay = f"{advertised(self.config.listen.host)}:{self.listening_port}"
+        relay = advertised(self.config.listen.host, self.listening_port)
         if self.server_tls:
             return (
                 f"pcp-tui worker --connect {relay} --token <TOKEN> --tls-fingerprint <THIS RELAY'S>"
