@@ -82,6 +82,21 @@ class Relay:
         self.listening_port = 0
         self.joined = False  # welcomed by the shepherd once: an idInUse after is its old link
 
+    @property
+    def join_command(self) -> str:
+        """The command its workers join with: this relay, then the shepherd to fail over to
+        when it dies (`--connect RELAY,SHEPHERD`). Under TLS the relay's certificate is not the
+        shepherd's, and one worker trusts one: the shepherd is then left out."""
+        relay = advertised(self.config.listen.host, self.listening_port)
+        if self.server_tls:
+            return (
+                f"pcp-tui worker --connect {relay} --token <TOKEN> --tls-fingerprint <THIS RELAY'S>"
+            )
+        if self.client_tls:
+            return f"pcp-tui worker --connect {relay} --token <TOKEN>"
+        shepherd = self.config.connection.connect.strip()
+        return f"pcp-tui worker --connect {relay},{shepherd} --token <TOKEN>"
+
     async def _dial(self, deadline: float) -> trio.abc.Stream:
         """A new stream to the shepherd (TCP, TLS if set) by `deadline` (`run`'s `dial`)."""
         source = self.config.connection.source_address
@@ -154,12 +169,9 @@ class Relay:
             await trio.aclose_forcefully(stream)
             raise ConnectionLost(f"connection to {where} lost ({exc})") from None
         self.joined = True
-        listen = self.config.listen
-        shown = advertised(listen.host)
         self.say(
-            f"relay {self.name} joined the shepherd at {where}; workers join with: pcp-tui "
-            f"worker --connect {shown}:{self.listening_port} --token <TOKEN>"
-            + (" --tls-fingerprint <THIS RELAY'S>" if self.server_tls else "")
+            f"relay {self.name} joined the shepherd at {where}; workers join with: "
+            + self.join_command
         )
         channels = self.channels = Channels(messages, accepts=False, keeps=False)
         interval = max(welcome.heartbeat_seconds, 0.5)

@@ -1,4 +1,5 @@
-"""The shepherd raises its open-files limit to what its admitted workers' sockets need."""
+"""The shepherd raises its open-files limit to what its admitted workers' sockets need, and
+shows an address a worker's --connect takes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 
 import pytest
 
-from pcp_tui.shepherd.serving.listening import SPARE_FILES, open_files_for
+from pcp_tui.config.worker import parse_connect
+from pcp_tui.shepherd.serving.listening import SPARE_FILES, advertised, open_files_for
 
 
 def test_the_soft_limit_is_raised_to_what_the_connections_need():
@@ -45,3 +47,12 @@ def test_a_hard_limit_under_the_need_is_raised_to_and_named_with_what_to_do():
         "in a systemd unit) or lower --max-worker-connections"
     )
     assert limits == "(300, 300)"
+
+
+@pytest.mark.parametrize(
+    ("host", "shown"), [("::1", "[::1]:8080"), ("127.0.0.1", "127.0.0.1:8080")]
+)
+def test_the_address_a_join_command_shows_is_one_a_worker_takes(host, shown):
+    """`--host ::1` printed `--connect ::1:8080`, which a worker refuses."""
+    assert advertised(host, 8080) == shown
+    assert parse_connect(shown) == (host, 8080)

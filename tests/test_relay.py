@@ -213,6 +213,29 @@ async def test_a_worker_at_a_relay_not_yet_joined_is_told_why():
         nursery.cancel_scope.cancel()
 
 
+async def test_a_relay_says_the_join_command_that_fails_over_to_the_shepherd():
+    """The line an operator copies for the site's workers lists the shepherd after the relay
+    (`--connect RELAY,SHEPHERD`), as docs/relays.md says to: a worker that joins with it
+    finishes the run direct when the relay dies."""
+    config = small_config(workers=2, rounds=1, relays=1)
+    shepherd = Shepherd(config, build_workload(config, shards=2))
+    said: list[str] = []
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(shepherd.run)
+        relay = Relay(
+            RelayConfig(connect=f"127.0.0.1:{port}", host="127.0.0.1", port=0, worker_id="site-a"),
+            token="test-token",
+            say=said.append,
+        )
+        relay_port = await nursery.start(relay.run)
+        await until(lambda: bool(shepherd.pool.relays.live))
+        nursery.cancel_scope.cancel()
+    assert said[0] == (
+        f"relay site-a joined the shepherd at 127.0.0.1:{port}; workers join with: pcp-tui "
+        f"worker --connect 127.0.0.1:{relay_port},127.0.0.1:{port} --token <TOKEN>"
+    )
+
+
 async def test_workers_whose_relay_dies_go_on_through_the_next_address():
     """Both workers join through the relay, listing the shepherd after it (`--connect
     RELAY,SHEPHERD`); the relay dies after round 1 and they finish the run direct, from their
@@ -445,7 +468,8 @@ async def test_a_worker_told_busy_tries_its_relay_again_and_one_told_unavailable
     """`--connect RELAY,SHEPHERD`: a relay that answers `busy` (the shepherd behind it cannot
     take the worker yet) is dialled again, not the shepherd directly, which is as busy, up to
     `BUSY_TRIES` times in a row (one that says busy for ever holds nobody); one that answers
-    `unavailable` (no link, full) sends the worker to the next address, and round again. Both addresses answer over real sockets on 127.0.0.1 to a real `Worker`."""
+    `unavailable` (no link, full) sends the worker to the next address, and round again.
+    Both addresses answer over real sockets on 127.0.0.1 to a real `Worker`."""
     dialled: list[str] = []
 
     async def answer(name: str, error: protocol.ErrorCode, stream: trio.SocketStream) -> None:

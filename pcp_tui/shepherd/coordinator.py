@@ -240,7 +240,7 @@ class Shepherd:
                 raise RunFailed(str(exc)) from None
             listeners = list(sockets)
         self._port = port  # a --port 0 run resumes on the port its workers know
-        self.state.address = f"{advertised(cfg.network.host)}:{port}"
+        self.state.address = advertised(cfg.network.host, port)
         self.state.join_command = join_command(
             self.state.address,
             self.token,

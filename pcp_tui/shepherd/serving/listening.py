@@ -66,9 +66,11 @@ def open_files_for(connections: int, streams: int) -> str:
     )
 
 
-def advertised(host: str) -> str:
-    """The address to show for a socket bound to `host`: `host`, or this machine's own."""
-    return address_for_others() if host in EVERYWHERE else host
+def advertised(host: str, port: int) -> str:
+    """The address to show for a socket bound to `host:port`, as `--connect` takes it: `host`
+    (an IPv6 one in brackets: `::1:8080` is refused), or this machine's own."""
+    shown = address_for_others() if host in EVERYWHERE else host
+    return f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"
 
 
 def join_command(address: str, token: str, tls: ServerTLS | None, *, keyed: bool = False) -> str:
