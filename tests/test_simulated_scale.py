@@ -50,12 +50,12 @@ def test_a_reconnect_storm_of_a_third_of_a_thousand_workers_is_back_the_next_rou
     assert all(e[-1] == "goodbye" for e in run.ends.values())
 
 
-RELAYS, SITE_WORKERS = 8, 400
+RELAYS, SITE_WORKERS = 8, 200
 
 
 @pytest.fixture(scope="module")
 def relayed():
-    """400 fakes through 8 real relays (fake i joins relay i mod 8, the shepherd next, as
+    """200 fakes through 8 real relays (fake i joins relay i mod 8, the shepherd next, as
     `--connect RELAY,SHEPHERD` does), 4 rounds; relay 0 is killed as round 2 ends. Also
     returns how many workers were behind relays as each round ended."""
     shepherd = stand_in_shepherd(SITE_WORKERS, rounds=4, relays=RELAYS)
@@ -71,7 +71,7 @@ def relayed():
 
 
 def test_workers_that_dial_their_relays_at_once_all_stay_behind_them(relayed):
-    """All 400 dial their relays at once, past the shepherd's 64 unfinished handshakes: the
+    """All 200 dial their relays at once, past the shepherd's 64 unfinished handshakes: the
     ones it cannot take yet are told busy and try their relay again (not the shepherd
     directly, which had left 64 of 1,024 behind 32 relays), so rounds 1 and 2 count every
     worker, every one through a relay."""
@@ -82,8 +82,8 @@ def test_workers_that_dial_their_relays_at_once_all_stay_behind_them(relayed):
 
 
 def test_a_relay_killed_mid_run_loses_its_workers_once_and_they_fail_over(relayed):
-    """Relay 0 dies as round 3 starts: each of its 50 workers is lost once and joins the
-    shepherd directly; round 4 counts all 400 again through the 7 relays left and the
+    """Relay 0 dies as round 3 starts: each of its 25 workers is lost once and joins the
+    shepherd directly; round 4 counts all 200 again through the 7 relays left and the
     shepherd, and no result counts twice (each round's tokens are its workers' tokens,
     each worker id once)."""
     shepherd, run, behind = relayed
