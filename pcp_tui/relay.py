@@ -51,7 +51,12 @@ from pcp_tui.contract.connection import (
 )
 from pcp_tui.contract.tls import ClientTLS, ServerTLS, shown_fingerprint
 from pcp_tui.shepherd.serving.admission import peer_name
-from pcp_tui.shepherd.serving.listening import advertised, open_files_for, open_listeners
+from pcp_tui.shepherd.serving.listening import (
+    advertised,
+    join_command,
+    open_files_for,
+    open_listeners,
+)
 from pcp_tui.worker.reconnect import Reconnect, dial
 
 log = logging.getLogger(__name__)
@@ -88,14 +93,9 @@ class Relay:
         when it dies (`--connect RELAY,SHEPHERD`). Under TLS the relay's certificate is not the
         shepherd's, and one worker trusts one: the shepherd is then left out."""
         relay = advertised(self.config.listen.host, self.listening_port)
-        if self.server_tls:
-            return (
-                f"pcp-tui worker --connect {relay} --token <TOKEN> --tls-fingerprint <THIS RELAY'S>"
-            )
-        if self.client_tls:
-            return f"pcp-tui worker --connect {relay} --token <TOKEN>"
-        shepherd = self.config.connection.connect.strip()
-        return f"pcp-tui worker --connect {relay},{shepherd} --token <TOKEN>"
+        tls = self.server_tls or self.client_tls
+        address = relay if tls else f"{relay},{self.config.connection.connect.strip()}"
+        return join_command(address, "<TOKEN>", self.server_tls)
 
     async def _dial(self, deadline: float) -> trio.abc.Stream:
         """A new stream to the shepherd (TCP, TLS if set) by `deadline` (`run`'s `dial`)."""

@@ -73,7 +73,7 @@ def run_round(network: NetworkConfig, script, participants=("a", "b", "c"), shap
     """Run `collect` for one round while `script(current, links)` plays the workers;
     (the close time on the mock clock, the round, the run's events)."""
     state = RunState(run_id="test", rounds_total=1, settings={})
-    links = {w: Link() for w in participants}
+    links = {w: Link(worker_id=w) for w in participants}
     screen = ResultScreen(shapes, max_tokens=100)
     current = Round(
         1, list(participants), PseudoGradientMean(tuple(shapes)), screen, connections=links
@@ -102,6 +102,11 @@ async def deliver(current: Round, at: dict[str, float]) -> None:
 async def answer(current: Round, worker: str, at: float, shapes=SHAPES) -> None:
     await trio.sleep_until(at)
     await current.add(worker, result(shapes))
+
+
+def late(events) -> list[str]:
+    """The workers a round closed without (its `stragglers` event), [] if none."""
+    return [w for e in events if e.kind == "stragglers" for w in e.workers]
 
 
 def window(factor: float, floor: float, **changes) -> NetworkConfig:
@@ -185,38 +190,22 @@ def test_a_refusal_during_the_wait_puts_the_refused_worker_on_probation_at_once(
     to wait for, and the round closes then, as it did when every leave made it look again.
     Before, it waited on to b's old due time (the floor, 60 s), and a worker whose zeros were
     just refused held the round 50 s more."""
-    network = window(3.0, 60.0)
-    state = RunState(run_id="test", rounds_total=1, settings={})
-    links = {w: Link(worker_id=w) for w in ("a", "b", "c")}
-    links["b"].rounds.answer_seconds[0] = 1.0  # answered before: the floor, no stranger
-    links["c"].rounds.answer_seconds[0] = 40.0  # its own time: 3 x 40 s
-    opened = results.OpenRounds()
-    current = Round(
-        1,
-        list(links),
-        PseudoGradientMean(tuple(SHAPES)),
-        ResultScreen(SHAPES, max_tokens=100),
-        connections=links,
-    )
-    opened.rounds = [current]
 
-    async def script():
+    async def script(current, links):
+        links["b"].rounds.answer_seconds[0] = 1.0  # answered before: the floor, no stranger
+        links["c"].rounds.answer_seconds[0] = 40.0  # its own time: 3 x 40 s
+        opened = results.OpenRounds()  # what the check is given, as the engine gives it
+        opened.rounds = [current]
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await answer(current, "a", 2.0)
         await trio.sleep_until(3.0)  # the check of c's previous result refuses it
         refused = results.BadResult("no gain")
+        state = RunState(run_id="test", rounds_total=1, settings={})
         results.note_refusal(state, links["c"], 0, 0, refused, opened)
         await answer(current, "b", 10.0)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(script)
-            late = await collect(current, network, state)
-            nursery.cancel_scope.cancel()
-        return trio.current_time(), late
-
-    closed, late = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert (closed, late) == (10.0, ["c"])
+    closed, _, events = run_round(window(3.0, 60.0), script)
+    assert (closed, late(events)) == (10.0, ["c"])
 
 
 def test_progress_that_shortens_a_workers_own_time_shortens_its_window_at_once():
@@ -227,26 +216,17 @@ def test_progress_that_shortens_a_workers_own_time_shortens_its_window_at_once()
     leave closed the round at 30 s; looking only when a waiting worker leaves or the earliest
     due time comes, at 120 s. A progress report now has its sender's window looked at again
     (itself, not every pending worker: progress comes a few times a second from each)."""
-    network = window(2.0, 30.0)
-    state = RunState(run_id="test", rounds_total=1, settings={})
-    links = {w: Link(worker_id=w) for w in ("a", "b", "c")}
-    links["b"].rounds.unproven = 1  # the quorum's pace, no floor: 2 x 1 s
-    opened = results.OpenRounds()
-    current = Round(
-        1,
-        list(links),
-        PseudoGradientMean(tuple(SHAPES)),
-        ResultScreen(SHAPES, max_tokens=100),
-        connections=links,
-    )
-    opened.rounds = [current]
 
-    def progress(step: int) -> None:
-        training = protocol.Progress(1, step, 100, 3.0, 1.0, protocol.Phase.TRAINING)
-        links["c"].rounds.progressed(training)
-        opened.reconsider("c")
+    async def script(current, links):
+        links["b"].rounds.unproven = 1  # the quorum's pace, no floor: 2 x 1 s
+        opened = results.OpenRounds()  # what the pool tells of each progress report
+        opened.rounds = [current]
 
-    async def script():
+        def progress(step: int) -> None:
+            training = protocol.Progress(1, step, 100, 3.0, 1.0, protocol.Phase.TRAINING)
+            links["c"].rounds.progressed(training)
+            opened.reconsider("c")
+
         await deliver(current, {"a": 0, "b": 0, "c": 0})
         await trio.sleep_until(1.0)
         progress(1)
@@ -255,15 +235,8 @@ def test_progress_that_shortens_a_workers_own_time_shortens_its_window_at_once()
         progress(60)
         await answer(current, "b", 8.0)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(script)
-            late = await collect(current, network, state)
-            nursery.cancel_scope.cancel()
-        return trio.current_time(), late
-
-    closed, late = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert (closed, late) == (30.0, ["c"])
+    closed, _, events = run_round(window(2.0, 30.0), script)
+    assert (closed, late(events)) == (30.0, ["c"])
 
 
 def test_a_projection_whose_promise_is_broken_buys_no_more_of_the_window():
