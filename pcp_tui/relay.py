@@ -48,6 +48,7 @@ from pcp_tui.contract.connection import (
     expect,
     expect_hello,
     goodbye_ended,
+    silence_timeout,
 )
 from pcp_tui.contract.tls import ClientTLS, ServerTLS, shown_fingerprint
 from pcp_tui.shepherd.serving.admission import peer_name
@@ -176,7 +177,7 @@ class Relay:
         channels = self.channels = Channels(messages, accepts=False, keeps=False)
         interval = max(welcome.heartbeat_seconds, 0.5)
         try:
-            await channels.run(interval, max(10 * interval, 10.0))
+            await channels.run(interval, silence_timeout(interval))
         except protocol.ProtocolError as exc:
             self.say(f"the shepherd broke the relay protocol ({exc}); reconnecting")
         finally:

@@ -97,3 +97,37 @@ def test_a_relay_killed_mid_run_loses_its_workers_once_and_they_fail_over(relaye
         assert len(set(record.worker_ids)) == record.workers
         assert record.tokens == record.workers * per_worker
     assert all(e[-1] == "goodbye" for e in run.ends.values())
+
+
+STALL_RELAYS, STALL_WORKERS = 4, 40
+
+
+def test_a_relay_that_hangs_mid_run_is_dropped_and_its_workers_fail_over():
+    """Relay 0 hangs as round 2 ends (its sockets stay open and carry nothing, as a process
+    stopped with SIGSTOP). Its 10 workers hear nothing for their silence timeout and dial
+    the shepherd, which lets them in once it has dropped the relay's silent link (each lost
+    once; round 3 counts the other 30, nothing of the hung relay's). Round 4 was under way
+    as they came back; round 5 counts all 40 again (3 relays and the shepherd), each result
+    once."""
+    shepherd = stand_in_shepherd(STALL_WORKERS, rounds=5, relays=STALL_RELAYS)
+    run = simulate(
+        shepherd,
+        STALL_WORKERS,
+        relays=STALL_RELAYS,
+        train_seconds=5.0,
+        relay_down_after=2,
+        relay_fault="stall",
+    )
+    history = shepherd.state.history
+    carried = STALL_WORKERS // STALL_RELAYS
+    assert [(r.workers, r.relays) for r in history[:2]] == [(STALL_WORKERS, STALL_RELAYS)] * 2
+    assert (history[2].workers, history[2].relays) == (STALL_WORKERS - carried, STALL_RELAYS - 1)
+    assert len(run.lost) == carried
+    behind = [run.ends[i] for i in range(0, STALL_WORKERS, STALL_RELAYS)]  # relay 0's
+    assert all(ends[0].startswith("silent for") for ends in behind)
+    assert (history[4].workers, history[4].relays) == (STALL_WORKERS, STALL_RELAYS - 1)
+    per_worker = history[0].tokens // STALL_WORKERS
+    for record in history:
+        assert len(set(record.worker_ids)) == record.workers
+        assert record.tokens == record.workers * per_worker
+    assert all(e[-1] == "goodbye" for e in run.ends.values())

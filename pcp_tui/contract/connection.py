@@ -104,6 +104,12 @@ class RunResumable(ConnectionLost):
     """
 
 
+def silence_timeout(heartbeat_seconds: float) -> float:
+    """How long a worker (or relay) waits on a silent shepherd before it counts the link as
+    lost: ten of the run's heartbeats, at least 10 s (one late beat is not a dead link)."""
+    return max(10.0, 10 * heartbeat_seconds)
+
+
 def shown(text: str) -> str:
     """A peer's text, safe to print: control characters escaped as Python writes them.
 

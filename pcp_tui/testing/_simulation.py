@@ -27,7 +27,12 @@ import trio.testing
 from pcp_tui import protocol
 from pcp_tui.config.relay import RelayConfig
 from pcp_tui.contract import auth
-from pcp_tui.contract.connection import LINK_ERRORS, ConnectionLost
+from pcp_tui.contract.connection import (
+    HELLO_SECONDS,
+    LINK_ERRORS,
+    ConnectionLost,
+    silence_timeout,
+)
 from pcp_tui.worker.reconnect import Reconnect
 from pcp_tui.worker.session import BUSY_TRIES
 
@@ -59,8 +64,15 @@ class SimulatedNetwork(trio.abc.Listener[trio.abc.Stream]):
     fake dials from (`host`), which the shepherd's per-address rules read.
     """
 
-    def __init__(self, *, latency: float = 0.0, bytes_per_second: float = math.inf):
+    def __init__(
+        self,
+        *,
+        latency: float = 0.0,
+        bytes_per_second: float = math.inf,
+        frozen: trio.Event | None = None,
+    ):
         self.latency, self.bytes_per_second = latency, bytes_per_second
+        self.frozen = frozen  # once set, its links carry nothing more and stay open (`_Link`)
         self.moved = 0  # bytes written on its links, both ways: what crossed the listener's NIC
         self._incoming, self._accepting = trio.open_memory_channel[trio.abc.Stream](math.inf)
         self._ports = itertools.count(1024)
@@ -71,36 +83,55 @@ class SimulatedNetwork(trio.abc.Listener[trio.abc.Stream]):
     async def aclose(self) -> None:
         await self._accepting.aclose()
 
-    async def dial(self, host: str) -> trio.abc.Stream:
+    async def dial(self, host: str) -> _Link:
         """A new link from `host` to the shepherd: the fake's end (BrokenResourceError once
         the shepherd stopped listening)."""
         ours, theirs = trio.testing.memory_stream_pair()
-        await self._incoming.send(_Link(theirs, self, _Address(host, next(self._ports))))
-        return _Link(ours, self)
+        await self._incoming.send(
+            _Link(theirs, self, _Address(host, next(self._ports)), self.frozen)
+        )
+        return _Link(ours, self, frozen=self.frozen)
 
 
 class _Link(trio.abc.Stream):
-    """One end of a simulated link: writes take latency + bytes / rate on trio's clock."""
+    """One end of a simulated link: writes take latency + bytes / rate on trio's clock.
+
+    `frozen`: once set, this end neither sends nor takes a byte more and stays open, as
+    the socket of a process that hangs (SIGSTOP, a deadlock) does."""
 
     def __init__(
-        self, stream: trio.StapledStream, network: SimulatedNetwork, peer: _Address | None = None
+        self,
+        stream: trio.StapledStream,
+        network: SimulatedNetwork,
+        peer: _Address | None = None,
+        frozen: trio.Event | None = None,
     ):
         self._stream, self._network = stream, network
         self.socket = peer  # the shepherd's end: who dialled (`admission.peer_name`)
+        self.frozen = frozen
+
+    async def _hang_if_frozen(self) -> None:
+        if self.frozen is not None and self.frozen.is_set():
+            await trio.sleep_forever()
 
     async def send_all(self, data) -> None:
+        await self._hang_if_frozen()
         network = self._network
         network.moved += len(data)
         delay = network.latency + len(data) / network.bytes_per_second
         if delay > 0:
             await trio.sleep(delay)
+        await self._hang_if_frozen()
         await self._stream.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._stream.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self._stream.receive_some(max_bytes)
+        await self._hang_if_frozen()
+        data = await self._stream.receive_some(max_bytes)
+        await self._hang_if_frozen()
+        return data
 
     async def send_eof(self) -> None:
         await self._stream.send_eof()
@@ -151,7 +182,11 @@ async def fake_worker(
 
 async def _session(raw: trio.abc.Stream, index: int, token: str, drawn, train_seconds) -> str:
     stream = protocol.MessageStream(raw)
-    hello = await stream.receive()
+    hello = None
+    with trio.move_on_after(HELLO_SECONDS):  # a hung relay takes the dial and says nothing
+        hello = await stream.receive()
+    if hello is None:
+        return f"no hello in {HELLO_SECONDS:g} s"
     if hello.kind == "error":  # a relay without its link yet, a full shepherd: busy
         refusal = hello.body_as(protocol.Error)
         return f"{refusal.code.value}: {refusal.message}"
@@ -177,9 +212,10 @@ async def _session(raw: trio.abc.Stream, index: int, token: str, drawn, train_se
     plan = planned.body_as(protocol.Plan)
     tokens = plan.inner_steps * plan.batch_size * plan.tokens_per_row
     await stream.send(protocol.Ready(compile_seconds=0.0))
+    silence = silence_timeout(welcome.heartbeat_seconds)  # as a real worker's watchdog
     async with trio.open_nursery() as nursery:  # heartbeats, as a real worker sends them
         nursery.start_soon(_heartbeats, stream, welcome.heartbeat_seconds)
-        ended = await _answer_rounds(stream, plan, tokens, index, drawn, train_seconds)
+        ended = await _answer_rounds(stream, plan, tokens, index, drawn, train_seconds, silence)
         nursery.cancel_scope.cancel()
     return ended
 
@@ -197,12 +233,17 @@ async def _answer_rounds(
     index: int,
     drawn,
     train_seconds: float,
+    silence: float,
 ) -> str:
     """Answer every roundStart after `train_seconds`: a progress report of the whole round,
-    then the result."""
+    then the result; "silent" once the shepherd sends nothing (not even a heartbeat) for
+    `silence` seconds while no training goes on."""
     result = None
     while True:
-        message = await stream.receive()
+        with trio.move_on_after(silence) as waited:
+            message = await stream.receive()
+        if waited.cancelled_caught:
+            return f"silent for {silence:g} s"
         if message.kind == "goodbye":
             return "goodbye"
         if message.kind != "roundStart":
@@ -362,6 +403,7 @@ def simulate(
     train_seconds: float = 0.0,
     storm_after: int | None = None,
     relay_down_after: int | None = None,
+    relay_fault: str = "kill",
     latency: float = 0.005,
     clock: trio.abc.Clock | None = None,
     on_round: Callable[[Mapping[str, float], int], None] | None = None,
@@ -377,8 +419,10 @@ def simulate(
     `relays`: that many real `Relay`s (the shepherd's --relays at least as many) each dial
     the shepherd from 172.16.0.r, and fake i joins relay i mod R, as a worker started with
     `--connect RELAY,SHEPHERD` does: after a failed or lost link it tries the next address.
-    `relay_down_after`: once that many rounds are done, relay 0 is killed mid-round (its
-    fakes fail over to the shepherd). `on_round(cpu, moved)`: called as each round ends, with
+    `relay_down_after`: once that many rounds are done, relay 0 fails mid-round as
+    `relay_fault` says: "kill" (its process ends: every link closes, nobody listens) or
+    "stall" (it hangs: its links stay open and carry nothing, and new dials are taken and
+    never answered); its fakes fail over to the shepherd. `on_round(cpu, moved)`: called as each round ends, with
     each part's CPU seconds and the bytes through the shepherd's links (its relays' and its
     direct workers') so far.
     Returns when the run ends.
@@ -405,7 +449,13 @@ def simulate(
 
     shepherd.state.subscribe(note)
     token = shepherd.token
-    sites = [SimulatedNetwork(latency=latency) for _ in range(relays)]
+    if relay_fault not in ("kill", "stall"):
+        raise ValueError(f"relay_fault is 'kill' or 'stall', not {relay_fault!r}")
+    stalled = relay_down if relay_fault == "stall" else None  # relay 0's links freeze
+    sites = [
+        SimulatedNetwork(latency=latency, frozen=stalled if r == 0 else None)
+        for r in range(relays)
+    ]
 
     async def fake(index: int, storm: trio.Event | None) -> None:
         cpu.mark("fakes")
@@ -451,9 +501,11 @@ def simulate(
 
         async def dial(deadline: float) -> trio.abc.Stream:
             try:
-                return await network.dial(f"172.16.{index >> 8 & 255}.{index & 255}")
+                link = await network.dial(f"172.16.{index >> 8 & 255}.{index & 255}")
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 raise ConnectionLost("the shepherd is not listening") from None
+            link.frozen = sites[index].frozen  # its uplink hangs with it
+            return link
 
         async with trio.open_nursery() as nursery:
 
@@ -466,7 +518,7 @@ def simulate(
                 await site.run(listeners=[sites[index]], dial=dial, task_status=task_status)
                 nursery.cancel_scope.cancel()
 
-            if index == 0 and relay_down_after is not None:
+            if index == 0 and relay_down_after is not None and stalled is None:
                 nursery.start_soon(kill)
             await nursery.start(serve)
             task_status.started()

@@ -41,6 +41,7 @@ from pcp_tui.contract.connection import (
     expect_hello,
     goodbye_ended,
     shown,
+    silence_timeout,
 )
 from pcp_tui.contract.connection import expect as _expect
 from pcp_tui.contract.tls import ClientTLS, shown_fingerprint
@@ -319,7 +320,7 @@ class Session:
         welcome = welcome_message.body_as(protocol.Welcome)
         interval = welcome.heartbeat_seconds  # the run's; a broken shepherd's is bounded
         self.heartbeat_seconds = min(max(interval, MIN_HEARTBEAT_SECONDS), MAX_HEARTBEAT_SECONDS)
-        self.heartbeat_timeout = max(10.0, 10 * self.heartbeat_seconds)
+        self.heartbeat_timeout = silence_timeout(self.heartbeat_seconds)
         log.info(
             "admitted by %s:%d (heartbeat every %g s)", self.host, self.port, self.heartbeat_seconds
         )
