@@ -453,8 +453,7 @@ def simulate(
         raise ValueError(f"relay_fault is 'kill' or 'stall', not {relay_fault!r}")
     stalled = relay_down if relay_fault == "stall" else None  # relay 0's links freeze
     sites = [
-        SimulatedNetwork(latency=latency, frozen=stalled if r == 0 else None)
-        for r in range(relays)
+        SimulatedNetwork(latency=latency, frozen=stalled if r == 0 else None) for r in range(relays)
     ]
 
     async def fake(index: int, storm: trio.Event | None) -> None:
