@@ -38,6 +38,16 @@ folded in and `lost` the workers the shepherd dropped: the fakes heartbeat and r
 progress like real workers, so a loss is the shepherd's doing (before per-peer bounds left
 out its own load, 256 fakes of `--param-shapes small` lost workers as "upload too slow").
 
+`--real-worker` adds one real `pcp-tui worker` process to each run (through relay 0 when the
+run has relays), pinned to `--real-device` (CUDA_VISIBLE_DEVICES; run the benchmark itself
+with JAX_PLATFORMS=cpu so the shepherd leaves the GPU to it), training the real `--model`
+for `--inner-steps` steps a round while the fakes answer at once. Its utilization (its
+compute seconds over the wall time from round 1's end to the last's) says whether the tree
+costs a GPU its time; the last line is then `ratio_real_utilization_tree_vs_flat=<x>`.
+
+    JAX_PLATFORMS=cpu python benchmarks/bench_shepherd_scale.py --workers 1000 --relays 8 \
+        --real-worker --inner-steps 2000 --rounds 5
+
 `--param-shapes gpt2` gives the model the parameter shapes of that preset
 (GPT-2 124M: 498 MB of float32) with a stand-in loss: nothing here runs the
 model, so only the shapes matter, and the graphs export in seconds.
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -67,6 +78,7 @@ from pcp_tui.testing import (
 )
 
 FAKE_PROCESSES = 4  # the fakes run in this many processes
+REAL_WORKER = "real-worker"  # `--real-worker`'s id
 
 
 async def _drawn(shapes: tuple, seed: int) -> dict[str, np.ndarray]:
@@ -101,12 +113,13 @@ async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dic
     from pcp_tui.shepherd.coordinator import Shepherd
     from pcp_tui.training.build import build_workload
 
+    real = 1 if args.real_worker else 0
     config = RunConfig(
         model=args.model,
-        workers=count,
+        workers=count + real,
         rounds=args.rounds,
-        inner_steps=50,
-        chunk_steps=50,
+        inner_steps=args.inner_steps,
+        chunk_steps=min(args.inner_steps, 50),
         seq_len=64,
         batch_size=8,
         host="127.0.0.1",
@@ -119,11 +132,11 @@ async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dic
         eval_every=10**6,
         eval_batches=1,
         data_max_bytes=2**20,
-        max_handshakes_per_host=max(count, 8),
-        max_handshakes=max(count, 64),
+        max_handshakes_per_host=max(count + real, 8),
+        max_handshakes=max(count + real, 64),
         relays=relays,
     )
-    workload = build_workload(config, shards=count)
+    workload = build_workload(config, shards=count + real)
     if args.param_shapes:
         workload = with_param_shapes(workload, args.param_shapes)
     shepherd = Shepherd(config, workload)
@@ -131,8 +144,11 @@ async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dic
     root_bytes: list[int] = []  # bytes through the shepherd's sockets when each round ended
     lost: list[str] = []  # why workers were dropped: a fake behaves, so none should be
 
+    round_ends: list[float] = []  # wall seconds as each round ended
+
     def note(event) -> None:
         if event.kind == "round":
+            round_ends.append(time.perf_counter())
             cpu_at_round.append(time.process_time())
             tree = shepherd.pool.relays
             flat = shepherd.state.bytes_sent + shepherd.state.bytes_received
@@ -169,7 +185,16 @@ async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dic
             command = [sys.executable, __file__, "--fake", str(first), str(last - first)]
             command += [str(port) for port in ports]
             nursery.start_soon(partial(trio.run_process, command))
+        if real:
+            command = [sys.executable, "-m", "pcp_tui", "worker", "--token", "bench"]
+            command += ["--connect", f"127.0.0.1:{ports[0]}", "--id", REAL_WORKER]
+            env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+            env["CUDA_VISIBLE_DEVICES"] = args.real_device
+            nursery.start_soon(partial(trio.run_process, command, env=env))
     history = shepherd.state.history[1:]  # round 1 also compiles the outer step
+    # the real worker's compute seconds in rounds 2.., over the wall time they took
+    computed = sum(r.worker_utilization.get(REAL_WORKER, 0.0) * r.round_seconds for r in history)
+    real_utilization = computed / (round_ends[-1] - round_ends[0]) if real else None
     seconds = float(np.median([r.round_seconds for r in history]))
     cpu = float(np.median(np.diff(cpu_at_round)))
     moved = float(np.median([r.bytes_sent + r.bytes_received for r in history]))
@@ -185,6 +210,8 @@ async def one_size(count: int, args: argparse.Namespace, relays: int = 0) -> dic
         "fewest_workers": min(r.workers for r in shepherd.state.history),
         "lost": len(lost),
         "lost_example": lost[0] if lost else "",
+        "real_utilization": real_utilization,
+        "real_counted": sum(REAL_WORKER in r.worker_ids for r in history) if real else None,
     }
 
 
@@ -267,8 +294,15 @@ def main() -> None:
     parser.add_argument(
         "--simulated", action="store_true", help="fakes in this process, on a virtual clock"
     )
+    parser.add_argument(
+        "--real-worker", action="store_true", help="one real worker process joins each run"
+    )
+    parser.add_argument("--real-device", default="0", help="CUDA_VISIBLE_DEVICES of that worker")
+    parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--fake", nargs="+", type=int, help=argparse.SUPPRESS)
     args = parse_with_smoke(parser, workers=[1, 4], rounds=3, relays=2)
+    if args.real_worker and args.param_shapes:
+        parser.error("--real-worker trains the real --model: leave --param-shapes out")
     if args.simulated:
         simulated(args.workers, args.rounds, args.relays)
         return
@@ -306,6 +340,11 @@ def main() -> None:
         )
         if r["lost"]:
             print(f"    first loss: {r['lost_example']}")
+        if r["real_utilization"] is not None:
+            print(
+                f"    the real worker: utilization {r['real_utilization']:.1%}, counted in "
+                f"{r['real_counted']} of {args.rounds - 1} rounds after the first"
+            )
     print(json.dumps(rows))
     flat = [r for r in rows if not r["relays"]]
     first, last = flat[0], flat[-1]
@@ -318,6 +357,9 @@ def main() -> None:
         print(
             f"ratio_root_bytes_flat_vs_tree={last['root_mb_per_round'] / tree['root_mb_per_round']:.3f}"
         )
+        if args.real_worker:
+            ratio = tree["real_utilization"] / last["real_utilization"]
+            print(f"ratio_real_utilization_tree_vs_flat={ratio:.3f}")
 
 
 if __name__ == "__main__":
