@@ -199,3 +199,20 @@ def test_the_gpt2_preset_sizes_in_the_readme_and_its_name():
         assert f"{count / 1e6:.0f}M" == size and size in row
     assert "50,257-token vocabulary" in row
     assert preset_name("gpt2") == "gpt2" and preset_name("tiny") == "gpt2-tiny"
+
+
+def test_every_package_of_the_checkout_is_in_the_wheel():
+    """pyproject.toml lists the packages a wheel holds (protocol/ and backends/ install under
+    pcp_tui): a folder left off installed without it (`pip install .` lacked
+    pcp_tui.shepherd.rounds, .run and .serving, and `pcp-tui shepherd` failed to import),
+    while the editable install of the README and CI still found it."""
+    root = EXAMPLES.parent
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    moved = {f"pcp_tui.{name}": name for name in ("protocol", "backends")}
+    packages = {
+        ".".join(init.parent.relative_to(root).parts)
+        for init in (root / "pcp_tui").rglob("__init__.py")
+    }
+    assert set(setuptools["packages"]) == packages | set(moved)
+    assert setuptools["package-dir"] == moved
+    assert all((root / folder / "__init__.py").is_file() for folder in moved.values())
