@@ -230,6 +230,13 @@ def simulated(counts: list[int], rounds: int, relays: int) -> None:
                 marks[0].append(cpu["shepherd"] + cpu["threads"])
                 marks[1].append(moved)
                 marks[2].append(sum(v.workers for v in shepherd.pool.relays.live.values()))
+                done = shepherd.state.history[-1]
+                print(  # long runs show progress: a round of 10,000 takes minutes
+                    f"    round {done.round}: {done.workers} workers, shepherd CPU "
+                    f"{marks[0][-1]:.1f} s so far",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
             started = time.perf_counter()
             run = simulate(shepherd, count, relays=tree, train_seconds=30.0, on_round=note)
