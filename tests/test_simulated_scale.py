@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from pcp_tui.diloco.aggregate import CenteredClip
+from pcp_tui.shepherd.coordinator import RunFailed
 from pcp_tui.shepherd.run.events import RoundDone
 from pcp_tui.testing import simulate, stand_in_shepherd
 
@@ -131,3 +133,29 @@ def test_a_relay_that_hangs_mid_run_is_dropped_and_its_workers_fail_over():
         assert len(set(record.worker_ids)) == record.workers
         assert record.tokens == record.workers * per_worker
     assert all(e[-1] == "goodbye" for e in run.ends.values())
+
+
+class _FoldThatBreaks(CenteredClip):
+    """The run's aggregate with a bug: folding any result raises."""
+
+    def add(self, *args, **kwargs):
+        raise RuntimeError("a bug in the fold")
+
+
+def test_an_internal_error_that_every_retry_meets_stops_the_run_and_says_so():
+    """A shepherd bug hit by every result (here its fold raises) drops each worker as an
+    internal error; they rejoin and meet it again. After three tries of the round without a
+    result the run stops as failed, naming the error and what to do, instead of retrying for
+    ever."""
+    shepherd = stand_in_shepherd(4, rounds=2)
+    shepherd.engine.aggregates[0] = _FoldThatBreaks(shepherd.engine.fragments[0])
+    tries: list[int] = []
+    shepherd.state.subscribe(
+        lambda e: tries.append(e.round) if e.kind == "round_repeated" else None
+    )
+    with pytest.raises(RunFailed) as failed:
+        simulate(shepherd, 4)
+    assert "failed internally in 3 tries of round 1" in str(failed.value)
+    assert "RuntimeError: a bug in the fold" in str(failed.value)
+    assert tries == [1, 1]  # two repeats; the third try ends the run
+    assert not shepherd.state.history

@@ -345,6 +345,7 @@ class Shepherd:
             cfg.network.workers, f"waiting for {cfg.network.workers} worker(s)"
         )
         number = self.start_round
+        failing: list[str] = []  # internal errors of the rounds in a row that got no result
         while number <= cfg.outer.rounds and self._stop_reason is None:
             if self._paused:
                 self.state.status = RunStatus.PAUSED
@@ -358,12 +359,17 @@ class Shepherd:
             self.state.status = RunStatus.TRAINING
             mark = self.state.events[-1] if self.state.events else None
             record = await self._run_round(number, nursery)
-            why = divergence.diverged(
-                divergence.events_since(self.state.events, mark),
-                number,
-                cfg.inner.steps,
-                record,
-            )
+            events = divergence.events_since(self.state.events, mark)
+            internal = divergence.internal_failure(events, record)
+            failing = [*failing, internal] if internal is not None else []
+            if len(failing) >= divergence.INTERNAL_ROUNDS:  # each repeat meets it again
+                self.abort(
+                    divergence.internal_advice(
+                        len(failing), number, failing[0], self._checkpointed, cfg.checkpoints.dir
+                    )
+                )
+                break
+            why = divergence.diverged(events, number, cfg.inner.steps, record)
             saving = cfg.checkpoints.dir and number % cfg.checkpoints.every == 0
             if why is None and record is not None and saving:
                 await self.engine.settle()  # a checkpoint holds checked rounds only

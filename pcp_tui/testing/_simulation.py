@@ -425,7 +425,7 @@ def simulate(
     never answered); its fakes fail over to the shepherd. `on_round(cpu, moved)`: called as each round ends, with
     each part's CPU seconds and the bytes through the shepherd's links (its relays' and its
     direct workers') so far.
-    Returns when the run ends.
+    Returns when the run ends; raises the shepherd's `RunFailed` if it fails.
     """
     from pcp_tui.relay import Relay
 
@@ -522,12 +522,19 @@ def simulate(
             await nursery.start(serve)
             task_status.started()
 
+    from pcp_tui.shepherd.coordinator import RunFailed
+
+    failed: list[RunFailed] = []  # the run's own failure, raised as it is (not in a group)
+
     async def main() -> None:
         async with trio.open_nursery() as nursery:
 
             async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
                 cpu.mark("shepherd")
-                await shepherd.run(listeners=[network], task_status=task_status)
+                try:
+                    await shepherd.run(listeners=[network], task_status=task_status)
+                except RunFailed as exc:
+                    failed.append(exc)
                 nursery.cancel_scope.cancel()  # the fakes still backing off, and the relays
 
             await nursery.start(run)
@@ -545,6 +552,8 @@ def simulate(
             clock=clock or trio.testing.MockClock(autojump_threshold=0),
             instruments=[cpu],
         )
+    if failed:
+        raise failed[0]
     return Simulated(dict(ends), lost, cpu.seconds())
 
 

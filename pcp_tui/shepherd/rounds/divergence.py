@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from pcp_tui.diloco.screening import Refusal
 from pcp_tui.diloco.validation import BLOW_UP
-from pcp_tui.shepherd.run.events import Event, Lost, ResultRefused
+from pcp_tui.shepherd.run.events import Event, Internal, Lost, ResultRefused
 from pcp_tui.shepherd.run.history import RoundRecord
 
 # Where the decoder's refusal of a non-finite loss (`Lost.non_finite`) names it ("worker 0
@@ -65,6 +65,36 @@ def diverged(
         else f"diverged: non-finite, or raising its own batches' loss over {BLOW_UP:g} times"
     )
     return f"every result of round {number} {what}{where} ({failures[0].message})"
+
+
+# rounds in a row that got no result while the shepherd failed internally serving workers:
+# a bug the workers meet again each time they rejoin; then the run stops instead
+INTERNAL_ROUNDS = 3
+
+
+def internal_failure(round_events: list[Event], record: RoundRecord | None) -> str | None:
+    """The first internal error of a round that got no result (a shepherd bug its workers
+    hit: each rejoins and meets it again), as its event said it; None otherwise."""
+    if record is not None:
+        return None
+    return next((e.message for e in round_events if isinstance(e, Internal)), None)
+
+
+def internal_advice(
+    rounds: int, number: int, error: str, checkpoint: int | None, checkpoint_dir: str | None
+) -> str:
+    """The line a run stopped by `INTERNAL_ROUNDS` repeats of an internal error ends with."""
+    if not checkpoint_dir:
+        kept = "no --checkpoint-dir: nothing is saved"
+    elif checkpoint is None:
+        kept = f"no checkpoint was written to {checkpoint_dir} yet"
+    else:
+        kept = f"round {checkpoint}'s checkpoint in {checkpoint_dir} is kept"
+    return (
+        f"the shepherd failed internally in {rounds} tries of round {number} in a row, none "
+        f"with a result ({error}): a bug in pcp-tui, not in the workers; {kept}. Report it "
+        "with this log; --resume goes on from the checkpoint once it is fixed"
+    )
 
 
 def _non_finite(event: Event) -> bool:
