@@ -26,18 +26,20 @@ at the end of the run ends the relay (exit 0), unless the run can be resumed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
+import numpy as np
 import trio
 
 from pcp_tui import protocol
 from pcp_tui.config.relay import RelayConfig
 from pcp_tui.contract import keys
-from pcp_tui.contract.channels import PIECE_BYTES, Channel, Channels
+from pcp_tui.contract.channels import CONTROL, PIECE_BYTES, Channel, Channels
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
     ConnectionEnded,
@@ -50,7 +52,10 @@ from pcp_tui.contract.connection import (
     goodbye_ended,
     silence_timeout,
 )
+from pcp_tui.contract.plan import result_header_problem
 from pcp_tui.contract.tls import ClientTLS, ServerTLS, shown_fingerprint
+from pcp_tui.diloco.partial import Partial
+from pcp_tui.diloco.screening import BadResult, NormGuard, ResultScreen
 from pcp_tui.shepherd.serving.admission import peer_name
 from pcp_tui.shepherd.serving.listening import (
     advertised,
@@ -84,6 +89,7 @@ class Relay:
         self.server_tls, self.client_tls = server_tls, client_tls
         self.say = say or (lambda line: print(f"pcp-tui relay: {line}", file=sys.stderr))
         self.channels: Channels | None = None  # the link to the shepherd, while there is one
+        self.folds = Folds()  # the shepherd's folds on that link
         self.carried = 0  # workers' connections carried now
         self.listening_port = 0
         self.joined = False  # welcomed by the shepherd once: an idInUse after is its old link
@@ -174,12 +180,20 @@ class Relay:
             f"relay {self.name} joined the shepherd at {where}; workers join with: "
             + self.join_command
         )
-        channels = self.channels = Channels(messages, accepts=False, keeps=False)
+        channels = Channels(messages, accepts=False, keeps=False)
+        folds = self.folds = Folds()
         interval = max(welcome.heartbeat_seconds, 0.5)
         try:
-            await channels.run(interval, silence_timeout(interval))
-        except protocol.ProtocolError as exc:
-            self.say(f"the shepherd broke the relay protocol ({exc}); reconnecting")
+            control = await channels.open(CONTROL)  # the first channel, before any worker's
+            self.channels = channels
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_control, folds, control)
+                try:
+                    await channels.run(interval, silence_timeout(interval))
+                except protocol.ProtocolError as exc:
+                    self.say(f"the shepherd broke the relay protocol ({exc}); reconnecting")
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
             self.channels = None
             with trio.CancelScope(shield=True):
@@ -214,7 +228,7 @@ class Relay:
 
     async def _carry(self, raw: trio.abc.Stream) -> None:
         """Carry one worker's connection to the shepherd until either side ends it."""
-        channels, peer = self.channels, peer_name(raw)
+        channels, folds, peer = self.channels, self.folds, peer_name(raw)
         if channels is None or self.carried >= self.config.listen.max_workers:
             why = (
                 f"relay {self.name} has no link to its shepherd (yet)"
@@ -233,7 +247,7 @@ class Relay:
                     stream = await self.server_tls.accept(raw)
             channel = await channels.open(peer)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_pump, stream, channel, nursery.cancel_scope)
+                nursery.start_soon(_carry_up, folds, stream, channel, nursery.cancel_scope)
                 nursery.start_soon(_pump, channel, stream, nursery.cancel_scope)
         except (*LINK_ERRORS, trio.TooSlowError) as exc:
             log.info("worker %s: %s", peer, exc)
@@ -258,6 +272,168 @@ class Relay:
             except LINK_ERRORS as exc:
                 log.info("worker %s: %s", peer_name(raw), exc)
         await trio.aclose_forcefully(stream)
+
+
+class Fold:
+    """One fold the shepherd opened on this relay (`protocol.Fold`): a round's fragment results
+    of this relay's workers, screened as the shepherd screens them and folded into one partial
+    with the round's center, radius and step scale (`diloco.partial`)."""
+
+    def __init__(self, order: protocol.Fold, center: dict[str, np.ndarray] | None):
+        shapes, dims = {}, iter(order.dims)
+        for name, rank in zip(order.names, order.ranks, strict=True):
+            shapes[name] = tuple(next(dims) for _ in range(rank))
+        self.order = order
+        self.lr = dict(zip(order.lr_steps, order.lr_sums, strict=True))
+        norms = NormGuard(factor=order.norm_factor)
+        norms.typical = order.norm_typical  # the round's baseline, fixed by the shepherd
+        self.screen = ResultScreen(shapes, order.max_tokens, norms, bound=order.bound)
+        self.screen.lr_sum = lambda tokens: self.lr[self.steps(tokens)]
+        self.shares = dict(zip(order.share_workers, order.shares, strict=True))
+        self.partial = Partial(
+            tuple(shapes),
+            center=center,
+            radius=order.radius,
+            step_scale=order.step_scale,
+            measure=order.measure,
+        )
+
+    def steps(self, tokens: int) -> int:
+        return max(tokens // max(self.order.per_step, 1), 1)
+
+    def fold(
+        self, worker_id: str, body: protocol.RoundResult, tensors: dict[str, np.ndarray]
+    ) -> protocol.RoundResult | None:
+        """Fold `worker_id`'s result in; what the shepherd is told instead of it, or None where
+        this relay cannot judge it (a screen refuses it, its length has no lr sum, it is a
+        second one): it then goes on whole and the shepherd decides, as it does flat."""
+        if self.steps(body.tokens) not in self.lr or worker_id in self.partial.results:
+            return None
+        try:
+            norm = self.screen.check(tensors, body.tokens)
+        except BadResult:
+            return None
+        weight = body.tokens * self.shares.get(worker_id, 1.0)
+        scale = self.partial.add(worker_id, tensors, weight)
+        entry = self.partial.results[worker_id]
+        return dataclasses.replace(
+            body, folded=True, weight=weight, scale=scale, distance=entry.distance, norm=norm
+        )
+
+    def answer(self) -> protocol.Encoded:
+        """The `Folded` that closes it: Σ w·s·Δ (none if nothing was folded), Σ w, Σ w (1 - s)
+        and whose results they are."""
+        partial = self.partial
+        body = protocol.Folded(
+            round=self.order.round,
+            fragment=self.order.fragment,
+            weight=partial.weight,
+            center_weight=partial.center_weight,
+            workers=tuple(partial.results),
+            weights=tuple(e.weight for e in partial.results.values()),
+            scales=tuple(e.scale for e in partial.results.values()),
+            distances=tuple(e.distance for e in partial.results.values()),
+        )
+        return protocol.encode_once(body, partial.sums if partial.results else None)
+
+
+class Folds:
+    """The folds open on this relay, by (round, fragment), and the lock that keeps a result's
+    fold and its notice to the shepherd ahead of the fold's answer on the link."""
+
+    def __init__(self) -> None:
+        self.open: dict[tuple[int, int], Fold] = {}
+        self.lock = trio.Lock()
+
+    async def serve(self, control: Channel) -> None:
+        """Take the shepherd's folds on the control channel until it ends; answer each close."""
+        stream = protocol.MessageStream(control, clock=trio.current_time)
+        while True:
+            message = await stream.receive()
+            order = message.body_as(protocol.Fold)
+            key = (order.round, order.fragment)
+            if not order.close:
+                center = dict(message.tensors) if order.measure else None
+                self.open[key] = await trio.to_thread.run_sync(Fold, order, center)
+                continue
+            async with self.lock:  # every notice of a result folded in is on its way
+                fold = self.open.pop(key, None)
+                nothing = protocol.Folded(round=order.round, fragment=order.fragment)
+                await stream.send_encoded(fold.answer() if fold else protocol.encode_once(nothing))
+            for stale in [k for k in self.open if k[0] < order.round]:
+                del self.open[stale]  # a round the shepherd closed without asking
+
+    async def carry_up(self, source: trio.abc.Stream, channel: Channel) -> None:
+        """A worker's messages to the shepherd: each passed on as it came, but a result of an
+        open fold, which is folded in here and replaced by its notice (`Fold.fold`)."""
+        reader = protocol.StreamReader(source, trio.current_time)
+        out = protocol.MessageStream(channel, clock=trio.current_time)
+        worker_id = ""
+        while True:
+            reader.start_frame()
+            try:
+                frame, body, _, specs = await protocol.read_head(reader, UPSTREAM_LIMITS)
+            except protocol.ConnectionClosed:
+                return
+            if isinstance(body, protocol.WorkerHello):
+                worker_id = body.worker_id
+            if isinstance(body, protocol.RoundResult) and body.folded:
+                raise protocol.MalformedMessage("a worker's result is never a relay's notice")
+            fold = None
+            if isinstance(body, protocol.RoundResult) and worker_id:
+                fold = self.open.get((body.round, body.fragment))
+            if fold is None or result_header_problem(fold.screen.shapes, specs) is not None:
+                await channel.send_all(frame)  # as it came: the shepherd judges it
+                await _pass_on(reader, channel, sum(spec.payload_bytes for spec in specs))
+                continue
+            assert isinstance(body, protocol.RoundResult)
+            tensors, payloads = {}, []
+            for spec in specs:  # the plan's shapes: at most the model's bytes
+                payload = np.empty(spec.payload_bytes, np.uint8)
+                await reader.read_into(payload.data)
+                payloads.append(payload)
+                tensors[spec.name] = protocol.dequantize_chunked(payload, spec, 1)
+            async with self.lock:
+                if self.open.get((body.round, body.fragment)) is fold:
+                    notice = await trio.to_thread.run_sync(fold.fold, worker_id, body, tensors)
+                    if notice is not None:
+                        await out.send(notice)
+                        continue
+            await channel.send_parts([frame, *(payload.data for payload in payloads)])
+
+
+async def _pass_on(reader: protocol.StreamReader, channel: Channel, nbytes: int) -> None:
+    """The next `nbytes` of `reader` into `channel`, a piece at a time."""
+    while nbytes > 0:
+        piece = bytearray(min(nbytes, PIECE_BYTES))
+        await reader.read_into(memoryview(piece))
+        await channel.send_all(piece)
+        nbytes -= len(piece)
+
+
+# what a relay reads of a worker's messages: their frames and headers (the shepherd checks
+# them against the plan again); a result's payload is at most the model's
+UPSTREAM_LIMITS = protocol.Limits()
+
+
+async def _control(folds: Folds, control: Channel) -> None:
+    """The link's control channel (the first this relay opens): the shepherd's folds."""
+    try:
+        await folds.serve(control)
+    except LINK_ERRORS as exc:
+        log.info("the control channel ended: %s", exc)
+
+
+async def _carry_up(
+    folds: Folds, source: trio.abc.Stream, channel: Channel, done: trio.CancelScope
+) -> None:
+    """`Folds.carry_up` until either side ends; then the other direction too."""
+    try:
+        await folds.carry_up(source, channel)
+    except LINK_ERRORS as exc:  # a worker breaking the protocol ends its own connection
+        log.info("worker on channel %d: %s", channel.number, exc)
+    finally:
+        done.cancel()
 
 
 async def _pump(source: trio.abc.Stream, sink: trio.abc.Stream, done: trio.CancelScope) -> None:

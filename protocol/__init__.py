@@ -30,7 +30,9 @@ from ._codec import (
     decode,
     encode,
     encode_once,
+    read_head,
 )
+from ._dequantize import dequantize_chunked
 from ._errors import (
     ConnectionClosed,
     FrameTooLarge,
@@ -48,6 +50,8 @@ from ._messages import (
     Body,
     Error,
     ErrorCode,
+    Fold,
+    Folded,
     Fragment,
     FragmentUpdate,
     Goodbye,
@@ -74,6 +78,7 @@ from ._messages import (
     WorkerHello,
     WorkerStats,
 )
+from ._readers import StreamReader
 from ._schema import ERROR_CODES, KINDS
 from ._stream import MessageStream
 from ._striped import PIECE_BYTES, Prefixed, StripedStream
@@ -99,6 +104,8 @@ __all__ = [
     "ErrorCode",
     "GraphInfo",
     "Fragment",
+    "Fold",
+    "Folded",
     "FragmentUpdate",
     "Goodbye",
     "HeaderCheck",
@@ -122,6 +129,7 @@ __all__ = [
     "OverlapMerge",
     "ShardingMode",
     "ShardingRule",
+    "StreamReader",
     "TensorSpec",
     "Welcome",
     "WorkerHello",
@@ -138,5 +146,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_change",
+    "dequantize_chunked",
     "encode_once",
+    "read_head",
 ]

@@ -245,10 +245,7 @@ async def read_message(
     (`dequantize_chunked`); with `offload`, in a thread while the next payload
     is read (`_overlap.DecodeBehind`).
     """
-    frame = await _read_frame(reader, limits)
-    body, version, specs = _parse_frame(frame, limits)
-    if check_header is not None:
-        check_header(body, tuple(specs), len(frame))
+    frame, body, version, specs = await read_head(reader, limits, check_header)
     payload_bytes = sum(spec.payload_bytes for spec in specs)
     reader.expect(payload_bytes)
     if before_payload is not None and payload_bytes:
@@ -271,6 +268,19 @@ async def read_message(
     decoded = {name: array for name, array in tensors.items() if array is not None}
     assert len(decoded) == len(tensors), "every tensor is decoded once `behind` has finished"
     return Message(body, decoded, version, wire_bytes)
+
+
+async def read_head(
+    reader, limits: Limits, check_header: HeaderCheck | None = None
+) -> tuple[bytearray, Body, int, list[TensorSpec]]:
+    """A message's framed envelope as it came, its body, version and checked tensor specs;
+    its payloads (`TensorSpec.payload_bytes` each, in order) are the reader's next bytes.
+    `read_message` goes on to decode them; a relay may pass them on as they are."""
+    frame = await _read_frame(reader, limits)
+    body, version, specs = _parse_frame(frame, limits)
+    if check_header is not None:
+        check_header(body, tuple(specs), len(frame))
+    return frame, body, version, specs
 
 
 async def _read_frame(reader, limits: Limits) -> bytearray:

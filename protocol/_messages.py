@@ -35,6 +35,8 @@ from ._enums import (
 from ._fields import ID_CHARS, MAX_SHARDING_RULES, REASON_CHARS, TENSOR_NAME_CHARS, Body
 from ._plan import Fragment, GraphInfo, Plan, Ready, Sharding, ShardingRule
 from ._rounds import (
+    Fold,
+    Folded,
     FragmentUpdate,
     Progress,
     RoundResult,
@@ -69,6 +71,8 @@ BODY_TYPES: dict[str, type] = {
         Goodbye,
         FragmentUpdate,
         RelayFrame,
+        Fold,
+        Folded,
     )
 }
 
@@ -83,6 +87,8 @@ __all__ = [
     "Body",
     "Error",
     "ErrorCode",
+    "Fold",
+    "Folded",
     "Fragment",
     "FragmentUpdate",
     "Goodbye",

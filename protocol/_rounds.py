@@ -8,11 +8,12 @@ fragment of the plan one `RoundResult` (its pseudo-gradient) and one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ._enums import Phase
-from ._fields import Body, _finite, _items, _within
+from ._fields import TENSOR_NAME_CHARS, Body, _finite, _items, _within
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,55 @@ class RoundResult(Body):
     compute_seconds: float = _finite()
     inner_steps: int = 0
     fragment: int = 0  # index into the plan's fragments
+    # relay -> shepherd: the relay folded it (`Fold`); no tensors ride
+    folded: bool = False
+    weight: float = _finite()
+    scale: float = _finite()
+    distance: float = _finite()
+    norm: float = _finite()
+
+
+@dataclass(frozen=True)
+class Fold(Body):
+    """shepherd -> relay: fold (or, `close`, stop folding and answer `Folded`) a round's
+    fragment results of the relay's workers with the round's numbers; the clip's center
+    rides as tensors."""
+
+    KIND: ClassVar[str] = "fold"
+    round: int = 0
+    fragment: int = 0
+    close: bool = False
+    radius: float = math.inf
+    step_scale: float = 1.0
+    measure: bool = False
+    max_tokens: int = 0
+    bound: float = math.inf
+    norm_typical: float = 0.0
+    norm_factor: float = math.inf
+    per_step: int = 1
+    lr_sums: tuple[float, ...] = _items(2**16)  # Σ inner lr over a result of lr_steps[i] steps
+    share_workers: tuple[str, ...] = _items(2**20)
+    shares: tuple[float, ...] = _items(2**20)
+    lr_steps: tuple[int, ...] = _items(2**16)
+    names: tuple[str, ...] = _items(2**16, chars=TENSOR_NAME_CHARS)  # the fragment's parameters
+    dims: tuple[int, ...] = _items(2**20)  # their shapes' dims, `ranks[i]` each, in order
+    ranks: tuple[int, ...] = _items(2**16)
+
+
+@dataclass(frozen=True)
+class Folded(Body):
+    """relay -> shepherd: its workers' results of a round's fragment folded (Σ w·s·Δ as
+    tensors), Σ w, Σ w (1 - s), and whose results they are."""
+
+    KIND: ClassVar[str] = "folded"
+    round: int = 0
+    fragment: int = 0
+    weight: float = _finite()
+    center_weight: float = _finite()
+    workers: tuple[str, ...] = _items(2**20)
+    weights: tuple[float, ...] = _items(2**20)  # each result's weight, scale and distance
+    scales: tuple[float, ...] = _items(2**20)
+    distances: tuple[float, ...] = _items(2**20)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ struct Envelope {
     goodbye @12 :Goodbye;
     fragmentUpdate @13 :FragmentUpdate;
     relayFrame @14 :RelayFrame;
+    fold @15 :Fold;
+    folded @16 :Folded;
   }
 }
 
@@ -249,6 +251,14 @@ struct RoundResult {
   computeSeconds @3 :Float64;  # spent on those steps
   innerSteps @4 :UInt32;       # those steps
   fragment @5 :UInt32;         # index into the plan's fragments
+  # relay -> shepherd, in place of the worker's result: its relay folded it (no tensors ride),
+  # with its weight, the factor centered clip scaled it by, its distance per unit of step
+  # scale and its global norm (`Fold`; a worker's own result never sets these)
+  folded @6 :Bool;
+  weight @7 :Float64;
+  scale @8 :Float64;
+  distance @9 :Float64;
+  norm @10 :Float64;
 }
 
 # shepherd -> worker once a fragment's outer step is done: its new global value rides
@@ -314,4 +324,42 @@ struct RelayFrame {
   text @3 :Text;
   kept @4 :List(UInt64);    # data, repeat: kept buffers whose bytes go in (the shepherd's only)
   keptAt @5 :List(UInt64);  # where each goes: after this many of the frame's own bytes
+}
+
+# shepherd -> relay on the relay's control channel (the first it opens): fold round `round`'s
+# fragment `fragment` results of this relay's workers with these numbers from now (close =
+# false; the clip's center rides as tensors, none for the mean), or stop and answer with
+# `folded` (close = true). A relay without an open fold passes results on whole.
+struct Fold {
+  round @0 :UInt32;
+  fragment @1 :UInt32;
+  close @2 :Bool;
+  radius @3 :Float64;           # centered clip's; inf for the mean
+  stepScale @4 :Float64;        # what the radius and the distances scale with
+  measure @5 :Bool;             # take each result's distance from the center (centered clip)
+  maxTokens @6 :UInt64;         # the screen: the most tokens a result may claim
+  bound @7 :Float64;            # the screen: the largest norm the plan's optimizer can give
+  normTypical @8 :Float64;      # the norm screen's baseline per unit of lr (0: none yet)
+  normFactor @9 :Float64;
+  perStep @10 :UInt64;          # tokens one inner step trains on
+  lrSums @11 :List(Float64);    # Σ inner lr over a result of lrSteps[i] steps (the norm screen)
+  shareWorkers @12 :List(Text); # workers whose tokens weigh `shares` each (--weight-per address)
+  shares @13 :List(Float64);
+  lrSteps @14 :List(UInt32);
+  names @15 :List(Text);        # the fragment's parameters, with their shapes' dims
+  dims @16 :List(UInt64);       # (`ranks[i]` of them each, in order)
+  ranks @17 :List(UInt8);
+}
+
+# relay -> shepherd on its control channel, answering a closing fold: Σ w·s·Δ as tensors
+# (none if it folded nothing), Σ w, Σ w (1 - s), and the workers whose results are in it.
+struct Folded {
+  round @0 :UInt32;
+  fragment @1 :UInt32;
+  weight @2 :Float64;
+  centerWeight @3 :Float64;
+  workers @4 :List(Text);
+  weights @5 :List(Float64);    # each result's weight, scale and distance (`roundResult`'s)
+  scales @6 :List(Float64);
+  distances @7 :List(Float64);
 }

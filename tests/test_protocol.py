@@ -142,6 +142,41 @@ BODIES: dict[str, tuple[protocol.Body, dict]] = {
         protocol.RelayFrame(channel=12, op=protocol.RelayOp.KEEP, value=3, text=""),
         {"bytes": np.arange(256, dtype=np.uint8)},
     ),
+    "fold": (
+        protocol.Fold(
+            round=7,
+            fragment=1,
+            radius=0.25,
+            step_scale=0.01,
+            measure=True,
+            max_tokens=4096,
+            bound=3.5,
+            norm_typical=12.0,
+            norm_factor=float("inf"),
+            per_step=128,
+            lr_steps=(8, 32),
+            lr_sums=(0.004, 0.016),
+            share_workers=("w-1",),
+            shares=(0.5,),
+            names=("w",),
+            dims=(3, 2),
+            ranks=(2,),
+        ),
+        {"w": np.arange(6, dtype=np.float32).reshape(3, 2)},
+    ),
+    "folded": (
+        protocol.Folded(
+            round=7,
+            fragment=1,
+            weight=6144.0,
+            center_weight=1024.0,
+            workers=("w-0", "w-1"),
+            weights=(4096.0, 2048.0),
+            scales=(1.0, 0.5),
+            distances=(10.0, 50.0),
+        ),
+        {"w": np.ones((3, 2), np.float32)},
+    ),
 }
 
 

@@ -57,6 +57,9 @@ PIECE_BYTES = 2**20  # the most bytes one frame carries
 KEEP_MIN_BYTES = 64 * 1024
 KEEP_BYTES = 4 * 2**30  # the most kept bytes the relay holds for the shepherd
 MAX_CHANNELS = 2**16  # channels open on one link at once
+# the address a relay's first channel names: not a worker's connection but the shepherd's
+# folds and the relay's answers (`pcp_tui/relay.py` `Folds`, `shepherd/serving/relays.py`)
+CONTROL = "control"
 GOODBYE_SECONDS = 2.0  # the run's end waits this long for a link to take its goodbye
 
 Op = protocol.RelayOp

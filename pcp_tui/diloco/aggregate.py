@@ -130,6 +130,12 @@ class CenteredClip:
         return self.partial.weight + sum(weight for _, weight, _ in self._held.values())
 
     @property
+    def folds(self) -> bool:
+        """Whether this round folds results as they come (its radius is known: earlier rounds'
+        distances); a round without them holds its results whole, and takes no partials."""
+        return bool(self._medians)
+
+    @property
     def contributors(self) -> int:
         return len(self.partial.results) + len(self._held)
 

@@ -84,6 +84,40 @@ class Partial:
         self.center_weight = 0.0  # Σ w (1 − s): the center's share of the aggregate
         self.results: dict[str, Entry] = {}  # in the order folded in (merged ones after)
 
+    @classmethod
+    def received(
+        cls,
+        names: tuple[str, ...],
+        sums: Mapping[str, np.ndarray],
+        entries: Mapping[str, Entry],
+        *,
+        center_weight: float,
+        radius: float = math.inf,
+        step_scale: float = 1.0,
+    ) -> Partial:
+        """A partial folded elsewhere (a relay's: its sums and entries), to `merge` into this
+        round's. ValueError where its parts do not agree: sums of other names or shapes, a
+        weight not positive, a scale that is not min(1, radius / distance)."""
+        if set(sums) != set(names) and entries:
+            raise ValueError(f"its sums are of {sorted(sums)[:3]}, not this round's parameters")
+        for key, entry in entries.items():
+            gap = entry.distance * step_scale
+            scale = min(1.0, radius / gap) if gap > 0 else 1.0
+            if not entry.weight > 0 or not math.isclose(entry.scale, scale, rel_tol=1e-9):
+                raise ValueError(
+                    f"result {key!r}: weight {entry.weight}, scale {entry.scale} "
+                    f"at distance {gap:.6g} from the center (radius {radius:.6g})"
+                )
+        weight = math.fsum(entry.weight for entry in entries.values())
+        centered = math.fsum(entry.weight * (1.0 - entry.scale) for entry in entries.values())
+        if not math.isclose(center_weight, centered, rel_tol=1e-9, abs_tol=1e-12 * weight):
+            raise ValueError(f"its center's weight {center_weight:.9g} is not {centered:.9g}")
+        partial = cls(names, radius=radius, step_scale=step_scale, measure=False)
+        partial.sums = {n: np.asarray(sums[n], np.float32) for n in names} if entries else {}
+        partial.weight, partial.center_weight = weight, centered
+        partial.results = dict(entries)
+        return partial
+
     def add(
         self,
         key: str,

@@ -467,7 +467,9 @@ class Shepherd:
         """Round `number` (`engine.RoundEngine`; its checks run in `nursery`), recorded; its
         eval started in `nursery` (`HeldOutEval`: of θ as the round's checks leave it), or,
         for the run's last round, awaited once its checks have ended."""
-        current = await self.engine.run(number, self.pool.ready_links(), nursery)
+        current = await self.engine.run(
+            number, self.pool.ready_links(), nursery, relays=self.pool.relays
+        )
         if current is None:
             return None
         if number == self.config.outer.rounds:

@@ -47,6 +47,7 @@ from pcp_tui.diloco.aggregate import (
     make_aggregate,
 )
 from pcp_tui.diloco.outer import OuterOptimizer
+from pcp_tui.diloco.partial import Entry, Partial
 from pcp_tui.diloco.screening import NormGuard, ResultScreen
 from pcp_tui.diloco.streaming import Fragments, Schedule, partition
 from pcp_tui.shepherd.rounds import sitting_out
@@ -57,10 +58,14 @@ from pcp_tui.shepherd.run.events import ResultClipped, RoundDone
 from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.state import RunState, WorkerState
 from pcp_tui.shepherd.serving.connection import CONNECTION_ERRORS, WorkerLink
+from pcp_tui.shepherd.serving.relays import Relays
 from pcp_tui.training.export import InnerOptimizer
 from pcp_tui.training.workload import Workload
 
 log = logging.getLogger(__name__)
+# how long a relay's fold waits for the notices of the results in it that are still on their
+# way (sent before its answer, on the same link)
+NOTICE_SECONDS = 2.0
 
 
 def inner_optimizer(config: RunConfig) -> InnerOptimizer:
@@ -251,11 +256,17 @@ class RoundEngine:
         return any(screen.validator is not None for screen in self.screens)
 
     async def run(
-        self, number: int, links: list[WorkerLink], checks: trio.Nursery | None = None
+        self,
+        number: int,
+        links: list[WorkerLink],
+        checks: trio.Nursery | None = None,
+        relays: Relays | None = None,
     ) -> Round | None:
         """Round `number` with the workers of `links`; the Round its record is made from, or
         None without any result. Its loss-delta checks run in `checks` (a nursery that
-        outlives the round: the run's) after the round's outer steps (`checks.py`)."""
+        outlives the round: the run's) after the round's outer steps (`checks.py`).
+        `relays`: the relays that fold their workers' results where the round allows it
+        (`_open_fold`), merged as each fragment closes."""
         bound = await trio.to_thread.run_sync(update_bound, self.config, self.params)
         ids = [link.worker_id for link in links]
         connections = {link.worker_id: link for link in links}
@@ -294,6 +305,9 @@ class RoundEngine:
                     started=opened,
                 )
             )
+        if relays is not None and relays.live and copies is None:  # validation needs them whole
+            for current in rounds:
+                await self._open_fold(current, relays, steps)
         at_start = (self.state.bytes_sent, self.state.bytes_received)
         self._open.rounds = rounds
         self.state.round = number
@@ -316,7 +330,7 @@ class RoundEngine:
                         failed,
                     )
                 for p in range(len(self.fragments)):
-                    sync = FragmentSync(rounds[p], links, starts, failed, stepped, copies)
+                    sync = FragmentSync(rounds[p], links, starts, failed, stepped, copies, relays)
                     nursery.start_soon(self._sync, p, sync, checks, started_checks)
         finally:
             self._open.rounds = []
@@ -470,6 +484,8 @@ class RoundEngine:
         sitting_out.sit_out(current, await collect(current, self.config.network, self.state))
         failed.update(await sync.starts.settle(current.contributors))
         await current.close()  # a result still being folded in finishes first
+        if current.relay_folds and sync.relays is not None:
+            await self._merge_folds(current, sync.relays)
         collected = trio.current_time()
         correction = await self._join(p)
         mean = None
@@ -526,14 +542,91 @@ class RoundEngine:
             trio.current_time() - done,
         )
 
+    async def _open_fold(self, current: Round, relays: Relays, steps: Mapping[str, int]) -> None:
+        """Have the relays fold `current`'s results of their workers: with a mean, or centered
+        clip once its radius is known (a round without one takes results whole)."""
+        aggregate, p = current.mean, current.fragment
+        if isinstance(aggregate, CenteredClip) and aggregate.folds:
+            center = aggregate.open_partial().center  # scaled to this round's step
+            radius, step_scale = aggregate.radius, aggregate.step_scale
+        elif isinstance(aggregate, PseudoGradientMean):
+            center, radius, step_scale = None, math.inf, 1.0
+        else:
+            return
+        screen = self.screens[p]
+        assert screen.lr_sum is not None, "a round's screen has its lr sums"
+        lengths = sorted({*current.send_steps.values(), *steps.values(), self.config.inner.steps})
+        sums = await trio.to_thread.run_sync(
+            lambda: [screen.lr_sum(k * self.per_step) for k in lengths]  # type: ignore[misc]
+        )
+        shapes = [self.params[name].shape for name in self.fragments[p]]
+        order = protocol.Fold(
+            round=current.number,
+            fragment=p,
+            radius=radius,
+            step_scale=step_scale,
+            measure=center is not None,
+            max_tokens=screen.max_tokens,
+            bound=screen.bound,
+            norm_typical=screen.norms.typical,
+            norm_factor=screen.norms.factor,
+            per_step=self.per_step,
+            lr_sums=tuple(sums),
+            lr_steps=tuple(lengths),
+            share_workers=tuple(current.shares),
+            shares=tuple(current.shares.values()),
+            names=self.fragments[p],
+            dims=tuple(d for shape in shapes for d in shape),
+            ranks=tuple(len(shape) for shape in shapes),
+        )
+        current.relay_folds = await relays.open_fold(order, center)
+
+    async def _merge_folds(self, current: Round, relays: Relays) -> None:
+        """Close `current`'s folds at its relays and merge what they folded into its aggregate
+        (their workers' notices counted them); a fold that does not agree with itself or with
+        this round is refused, and its workers count for nothing."""
+        aggregate = current.mean
+        assert isinstance(aggregate, CenteredClip | PseudoGradientMean)
+        clip = isinstance(aggregate, CenteredClip)
+        radius = aggregate.radius if isinstance(aggregate, CenteredClip) else math.inf
+        step_scale = aggregate.step_scale if isinstance(aggregate, CenteredClip) else 1.0
+        timeout = self.config.network.heartbeat_timeout
+        answers = await relays.close_fold(
+            current.number, current.fragment, current.relay_folds, timeout
+        )
+        refused: set[str] = set()
+        for name, message in answers.items():
+            body = message.body_as(protocol.Folded)
+            try:
+                if not len(body.workers) == len(body.weights) == len(body.scales):
+                    raise ValueError("its lists of workers and numbers differ in length")
+                numbers = zip(body.weights, body.scales, body.distances, strict=True)
+                entries = {w: Entry(*n) for w, n in zip(body.workers, numbers, strict=True)}
+                await current.noticed(set(entries), trio.current_time() + NOTICE_SECONDS)
+                partial = Partial.received(
+                    self.fragments[current.fragment],
+                    message.tensors,
+                    entries,
+                    center_weight=body.center_weight,
+                    radius=radius if clip else math.inf,
+                    step_scale=step_scale,
+                )
+                aggregate.merge(partial)
+            except ValueError as exc:
+                log.warning("round %d: relay %s's fold refused: %s", current.number, name, exc)
+                refused |= set(body.workers)
+        merged = aggregate.partial.results  # a worker whose fold never came counts for nothing
+        current.merged(refused | {w for w in current.folded if w not in merged})
+
     def _say_clipped(self, current: Round, scales: list[float]) -> None:
         """A `result_clipped` event for each result centered clip scaled down."""
         if not isinstance(current.mean, CenteredClip):
             return  # only centered clip scales results
         radius = current.mean.radius
         part = f", fragment {current.fragment}" if len(self.fragments) > 1 else ""
-        for worker_id, scale in zip(current.contributors, scales, strict=False):
-            if scale != 1.0:
+        # in the order folded in: here, then each relay's (keyed by worker id)
+        for worker_id, scale in zip(current.mean.partial.results, scales, strict=False):
+            if scale != 1.0 and worker_id in self.state.workers:
                 self.state.emit(
                     ResultClipped(
                         f"round {current.number}{part}: worker "
@@ -638,6 +731,7 @@ class FragmentSync:
     failed: set[WorkerLink]
     stepped: list[trio.Event]
     copies: RoundCopies | None
+    relays: Relays | None = None  # whose folds of this round's results it merges
 
 
 class RoundStarts:

@@ -16,7 +16,8 @@ from pcp_tui import protocol
 from pcp_tui.config.service import NetworkConfig
 from pcp_tui.contract.connection import LINK_ERRORS
 from pcp_tui.diloco.aggregate import Aggregate
-from pcp_tui.diloco.screening import BadResult, Refusal, ResultScreen
+from pcp_tui.diloco.partial import Entry
+from pcp_tui.diloco.screening import BadResult, Refusal, ResultScreen, check_token_count
 from pcp_tui.diloco.validation import Assignment, Kept
 from pcp_tui.shepherd.run.events import ResultRefused, RoundWaiting, Stragglers
 from pcp_tui.shepherd.run.history import RoundRecord
@@ -217,6 +218,11 @@ class Round:
         self.reconsidered: set[str] = set()
         self._lock = trio.Lock()  # one result is screened and folded in at a time
         self._closed = False
+        # relays that fold their workers' results of this round (`Relays.open_fold`); their
+        # notices count while it is open, and after it closes until their folds are merged
+        self.relay_folds: list[str] = []
+        self.folded: dict[str, Entry] = {}  # worker id -> its relay's numbers for its result
+        self._merging = False
 
     def accepts(self, worker_id: str, round_number: int, connection: object = None) -> bool:
         """Whether a result for `round_number` from `worker_id` on `connection` may count.
@@ -260,6 +266,13 @@ class Round:
         link = (self.connections or {}).get(worker_id)
         self.folding.add(worker_id)
         try:
+            if body.folded:  # its relay folded it (`open_fold`): its numbers, no tensors
+                async with self._lock:
+                    if self._closed and not self._merging:
+                        return False
+                    tokens, losses = self._take_notice(worker_id, body)
+                    self.contributors.append(worker_id)
+                return self._took(worker_id, message, tokens, losses)
             scored_against = None
             # a first result, or one on probation (`note_refusal`): checked before it counts.
             # Not paused: the view waits for the earlier fragments' steps, which an honest
@@ -280,6 +293,14 @@ class Round:
                     self.contributors.append(worker_id)  # the order folded in (`Aggregate.finish`)
         finally:
             self.folding.discard(worker_id)
+        return self._took(worker_id, message, tokens, losses)
+
+    def _took(
+        self, worker_id: str, message: protocol.Message, tokens: int, losses: list[float]
+    ) -> bool:
+        """What a result folded in (here or by its relay) adds to the round's record."""
+        body = message.body
+        assert isinstance(body, protocol.RoundResult)
         self.tokens += tokens
         self.tokens_by_worker[worker_id] = tokens
         self.steps_by_worker[worker_id] = body.inner_steps
@@ -332,10 +353,42 @@ class Round:
         self.mean.add(message.tensors, weight, key=worker_id, share=share)
         return tokens, losses
 
+    def _take_notice(self, worker_id: str, body: protocol.RoundResult) -> tuple[int, list[float]]:
+        """A relay's notice that it folded `worker_id`'s result: checked as far as the numbers
+        go (the tensors stayed at the relay, screened there as here), its norm counted toward
+        the screen's baseline; BadResult where it disagrees with this round."""
+        screen = self._screen
+        assert screen is not None
+        if not self.relay_folds or self.validated:
+            raise BadResult("its relay folded it, but this round opened no fold there")
+        tokens = check_token_count(body.tokens, screen.max_tokens)
+        weight = tokens * self.shares.get(worker_id, 1.0)
+        if body.weight != weight:
+            raise BadResult(f"its relay weighed it {body.weight:g}, not its tokens' {weight:g}")
+        screen.norms.judge(body.norm, screen.lr_sum(tokens) if screen.lr_sum else 1.0)
+        self.folded[worker_id] = Entry(body.weight, body.scale, body.distance)
+        return tokens, list(body.losses)
+
     async def close(self) -> None:
-        """Fold nothing in after this: waits for a result being folded in, refuses later ones."""
+        """Fold nothing in after this: waits for a result being folded in, refuses later ones;
+        notices of results its relays folded still count until `merged`."""
         async with self._lock:
             self._closed = True
+            self._merging = bool(self.relay_folds)
+
+    async def noticed(self, workers: set[str], deadline: float) -> None:
+        """Until every one of `workers` (a relay's fold holds their results) has its notice
+        taken, or `deadline`: notices sent before the fold's answer may still be on their way."""
+        while not workers <= self.folded.keys() and trio.current_time() < deadline:
+            with trio.move_on_at(deadline):
+                await self._changed.wait()
+
+    def merged(self, refused: set[str]) -> None:
+        """The relays' folds are in: later notices are late; `refused` (in a fold that was
+        not merged) count for nothing."""
+        self._merging = False
+        self.contributors = [w for w in self.contributors if w not in refused]
+        self.tokens = sum(self.tokens_by_worker[w] for w in self.contributors)
 
     def finish(self, worker_id: str) -> None:
         """The worker is out of this round (returned, refused or lost)."""

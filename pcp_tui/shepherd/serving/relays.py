@@ -13,18 +13,24 @@ once; more, or any while it is 0, are refused with a line that says so.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import trio
 
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
-from pcp_tui.contract.channels import Channel, Channels
+from pcp_tui.contract.channels import CONTROL, Channel, Channels
+from pcp_tui.contract.connection import LINK_ERRORS
 from pcp_tui.shepherd.run.events import RelayJoined, RelayLeft
 from pcp_tui.shepherd.run.state import RunState
 from pcp_tui.shepherd.serving.admission import Admitted, held
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,10 +41,20 @@ class RelayView:
     peer: str
     channels: Channels = field(repr=False)
     fingerprint: str = ""  # the certificate its workers see (their key signatures cover it)
+    # its control channel (the first it opens): the folds it is sent, its answers
+    control: protocol.MessageStream | None = field(default=None, repr=False)
+    # (round, fragment) -> its answer to that fold's close, once it came (`close_fold`)
+    answers: dict[tuple[int, int], protocol.Message | None] = field(
+        default_factory=dict, repr=False
+    )
+    answered: trio.Event = field(default_factory=trio.Event, repr=False)
 
     @property
     def workers(self) -> int:
-        return len(self.channels.channels)
+        """Workers' connections it carries now (its control channel is none)."""
+        channels = self.channels.channels
+        control = channels.get(1)
+        return len(channels) - int(control is not None and control.peer == CONTROL)
 
 
 class Relays:
@@ -112,7 +128,7 @@ class Relays:
         why = "its link ended"
         try:
             async with trio.open_nursery() as nursery:  # its workers' connections end with it
-                nursery.start_soon(self._accept, channels, name, nursery)
+                nursery.start_soon(self._accept, self.live[name], nursery)
                 try:
                     await channels.run(network.heartbeat_seconds, network.heartbeat_timeout)
                     why = channels.ended or why
@@ -132,6 +148,78 @@ class Relays:
                 left = f"relay {name} left ({why}); its workers reconnect"
             self.state.emit(RelayLeft(left, relay=name))
 
-    async def _accept(self, channels: Channels, name: str, nursery: trio.Nursery) -> None:
-        async for channel in channels.accepted:
-            nursery.start_soon(self.serve_channel, channel, name)
+    async def _accept(self, view: RelayView, nursery: trio.Nursery) -> None:
+        async for channel in view.channels.accepted:
+            if channel.number == 1 and channel.peer == CONTROL:
+                nursery.start_soon(self._control, view, channel)
+            else:
+                nursery.start_soon(self.serve_channel, channel, view.name)
+
+    async def _control(self, view: RelayView, channel: Channel) -> None:
+        """Read the relay's answers to closed folds until its control channel ends."""
+        stream = protocol.MessageStream(channel, clock=trio.current_time)
+        view.control = stream
+        try:
+            while True:
+                message = await stream.receive()
+                body = message.body_as(protocol.Folded)
+                key = (body.round, body.fragment)
+                if key in view.answers and view.answers[key] is None:
+                    view.answers[key] = message
+                    view.answered.set()
+                    view.answered = trio.Event()
+        except LINK_ERRORS as exc:
+            log.info("relay %s's control channel ended: %s", view.name, exc)
+        finally:
+            view.control = None
+            view.answered.set()
+
+    # -- folds: the relays fold their workers' results (`pcp_tui/relay.py` `Folds`) --------
+
+    async def open_fold(
+        self, order: protocol.Fold, center: Mapping[str, np.ndarray] | None
+    ) -> list[str]:
+        """Send every relay the fold of a round's fragment (`order`, the clip's `center`); the
+        relays it reached: their workers' results of that fragment come folded from now."""
+        message = protocol.encode_once(order, center)
+        reached: list[str] = []
+
+        async def send(view: RelayView) -> None:
+            if view.control is None:
+                return
+            with contextlib.suppress(*LINK_ERRORS):
+                await view.control.send_encoded(message)
+                view.answers.setdefault((order.round, order.fragment), None)
+                reached.append(view.name)
+
+        async with trio.open_nursery() as nursery:
+            for view in list(self.live.values()):
+                nursery.start_soon(send, view)
+        return reached
+
+    async def close_fold(
+        self, number: int, fragment: int, relays: list[str], timeout: float
+    ) -> dict[str, protocol.Message]:
+        """Close round `number`'s fold of `fragment` on `relays`; each one's `Folded` answer
+        (with Σ w·s·Δ as its tensors) that came within `timeout`. A relay that is gone, or
+        answers late, has its results of the fragment lost: their notices counted nothing."""
+        key = (number, fragment)
+        close = protocol.Fold(round=number, fragment=fragment, close=True)
+        answers: dict[str, protocol.Message] = {}
+
+        async def ask(view: RelayView) -> None:
+            if view.control is None:
+                return
+            with contextlib.suppress(*LINK_ERRORS), trio.move_on_after(timeout):
+                await view.control.send(close)
+                while view.answers.get(key) is None and view.control is not None:
+                    await view.answered.wait()
+            answer = view.answers.pop(key, None)
+            if answer is not None:
+                answers[view.name] = answer
+
+        async with trio.open_nursery() as nursery:
+            for name in relays:
+                if (view := self.live.get(name)) is not None:
+                    nursery.start_soon(ask, view)
+        return answers

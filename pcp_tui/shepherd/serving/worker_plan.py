@@ -97,7 +97,12 @@ def bind_to_plan(
     )
 
     def check(body: protocol.Body, specs, frame_bytes: int) -> None:
-        if isinstance(body, protocol.RoundResult):
+        if isinstance(body, protocol.RoundResult) and body.folded:  # a relay's notice
+            if not link.view.via or specs:
+                raise protocol.MalformedMessage(
+                    "a folded result is a relay's notice, with no tensors; no worker sends one"
+                )
+        elif isinstance(body, protocol.RoundResult):
             problem = contract.fragment_header_problem(shapes, fragments, body, specs)
             if problem is not None:
                 raise contract.ResultRefused(f"round result refused: {problem}")
