@@ -18,6 +18,7 @@ share and scaling by 1/Σw round once each. So, per coordinate,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -228,3 +229,35 @@ def test_a_round_without_a_radius_takes_whole_results_only():
     clip.reset()
     with pytest.raises(ValueError, match="without a radius"):
         clip.merge(clip.open_partial())
+
+
+def test_a_partial_received_from_a_relay_is_checked_against_its_own_numbers():
+    """A relay's partial (`Partial.received`) merges only if its numbers agree: each scale is
+    min(1, radius / distance), the center's weight is Σ w (1 − s), the sums are this round's
+    parameters. One that agrees merges as the relay's own fold would."""
+    clip = clip_with_history()
+    clip.reset()
+    relay = clip.open_partial()
+    for key, values in (("a", CENTER + 0.1), ("b", CENTER + 5.0)):
+        relay.add(key, tensors(values), 2.0)
+    entries = dict(relay.results)
+
+    def received(entries=entries, center_weight=relay.center_weight, sums=relay.sums):
+        return Partial.received(
+            NAMES,
+            sums,
+            entries,
+            center_weight=center_weight,
+            radius=clip.radius,
+            step_scale=clip.step_scale,
+        )
+
+    assert entries["b"].scale < 1.0  # clipped: the check reads the radius
+    clip.merge(received())
+    assert clip.partial.weight == relay.weight
+    with pytest.raises(ValueError, match="scale"):
+        received(entries={**entries, "b": dataclasses.replace(entries["b"], scale=1.0)})
+    with pytest.raises(ValueError, match="center's weight"):
+        received(center_weight=relay.center_weight + 1.0)
+    with pytest.raises(ValueError, match="parameters"):
+        received(sums={"b": relay.sums["b"]})

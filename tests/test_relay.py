@@ -9,6 +9,7 @@ takes relays only when its operator says so.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import numpy as np
@@ -23,7 +24,7 @@ from pcp_tui.contract import keys
 from pcp_tui.contract.channels import WINDOW, Channels
 from pcp_tui.contract.connection import ConnectionLost, Refused, expect_hello
 from pcp_tui.contract.tls import ClientTLS, ServerTLS
-from pcp_tui.relay import Relay
+from pcp_tui.relay import Folds, Relay
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
     free_port,
@@ -45,9 +46,10 @@ def _relay(port: int, **options) -> Relay:
     return Relay(config, token="test-token", say=lambda line: None)
 
 
-async def _run(relays: int) -> tuple[Shepherd, Relay | None]:
-    """A 2-worker run of 3 rounds whose workers join in order, through a relay if `relays`."""
-    config = small_config(workers=2, rounds=3, relays=relays)
+async def _run(relays: int, **changes) -> tuple[Shepherd, Relay | None]:
+    """A 2-worker run of 3 rounds whose workers join in order, through a relay if `relays`;
+    `changes`: other `RunConfig` fields."""
+    config = small_config(workers=2, rounds=3, relays=relays, **changes)
     shepherd = Shepherd(config, build_workload(config, shards=2))
     relay = None
     async with trio.open_nursery() as nursery:  # ends with the run: its goodbye ends them all
@@ -85,6 +87,21 @@ async def test_a_run_through_a_relay_is_the_flat_run_and_sends_each_round_once()
     assert tree.state.bytes_sent > 2 * 3 * params  # each worker was sent θ each round (and more)
     # the workers' bytes, less one of the two copies of every round's θ and update
     assert tree.state.bytes_sent - link >= 3 * params, (tree.state.bytes_sent, link)
+
+
+async def test_a_streaming_run_through_a_relay_that_folds_is_the_flat_run():
+    """Streaming DiLoCo (2 fragments) with the mean and no validation: the relay folds both
+    workers' fragment results every round (4 results a round never reach the shepherd) and
+    the run ends as the flat one does, to float32 summation order."""
+    run = {"streaming_fragments": 2, "aggregate": "mean", "validate": "off"}
+    flat, _ = await _run(relays=0, **run)
+    tree, _ = await _run(relays=1, **run)
+    assert [r.relay_folded for r in tree.state.history] == [4, 4, 4]
+    assert [r.relay_folded for r in flat.state.history] == [0, 0, 0]
+    assert [r.fragment_results for r in tree.state.history] == [(2, 2)] * 3
+    for name, value in flat.engine.params.items():
+        largest = float(np.max(np.abs(value)))
+        assert np.max(np.abs(tree.engine.params[name] - value)) <= 1e-6 * largest, name
 
 
 async def _linked() -> tuple[Channels, Channels, trio.Nursery]:
@@ -488,3 +505,28 @@ async def test_a_worker_told_busy_tries_its_relay_again_and_one_told_unavailable
         await until(lambda: len(dialled) >= len(order))
         nursery.cancel_scope.cancel()
     assert dialled[: len(order)] == order
+
+
+async def test_a_relay_passes_a_workers_messages_on_as_they_came_and_refuses_a_forged_notice():
+    """A relay reads each worker message's header to find results it folds; anything else
+    (here a hello, and a result with no fold open for it) goes on byte for byte. A result that
+    claims to be a relay's notice (folded, no tensors) is a worker lying about its weight: the
+    relay ends that worker's connection and passes none of it on."""
+    worker, relay_end = trio.testing.memory_stream_pair()
+    shepherd_end, relay_out = trio.testing.memory_stream_pair()
+    hello = protocol.WorkerHello(worker_id="w-0", hostname="h", software="t")
+    result = protocol.RoundResult(round=3, tokens=8, losses=(1.0,), inner_steps=1)
+    tensors = {"w": np.arange(4, dtype=np.float32)}
+    sent = b"".join(
+        bytes(b) for m in (protocol.encode(hello), protocol.encode(result, tensors)) for b in m
+    )
+    forged = dataclasses.replace(result, folded=True, weight=1e9)
+    await worker.send_all(sent)
+    for buffer in protocol.encode(forged):
+        await worker.send_all(buffer)
+    with pytest.raises(protocol.MalformedMessage, match="never a relay's notice"):
+        await Folds().carry_up(relay_end, relay_out)
+    received = b""
+    while len(received) < len(sent):
+        received += await shepherd_end.receive_some()
+    assert received == sent

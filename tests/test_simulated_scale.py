@@ -10,6 +10,7 @@ code does at that scale: who is admitted, refused, dropped and counted.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pcp_tui.diloco.aggregate import CenteredClip
@@ -159,3 +160,29 @@ def test_an_internal_error_that_every_retry_meets_stops_the_run_and_says_so():
     assert "RuntimeError: a bug in the fold" in str(failed.value)
     assert tries == [1, 1]  # two repeats; the third try ends the run
     assert not shepherd.state.history
+
+
+FOLD_WORKERS, FOLD_RELAYS, FOLD_ROUNDS = 40, 4, 5
+
+
+@pytest.mark.parametrize(("aggregate", "first_folded"), [("mean", 1), ("centered-clip", 3)])
+def test_relays_fold_their_workers_results_and_the_run_is_the_flat_one(aggregate, first_folded):
+    """40 workers through 4 relays that fold their results: the shepherd opens each round's
+    fold at them (from round 1 with the mean; from round 3 with centered clip, whose first two
+    rounds take results whole to set its radius), every such result stays at its relay, and
+    the parameters end as the same workers' flat run's to within float32 summation order (the
+    issue's bound: 1e-6 of the largest parameter; measured about 5e-8)."""
+    params = {}
+    for relays in (0, FOLD_RELAYS):
+        shepherd = stand_in_shepherd(
+            FOLD_WORKERS, rounds=FOLD_ROUNDS, relays=relays, aggregate=aggregate
+        )
+        simulate(shepherd, FOLD_WORKERS, relays=relays, train_seconds=5.0)
+        history = shepherd.state.history
+        assert [r.workers for r in history] == [FOLD_WORKERS] * FOLD_ROUNDS
+        folded = [FOLD_WORKERS if relays and r.round >= first_folded else 0 for r in history]
+        assert [r.relay_folded for r in history] == folded
+        params[relays] = shepherd.engine.params
+    for name, flat in params[0].items():
+        largest = float(np.max(np.abs(flat)))
+        assert np.max(np.abs(params[FOLD_RELAYS][name] - flat)) <= 1e-6 * largest, name

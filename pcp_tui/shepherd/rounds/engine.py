@@ -845,6 +845,7 @@ def combined(
                 summary.arrivals.get(worker, 0.0), current.arrivals[worker]
             )
     summary.tokens = sum(summary.tokens_by_worker.values())
+    summary.relay_folded = sum(len(current.folded) for current in rounds)
     if len(rounds) > 1:
         summary.fragment_results = tuple(len(r.contributors) for r in rounds)
     return summary

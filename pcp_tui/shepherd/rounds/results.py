@@ -222,6 +222,7 @@ class Round:
         # notices count while it is open, and after it closes until their folds are merged
         self.relay_folds: list[str] = []
         self.folded: dict[str, Entry] = {}  # worker id -> its relay's numbers for its result
+        self.relay_folded = 0  # results relays folded (`combined`: every fragment's)
         self._merging = False
 
     def accepts(self, worker_id: str, round_number: int, connection: object = None) -> bool:
@@ -387,6 +388,7 @@ class Round:
         """The relays' folds are in: later notices are late; `refused` (in a fold that was
         not merged) count for nothing."""
         self._merging = False
+        self.folded = {w: entry for w, entry in self.folded.items() if w not in refused}
         self.contributors = [w for w in self.contributors if w not in refused]
         self.tokens = sum(self.tokens_by_worker[w] for w in self.contributors)
 
@@ -520,6 +522,7 @@ class Round:
             ),
             largest_result_bytes=self.largest_result,
             fragment_results=self.fragment_results,
+            relay_folded=self.relay_folded,
         )
 
     def timings(self, total: float) -> tuple[float, float, float]:

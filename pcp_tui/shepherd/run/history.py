@@ -23,6 +23,7 @@ class RoundRecord:
     workers: int
     worker_ids: tuple[str, ...]
     relays: int = 0  # relays whose workers' results count in it (`pcp-tui relay`)
+    relay_folded: int = 0  # results its relays folded: their tensors never reached the shepherd
     bytes_saved: int = 0  # by pseudo-gradient compression, this round
     untrained_shards: tuple[int, ...] = ()  # data shards no contributor of this round trained
     # compute seconds / (contributors x round seconds): the run's share of wall time spent training
