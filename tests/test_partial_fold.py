@@ -234,26 +234,31 @@ def test_a_round_without_a_radius_takes_whole_results_only():
 def test_a_partial_received_from_a_relay_is_checked_against_its_own_numbers():
     """A relay's partial (`Partial.received`) merges only if its numbers agree: each scale is
     min(1, radius / distance), the center's weight is Σ w (1 − s), the sums are this round's
-    parameters. One that agrees merges as the relay's own fold would."""
+    parameters. One that agrees merges as the relay's own fold would, its sums unchanged."""
     clip = clip_with_history()
     clip.reset()
     relay = clip.open_partial()
     for key, values in (("a", CENTER + 0.1), ("b", CENTER + 5.0)):
         relay.add(key, tensors(values), 2.0)
     entries = dict(relay.results)
+    shapes = {n: v.shape for n, v in relay.sums.items()}
 
     def received(entries=entries, center_weight=relay.center_weight, sums=relay.sums):
         return Partial.received(
-            NAMES,
+            shapes,
             sums,
             entries,
             center_weight=center_weight,
+            center=clip.center,
             radius=clip.radius,
             step_scale=clip.step_scale,
         )
 
     assert entries["b"].scale < 1.0  # clipped: the check reads the radius
-    clip.merge(received())
+    honest = received()
+    assert honest.clipped == 1.0
+    assert all(np.array_equal(honest.sums[n], relay.sums[n]) for n in NAMES)
+    clip.merge(honest)
     assert clip.partial.weight == relay.weight
     with pytest.raises(ValueError, match="scale"):
         received(entries={**entries, "b": dataclasses.replace(entries["b"], scale=1.0)})
@@ -261,3 +266,30 @@ def test_a_partial_received_from_a_relay_is_checked_against_its_own_numbers():
         received(center_weight=relay.center_weight + 1.0)
     with pytest.raises(ValueError, match="parameters"):
         received(sums={"b": relay.sums["b"]})
+
+
+def test_a_relay_that_lies_in_its_sums_moves_the_round_at_most_the_radius_times_its_share():
+    """Its entries agree (they are its workers' notices), but its sums are whatever it likes:
+    the root holds the partial's mean to the clip's ball around the center, so the round's
+    aggregate moves by at most radius × that partial's share of the weight."""
+    clip = clip_with_history()
+    clip.reset()
+    relay = clip.open_partial()
+    relay.add("a", tensors(CENTER + 0.1), 2.0)
+    relay.add("b", tensors(CENTER - 0.1), 2.0)
+    lie = {n: np.full_like(v, 1e6) for n, v in relay.sums.items()}
+    partial = Partial.received(
+        {n: v.shape for n, v in relay.sums.items()},
+        lie,
+        dict(relay.results),
+        center_weight=relay.center_weight,
+        center=clip.center,
+        radius=clip.radius,
+        step_scale=clip.step_scale,
+    )
+    assert partial.clipped < 1e-5
+    clip.merge(partial)
+    clip.add(tensors(CENTER), 4.0, key="honest")  # an honest result at the center, as heavy
+    clip.finish()
+    moved = np.linalg.norm(flat(clip.sums) * float(clip.scale) - CENTER)
+    assert moved <= clip.radius * 0.5 * (1 + 1e-3)  # the radius × its half of the weight

@@ -25,6 +25,10 @@ import numpy as np
 from pcp_tui.diloco import fused
 from pcp_tui.diloco.fused import CHUNK
 
+# how far past the radius a received partial's mean may lie before it is pulled back: float32
+# rounding of an honest relay's sums, far above it, and far below anything a lie gains
+BALL_SLACK = 1e-3
+
 
 def distance(tensors: Mapping[str, np.ndarray], center: Mapping[str, np.ndarray] | None) -> float:
     """L2 distance between two pseudo-gradients (the norm of the first if `center` is None).
@@ -83,23 +87,37 @@ class Partial:
         self.weight = 0.0  # Σ w
         self.center_weight = 0.0  # Σ w (1 − s): the center's share of the aggregate
         self.results: dict[str, Entry] = {}  # in the order folded in (merged ones after)
+        self.clipped = 1.0  # a received partial pulled back onto the clip's ball by this factor
 
     @classmethod
     def received(
         cls,
-        names: tuple[str, ...],
+        shapes: Mapping[str, tuple[int, ...]],
         sums: Mapping[str, np.ndarray],
         entries: Mapping[str, Entry],
         *,
         center_weight: float,
+        center: Mapping[str, np.ndarray] | None = None,
         radius: float = math.inf,
         step_scale: float = 1.0,
     ) -> Partial:
         """A partial folded elsewhere (a relay's: its sums and entries), to `merge` into this
-        round's. ValueError where its parts do not agree: sums of other names or shapes, a
-        weight not positive, a scale that is not min(1, radius / distance)."""
-        if set(sums) != set(names) and entries:
-            raise ValueError(f"its sums are of {sorted(sums)[:3]}, not this round's parameters")
+        round's. ValueError where its parts do not agree: sums not of `shapes` in float32, a
+        weight not positive, a scale that is not min(1, radius / distance), a center's weight
+        that is not Σ w (1 − s).
+
+        With a `center` and a radius its mean is held to the clip's ball: an honest partial's
+        mean (Σ w s Δ + v Σ w (1 − s)) / Σ w is a convex combination of points within the
+        radius of v, so it lies within it too (to float32 rounding, `BALL_SLACK`). One
+        outside is pulled back onto the ball (`clipped`: the factor): whatever a relay puts
+        in its sums moves the round by at most the radius times its results' weight share,
+        as one clipped result of that weight could."""
+        names = tuple(shapes)
+        if entries and any(
+            n not in sums or sums[n].shape != tuple(shapes[n]) or sums[n].dtype != np.float32
+            for n in names
+        ):
+            raise ValueError("its sums are not this round's parameters in float32")
         for key, entry in entries.items():
             gap = entry.distance * step_scale
             scale = min(1.0, radius / gap) if gap > 0 else 1.0
@@ -113,10 +131,26 @@ class Partial:
         if not math.isclose(center_weight, centered, rel_tol=1e-9, abs_tol=1e-12 * weight):
             raise ValueError(f"its center's weight {center_weight:.9g} is not {centered:.9g}")
         partial = cls(names, radius=radius, step_scale=step_scale, measure=False)
-        partial.sums = {n: np.asarray(sums[n], np.float32) for n in names} if entries else {}
+        partial.sums = {n: np.array(sums[n], np.float32) for n in names} if entries else {}
         partial.weight, partial.center_weight = weight, centered
         partial.results = dict(entries)
+        if entries and center is not None and math.isfinite(radius):
+            partial._hold_to_ball(center, weight - centered)
         return partial
+
+    def _hold_to_ball(self, center: Mapping[str, np.ndarray], inside: float) -> None:
+        """Pull the mean back onto the clip's ball if it lies outside (`received`); `inside`:
+        Σ w s, the weight of the results' own parts (the center holds the rest)."""
+        gap = 0.0
+        for name, total in self.sums.items():
+            off = np.ravel(total).astype(np.float64) - np.ravel(center[name]) * inside
+            gap += float(np.dot(off, off))
+        gap = math.sqrt(gap) / self.weight  # |mean − v|
+        if gap > self.radius * (1.0 + BALL_SLACK):
+            self.clipped = self.radius / gap
+            for name, total in self.sums.items():
+                at = np.asarray(center[name], np.float64) * inside
+                np.copyto(total, (at + (total - at) * self.clipped).astype(np.float32))
 
     def add(
         self,

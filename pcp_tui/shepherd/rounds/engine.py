@@ -587,9 +587,9 @@ class RoundEngine:
         this round is refused, and its workers count for nothing."""
         aggregate = current.mean
         assert isinstance(aggregate, CenteredClip | PseudoGradientMean)
-        clip = isinstance(aggregate, CenteredClip)
-        radius = aggregate.radius if isinstance(aggregate, CenteredClip) else math.inf
-        step_scale = aggregate.step_scale if isinstance(aggregate, CenteredClip) else 1.0
+        clip = aggregate if isinstance(aggregate, CenteredClip) else None
+        shapes = {n: self.params[n].shape for n in self.fragments[current.fragment]}
+        links = current.connections or {}
         timeout = self.config.network.heartbeat_timeout
         answers = await relays.close_fold(
             current.number, current.fragment, current.relay_folds, timeout
@@ -603,14 +603,29 @@ class RoundEngine:
                 numbers = zip(body.weights, body.scales, body.distances, strict=True)
                 entries = {w: Entry(*n) for w, n in zip(body.workers, numbers, strict=True)}
                 await current.noticed(set(entries), trio.current_time() + NOTICE_SECONDS)
-                partial = Partial.received(
-                    self.fragments[current.fragment],
-                    message.tensors,
-                    entries,
-                    center_weight=body.center_weight,
-                    radius=radius if clip else math.inf,
-                    step_scale=step_scale,
+                for worker, entry in entries.items():  # each as its notice said, and its own
+                    link = links.get(worker)
+                    if current.folded.get(worker) != entry or link is None or link.view.via != name:
+                        raise ValueError(f"it holds a result of {worker!r} it sent no notice of")
+                partial = await trio.to_thread.run_sync(
+                    functools.partial(
+                        Partial.received,
+                        shapes,
+                        message.tensors,
+                        entries,
+                        center_weight=body.center_weight,
+                        center=clip.center if clip else None,
+                        radius=clip.radius if clip else math.inf,
+                        step_scale=clip.step_scale if clip else 1.0,
+                    )
                 )
+                if partial.clipped < 1.0:
+                    log.warning(
+                        "round %d: relay %s's partial lay outside the clip's ball; scaled by %.3g",
+                        current.number,
+                        name,
+                        partial.clipped,
+                    )
                 aggregate.merge(partial)
             except ValueError as exc:
                 log.warning("round %d: relay %s's fold refused: %s", current.number, name, exc)
