@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import platform
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
@@ -90,6 +91,7 @@ class Relay:
         self.say = say or (lambda line: print(f"pcp-tui relay: {line}", file=sys.stderr))
         self.channels: Channels | None = None  # the link to the shepherd, while there is one
         self.folds = Folds()  # the shepherd's folds on that link
+        self.heartbeat_seconds = 2.0  # the run's, as the shepherd's welcome says
         self.carried = 0  # workers' connections carried now
         self.listening_port = 0
         self.joined = False  # welcomed by the shepherd once: an idInUse after is its old link
@@ -182,7 +184,7 @@ class Relay:
         )
         channels = Channels(messages, accepts=False, keeps=False)
         folds = self.folds = Folds()
-        interval = max(welcome.heartbeat_seconds, 0.5)
+        interval = self.heartbeat_seconds = max(welcome.heartbeat_seconds, 0.5)
         try:
             control = await channels.open(CONTROL)  # the first channel, before any worker's
             self.channels = channels
@@ -246,9 +248,18 @@ class Relay:
                 with trio.fail_after(TLS_SECONDS):
                     stream = await self.server_tls.accept(raw)
             channel = await channels.open(peer)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_carry_up, folds, stream, channel, nursery.cancel_scope)
-                nursery.start_soon(_pump, channel, stream, nursery.cancel_scope)
+            reader = protocol.StreamReader(stream, trio.current_time)
+            planned, writing = trio.Event(), trio.Lock()
+            interval = self.heartbeat_seconds
+            async with trio.open_nursery() as nursery:  # any of these ending ends them all
+                done = nursery.cancel_scope
+                nursery.start_soon(_until, done, peer, folds.carry_up, reader, channel)
+                nursery.start_soon(
+                    _until, done, peer, carry_down, channel, stream, writing, planned
+                )
+                nursery.start_soon(_until, done, peer, beat, stream, writing, planned, interval)
+                timeout = silence_timeout(interval)
+                nursery.start_soon(_until, done, peer, watch, reader, planned, timeout)
         except (*LINK_ERRORS, trio.TooSlowError) as exc:
             log.info("worker %s: %s", peer, exc)
         finally:
@@ -363,10 +374,10 @@ class Folds:
             for stale in [k for k in self.open if k[0] < order.round]:
                 del self.open[stale]  # a round the shepherd closed without asking
 
-    async def carry_up(self, source: trio.abc.Stream, channel: Channel) -> None:
+    async def carry_up(self, reader: protocol.StreamReader, channel: Channel) -> None:
         """A worker's messages to the shepherd: each passed on as it came, but a result of an
-        open fold, which is folded in here and replaced by its notice (`Fold.fold`)."""
-        reader = protocol.StreamReader(source, trio.current_time)
+        open fold, which is folded in here and replaced by its notice (`Fold.fold`), and its
+        heartbeats, which end here (the relay vouches for its workers: `watch`)."""
         out = protocol.MessageStream(channel, clock=trio.current_time)
         worker_id = ""
         while True:
@@ -379,6 +390,8 @@ class Folds:
                 worker_id = body.worker_id
             if isinstance(body, protocol.RoundResult) and body.folded:
                 raise protocol.MalformedMessage("a worker's result is never a relay's notice")
+            if isinstance(body, protocol.Heartbeat) and not specs:
+                continue
             fold = None
             if isinstance(body, protocol.RoundResult) and worker_id:
                 fold = self.open.get((body.round, body.fragment))
@@ -402,18 +415,62 @@ class Folds:
             await channel.send_parts([frame, *(payload.data for payload in payloads)])
 
 
-async def _pass_on(reader: protocol.StreamReader, channel: Channel, nbytes: int) -> None:
-    """The next `nbytes` of `reader` into `channel`, a piece at a time."""
+async def _pass_on(reader: protocol.StreamReader, sink: trio.abc.Stream, nbytes: int) -> None:
+    """The next `nbytes` of `reader` into `sink`, a piece at a time."""
     while nbytes > 0:
         piece = bytearray(min(nbytes, PIECE_BYTES))
         await reader.read_into(memoryview(piece))
-        await channel.send_all(piece)
+        await sink.send_all(piece)
         nbytes -= len(piece)
 
 
-# what a relay reads of a worker's messages: their frames and headers (the shepherd checks
-# them against the plan again); a result's payload is at most the model's
-UPSTREAM_LIMITS = protocol.Limits()
+async def carry_down(
+    channel: Channel, worker: trio.abc.Stream, writing: trio.Lock, planned: trio.Event
+) -> None:
+    """The shepherd's messages to a worker, each passed on as it came, whole under `writing`
+    (this relay's heartbeats go between them); `planned` is set once the plan has gone."""
+    reader = protocol.StreamReader(channel, trio.current_time)
+    while True:
+        reader.start_frame()
+        try:
+            frame, body, _, specs = await protocol.read_head(reader, DOWNSTREAM_LIMITS)
+        except protocol.ConnectionClosed:
+            return
+        async with writing:
+            await worker.send_all(frame)
+            await _pass_on(reader, worker, sum(spec.payload_bytes for spec in specs))
+        if isinstance(body, protocol.Plan):
+            planned.set()
+
+
+async def beat(
+    worker: trio.abc.Stream, writing: trio.Lock, planned: trio.Event, interval: float
+) -> None:
+    """Heartbeat a worker every `interval` once it has its plan, as the shepherd does a worker
+    that dialled it: the shepherd sends a relay's workers none (it hears their relay's link)."""
+    await planned.wait()
+    while True:
+        await trio.sleep(interval)
+        async with writing:
+            for buffer in protocol.encode(protocol.Heartbeat(time.time())):
+                await worker.send_all(buffer)
+
+
+async def watch(reader: protocol.StreamReader, planned: trio.Event, timeout: float) -> None:
+    """Return (ending the worker's connection here, and so at the shepherd) once a worker
+    with its plan has sent nothing for `timeout` seconds: its heartbeats end at this relay."""
+    await planned.wait()
+    while True:
+        silent = trio.current_time() - reader.last_activity
+        if silent > timeout:
+            log.info("a worker was silent for %.0f s (heartbeat timeout %.0f s)", silent, timeout)
+            return
+        await trio.sleep(min(1.0, timeout / 4))
+
+
+# what a relay reads of a worker's and of the shepherd's messages: their frames and headers
+# (the shepherd checks a worker's against the plan again); payloads pass through in pieces
+UPSTREAM_LIMITS = DOWNSTREAM_LIMITS = protocol.Limits()
 
 
 async def _control(folds: Folds, control: Channel) -> None:
@@ -424,24 +481,12 @@ async def _control(folds: Folds, control: Channel) -> None:
         log.info("the control channel ended: %s", exc)
 
 
-async def _carry_up(
-    folds: Folds, source: trio.abc.Stream, channel: Channel, done: trio.CancelScope
-) -> None:
-    """`Folds.carry_up` until either side ends; then the other direction too."""
+async def _until(done: trio.CancelScope, peer: str, task, *args) -> None:
+    """Run one of a carried worker's tasks; when it ends (a side closed, a worker broke the
+    protocol or fell silent), end the others."""
     try:
-        await folds.carry_up(source, channel)
-    except LINK_ERRORS as exc:  # a worker breaking the protocol ends its own connection
-        log.info("worker on channel %d: %s", channel.number, exc)
-    finally:
-        done.cancel()
-
-
-async def _pump(source: trio.abc.Stream, sink: trio.abc.Stream, done: trio.CancelScope) -> None:
-    """Copy `source`'s bytes to `sink` until either ends; then end the other direction too."""
-    try:
-        while data := await source.receive_some(PIECE_BYTES):
-            await sink.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+        await task(*args)
+    except LINK_ERRORS as exc:
+        log.info("worker %s: %s", peer, exc)
     finally:
         done.cancel()

@@ -525,7 +525,7 @@ async def test_a_relay_passes_a_workers_messages_on_as_they_came_and_refuses_a_f
     for buffer in protocol.encode(forged):
         await worker.send_all(buffer)
     with pytest.raises(protocol.MalformedMessage, match="never a relay's notice"):
-        await Folds().carry_up(relay_end, relay_out)
+        await Folds().carry_up(protocol.StreamReader(relay_end), relay_out)
     received = b""
     while len(received) < len(sent):
         received += await shepherd_end.receive_some()

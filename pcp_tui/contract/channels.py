@@ -91,6 +91,12 @@ class Channel(trio.abc.Stream):
         self._closed = False
         self._send_lock = trio.Lock()
 
+    def link_silence(self) -> float:
+        """Seconds since the relay's link last carried a byte: a relay heartbeats its workers
+        and ends a silent one's channel, so a channel is alive while its link is."""
+        link = self._channels.link
+        return link.clock() - link.last_activity
+
     # -- reading ----------------------------------------------------------------------
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:

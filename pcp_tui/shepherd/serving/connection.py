@@ -14,6 +14,7 @@ import trio
 
 from pcp_tui import __version__, protocol
 from pcp_tui.contract import auth
+from pcp_tui.contract.channels import Channel
 from pcp_tui.contract.connection import (
     LINK_ERRORS,
     Connection,
@@ -186,7 +187,8 @@ class WorkerLink(Connection):
     def silent_for(self) -> float:
         """`Connection.silent_for`, less the seconds the shepherd itself was too busy to read
         (`uploads.ReceiverLoad`): a congested shepherd does not hear heartbeats it has not read."""
-        silent = super().silent_for()
+        channel = self.stream.stream  # a relay vouches for its workers: its link's silence
+        silent = channel.link_silence() if isinstance(channel, Channel) else super().silent_for()
         if self.load is None or silent <= 0:
             return silent
         return max(silent - self.load.busy_since(trio.current_time() - silent), 0.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -513,9 +514,12 @@ class WorkerPool:
         sent = await link.send(plan, tensors)
         log.debug("worker %d: sent plan (%d bytes)", link.view.index, sent)
         bind_to_plan(link, plan, self.workload, self.fragments)
+        # a relay vouches for its workers: it heartbeats them and ends a silent one's channel
+        # (`pcp_tui/relay.py`), so their beats need not cross to the shepherd either way
+        vouched = bool(link.view.via)
         async with link.alive(
-            heartbeat_seconds=cfg.network.heartbeat_seconds,
-            timeout=cfg.network.heartbeat_timeout,
+            heartbeat_seconds=math.inf if vouched else cfg.network.heartbeat_seconds,
+            timeout=math.inf if vouched else cfg.network.heartbeat_timeout,
             too_slow=lambda: (
                 upload_too_slow(link, self.config, self.load)
                 or sitting_out.hung_reason(link.rounds)
