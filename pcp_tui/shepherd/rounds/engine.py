@@ -242,6 +242,8 @@ class RoundEngine:
         self.outer.load_state_arrays(self.params, arrays)
         for p, aggregate in enumerate(self.aggregates):
             aggregate.load_state_arrays(_part(arrays, p))
+            if isinstance(aggregate, CenteredClip):  # its workers may come back as new processes
+                aggregate.restart_inner()
 
     # -- a round ------------------------------------------------------------------
 
@@ -530,7 +532,7 @@ class RoundEngine:
         """A `result_clipped` event for each result centered clip scaled down."""
         if not isinstance(current.mean, CenteredClip):
             return  # only centered clip scales results
-        radius = current.mean.radius
+        radius, cap = current.mean.radius, current.mean.norm_cap
         part = f", fragment {current.fragment}" if len(self.fragments) > 1 else ""
         for worker_id, scale in zip(current.contributors, scales, strict=False):
             if scale != 1.0:
@@ -538,7 +540,8 @@ class RoundEngine:
                     ResultClipped(
                         f"round {current.number}{part}: worker "
                         f"{self.state.workers[worker_id].index}'s result was scaled by "
-                        f"{scale:.3g} to the clip radius {radius:.4g}",
+                        f"{scale:.3g} to the norm cap {cap:.4g} and the clip radius "
+                        f"{radius:.4g}",
                         worker=worker_id,
                         round=current.number,
                         scale=scale,
