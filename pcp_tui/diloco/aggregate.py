@@ -114,12 +114,12 @@ class CenteredClip:
     inner-optimizer bound, the most the screen lets through) points downhill, so
     validation keeps it, and the ball let it count at `factor` x the median distance
     from the center, along its own direction: +9.5% final eval (1 worker of 5) and
-    +14.4% (1 of 3) at the CLI's settings (`benchmarks/bench_byzantine.py`). Capped, it
-    counts at most `norm_factor` x an honest norm. Honest norms lie close together
-    (AdamW's steps are normalized): within ±2% on like shards, up to 17% over the
-    median on a shard of other text, and they shrink from round to round in warm-up,
-    so the last round's median, not a longer history, is the tightest that leaves
-    them alone (NORM_CAP_ROUNDS = 1; docs/security.md has the measurements).
+    +14.4% (1 of 3) at the CLI's settings (`benchmarks/bench_byzantine.py`); capped,
+    +0.7% and -0.0%. Honest norms lie close together (AdamW's steps are normalized):
+    within ±2% of the median on like shards, up to 17% over it on a shard of other
+    text; and they shrink from round to round in warm-up, so a longer history than
+    the last round is looser (NORM_CAP_ROUNDS = 1), and a factor of 1 would scale the
+    upper half of the honest results every round (docs/security.md, point 2).
 
     The center is the previous aggregate scaled to this round's learning rate:
     v · step_scale / (its round's step_scale). Unscaled, a round whose Σ lr fell
