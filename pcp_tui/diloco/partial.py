@@ -82,7 +82,7 @@ class Entry:
     weight: float
     scale: float
     distance: float
-    norm: float = 0.0
+    norm: float
 
 
 class Partial:
