@@ -305,6 +305,7 @@ class Fold:
             tuple(shapes),
             center=center,
             radius=order.radius,
+            norm_cap=order.norm_cap,
             step_scale=order.step_scale,
             measure=order.measure,
         )
@@ -344,6 +345,7 @@ class Fold:
             weights=tuple(e.weight for e in partial.results.values()),
             scales=tuple(e.scale for e in partial.results.values()),
             distances=tuple(e.distance for e in partial.results.values()),
+            norms=tuple(e.norm for e in partial.results.values()),
         )
         return protocol.encode_once(body, partial.sums if partial.results else None)
 

@@ -108,6 +108,7 @@ class Fold(Body):
     names: tuple[str, ...] = _items(2**16, chars=TENSOR_NAME_CHARS)  # the fragment's parameters
     dims: tuple[int, ...] = _items(2**20)  # their shapes' dims, `ranks[i]` each, in order
     ranks: tuple[int, ...] = _items(2**16)
+    norm_cap: float = math.inf  # centered clip's cap on a result's norm
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Folded(Body):
     weights: tuple[float, ...] = _items(2**20)  # each result's weight, scale and distance
     scales: tuple[float, ...] = _items(2**20)
     distances: tuple[float, ...] = _items(2**20)
+    norms: tuple[float, ...] = _items(2**20)  # each one's norm per unit of step scale
 
 
 @dataclass(frozen=True)

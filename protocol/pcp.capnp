@@ -349,6 +349,7 @@ struct Fold {
   names @15 :List(Text);        # the fragment's parameters, with their shapes' dims
   dims @16 :List(UInt64);       # (`ranks[i]` of them each, in order)
   ranks @17 :List(UInt8);
+  normCap @18 :Float64;         # centered clip's cap on a result's norm (inf: none)
 }
 
 # relay -> shepherd on its control channel, answering a closing fold: Σ w·s·Δ as tensors
@@ -362,4 +363,5 @@ struct Folded {
   weights @5 :List(Float64);    # each result's weight, scale and distance (`roundResult`'s)
   scales @6 :List(Float64);
   distances @7 :List(Float64);
+  norms @8 :List(Float64);      # each result's norm per unit of step scale (the next cap)
 }

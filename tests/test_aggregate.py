@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from pcp_tui.diloco.aggregate import (
+    NORM_CAP_FACTOR,
     CenteredClip,
     CoordinateWise,
     distance,
@@ -47,7 +48,7 @@ def test_centered_clip_without_history_is_the_token_weighted_mean():
 
 
 def test_centered_clip_pulls_an_outlier_back_to_the_radius_around_the_last_aggregate():
-    clip = CenteredClip(NAMES, factor=2.0)
+    clip = CenteredClip(NAMES, factor=2.0, norm_factor=math.inf)  # the radius alone
     # round 1: four results at distance 1 from 0 (the first center), so the radius becomes 2
     honest = [result([1, 0, 0]), result([0, 1, 0]), result([0, 0, 1]), result([-1, 0, 0])]
     center = aggregate(clip, honest, [1.0] * 4)
@@ -64,17 +65,60 @@ def test_centered_clip_pulls_an_outlier_back_to_the_radius_around_the_last_aggre
     np.testing.assert_allclose(flat(clip.sums) * clip.scale, [1.0, 0.25, 0.25], rtol=1e-6)
 
 
-def test_first_round_takes_its_radius_from_its_own_median():
+def test_first_round_takes_its_norm_cap_and_radius_from_its_own_median():
     clip = CenteredClip(NAMES, factor=2.0)
     clip.reset()
-    for value in (1e6, 1.0, 1.0, 1.0, 1.0):  # the blow-up comes first: it is held, then clipped
+    for value in (1e6, 1.0, 1.0, 1.0, 1.0):  # the blow-up comes first: it is held, then capped
         clip.add(result([value, 0, 0]), 1.0)
-    assert clip.finish() == pytest.approx([2 / 1e6, 1, 1, 1, 1])
-    np.testing.assert_allclose(flat(clip.center), [6 / 5, 0, 0], rtol=1e-6)
+    cap = NORM_CAP_FACTOR  # x the median norm, 1
+    assert clip.finish() == pytest.approx([cap / 1e6, 1, 1, 1, 1])
+    assert (clip.norm_cap, clip.radius) == (cap, 2.0)  # the radius of the capped distances
+    np.testing.assert_allclose(flat(clip.center), [(cap + 4) / 5, 0, 0], rtol=1e-6)
+
+
+def test_a_result_scaled_up_counts_at_the_cap_and_honest_ones_as_they_are():
+    """`bench_byzantine.py`'s "scaled to the bound": one worker of five sends its own Δ times
+    8 (under the inner-optimizer bound, which is loose). Centered clip alone let it count at
+    twice the median distance from the center (round 1: twice its Δ, at 2 x the median norm),
+    +9.5% final eval at the CLI's settings. The norm cap (NORM_CAP_FACTOR x the median norm
+    per Σ lr of the last round; a round without history, its own) takes it back to the cap
+    every round, whatever the learning rate does, and leaves the honest results alone."""
+    rng = np.random.default_rng(0)
+    clip = CenteredClip(NAMES)
+    for step_scale in (0.25, 0.5, 1.0, 0.5, 0.25):  # warm-up and decay: powers of two, exact
+        clip.step_scale = step_scale
+        clip.reset()
+        # norm 1 per unit of lr, exactly: 16 values of ±1/4, times a power of two
+        honest = [step_scale * rng.choice([-0.25, 0.25], 16) for _ in range(5)]
+        for k, values in enumerate(honest):
+            clip.add(result(values * (8 if k == 4 else 1)), 1.0, key=str(k))
+        assert clip.finish() == [1.0] * 4 + [pytest.approx(NORM_CAP_FACTOR / 8, rel=1e-12)]
+        assert clip.norm_cap == pytest.approx(NORM_CAP_FACTOR * step_scale, rel=1e-12)
+        expected = (sum(honest[:4]) + NORM_CAP_FACTOR * honest[4]) / 5
+        np.testing.assert_allclose(flat(clip.center), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_after_a_restart_of_the_inner_optimizers_the_cap_comes_from_the_round_itself():
+    """Fresh AdamW moments (`--resume` on fresh worker processes) make every result larger per
+    unit of lr than the last round's: a cap from before scaled them all down. After
+    `restart_inner` the round holds its results and takes the cap from them; the radius still
+    comes from the history, at once."""
+    runs = {restart: CenteredClip(NAMES) for restart in (False, True)}
+    for restart, clip in runs.items():
+        for _ in range(2):  # a center and a history of distances and norms
+            aggregate(clip, [result([1, 0, 0]), result([0, 1, 0]), result([0, 0, 1])], [1.0] * 3)
+        if restart:
+            clip.restart_inner()
+        clip.reset()
+        assert math.isfinite(clip.radius)
+        for values in ([1.5, 0, 0], [0, 1.5, 0], [0, 0, 1.5]):  # 1.5x the norm of before
+            clip.add(result(values), 1.0)
+    assert runs[False].finish() == pytest.approx([NORM_CAP_FACTOR / 1.5] * 3)
+    assert runs[True].finish() == [1.0] * 3 and runs[True].norm_cap == 1.5 * NORM_CAP_FACTOR
 
 
 def test_centered_clip_radius_follows_the_median_so_a_minority_cannot_walk_it_up():
-    clip = CenteredClip(NAMES, factor=2.0, rounds=3)
+    clip = CenteredClip(NAMES, factor=2.0, rounds=3, norm_factor=math.inf)  # the radius alone
     for _ in range(5):  # one worker in five always sends 100x: the median ignores it
         clip.reset()
         for value in (1.0, 1.0, 1.0, 1.0, 100.0):
@@ -92,6 +136,7 @@ def test_centered_clip_state_survives_a_checkpoint():
     restored.load_state_arrays(clip.state_arrays())
     clip.reset(), restored.reset()
     assert restored.radius == clip.radius and math.isfinite(restored.radius)
+    assert restored.norm_cap == clip.norm_cap and math.isfinite(restored.norm_cap)
     np.testing.assert_array_equal(flat(restored.center), flat(clip.center))
     old = CenteredClip(NAMES)
     old.load_state_arrays({})  # a checkpoint from before: no history, like a fresh run

@@ -94,7 +94,7 @@ def test_centered_clip_close_over_threads_is_the_plain_arithmetic():
     for clip, threads in zip(clips, (1, 3), strict=True):
         clip.load_state_arrays(
             {f"aggregate.center[{n!r}]": v for n, v in center.items()}
-            | {"aggregate.distances": np.full(4, 1.0)}
+            | {"aggregate.distances": np.full(4, 1.0), "aggregate.round_norms": np.full(1, 1e9)}
         )
         clip.threads = threads
         clip.reset()

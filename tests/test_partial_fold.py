@@ -1,6 +1,6 @@
 """A round folded flat equals the round folded in partials merged at the root (relays).
 
-The round's thresholds (centered clip's radius, the norm screen's baseline) are
+The round's thresholds (centered clip's norm cap and radius, the norm screen's baseline) are
 functions of the set of earlier rounds' results, never of their arrival order, and the
 aggregate of a round does not depend on how its results were split over partials, the
 order they were folded in, or the order the partials were merged, beyond float32
@@ -46,14 +46,16 @@ def flat(arrays) -> np.ndarray:
     return np.concatenate([np.ravel(arrays[n]) for n in NAMES]).astype(np.float64)
 
 
-def clip_with_history(radius_per_scale: float = 3.0) -> CenteredClip:
-    """A centered clip two rounds into a run: a center, and a radius from one earlier round."""
-    clip = CenteredClip(NAMES, factor=2.0)
+def clip_with_history(radius_per_scale: float = 3.0, cap_per_scale: float = 12.0) -> CenteredClip:
+    """A centered clip two rounds into a run: a center, and a radius and a norm cap from one
+    earlier round (the cap scales some plain results of `rounds` down, and every liar's)."""
+    clip = CenteredClip(NAMES, factor=2.0, norm_factor=1.0)
     center = tensors(CENTER)
     clip.load_state_arrays(
         {f"aggregate.center[{n!r}]": v for n, v in center.items()}
         | {
             "aggregate.round_distances": np.array([radius_per_scale / 2]),
+            "aggregate.round_norms": np.array([cap_per_scale]),
             "aggregate.center_scale": np.array([1.0]),
         }
     )
@@ -188,6 +190,7 @@ def test_thresholds_depend_on_the_rounds_results_not_their_order(history):
             refused.append(out)
         assert refused[0] == refused[1]
         assert guards[0].typical == guards[1].typical
+        assert clips[0].norm_cap == clips[1].norm_cap  # norms do not depend on the center
         radius = clips[0].radius
         assert abs(radius - clips[1].radius) <= 2 * max(apart) + 16 * U * radius
         if max(apart) == 0:  # the same center and radius: the same entries, to the bit
@@ -232,9 +235,10 @@ def test_a_round_without_a_radius_takes_whole_results_only():
 
 
 def test_a_partial_received_from_a_relay_is_checked_against_its_own_numbers():
-    """A relay's partial (`Partial.received`) merges only if its numbers agree: each scale is
-    min(1, radius / distance), the center's weight is Σ w (1 − s), the sums are this round's
-    parameters. One that agrees merges as the relay's own fold would, its sums unchanged."""
+    """A relay's partial (`Partial.received`) merges only if its numbers agree: each factor is
+    min(1, cap / norm) · min(1, radius / distance), the center's weight is Σ w (1 − the
+    clip's part), the sums are this round's parameters. One that agrees merges as the
+    relay's own fold would, its sums unchanged."""
     clip = clip_with_history()
     clip.reset()
     relay = clip.open_partial()
@@ -251,6 +255,7 @@ def test_a_partial_received_from_a_relay_is_checked_against_its_own_numbers():
             center_weight=center_weight,
             center=clip.center,
             radius=clip.radius,
+            norm_cap=clip.norm_cap,
             step_scale=clip.step_scale,
         )
 
@@ -260,7 +265,7 @@ def test_a_partial_received_from_a_relay_is_checked_against_its_own_numbers():
     assert all(np.array_equal(honest.sums[n], relay.sums[n]) for n in NAMES)
     clip.merge(honest)
     assert clip.partial.weight == relay.weight
-    with pytest.raises(ValueError, match="scale"):
+    with pytest.raises(ValueError, match="factor 1.0"):
         received(entries={**entries, "b": dataclasses.replace(entries["b"], scale=1.0)})
     with pytest.raises(ValueError, match="center's weight"):
         received(center_weight=relay.center_weight + 1.0)
@@ -285,6 +290,7 @@ def test_a_relay_that_lies_in_its_sums_moves_the_round_at_most_the_radius_times_
         center_weight=relay.center_weight,
         center=clip.center,
         radius=clip.radius,
+        norm_cap=clip.norm_cap,
         step_scale=clip.step_scale,
     )
     assert partial.clipped < 1e-5

@@ -247,6 +247,8 @@ class RoundEngine:
         self.outer.load_state_arrays(self.params, arrays)
         for p, aggregate in enumerate(self.aggregates):
             aggregate.load_state_arrays(_part(arrays, p))
+            if isinstance(aggregate, CenteredClip):  # its workers may come back as new processes
+                aggregate.restart_inner()
 
     # -- a round ------------------------------------------------------------------
 
@@ -548,9 +550,9 @@ class RoundEngine:
         aggregate, p = current.mean, current.fragment
         if isinstance(aggregate, CenteredClip) and aggregate.folds:
             center = aggregate.open_partial().center  # scaled to this round's step
-            radius, step_scale = aggregate.radius, aggregate.step_scale
+            radius, cap, step_scale = aggregate.radius, aggregate.norm_cap, aggregate.step_scale
         elif isinstance(aggregate, PseudoGradientMean):
-            center, radius, step_scale = None, math.inf, 1.0
+            center, radius, cap, step_scale = None, math.inf, math.inf, 1.0
         else:
             return
         screen = self.screens[p]
@@ -564,6 +566,7 @@ class RoundEngine:
             round=current.number,
             fragment=p,
             radius=radius,
+            norm_cap=cap,
             step_scale=step_scale,
             measure=center is not None,
             max_tokens=screen.max_tokens,
@@ -598,14 +601,17 @@ class RoundEngine:
         for name, message in answers.items():
             body = message.body_as(protocol.Folded)
             try:
-                if not len(body.workers) == len(body.weights) == len(body.scales):
+                lists = (body.workers, body.weights, body.scales, body.distances, body.norms)
+                if len({len(numbers) for numbers in lists}) != 1:
                     raise ValueError("its lists of workers and numbers differ in length")
-                numbers = zip(body.weights, body.scales, body.distances, strict=True)
+                numbers = zip(body.weights, body.scales, body.distances, body.norms, strict=True)
                 entries = {w: Entry(*n) for w, n in zip(body.workers, numbers, strict=True)}
                 await current.noticed(set(entries), trio.current_time() + NOTICE_SECONDS)
                 for worker, entry in entries.items():  # each as its notice said, and its own
-                    link = links.get(worker)
-                    if current.folded.get(worker) != entry or link is None or link.view.via != name:
+                    link, noticed = links.get(worker), current.folded.get(worker)
+                    said = noticed and (noticed.weight, noticed.scale, noticed.distance)
+                    ours = (entry.weight, entry.scale, entry.distance)
+                    if said != ours or link is None or link.view.via != name:
                         raise ValueError(f"it holds a result of {worker!r} it sent no notice of")
                 partial = await trio.to_thread.run_sync(
                     functools.partial(
@@ -616,6 +622,7 @@ class RoundEngine:
                         center_weight=body.center_weight,
                         center=clip.center if clip else None,
                         radius=clip.radius if clip else math.inf,
+                        norm_cap=clip.norm_cap if clip else math.inf,
                         step_scale=clip.step_scale if clip else 1.0,
                     )
                 )
@@ -637,7 +644,7 @@ class RoundEngine:
         """A `result_clipped` event for each result centered clip scaled down."""
         if not isinstance(current.mean, CenteredClip):
             return  # only centered clip scales results
-        radius = current.mean.radius
+        radius, cap = current.mean.radius, current.mean.norm_cap
         part = f", fragment {current.fragment}" if len(self.fragments) > 1 else ""
         # in the order folded in: here, then each relay's (keyed by worker id)
         for worker_id, scale in zip(current.mean.partial.results, scales, strict=False):
@@ -646,7 +653,8 @@ class RoundEngine:
                     ResultClipped(
                         f"round {current.number}{part}: worker "
                         f"{self.state.workers[worker_id].index}'s result was scaled by "
-                        f"{scale:.3g} to the clip radius {radius:.4g}",
+                        f"{scale:.3g} to the norm cap {cap:.4g} and the clip radius "
+                        f"{radius:.4g}",
                         worker=worker_id,
                         round=current.number,
                         scale=scale,

@@ -367,7 +367,8 @@ class Round:
         if body.weight != weight:
             raise BadResult(f"its relay weighed it {body.weight:g}, not its tokens' {weight:g}")
         screen.norms.judge(body.norm, screen.lr_sum(tokens) if screen.lr_sum else 1.0)
-        self.folded[worker_id] = Entry(body.weight, body.scale, body.distance)
+        # its notice's numbers (the norm per step scale comes with its relay's fold)
+        self.folded[worker_id] = Entry(body.weight, body.scale, body.distance, math.nan)
         return tokens, list(body.losses)
 
     async def close(self) -> None:
