@@ -27,6 +27,7 @@ _SHOWN = {
     "rejoined",
     "relay_joined",
     "relay_left",
+    "relay_fold_lost",
     "compiled",
     "lost",
     "worker_refused",

@@ -54,7 +54,7 @@ from pcp_tui.shepherd.rounds import sitting_out
 from pcp_tui.shepherd.rounds.checks import Before, Check, Correction, Verdict
 from pcp_tui.shepherd.rounds.pacing import StepPacing
 from pcp_tui.shepherd.rounds.results import OpenRounds, Round, collect, weight_shares
-from pcp_tui.shepherd.run.events import ResultClipped, RoundDone
+from pcp_tui.shepherd.run.events import RelayFoldLost, ResultClipped, RoundDone
 from pcp_tui.shepherd.run.history import RoundRecord
 from pcp_tui.shepherd.run.state import RunState, WorkerState
 from pcp_tui.shepherd.serving.connection import CONNECTION_ERRORS, WorkerLink
@@ -307,9 +307,11 @@ class RoundEngine:
                     started=opened,
                 )
             )
+        folds = []  # each fragment's fold for the relays, where its round allows one
         if relays is not None and relays.live and copies is None:  # validation needs them whole
             for current in rounds:
-                await self._open_fold(current, relays, steps)
+                if (fold := await self._fold(current, steps)) is not None:
+                    folds.append((fold, current.relay_folds))
         at_start = (self.state.bytes_sent, self.state.bytes_received)
         self._open.rounds = rounds
         self.state.round = number
@@ -321,6 +323,9 @@ class RoundEngine:
         started_checks: list[Check] = []
         try:
             async with trio.open_nursery() as nursery:
+                for (order, center), reached in folds:  # beside the round starts: a stalled
+                    assert relays is not None  # relay's link holds up its own fold only
+                    nursery.start_soon(relays.open_fold, order, center, reached)
                 for link in links:
                     nursery.start_soon(
                         self._start,
@@ -544,9 +549,12 @@ class RoundEngine:
             trio.current_time() - done,
         )
 
-    async def _open_fold(self, current: Round, relays: Relays, steps: Mapping[str, int]) -> None:
-        """Have the relays fold `current`'s results of their workers: with a mean, or centered
-        clip once its radius is known (a round without one takes results whole)."""
+    async def _fold(
+        self, current: Round, steps: Mapping[str, int]
+    ) -> tuple[protocol.Fold, Mapping[str, np.ndarray] | None] | None:
+        """The fold (and the clip's center) that has the relays fold `current`'s results of
+        their workers: with a mean, or centered clip once its radius and norm cap are known (a
+        round without them takes results whole: None)."""
         aggregate, p = current.mean, current.fragment
         if isinstance(aggregate, CenteredClip) and aggregate.folds:
             center = aggregate.open_partial().center  # scaled to this round's step
@@ -554,7 +562,7 @@ class RoundEngine:
         elif isinstance(aggregate, PseudoGradientMean):
             center, radius, cap, step_scale = None, math.inf, math.inf, 1.0
         else:
-            return
+            return None
         screen = self.screens[p]
         assert screen.lr_sum is not None, "a round's screen has its lr sums"
         lengths = sorted({*current.send_steps.values(), *steps.values(), self.config.inner.steps})
@@ -582,7 +590,7 @@ class RoundEngine:
             dims=tuple(d for shape in shapes for d in shape),
             ranks=tuple(len(shape) for shape in shapes),
         )
-        current.relay_folds = await relays.open_fold(order, center)
+        return order, center
 
     async def _merge_folds(self, current: Round, relays: Relays) -> None:
         """Close `current`'s folds at its relays and merge what they folded into its aggregate
@@ -635,10 +643,30 @@ class RoundEngine:
                     )
                 aggregate.merge(partial)
             except ValueError as exc:
-                log.warning("round %d: relay %s's fold refused: %s", current.number, name, exc)
+                self._fold_lost(current, name, f"refused: {exc}", set(body.workers))
                 refused |= set(body.workers)
         merged = aggregate.partial.results  # a worker whose fold never came counts for nothing
-        current.merged(refused | {w for w in current.folded if w not in merged})
+        unanswered = {w for w in current.folded if w not in merged and w not in refused}
+        for name in current.relay_folds:
+            if name not in answers and (
+                theirs := {w for w in unanswered if links[w].view.via == name}
+            ):
+                why = f"no answer within {timeout:g} s (its link lost or stalled)"
+                self._fold_lost(current, name, why, theirs)
+        current.merged(refused | unanswered)
+
+    def _fold_lost(self, current: Round, relay: str, why: str, workers: set[str]) -> None:
+        """Say that a relay's fold of `current` did not count, and whose results it held."""
+        noticed = len(workers & current.folded.keys())
+        self.state.emit(
+            RelayFoldLost(
+                f"round {current.number}: relay {relay}'s fold of {noticed} results does not "
+                f"count: {why}",
+                relay=relay,
+                round=current.number,
+                workers=noticed,
+            )
+        )
 
     def _say_clipped(self, current: Round, scales: list[float]) -> None:
         """A `result_clipped` event for each result centered clip scaled down."""

@@ -30,6 +30,7 @@ class EventKind(enum.StrEnum):
     REJOINED = "rejoined"
     RELAY_JOINED = "relay_joined"
     RELAY_LEFT = "relay_left"
+    RELAY_FOLD_LOST = "relay_fold_lost"
     REFUSED = "refused"
     WORKER_KEYS = "worker_keys"
     COMPILED = "compiled"
@@ -220,6 +221,17 @@ class RelayJoined(Event):
 class RelayLeft(Event):
     kind = EventKind.RELAY_LEFT
     relay: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayFoldLost(Event):
+    """A relay's fold of a round's results did not count (it never answered, or its answer
+    did not agree with itself or its notices): those results count for nothing."""
+
+    kind = EventKind.RELAY_FOLD_LOST
+    relay: str
+    round: int
+    workers: int  # results the shepherd had notices of that the fold held
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -177,12 +177,14 @@ class Relays:
     # -- folds: the relays fold their workers' results (`pcp_tui/relay.py` `Folds`) --------
 
     async def open_fold(
-        self, order: protocol.Fold, center: Mapping[str, np.ndarray] | None
-    ) -> list[str]:
-        """Send every relay the fold of a round's fragment (`order`, the clip's `center`); the
-        relays it reached: their workers' results of that fragment come folded from now."""
+        self,
+        order: protocol.Fold,
+        center: Mapping[str, np.ndarray] | None,
+        reached: list[str],
+    ) -> None:
+        """Send every relay the fold of a round's fragment (`order`, the clip's `center`); each
+        it reached joins `reached`: their workers' results of that fragment come folded then."""
         message = protocol.encode_once(order, center)
-        reached: list[str] = []
 
         async def send(view: RelayView) -> None:
             if view.control is None:
@@ -195,7 +197,6 @@ class Relays:
         async with trio.open_nursery() as nursery:
             for view in list(self.live.values()):
                 nursery.start_soon(send, view)
-        return reached
 
     async def close_fold(
         self, number: int, fragment: int, relays: list[str], timeout: float
