@@ -81,14 +81,20 @@ print(json.dumps({"cache": jax.config.jax_enable_compilation_cache,
 """
 
 
+def _site_env(devices: int) -> dict[str, str]:
+    """A worker process's environment with `devices` forced CPU devices, one XLA thread each."""
+    env = worker_env()
+    env["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices} "
+        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
 def _site(mode: str) -> list[tuple[int, str, str]]:
     """Run the site's 2 processes; each one's (exit code, stdout, stderr)."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONUNBUFFERED="1",
-    )
+    env = _site_env(2)
     port = free_port()
     processes = [
         subprocess.Popen(
@@ -175,12 +181,10 @@ print(json.dumps({"losses": run["losses"], "pseudo_gradient": [p.ravel()[:64].to
 
 def _chunks(processes: int, mode: str) -> list[dict]:
     """Two train_chunk calls of the worker's backend over 4 devices: one process with 4, or
-    a site of 2 processes with 2 each; what each process saw."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
-        JAX_PLATFORMS="cpu",
-    )
+    a site of 2 processes with 2 each; what each process saw. The one process of 4 devices
+    compiles what tests/test_mesh.py's 4-device runs compile, with their XLA flags: one
+    compile in the test run's cache serves both."""
+    env = _site_env(4 // processes)
     port, mesh = free_port(), os.path.join(os.path.dirname(__file__), "test_mesh.py")
     started = [
         subprocess.Popen(
@@ -224,17 +228,6 @@ def test_a_site_of_2_processes_trains_as_one_process_of_4_devices(mode):
 
 
 # ----------------------------------------------------------------------------- the CLI's site
-
-
-def _site_env(devices: int) -> dict[str, str]:
-    """A worker process's environment with `devices` forced CPU devices, one XLA thread each."""
-    env = worker_env()
-    env["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={devices} "
-        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def _site_processes(port: int, *extra: str) -> list[OutputProcess]:
