@@ -169,7 +169,8 @@ FOLD_WORKERS, FOLD_RELAYS, FOLD_ROUNDS = 40, 4, 5
 def test_relays_fold_their_workers_results_and_the_run_is_the_flat_one(aggregate, first_folded):
     """40 workers through 4 relays that fold their results: the shepherd opens each round's
     fold at them (from round 1 with the mean; from round 3 with centered clip, whose first two
-    rounds take results whole to set its radius), every such result stays at its relay, and
+    rounds take results whole to set its radius) before their workers' round starts, so a
+    worker that answers at once finds it open; every such result stays at its relay, and
     the parameters end as the same workers' flat run's to within float32 summation order (the
     issue's bound: 1e-6 of the largest parameter; measured about 5e-8)."""
     params = {}
@@ -177,7 +178,7 @@ def test_relays_fold_their_workers_results_and_the_run_is_the_flat_one(aggregate
         shepherd = stand_in_shepherd(
             FOLD_WORKERS, rounds=FOLD_ROUNDS, relays=relays, aggregate=aggregate
         )
-        simulate(shepherd, FOLD_WORKERS, relays=relays, train_seconds=5.0)
+        simulate(shepherd, FOLD_WORKERS, relays=relays)  # answers at once: after the fold
         history = shepherd.state.history
         assert [r.workers for r in history] == [FOLD_WORKERS] * FOLD_ROUNDS
         folded = [FOLD_WORKERS if relays and r.round >= first_folded else 0 for r in history]

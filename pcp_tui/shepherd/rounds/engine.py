@@ -320,7 +320,7 @@ class RoundEngine:
         if relays is not None and relays.live and copies is None:  # validation needs them whole
             for current in rounds:
                 if (fold := await self._fold(current, steps)) is not None:
-                    folds.append((fold, current.relay_folds))
+                    folds.append((*fold, current.relay_folds))
         at_start = (self.state.bytes_sent, self.state.bytes_received)
         self._open.rounds = rounds
         self.state.round = number
@@ -332,9 +332,13 @@ class RoundEngine:
         started_checks: list[Check] = []
         try:
             async with trio.open_nursery() as nursery:
-                for (order, center), reached in folds:  # beside the round starts: a stalled
-                    assert relays is not None  # relay's link holds up its own fold only
-                    nursery.start_soon(relays.open_fold, order, center, reached)
+                # each relay's folds go before its workers' round starts (a result must find
+                # its fold open); a stalled relay's link holds up its own workers only
+                folded_by: dict[str, trio.Event] = {}
+                if folds:
+                    assert relays is not None
+                    folded_by = {name: trio.Event() for name in relays.live}
+                    nursery.start_soon(relays.open_folds, folds, folded_by)
                 for link in links:
                     nursery.start_soon(
                         self._start,
@@ -344,6 +348,7 @@ class RoundEngine:
                         rounds,
                         starts,
                         failed,
+                        folded_by.get(link.view.via),
                     )
                 for p in range(len(self.fragments)):
                     sync = FragmentSync(rounds[p], links, starts, failed, stepped, copies, relays)
@@ -467,15 +472,17 @@ class RoundEngine:
         rounds: list[Round],
         starts: RoundStarts,
         failed: set[WorkerLink],
+        fold_opened: trio.Event | None = None,
     ) -> None:
         """Send round `number`'s start (`steps` inner steps) to `link`, parameters unless in sync,
-        through `starts` (`RoundStarts`: a closing fragment cancels it there)."""
+        through `starts` (`RoundStarts`: a closing fragment cancels it there); once its relay
+        has this round's folds (`fold_opened`), for a worker behind one."""
         continued = link in self.in_sync
         body = protocol.RoundStart(round=number, inner_steps=steps, continued=continued)
         link.view.state, link.view.round, link.view.step = WorkerState.SYNCING, number, 0
         link.rounds.claims.ask(steps)  # what its results may claim (`shepherd/rounds/claims.py`)
         try:
-            await starts.send(link, body, {} if continued else self.params)
+            await starts.send(link, body, {} if continued else self.params, after=fold_opened)
         except CONNECTION_ERRORS:
             failed.add(link)
             for current in rounds:  # the connection task reports the loss
@@ -804,15 +811,23 @@ class RoundStarts:
         self._parameters: protocol.Encoded | None = None
 
     async def send(
-        self, link: WorkerLink, body: protocol.RoundStart, tensors: Mapping[str, np.ndarray]
+        self,
+        link: WorkerLink,
+        body: protocol.RoundStart,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        after: trio.Event | None = None,
     ) -> None:
-        """Send `link` its roundStart (CONNECTION_ERRORS as `WorkerLink.send` raises them).
+        """Send `link` its roundStart (CONNECTION_ERRORS as `WorkerLink.send` raises them),
+        once `after` is set (its relay has the round's folds), unless cancelled first.
 
         The parameters are encoded once for the round and each worker's start carries the
         same payload buffers: a relay gets them once for all of its workers
         (`contract.channels`)."""
         try:
             with self._scopes[link]:
+                if after is not None:
+                    await after.wait()
                 if not tensors:
                     await link.send(body)
                     return

@@ -176,27 +176,40 @@ class Relays:
 
     # -- folds: the relays fold their workers' results (`pcp_tui/relay.py` `Folds`) --------
 
-    async def open_fold(
+    async def open_folds(
         self,
-        order: protocol.Fold,
-        center: Mapping[str, np.ndarray] | None,
-        reached: list[str],
+        folds: list[tuple[protocol.Fold, Mapping[str, np.ndarray] | None, list[str]]],
+        opened: Mapping[str, trio.Event],
     ) -> None:
-        """Send every relay the fold of a round's fragment (`order`, the clip's `center`); each
-        it reached joins `reached`: their workers' results of that fragment come folded then."""
-        message = protocol.encode_once(order, center)
+        """Send every relay a round's folds, one a fragment: (the fold, the clip's center, the
+        relays it reached, which each joins once it has it: their workers' results of that
+        fragment come folded then). `opened[relay]` is set once that relay's are on their
+        way, or failed: its workers' round starts wait for it (a result must find its fold
+        open), and the others' do not wait for a stalled relay."""
+        messages = [
+            (protocol.encode_once(order, center), order, reached)
+            for order, center, reached in folds
+        ]
 
         async def send(view: RelayView) -> None:
-            if view.control is None:
-                return
-            with contextlib.suppress(*LINK_ERRORS):
-                await view.control.send_encoded(message)
-                view.answers.setdefault((order.round, order.fragment), None)
-                reached.append(view.name)
+            try:
+                for message, order, reached in messages:
+                    if view.control is None:
+                        return
+                    with contextlib.suppress(*LINK_ERRORS):
+                        await view.control.send_encoded(message)
+                        view.answers.setdefault((order.round, order.fragment), None)
+                        reached.append(view.name)
+            finally:
+                if (event := opened.get(view.name)) is not None:
+                    event.set()
 
         async with trio.open_nursery() as nursery:
             for view in list(self.live.values()):
                 nursery.start_soon(send, view)
+            for name, event in opened.items():  # relays gone since: nothing to wait for
+                if name not in self.live:
+                    event.set()
 
     async def close_fold(
         self, number: int, fragment: int, relays: list[str], timeout: float
