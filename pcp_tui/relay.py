@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import platform
 import sys
 import time
@@ -259,7 +260,7 @@ class Relay:
                 )
                 nursery.start_soon(_until, done, peer, beat, stream, writing, planned, interval)
                 timeout = silence_timeout(interval)
-                nursery.start_soon(_until, done, peer, watch, reader, planned, timeout)
+                nursery.start_soon(_until, done, peer, watch, reader, channel, planned, timeout)
         except (*LINK_ERRORS, trio.TooSlowError) as exc:
             log.info("worker %s: %s", peer, exc)
         finally:
@@ -458,12 +459,20 @@ async def beat(
                 await worker.send_all(buffer)
 
 
-async def watch(reader: protocol.StreamReader, planned: trio.Event, timeout: float) -> None:
+async def watch(
+    reader: protocol.StreamReader, channel: Channel, planned: trio.Event, timeout: float
+) -> None:
     """Return (ending the worker's connection here, and so at the shepherd) once a worker
-    with its plan has sent nothing for `timeout` seconds: its heartbeats end at this relay."""
+    with its plan has sent nothing for `timeout` seconds: its heartbeats end at this relay.
+    Seconds its `channel` was held up count for nothing: the relay read nothing of the
+    worker while the shepherd took nothing of it (a result it folds, slots it waits for)."""
     await planned.wait()
+    held_up = -math.inf  # the last time the shepherd was seen taking nothing of the channel
     while True:
-        silent = trio.current_time() - reader.last_activity
+        now = trio.current_time()
+        if channel.held_up:
+            held_up = now
+        silent = now - max(reader.last_activity, held_up)
         if silent > timeout:
             log.info("a worker was silent for %.0f s (heartbeat timeout %.0f s)", silent, timeout)
             return

@@ -24,7 +24,7 @@ from pcp_tui.contract import keys
 from pcp_tui.contract.channels import WINDOW, Channels
 from pcp_tui.contract.connection import ConnectionLost, Refused, expect_hello
 from pcp_tui.contract.tls import ClientTLS, ServerTLS
-from pcp_tui.relay import Folds, Relay
+from pcp_tui.relay import Folds, Relay, watch
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
     free_port,
@@ -530,3 +530,37 @@ async def test_a_relay_passes_a_workers_messages_on_as_they_came_and_refuses_a_f
     while len(received) < len(sent):
         received += await shepherd_end.receive_some()
     assert received == sent
+
+
+async def test_a_relay_drops_a_silent_worker_but_not_one_the_shepherd_holds_up(autojump_clock):
+    """A relay ends the connection of a worker it has heard nothing from for the heartbeat
+    timeout (its heartbeats end at the relay), but not while the shepherd takes nothing of
+    that worker's channel: the relay then reads nothing of the worker either (a shepherd
+    folding its result, or waiting for a slot for it), and the silence is the shepherd's."""
+    relay_end, shepherd_end = trio.testing.memory_stream_pair()
+    relay = Channels(protocol.MessageStream(relay_end), accepts=False, keeps=False)
+    shepherd = Channels(protocol.MessageStream(shepherd_end), accepts=True, keeps=True)
+    worker, _ = trio.testing.memory_stream_pair()
+    reader = protocol.StreamReader(worker, trio.current_time)
+    planned = trio.Event()
+    planned.set()
+    timeout = 20.0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        nursery.start_soon(shepherd.run)
+        channel = await relay.open("10.0.0.1:1")
+        at_shepherd = await shepherd.accepted.receive()  # not read yet: no credit comes back
+        nursery.start_soon(channel.send_all, bytes(WINDOW + 1))
+        await trio.testing.wait_all_tasks_blocked()
+        assert channel.held_up
+        read_at = 5 * timeout  # until then the shepherd takes nothing of the channel
+
+        async def shepherd_reads_later():
+            await trio.sleep_until(read_at)
+            await _read(at_shepherd, WINDOW + 1)
+
+        nursery.start_soon(shepherd_reads_later)
+        await watch(reader, channel, planned, timeout)  # the worker sent nothing at all
+        assert not channel.held_up
+        assert read_at + timeout < trio.current_time() <= read_at + timeout + 1.0  # polls at 1 s
+        nursery.cancel_scope.cancel()

@@ -91,6 +91,12 @@ class Channel(trio.abc.Stream):
         self._closed = False
         self._send_lock = trio.Lock()
 
+    @property
+    def held_up(self) -> bool:
+        """Whether this side may send the channel nothing more now: the other side has taken
+        none of its window (a shepherd pausing a worker's reads, or behind on them)."""
+        return self._credit <= 0 and self.ended is None
+
     def link_silence(self) -> float:
         """Seconds since the relay's link last carried a byte: a relay heartbeats its workers
         and ends a silent one's channel, so a channel is alive while its link is."""
