@@ -78,7 +78,8 @@ def one_case(shapes, k: int, quantization: str, threads: int, rng) -> dict[str, 
         clip = CenteredClip(names)
         clip.load_state_arrays(
             {f"aggregate.center[{n!r}]": np.zeros(s, np.float32) for n, s in shapes.items()}
-            | {"aggregate.distances": np.full(8, 0.02)}
+            | {"aggregate.round_distances": np.full(1, 0.02)}
+            | {"aggregate.round_norms": np.full(1, 1e9)}  # a history: results fold as they come
         )
         clip.threads = threads
         clip.reset()

@@ -69,8 +69,18 @@ class MalformedMessage(ProtocolError):
 
 
 class NonFinite(MalformedMessage):
-    """A number the message must hold finite (a loss, a time) is NaN or infinite: a diverged
-    worker's result, told apart from other malformed bytes by its type, never by its text."""
+    """A number the message must hold finite (a loss, a time) is NaN or infinite, `field`
+    naming it. A loss so is a diverged worker's (`is_loss`), told apart from other malformed
+    bytes by its type and field, never by its text; any other is a peer breaking the rules."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def is_loss(self) -> bool:
+        """Whether the number is a training loss (a result's or a progress report's)."""
+        return self.field.endswith(".loss") or ".losses[" in self.field
 
 
 class ConnectionClosed(ProtocolError):

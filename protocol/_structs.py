@@ -103,10 +103,10 @@ def _read_value(hint, raw, meta, limits, where: str):
     if hint is float:
         number = float(raw)
         if meta.get("finite") and not math.isfinite(number):
-            raise NonFinite(f"{where} is {number}; it must be a finite number")
+            raise NonFinite(f"{where} is {number}; it must be a finite number", where)
         low, high = meta.get("range", (-math.inf, math.inf))
         if math.isnan(number) or (not math.isfinite(number) and not low <= number <= high):
-            raise NonFinite(f"{where} is {number}; it must be within [{low}, {high}]")
+            raise NonFinite(f"{where} is {number}; it must be within [{low}, {high}]", where)
         if not low <= number <= high:
             raise MalformedMessage(f"{where} is {number}; it must be within [{low}, {high}]")
         return number

@@ -7,6 +7,7 @@ for ever (413 repeats in 5 minutes).
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 
 import numpy as np
@@ -17,7 +18,7 @@ from pcp_tui import protocol
 from pcp_tui.diloco.screening import BadResult, Refusal
 from pcp_tui.diloco.validation import Assignment, LossDeltaValidator
 from pcp_tui.shepherd.coordinator import RunFailed, Shepherd
-from pcp_tui.shepherd.rounds.divergence import diverged
+from pcp_tui.shepherd.rounds.divergence import NAN_TRIES, diverged
 from pcp_tui.shepherd.run import checkpoint
 from pcp_tui.shepherd.run.events import Event, Lost, ResultRefused
 from pcp_tui.shepherd.run.history import RoundRecord
@@ -99,9 +100,10 @@ def test_the_decoder_tells_a_non_finite_number_by_its_type():
 def test_a_nan_loss_marks_the_lost_event_and_a_peers_words_do_not():
     """Over a real socket into a real shepherd: a peer whose `error` message reads like the
     decoder's refusal of a NaN loss is lost (`non_finite` False), and its round is repeated;
-    a result whose losses hold a NaN is lost with `non_finite`, and as every result of its
-    round, that is the run diverging: it ends saying so. (Read as text, the first peer's
-    words ended the run.)"""
+    a result whose computeSeconds is NaN is a peer breaking the rules, lost without it; a
+    result whose losses hold a NaN is lost with `non_finite`, and when every result of two
+    tries of its round in a row is, that is the run diverging: it ends saying so (one try
+    could be a lone peer's lie). (Read as text, the first peer's words ended the run.)"""
     config = small_config(workers=1, rounds=1, inner_steps=2, chunk_steps=2, validate="off")
     shepherd = Shepherd(config, build_workload(config, shards=1))
 
@@ -126,14 +128,28 @@ def test_a_nan_loss_marks_the_lost_event_and_a_peers_words_do_not():
         )
         await stream.send(body, {n: np.zeros_like(shepherd.params[n]) for n in names})
 
+    async def nan_seconds(stream, plan, number: int) -> None:
+        names = plan.fragments[0].tensors
+        body = protocol.RoundResult(
+            round=number, tokens=8, losses=(2.0, 1.0), inner_steps=2, compute_seconds=math.nan
+        )
+        await stream.send(body, {n: np.zeros_like(shepherd.params[n]) for n in names})
+
     async def words(stream, plan, number: int) -> None:
         said = "roundResult.losses[1] is nan; it must be within [-inf, inf]"
         await stream.send(protocol.Error(protocol.ErrorCode.INTERNAL, said))
 
+    def repeats() -> int:
+        return sum(e.kind == "round_repeated" for e in shepherd.state.events)
+
     async def scenario(port: int) -> None:
         await peer(port, "talker", words)
-        await until(lambda: any(e.kind == "round_repeated" for e in shepherd.state.events))
-        await peer(port, "nan", nan_loss)
+        await until(lambda: repeats() == 1)
+        await peer(port, "clock", nan_seconds)  # a NaN time is a peer's lie, not divergence
+        await until(lambda: repeats() == 2)
+        await peer(port, "nan", nan_loss)  # one try of NaN losses could be one peer's lie
+        await until(lambda: repeats() == 3)
+        await peer(port, "nan", nan_loss)  # the round diverges again: the run stops
 
     with pytest.raises(ExceptionGroup) as ended:  # out of run_shepherd's nursery
         run_shepherd(shepherd, scenario)
@@ -142,6 +158,7 @@ def test_a_nan_loss_marks_the_lost_event_and_a_peers_words_do_not():
     assert "every result of round 1 was non-finite (first at inner step 2 of 2)" in str(failure)
     lost = {e.worker: e for e in shepherd.state.events if isinstance(e, Lost)}
     assert not lost["talker"].non_finite and "losses[1] is nan" in lost["talker"].message
+    assert not lost["clock"].non_finite and "computeSeconds is nan" in lost["clock"].message
     assert lost["nan"].non_finite and "losses[1] is nan" in lost["nan"].message
 
 
@@ -216,7 +233,8 @@ def test_inner_lr_50_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_
         last,
     )
     assert found, shepherd.output
-    assert "repeating it" not in shepherd.output
+    # tried once more (one try could be one peer's lie), then stopped
+    assert shepherd.output.count("repeating it") == NAN_TRIES - 1, shepherd.output
     diverged_in, kept = int(found.group(1)), found.group(2)
     if kept is not None:
         assert int(kept) == diverged_in - 1

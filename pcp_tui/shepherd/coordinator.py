@@ -346,6 +346,7 @@ class Shepherd:
         )
         number = self.start_round
         failing: list[str] = []  # internal errors of the rounds in a row that got no result
+        nan_tries = 0  # tries in a row of this round whose every result was non-finite
         while number <= cfg.outer.rounds and self._stop_reason is None:
             if self._paused:
                 self.state.status = RunStatus.PAUSED
@@ -370,6 +371,11 @@ class Shepherd:
                 )
                 break
             why = divergence.diverged(events, number, cfg.inner.steps, record)
+            if why is not None and record is None:  # one try could be one peer's lie: a
+                nan_tries += 1  # diverged model fails again from the same parameters
+                why = why if nan_tries >= divergence.NAN_TRIES else None
+            elif record is not None:
+                nan_tries = 0
             saving = cfg.checkpoints.dir and number % cfg.checkpoints.every == 0
             if why is None and record is not None and saving:
                 await self.engine.settle()  # a checkpoint holds checked rounds only

@@ -67,6 +67,11 @@ def diverged(
     return f"every result of round {number} {what}{where} ({failures[0].message})"
 
 
+# tries of a round in a row whose every result was non-finite before the run stops as
+# diverged: one try could be a lone peer's lie (any token holder's), and a model that
+# diverged does so again from the same parameters
+NAN_TRIES = 2
+
 # rounds in a row that got no result while the shepherd failed internally serving workers:
 # a bug the workers meet again each time they rejoin; then the run stops instead
 INTERNAL_ROUNDS = 3

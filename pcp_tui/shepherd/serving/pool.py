@@ -208,7 +208,9 @@ class WorkerPool:
         except (ConnectionLost, *LINK_ERRORS) as exc:
             ended = link.failure or lost(exc)  # a send past its deadline closed the link
             # a NaN loss (`rounds/divergence.py`): the decoder's error, as `lost` keeps it
-            diverged = isinstance(ended.__cause__, protocol.NonFinite)
+            # (a NaN loss; a NaN time or the like is a peer breaking the rules, not divergence)
+            cause = ended.__cause__
+            diverged = isinstance(cause, protocol.NonFinite) and cause.is_loss
             self._mark_gone(link, "lost", ended.reason, non_finite=diverged)
         except Exception as exc:  # noqa: BLE001 - a bug serving one peer must not end the run
             reason = f"internal error serving this worker ({type(exc).__name__}: {exc})"
