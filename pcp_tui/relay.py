@@ -253,7 +253,7 @@ class Relay:
             interval = self.heartbeat_seconds
             async with trio.open_nursery() as nursery:  # any of these ending ends them all
                 done = nursery.cancel_scope
-                nursery.start_soon(_until, done, peer, folds.carry_up, reader, channel)
+                nursery.start_soon(_until, done, peer, folds.carry_up, reader, channel, planned)
                 nursery.start_soon(
                     _until, done, peer, carry_down, channel, stream, writing, planned
                 )
@@ -376,10 +376,14 @@ class Folds:
             for stale in [k for k in self.open if k[0] < order.round]:
                 del self.open[stale]  # a round the shepherd closed without asking
 
-    async def carry_up(self, reader: protocol.StreamReader, channel: Channel) -> None:
+    async def carry_up(
+        self, reader: protocol.StreamReader, channel: Channel, planned: trio.Event
+    ) -> None:
         """A worker's messages to the shepherd: each passed on as it came, but a result of an
         open fold, which is folded in here and replaced by its notice (`Fold.fold`), and its
-        heartbeats, which end here (the relay vouches for its workers: `watch`)."""
+        heartbeats, which end here (the relay vouches for its workers: `watch`). A result is
+        folded only once the shepherd's plan has gone down (`planned`): the plan says the
+        shepherd took the worker's one hello, whose id the result is folded under."""
         out = protocol.MessageStream(channel, clock=trio.current_time)
         worker_id = ""
         while True:
@@ -389,13 +393,15 @@ class Folds:
             except protocol.ConnectionClosed:
                 return
             if isinstance(body, protocol.WorkerHello):
+                if worker_id:
+                    raise protocol.MalformedMessage("a worker says hello once")
                 worker_id = body.worker_id
             if isinstance(body, protocol.RoundResult) and body.folded:
                 raise protocol.MalformedMessage("a worker's result is never a relay's notice")
             if isinstance(body, protocol.Heartbeat) and not specs:
                 continue
             fold = None
-            if isinstance(body, protocol.RoundResult) and worker_id:
+            if isinstance(body, protocol.RoundResult) and planned.is_set():
                 fold = self.open.get((body.round, body.fragment))
             if fold is None or result_header_problem(fold.screen.shapes, specs) is not None:
                 await channel.send_all(frame)  # as it came: the shepherd judges it

@@ -24,7 +24,7 @@ from pcp_tui.contract import keys
 from pcp_tui.contract.channels import WINDOW, Channels
 from pcp_tui.contract.connection import ConnectionLost, Refused, expect_hello
 from pcp_tui.contract.tls import ClientTLS, ServerTLS
-from pcp_tui.relay import Folds, Relay
+from pcp_tui.relay import Fold, Folds, Relay
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
     free_port,
@@ -525,8 +525,49 @@ async def test_a_relay_passes_a_workers_messages_on_as_they_came_and_refuses_a_f
     for buffer in protocol.encode(forged):
         await worker.send_all(buffer)
     with pytest.raises(protocol.MalformedMessage, match="never a relay's notice"):
-        await Folds().carry_up(protocol.StreamReader(relay_end), relay_out)
+        await Folds().carry_up(protocol.StreamReader(relay_end), relay_out, trio.Event())
     received = b""
     while len(received) < len(sent):
         received += await shepherd_end.receive_some()
     assert received == sent
+
+
+async def test_a_relay_folds_a_workers_results_only_once_the_shepherd_has_planned_it():
+    """The relay takes a worker's id from its hello, but only the shepherd's plan says the
+    shepherd took that hello (its proof, its id not in use): a result sent before it goes on
+    whole, for the shepherd to refuse. Folded under the hello's id, anyone who reaches the
+    relay could fold a result as another worker, whose own result then goes on whole and
+    leaves the relay's fold holding a result its shepherd never got a notice of: refused,
+    with every honest result in it. A second hello on a connection ends it."""
+    order = protocol.Fold(
+        round=3, names=("w",), dims=(4,), ranks=(1,), max_tokens=8, per_step=8,
+        lr_steps=(1,), lr_sums=(1.0,),
+    )  # fmt: skip
+    hello = protocol.WorkerHello(worker_id="bob", hostname="h", software="t")
+    result = protocol.RoundResult(round=3, tokens=8, losses=(1.0,), inner_steps=1)
+    tensors = {"w": np.arange(4, dtype=np.float32)}
+    sent = b"".join(
+        bytes(b) for m in (protocol.encode(hello), protocol.encode(result, tensors)) for b in m
+    )
+    folds = Folds()
+    fold = folds.open[(3, 0)] = Fold(order, None)
+    worker, relay_end = trio.testing.memory_stream_pair()
+    shepherd_end, relay_out = trio.testing.memory_stream_pair()
+    await worker.send_all(sent)
+    await worker.aclose()
+    await folds.carry_up(protocol.StreamReader(relay_end), relay_out, trio.Event())
+    received = b""
+    while len(received) < len(sent):
+        received += await shepherd_end.receive_some()
+    assert received == sent and not fold.partial.results
+
+    planned = trio.Event()
+    planned.set()
+    worker, relay_end = trio.testing.memory_stream_pair()
+    for buffer in (*protocol.encode(hello), *protocol.encode(result, tensors)):
+        await worker.send_all(buffer)
+    for buffer in protocol.encode(dataclasses.replace(hello, worker_id="carol")):
+        await worker.send_all(buffer)
+    with pytest.raises(protocol.MalformedMessage, match="hello"):
+        await folds.carry_up(protocol.StreamReader(relay_end), relay_out, planned)
+    assert list(fold.partial.results) == ["bob"]
