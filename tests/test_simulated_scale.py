@@ -10,8 +10,11 @@ code does at that scale: who is admitted, refused, dropped and counted.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
+import trio
 
 from pcp_tui.diloco.aggregate import CenteredClip
 from pcp_tui.shepherd.coordinator import RunFailed
@@ -186,3 +189,37 @@ def test_relays_fold_their_workers_results_and_the_run_is_the_flat_one(aggregate
     for name, flat in params[0].items():
         largest = float(np.max(np.abs(flat)))
         assert np.max(np.abs(params[FOLD_RELAYS][name] - flat)) <= 1e-6 * largest, name
+
+
+def test_a_straggler_folded_before_its_relay_got_the_close_counts_and_voids_nothing(monkeypatch):
+    """8 workers through 2 relays, the mean folded at them; fake 7 trains 15.8 s longer in
+    round 1, so the shepherd cuts it as a straggler a moment before its result reaches its
+    relay, and the relay, whose close is still on its way, folds it and sends the notice.
+    The relay's fold holds it: the shepherd takes that notice (the worker is the round's,
+    on that relay), and the relay's other three results count with it, with no wait. Before,
+    the notice was dropped as late, the fold refused as holding a result with no notice
+    after a 2 s wait, and round 1 counted 4 of 8."""
+    from pcp_tui.testing import _simulation
+
+    async def drawn(shapes, seed, index):
+        if index == 7:
+            await trio.sleep(15.8)
+        return _simulation.pseudo_gradient(shapes, seed)
+
+    real = _simulation.fake_worker
+
+    async def fake_worker(dial, index, **options):
+        return await real(dial, index, **options, drawn=functools.partial(_drawn, drawn, index))
+
+    monkeypatch.setattr(_simulation, "fake_worker", fake_worker)
+    shepherd = stand_in_shepherd(8, rounds=2, relays=2, aggregate="mean", straggler_min_seconds=1)
+    lost = []
+    shepherd.state.subscribe(lambda e: lost.append(e) if e.kind == "relay_fold_lost" else None)
+    simulate(shepherd, 8, relays=2, latency=0.05, train_seconds=5.0)
+    assert not lost
+    assert [(r.workers, r.relay_folded) for r in shepherd.state.history] == [(8, 8), (8, 8)]
+
+
+async def _drawn(drawn, index, shapes, seed):
+    return await drawn(shapes, seed, index)
+
