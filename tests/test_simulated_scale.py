@@ -10,6 +10,7 @@ code does at that scale: who is admitted, refused, dropped and counted.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -223,3 +224,43 @@ def test_a_straggler_folded_before_its_relay_got_the_close_counts_and_voids_noth
 async def _drawn(drawn, index, shapes, seed):
     return await drawn(shapes, seed, index)
 
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a relay folds a result whose claims (steps, tokens, compute seconds against its "
+    "roundStarts: `claims.ResultClaims`) it does not check; the shepherd ends that worker's "
+    "connection on its notice and then refuses the relay's whole fold as holding a result it "
+    "got no notice of. The fix is the relay keeping each worker's ledger (or the shepherd "
+    "counting such a fold's entry), not built",
+)
+def test_a_hostile_worker_cannot_void_its_honest_relays_fold(monkeypatch):
+    """8 workers through 2 relays, the mean folded at them; fake 7 claims -1 compute seconds
+    in its result, which the shepherd refuses (the connection ends). Its relay's three other
+    results should still count."""
+    from pcp_tui import protocol
+    from pcp_tui.testing import _simulation
+
+    class Lying:
+        def __init__(self, stream):
+            self.stream = stream
+
+        async def send(self, body, tensors=None):
+            if isinstance(body, protocol.RoundResult):
+                body = dataclasses.replace(body, compute_seconds=-1.0)
+            await self.stream.send(body, tensors)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    real = _simulation._answer_rounds
+
+    async def answer_rounds(stream, plan, tokens, index, *rest):
+        return await real(Lying(stream) if index == 7 else stream, plan, tokens, index, *rest)
+
+    monkeypatch.setattr(_simulation, "_answer_rounds", answer_rounds)
+    shepherd = stand_in_shepherd(8, rounds=1, relays=2, aggregate="mean")
+    lost = []
+    shepherd.state.subscribe(lambda e: lost.append(e) if e.kind == "relay_fold_lost" else None)
+    simulate(shepherd, 8, relays=2, train_seconds=5.0)
+    assert [e.workers for e in lost] == []
+    assert [r.workers for r in shepherd.state.history] == [7]
