@@ -225,18 +225,12 @@ async def _drawn(drawn, index, shapes, seed):
     return await drawn(shapes, seed, index)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a relay folds a result whose claims (steps, tokens, compute seconds against its "
-    "roundStarts: `claims.ResultClaims`) it does not check; the shepherd ends that worker's "
-    "connection on its notice and then refuses the relay's whole fold as holding a result it "
-    "got no notice of. The fix is the relay keeping each worker's ledger (or the shepherd "
-    "counting such a fold's entry), not built",
-)
 def test_a_hostile_worker_cannot_void_its_honest_relays_fold(monkeypatch):
     """8 workers through 2 relays, the mean folded at them; fake 7 claims -1 compute seconds
-    in its result, which the shepherd refuses (the connection ends). Its relay's three other
-    results should still count."""
+    in its result, which the shepherd refuses (it ends the connection, taking no notice). Its
+    relay checks the claims as the shepherd does (`Asked`), so it does not fold that result
+    but passes it on, and its three other results count. Before, the relay folded it and the
+    shepherd refused the relay's whole fold: round 1 counted 4 of 8."""
     from pcp_tui import protocol
     from pcp_tui.testing import _simulation
 
