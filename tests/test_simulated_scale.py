@@ -258,3 +258,26 @@ def test_a_hostile_worker_cannot_void_its_honest_relays_fold(monkeypatch):
     simulate(shepherd, 8, relays=2, train_seconds=5.0)
     assert [e.workers for e in lost] == []
     assert [r.workers for r in shepherd.state.history] == [7]
+
+
+def test_relays_that_never_answer_a_folds_close_are_dropped_and_the_run_goes_on(monkeypatch):
+    """8 workers through 2 relays whose links live but who never answer a fold's close (a
+    hostile relay withholding its fold, or one whose control channel hangs). The shepherd
+    waits the heartbeat timeout, then ends such a relay's link, and its workers fail over:
+    the run ends, round 2 with all 8. Before, round 1 was tried again and again, every 25 s
+    of virtual time, for ever: each try's results lay in folds that never came."""
+    from pcp_tui import protocol
+    from pcp_tui.relay import Fold, Folds
+
+    async def serve(self, control):
+        stream = protocol.MessageStream(control, clock=trio.current_time)
+        while True:
+            order = (await stream.receive()).body_as(protocol.Fold)
+            if not order.close:
+                self.open[(order.round, order.fragment)] = Fold(order, None)
+
+    monkeypatch.setattr(Folds, "serve", serve)
+    shepherd = stand_in_shepherd(8, rounds=2, relays=2, aggregate="mean")
+    simulate(shepherd, 8, relays=2, train_seconds=5.0)
+    assert [r.workers for r in shepherd.state.history][-1] == 8
+    assert len(shepherd.state.history) == 2
