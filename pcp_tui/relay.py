@@ -58,6 +58,7 @@ from pcp_tui.contract.plan import result_header_problem
 from pcp_tui.contract.tls import ClientTLS, ServerTLS, shown_fingerprint
 from pcp_tui.diloco.partial import Partial
 from pcp_tui.diloco.screening import BadResult, NormGuard, ResultScreen
+from pcp_tui.shepherd.rounds.claims import ResultClaims
 from pcp_tui.shepherd.serving.admission import peer_name
 from pcp_tui.shepherd.serving.listening import (
     advertised,
@@ -250,13 +251,13 @@ class Relay:
                     stream = await self.server_tls.accept(raw)
             channel = await channels.open(peer)
             reader = protocol.StreamReader(stream, trio.current_time)
-            planned, writing = trio.Event(), trio.Lock()
+            planned, writing, asked = trio.Event(), trio.Lock(), Asked()
             interval = self.heartbeat_seconds
             async with trio.open_nursery() as nursery:  # any of these ending ends them all
                 done = nursery.cancel_scope
-                nursery.start_soon(_until, done, peer, folds.carry_up, reader, channel)
+                nursery.start_soon(_until, done, peer, folds.carry_up, reader, channel, asked)
                 nursery.start_soon(
-                    _until, done, peer, carry_down, channel, stream, writing, planned
+                    _until, done, peer, carry_down, channel, stream, writing, planned, asked
                 )
                 nursery.start_soon(_until, done, peer, beat, stream, writing, planned, interval)
                 timeout = silence_timeout(interval)
@@ -377,10 +378,12 @@ class Folds:
             for stale in [k for k in self.open if k[0] < order.round]:
                 del self.open[stale]  # a round the shepherd closed without asking
 
-    async def carry_up(self, reader: protocol.StreamReader, channel: Channel) -> None:
+    async def carry_up(self, reader: protocol.StreamReader, channel: Channel, asked: Asked) -> None:
         """A worker's messages to the shepherd: each passed on as it came, but a result of an
         open fold, which is folded in here and replaced by its notice (`Fold.fold`), and its
-        heartbeats, which end here (the relay vouches for its workers: `watch`)."""
+        heartbeats, which end here (the relay vouches for its workers: `watch`). A result is
+        folded only where the shepherd will take its notice (`Asked.takes`): after the plan,
+        which says the shepherd took the worker's one hello, whose id it is folded under."""
         out = protocol.MessageStream(channel, clock=trio.current_time)
         worker_id = ""
         while True:
@@ -390,13 +393,15 @@ class Folds:
             except protocol.ConnectionClosed:
                 return
             if isinstance(body, protocol.WorkerHello):
+                if worker_id:
+                    raise protocol.MalformedMessage("a worker says hello once")
                 worker_id = body.worker_id
             if isinstance(body, protocol.RoundResult) and body.folded:
                 raise protocol.MalformedMessage("a worker's result is never a relay's notice")
             if isinstance(body, protocol.Heartbeat) and not specs:
                 continue
             fold = None
-            if isinstance(body, protocol.RoundResult) and worker_id:
+            if isinstance(body, protocol.RoundResult) and asked.takes(body):
                 fold = self.open.get((body.round, body.fragment))
             if fold is None or result_header_problem(fold.screen.shapes, specs) is not None:
                 await channel.send_all(frame)  # as it came: the shepherd judges it
@@ -428,10 +433,15 @@ async def _pass_on(reader: protocol.StreamReader, sink: trio.abc.Stream, nbytes:
 
 
 async def carry_down(
-    channel: Channel, worker: trio.abc.Stream, writing: trio.Lock, planned: trio.Event
+    channel: Channel,
+    worker: trio.abc.Stream,
+    writing: trio.Lock,
+    planned: trio.Event,
+    asked: Asked,
 ) -> None:
     """The shepherd's messages to a worker, each passed on as it came, whole under `writing`
-    (this relay's heartbeats go between them); `planned` is set once the plan has gone."""
+    (this relay's heartbeats go between them); `planned` is set once the plan has gone, and
+    `asked` notes the plan and each roundStart before they go."""
     reader = protocol.StreamReader(channel, trio.current_time)
     while True:
         reader.start_frame()
@@ -439,11 +449,47 @@ async def carry_down(
             frame, body, _, specs = await protocol.read_head(reader, DOWNSTREAM_LIMITS)
         except protocol.ConnectionClosed:
             return
+        asked.note(body)
         async with writing:
             await worker.send_all(frame)
             await _pass_on(reader, worker, sum(spec.payload_bytes for spec in specs))
         if isinstance(body, protocol.Plan):
             planned.set()
+
+
+class Asked:
+    """What the shepherd asked of one carried worker, as its plan and roundStarts went down:
+    the rounds, and what its results may claim (`ResultClaims`, the shepherd's own ledger of
+    the connection). The shepherd ends a connection whose result claims more and drops a
+    result of a round it did not ask for, so it takes no notice of either: such a result
+    is never folded (a fold holding a result without its notice is refused whole) but goes
+    on as it came, for the shepherd to judge."""
+
+    def __init__(self) -> None:
+        self.claims: ResultClaims | None = None  # once the plan has gone
+        self.inner_steps = 0
+        self.rounds: set[int] = set()
+
+    def note(self, body: protocol.Body) -> None:
+        if isinstance(body, protocol.Plan):
+            self.inner_steps = body.inner_steps
+            self.claims = ResultClaims(
+                tokens_per_step=body.batch_size * body.tokens_per_row,
+                fragments=len(body.fragments),
+            )
+        elif isinstance(body, protocol.RoundStart) and self.claims is not None:
+            self.claims.ask(body.inner_steps or self.inner_steps)
+            self.rounds.add(body.round)
+
+    def takes(self, body: protocol.RoundResult) -> bool:
+        """Count `body`'s claims, as the shepherd will; whether it may be folded."""
+        if self.claims is None:
+            return False
+        try:
+            self.claims.check(body)
+        except ConnectionLost:
+            return False
+        return body.round in self.rounds
 
 
 async def beat(

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from pcp_tui.diloco.aggregate import CenteredClip
 from pcp_tui.diloco.outer import PseudoGradientMean
-from pcp_tui.diloco.partial import Partial
+from pcp_tui.diloco.partial import Entry, Partial
 from pcp_tui.diloco.screening import BadResult, NormGuard
 
 NAMES = ("b", "w")
@@ -299,3 +299,32 @@ def test_a_relay_that_lies_in_its_sums_moves_the_round_at_most_the_radius_times_
     clip.finish()
     moved = np.linalg.norm(flat(clip.sums) * float(clip.scale) - CENTER)
     assert moved <= clip.radius * 0.5 * (1 + 1e-3)  # the radius × its half of the weight
+
+
+@pytest.mark.parametrize("lie", [math.nan, math.inf])
+def test_a_relay_whose_sums_are_not_finite_is_refused(lie):
+    """A sum that is not finite has no distance from the center to hold to the ball (NaN
+    compares false, and Inf pulled back is Inf · 0): taken, it would make the model NaN. Such
+    a partial is refused, as one whose entries disagree is; with the mean too (a worker's
+    result that is not finite is refused, so its relay's may not be either)."""
+    clip = clip_with_history()
+    clip.reset()
+    relay = clip.open_partial()
+    relay.add("a", tensors(CENTER + 0.1), 2.0)
+    sums = {n: v.copy() for n, v in relay.sums.items()}
+    sums["w"][0, 0] = lie
+    shapes = {n: v.shape for n, v in relay.sums.items()}
+    with pytest.raises(ValueError, match="not finite"):
+        Partial.received(
+            shapes,
+            sums,
+            dict(relay.results),
+            center_weight=relay.center_weight,
+            center=clip.center,
+            radius=clip.radius,
+            norm_cap=clip.norm_cap,
+            step_scale=clip.step_scale,
+        )
+    plain = {"a": Entry(2.0, 1.0, 0.0, 0.0)}  # the mean's: no ball, the same refusal
+    with pytest.raises(ValueError, match="not finite"):
+        Partial.received(shapes, sums, plain, center_weight=0.0)

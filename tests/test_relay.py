@@ -24,7 +24,7 @@ from pcp_tui.contract import keys
 from pcp_tui.contract.channels import WINDOW, Channels
 from pcp_tui.contract.connection import ConnectionLost, Refused, expect_hello
 from pcp_tui.contract.tls import ClientTLS, ServerTLS
-from pcp_tui.relay import Folds, Relay, watch
+from pcp_tui.relay import Asked, Fold, Folds, Relay, watch
 from pcp_tui.shepherd.coordinator import Shepherd
 from pcp_tui.testing import (
     free_port,
@@ -525,7 +525,7 @@ async def test_a_relay_passes_a_workers_messages_on_as_they_came_and_refuses_a_f
     for buffer in protocol.encode(forged):
         await worker.send_all(buffer)
     with pytest.raises(protocol.MalformedMessage, match="never a relay's notice"):
-        await Folds().carry_up(protocol.StreamReader(relay_end), relay_out)
+        await Folds().carry_up(protocol.StreamReader(relay_end), relay_out, Asked())
     received = b""
     while len(received) < len(sent):
         received += await shepherd_end.receive_some()
@@ -564,3 +564,51 @@ async def test_a_relay_drops_a_silent_worker_but_not_one_the_shepherd_holds_up(a
         assert not channel.held_up
         assert read_at + timeout < trio.current_time() <= read_at + timeout + 1.0  # polls at 1 s
         nursery.cancel_scope.cancel()
+
+
+async def test_a_relay_folds_a_workers_results_only_once_the_shepherd_has_planned_it():
+    """The relay takes a worker's id from its hello, but only the shepherd's plan says the
+    shepherd took that hello (its proof, its id not in use): a result sent before it goes on
+    whole, for the shepherd to refuse. Folded under the hello's id, anyone who reaches the
+    relay could fold a result as another worker, whose own result then goes on whole and
+    leaves the relay's fold holding a result its shepherd never got a notice of: refused,
+    with every honest result in it. So is a result of a round the shepherd did not start on
+    this connection (a worker that came back through this relay mid-round): it goes on whole,
+    and the shepherd drops it. A second hello on a connection ends it."""
+    order = protocol.Fold(
+        round=3, names=("w",), dims=(4,), ranks=(1,), max_tokens=8, per_step=8,
+        lr_steps=(1,), lr_sums=(1.0,),
+    )  # fmt: skip
+    hello = protocol.WorkerHello(worker_id="bob", hostname="h", software="t")
+    result = protocol.RoundResult(round=3, tokens=8, losses=(1.0,), inner_steps=1)
+    tensors = {"w": np.arange(4, dtype=np.float32)}
+    sent = b"".join(
+        bytes(b) for m in (protocol.encode(hello), protocol.encode(result, tensors)) for b in m
+    )
+    folds = Folds()
+    fold = folds.open[(3, 0)] = Fold(order, None)
+    folds.open[(4, 0)] = Fold(dataclasses.replace(order, round=4), None)
+    worker, relay_end = trio.testing.memory_stream_pair()
+    shepherd_end, relay_out = trio.testing.memory_stream_pair()
+    await worker.send_all(sent)
+    await worker.aclose()
+    await folds.carry_up(protocol.StreamReader(relay_end), relay_out, Asked())
+    received = b""
+    while len(received) < len(sent):
+        received += await shepherd_end.receive_some()
+    assert received == sent and not fold.partial.results
+
+    planned = Asked()  # the plan and round 3's start went down (2 steps: both claims fit)
+    planned.note(protocol.Plan(inner_steps=1, batch_size=2, tokens_per_row=4))
+    planned.note(protocol.RoundStart(round=3, inner_steps=2))
+    worker, relay_end = trio.testing.memory_stream_pair()
+    unasked = dataclasses.replace(result, round=4)  # no roundStart went down for it
+    messages = (hello, None), (result, tensors), (unasked, tensors)
+    for buffer in (b for body, sent_with in messages for b in protocol.encode(body, sent_with)):
+        await worker.send_all(buffer)
+    for buffer in protocol.encode(dataclasses.replace(hello, worker_id="carol")):
+        await worker.send_all(buffer)
+    with pytest.raises(protocol.MalformedMessage, match="hello"):
+        await folds.carry_up(protocol.StreamReader(relay_end), relay_out, planned)
+    assert list(fold.partial.results) == ["bob"]
+    assert not folds.open[(4, 0)].partial.results  # it went on whole

@@ -10,8 +10,12 @@ code does at that scale: who is admitted, refused, dropped and counted.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 import pytest
+import trio
 
 from pcp_tui.diloco.aggregate import CenteredClip
 from pcp_tui.shepherd.coordinator import RunFailed
@@ -187,3 +191,94 @@ def test_relays_fold_their_workers_results_and_the_run_is_the_flat_one(aggregate
     for name, flat in params[0].items():
         largest = float(np.max(np.abs(flat)))
         assert np.max(np.abs(params[FOLD_RELAYS][name] - flat)) <= 1e-6 * largest, name
+
+
+def test_a_straggler_folded_before_its_relay_got_the_close_counts_and_voids_nothing(monkeypatch):
+    """8 workers through 2 relays, the mean folded at them; fake 7 trains 15.8 s longer in
+    round 1, so the shepherd cuts it as a straggler a moment before its result reaches its
+    relay, and the relay, whose close is still on its way, folds it and sends the notice.
+    The relay's fold holds it: the shepherd takes that notice (the worker is the round's,
+    on that relay), and the relay's other three results count with it, with no wait. Before,
+    the notice was dropped as late, the fold refused as holding a result with no notice
+    after a 2 s wait, and round 1 counted 4 of 8."""
+    from pcp_tui.testing import _simulation
+
+    async def drawn(shapes, seed, index):
+        if index == 7:
+            await trio.sleep(15.8)
+        return _simulation.pseudo_gradient(shapes, seed)
+
+    real = _simulation.fake_worker
+
+    async def fake_worker(dial, index, **options):
+        return await real(dial, index, **options, drawn=functools.partial(_drawn, drawn, index))
+
+    monkeypatch.setattr(_simulation, "fake_worker", fake_worker)
+    shepherd = stand_in_shepherd(8, rounds=2, relays=2, aggregate="mean", straggler_min_seconds=1)
+    lost = []
+    shepherd.state.subscribe(lambda e: lost.append(e) if e.kind == "relay_fold_lost" else None)
+    simulate(shepherd, 8, relays=2, latency=0.05, train_seconds=5.0)
+    assert not lost
+    assert [(r.workers, r.relay_folded) for r in shepherd.state.history] == [(8, 8), (8, 8)]
+
+
+async def _drawn(drawn, index, shapes, seed):
+    return await drawn(shapes, seed, index)
+
+
+def test_a_hostile_worker_cannot_void_its_honest_relays_fold(monkeypatch):
+    """8 workers through 2 relays, the mean folded at them; fake 7 claims -1 compute seconds
+    in its result, which the shepherd refuses (it ends the connection, taking no notice). Its
+    relay checks the claims as the shepherd does (`Asked`), so it does not fold that result
+    but passes it on, and its three other results count. Before, the relay folded it and the
+    shepherd refused the relay's whole fold: round 1 counted 4 of 8."""
+    from pcp_tui import protocol
+    from pcp_tui.testing import _simulation
+
+    class Lying:
+        def __init__(self, stream):
+            self.stream = stream
+
+        async def send(self, body, tensors=None):
+            if isinstance(body, protocol.RoundResult):
+                body = dataclasses.replace(body, compute_seconds=-1.0)
+            await self.stream.send(body, tensors)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    real = _simulation._answer_rounds
+
+    async def answer_rounds(stream, plan, tokens, index, *rest):
+        return await real(Lying(stream) if index == 7 else stream, plan, tokens, index, *rest)
+
+    monkeypatch.setattr(_simulation, "_answer_rounds", answer_rounds)
+    shepherd = stand_in_shepherd(8, rounds=1, relays=2, aggregate="mean")
+    lost = []
+    shepherd.state.subscribe(lambda e: lost.append(e) if e.kind == "relay_fold_lost" else None)
+    simulate(shepherd, 8, relays=2, train_seconds=5.0)
+    assert [e.workers for e in lost] == []
+    assert [r.workers for r in shepherd.state.history] == [7]
+
+
+def test_relays_that_never_answer_a_folds_close_are_dropped_and_the_run_goes_on(monkeypatch):
+    """8 workers through 2 relays whose links live but who never answer a fold's close (a
+    hostile relay withholding its fold, or one whose control channel hangs). The shepherd
+    waits the heartbeat timeout, then ends such a relay's link, and its workers fail over:
+    the run ends, round 2 with all 8. Before, round 1 was tried again and again, every 25 s
+    of virtual time, for ever: each try's results lay in folds that never came."""
+    from pcp_tui import protocol
+    from pcp_tui.relay import Fold, Folds
+
+    async def serve(self, control):
+        stream = protocol.MessageStream(control, clock=trio.current_time)
+        while True:
+            order = (await stream.receive()).body_as(protocol.Fold)
+            if not order.close:
+                self.open[(order.round, order.fragment)] = Fold(order, None)
+
+    monkeypatch.setattr(Folds, "serve", serve)
+    shepherd = stand_in_shepherd(8, rounds=2, relays=2, aggregate="mean")
+    simulate(shepherd, 8, relays=2, train_seconds=5.0)
+    assert [r.workers for r in shepherd.state.history][-1] == 8
+    assert len(shepherd.state.history) == 2

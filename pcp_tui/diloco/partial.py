@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pcp_tui.contract.checks import is_finite
 from pcp_tui.diloco import fused
 from pcp_tui.diloco.fused import CHUNK
 
@@ -172,6 +173,8 @@ class Partial:
         partial.results = dict(entries)
         if entries and center is not None and math.isfinite(radius):
             partial._hold_to_ball(center, weight - centered)
+        elif entries and not all(is_finite(total) for total in partial.sums.values()):
+            raise ValueError("its sums are not finite")
         return partial
 
     def _hold_to_ball(self, center: Mapping[str, np.ndarray], inside: float) -> None:
@@ -182,6 +185,8 @@ class Partial:
             off = np.ravel(total).astype(np.float64) - np.ravel(center[name]) * inside
             gap += float(np.dot(off, off))
         gap = math.sqrt(gap) / self.weight  # |mean − v|
+        if not math.isfinite(gap):  # NaN is inside every ball, Inf pulled back is NaN
+            raise ValueError("its sums are not finite")
         if gap > self.radius * (1.0 + BALL_SLACK):
             self.clipped = self.radius / gap
             for name, total in self.sums.items():

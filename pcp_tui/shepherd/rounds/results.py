@@ -230,10 +230,14 @@ class Round:
 
         Binding results to the connection that got the roundStart means a result
         cannot be replayed, or counted twice, from another connection with the same id.
+        While the relays' folds close (`_merging`), a participant cut as a straggler may
+        still count: its relay folded its result before the close reached it, and its fold
+        holds it (`add` takes only notices then).
         """
+        late = self._merging and worker_id in self.participants - set(self.contributors)
         return (
             round_number == self.number
-            and worker_id in self.pending
+            and (worker_id in self.pending or late)
             and self.bound_to(worker_id, connection)
         )
 

@@ -216,7 +216,8 @@ class Relays:
     ) -> dict[str, protocol.Message]:
         """Close round `number`'s fold of `fragment` on `relays`; each one's `Folded` answer
         (with Σ w·s·Δ as its tensors) that came within `timeout`. A relay that is gone, or
-        answers late, has its results of the fragment lost: their notices counted nothing."""
+        answers late, has its results of the fragment lost: their notices counted nothing; one
+        whose link lives on without an answer has its link ended (its workers fail over)."""
         key = (number, fragment)
         close = protocol.Fold(round=number, fragment=fragment, close=True)
         answers: dict[str, protocol.Message] = {}
@@ -231,6 +232,11 @@ class Relays:
             answer = view.answers.pop(key, None)
             if answer is not None:
                 answers[view.name] = answer
+            elif view.control is not None and self.live.get(view.name) is view:
+                # its link lives but its fold never came: stalled or withheld, it would cost
+                # every round this wait and its workers' results; its workers fail over
+                log.warning("relay %s did not answer a fold's close: ending its link", view.name)
+                await trio.aclose_forcefully(view.channels.link.stream)
 
         async with trio.open_nursery() as nursery:
             for name in relays:
