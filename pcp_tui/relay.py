@@ -32,7 +32,7 @@ import math
 import platform
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 
 import numpy as np
@@ -386,12 +386,7 @@ class Folds:
         which says the shepherd took the worker's one hello, whose id it is folded under."""
         out = protocol.MessageStream(channel, clock=trio.current_time)
         worker_id = ""
-        while True:
-            reader.start_frame()
-            try:
-                frame, body, _, specs = await protocol.read_head(reader, UPSTREAM_LIMITS)
-            except protocol.ConnectionClosed:
-                return
+        async for frame, body, specs in _heads(reader):
             if isinstance(body, protocol.WorkerHello):
                 if worker_id:
                     raise protocol.MalformedMessage("a worker says hello once")
@@ -423,6 +418,20 @@ class Folds:
             await channel.send_parts([frame, *(payload.data for payload in payloads)])
 
 
+async def _heads(
+    reader: protocol.StreamReader,
+) -> AsyncIterator[tuple[bytearray, protocol.Body, list[protocol.TensorSpec]]]:
+    """Each message's frame, body and tensor specs as `reader` reaches it, until the stream
+    ends; the caller takes its payloads before the next."""
+    while True:
+        reader.start_frame()
+        try:
+            frame, body, _, specs = await protocol.read_head(reader, PASSING_LIMITS)
+        except protocol.ConnectionClosed:
+            return
+        yield frame, body, specs
+
+
 async def _pass_on(reader: protocol.StreamReader, sink: trio.abc.Stream, nbytes: int) -> None:
     """The next `nbytes` of `reader` into `sink`, a piece at a time."""
     while nbytes > 0:
@@ -443,12 +452,7 @@ async def carry_down(
     (this relay's heartbeats go between them); `planned` is set once the plan has gone, and
     `asked` notes the plan and each roundStart before they go."""
     reader = protocol.StreamReader(channel, trio.current_time)
-    while True:
-        reader.start_frame()
-        try:
-            frame, body, _, specs = await protocol.read_head(reader, DOWNSTREAM_LIMITS)
-        except protocol.ConnectionClosed:
-            return
+    async for frame, body, specs in _heads(reader):
         asked.note(body)
         async with writing:
             await worker.send_all(frame)
@@ -527,7 +531,7 @@ async def watch(
 
 # what a relay reads of a worker's and of the shepherd's messages: their frames and headers
 # (the shepherd checks a worker's against the plan again); payloads pass through in pieces
-UPSTREAM_LIMITS = DOWNSTREAM_LIMITS = protocol.Limits()
+PASSING_LIMITS = protocol.Limits()
 
 
 async def _control(folds: Folds, control: Channel) -> None:

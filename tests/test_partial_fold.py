@@ -234,6 +234,20 @@ def test_a_round_without_a_radius_takes_whole_results_only():
         clip.merge(clip.open_partial())
 
 
+def received_under(clip: CenteredClip, sums, entries, center_weight: float) -> Partial:
+    """`Partial.received` with `clip`'s round: its center, radius, norm cap and step scale."""
+    return Partial.received(
+        {n: v.shape for n, v in clip.center.items()},
+        sums,
+        entries,
+        center_weight=center_weight,
+        center=clip.center,
+        radius=clip.radius,
+        norm_cap=clip.norm_cap,
+        step_scale=clip.step_scale,
+    )
+
+
 def test_a_partial_received_from_a_relay_is_checked_against_its_own_numbers():
     """A relay's partial (`Partial.received`) merges only if its numbers agree: each factor is
     min(1, cap / norm) · min(1, radius / distance), the center's weight is Σ w (1 − the
@@ -245,19 +259,9 @@ def test_a_partial_received_from_a_relay_is_checked_against_its_own_numbers():
     for key, values in (("a", CENTER + 0.1), ("b", CENTER + 5.0)):
         relay.add(key, tensors(values), 2.0)
     entries = dict(relay.results)
-    shapes = {n: v.shape for n, v in relay.sums.items()}
 
     def received(entries=entries, center_weight=relay.center_weight, sums=relay.sums):
-        return Partial.received(
-            shapes,
-            sums,
-            entries,
-            center_weight=center_weight,
-            center=clip.center,
-            radius=clip.radius,
-            norm_cap=clip.norm_cap,
-            step_scale=clip.step_scale,
-        )
+        return received_under(clip, sums, entries, center_weight)
 
     assert entries["b"].scale < 1.0  # clipped: the check reads the radius
     honest = received()
@@ -283,16 +287,7 @@ def test_a_relay_that_lies_in_its_sums_moves_the_round_at_most_the_radius_times_
     relay.add("a", tensors(CENTER + 0.1), 2.0)
     relay.add("b", tensors(CENTER - 0.1), 2.0)
     lie = {n: np.full_like(v, 1e6) for n, v in relay.sums.items()}
-    partial = Partial.received(
-        {n: v.shape for n, v in relay.sums.items()},
-        lie,
-        dict(relay.results),
-        center_weight=relay.center_weight,
-        center=clip.center,
-        radius=clip.radius,
-        norm_cap=clip.norm_cap,
-        step_scale=clip.step_scale,
-    )
+    partial = received_under(clip, lie, dict(relay.results), relay.center_weight)
     assert partial.clipped < 1e-5
     clip.merge(partial)
     clip.add(tensors(CENTER), 4.0, key="honest")  # an honest result at the center, as heavy
@@ -313,18 +308,9 @@ def test_a_relay_whose_sums_are_not_finite_is_refused(lie):
     relay.add("a", tensors(CENTER + 0.1), 2.0)
     sums = {n: v.copy() for n, v in relay.sums.items()}
     sums["w"][0, 0] = lie
-    shapes = {n: v.shape for n, v in relay.sums.items()}
     with pytest.raises(ValueError, match="not finite"):
-        Partial.received(
-            shapes,
-            sums,
-            dict(relay.results),
-            center_weight=relay.center_weight,
-            center=clip.center,
-            radius=clip.radius,
-            norm_cap=clip.norm_cap,
-            step_scale=clip.step_scale,
-        )
+        received_under(clip, sums, dict(relay.results), relay.center_weight)
     plain = {"a": Entry(2.0, 1.0, 0.0, 0.0)}  # the mean's: no ball, the same refusal
+    shapes = {n: v.shape for n, v in relay.sums.items()}
     with pytest.raises(ValueError, match="not finite"):
         Partial.received(shapes, sums, plain, center_weight=0.0)

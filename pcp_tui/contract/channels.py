@@ -92,6 +92,12 @@ class Channel(trio.abc.Stream):
         self._send_lock = trio.Lock()
 
     @property
+    def control(self) -> bool:
+        """Whether this is a relay's control channel (its first, named `CONTROL`), not a
+        worker's connection."""
+        return self.number == 1 and self.peer == CONTROL
+
+    @property
     def held_up(self) -> bool:
         """Whether this side may send the channel nothing more now: the other side has taken
         none of its window (a shepherd pausing a worker's reads, or behind on them)."""

@@ -151,11 +151,13 @@ class Partial:
             for n in names
         ):
             raise ValueError("its sums are not this round's parameters in float32")
+        if entries and not all(is_finite(sums[n]) for n in names):  # NaN is inside every
+            raise ValueError("its sums are not finite")  # ball; Inf pulled back is NaN
+        partial = cls(names, radius=radius, norm_cap=norm_cap, step_scale=step_scale, measure=False)
         centered = 0.0
         for key, entry in entries.items():
             norm, gap = entry.norm * step_scale, entry.distance * step_scale
-            capped = min(1.0, norm_cap / norm) if norm > 0 else 1.0
-            clipped = min(1.0, radius / gap) if gap > 0 else 1.0
+            capped, clipped = partial._factors(norm, gap)
             if not entry.weight > 0 or not math.isclose(
                 entry.scale, capped * clipped, rel_tol=1e-9
             ):
@@ -167,15 +169,19 @@ class Partial:
         weight = math.fsum(entry.weight for entry in entries.values())
         if not math.isclose(center_weight, centered, rel_tol=1e-9, abs_tol=1e-12 * weight):
             raise ValueError(f"its center's weight {center_weight:.9g} is not {centered:.9g}")
-        partial = cls(names, radius=radius, norm_cap=norm_cap, step_scale=step_scale, measure=False)
         partial.sums = {n: np.array(sums[n], np.float32) for n in names} if entries else {}
         partial.weight, partial.center_weight = weight, centered
         partial.results = dict(entries)
         if entries and center is not None and math.isfinite(radius):
             partial._hold_to_ball(center, weight - centered)
-        elif entries and not all(is_finite(total) for total in partial.sums.values()):
-            raise ValueError("its sums are not finite")
         return partial
+
+    def _factors(self, norm: float, gap: float) -> tuple[float, float]:
+        """(the norm cap's factor, the clip's) for a result of `norm` at `gap` from the center
+        once capped: its Δ counts with their product, the center with 1 − the clip's."""
+        capped = min(1.0, self.norm_cap / norm) if norm > 0 else 1.0
+        clipped = min(1.0, self.radius / gap) if gap > 0 else 1.0
+        return capped, clipped
 
     def _hold_to_ball(self, center: Mapping[str, np.ndarray], inside: float) -> None:
         """Pull the mean back onto the clip's ball if it lies outside (`received`); `inside`:
@@ -185,8 +191,6 @@ class Partial:
             off = np.ravel(total).astype(np.float64) - np.ravel(center[name]) * inside
             gap += float(np.dot(off, off))
         gap = math.sqrt(gap) / self.weight  # |mean − v|
-        if not math.isfinite(gap):  # NaN is inside every ball, Inf pulled back is NaN
-            raise ValueError("its sums are not finite")
         if gap > self.radius * (1.0 + BALL_SLACK):
             self.clipped = self.radius / gap
             for name, total in self.sums.items():
@@ -216,8 +220,7 @@ class Partial:
             if norm > self.norm_cap:
                 gap = distance(tensors, self.center, self.norm_cap / norm)
         norm, gap = norm or 0.0, gap or 0.0
-        capped = min(1.0, self.norm_cap / norm) if norm > 0 else 1.0
-        clipped = min(1.0, self.radius / gap) if gap > 0 else 1.0
+        capped, clipped = self._factors(norm, gap)
         scale = capped * clipped
         rows = [(self._buffer(n, a.shape), a) for n, a in zip(self.names, arrays, strict=True)]
         first = not self.results  # the sum starts as the first result times its weight

@@ -24,7 +24,7 @@ import trio
 
 from pcp_tui import protocol
 from pcp_tui.config import RunConfig
-from pcp_tui.contract.channels import CONTROL, Channel, Channels
+from pcp_tui.contract.channels import Channel, Channels
 from pcp_tui.contract.connection import LINK_ERRORS
 from pcp_tui.shepherd.run.events import RelayJoined, RelayLeft
 from pcp_tui.shepherd.run.state import RunState
@@ -52,9 +52,7 @@ class RelayView:
     @property
     def workers(self) -> int:
         """Workers' connections it carries now (its control channel is none)."""
-        channels = self.channels.channels
-        control = channels.get(1)
-        return len(channels) - int(control is not None and control.peer == CONTROL)
+        return sum(not channel.control for channel in self.channels.channels.values())
 
 
 class Relays:
@@ -150,7 +148,7 @@ class Relays:
 
     async def _accept(self, view: RelayView, nursery: trio.Nursery) -> None:
         async for channel in view.channels.accepted:
-            if channel.number == 1 and channel.peer == CONTROL:
+            if channel.control:
                 nursery.start_soon(self._control, view, channel)
             else:
                 nursery.start_soon(self.serve_channel, channel, view.name)
